@@ -1,0 +1,63 @@
+"""The arena backend interface: one contiguous device allocation, exported once, imported by engines.
+
+A backend turns "nbytes on this device" into a writable uint8 tensor in the daemon and a handle
+description (JSON-able dict) plus file descriptors that another process of the same user on the
+same host turns back into a uint8 tensor over the SAME memory. No bytes are copied on import.
+Memory lifetime is the driver's or the kernel's business: an importer's mapping stays valid after
+the exporter dies, until the importer closes it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+
+class BackendUnavailable(RuntimeError):
+    """The backend cannot run here (no CUDA, no cuda-bindings, unsupported driver); says which."""
+
+
+class ExportedArena(ABC):
+    """The daemon's side: owns the allocation, writable, exportable to any number of engines."""
+
+    nbytes: int
+    tensor: torch.Tensor  # uint8, shape [nbytes], on the arena's device, writable
+
+    @abstractmethod
+    def export(self) -> tuple[dict[str, Any], list[int]]:
+        """(JSON-able handle description, fds to send with it). The fds stay owned by the arena:
+        the caller sends them (the kernel duplicates them into the peer) and must not close them."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Drop the daemon's reference. Engines that imported keep their mappings valid."""
+
+
+class ImportedArena(ABC):
+    """An engine's side: a read-mostly view of the daemon's arena. Engines never write to it."""
+
+    nbytes: int
+    tensor: torch.Tensor  # uint8, shape [nbytes], on the engine's device
+
+    @abstractmethod
+    def close(self) -> None:
+        """Unmap. Every tensor viewing ``tensor`` must be dropped first."""
+
+
+class ArenaBackend(ABC):
+    """A way to share one allocation between processes. ``name`` goes on the wire."""
+
+    name: str
+
+    @abstractmethod
+    def allocate(self, nbytes: int, device: torch.device) -> ExportedArena:
+        """Allocate at least ``nbytes`` (rounded up to the backend's granularity) on ``device``.
+        Raises BackendUnavailable if the backend cannot run here."""
+
+    @abstractmethod
+    def import_arena(self, handle: dict[str, Any], fds: list[int], device: torch.device) -> ImportedArena:
+        """Map an arena exported by ``ExportedArena.export`` in another process. Takes ownership of
+        ``fds`` (closes them when done with them). Raises BackendUnavailable or ValueError for a
+        handle this backend cannot read."""

@@ -1,0 +1,296 @@
+"""Reads and validates a Hugging Face checkpoint before anything slow happens.
+
+Every problem a user can hit (missing or truncated files, a bad index, a tensor whose shape does
+not match config.json, a refused quantization method) is found here, from the JSON files and the
+safetensors headers alone, and reported as a ``CheckpointError`` that names the file and tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cache import fp8
+from cache.errors import CheckpointError
+from standby.model import ModelConfig
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+CONFIG_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+SAFETENSORS_DTYPES = {
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F8_E4M3": torch.float8_e4m3fn,
+}
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+# Why each quantization method other than block FP8 is refused: a raw mapping of its tensors
+# would compute wrong values, because part of its effect lives outside the weights.
+REFUSED_QUANTIZATION = {
+    "fp8-per-tensor": "per-tensor FP8 keeps its activation and weight scales in Python-side module state",
+    "awq": "AWQ packs int4 weights and re-lays them out at load time",
+    "gptq": "GPTQ packs int4 weights with act-order permutations applied at load time",
+    "marlin": "Marlin re-lays weights into a kernel-specific tile order at load time",
+}
+PROJECTIONS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """A tensor as its safetensors header describes it."""
+
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A validated checkpoint: its config and where each Hugging Face tensor lives."""
+
+    path: Path
+    config: ModelConfig
+    dtype: torch.dtype
+    tensors: dict[str, TensorInfo]
+    config_json: dict[str, Any]
+
+    @property
+    def files(self) -> list[Path]:
+        return sorted({info.file for info in self.tensors.values()})
+
+    @property
+    def nbytes(self) -> int:
+        return sum(info.dtype.itemsize * math.prod(info.shape) for info in self.tensors.values())
+
+
+def read_checkpoint(model_dir: str | Path) -> Checkpoint:
+    """Validate ``model_dir`` from its JSON files and safetensors headers; raise CheckpointError."""
+    path = Path(model_dir).expanduser()
+    if not path.is_dir():
+        raise CheckpointError(f"model directory {path} does not exist or is not a directory")
+    path = path.resolve()
+    config_json = _read_json(path / "config.json")
+    config, dtype = parse_config(config_json, path / "config.json")
+    tensors = _read_headers(path)
+    _check_expected_tensors(config, tensors)
+    return Checkpoint(path=path, config=config, dtype=dtype, tensors=tensors, config_json=config_json)
+
+
+def parse_config(raw: dict[str, Any], source: Path) -> tuple[ModelConfig, torch.dtype]:
+    """Map config.json onto ModelConfig, naming the field and file of anything wrong."""
+    architectures = raw.get("architectures") or []
+    if not any(arch in SUPPORTED_ARCHITECTURES for arch in architectures):
+        raise CheckpointError(
+            f"{source}: unsupported architecture {architectures or '(none)'}; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+
+    def field(name: str, kind: type, default: Any = None) -> Any:
+        value = raw.get(name, default)
+        if value is None:
+            raise CheckpointError(f"{source}: required field {name!r} is missing")
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise CheckpointError(
+                f"{source}: field {name!r} must be {kind.__name__}, found {type(value).__name__} {value!r}"
+            )
+        if kind in (int, float) and value <= 0:
+            raise CheckpointError(f"{source}: field {name!r} must be positive, found {value!r}")
+        return value
+
+    heads = field("num_attention_heads", int)
+    hidden = field("hidden_size", int)
+    torch_dtype = raw.get("torch_dtype", "bfloat16")
+    if torch_dtype not in CONFIG_DTYPES:
+        raise CheckpointError(
+            f"{source}: field 'torch_dtype' must be one of {sorted(CONFIG_DTYPES)}, found {torch_dtype!r}"
+        )
+    config = ModelConfig(
+        vocab_size=field("vocab_size", int),
+        hidden_size=hidden,
+        intermediate_size=field("intermediate_size", int),
+        num_hidden_layers=field("num_hidden_layers", int),
+        num_attention_heads=heads,
+        num_key_value_heads=field("num_key_value_heads", int, heads),
+        head_dim=field("head_dim", int, hidden // heads),
+        rms_norm_eps=field("rms_norm_eps", float, 1e-5),
+        rope_theta=field("rope_theta", float, 10000.0),
+        max_position_embeddings=field("max_position_embeddings", int, 4096),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        quant=parse_quantization(raw.get("quantization_config"), source),
+    )
+    if heads % config.num_key_value_heads:
+        raise CheckpointError(
+            f"{source}: num_attention_heads ({heads}) is not a multiple of "
+            f"num_key_value_heads ({config.num_key_value_heads})"
+        )
+    return config, CONFIG_DTYPES[torch_dtype]
+
+
+def parse_quantization(qc: dict[str, Any] | None, source: Path) -> str | None:
+    """Return None or "fp8-block"; refuse every other method with the reason."""
+    if qc is None:
+        return None
+    method = str(qc.get("quant_method", "unknown")).lower()
+    if method == "fp8":
+        if qc.get("weight_block_size") is None:
+            method = "fp8-per-tensor"
+        elif list(qc["weight_block_size"]) != [fp8.BLOCK, fp8.BLOCK] or qc.get("fmt", "e4m3") != "e4m3":
+            raise CheckpointError(
+                f"{source}: quantization fp8 with weight_block_size={qc['weight_block_size']} "
+                f"fmt={qc.get('fmt')!r} is refused: only 128x128 blocks of e4m3 are supported"
+            )
+        else:
+            return "fp8-block"
+    reason = REFUSED_QUANTIZATION.get(method, "it is not on the allowlist (unquantized, block-wise FP8)")
+    raise CheckpointError(
+        f"{source}: quantization method {method!r} is refused: {reason}, so mapping its raw tensors "
+        "would compute wrong values. Supported: unquantized, and block-wise FP8 (128x128, e4m3)."
+    )
+
+
+def expected_hf_tensors(config: ModelConfig) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Hugging Face name -> (shape, kind) where kind is "weight", "fp8" or "scale"."""
+    h, i, v, hd = config.hidden_size, config.intermediate_size, config.vocab_size, config.head_dim
+    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    proj_shapes = {
+        "self_attn.q_proj": (q, h),
+        "self_attn.k_proj": (kv, h),
+        "self_attn.v_proj": (kv, h),
+        "self_attn.o_proj": (h, q),
+        "mlp.gate_proj": (i, h),
+        "mlp.up_proj": (i, h),
+        "mlp.down_proj": (h, i),
+    }
+    out: dict[str, tuple[tuple[int, ...], str]] = {"model.embed_tokens.weight": ((v, h), "weight")}
+    for layer in range(config.num_hidden_layers):
+        prefix = f"model.layers.{layer}"
+        out[f"{prefix}.input_layernorm.weight"] = ((h,), "weight")
+        out[f"{prefix}.post_attention_layernorm.weight"] = ((h,), "weight")
+        for proj in PROJECTIONS:
+            shape = proj_shapes[proj]
+            if config.quant == "fp8-block":
+                out[f"{prefix}.{proj}.weight"] = (shape, "fp8")
+                out[f"{prefix}.{proj}.weight_scale_inv"] = (fp8.scale_shape(*shape), "scale")
+            else:
+                out[f"{prefix}.{proj}.weight"] = (shape, "weight")
+    out["model.norm.weight"] = ((h,), "weight")
+    if not config.tie_word_embeddings:
+        out["lm_head.weight"] = ((v, h), "weight")
+    return out
+
+
+def _check_expected_tensors(config: ModelConfig, tensors: dict[str, TensorInfo]) -> None:
+    for name, (shape, kind) in expected_hf_tensors(config).items():
+        info = tensors.get(name)
+        if info is None:
+            raise CheckpointError(f"tensor {name!r} is missing from the checkpoint (no shard holds it)")
+        if info.shape != shape:
+            raise CheckpointError(
+                f"{info.file.name}: tensor {name!r} has shape {list(info.shape)} but config.json implies {list(shape)}"
+            )
+        allowed = {"fp8": (torch.float8_e4m3fn,), "scale": (torch.float32,), "weight": FLOAT_DTYPES}[kind]
+        if info.dtype not in allowed:
+            raise CheckpointError(
+                f"{info.file.name}: tensor {name!r} has dtype {info.dtype}, expected one of {[str(d) for d in allowed]}"
+            )
+
+
+def _read_headers(path: Path) -> dict[str, TensorInfo]:
+    index_path = path / INDEX_FILE
+    if index_path.exists():
+        index = _read_json(index_path)
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index_path}: 'weight_map' is missing or empty")
+        by_file: dict[str, list[str]] = {}
+        for name, file in weight_map.items():
+            by_file.setdefault(str(file), []).append(name)
+    elif (path / SINGLE_FILE).exists():
+        by_file = {SINGLE_FILE: []}
+    else:
+        raise CheckpointError(f"{path}: neither {INDEX_FILE} nor {SINGLE_FILE} found")
+
+    tensors: dict[str, TensorInfo] = {}
+    for file_name, indexed_names in by_file.items():
+        file = path / file_name
+        if not file.is_file():
+            raise CheckpointError(f"{index_path.name} names {file_name}, which does not exist in {path}")
+        header = read_safetensors_header(file)
+        for name in indexed_names:
+            if name not in header:
+                raise CheckpointError(f"{index_path.name} places tensor {name!r} in {file_name}, which lacks it")
+        tensors.update(header)
+    return tensors
+
+
+def read_safetensors_header(file: Path) -> dict[str, TensorInfo]:
+    """Parse a safetensors header ourselves, so truncation and corruption get a clear message."""
+    size = file.stat().st_size
+    with file.open("rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise CheckpointError(f"{file}: truncated safetensors file ({size} bytes, no header)")
+        (header_len,) = struct.unpack("<Q", prefix)
+        if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
+            raise CheckpointError(
+                f"{file}: corrupt or truncated safetensors header (claims {header_len} bytes, file has {size})"
+            )
+        try:
+            header = json.loads(f.read(header_len))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CheckpointError(f"{file}: corrupt safetensors header: {exc}") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{file}: corrupt safetensors header: not a JSON object")
+    data_size = size - 8 - header_len
+    out: dict[str, TensorInfo] = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype_name, shape, (start, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+        except (TypeError, KeyError, ValueError):
+            raise CheckpointError(f"{file}: corrupt header entry for tensor {name!r}") from None
+        dtype = SAFETENSORS_DTYPES.get(dtype_name)
+        if dtype is None:
+            raise CheckpointError(f"{file}: tensor {name!r} has unsupported dtype {dtype_name}")
+        if end - start != math.prod(shape) * dtype.itemsize:
+            raise CheckpointError(f"{file}: tensor {name!r} byte range does not match its shape {list(shape)}")
+        if end > data_size:
+            raise CheckpointError(
+                f"{file}: truncated: tensor {name!r} ends at byte {end} of the data section, "
+                f"but the file holds only {data_size} data bytes"
+            )
+        out[name] = TensorInfo(file=file, dtype=dtype, shape=shape)
+    return out
+
+
+def _read_json(file: Path) -> dict[str, Any]:
+    if not file.is_file():
+        raise CheckpointError(f"{file} is missing")
+    try:
+        data = json.loads(file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{file}: not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{file}: expected a JSON object, found {type(data).__name__}")
+    return data

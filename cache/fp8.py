@@ -1,0 +1,52 @@
+"""Block-wise FP8 (DeepSeek-V3 form): float8_e4m3fn weights with one float32 scale per 128x128 block.
+
+W = float(Wq) * S[i // 128, j // 128]; the scale is stored as ``weight_scale_inv`` (the name is
+historical: it holds s, the multiplier, not 1/s).
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK = 128
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+QUANT_CONFIG = {
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "activation_scheme": "dynamic",
+    "weight_block_size": [BLOCK, BLOCK],
+}
+
+
+def scale_shape(rows: int, cols: int) -> tuple[int, int]:
+    """Shape of the scale grid for a [rows, cols] weight."""
+    return (-(-rows // BLOCK), -(-cols // BLOCK))
+
+
+def _blocked(x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """Pad [N, K] up to whole blocks and view it as [nb, BLOCK, kb, BLOCK]."""
+    rows, cols = x.shape
+    nb, kb = scale_shape(rows, cols)
+    padded = torch.nn.functional.pad(x, (0, kb * BLOCK - cols, 0, nb * BLOCK - rows))
+    return padded.view(nb, BLOCK, kb, BLOCK), nb, kb
+
+
+def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a 2-D weight: s = amax(block) / 448, q = e4m3(x / s). Returns (q, s)."""
+    if weight.dim() != 2:
+        raise ValueError(f"block FP8 needs a 2-D weight, got shape {tuple(weight.shape)}")
+    rows, cols = weight.shape
+    blocks, _, _ = _blocked(weight.float())
+    amax = blocks.abs().amax(dim=(1, 3))
+    scale = (amax / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    q = q.view(blocks.shape[0] * BLOCK, blocks.shape[2] * BLOCK)[:rows, :cols].contiguous()
+    return q, scale.contiguous()
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """W = float(q) * S[i // 128, j // 128], computed without materialising the expanded scale twice."""
+    rows, cols = q.shape
+    expanded = scale.repeat_interleave(BLOCK, dim=0)[:rows].repeat_interleave(BLOCK, dim=1)[:, :cols]
+    return (q.float() * expanded).to(dtype)

@@ -1,0 +1,218 @@
+"""The load pipeline: safetensors on disk -> tensor-parallel shard -> fused -> (block FP8) -> device.
+
+Its output is deterministic for a given checkpoint and ``LoadSpec``, which is what lets the cache
+daemon run it once and every engine map the result. The engine's ``off`` mode runs it in process.
+Tensors are produced one at a time so that the daemon can copy each into its arena and memory
+stays bounded by the largest fused tensor.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from cache import fp8
+from cache.checkpoint import Checkpoint, read_checkpoint
+from cache.errors import CheckpointError, ConfigError
+from standby.model import ModelConfig
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+QUANTIZE_CHOICES = ("fp8-block",)
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Everything besides the checkpoint that decides what the pipeline produces."""
+
+    device: str = "cpu"
+    dtype: torch.dtype | None = None  # None: the checkpoint's torch_dtype
+    tp_size: int = 1
+    tp_rank: int = 0
+    quantize: str | None = None  # "fp8-block": quantize an unquantized checkpoint at load
+
+
+def processed_config(checkpoint: Checkpoint, spec: LoadSpec) -> ModelConfig:
+    """The config of the model that binds the pipeline's output (quantized at load or not)."""
+    if spec.quantize and checkpoint.config.quant is None:
+        return replace(checkpoint.config, quant=spec.quantize)
+    return checkpoint.config
+
+
+def processed_dtype(checkpoint: Checkpoint, spec: LoadSpec) -> torch.dtype:
+    return spec.dtype or checkpoint.dtype
+
+
+def check_spec(checkpoint: Checkpoint, spec: LoadSpec) -> None:
+    """Refuse a request the pipeline cannot serve (bad quantize, a TP split that does not divide)."""
+    if spec.quantize is not None and spec.quantize not in QUANTIZE_CHOICES:
+        raise ConfigError(f"--quantize must be one of {list(QUANTIZE_CHOICES)}, found {spec.quantize!r}")
+    config, tp = checkpoint.config, spec.tp_size
+    if tp < 1 or not 0 <= spec.tp_rank < tp:
+        raise ConfigError(f"--tp-rank must be in [0, {tp}) for --tp-size {tp}, found {spec.tp_rank}")
+    for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
+        value = getattr(config, field)
+        if value % tp:
+            raise ConfigError(f"config.json {field}={value} is not divisible by --tp-size {tp}")
+    if config.quant == "fp8-block":
+        # Slicing and fusing pre-quantized weights must cut on 128-row/column block edges.
+        hd = config.head_dim
+        parts = {
+            "q rows per rank (num_attention_heads*head_dim/tp)": config.num_attention_heads * hd // tp,
+            "k rows per rank (num_key_value_heads*head_dim/tp)": config.num_key_value_heads * hd // tp,
+            "gate rows per rank (intermediate_size/tp)": config.intermediate_size // tp,
+        }
+        for what, rows in parts.items():
+            if rows % fp8.BLOCK:
+                raise ConfigError(
+                    f"block-FP8 checkpoint cannot be split/fused with --tp-size {tp}: {what} = {rows} "
+                    f"is not a multiple of {fp8.BLOCK}"
+                )
+
+
+def iter_processed(
+    model_dir: str | Path | Checkpoint, spec: LoadSpec, *, progress: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (processed name, tensor on spec.device) in a fixed order."""
+    checkpoint = model_dir if isinstance(model_dir, Checkpoint) else read_checkpoint(model_dir)
+    config = checkpoint.config
+    check_spec(checkpoint, spec)
+    fp8_on_disk = config.quant == "fp8-block"
+    reader = _ShardReader(checkpoint, spec, processed_dtype(checkpoint, spec))
+    total = 3 + config.num_hidden_layers * 6 + (0 if config.tie_word_embeddings else 1)
+    with reader, tqdm(total=total, desc="loading", unit="tensor", disable=not progress, leave=False) as bar:
+        for name, tensor in _processed_tensors(reader, config, spec, fp8_on_disk):
+            yield name, tensor
+            bar.update(1)
+
+
+def load_processed(
+    model_dir: str | Path | Checkpoint, spec: LoadSpec, *, progress: bool = True
+) -> dict[str, torch.Tensor]:
+    """The whole processed state dict; what the engine's ``off`` mode binds."""
+    return dict(iter_processed(model_dir, spec, progress=progress))
+
+
+def _processed_tensors(
+    reader: _ShardReader, config: ModelConfig, spec: LoadSpec, fp8_on_disk: bool
+) -> Iterator[tuple[str, torch.Tensor]]:
+    tp, rank = spec.tp_size, spec.tp_rank
+    hd = config.head_dim
+    q, kv = config.num_attention_heads * hd // tp, config.num_key_value_heads * hd // tp
+    inter = config.intermediate_size // tp
+    vocab = config.vocab_size // tp
+
+    yield "embed_tokens.weight", reader.rows("model.embed_tokens.weight", rank * vocab, vocab)
+    for layer in range(config.num_hidden_layers):
+        hf, out = f"model.layers.{layer}", f"layers.{layer}"
+        yield f"{out}.input_layernorm.weight", reader.whole(f"{hf}.input_layernorm.weight")
+        attn = [
+            (f"{hf}.self_attn.q_proj", rank * q, q),
+            (f"{hf}.self_attn.k_proj", rank * kv, kv),
+            (f"{hf}.self_attn.v_proj", rank * kv, kv),
+        ]
+        yield from _linear(reader, f"{out}.self_attn.qkv_proj", attn, spec, fp8_on_disk)
+        yield from _linear(
+            reader,
+            f"{out}.self_attn.o_proj",
+            [(f"{hf}.self_attn.o_proj", rank * q, q)],
+            spec,
+            fp8_on_disk,
+            row_parallel=True,
+        )
+        yield f"{out}.post_attention_layernorm.weight", reader.whole(f"{hf}.post_attention_layernorm.weight")
+        mlp = [(f"{hf}.mlp.gate_proj", rank * inter, inter), (f"{hf}.mlp.up_proj", rank * inter, inter)]
+        yield from _linear(reader, f"{out}.mlp.gate_up_proj", mlp, spec, fp8_on_disk)
+        yield from _linear(
+            reader,
+            f"{out}.mlp.down_proj",
+            [(f"{hf}.mlp.down_proj", rank * inter, inter)],
+            spec,
+            fp8_on_disk,
+            row_parallel=True,
+        )
+    yield "norm.weight", reader.whole("model.norm.weight")
+    if not config.tie_word_embeddings:
+        yield "lm_head.weight", reader.rows("lm_head.weight", rank * vocab, vocab)
+
+
+def _linear(
+    reader: _ShardReader,
+    out: str,
+    parts: list[tuple[str, int, int]],
+    spec: LoadSpec,
+    fp8_on_disk: bool,
+    *,
+    row_parallel: bool = False,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """One processed linear layer: the parts (hf module, start, length) sliced, fused and quantized.
+
+    Column-parallel parts are sliced along rows (output features) and fused by stacking rows;
+    a row-parallel layer has one part, sliced along columns (input features).
+    """
+    take = reader.cols if row_parallel else reader.rows
+    if fp8_on_disk:
+        weight = torch.cat([take(f"{hf}.weight", start, n, keep_dtype=True) for hf, start, n in parts])
+        scale = torch.cat(
+            [
+                take(f"{hf}.weight_scale_inv", start // fp8.BLOCK, -(-n // fp8.BLOCK), keep_dtype=True)
+                for hf, start, n in parts
+            ]
+        )
+    else:
+        weight = torch.cat([take(f"{hf}.weight", start, n) for hf, start, n in parts])
+        if spec.quantize != "fp8-block":
+            yield f"{out}.weight", weight
+            return
+        weight, scale = fp8.quantize(weight)
+    yield f"{out}.weight", weight
+    yield f"{out}.weight_scale_inv", scale
+
+
+class _ShardReader:
+    """Reads slices of Hugging Face tensors from the checkpoint's shards onto the target device."""
+
+    def __init__(self, checkpoint: Checkpoint, spec: LoadSpec, dtype: torch.dtype) -> None:
+        self.checkpoint = checkpoint
+        self.device = torch.device(spec.device)
+        self.dtype = dtype
+        self._stack = ExitStack()
+        self._handles: dict[Path, object] = {}
+
+    def __enter__(self) -> _ShardReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def _slice(self, name: str):  # safetensors' slice object has no public type
+        info = self.checkpoint.tensors[name]
+        handle = self._handles.get(info.file)
+        if handle is None:
+            try:
+                handle = self._stack.enter_context(safe_open(str(info.file), framework="pt", device="cpu"))
+            except Exception as exc:  # safetensors raises its own error types from Rust
+                raise CheckpointError(f"{info.file}: cannot open safetensors file: {exc}") from None
+            self._handles[info.file] = handle
+        return handle.get_slice(name)
+
+    def _finish(self, tensor: torch.Tensor, keep_dtype: bool) -> torch.Tensor:
+        dtype = tensor.dtype if keep_dtype else self.dtype
+        return tensor.to(device=self.device, dtype=dtype).contiguous()
+
+    def whole(self, name: str) -> torch.Tensor:
+        return self._finish(self._slice(name)[:], keep_dtype=False)
+
+    def rows(self, name: str, start: int, n: int, *, keep_dtype: bool = False) -> torch.Tensor:
+        return self._finish(self._slice(name)[start : start + n], keep_dtype)
+
+    def cols(self, name: str, start: int, n: int, *, keep_dtype: bool = False) -> torch.Tensor:
+        return self._finish(self._slice(name)[:, start : start + n], keep_dtype)

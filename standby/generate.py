@@ -1,0 +1,166 @@
+"""``hotweights generate``: complete one prompt from the command line.
+
+The completion goes to stdout as it is produced; logs and progress go to stderr. With no
+``--model`` it uses the embedded tiny default, generated on first use. It is the quickest check
+that a checkpoint loads and computes, and with ``--tp-size N`` it runs N ranks over gloo (CPU) or
+NCCL (CUDA), rank 0 printing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tokenizers import Tokenizer
+
+from cache.checkpoint import read_checkpoint
+from cache.errors import CheckpointError, ConfigError
+from cache.pipeline import DTYPES, QUANTIZE_CHOICES, LoadSpec
+from standby.model import Transformer, generate
+from standby.weights import load_from_disk
+
+
+def load_tokenizer(model_dir: Path) -> Tokenizer:
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing: the checkpoint has no tokenizer")
+    return Tokenizer.from_file(str(path))
+
+
+def stop_token_ids(model_dir: Path) -> tuple[int, ...]:
+    """eos_token_id from generation_config.json or config.json (an int or a list)."""
+    for name in ("generation_config.json", "config.json"):
+        path = model_dir / name
+        if path.is_file():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            if eos is not None:
+                return tuple(eos) if isinstance(eos, list) else (int(eos),)
+    return ()
+
+
+def stream_text(
+    model: Transformer,
+    tokenizer: Tokenizer,
+    prompt: str,
+    max_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    stop_ids: tuple[int, ...] = (),
+) -> Iterator[str]:
+    """Yield text pieces as tokens are generated, holding back incomplete UTF-8 sequences."""
+    prompt_ids = tokenizer.encode(prompt).ids
+    if not prompt_ids:
+        raise ConfigError("--prompt is empty after tokenization")
+    ids: list[int] = []
+    emitted = ""
+    for token in generate(
+        model, prompt_ids, max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop_ids=stop_ids
+    ):
+        ids.append(token)
+        text = tokenizer.decode(ids)
+        if not text.endswith("\ufffd"):
+            yield text[len(emitted) :]
+            emitted = text
+
+
+def run_rank(rank: int, args: argparse.Namespace, port: int) -> None:
+    """One tensor-parallel rank (the only one when --tp-size is 1)."""
+    model_dir = Path(args.model) if args.model else _default_model()
+    checkpoint = read_checkpoint(model_dir)
+    device = args.device
+    group = None
+    if args.tp_size > 1:
+        if device.startswith("cuda"):
+            device = f"cuda:{rank}"
+            torch.cuda.set_device(device)
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.tp_size)
+        group = dist.group.WORLD
+    spec = LoadSpec(
+        device=device,
+        dtype=DTYPES[args.dtype] if args.dtype else None,
+        tp_size=args.tp_size,
+        tp_rank=rank,
+        quantize=args.quantize,
+    )
+    try:
+        model = load_from_disk(checkpoint, spec, group)
+        pieces = stream_text(
+            model,
+            load_tokenizer(checkpoint.path),
+            args.prompt,
+            args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            seed=args.seed,
+            stop_ids=stop_token_ids(checkpoint.path),
+        )
+        for piece in pieces:
+            if rank == 0:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        if rank == 0:
+            sys.stdout.write("\n")
+    finally:
+        if group is not None:
+            dist.destroy_process_group()
+
+
+def _default_model() -> Path:
+    from cache.makemodel import ensure_default_model
+
+    return ensure_default_model()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawned_rank(rank: int, args: argparse.Namespace, port: int) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    run_rank(rank, args, port)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    if args.max_tokens < 1:
+        raise ConfigError(f"--max-tokens must be >= 1, found {args.max_tokens}")
+    if args.tp_size < 1:
+        raise ConfigError(f"--tp-size must be >= 1, found {args.tp_size}")
+    if args.tp_size == 1:
+        run_rank(0, args, 0)
+        return 0
+    if not args.model:
+        args.model = str(_default_model())
+    read_checkpoint(args.model)  # fail here, once, rather than in every rank
+    torch.multiprocessing.spawn(_spawned_rank, args=(args, _free_port()), nprocs=args.tp_size, join=True)
+    return 0
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "generate",
+        help="complete a prompt (prints the completion to stdout)",
+        description="Load a checkpoint through the load pipeline and complete one prompt.",
+    )
+    p.add_argument("--model", help="checkpoint directory (default: the embedded tiny model, made on first use)")
+    p.add_argument("--prompt", required=True, help="text to complete")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default 32)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (deterministic output per seed)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda:N (default cpu)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="compute dtype (default: the checkpoint's)")
+    p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks, one process each (default 1)")
+    p.add_argument("--quantize", choices=QUANTIZE_CHOICES, help="quantize an unquantized checkpoint at load")
+    p.set_defaults(func=cmd_generate)

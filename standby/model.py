@@ -1,0 +1,440 @@
+"""The reference engine's model: a Llama-family decoder, all of it in this one file.
+
+RMSNorm, RoPE, grouped-query attention and a SwiGLU MLP, with q/k/v and gate/up fused into one
+weight each (the layout the load pipeline produces). Built on the ``meta`` device and then bound
+to processed tensors without a copy, so the same module serves weights loaded from disk or
+mapped from the weight cache.
+
+Scope: inference only (no gradients, no dropout), batch-first, plain RoPE without scaling, and
+Megatron-style tensor parallelism over ``torch.distributed``: q/k/v, gate/up and the vocabulary are
+split by rows, ``o_proj`` and ``down_proj`` by columns. Parameter names and per-rank shapes are the
+table in ``docs/architecture.md``. The model holds parameters only, no buffers.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from cache.fp8 import dequantize, scale_shape
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a checkpoint, read from its Hugging Face ``config.json``."""
+
+    vocab_size: int = 1024
+    hidden_size: int = 256
+    intermediate_size: int = 512
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 64
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    quant: str | None = None  # None (unquantized) or "fp8-block"
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """Which shard of the model this process holds. ``group=None`` with ``size > 1`` means the
+    default (world) process group."""
+
+    size: int = 1
+    rank: int = 0
+    group: object | None = None  # a torch.distributed ProcessGroup when size > 1
+
+
+def check_tensor_parallel(config: ModelConfig, tp: TensorParallel) -> None:
+    """Raise ValueError unless every split dimension divides evenly across ``tp.size`` ranks."""
+    if tp.size < 1 or not 0 <= tp.rank < tp.size:
+        raise ValueError(f"tensor-parallel rank {tp.rank} is not in [0, {tp.size})")
+    if config.num_attention_heads % config.num_key_value_heads:
+        raise ValueError(
+            f"num_attention_heads={config.num_attention_heads} is not a multiple of "
+            f"num_key_value_heads={config.num_key_value_heads}"
+        )
+    for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
+        value = getattr(config, field)
+        if value % tp.size:
+            raise ValueError(f"{field}={value} is not divisible by tensor-parallel size {tp.size}")
+    if config.quant not in (None, "fp8-block"):
+        raise ValueError(f"quant={config.quant!r} is not supported; use None or 'fp8-block'")
+
+
+def _empty(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    """An uninitialised frozen parameter: the weights are bound later, so never spend time on init."""
+    return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+
+
+def _all_reduce(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """Sum the partial results of a row-parallel layer across ranks (in place)."""
+    if tp.size > 1:
+        dist.all_reduce(x, group=tp.group)
+    return x
+
+
+def _all_gather_last(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """Concatenate each rank's slice of the last dim, in rank order."""
+    if tp.size == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(tp.size)]
+    dist.all_gather(parts, x, group=tp.group)
+    return torch.cat(parts, dim=-1)
+
+
+class Linear(nn.Linear):
+    """nn.Linear without bias and without its random init, which is wasted work: weights are bound later."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype) -> None:
+        super().__init__(in_features, out_features, bias=False, dtype=dtype)  # weight (N, K)
+        self.weight.requires_grad_(False)
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class Fp8BlockLinear(nn.Module):
+    """y = x W^T with W stored as block FP8 (``cache/fp8.py``); W is dequantized on every call.
+
+    That is slow and uses a full-size temporary, but it is exact to the stored format, which is
+    what a reference model is for; fast engines use fused FP8 GEMMs instead.
+    """
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.weight = _empty(out_features, in_features, dtype=torch.float8_e4m3fn)  # (N, K)
+        self.weight_scale_inv = _empty(*scale_shape(out_features, in_features), dtype=torch.float32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, dequantize(self.weight, self.weight_scale_inv, dtype=x.dtype))
+
+
+def _projection(in_features: int, out_features: int, config: ModelConfig, dtype: torch.dtype) -> nn.Module:
+    if config.quant == "fp8-block":
+        return Fp8BlockLinear(in_features, out_features)
+    return Linear(in_features, out_features, dtype)
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * w, computed in float32 so low-precision inputs do not lose the small terms."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _empty(dim, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).to(x.dtype)
+
+
+def rope_tables(
+    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin, each (T, hd), for the given positions. Computed per call (no buffers to bind),
+    in float32 so large positions keep their precision, then cast like Hugging Face Llama does."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim))
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # (T, hd/2)
+    angles = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (B, n, T, hd) by position, "rotate-half" convention: pairs are (i, i + hd/2)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention over this rank's heads; ``o_proj`` partial sums are reduced."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: TensorParallel) -> None:
+        super().__init__()
+        self.tp = tp
+        self.head_dim = config.head_dim
+        self.n_head = config.num_attention_heads // tp.size  # this rank's q heads
+        self.n_kv_head = config.num_key_value_heads // tp.size  # this rank's k and v heads
+        q_out, kv_out = self.n_head * self.head_dim, self.n_kv_head * self.head_dim
+        self.qkv_proj = _projection(config.hidden_size, q_out + 2 * kv_out, config, dtype)
+        self.o_proj = _projection(q_out, config.hidden_size, config, dtype)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        start_pos: int,
+        kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        B, T, _ = x.shape
+        hd = self.head_dim
+        q, k, v = self.qkv_proj(x).split([self.n_head * hd, self.n_kv_head * hd, self.n_kv_head * hd], -1)
+        q = apply_rope(q.view(B, T, self.n_head, hd).transpose(1, 2), cos, sin)  # (B, nh, T, hd)
+        k = apply_rope(k.view(B, T, self.n_kv_head, hd).transpose(1, 2), cos, sin)  # (B, nkv, T, hd)
+        v = v.view(B, T, self.n_kv_head, hd).transpose(1, 2)  # (B, nkv, T, hd)
+
+        if kv_cache is None:
+            mask, causal = None, True
+        else:
+            # Write this chunk, then attend over everything so far: (B, nkv, start_pos + T, hd).
+            end = start_pos + T
+            cache_k, cache_v = kv_cache
+            cache_k[:, :, start_pos:end] = k
+            cache_v[:, :, start_pos:end] = v
+            k, v = cache_k[:, :, :end], cache_v[:, :, :end]
+            query_pos = torch.arange(start_pos, end, device=x.device)[:, None]
+            mask = query_pos >= torch.arange(end, device=x.device)[None, :]  # (T, end), True = attend
+            causal = False
+
+        group = self.n_head // self.n_kv_head  # q head i reads kv head i // group
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, nh, S, hd)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)  # (B, nh, T, hd)
+        y = y.transpose(1, 2).reshape(B, T, self.n_head * hd)
+        return _all_reduce(self.o_proj(y), self.tp)
+
+
+class MLP(nn.Module):
+    """SwiGLU over this rank's slice of the intermediate dim; ``down_proj`` partial sums are reduced."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: TensorParallel) -> None:
+        super().__init__()
+        self.tp = tp
+        inter = config.intermediate_size // tp.size
+        self.gate_up_proj = _projection(config.hidden_size, 2 * inter, config, dtype)
+        self.down_proj = _projection(inter, config.hidden_size, config, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # each (B, T, I/tp)
+        return _all_reduce(self.down_proj(F.silu(gate) * up), self.tp)
+
+
+class Block(nn.Module):
+    """Pre-norm residual block."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: TensorParallel) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = Attention(config, dtype, tp)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = MLP(config, dtype, tp)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        start_pos: int,
+        kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, start_pos, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [rank*V/tp, (rank+1)*V/tp) of the table; ids owned by other ranks look up zeros, and the
+    all-reduce fills them in."""
+
+    def __init__(self, vocab_size: int, dim: int, dtype: torch.dtype, tp: TensorParallel) -> None:
+        super().__init__()
+        self.tp = tp
+        self.weight = _empty(vocab_size // tp.size, dim, dtype=dtype)  # (V/tp, H)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.tp.rank * self.weight.shape[0]
+        foreign = (local < 0) | (local >= self.weight.shape[0])
+        x = F.embedding(local.masked_fill(foreign, 0), self.weight)
+        return _all_reduce(x.masked_fill(foreign[..., None], 0), self.tp)
+
+
+@dataclass
+class KVCache:
+    """Keys and values for every layer, written in place by ``Transformer.forward``."""
+
+    k: torch.Tensor  # (layers, B, nkv/tp, max_tokens, hd)
+    v: torch.Tensor  # (layers, B, nkv/tp, max_tokens, hd)
+
+    @classmethod
+    def allocate(
+        cls,
+        config: ModelConfig,
+        tp: TensorParallel,
+        batch: int,
+        max_tokens: int,
+        device: torch.device | str,
+        dtype: torch.dtype,
+    ) -> KVCache:
+        check_tensor_parallel(config, tp)
+        shape = (
+            config.num_hidden_layers,
+            batch,
+            config.num_key_value_heads // tp.size,
+            max_tokens,
+            config.head_dim,
+        )
+        # Zeros, not empty: reads are masked, but a NaN from stale memory would survive 0 * NaN.
+        return cls(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    @property
+    def max_tokens(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def batch(self) -> int:
+        return self.k.shape[1]
+
+
+class Transformer(nn.Module):
+    """The decoder. Parameters are uninitialised; build under ``torch.device("meta")`` and bind."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: TensorParallel = TensorParallel()) -> None:
+        super().__init__()
+        check_tensor_parallel(config, tp)
+        self.config = config
+        self.tp = tp
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, tp)
+        self.layers = nn.ModuleList(Block(config, dtype, tp) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        # Tied models have no lm_head parameter at all: logits reuse embed_tokens.weight.
+        self.lm_head = (
+            None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size // tp.size, dtype)
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, start_pos: int = 0, cache: KVCache | None = None) -> torch.Tensor:
+        """Float32 logits (B, T, V) over the full vocabulary for tokens at start_pos .. start_pos+T-1.
+
+        Without a cache the T tokens attend only to each other (causally). With one, their k/v are
+        written at [start_pos, start_pos+T) and they attend to every cached position before them.
+        """
+        B, T = input_ids.shape
+        if cache is not None:
+            if start_pos + T > cache.max_tokens:
+                raise ValueError(f"start_pos {start_pos} + {T} tokens exceeds the KV cache's {cache.max_tokens} tokens")
+            if cache.batch != B:
+                raise ValueError(f"batch {B} does not match the KV cache's batch {cache.batch}")
+        positions = torch.arange(start_pos, start_pos + T, device=input_ids.device)
+        cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta, self.dtype)
+
+        x = self.embed_tokens(input_ids)  # (B, T, H)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, start_pos, None if cache is None else (cache.k[i], cache.v[i]))
+        x = self.norm(x)
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight  # (V/tp, H)
+        return _all_gather_last(F.linear(x, head).float(), self.tp)  # (B, T, V)
+
+
+def _sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
+    """One token id from (V,) logits: argmax at temperature 0, else nucleus sampling."""
+    if temperature == 0.0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    sorted_probs, order = probs.sort(descending=True)
+    # Keep the smallest prefix whose mass reaches top_p; the most likely token always stays.
+    outside = sorted_probs.cumsum(-1) - sorted_probs >= top_p
+    sorted_probs = sorted_probs.masked_fill(outside, 0.0)
+    choice = torch.multinomial(sorted_probs / sorted_probs.sum(), 1, generator=generator)
+    return int(order[choice])
+
+
+def _shared_seed(model: Transformer) -> int:
+    """A fresh random seed, the same on every tensor-parallel rank (rank 0's) so they sample alike."""
+    seed = torch.tensor([secrets.randbits(62)], device=model.device)
+    if model.tp.size > 1:
+        src = 0 if model.tp.group is None else dist.get_global_rank(model.tp.group, 0)
+        dist.broadcast(seed, src=src, group=model.tp.group)
+    return int(seed)
+
+
+def generate(
+    model: Transformer,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    stop_ids: Collection[int] = (),
+    cache: KVCache | None = None,
+) -> Iterator[int]:
+    """Yield up to ``max_new_tokens`` new token ids, one per decode step.
+
+    The prompt is prefilled in one forward; each later token is one forward over the KV cache. The
+    stop token, if one is sampled, ends the stream and is not yielded. Generation also ends, early,
+    when the next position would not fit in the cache or ``max_position_embeddings``. Arguments are
+    checked here, before the first ``next()``. With tensor parallelism every rank must call this with
+    the same arguments; all ranks then yield the same ids (``seed=None`` is agreed via a broadcast).
+    """
+    config = model.config
+    if not prompt_ids:
+        raise ValueError("prompt_ids is empty; generation needs at least one prompt token")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
+    if temperature < 0.0 or not 0.0 < top_p <= 1.0:
+        raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature} and {top_p}")
+    if bad := [t for t in prompt_ids if not 0 <= t < config.vocab_size]:
+        raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {config.vocab_size})")
+    if cache is None:
+        max_tokens = min(len(prompt_ids) + max_new_tokens, config.max_position_embeddings)
+        cache = KVCache.allocate(config, model.tp, 1, max_tokens, model.device, model.dtype)
+    limit = min(cache.max_tokens, config.max_position_embeddings)
+    if len(prompt_ids) > limit:
+        raise ValueError(
+            f"prompt of {len(prompt_ids)} tokens exceeds the limit of {limit} tokens (KV cache "
+            f"{cache.max_tokens}, max_position_embeddings {config.max_position_embeddings})"
+        )
+    if seed is None:
+        seed = _shared_seed(model) if temperature > 0 else 0  # greedy never draws from it
+    generator = torch.Generator(device=model.device).manual_seed(seed)
+    return _decode(model, prompt_ids, max_new_tokens, temperature, top_p, generator, set(stop_ids), cache, limit)
+
+
+def _decode(
+    model: Transformer,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    generator: torch.Generator,
+    stop_ids: set[int],
+    cache: KVCache,
+    limit: int,
+) -> Iterator[int]:
+    if max_new_tokens == 0:
+        return
+    ids = torch.tensor([prompt_ids], dtype=torch.long, device=model.device)  # (1, T)
+    logits = model(ids, 0, cache)[0, -1]
+    pos = len(prompt_ids)  # where the next fed token goes
+    for step in range(max_new_tokens):
+        token = _sample(logits, temperature, top_p, generator)
+        if token in stop_ids:
+            return
+        yield token
+        if step + 1 == max_new_tokens or pos >= limit:
+            return
+        logits = model(torch.tensor([[token]], dtype=torch.long, device=model.device), pos, cache)[0, -1]
+        pos += 1

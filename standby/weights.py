@@ -1,0 +1,76 @@
+"""Binds processed tensors into a model built on ``meta``, without copying a byte.
+
+The tensors may come from the in-process load pipeline or be views of the weight cache's shared
+arena; either way the model's parameters become those very tensors, so a mapped arena is used
+zero-copy. Anything that does not fit fails loudly, naming the tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from cache.checkpoint import Checkpoint
+from cache.errors import BindingError
+from cache.pipeline import LoadSpec, load_processed, processed_config, processed_dtype
+from standby.model import ModelConfig, TensorParallel, Transformer
+
+
+def build_meta_model(config: ModelConfig, dtype: torch.dtype, tp: TensorParallel) -> Transformer:
+    """The model with every parameter on ``meta``: shapes and dtypes, no memory."""
+    with torch.device("meta"):
+        return Transformer(config, dtype, tp)
+
+
+def expected_tensors(model: nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Name -> (shape, dtype) of every parameter and buffer the model needs bound."""
+    named = [*model.named_parameters(), *model.named_buffers()]
+    return {name: (tuple(t.shape), t.dtype) for name, t in named}
+
+
+def bind(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Make ``tensors`` the model's parameters and buffers (assignment, not copy)."""
+    expected = expected_tensors(model)
+    missing = sorted(expected.keys() - tensors.keys())
+    if missing:
+        raise BindingError(f"{len(missing)} tensor(s) missing for the model, first: {missing[0]!r}")
+    unexpected = sorted(tensors.keys() - expected.keys())
+    if unexpected:
+        raise BindingError(f"{len(unexpected)} tensor(s) the model has no place for, first: {unexpected[0]!r}")
+    for name, (shape, dtype) in expected.items():
+        tensor = tensors[name]
+        if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+            raise BindingError(
+                f"tensor {name!r}: model expects {list(shape)} {dtype}, got {list(tensor.shape)} {tensor.dtype}"
+            )
+        if tensor.is_meta:
+            raise BindingError(f"tensor {name!r} is on the meta device: it holds no data")
+    model.load_state_dict(dict(tensors), strict=True, assign=True)
+    for name in expected:
+        if _lookup(model, name).is_meta:
+            raise BindingError(f"tensor {name!r} is still on the meta device after binding")
+    model.eval()
+    model.requires_grad_(False)
+
+
+def build_model(
+    config: ModelConfig, dtype: torch.dtype, tp: TensorParallel, tensors: Mapping[str, torch.Tensor]
+) -> Transformer:
+    model = build_meta_model(config, dtype, tp)
+    bind(model, tensors)
+    return model
+
+
+def load_from_disk(checkpoint: Checkpoint, spec: LoadSpec, group: object | None = None) -> Transformer:
+    """The ``off`` weight-cache mode: run the load pipeline in this process and bind its output."""
+    tensors = load_processed(checkpoint, spec)
+    tp = TensorParallel(size=spec.tp_size, rank=spec.tp_rank, group=group)
+    return build_model(processed_config(checkpoint, spec), processed_dtype(checkpoint, spec), tp, tensors)
+
+
+def _lookup(model: nn.Module, name: str) -> torch.Tensor:
+    module_path, _, leaf = name.rpartition(".")
+    module = model.get_submodule(module_path) if module_path else model
+    return getattr(module, leaf)

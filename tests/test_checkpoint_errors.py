@@ -1,0 +1,163 @@
+"""Every kind of bad checkpoint fails with a clear error naming the file and tensor."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cache.checkpoint import read_checkpoint
+from cache.errors import CheckpointError
+
+
+@pytest.fixture
+def ckpt(tiny_model: Path, tmp_path: Path) -> Path:
+    """A private copy of the tiny checkpoint that a test may damage."""
+    return Path(shutil.copytree(tiny_model, tmp_path / "ckpt"))
+
+
+def edit_json(path: Path, **changes) -> None:
+    data = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is None:
+            data.pop(key, None)
+        else:
+            data[key] = value
+    path.write_text(json.dumps(data))
+
+
+def first_shard(ckpt: Path) -> Path:
+    return sorted(ckpt.glob("model-*.safetensors"))[0]
+
+
+def test_valid_checkpoint_reads(ckpt: Path) -> None:
+    checkpoint = read_checkpoint(ckpt)
+    assert checkpoint.config.num_hidden_layers == 2
+    assert len(checkpoint.files) > 1
+
+
+def test_missing_directory() -> None:
+    with pytest.raises(CheckpointError, match="does not exist"):
+        read_checkpoint("/nonexistent/model")
+
+
+def test_missing_config(ckpt: Path) -> None:
+    (ckpt / "config.json").unlink()
+    with pytest.raises(CheckpointError, match=r"config\.json is missing"):
+        read_checkpoint(ckpt)
+
+
+def test_config_not_json(ckpt: Path) -> None:
+    (ckpt / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match=r"config\.json: not valid JSON"):
+        read_checkpoint(ckpt)
+
+
+def test_unsupported_architecture(ckpt: Path) -> None:
+    edit_json(ckpt / "config.json", architectures=["MixtralForCausalLM"])
+    with pytest.raises(CheckpointError, match=r"unsupported architecture.*MixtralForCausalLM"):
+        read_checkpoint(ckpt)
+
+
+def test_config_field_of_wrong_type(ckpt: Path) -> None:
+    edit_json(ckpt / "config.json", hidden_size="256")
+    with pytest.raises(CheckpointError, match="'hidden_size' must be int, found str"):
+        read_checkpoint(ckpt)
+
+
+@pytest.mark.parametrize(
+    ("quantization_config", "named"),
+    [
+        ({"quant_method": "fp8", "activation_scheme": "static"}, "fp8-per-tensor"),
+        ({"quant_method": "awq", "bits": 4}, "awq"),
+        ({"quant_method": "gptq", "bits": 4}, "gptq"),
+        ({"quant_method": "marlin"}, "marlin"),
+        ({"quant_method": "mystery-q"}, "mystery-q"),
+    ],
+)
+def test_refused_quantization(ckpt: Path, quantization_config: dict, named: str) -> None:
+    edit_json(ckpt / "config.json", quantization_config=quantization_config)
+    with pytest.raises(CheckpointError, match=f"quantization method '{named}' is refused: .+") as err:
+        read_checkpoint(ckpt)
+    assert "would compute wrong values" in str(err.value)
+
+
+def test_fp8_with_other_block_size_is_refused(ckpt: Path) -> None:
+    edit_json(ckpt / "config.json", quantization_config={"quant_method": "fp8", "weight_block_size": [64, 64]})
+    with pytest.raises(CheckpointError, match=r"weight_block_size=\[64, 64\].*refused"):
+        read_checkpoint(ckpt)
+
+
+def test_index_names_a_missing_file(ckpt: Path) -> None:
+    first_shard(ckpt).unlink()
+    with pytest.raises(CheckpointError, match=r"names model-00001-of-\d+\.safetensors, which does not exist"):
+        read_checkpoint(ckpt)
+
+
+def test_index_places_tensor_in_wrong_file(ckpt: Path) -> None:
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    index["weight_map"]["model.norm.weight"] = (
+        files[0] if index["weight_map"]["model.norm.weight"] != files[0] else files[-1]
+    )
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(
+        CheckpointError, match=r"places tensor 'model\.norm\.weight' in model-\d+-of-\d+\.safetensors, which lacks it"
+    ):
+        read_checkpoint(ckpt)
+
+
+def test_truncated_shard(ckpt: Path) -> None:
+    shard = first_shard(ckpt)
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) - 100])
+    with pytest.raises(CheckpointError, match=rf"{shard.name}: truncated: tensor '.+' ends at byte"):
+        read_checkpoint(ckpt)
+
+
+def test_shard_cut_inside_header(ckpt: Path) -> None:
+    shard = first_shard(ckpt)
+    shard.write_bytes(shard.read_bytes()[:50])
+    with pytest.raises(CheckpointError, match=rf"{shard.name}: corrupt or truncated safetensors header"):
+        read_checkpoint(ckpt)
+
+
+def test_corrupt_header(ckpt: Path) -> None:
+    shard = first_shard(ckpt)
+    data = bytearray(shard.read_bytes())
+    data[8 : 8 + 10] = b"\xff" * 10
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=rf"{shard.name}: corrupt safetensors header"):
+        read_checkpoint(ckpt)
+
+
+def test_shape_disagrees_with_config(ckpt: Path) -> None:
+    edit_json(ckpt / "config.json", intermediate_size=640)
+    with pytest.raises(
+        CheckpointError,
+        match=r"'model\.layers\.0\.mlp\.gate_proj\.weight' has shape \[512, 256\] but config.json implies \[640, 256\]",
+    ):
+        read_checkpoint(ckpt)
+
+
+def test_missing_tensor(ckpt: Path) -> None:
+    edit_json(ckpt / "config.json", tie_word_embeddings=False, num_hidden_layers=3)
+    with pytest.raises(CheckpointError, match=r"tensor 'model\.layers\.2\..+' is missing"):
+        read_checkpoint(ckpt)
+
+
+def test_cli_reports_bad_checkpoint_without_traceback(ckpt: Path) -> None:
+    edit_json(ckpt / "config.json", quantization_config={"quant_method": "awq"})
+    result = subprocess.run(
+        [sys.executable, "-m", "controller.cli", "generate", "--model", str(ckpt), "--prompt", "hi"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert "quantization method 'awq' is refused" in result.stderr
+    assert "Traceback" not in result.stderr
