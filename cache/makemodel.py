@@ -252,7 +252,6 @@ def write_weights(
                 bar.update(spec_nbytes(spec, dtype, quant))
             save_file(tensors, out / name, metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(tensors, name))
-            del tensors
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     write_json(out / INDEX_FILE, index)
 
@@ -383,6 +382,7 @@ def write_checkpoint(
     Everything is written into a hidden temporary directory beside ``out_dir`` and renamed into
     place at the end, so an interrupted run never leaves a half checkpoint at ``out_dir``. Raises
     ``ConfigError`` for a bad shape, or when ``out_dir`` is non-empty and ``overwrite`` is false.
+    Values depend on (seed, tensor name, device): CPU and CUDA generators draw different numbers.
     """
     validate_config(config, dtype, quant)
     if shard_size <= 0:
@@ -531,7 +531,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Write a seeded random Llama checkpoint with a BPE tokenizer. Shape flags override the preset.",
     )
     p.add_argument("out", metavar="OUT", help="output directory (must be absent or empty unless --force)")
-    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="base shape (default tiny)")
+    p.add_argument("--preset", choices=list(PRESETS), default="tiny", help="base shape (default tiny)")
     for flag in ("layers", "hidden", "heads", "kv-heads", "head-dim", "intermediate", "vocab"):
         p.add_argument(f"--{flag}", type=int, metavar="N", help="override the preset")
     p.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, help="share embed and lm_head")

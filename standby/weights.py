@@ -7,13 +7,18 @@ zero-copy. Anything that does not fit fails loudly, naming the tensor.
 
 from __future__ import annotations
 
+import argparse
+import time
 from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 
-from cache.checkpoint import Checkpoint
-from cache.errors import BindingError
+from cache.checkpoint import Checkpoint, read_checkpoint
+from cache.errors import BindingError, ConfigError
+from cache.fingerprint import Fingerprint, compute_fingerprint
 from cache.pipeline import LoadSpec, load_processed, processed_config, processed_dtype
 from standby.model import ModelConfig, TensorParallel, Transformer
 
@@ -74,3 +79,55 @@ def _lookup(model: nn.Module, name: str) -> torch.Tensor:
     module_path, _, leaf = name.rpartition(".")
     module = model.get_submodule(module_path) if module_path else model
     return getattr(module, leaf)
+
+
+WEIGHT_CACHE_MODES = ("off", "client", "daemon")
+
+
+@dataclass
+class LoadedModel:
+    """A bound model and where its weights came from; keeps a cache attachment alive."""
+
+    model: Transformer
+    checkpoint: Checkpoint
+    fingerprint: Fingerprint
+    mode: str  # the requested --weight-cache mode
+    source: str  # "disk" or "cache"
+    seconds: float  # wall time to load or attach and bind
+    attachment: object | None = None  # the cache client's handle; dropping it unmaps the arena
+
+
+def add_weight_cache_arguments(parser: argparse.ArgumentParser) -> None:
+    """The engine-side weight-cache flags, shared by every command that loads a model."""
+    parser.add_argument(
+        "--weight-cache",
+        choices=WEIGHT_CACHE_MODES,
+        default="off",
+        help="off: load from disk in process; client: attach to a running cache daemon; "
+        "daemon: start a detached daemon if none answers, then attach (default off)",
+    )
+    parser.add_argument("--socket", help="cache daemon socket (default: derived from device and fingerprint)")
+    parser.add_argument(
+        "--weight-cache-fallback",
+        choices=("disk",),
+        help="if the cache cannot be used, load from disk with a loud warning instead of failing",
+    )
+
+
+def load_model(
+    model_dir: str | Path,
+    spec: LoadSpec,
+    *,
+    weight_cache: str = "off",
+    socket_path: str | None = None,
+    fallback: str | None = None,
+    group: object | None = None,
+) -> LoadedModel:
+    """Load or attach the weights for ``spec`` and bind them into a model."""
+    start = time.perf_counter()
+    checkpoint = read_checkpoint(model_dir)
+    fingerprint = compute_fingerprint(checkpoint, spec)
+    if weight_cache not in WEIGHT_CACHE_MODES:
+        raise ConfigError(f"--weight-cache must be one of {list(WEIGHT_CACHE_MODES)}, found {weight_cache!r}")
+    model = load_from_disk(checkpoint, spec, group)
+    return LoadedModel(model, checkpoint, fingerprint, weight_cache, "disk", time.perf_counter() - start)

@@ -47,6 +47,12 @@ def read_json(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
+def current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def currentcurrent_umask() -> int:
     mask = os.umask(0)
     os.umask(mask)

@@ -8,6 +8,7 @@ reopened read-only, so they cannot write even if they tried.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import mmap
 import os
@@ -45,10 +46,8 @@ class CpuShmExported(ExportedArena):
         if self._fd < 0:
             return
         del self.tensor
-        try:
+        with contextlib.suppress(BufferError):  # views still alive here; the mapping goes with them
             self._map.close()
-        except BufferError:
-            pass  # views still alive in this process; the mapping goes with them
         os.close(self._readonly_fd)
         os.close(self._fd)
         self._fd = -1
@@ -70,10 +69,8 @@ class CpuShmImported(ImportedArena):
         if getattr(self, "tensor", None) is None:
             return
         self.tensor = None  # type: ignore[assignment]
-        try:
+        with contextlib.suppress(BufferError):  # views still alive; the mapping goes with the last one
             self._map.close()
-        except BufferError:
-            pass  # views still alive; the mapping is released with the last of them
 
 
 class CpuShmBackend(ArenaBackend):
