@@ -34,6 +34,7 @@ from tqdm import tqdm
 
 from cache import fp8
 from cache.errors import ConfigError
+from cache.pipeline import DTYPES
 from standby.model import ModelConfig
 
 BOS_TOKEN = "<|begin_of_text|>"
@@ -84,7 +85,6 @@ PRESETS: dict[str, ModelConfig] = {
     ),
 }
 
-DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.bfloat16: "bfloat16",
     torch.float16: "float16",

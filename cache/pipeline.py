@@ -8,6 +8,7 @@ stays bounded by the largest fused tensor.
 
 from __future__ import annotations
 
+import argparse
 import logging
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -87,7 +88,8 @@ def iter_processed(
     check_spec(checkpoint, spec)
     fp8_on_disk = config.quant == "fp8-block"
     reader = _ShardReader(checkpoint, spec, processed_dtype(checkpoint, spec))
-    total = 3 + config.num_hidden_layers * 6 + (0 if config.tie_word_embeddings else 1)
+    per_layer = 6 + (4 if fp8_on_disk or spec.quantize else 0)  # 4 block-scale tensors when FP8
+    total = 2 + config.num_hidden_layers * per_layer + (0 if config.tie_word_embeddings else 1)
     with reader, tqdm(total=total, desc="loading", unit="tensor", disable=not progress, leave=False) as bar:
         for name, tensor in _processed_tensors(reader, config, spec, fp8_on_disk):
             yield name, tensor
@@ -216,3 +218,33 @@ class _ShardReader:
 
     def cols(self, name: str, start: int, n: int, *, keep_dtype: bool = False) -> torch.Tensor:
         return self._finish(self._slice(name)[:, start : start + n], keep_dtype)
+
+
+def add_load_spec_arguments(parser: argparse.ArgumentParser, *, with_rank: bool = True) -> None:
+    """The flags that decide what the pipeline produces, shared by daemon, engine and generate."""
+    parser.add_argument("--model", help="checkpoint directory (default: the embedded tiny model, made on first use)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda:N (default cpu)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), help="weights dtype (default: the checkpoint's)")
+    parser.add_argument("--tp-size", type=int, default=1, help="tensor-parallel size (default 1)")
+    if with_rank:
+        parser.add_argument("--tp-rank", type=int, default=0, help="tensor-parallel rank of this process (default 0)")
+    parser.add_argument("--quantize", choices=QUANTIZE_CHOICES, help="quantize an unquantized checkpoint at load")
+
+
+def load_spec_from_args(args: argparse.Namespace, *, tp_rank: int | None = None) -> LoadSpec:
+    return LoadSpec(
+        device=args.device,
+        dtype=DTYPES[args.dtype] if args.dtype else None,
+        tp_size=args.tp_size,
+        tp_rank=getattr(args, "tp_rank", 0) if tp_rank is None else tp_rank,
+        quantize=args.quantize,
+    )
+
+
+def model_dir_from_args(args: argparse.Namespace) -> Path:
+    """--model, or the embedded tiny default (generated on first use)."""
+    if args.model:
+        return Path(args.model)
+    from cache.makemodel import ensure_default_model
+
+    return ensure_default_model()

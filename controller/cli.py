@@ -17,6 +17,7 @@ from cache.errors import HotweightsError
 # Modules whose add_parser registers a subcommand, in the order --help lists them.
 COMMANDS: tuple[str, ...] = (
     "cache.makemodel",
+    "cache.cli",
     "standby.generate",
 )
 

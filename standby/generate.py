@@ -14,6 +14,7 @@ import os
 import socket
 import sys
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -22,9 +23,9 @@ from tokenizers import Tokenizer
 
 from cache.checkpoint import read_checkpoint
 from cache.errors import CheckpointError, ConfigError
-from cache.pipeline import DTYPES, QUANTIZE_CHOICES, LoadSpec
+from cache.pipeline import add_load_spec_arguments, load_spec_from_args, model_dir_from_args
 from standby.model import Transformer, generate
-from standby.weights import load_from_disk
+from standby.weights import add_weight_cache_arguments, load_model
 
 
 def load_tokenizer(model_dir: Path) -> Tokenizer:
@@ -74,35 +75,35 @@ def stream_text(
 
 def run_rank(rank: int, args: argparse.Namespace, port: int) -> None:
     """One tensor-parallel rank (the only one when --tp-size is 1)."""
-    model_dir = Path(args.model) if args.model else _default_model()
-    checkpoint = read_checkpoint(model_dir)
-    device = args.device
+    spec = load_spec_from_args(args, tp_rank=rank)
     group = None
     if args.tp_size > 1:
-        if device.startswith("cuda"):
-            device = f"cuda:{rank}"
-            torch.cuda.set_device(device)
-        backend = "nccl" if device.startswith("cuda") else "gloo"
+        if spec.device.startswith("cuda"):
+            spec = replace(spec, device=f"cuda:{rank}")
+            torch.cuda.set_device(spec.device)
+        backend = "nccl" if spec.device.startswith("cuda") else "gloo"
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.tp_size)
         group = dist.group.WORLD
-    spec = LoadSpec(
-        device=device,
-        dtype=DTYPES[args.dtype] if args.dtype else None,
-        tp_size=args.tp_size,
-        tp_rank=rank,
-        quantize=args.quantize,
-    )
     try:
-        model = load_from_disk(checkpoint, spec, group)
+        loaded = load_model(
+            model_dir_from_args(args),
+            spec,
+            weight_cache=args.weight_cache,
+            socket_path=args.socket,
+            fallback=args.weight_cache_fallback,
+            group=group,
+            daemon_timeout=args.weight_cache_timeout,
+        )
+        model_dir = loaded.checkpoint.path
         pieces = stream_text(
-            model,
-            load_tokenizer(checkpoint.path),
+            loaded.model,
+            load_tokenizer(model_dir),
             args.prompt,
             args.max_tokens,
             temperature=args.temperature,
             top_p=args.top_p,
             seed=args.seed,
-            stop_ids=stop_token_ids(checkpoint.path),
+            stop_ids=stop_token_ids(model_dir),
         )
         for piece in pieces:
             if rank == 0:
@@ -113,12 +114,6 @@ def run_rank(rank: int, args: argparse.Namespace, port: int) -> None:
     finally:
         if group is not None:
             dist.destroy_process_group()
-
-
-def _default_model() -> Path:
-    from cache.makemodel import ensure_default_model
-
-    return ensure_default_model()
 
 
 def _free_port() -> int:
@@ -140,8 +135,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.tp_size == 1:
         run_rank(0, args, 0)
         return 0
-    if not args.model:
-        args.model = str(_default_model())
+    if args.socket:
+        raise ConfigError("--socket names one daemon, but --tp-size > 1 needs one per rank: leave it unset")
+    args.model = str(model_dir_from_args(args))
     read_checkpoint(args.model)  # fail here, once, rather than in every rank
     torch.multiprocessing.spawn(_spawned_rank, args=(args, _free_port()), nprocs=args.tp_size, join=True)
     return 0
@@ -153,14 +149,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="complete a prompt (prints the completion to stdout)",
         description="Load a checkpoint through the load pipeline and complete one prompt.",
     )
-    p.add_argument("--model", help="checkpoint directory (default: the embedded tiny model, made on first use)")
+    add_load_spec_arguments(p, with_rank=False)
+    add_weight_cache_arguments(p)
     p.add_argument("--prompt", required=True, help="text to complete")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default 32)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (deterministic output per seed)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda:N (default cpu)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), help="compute dtype (default: the checkpoint's)")
-    p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks, one process each (default 1)")
-    p.add_argument("--quantize", choices=QUANTIZE_CHOICES, help="quantize an unquantized checkpoint at load")
     p.set_defaults(func=cmd_generate)

@@ -8,6 +8,7 @@ zero-copy. Anything that does not fit fails loudly, naming the tensor.
 from __future__ import annotations
 
 import argparse
+import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -17,10 +18,15 @@ import torch
 from torch import nn
 
 from cache.checkpoint import Checkpoint, read_checkpoint
-from cache.errors import BindingError, ConfigError
+from cache.client import Attachment, AttachRefused, DaemonUnavailable, attach
+from cache.errors import BindingError, ConfigError, HotweightsError
 from cache.fingerprint import Fingerprint, compute_fingerprint
+from cache.launcher import ensure_daemon
+from cache.paths import paths_for
 from cache.pipeline import LoadSpec, load_processed, processed_config, processed_dtype
 from standby.model import ModelConfig, TensorParallel, Transformer
+
+log = logging.getLogger("hotweights.engine")
 
 
 def build_meta_model(config: ModelConfig, dtype: torch.dtype, tp: TensorParallel) -> Transformer:
@@ -82,6 +88,7 @@ def _lookup(model: nn.Module, name: str) -> torch.Tensor:
 
 
 WEIGHT_CACHE_MODES = ("off", "client", "daemon")
+DAEMON_START_TIMEOUT_S = 600.0
 
 
 @dataclass
@@ -94,7 +101,7 @@ class LoadedModel:
     mode: str  # the requested --weight-cache mode
     source: str  # "disk" or "cache"
     seconds: float  # wall time to load or attach and bind
-    attachment: object | None = None  # the cache client's handle; dropping it unmaps the arena
+    attachment: Attachment | None = None  # keeps the arena mapped while the model uses it
 
 
 def add_weight_cache_arguments(parser: argparse.ArgumentParser) -> None:
@@ -112,6 +119,12 @@ def add_weight_cache_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("disk",),
         help="if the cache cannot be used, load from disk with a loud warning instead of failing",
     )
+    parser.add_argument(
+        "--weight-cache-timeout",
+        type=float,
+        default=DAEMON_START_TIMEOUT_S,
+        help="seconds to wait for a daemon started by --weight-cache daemon to serve (default %(default).0f)",
+    )
 
 
 def load_model(
@@ -122,12 +135,44 @@ def load_model(
     socket_path: str | None = None,
     fallback: str | None = None,
     group: object | None = None,
+    daemon_timeout: float = DAEMON_START_TIMEOUT_S,
 ) -> LoadedModel:
-    """Load or attach the weights for ``spec`` and bind them into a model."""
+    """Load (``off``) or attach (``client``, ``daemon``) the weights for ``spec`` and bind them.
+
+    ``client`` without a daemon, or with a daemon serving another fingerprint, raises
+    DaemonUnavailable or AttachRefused (naming the differing fields), unless ``fallback="disk"``:
+    then it loads from disk and logs a loud warning.
+    """
+    if weight_cache not in WEIGHT_CACHE_MODES:
+        raise ConfigError(f"--weight-cache must be one of {list(WEIGHT_CACHE_MODES)}, found {weight_cache!r}")
     start = time.perf_counter()
     checkpoint = read_checkpoint(model_dir)
     fingerprint = compute_fingerprint(checkpoint, spec)
-    if weight_cache not in WEIGHT_CACHE_MODES:
-        raise ConfigError(f"--weight-cache must be one of {list(WEIGHT_CACHE_MODES)}, found {weight_cache!r}")
+    if weight_cache != "off":
+        paths = paths_for(socket_path, torch.device(spec.device), fingerprint.digest())
+        try:
+            if weight_cache == "daemon":
+                ensure_daemon(checkpoint.path, spec, paths, timeout=daemon_timeout)
+            attachment = attach(paths.socket, fingerprint, spec.device)
+        except (DaemonUnavailable, AttachRefused) as exc:
+            if fallback != "disk":
+                raise _with_hint(exc, checkpoint, spec) from None
+            log.warning("WEIGHT CACHE NOT USED, loading from disk (--weight-cache-fallback disk): %s", exc)
+        else:
+            tp = TensorParallel(size=spec.tp_size, rank=spec.tp_rank, group=group)
+            config, dtype = processed_config(checkpoint, spec), processed_dtype(checkpoint, spec)
+            model = build_model(config, dtype, tp, attachment.tensors)
+            seconds = time.perf_counter() - start
+            log.info("attached %d tensors from %s in %.1f ms", len(attachment.tensors), paths.socket, seconds * 1e3)
+            return LoadedModel(model, checkpoint, fingerprint, weight_cache, "cache", seconds, attachment)
     model = load_from_disk(checkpoint, spec, group)
     return LoadedModel(model, checkpoint, fingerprint, weight_cache, "disk", time.perf_counter() - start)
+
+
+def _with_hint(exc: DaemonUnavailable | AttachRefused, checkpoint: Checkpoint, spec: LoadSpec) -> HotweightsError:
+    if isinstance(exc, AttachRefused):
+        return exc
+    return DaemonUnavailable(
+        f"{exc}. Start one with `hotweights cache serve --model {checkpoint.path} --device {spec.device}`, "
+        "use --weight-cache daemon to start one automatically, or --weight-cache-fallback disk"
+    )

@@ -1,0 +1,377 @@
+"""The weight cache daemon: run the load pipeline once into one arena, then serve attach requests.
+
+Lifecycle: take the lock -> load into the arena -> hash it -> bind the socket (0600, in a 0700
+directory) -> write the ready marker -> serve until SIGTERM/SIGINT -> remove socket and marker.
+Each client gets its own thread and a deadline for every request, so a silent or malformed
+client costs its own connection and nothing else. An attached engine keeps its connection open
+(that is how ``status`` counts clients); the engine keeps working if the daemon dies, because the
+kernel or driver holds the memory until the last mapping goes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import signal
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from cache import arena as arena_layout
+from cache.backends import get_backend
+from cache.backends.base import ExportedArena
+from cache.checkpoint import Checkpoint
+from cache.errors import ConfigError, HotweightsError
+from cache.fingerprint import Fingerprint, compute_fingerprint
+from cache.paths import DaemonPaths, ensure_private_dir
+from cache.pipeline import LoadSpec, iter_processed, processed_config, processed_dtype
+from cache.protocol import (
+    PROTOCOL_VERSION,
+    PeerClosed,
+    ProtocolError,
+    error_reply,
+    recv_message,
+    send_message,
+)
+from standby.model import TensorParallel
+from standby.weights import build_meta_model, expected_tensors
+
+log = logging.getLogger("hotweights.cache")
+
+REQUEST_TIMEOUT_S = 10.0
+MAX_SOCKET_PATH = 107  # sun_path is 108 bytes including the NUL
+
+
+@dataclass
+class Client:
+    pid: int
+    uid: int
+    connected_at: float = field(default_factory=time.time)
+    attached: bool = False
+
+
+class AlreadyRunning(ConfigError):
+    """Another daemon holds this socket's lock."""
+
+
+class Interrupted(HotweightsError):
+    """SIGTERM or SIGINT arrived before the daemon was serving."""
+
+
+class CacheDaemon:
+    """Owns one arena for one (checkpoint, LoadSpec) and serves it on one socket."""
+
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        spec: LoadSpec,
+        paths: DaemonPaths,
+        *,
+        backend: str,
+        allowed_uids: frozenset[int],
+        request_timeout: float = REQUEST_TIMEOUT_S,
+    ) -> None:
+        if len(os.fsencode(paths.socket)) > MAX_SOCKET_PATH:
+            raise ConfigError(f"socket path {paths.socket} is longer than {MAX_SOCKET_PATH} bytes")
+        self.checkpoint = checkpoint
+        self.spec = spec
+        self.paths = paths
+        self.backend = get_backend(backend)
+        self.allowed_uids = allowed_uids
+        self.request_timeout = request_timeout
+        self.fingerprint: Fingerprint = compute_fingerprint(checkpoint, spec)
+        self.started_at = time.time()
+        self.arena: ExportedArena | None = None
+        self.manifest: dict[str, Any] = {}
+        self.clients: dict[int, Client] = {}
+        self._clients_lock = threading.Lock()
+        self._should_exit = threading.Event()
+        self._lock_fd = -1
+        self._listener: socket.socket | None = None
+        self._handlers: dict[str, Callable[[dict[str, Any]], tuple[dict[str, Any], list[int]]]] = {
+            "hello": self.handle_hello,
+            "attach": self.handle_attach,
+            "status": self.handle_status,
+        }
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Load, serve until asked to stop, clean up. Signals only set a flag."""
+        ensure_private_dir(self.paths.socket.parent)
+        self._take_lock()
+        try:
+            self.load()
+            self._bind()
+            self._write_ready()
+            log.info(
+                "serving %d tensors (%.2f GB, %s) on %s; fingerprint %s",
+                len(self.manifest["tensors"]),
+                self.arena.nbytes / 1e9,
+                self.backend.name,
+                self.paths.socket,
+                self.fingerprint.digest(),
+            )
+            self._accept_loop()
+        finally:
+            self._cleanup()
+
+    def request_exit(self, *_: object) -> None:
+        self._should_exit.set()
+
+    def load(self) -> None:
+        """Run the pipeline once, copying each processed tensor into its place in the arena."""
+        start = time.perf_counter()
+        config = processed_config(self.checkpoint, self.spec)
+        tp = TensorParallel(size=self.spec.tp_size, rank=self.spec.tp_rank)
+        specs = expected_tensors(build_meta_model(config, processed_dtype(self.checkpoint, self.spec), tp))
+        entries, nbytes = arena_layout.plan_layout(specs)
+        device = torch.device(self.spec.device)
+        self.arena = self.backend.allocate(nbytes, device)
+        if device.type == "cuda":
+            self.arena.tensor.zero_()  # padding between tensors is hashed: make it deterministic
+        by_name = {entry.name: entry for entry in entries}
+        filled: set[str] = set()
+        for name, tensor in iter_processed(self.checkpoint, self.spec, progress=True):
+            if self._should_exit.is_set():
+                raise Interrupted("stopped by a signal while loading")
+            arena_layout.view(self.arena.tensor, by_name[name]).copy_(tensor)
+            filled.add(name)
+        if filled != by_name.keys():
+            raise RuntimeError(f"pipeline did not produce {sorted(by_name.keys() - filled)[:3]}")
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        loaded = time.perf_counter()
+        content_hash = arena_layout.content_hash(self.arena.tensor, nbytes)
+        self.manifest = {
+            "format": self.fingerprint.arena_format,
+            "alignment": arena_layout.ALIGNMENT,
+            "fingerprint": self.fingerprint.to_json(),
+            "content_hash": content_hash,
+            "used_bytes": nbytes,
+            "arena_bytes": self.arena.nbytes,
+            "device": str(device),
+            "backend": self.backend.name,
+            "tensors": [entry.to_json() for entry in entries],
+        }
+        log.info(
+            "loaded %d tensors in %.2f s, hashed in %.2f s (%s)",
+            len(entries),
+            loaded - start,
+            time.perf_counter() - loaded,
+            content_hash,
+        )
+
+    def _take_lock(self) -> None:
+        self._lock_fd = os.open(self.paths.lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self._lock_fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+            raise AlreadyRunning(
+                f"another daemon (pid {holder}) is starting or serving {self.paths.socket}; "
+                "stop it first or pass a different --socket"
+            ) from None
+        os.ftruncate(self._lock_fd, 0)
+        os.pwrite(self._lock_fd, f"{os.getpid()}\n".encode(), 0)
+
+    def _bind(self) -> None:
+        """We hold the lock, so a leftover socket or marker is stale: remove and bind fresh."""
+        for stale in (self.paths.socket, self.paths.ready):
+            with contextlib.suppress(FileNotFoundError):
+                stale.unlink()
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        old_umask = os.umask(0o177)
+        try:
+            listener.bind(str(self.paths.socket))
+        finally:
+            os.umask(old_umask)
+        listener.listen(64)
+        listener.settimeout(0.2)
+        self._listener = listener
+
+    def _write_ready(self) -> None:
+        marker = {
+            "pid": os.getpid(),
+            "socket": str(self.paths.socket),
+            "fingerprint_digest": self.fingerprint.digest(),
+            "started_at": self.started_at,
+        }
+        tmp = self.paths.ready.with_suffix(".ready.tmp")
+        tmp.write_text(json.dumps(marker))
+        tmp.replace(self.paths.ready)
+
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while not self._should_exit.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            threading.Thread(target=self._serve_connection, args=(conn,), daemon=True).start()
+
+    def _cleanup(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+        for path in (self.paths.ready, self.paths.socket):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+        if self.arena is not None:
+            self.arena.close()
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+        log.info("stopped; socket and ready marker removed")
+
+    # -- one connection ----------------------------------------------------------------------
+
+    def _serve_connection(self, conn: socket.socket) -> None:
+        with conn:
+            pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+            if uid not in self.allowed_uids:
+                log.warning("refused connection from pid %d: uid %d is not allowed", pid, uid)
+                self._reply(conn, error_reply("forbidden", f"uid {uid} may not use this cache"))
+                return
+            key = id(conn)
+            with self._clients_lock:
+                self.clients[key] = Client(pid=pid, uid=uid)
+            try:
+                self._converse(conn, self.clients[key])
+            finally:
+                with self._clients_lock:
+                    self.clients.pop(key, None)
+
+    def _converse(self, conn: socket.socket, client: Client) -> None:
+        """Answer requests until the peer leaves or errs. Attached peers have no deadline."""
+        while not self._should_exit.is_set():
+            conn.settimeout(None if client.attached else self.request_timeout)
+            try:
+                request, _ = recv_message(conn, max_fds=0)
+            except PeerClosed:
+                return
+            except TimeoutError:
+                self._reply(conn, error_reply("bad_message", f"no request within {self.request_timeout:.0f} s"))
+                return
+            except (ProtocolError, OSError) as exc:
+                self._reply(conn, error_reply("bad_message", str(exc)))
+                return
+            reply, fds = self._dispatch(request)
+            if not self._reply(conn, reply, fds) or not reply["ok"]:
+                return
+            if request.get("op") == "attach":
+                client.attached = True
+                log.info("pid %d attached", client.pid)
+
+    def _dispatch(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        op = request.get("op")
+        handler = self._handlers.get(op) if isinstance(op, str) else None
+        if handler is None:
+            return error_reply("unknown_op", f"unknown op {op!r}; expected one of {sorted(self._handlers)}"), []
+        try:
+            return handler(request)
+        except Exception:  # a bug must cost one connection, not the daemon
+            log.exception("handler for %r failed: this is a bug, please report it", op)
+            return error_reply("bad_message", f"internal error handling {op!r}"), []
+
+    def _reply(self, conn: socket.socket, reply: dict[str, Any], fds: list[int] | None = None) -> bool:
+        try:
+            conn.settimeout(self.request_timeout)
+            send_message(conn, reply, fds or [])
+            return True
+        except OSError as exc:
+            log.debug("could not reply: %s", exc)
+            return False
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def handle_hello(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        if request.get("version") != PROTOCOL_VERSION:
+            return _version_mismatch(request), []
+        return {
+            "ok": True,
+            "version": PROTOCOL_VERSION,
+            "pid": os.getpid(),
+            "fingerprint_digest": self.fingerprint.digest(),
+        }, []
+
+    def handle_attach(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        if request.get("version") != PROTOCOL_VERSION:
+            return _version_mismatch(request), []
+        try:
+            expected = Fingerprint.from_json(request.get("fingerprint"))
+        except ValueError as exc:
+            return error_reply("bad_message", f"attach: {exc}"), []
+        differences = self.fingerprint.differences(expected)
+        if differences:
+            listed = "; ".join(
+                f"{name}: daemon has {ours!r}, engine expects {theirs!r}" for name, ours, theirs in differences
+            )
+            return error_reply(
+                "fingerprint_mismatch",
+                f"refusing attach: fingerprint differs in {len(differences)} field(s): {listed}",
+                differences=[list(d) for d in differences],
+            ), []
+        assert self.arena is not None
+        handle, fds = self.arena.export()
+        return {"ok": True, "manifest": self.manifest, "handle": handle}, fds
+
+    def handle_status(self, _request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        with self._clients_lock:
+            clients = [
+                {
+                    "pid": c.pid,
+                    "uid": c.uid,
+                    "attached": c.attached,
+                    "connected_s": round(time.time() - c.connected_at, 3),
+                }
+                for c in self.clients.values()
+            ]
+        status = {
+            "pid": os.getpid(),
+            "socket": str(self.paths.socket),
+            "fingerprint": self.fingerprint.to_json(),
+            "fingerprint_digest": self.fingerprint.digest(),
+            "backend": self.backend.name,
+            "device": self.manifest["device"],
+            "bytes": self.manifest["used_bytes"],
+            "arena_bytes": self.manifest["arena_bytes"],
+            "tensors": len(self.manifest["tensors"]),
+            "content_hash": self.manifest["content_hash"],
+            "uptime_s": round(time.time() - self.started_at, 3),
+            "clients": clients,
+        }
+        return {"ok": True, "status": status}, []
+
+
+def _version_mismatch(request: dict[str, Any]) -> dict[str, Any]:
+    return error_reply(
+        "version_mismatch", f"daemon speaks protocol {PROTOCOL_VERSION}, client sent {request.get('version')!r}"
+    )
+
+
+def serve(
+    checkpoint: Checkpoint,
+    spec: LoadSpec,
+    paths: DaemonPaths,
+    *,
+    backend: str,
+    allowed_uids: frozenset[int],
+) -> None:
+    """Run a daemon in this process until SIGTERM or SIGINT."""
+    daemon = CacheDaemon(checkpoint, spec, paths, backend=backend, allowed_uids=allowed_uids)
+    previous = {sig: signal.signal(sig, daemon.request_exit) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        daemon.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,100 @@
+"""Start a detached cache daemon and wait until it serves (``--weight-cache daemon``).
+
+The daemon is started in its own session, with its output in a log file beside its socket, so it
+outlives the engine that started it: the next engine start attaches in milliseconds.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from cache.client import AttachRefused, DaemonUnavailable, hello
+from cache.paths import DaemonPaths, ensure_private_dir
+from cache.pipeline import DTYPES, LoadSpec
+
+log = logging.getLogger("hotweights.cache")
+
+POLL_S = 0.05
+
+
+def daemon_command(model_dir: Path, spec: LoadSpec, paths: DaemonPaths, backend: str | None = None) -> list[str]:
+    """The ``hotweights cache serve`` command line for this spec."""
+    command = [sys.executable, "-m", "controller.cli", "cache", "serve", "--model", str(model_dir)]
+    command += ["--device", spec.device, "--tp-size", str(spec.tp_size), "--tp-rank", str(spec.tp_rank)]
+    command += ["--socket", str(paths.socket)]
+    if spec.dtype is not None:
+        command += ["--dtype", next(name for name, dtype in DTYPES.items() if dtype == spec.dtype)]
+    if spec.quantize:
+        command += ["--quantize", spec.quantize]
+    if backend:
+        command += ["--backend", backend]
+    return command
+
+
+def spawn_daemon(command: list[str], paths: DaemonPaths) -> subprocess.Popen:
+    """Start ``command`` detached (new session, no stdin, output appended to the log)."""
+    ensure_private_dir(paths.socket.parent)
+    with open(paths.log, "ab") as out:
+        return subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True, close_fds=True
+        )
+
+
+def ensure_daemon(
+    model_dir: Path, spec: LoadSpec, paths: DaemonPaths, *, timeout: float, backend: str | None = None
+) -> None:
+    """Return once a daemon answers on ``paths.socket``, starting one if none does."""
+    if _answers(paths):
+        return
+    log.info("no weight cache daemon on %s: starting one (log: %s)", paths.socket, paths.log)
+    process = spawn_daemon(daemon_command(model_dir, spec, paths, backend), paths)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if _answers(paths):
+            return
+        if process.poll() is not None and not _lock_held(paths):
+            raise DaemonUnavailable(
+                f"the weight cache daemon exited with code {process.returncode} before serving; "
+                f"last log lines from {paths.log}:\n{_tail(paths.log)}"
+            )
+        time.sleep(POLL_S)
+    raise DaemonUnavailable(
+        f"the weight cache daemon did not serve on {paths.socket} within {timeout:.0f} s "
+        f"(still loading? see {paths.log}); raise --weight-cache-timeout for big models"
+    )
+
+
+def _answers(paths: DaemonPaths) -> bool:
+    try:
+        hello(paths.socket, timeout=1.0)
+    except (DaemonUnavailable, AttachRefused):
+        return False
+    return True
+
+
+def _lock_held(paths: DaemonPaths) -> bool:
+    """True while some daemon (ours, or one that won a race) is alive and loading for this socket."""
+    try:
+        fd = os.open(paths.lock, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"

@@ -1,0 +1,71 @@
+"""Where a daemon's socket, ready marker, lock and log live.
+
+The default socket name is derived from the device identity (the GPU's UUID on CUDA) and the
+fingerprint digest, so two models or configs on one device get two daemons and an engine that
+computes its own fingerprint can never reach a daemon serving something else.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from cache.errors import ConfigError
+
+
+def runtime_dir() -> Path:
+    """$HOTWEIGHTS_RUNTIME_DIR, else $XDG_RUNTIME_DIR/hotweights, else /tmp/hotweights-<uid>."""
+    explicit = os.environ.get("HOTWEIGHTS_RUNTIME_DIR")
+    if explicit:
+        return Path(explicit)
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    return Path(xdg) / "hotweights" if xdg else Path(f"/tmp/hotweights-{os.getuid()}")
+
+
+def ensure_private_dir(path: Path) -> Path:
+    """Create ``path`` 0700 if missing; refuse one that others can enter or that we do not own."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = path.stat()
+    if info.st_uid != os.getuid():
+        raise ConfigError(f"socket directory {path} is owned by uid {info.st_uid}, not by us ({os.getuid()})")
+    if stat.S_IMODE(info.st_mode) & 0o077:
+        os.chmod(path, 0o700)
+    return path
+
+
+def device_identity(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"GPU-{torch.cuda.get_device_properties(device).uuid}"
+    return device.type
+
+
+@dataclass(frozen=True)
+class DaemonPaths:
+    socket: Path
+
+    @property
+    def ready(self) -> Path:
+        """Written only once the daemon serves; holds its pid and fingerprint digest."""
+        return self.socket.with_suffix(".ready")
+
+    @property
+    def lock(self) -> Path:
+        """flock'ed by the live daemon for its whole life, so two never serve one socket."""
+        return self.socket.with_suffix(".lock")
+
+    @property
+    def log(self) -> Path:
+        """Where ``--weight-cache daemon`` sends a detached daemon's output."""
+        return self.socket.with_suffix(".log")
+
+
+def default_paths(device: torch.device, fingerprint_digest: str) -> DaemonPaths:
+    return DaemonPaths(runtime_dir() / f"{device_identity(device)}-{fingerprint_digest}.sock")
+
+
+def paths_for(socket_path: str | Path | None, device: torch.device, fingerprint_digest: str) -> DaemonPaths:
+    return DaemonPaths(Path(socket_path)) if socket_path else default_paths(device, fingerprint_digest)

@@ -1,0 +1,246 @@
+"""The OpenAI completions protocol: request schema, token-to-text streaming with stop strings, and
+one request's run from submitted sequences to response chunks.
+
+Nothing here knows about HTTP routing or roles; ``standby/server.py`` wires it to FastAPI.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from tokenizers import Tokenizer
+
+from standby.scheduler import Event, Finish, SamplingParams, Scheduler, Sequence
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class CompletionRequest(BaseModel):
+    """The supported subset of OpenAI's ``POST /v1/completions``; unknown fields are refused by name
+    rather than silently ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | list[str]
+    max_tokens: int = Field(default=16, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _some_prompt(cls, prompt: str | list[str]) -> str | list[str]:
+        if isinstance(prompt, list) and not prompt:
+            raise ValueError("needs at least one prompt")
+        return prompt
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        strings = [stop] if isinstance(stop, str) else stop or []
+        if len(strings) > 4 or not all(strings):
+            raise ValueError("up to 4 non-empty strings")
+        return stop
+
+    @property
+    def prompts(self) -> list[str]:
+        return [self.prompt] if isinstance(self.prompt, str) else self.prompt
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+
+class TextStream:
+    """Token ids in, text pieces out. Holds back an incomplete UTF-8 sequence and any tail that may
+    be the start of a stop string; at a stop string, ends the text just before it."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...]) -> None:
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.ids: list[int] = []
+        self.sent = 0  # characters handed out so far
+        self.stopped = False
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids)
+        if self.stop:
+            longest = max(map(len, self.stop))
+            hits = [i for s in self.stop if (i := text.find(s, max(0, self.sent - longest + 1))) >= 0]
+            if hits:
+                self.stopped = True
+                return self._advance(text, min(hits))
+        if text.endswith("\ufffd"):
+            return ""
+        return self._advance(text, len(text) - self._stop_prefix_len(text))
+
+    def flush(self) -> str:
+        """The rest of the text, once generation has ended without a stop string."""
+        text = self.tokenizer.decode(self.ids)
+        return "" if self.stopped else self._advance(text, len(text))
+
+    def _advance(self, text: str, end: int) -> str:
+        piece = text[self.sent : end]
+        self.sent = max(self.sent, end)
+        return piece
+
+    def _stop_prefix_len(self, text: str) -> int:
+        """Length of the longest tail of ``text`` that a stop string starts with."""
+        return max((n for s in self.stop for n in range(len(s) - 1, 0, -1) if text.endswith(s[:n])), default=0)
+
+
+class GenerationAborted(Exception):
+    """A sequence ended without completing: cancelled (drain deadline, shutdown) or failed."""
+
+    def __init__(self, finish: Finish) -> None:
+        super().__init__(finish.error or f"the request was {finish.reason}")
+        self.finish = finish
+
+
+@dataclass
+class Choice:
+    index: int
+    prompt_tokens: int
+    text: TextStream
+    sequence: Sequence
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+
+
+@dataclass
+class Piece:
+    index: int
+    text: str
+    finish_reason: str | None = None
+
+
+@dataclass
+class CompletionRun:
+    """One request's choices, submitted to the scheduler at construction, consumed as ``Piece``s."""
+
+    request: CompletionRequest
+    model_name: str
+    choices: list[Choice] = field(default_factory=list)
+    id: str = field(default_factory=lambda: f"cmpl-{secrets.token_hex(12)}")
+    created: int = field(default_factory=lambda: int(time.time()))
+    started: float = field(default_factory=time.perf_counter)
+    first_token_s: float | None = None  # seconds to the first generated token
+    _events: asyncio.Queue[tuple[int, Event]] = field(default_factory=asyncio.Queue)
+
+    @classmethod
+    def start(
+        cls,
+        request: CompletionRequest,
+        model_name: str,
+        prompt_ids: list[list[int]],
+        tokenizer: Tokenizer,
+        stop_ids: frozenset[int],
+        scheduler: Scheduler,
+    ) -> CompletionRun:
+        run = cls(request, model_name)
+        loop = asyncio.get_running_loop()
+        params = SamplingParams(request.max_tokens, request.temperature, request.top_p, request.seed, stop_ids)
+        for index, ids in enumerate(prompt_ids):
+            sequence = Sequence(ids, params, run._sink(loop, index))
+            run.choices.append(Choice(index, len(ids), TextStream(tokenizer, request.stop_strings), sequence))
+        for choice in run.choices:
+            scheduler.submit(choice.sequence)
+        return run
+
+    def _sink(self, loop: asyncio.AbstractEventLoop, index: int) -> Callable[[Event], None]:
+        def sink(event: Event) -> None:
+            try:
+                loop.call_soon_threadsafe(self._events.put_nowait, (index, event))
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                pass
+
+        return sink
+
+    async def pieces(self) -> AsyncIterator[Piece]:
+        """Text as it is generated, choices interleaved; the last piece of each carries its finish
+        reason. Raises GenerationAborted if a sequence is cancelled or fails."""
+        pending = len(self.choices)
+        while pending:
+            index, event = await self._events.get()
+            choice = self.choices[index]
+            if choice.finish_reason is not None:
+                continue  # ended at a stop string; later events are leftovers
+            if isinstance(event, Finish):
+                if event.reason not in ("stop", "length"):
+                    raise GenerationAborted(event)
+                choice.finish_reason = event.reason
+                pending -= 1
+                yield Piece(index, choice.text.flush(), event.reason)
+                continue
+            if self.first_token_s is None:
+                self.first_token_s = time.perf_counter() - self.started
+            choice.completion_tokens += 1
+            text = choice.text.push(event)
+            if choice.text.stopped:
+                choice.sequence.cancel()
+                choice.finish_reason = "stop"
+                pending -= 1
+                yield Piece(index, text, "stop")
+            elif text:
+                yield Piece(index, text)
+
+    def cancel(self) -> None:
+        """Stop generating (client gone, request over); harmless for finished choices."""
+        for choice in self.choices:
+            choice.sequence.cancel()
+
+    async def collect(self) -> dict:
+        """The whole non-streaming response body."""
+        texts = [""] * len(self.choices)
+        async for piece in self.pieces():
+            texts[piece.index] += piece.text
+        choices = [
+            {"index": c.index, "text": texts[c.index], "logprobs": None, "finish_reason": c.finish_reason}
+            for c in self.choices
+        ]
+        return self._body(choices) | {"usage": self.usage()}
+
+    async def sse(self) -> AsyncIterator[str]:
+        """Server-sent events: one chunk per piece, optional usage chunk, then ``[DONE]``."""
+        try:
+            async for piece in self.pieces():
+                choice = {"index": piece.index, "text": piece.text, "logprobs": None}
+                yield _event(self._body([choice | {"finish_reason": piece.finish_reason}]))
+        except GenerationAborted as exc:
+            yield _event({"error": {"message": str(exc), "type": "unavailable"}})
+            return
+        if self.request.stream_options and self.request.stream_options.include_usage:
+            yield _event(self._body([]) | {"usage": self.usage()})
+        yield "data: [DONE]\n\n"
+
+    def usage(self) -> dict[str, int]:
+        prompt = sum(c.prompt_tokens for c in self.choices)
+        completion = sum(c.completion_tokens for c in self.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def _body(self, choices: list[dict]) -> dict:
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model_name,
+            "choices": choices,
+        }
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"

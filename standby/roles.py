@@ -1,0 +1,178 @@
+"""Who this engine is (primary or standby) and what it is doing (ready, draining, drained).
+
+Policy lives here: when ``/primary``, ``/standby`` and ``/v1`` say yes, and which role changes
+are allowed. The mechanisms it drives (allocating and releasing the KV cache, cancelling
+sequences) belong to the scheduler. Checks return None or a reason; every role change returns an
+``Outcome`` whose message is one sentence saying what happened and why. All methods run on the
+event loop; the role-change lock serialises promote, drain and demote.
+
+    standby --promote--> primary/ready --drain--> primary/draining --> primary/drained
+       ^                      ^                                             |  |
+       |                      +-------------------- promote (resume) -------+  |
+       +------------------------ demote (drains first, releases KV) -----------+
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from standby.model import KVCache
+from standby.scheduler import Scheduler
+
+CANCEL_GRACE_S = 2.0  # after a drain deadline cancels requests, how long they get to unwind
+
+
+class Role(StrEnum):
+    PRIMARY = "primary"
+    STANDBY = "standby"
+
+
+class State(StrEnum):
+    READY = "ready"
+    DRAINING = "draining"
+    DRAINED = "drained"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The answer to a role change: refused (accepted False) or done, with or without a change."""
+
+    accepted: bool
+    changed: bool
+    message: str
+    details: dict[str, object] = field(default_factory=dict)
+
+
+class Roles:
+    def __init__(
+        self, role: Role, scheduler: Scheduler, allocate_kv: Callable[[], KVCache], drain_timeout_s: float
+    ) -> None:
+        self.role = role
+        self.state = State.READY
+        self.in_flight = 0  # admitted /v1 requests not yet answered
+        self.scheduler = scheduler
+        self.drain_timeout_s = drain_timeout_s
+        self._allocate_kv = allocate_kv
+        self._idle = asyncio.Event()  # set while in_flight == 0
+        self._idle.set()
+        self._lock = asyncio.Lock()
+
+    # --- checks: None when the answer is yes, else the reason ---------------------------------
+
+    def serving_refusal(self) -> str | None:
+        """Whether this engine serves: /primary answers 200 and new /v1 requests start."""
+        if self.role is Role.STANDBY:
+            return "this engine is a warm standby; send requests to the primary"
+        if self.state is not State.READY:
+            return f"this engine is a {self.state} primary and takes no new requests"
+        return None
+
+    def standby_refusal(self) -> str | None:
+        if self.role is not Role.STANDBY:
+            return f"this engine is a {self.state} primary"
+        return None
+
+    # --- in-flight accounting -----------------------------------------------------------------
+
+    def admit(self) -> None:
+        self.in_flight += 1
+        self._idle.clear()
+
+    def release(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._idle.set()
+
+    # --- role changes ---------------------------------------------------------------------------
+
+    async def promote(self) -> Outcome:
+        start = time.perf_counter()
+        async with self._lock:
+            if self.role is Role.PRIMARY:
+                if self.state is State.DRAINING:
+                    return Outcome(False, False, "a drain is in progress; promote again once it has drained")
+                if self.state is State.DRAINED:
+                    self.state = State.READY
+                    return Outcome(True, True, "resumed serving: this primary was drained", _ms(start))
+                return Outcome(True, False, "already primary", _ms(start))
+            kv = await asyncio.to_thread(self._allocate_kv)
+            self.scheduler.attach_kv(kv)
+            self.role, self.state = Role.PRIMARY, State.READY
+            details = _ms(start) | {"kv_cache_bytes": kv.nbytes}
+            return Outcome(
+                True, True, f"promoted to primary in {details['duration_ms']} ms, {kv.nbytes} bytes of KV cache", details
+            )
+
+    async def drain(self, timeout_s: float | None = None) -> Outcome:
+        """Stop taking requests now; let in-flight ones finish until the deadline, then cancel them."""
+        self._start_draining()
+        async with self._lock:
+            return await self._drain(timeout_s)
+
+    async def demote(self, timeout_s: float | None = None) -> Outcome:
+        """Drain (if not drained yet), release the KV cache, become a standby."""
+        if self.role is Role.STANDBY:
+            return Outcome(True, False, "already standby", {"duration_ms": 0.0})
+        start = time.perf_counter()
+        self._start_draining()
+        async with self._lock:
+            if self.role is Role.STANDBY:
+                return Outcome(True, False, "already standby", _ms(start))
+            drained = await self._drain(timeout_s)
+            if not drained.accepted:
+                return drained
+            freed = await asyncio.to_thread(self.scheduler.release_kv, CANCEL_GRACE_S)
+            self.role, self.state = Role.STANDBY, State.READY
+            details = drained.details | _ms(start) | {"kv_cache_bytes_released": freed}
+            return Outcome(True, True, f"demoted to standby: {drained.message}; released {freed} bytes of KV cache", details)
+
+    def _start_draining(self) -> None:
+        """From this instant /primary and /v1 refuse (no await before it, so no request slips in)."""
+        if self.role is Role.PRIMARY and self.state is State.READY:
+            self.state = State.DRAINING
+
+    async def _drain(self, timeout_s: float | None) -> Outcome:
+        if self.role is Role.STANDBY:
+            return Outcome(False, False, "this engine is a standby: there is nothing to drain")
+        if self.state is State.DRAINED:
+            return Outcome(True, False, "already drained", {"drained": True, "in_flight": 0, "duration_ms": 0.0})
+        start = time.perf_counter()
+        timeout_s = self.drain_timeout_s if timeout_s is None else timeout_s
+        waiting = self.in_flight
+        cancelled = 0
+        if not await _wait(self._idle, timeout_s):
+            cancelled = self.in_flight
+            self.scheduler.cancel_all()
+            await _wait(self._idle, CANCEL_GRACE_S)
+        details = _ms(start) | {
+            "drained": self.in_flight == 0,
+            "finished": waiting - cancelled,
+            "cancelled": cancelled,
+            "in_flight": self.in_flight,
+        }
+        if self.in_flight:
+            return Outcome(False, False, f"{self.in_flight} request(s) did not stop after being cancelled", details)
+        self.state = State.DRAINED
+        return Outcome(
+            True,
+            True,
+            f"drained in {details['duration_ms']} ms: {waiting - cancelled} request(s) finished, "
+            f"{cancelled} cancelled at the {timeout_s:g} s deadline",
+            details,
+        )
+
+
+async def _wait(event: asyncio.Event, timeout_s: float) -> bool:
+    try:
+        await asyncio.wait_for(event.wait(), timeout_s)
+    except TimeoutError:
+        return False
+    return True
+
+
+def _ms(start: float) -> dict[str, object]:
+    return {"duration_ms": round((time.perf_counter() - start) * 1000, 3)}

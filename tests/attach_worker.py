@@ -1,0 +1,57 @@
+"""An engine-like process for the cache tests: attaches, then answers commands on stdin.
+
+One JSON reply per line on stdout. Commands: generate, checksum, memory, fds, close, exit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from cache.pipeline import LoadSpec
+from standby.generate import load_tokenizer
+from standby.model import generate
+from standby.weights import load_model
+
+
+def private_kib() -> int:
+    rollup = Path("/proc/self/smaps_rollup").read_text().splitlines()
+    return sum(int(line.split()[1]) for line in rollup if line.startswith(("Private_Clean", "Private_Dirty")))
+
+
+def main() -> None:
+    model_dir, socket_path, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+    torch.set_num_threads(1)
+    before = private_kib()
+    loaded = load_model(model_dir, LoadSpec(), weight_cache=mode, socket_path=socket_path)
+    tokenizer = load_tokenizer(loaded.checkpoint.path)
+    print(json.dumps({"ready": True, "source": loaded.source, "private_kib_before": before}), flush=True)
+    for line in sys.stdin:
+        command = line.strip()
+        if command == "generate":
+            ids = tokenizer.encode("The failover took").ids
+            reply = {"tokens": list(generate(loaded.model, ids, 12))}
+        elif command == "checksum":
+            reply = {"sums": {n: float(p.double().sum()) for n, p in loaded.model.state_dict().items()}}
+        elif command == "memory":
+            reply = {"private_kib": private_kib()}
+        elif command == "fds":
+            reply = {"fds": len(os.listdir("/proc/self/fd"))}
+        elif command == "close":
+            loaded.model = None
+            if loaded.attachment is not None:
+                loaded.attachment.close()
+            reply = {"closed": True}
+        elif command == "exit":
+            return
+        else:
+            reply = {"error": f"unknown command {command!r}"}
+        print(json.dumps(reply), flush=True)
+
+
+if __name__ == "__main__":
+    main()

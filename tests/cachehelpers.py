@@ -1,0 +1,130 @@
+"""Real daemons and engine processes for the cache tests, always cleaned up."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from cache.checkpoint import read_checkpoint
+from cache.daemon import CacheDaemon
+from cache.fingerprint import compute_fingerprint
+from cache.paths import DaemonPaths
+from cache.pipeline import LoadSpec
+
+REPO = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+
+
+def wait_for(predicate, timeout: float = 60.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.02)
+    raise TimeoutError(f"timed out waiting for {what}")
+
+
+class ThreadDaemon:
+    """A CacheDaemon running in this (test) process, so the test can write into its arena."""
+
+    def __init__(self, model: Path, socket_path: Path, **kwargs: Any) -> None:
+        checkpoint = read_checkpoint(model)
+        kwargs.setdefault("allowed_uids", frozenset([os.getuid()]))
+        kwargs.setdefault("backend", "cpu-shm")
+        self.paths = DaemonPaths(socket_path)
+        self.daemon = CacheDaemon(checkpoint, LoadSpec(), self.paths, **kwargs)
+        self.thread = threading.Thread(target=self.daemon.run, daemon=True)
+
+    def __enter__(self) -> CacheDaemon:
+        self.thread.start()
+        wait_for(lambda: self.paths.ready.exists() or not self.thread.is_alive(), what="daemon ready")
+        assert self.thread.is_alive(), "daemon thread died during load"
+        return self.daemon
+
+    def __exit__(self, *exc: object) -> None:
+        self.daemon.request_exit()
+        self.thread.join(timeout=10)
+
+
+class ProcessDaemon:
+    """``hotweights cache serve`` as a real child process."""
+
+    def __init__(self, model: Path, socket_path: Path, *extra: str) -> None:
+        self.paths = DaemonPaths(socket_path)
+        command = [sys.executable, "-m", "controller.cli", "cache", "serve", "--model", str(model)]
+        self.command = [*command, "--socket", str(socket_path), *extra]
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> ProcessDaemon:
+        self.process = subprocess.Popen(self.command, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        wait_for(lambda: self.serving() or self.process.poll() is not None, what="daemon ready")
+        assert self.process.poll() is None, self.process.stderr.read().decode()
+        return self
+
+    def serving(self) -> bool:
+        """The ready marker is ours (a SIGKILLed predecessor leaves a stale one behind)."""
+        try:
+            return json.loads(self.paths.ready.read_text())["pid"] == self.process.pid
+        except (FileNotFoundError, json.JSONDecodeError):
+            return False
+
+    def kill(self, sig: int = signal.SIGKILL) -> int:
+        assert self.process is not None
+        self.process.send_signal(sig)
+        return self.process.wait(timeout=30)
+
+    def __enter__(self) -> ProcessDaemon:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+
+
+class Engine:
+    """tests/attach_worker.py: attaches through standby.weights.load_model and takes commands."""
+
+    def __init__(self, model: Path, socket_path: Path, mode: str = "client") -> None:
+        worker = str(REPO / "tests" / "attach_worker.py")
+        self.process = subprocess.Popen(
+            [sys.executable, worker, str(model), str(socket_path), mode],
+            env=ENV,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"engine failed to start: {self.process.stderr.read()}")
+        self.hello = json.loads(line)
+
+    def ask(self, command: str) -> dict[str, Any]:
+        self.process.stdin.write(command + "\n")
+        self.process.stdin.flush()
+        return json.loads(self.process.stdout.readline())
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(timeout=10)
+        for stream in (self.process.stdin, self.process.stdout, self.process.stderr):
+            stream.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def fingerprint_of(model: Path):
+    return compute_fingerprint(read_checkpoint(model), LoadSpec())
