@@ -20,7 +20,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +51,29 @@ REQUEST_TIMEOUT_S = 10.0
 MAX_SOCKET_PATH = 107  # sun_path is 108 bytes including the NUL
 
 
+@dataclass(frozen=True)
+class ArenaSource:
+    """What a daemon serves: its fingerprint, the tensors' layout, and how to produce them."""
+
+    fingerprint: Fingerprint
+    specs: dict[str, tuple[tuple[int, ...], torch.dtype]]
+    tensors: Callable[[], Iterator[tuple[str, torch.Tensor]]]
+    device: torch.device
+
+
+def pipeline_source(checkpoint: Checkpoint, spec: LoadSpec) -> ArenaSource:
+    """The normal source: the load pipeline's output for ``checkpoint`` and ``spec``."""
+    config = processed_config(checkpoint, spec)
+    tp = TensorParallel(size=spec.tp_size, rank=spec.tp_rank)
+    specs = expected_tensors(build_meta_model(config, processed_dtype(checkpoint, spec), tp))
+    return ArenaSource(
+        fingerprint=compute_fingerprint(checkpoint, spec),
+        specs=specs,
+        tensors=lambda: iter_processed(checkpoint, spec, progress=True),
+        device=torch.device(spec.device),
+    )
+
+
 @dataclass
 class Client:
     pid: int
@@ -68,12 +91,11 @@ class Interrupted(HotweightsError):
 
 
 class CacheDaemon:
-    """Owns one arena for one (checkpoint, LoadSpec) and serves it on one socket."""
+    """Owns one arena for one source and serves it on one socket."""
 
     def __init__(
         self,
-        checkpoint: Checkpoint,
-        spec: LoadSpec,
+        source: ArenaSource,
         paths: DaemonPaths,
         *,
         backend: str,
@@ -82,13 +104,12 @@ class CacheDaemon:
     ) -> None:
         if len(os.fsencode(paths.socket)) > MAX_SOCKET_PATH:
             raise ConfigError(f"socket path {paths.socket} is longer than {MAX_SOCKET_PATH} bytes")
-        self.checkpoint = checkpoint
-        self.spec = spec
+        self.source = source
         self.paths = paths
         self.backend = get_backend(backend)
         self.allowed_uids = allowed_uids
         self.request_timeout = request_timeout
-        self.fingerprint: Fingerprint = compute_fingerprint(checkpoint, spec)
+        self.fingerprint = source.fingerprint
         self.started_at = time.time()
         self.arena: ExportedArena | None = None
         self.manifest: dict[str, Any] = {}
@@ -131,17 +152,14 @@ class CacheDaemon:
     def load(self) -> None:
         """Run the pipeline once, copying each processed tensor into its place in the arena."""
         start = time.perf_counter()
-        config = processed_config(self.checkpoint, self.spec)
-        tp = TensorParallel(size=self.spec.tp_size, rank=self.spec.tp_rank)
-        specs = expected_tensors(build_meta_model(config, processed_dtype(self.checkpoint, self.spec), tp))
-        entries, nbytes = arena_layout.plan_layout(specs)
-        device = torch.device(self.spec.device)
+        entries, nbytes = arena_layout.plan_layout(self.source.specs)
+        device = self.source.device
         self.arena = self.backend.allocate(nbytes, device)
         if device.type == "cuda":
             self.arena.tensor.zero_()  # padding between tensors is hashed: make it deterministic
         by_name = {entry.name: entry for entry in entries}
         filled: set[str] = set()
-        for name, tensor in iter_processed(self.checkpoint, self.spec, progress=True):
+        for name, tensor in self.source.tensors():
             if self._should_exit.is_set():
                 raise Interrupted("stopped by a signal while loading")
             arena_layout.view(self.arena.tensor, by_name[name]).copy_(tensor)
@@ -368,7 +386,7 @@ def serve(
     allowed_uids: frozenset[int],
 ) -> None:
     """Run a daemon in this process until SIGTERM or SIGINT."""
-    daemon = CacheDaemon(checkpoint, spec, paths, backend=backend, allowed_uids=allowed_uids)
+    daemon = CacheDaemon(pipeline_source(checkpoint, spec), paths, backend=backend, allowed_uids=allowed_uids)
     previous = {sig: signal.signal(sig, daemon.request_exit) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         daemon.run()

@@ -19,6 +19,7 @@ COMMANDS: tuple[str, ...] = (
     "cache.makemodel",
     "cache.cli",
     "standby.generate",
+    "standby.engine",
 )
 
 

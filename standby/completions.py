@@ -7,6 +7,7 @@ Nothing here knows about HTTP routing or roles; ``standby/server.py`` wires it t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import secrets
 import time
@@ -163,10 +164,8 @@ class CompletionRun:
 
     def _sink(self, loop: asyncio.AbstractEventLoop, index: int) -> Callable[[Event], None]:
         def sink(event: Event) -> None:
-            try:
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening any more
                 loop.call_soon_threadsafe(self._events.put_nowait, (index, event))
-            except RuntimeError:  # the loop is closed: nobody is listening any more
-                pass
 
         return sink
 

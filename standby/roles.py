@@ -104,7 +104,10 @@ class Roles:
             self.role, self.state = Role.PRIMARY, State.READY
             details = _ms(start) | {"kv_cache_bytes": kv.nbytes}
             return Outcome(
-                True, True, f"promoted to primary in {details['duration_ms']} ms, {kv.nbytes} bytes of KV cache", details
+                True,
+                True,
+                f"promoted to primary in {details['duration_ms']} ms, {kv.nbytes} bytes of KV cache",
+                details,
             )
 
     async def drain(self, timeout_s: float | None = None) -> Outcome:
@@ -128,7 +131,9 @@ class Roles:
             freed = await asyncio.to_thread(self.scheduler.release_kv, CANCEL_GRACE_S)
             self.role, self.state = Role.STANDBY, State.READY
             details = drained.details | _ms(start) | {"kv_cache_bytes_released": freed}
-            return Outcome(True, True, f"demoted to standby: {drained.message}; released {freed} bytes of KV cache", details)
+            return Outcome(
+                True, True, f"demoted to standby: {drained.message}; released {freed} bytes of KV cache", details
+            )
 
     def _start_draining(self) -> None:
         """From this instant /primary and /v1 refuse (no await before it, so no request slips in)."""
@@ -157,13 +162,10 @@ class Roles:
         if self.in_flight:
             return Outcome(False, False, f"{self.in_flight} request(s) did not stop after being cancelled", details)
         self.state = State.DRAINED
-        return Outcome(
-            True,
-            True,
-            f"drained in {details['duration_ms']} ms: {waiting - cancelled} request(s) finished, "
-            f"{cancelled} cancelled at the {timeout_s:g} s deadline",
-            details,
-        )
+        message = f"drained in {details['duration_ms']} ms: {waiting - cancelled} request(s) finished"
+        if cancelled:
+            message += f", {cancelled} cancelled at the {timeout_s:g} s deadline"
+        return Outcome(True, True, message, details)
 
 
 async def _wait(event: asyncio.Event, timeout_s: float) -> bool:

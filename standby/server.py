@@ -198,7 +198,9 @@ def build_app(ctx: EngineContext) -> FastAPI:
         if reason := roles.serving_refusal():
             return error(503, reason, "unavailable")
         if request.model is not None and request.model != ctx.model_name:
-            return error(404, f"model {request.model!r} is not served here; try {ctx.model_name!r}", "not_found_error", "model")
+            return error(
+                404, f"model {request.model!r} is not served here; try {ctx.model_name!r}", "not_found_error", "model"
+            )
         prompt_ids = [ctx.tokenizer.encode(prompt).ids for prompt in request.prompts]
         for ids in prompt_ids:
             if not ids:
@@ -210,9 +212,7 @@ def build_app(ctx: EngineContext) -> FastAPI:
                 )
                 return error(400, message, "invalid_request_error", "max_tokens")
         roles.admit()
-        run = CompletionRun.start(
-            request, ctx.model_name, prompt_ids, ctx.tokenizer, ctx.stop_ids, ctx.scheduler
-        )
+        run = CompletionRun.start(request, ctx.model_name, prompt_ids, ctx.tokenizer, ctx.stop_ids, ctx.scheduler)
 
         def close() -> None:
             run.cancel()

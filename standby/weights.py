@@ -35,35 +35,44 @@ def build_meta_model(config: ModelConfig, dtype: torch.dtype, tp: TensorParallel
         return Transformer(config, dtype, tp)
 
 
+def _slots(model: nn.Module) -> dict[str, tuple[nn.Module, str, torch.Tensor]]:
+    """Every parameter and buffer as name -> (owning module, attribute, current tensor), in one walk."""
+    slots = {}
+    for prefix, module in model.named_modules():
+        for table in (module._parameters, module._buffers):
+            for leaf, tensor in table.items():
+                if tensor is not None:
+                    slots[f"{prefix}.{leaf}" if prefix else leaf] = (module, leaf, tensor)
+    return slots
+
+
 def expected_tensors(model: nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Name -> (shape, dtype) of every parameter and buffer the model needs bound."""
-    named = [*model.named_parameters(), *model.named_buffers()]
-    return {name: (tuple(t.shape), t.dtype) for name, t in named}
+    return {name: (tuple(t.shape), t.dtype) for name, (_, _, t) in _slots(model).items()}
 
 
 def bind(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
     """Make ``tensors`` the model's parameters and buffers (assignment, not copy)."""
-    expected = expected_tensors(model)
-    missing = sorted(expected.keys() - tensors.keys())
+    slots = _slots(model)
+    missing = sorted(slots.keys() - tensors.keys())
     if missing:
         raise BindingError(f"{len(missing)} tensor(s) missing for the model, first: {missing[0]!r}")
-    unexpected = sorted(tensors.keys() - expected.keys())
+    unexpected = sorted(tensors.keys() - slots.keys())
     if unexpected:
         raise BindingError(f"{len(unexpected)} tensor(s) the model has no place for, first: {unexpected[0]!r}")
-    for name, (shape, dtype) in expected.items():
+    for name, (module, leaf, placeholder) in slots.items():
         tensor = tensors[name]
-        if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+        if tensor.shape != placeholder.shape or tensor.dtype != placeholder.dtype:
             raise BindingError(
-                f"tensor {name!r}: model expects {list(shape)} {dtype}, got {list(tensor.shape)} {tensor.dtype}"
+                f"tensor {name!r}: model expects {list(placeholder.shape)} {placeholder.dtype}, "
+                f"got {list(tensor.shape)} {tensor.dtype}"
             )
         if tensor.is_meta:
             raise BindingError(f"tensor {name!r} is on the meta device: it holds no data")
-    model.load_state_dict(dict(tensors), strict=True, assign=True)
-    for name in expected:
-        if _lookup(model, name).is_meta:
-            raise BindingError(f"tensor {name!r} is still on the meta device after binding")
-    model.eval()
-    model.requires_grad_(False)
+        if leaf in module._parameters:
+            module._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
+        else:
+            module._buffers[leaf] = tensor
 
 
 def build_model(
@@ -79,12 +88,6 @@ def load_from_disk(checkpoint: Checkpoint, spec: LoadSpec, group: object | None 
     tensors = load_processed(checkpoint, spec)
     tp = TensorParallel(size=spec.tp_size, rank=spec.tp_rank, group=group)
     return build_model(processed_config(checkpoint, spec), processed_dtype(checkpoint, spec), tp, tensors)
-
-
-def _lookup(model: nn.Module, name: str) -> torch.Tensor:
-    module_path, _, leaf = name.rpartition(".")
-    module = model.get_submodule(module_path) if module_path else model
-    return getattr(module, leaf)
 
 
 WEIGHT_CACHE_MODES = ("off", "client", "daemon")

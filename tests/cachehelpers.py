@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from cache.checkpoint import read_checkpoint
-from cache.daemon import CacheDaemon
+from cache.daemon import CacheDaemon, pipeline_source
 from cache.fingerprint import compute_fingerprint
 from cache.paths import DaemonPaths
 from cache.pipeline import LoadSpec
@@ -39,7 +39,7 @@ class ThreadDaemon:
         kwargs.setdefault("allowed_uids", frozenset([os.getuid()]))
         kwargs.setdefault("backend", "cpu-shm")
         self.paths = DaemonPaths(socket_path)
-        self.daemon = CacheDaemon(checkpoint, LoadSpec(), self.paths, **kwargs)
+        self.daemon = CacheDaemon(pipeline_source(checkpoint, LoadSpec()), self.paths, **kwargs)
         self.thread = threading.Thread(target=self.daemon.run, daemon=True)
 
     def __enter__(self) -> CacheDaemon:

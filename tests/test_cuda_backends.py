@@ -89,18 +89,32 @@ def _cuda_ready(index: int) -> torch.device:
     return torch.device("cuda", index)
 
 
+def _warm_up(name: str) -> float:
+    """Load what a backend loads once per process (cuda-bindings and libcuda for cuda-vmm), so that the
+    timed import is the per-arena map cost; returns the one-time cost in ms, which an engine pays once."""
+    t0 = time.perf_counter()
+    get_backend(name)
+    if name == "cuda-vmm":
+        from cache.backends.cuda_vmm import _driver
+
+        _driver()
+    return (time.perf_counter() - t0) * 1e3
+
+
 def _import_child(name: str, index: int, conn: Connection, sock: socket.socket) -> None:
     """Spawned: import the arena we are sent, report digest / import time / read-only, then answer
     'digest' requests until told anything else."""
     try:
         device = _cuda_ready(index)
         handle, fds = _recv_arena(conn, sock)
+        warmup_ms = _warm_up(name)
         t0 = time.perf_counter()
         arena = get_backend(name).import_arena(handle, fds, device)
         torch.cuda.synchronize()
         import_ms = (time.perf_counter() - t0) * 1e3
+        read_only = getattr(arena, "read_only", None)
         conn.send(
-            {"digest": _digest(arena.tensor), "import_ms": import_ms, "read_only": getattr(arena, "read_only", None)}
+            {"digest": _digest(arena.tensor), "import_ms": import_ms, "warmup_ms": warmup_ms, "read_only": read_only}
         )
         while conn.recv() == "digest":
             conn.send({"digest": _digest(arena.tensor)})
@@ -180,7 +194,10 @@ def test_import_of_1gib_is_fast(name: str, device: torch.device) -> None:
         _fill(arena.tensor, seed=2)
         report = _export_to_child(name, arena, device.index)
         assert report["digest"] == _digest(arena.tensor)
-        print(f"{name}: 1 GiB import+map {report['import_ms']:.2f} ms (target < {IMPORT_TARGET_MS} ms)")
+        ms, warmup = report["import_ms"], report["warmup_ms"]
+        print(
+            f"{name}: 1 GiB import+map {ms:.2f} ms (target < {IMPORT_TARGET_MS} ms), one-time warm-up {warmup:.1f} ms"
+        )
         assert report["import_ms"] < IMPORT_LIMIT_MS
     finally:
         arena.close()

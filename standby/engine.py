@@ -1,0 +1,181 @@
+"""``hotweights engine``: serve a model over HTTP as the primary or as a warm standby.
+
+Start-up order: load or attach the weights, warm up, allocate the KV cache (primary only; a
+standby allocates it when promoted), start the inference thread, listen, and only then print one
+``{"event": "ready", ...}`` line to stdout. Logs go to stderr. On SIGTERM or SIGINT: stop
+listening, let in-flight requests finish for up to --shutdown-timeout, cancel the rest, stop the
+inference thread, exit 0. The HTTP contract is ``docs/engine-contract.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import logging
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+from types import FrameType
+
+import torch
+import uvicorn
+
+from cache.errors import ConfigError
+from cache.pipeline import add_load_spec_arguments, load_spec_from_args, model_dir_from_args
+from standby.generate import load_tokenizer, stop_token_ids
+from standby.metrics import EngineMetrics
+from standby.model import KVCache, Transformer
+from standby.roles import Role, Roles
+from standby.scheduler import Scheduler
+from standby.server import EngineContext, build_app
+from standby.weights import add_weight_cache_arguments, load_model
+
+log = logging.getLogger(__name__)
+
+
+def warm_up(model: Transformer) -> float:
+    """One prefill and one decode step through a throwaway KV cache, so the first request does not
+    pay for lazy initialisation; returns the seconds it took. Nothing stays allocated."""
+    start = time.perf_counter()
+    cache = KVCache.allocate(model.config, model.tp, 1, 8, model.device, model.dtype)
+    ids = torch.zeros((1, 4), dtype=torch.long, device=model.device)
+    model(ids, 0, cache)
+    model(ids[:, :1], 4, cache)
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
+    return time.perf_counter() - start
+
+
+def read_token(path: str) -> str:
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"--token-file {path}: {exc.strerror}") from exc
+    if not token:
+        raise ConfigError(f"--token-file {path} is empty; put the bearer token in it")
+    return token
+
+
+class EngineServer(uvicorn.Server):
+    """uvicorn, announcing on stdout once it listens (the port is the real one, also for --port 0)."""
+
+    def __init__(self, config: uvicorn.Config, ready: dict[str, object]) -> None:
+        super().__init__(config)
+        self.ready = ready
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started:
+            port = self.servers[0].sockets[0].getsockname()[1]
+            log.info("serving on http://%s:%d", self.config.host, port)
+            print(json.dumps({"event": "ready", "port": port, "pid": os.getpid()} | self.ready), flush=True)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    if args.tp_size != 1:
+        raise ConfigError(f"the engine serves one rank: --tp-size must be 1, found {args.tp_size}")
+    if args.kv_cache_tokens < 2:
+        raise ConfigError(f"--kv-cache-tokens must be >= 2, found {args.kv_cache_tokens}")
+    if args.max_batch < 1:
+        raise ConfigError(f"--max-batch must be >= 1, found {args.max_batch}")
+    for flag in ("drain_timeout", "shutdown_timeout"):
+        if getattr(args, flag) < 0:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be >= 0, found {getattr(args, flag)}")
+
+
+def cmd_engine(args: argparse.Namespace) -> int:
+    check_args(args)
+    token = read_token(args.token_file) if args.token_file else None
+    loaded = load_model(
+        model_dir_from_args(args),
+        load_spec_from_args(args),
+        weight_cache=args.weight_cache,
+        socket_path=args.socket,
+        fallback=args.weight_cache_fallback,
+        daemon_timeout=args.weight_cache_timeout,
+    )
+    model = loaded.model
+    log.info("weights from %s (--weight-cache %s) in %.3f s", loaded.source, loaded.mode, loaded.seconds)
+    log.info("warmed up in %.3f s", warm_up(model))
+
+    scheduler = Scheduler(model, args.max_batch)
+    allocate_kv = functools.partial(
+        KVCache.allocate, model.config, model.tp, args.max_batch, args.kv_cache_tokens, model.device, model.dtype
+    )
+    role = Role(args.role)
+    if role is Role.PRIMARY:
+        scheduler.attach_kv(allocate_kv())
+    roles = Roles(role, scheduler, allocate_kv, args.drain_timeout)
+    engine_id = args.engine_id or f"{socket.gethostname()}-{os.getpid()}"
+    metrics = EngineMetrics()
+    metrics.bind(roles, scheduler, loaded, engine_id)
+    ctx = EngineContext(
+        engine_id=engine_id,
+        model_name=loaded.checkpoint.path.name,
+        loaded=loaded,
+        tokenizer=load_tokenizer(loaded.checkpoint.path),
+        stop_ids=frozenset(stop_token_ids(loaded.checkpoint.path)),
+        context_tokens=min(args.kv_cache_tokens, model.config.max_position_embeddings),
+        scheduler=scheduler,
+        roles=roles,
+        metrics=metrics,
+        token=token,
+    )
+    config = uvicorn.Config(
+        build_app(ctx),
+        host=args.host,
+        port=args.port,
+        log_config=None,  # our stderr logging; uvicorn's default would put access logs on stdout
+        access_log=False,
+        lifespan="off",
+        timeout_graceful_shutdown=args.shutdown_timeout,
+    )
+    server = EngineServer(config, {"engine_id": engine_id, "role": role.value, "fingerprint": ctx.fingerprint})
+
+    # uvicorn restores the handlers it found and re-raises the signal it caught once it has shut down
+    # gracefully; these record it instead of letting SIGTERM kill the process after a clean stop.
+    caught: list[int] = []
+
+    def record(sig: int, _: FrameType | None) -> None:
+        caught.append(sig)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, record)
+    scheduler.start()
+    try:
+        server.run()
+    finally:
+        scheduler.stop(args.shutdown_timeout + 5)
+    log.info("stopped%s", f" on {signal.Signals(caught[0]).name}" if caught else "")
+    return 0
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "engine",
+        help="serve a model over HTTP (OpenAI completions) as primary or warm standby",
+        description="Load or attach the weights, warm up, then serve OpenAI completions, health checks "
+        "and role changes (promote, drain, demote). Prints a JSON ready line to stdout once listening.",
+    )
+    add_load_spec_arguments(p, with_rank=False)
+    add_weight_cache_arguments(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default 8000)")
+    p.add_argument("--role", choices=[r.value for r in Role], default="primary", help="starting role (default primary)")
+    p.add_argument("--token-file", help="file holding the bearer token that promote/drain/demote require")
+    p.add_argument("--kv-cache-tokens", type=int, default=4096, help="KV cache tokens per sequence slot (default 4096)")
+    p.add_argument("--max-batch", type=int, default=4, help="sequences generated concurrently (default 4)")
+    p.add_argument("--engine-id", help="name in health replies and metrics (default HOST-PID)")
+    p.add_argument(
+        "--drain-timeout", type=float, default=30.0, help="seconds a drain waits before cancelling (default 30)"
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests get after SIGTERM before they are cancelled (default 30)",
+    )
+    p.set_defaults(func=cmd_engine)

@@ -1,0 +1,295 @@
+"""``hotweights engine`` as real processes on loopback: OpenAI completions, health, roles, shutdown."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from cache.pipeline import LoadSpec
+from standby.generate import load_tokenizer, stop_token_ids
+from standby.model import generate
+from standby.weights import load_model
+from tests.cachehelpers import ProcessDaemon, wait_for
+from tests.enginehelpers import EngineProcess
+
+TOKEN = "test-token-1234"
+FLAGS = ("--kv-cache-tokens", "512", "--max-batch", "4")
+HEALTH_PATHS = ("/health/live", "/health/ready", "/primary", "/standby")
+Reference = Callable[..., tuple[str, int]]
+
+
+@pytest.fixture(scope="module")
+def primary(tiny_model: Path) -> Iterator[EngineProcess]:
+    """Off mode (weights loaded from disk in process), starts as primary."""
+    with EngineProcess(tiny_model, *FLAGS, "--engine-id", "engine-a", token=TOKEN) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def standby(tiny_model: Path) -> Iterator[EngineProcess]:
+    """Attached to a cache daemon, starts as standby; every test leaves it a standby again."""
+    runtime = Path(tempfile.mkdtemp(prefix="hw-", dir="/tmp"))  # socket paths must stay short
+    sock = runtime / "d.sock"
+    try:
+        with (
+            ProcessDaemon(tiny_model, sock),
+            EngineProcess(
+                tiny_model, *FLAGS, "--role", "standby", "--weight-cache", "client", "--socket", str(sock), token=TOKEN
+            ) as engine,
+        ):
+            yield engine
+    finally:
+        shutil.rmtree(runtime, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model: Path) -> Reference:
+    """In-process ``generate()``: (text, completion tokens) for a prompt."""
+    model = load_model(tiny_model, LoadSpec()).model
+    tokenizer = load_tokenizer(tiny_model)
+    stop_ids = stop_token_ids(tiny_model)
+
+    def complete(prompt: str, max_tokens: int, **sampling: object) -> tuple[str, int]:
+        ids = list(generate(model, tokenizer.encode(prompt).ids, max_tokens, stop_ids=stop_ids, **sampling))
+        return tokenizer.decode(ids), len(ids)
+
+    return complete
+
+
+def streamed(chunks: list[dict], n: int = 1) -> tuple[list[str], list[str | None]]:
+    texts, reasons = [""] * n, [None] * n
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            texts[choice["index"]] += choice["text"]
+            reasons[choice["index"]] = choice["finish_reason"] or reasons[choice["index"]]
+    return texts, reasons
+
+
+SAMPLINGS = [
+    pytest.param({"temperature": 0.0}, id="greedy"),
+    pytest.param({"temperature": 0.9, "top_p": 0.9, "seed": 7}, id="seeded"),
+]
+
+
+def check_equal_to_reference(engine: EngineProcess, reference: Reference, sampling: dict) -> None:
+    prompts = ["The quick brown fox", "Once upon a time"]
+    expected = [reference(p, 24, **sampling) for p in prompts]
+
+    body = engine.complete(prompt=prompts, max_tokens=24, **sampling)
+    assert body.status_code == 200, body.text
+    body = body.json()
+    assert [c["text"] for c in body["choices"]] == [text for text, _ in expected]
+    assert body["usage"]["completion_tokens"] == sum(n for _, n in expected)
+
+    chunks = engine.stream(prompt=prompts, max_tokens=24, stream_options={"include_usage": True}, **sampling)
+    texts, reasons = streamed(chunks, 2)
+    assert texts == [text for text, _ in expected]
+    assert reasons == [c["finish_reason"] for c in body["choices"]]
+    assert chunks[-1]["usage"] == body["usage"]
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS)
+def test_off_mode_completions_equal_in_process_generate(
+    primary: EngineProcess, reference: Reference, sampling: dict
+) -> None:
+    check_equal_to_reference(primary, reference, sampling)
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS)
+def test_attached_completions_equal_in_process_generate(
+    standby: EngineProcess, reference: Reference, sampling: dict
+) -> None:
+    assert standby.client.get("/health/ready").json()["weight_cache"] == {"mode": "client", "source": "cache"}
+    assert standby.post("/promote").status_code == 200
+    try:
+        check_equal_to_reference(standby, reference, sampling)
+    finally:
+        assert standby.post("/demote").status_code == 200
+
+
+def test_openai_client_completes(primary: EngineProcess, reference: Reference) -> None:
+    client = openai.OpenAI(base_url=f"{primary.url}/v1", api_key="x")
+    model = client.models.list().data[0].id
+    completion = client.completions.create(model=model, prompt="Hello there", max_tokens=8, temperature=0)
+    text, n = reference("Hello there", 8, temperature=0.0)
+    assert completion.choices[0].text == text
+    assert completion.usage.completion_tokens == n
+
+
+def test_stop_string_ends_the_text_before_it(primary: EngineProcess, reference: Reference) -> None:
+    full, _ = reference("The quick brown fox", 24, temperature=0.0)
+    stop = full[8:11]
+    expected = full[: full.find(stop)]
+    body = primary.complete(prompt="The quick brown fox", max_tokens=24, temperature=0, stop=[stop, "\x00never"]).json()
+    assert (body["choices"][0]["text"], body["choices"][0]["finish_reason"]) == (expected, "stop")
+    chunks = primary.stream(prompt="The quick brown fox", max_tokens=24, temperature=0, stop=stop)
+    assert streamed(chunks) == ([expected], ["stop"])
+
+
+def test_concurrent_streams_interleave(primary: EngineProcess) -> None:
+    chunks = primary.stream(prompt=["a", "b", "c"], max_tokens=40, temperature=0)
+    order = [choice["index"] for chunk in chunks for choice in chunk["choices"]]
+    assert order != sorted(order), "the three sequences ran one after another"
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
+        ({"max_tokens": 4}, "prompt"),
+        ({"prompt": "x", "temperature": "hot"}, "temperature"),
+        ({"prompt": "x", "top_p": 0}, "top_p"),
+        ({"prompt": [], "max_tokens": 4}, "prompt"),
+        ({"prompt": "x", "n": 2}, "n"),
+        ({"prompt": "x", "max_tokens": 600}, "max_tokens"),  # beyond the 512-token KV slot
+    ],
+)
+def test_bad_requests_name_the_field(primary: EngineProcess, body: dict, param: str) -> None:
+    response = primary.complete(**body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param
+    assert param in error["message"]
+
+
+def test_unknown_model_is_404(primary: EngineProcess) -> None:
+    response = primary.complete(model="gpt-17", prompt="x")
+    assert (response.status_code, response.json()["error"]["param"]) == (404, "model")
+
+
+def test_health_endpoints_answer_get_head_and_options(primary: EngineProcess) -> None:
+    expected = {"/health/live": 200, "/health/ready": 200, "/primary": 200, "/standby": 503}
+    for path in HEALTH_PATHS:
+        for method in ("GET", "HEAD", "OPTIONS"):
+            response = primary.client.request(method, path)
+            assert response.status_code == expected[path], (method, path)
+            if method == "HEAD":
+                assert response.content == b""
+            else:
+                body = response.json()
+                assert body["engine_id"] == "engine-a"
+                assert (body["role"], body["state"]) == ("primary", "ready")
+                assert len(body["fingerprint"]) == 16
+                assert body["weight_cache"] == {"mode": "off", "source": "disk"}
+                assert body["kv_cache_bytes"] > 0
+                assert {"uptime_s", "in_flight"} <= body.keys()
+
+
+def test_metrics_are_exported(primary: EngineProcess) -> None:
+    primary.complete(prompt="x", max_tokens=2)
+    text = primary.client.get("/metrics").text
+    for name in (
+        'hotweights_engine_requests_total{endpoint="/v1/completions",status="200"}',
+        "hotweights_engine_prompt_tokens_total",
+        "hotweights_engine_completion_tokens_total",
+        "hotweights_engine_request_duration_seconds_bucket",
+        "hotweights_engine_time_to_first_token_seconds_bucket",
+        'hotweights_engine_role{role="primary"} 1.0',
+        "hotweights_engine_promotions_total",
+        "hotweights_engine_promotion_duration_seconds_bucket",
+        'hotweights_engine_weight_cache_info{engine_id="engine-a"',
+        "hotweights_engine_in_flight_requests",
+        "hotweights_engine_kv_cache_bytes",
+    ):
+        assert name in text, name
+
+
+def test_role_changes_need_the_token(primary: EngineProcess) -> None:
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
+        for path in ("/promote", "/drain", "/demote"):
+            response = primary.client.post(path, headers=headers)
+            assert response.status_code == 401, (path, headers)
+            assert response.headers["WWW-Authenticate"] == "Bearer"
+    response = primary.post("/promote")
+    assert response.status_code == 200
+    assert (response.json()["changed"], response.json()["message"]) == (False, "already primary")
+
+
+def test_standby_never_serves(standby: EngineProcess) -> None:
+    for response in (standby.complete(prompt="x", max_tokens=2), standby.client.get("/v1/models")):
+        assert response.status_code == 503
+        error = response.json()["error"]
+        assert error["type"] == "unavailable" and "standby" in error["message"]
+    assert standby.client.get("/primary").status_code == 503
+    health = standby.client.get("/standby")
+    assert health.status_code == 200
+    assert (health.json()["role"], health.json()["kv_cache_bytes"]) == ("standby", 0)
+
+
+def test_promote_drain_demote(standby: EngineProcess) -> None:
+    promoted = standby.post("/promote").json()
+    assert (promoted["changed"], promoted["role"]) == (True, "primary")
+    assert promoted["duration_ms"] > 0 and promoted["kv_cache_bytes"] > 0
+    assert standby.client.get("/primary").status_code == 200
+    assert standby.client.get("/standby").status_code == 503
+    assert standby.client.get("/health/ready").json()["kv_cache_bytes"] == promoted["kv_cache_bytes"]
+    assert standby.post("/promote").json()["message"] == "already primary"
+
+    drained: list[httpx.Response] = []
+    body = {
+        "prompt": "x",
+        "max_tokens": 480,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with standby.client.stream("POST", "/v1/completions", json=body) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+        drain = threading.Thread(target=lambda: drained.append(standby.post("/drain", json={"timeout_s": 60})))
+        drain.start()
+        wait_for(lambda: standby.client.get("/primary").status_code == 503, timeout=5, what="/primary 503")
+        assert standby.client.get("/health/ready").json()["in_flight"] == 1, "the stream ended before the drain began"
+        assert standby.complete(prompt="x", max_tokens=2).status_code == 503
+        rest = [line for line in lines if line]
+    drain.join(timeout=30)
+    assert rest[-1] == "data: [DONE]"
+    assert '"completion_tokens":480' in rest[-2]
+    report = drained[0].json()
+    assert (drained[0].status_code, report["state"], report["drained"]) == (200, "drained", True)
+    assert (report["finished"], report["cancelled"]) == (1, 0)
+
+    demoted = standby.post("/demote").json()
+    assert (demoted["role"], demoted["kv_cache_bytes_released"]) == ("standby", promoted["kv_cache_bytes"])
+    assert standby.client.get("/standby").json()["kv_cache_bytes"] == 0
+    assert standby.client.get("/primary").status_code == 503
+    assert standby.post("/demote").json()["message"] == "already standby"
+
+
+def test_drain_deadline_cancels_what_is_left(standby: EngineProcess) -> None:
+    standby.post("/promote")
+    try:
+        with standby.client.stream(
+            "POST", "/v1/completions", json={"prompt": "x", "max_tokens": 480, "stream": True}
+        ) as r:
+            lines = r.iter_lines()
+            next(lines)
+            report = standby.post("/drain", json={"timeout_s": 0.05}).json()
+            rest = [line for line in lines if line]
+        assert (report["drained"], report["cancelled"]) == (True, 1)
+        assert '"error"' in rest[-1] and "[DONE]" not in rest[-1]
+    finally:
+        assert standby.post("/demote").json()["role"] == "standby"
+
+
+def test_sigterm_lets_in_flight_requests_finish_and_exits_zero(tiny_model: Path) -> None:
+    engine = EngineProcess(tiny_model, *FLAGS, "--shutdown-timeout", "30")
+    with engine:
+        with engine.client.stream(
+            "POST", "/v1/completions", json={"prompt": "x", "max_tokens": 300, "stream": True}
+        ) as r:
+            lines = r.iter_lines()
+            next(lines)
+            engine.process.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        assert engine.process.wait(timeout=30) == 0
+        assert "stopped on SIGTERM" in engine.logs()
