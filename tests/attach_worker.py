@@ -17,6 +17,8 @@ from standby.generate import load_tokenizer
 from standby.model import generate
 from standby.weights import load_model
 
+PROMPT = "The failover took"
+
 
 def private_kib() -> int:
     rollup = Path("/proc/self/smaps_rollup").read_text().splitlines()
@@ -24,16 +26,16 @@ def private_kib() -> int:
 
 
 def main() -> None:
-    model_dir, socket_path, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+    model_dir, socket_path, mode, device = sys.argv[1:5]
     torch.set_num_threads(1)
     before = private_kib()
-    loaded = load_model(model_dir, LoadSpec(), weight_cache=mode, socket_path=socket_path)
+    loaded = load_model(model_dir, LoadSpec(device=device), weight_cache=mode, socket_path=socket_path)
     tokenizer = load_tokenizer(loaded.checkpoint.path)
     print(json.dumps({"ready": True, "source": loaded.source, "private_kib_before": before}), flush=True)
     for line in sys.stdin:
         command = line.strip()
         if command == "generate":
-            ids = tokenizer.encode("The failover took").ids
+            ids = tokenizer.encode(PROMPT).ids
             reply = {"tokens": list(generate(loaded.model, ids, 12))}
         elif command == "checksum":
             reply = {"sums": {n: float(p.double().sum()) for n, p in loaded.model.state_dict().items()}}

@@ -34,12 +34,12 @@ def wait_for(predicate, timeout: float = 60.0, what: str = "condition") -> None:
 class ThreadDaemon:
     """A CacheDaemon running in this (test) process, so the test can write into its arena."""
 
-    def __init__(self, model: Path, socket_path: Path, **kwargs: Any) -> None:
+    def __init__(self, model: Path, socket_path: Path, spec: LoadSpec | None = None, **kwargs: Any) -> None:
         checkpoint = read_checkpoint(model)
         kwargs.setdefault("allowed_uids", frozenset([os.getuid()]))
         kwargs.setdefault("backend", "cpu-shm")
         self.paths = DaemonPaths(socket_path)
-        self.daemon = CacheDaemon(pipeline_source(checkpoint, LoadSpec()), self.paths, **kwargs)
+        self.daemon = CacheDaemon(pipeline_source(checkpoint, spec or LoadSpec()), self.paths, **kwargs)
         self.thread = threading.Thread(target=self.daemon.run, daemon=True)
 
     def __enter__(self) -> CacheDaemon:
@@ -92,10 +92,10 @@ class ProcessDaemon:
 class Engine:
     """tests/attach_worker.py: attaches through standby.weights.load_model and takes commands."""
 
-    def __init__(self, model: Path, socket_path: Path, mode: str = "client") -> None:
+    def __init__(self, model: Path, socket_path: Path, mode: str = "client", device: str = "cpu") -> None:
         worker = str(REPO / "tests" / "attach_worker.py")
         self.process = subprocess.Popen(
-            [sys.executable, worker, str(model), str(socket_path), mode],
+            [sys.executable, worker, str(model), str(socket_path), mode, device],
             env=ENV,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -126,5 +126,5 @@ class Engine:
         self.stop()
 
 
-def fingerprint_of(model: Path):
-    return compute_fingerprint(read_checkpoint(model), LoadSpec())
+def fingerprint_of(model: Path, device: str = "cpu"):
+    return compute_fingerprint(read_checkpoint(model), LoadSpec(device=device))

@@ -1,0 +1,152 @@
+"""Every GPU check of the weight cache in one run on the lent H200 (CI has no GPU).
+
+    python bench/gpu_suite.py --out DIR [--workdir /tmp/hw-gpu] [--skip STEP ...]
+
+Steps, each a subprocess with its own time limit, so one failure or hang cannot sink the rest:
+  tests     pytest of the CUDA-only tests (backends; daemon end to end with cuda-vmm and cuda-ipc,
+            bf16 and block-FP8, SIGKILL of the daemon, restart)
+  backends  bench/gpu_backends_check.py: import times, read-only mapping, SIGKILL survival
+  checkpoint  writes the 'xl' preset (~32 GB) to --workdir, generated on the GPU
+  load      bench/load.py on that checkpoint: the off-mode pipeline onto the GPU
+  attach    bench/attach.py: synthetic 1 / 10 / 80 GB arenas (>= 1000 tensors) with cuda-vmm,
+            and the same with cuda-ipc, next to the off-mode load of the xl checkpoint
+Results go to DIR/gpu_suite.json and each step's output to DIR/<step>.log; the last stdout line
+is one JSON object. Exits 1 if any step failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def steps(workdir: Path) -> dict[str, tuple[list[str], int]]:
+    py = sys.executable
+    xl = workdir / "xl"
+    return {
+        "tests": (
+            [
+                py,
+                "-m",
+                "pytest",
+                "-q",
+                "-m",
+                "cuda",
+                "-p",
+                "no:cacheprovider",
+                "tests/test_cuda_backends.py",
+                "tests/test_cache_cuda.py",
+            ],
+            240,
+        ),
+        "backends": ([py, "bench/gpu_backends_check.py"], 180),
+        "checkpoint": (
+            [
+                py,
+                "-m",
+                "controller.cli",
+                "make-model",
+                str(xl),
+                "--preset",
+                "xl",
+                "--device",
+                "cuda",
+                "--force",
+                "--quiet",
+            ],
+            300,
+        ),
+        "load": ([py, "bench/load.py", "--model", str(xl), "--device", "cuda:0"], 240),
+        "attach": (
+            [
+                py,
+                "bench/attach.py",
+                "--device",
+                "cuda:0",
+                "--source",
+                "synthetic",
+                "--sizes-gb",
+                "1,10,80",
+                "--repeats",
+                "10",
+                "--load-model",
+                str(xl),
+            ],
+            400,
+        ),
+        "attach_ipc": (
+            [
+                py,
+                "bench/attach.py",
+                "--device",
+                "cuda:0",
+                "--source",
+                "synthetic",
+                "--sizes-gb",
+                "1,10,80",
+                "--repeats",
+                "5",
+                "--backend",
+                "cuda-ipc",
+            ],
+            300,
+        ),
+    }
+
+
+def last_json(text: str) -> object:
+    for line in reversed(text.strip().splitlines()):
+        try:
+            return json.loads(line)
+        except json.JSONDecodeError:
+            continue
+    return None
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/hw-gpu"))
+    parser.add_argument("--skip", nargs="*", default=[])
+    parser.add_argument("--only", nargs="*", default=[])
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    results: dict[str, dict] = {}
+    try:
+        for name, (command, limit) in steps(args.workdir).items():
+            if name in args.skip or (args.only and name not in args.only):
+                continue
+            start = time.perf_counter()
+            try:
+                done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=limit)
+                rc, stdout, stderr = done.returncode, done.stdout, done.stderr
+            except subprocess.TimeoutExpired as exc:
+                rc, stdout, stderr = 124, exc.stdout or "", exc.stderr or ""
+                stdout = stdout.decode() if isinstance(stdout, bytes) else stdout
+                stderr = stderr.decode() if isinstance(stderr, bytes) else stderr
+            if name == "tests" and rc == 0 and "skipped" in stdout:
+                rc = 3  # on the GPU every CUDA test must run
+            seconds = round(time.perf_counter() - start, 1)
+            (args.out / f"{name}.log").write_text(f"$ {' '.join(command)}\n--- stdout\n{stdout}\n--- stderr\n{stderr}")
+            results[name] = {"rc": rc, "seconds": seconds, "result": last_json(stdout)}
+            print(f"{name:12s} rc={rc} {seconds:7.1f} s  {json.dumps(results[name]['result'])[:300]}", flush=True)
+    finally:
+        shutil.rmtree(args.workdir, ignore_errors=True)
+    summary = {"ok": all(r["rc"] == 0 for r in results.values()), "date": time.strftime("%Y-%m-%d"), **results}
+    (args.out / "gpu_suite.json").write_text(json.dumps(summary, indent=2))
+    print(json.dumps(summary))
+    return 0 if summary["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
