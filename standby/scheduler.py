@@ -186,7 +186,7 @@ class Scheduler:
                     return
                 slot = self._free_slots.pop() if kv is not None else None
             seq = self._waiting.popleft()
-            if kv is None or slot is None:
+            if slot is None:
                 self._retire(seq, Finish("error", "no KV cache is attached: this engine is a standby"))
                 continue
             seq.slot = slot

@@ -1,10 +1,11 @@
 """An engine-like process for the cache tests: attaches, then answers commands on stdin.
 
-One JSON reply per line on stdout. Commands: generate, checksum, memory, fds, close, exit.
+One JSON reply per line on stdout. Commands: generate, checksum, digest, memory, fds, close, exit.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -18,6 +19,11 @@ from standby.model import generate
 from standby.weights import load_model
 
 PROMPT = "The failover took"
+
+
+def tensor_digest(tensor: torch.Tensor) -> str:
+    """sha256 of the tensor's bytes: bitwise comparison across processes and devices."""
+    return hashlib.sha256(tensor.contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
 
 
 def private_kib() -> int:
@@ -39,6 +45,8 @@ def main() -> None:
             reply = {"tokens": list(generate(loaded.model, ids, 12))}
         elif command == "checksum":
             reply = {"sums": {n: float(p.double().sum()) for n, p in loaded.model.state_dict().items()}}
+        elif command == "digest":
+            reply = {"digests": {n: tensor_digest(p) for n, p in loaded.model.state_dict().items()}}
         elif command == "memory":
             reply = {"private_kib": private_kib()}
         elif command == "fds":

@@ -8,13 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from cache.client import attach
 from cache.pipeline import LoadSpec, load_processed
 from standby.generate import load_tokenizer
 from standby.model import generate
 from standby.weights import load_model
-from tests.attach_worker import PROMPT
-from tests.cachehelpers import Engine, ProcessDaemon, ThreadDaemon, fingerprint_of
+from tests.attach_worker import PROMPT, tensor_digest
+from tests.cachehelpers import Engine, ProcessDaemon, ThreadDaemon
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 DEVICE = "cuda:0"
@@ -35,13 +34,11 @@ def off_mode_tokens(model: Path) -> list[int]:
 
 @pytest.mark.parametrize("backend", ["cuda-vmm", "cuda-ipc"])
 def test_attached_tensors_equal_off_mode_on_gpu(tiny_model: Path, sock: Path, backend: str) -> None:
-    reference = load_processed(tiny_model, LoadSpec(device=DEVICE), progress=False)
+    reference = {n: tensor_digest(t) for n, t in load_processed(tiny_model, LoadSpec(device=DEVICE)).items()}
     with ThreadDaemon(tiny_model, sock, spec=LoadSpec(device=DEVICE), backend=backend):
-        # Attach from this same process only to compare bytes; engines attach from others below.
-        attachment = attach(sock, fingerprint_of(tiny_model, DEVICE), DEVICE)
-        for name, tensor in reference.items():
-            assert torch.equal(attachment.tensors[name].view(torch.uint8), tensor.view(torch.uint8)), name
-        attachment.close()
+        with Engine(tiny_model, sock, device=DEVICE) as engine:  # another process: cuda-ipc cannot self-import
+            assert engine.hello["source"] == "cache"
+            assert engine.ask("digest")["digests"] == reference
 
 
 @pytest.mark.parametrize("backend", ["cuda-vmm", "cuda-ipc"])
