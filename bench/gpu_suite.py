@@ -9,7 +9,9 @@ Steps, each a subprocess with its own time limit, so one failure or hang cannot 
   checkpoint  writes the 'xl' preset (~32 GB) to --workdir, generated on the GPU
   load      bench/load.py on that checkpoint: the off-mode pipeline onto the GPU
   attach    bench/attach.py: synthetic 1 / 10 / 80 GB arenas (>= 1000 tensors) with cuda-vmm,
-            and the same with cuda-ipc, next to the off-mode load of the xl checkpoint
+            next to the off-mode load of the xl checkpoint
+  engine    bench/engine.py on the GPU: promote time, health latency under load, tokens/s
+  attach_ipc  the attach benchmark again with the cuda-ipc backend
 Results go to DIR/gpu_suite.json and each step's output to DIR/<step>.log; the last stdout line
 is one JSON object. Exits 1 if any step failed.
 """
@@ -82,6 +84,7 @@ def steps(workdir: Path) -> dict[str, tuple[list[str], int]]:
             ],
             400,
         ),
+        "engine": ([py, "bench/engine.py", "--device", "cuda:0", "--cycles", "50", "--gen-tokens", "500"], 180),
         "attach_ipc": (
             [
                 py,
