@@ -66,7 +66,29 @@ def view(arena: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
 
 
 def views(arena: torch.Tensor, entries: list[TensorEntry]) -> dict[str, torch.Tensor]:
-    return {entry.name: view(arena, entry) for entry in entries}
+    """All views at once: one typed view of the arena per dtype, then one ``as_strided`` per tensor.
+
+    Same result as ``view`` per entry with a third of the per-tensor torch calls, which is what
+    attach time is made of once the arena is mapped.
+    """
+    typed: dict[torch.dtype, torch.Tensor] = {}
+    out = {}
+    for entry in entries:
+        dtype = DTYPES[entry.dtype]
+        base = typed.get(dtype)
+        if base is None:
+            usable = arena.numel() // dtype.itemsize * dtype.itemsize
+            base = typed[dtype] = arena[:usable].view(dtype)
+        out[entry.name] = base.as_strided(entry.shape, _contiguous_strides(entry.shape), entry.offset // dtype.itemsize)
+    return out
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for dim in reversed(shape):
+        strides.append(step)
+        step *= dim
+    return tuple(reversed(strides))
 
 
 def content_hash(arena: torch.Tensor, nbytes: int) -> str:

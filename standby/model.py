@@ -348,7 +348,7 @@ class Transformer(nn.Module):
         return _all_gather_last(F.linear(x, head).float(), self.tp)  # (B, T, V)
 
 
-def _sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
+def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
     """One token id from (V,) logits: argmax at temperature 0, else nucleus sampling."""
     if temperature == 0.0:
         return int(logits.argmax())
@@ -430,7 +430,7 @@ def _decode(
     logits = model(ids, 0, cache)[0, -1]
     pos = len(prompt_ids)  # where the next fed token goes
     for step in range(max_new_tokens):
-        token = _sample(logits, temperature, top_p, generator)
+        token = sample_token(logits, temperature, top_p, generator)
         if token in stop_ids:
             return
         yield token

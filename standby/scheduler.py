@@ -24,8 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from standby.model import KVCache, Transformer
-from standby.model import _sample as sample_token  # the very sampler generate() uses
+from standby.model import KVCache, Transformer, sample_token
 
 log = logging.getLogger(__name__)
 
