@@ -1,0 +1,267 @@
+"""The cluster configuration (``cluster.toml``): one dataclass tree, validated on load.
+
+Every failover group is one device: a cache daemon on it and ``engines`` engines attached to that
+daemon, one primary and the rest warm standbys. Every error names the file, the key, what was
+expected and what was found; nothing starts until the whole file is valid. ``EXAMPLE_CONFIG`` documents every key.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from cache.errors import ConfigError
+from cache.makemodel import hotweights_home
+
+EXAMPLE_CONFIG = """\
+[cluster]
+name = "demo"
+host = "127.0.0.1"            # controller REST API
+port = 8100
+token_file = ""               # bearer token for mutations; required for a non-loopback host
+state_dir = ""                # default: $HOTWEIGHTS_HOME/clusters/<name>
+
+[model]
+path = ""                     # default: the embedded tiny model, generated on first use
+dtype = ""                    # bf16 | fp16 | fp32; default: the checkpoint's
+quantize = ""                 # "" or "fp8-block"
+
+[[groups]]
+device = "cpu"                # cpu or cuda:N
+engines = 3                   # 1 primary + 2 standbys
+base_port = 8200              # engine i listens on base_port + i
+backend = ""                  # arena backend; default per device
+
+[engine]
+kv_cache_tokens = 4096
+max_batch = 4
+drain_timeout_s = 30.0
+
+[health]
+interval_ms = 100
+timeout_ms = 250
+failure_threshold = 2
+
+[gateway]
+host = "127.0.0.1"
+port = 8000
+queue_limit = 256             # requests held while no primary answers
+hold_timeout_s = 10.0         # how long a held request waits for a primary
+"""
+
+
+@dataclass(frozen=True)
+class ClusterSection:
+    name: str = "hotweights"
+    host: str = "127.0.0.1"
+    port: int = 8100
+    token_file: str = ""
+    state_dir: str = ""
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    path: str = ""
+    dtype: str = ""
+    quantize: str = ""
+
+
+@dataclass(frozen=True)
+class GroupSection:
+    device: str = "cpu"
+    engines: int = 3
+    base_port: int = 8200
+    backend: str = ""
+
+
+@dataclass(frozen=True)
+class EngineSection:
+    kv_cache_tokens: int = 4096
+    max_batch: int = 4
+    drain_timeout_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class HealthSection:
+    interval_ms: int = 100
+    timeout_ms: int = 250
+    failure_threshold: int = 2
+
+
+@dataclass(frozen=True)
+class GatewaySection:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    queue_limit: int = 256
+    hold_timeout_s: float = 10.0
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """One engine the controller supervises; ids are stable across controller restarts."""
+
+    id: str
+    group: int
+    device: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    source: str = "(defaults)"
+    cluster: ClusterSection = field(default_factory=ClusterSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    groups: tuple[GroupSection, ...] = (GroupSection(),)
+    engine: EngineSection = field(default_factory=EngineSection)
+    health: HealthSection = field(default_factory=HealthSection)
+    gateway: GatewaySection = field(default_factory=GatewaySection)
+
+    def engines(self) -> list[EngineSpec]:
+        """Every engine of every group: ``g<group>-e<index>`` on ``base_port + index``."""
+        return [
+            EngineSpec(id=f"g{g}-e{i}", group=g, device=group.device, port=group.base_port + i)
+            for g, group in enumerate(self.groups)
+            for i in range(group.engines)
+        ]
+
+    def engine_urls(self) -> list[str]:
+        return [spec.url for spec in self.engines()]
+
+    @property
+    def state_dir(self) -> Path:
+        if self.cluster.state_dir:
+            return Path(self.cluster.state_dir).expanduser()
+        return hotweights_home() / "clusters" / self.cluster.name
+
+    def token(self) -> str | None:
+        """The bearer token from ``token_file`` (None when unset)."""
+        if not self.cluster.token_file:
+            return None
+        path = Path(self.cluster.token_file).expanduser()
+        try:
+            token = path.read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"{self.source}: cluster.token_file {path}: {exc.strerror}") from None
+        if not token:
+            raise ConfigError(f"{self.source}: cluster.token_file {path} is empty")
+        return token
+
+
+SECTIONS = {
+    "cluster": ClusterSection,
+    "model": ModelSection,
+    "engine": EngineSection,
+    "health": HealthSection,
+    "gateway": GatewaySection,
+}
+
+
+def load_config(path: str | Path | None) -> ClusterConfig:
+    """Read and validate ``path``; None gives the defaults (the embedded tiny model on CPU)."""
+    if path is None:
+        config = ClusterConfig()
+    else:
+        source = str(path)
+        try:
+            raw = tomllib.loads(Path(path).read_text())
+        except OSError as exc:
+            raise ConfigError(f"{source}: cannot read: {exc.strerror}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{source}: not valid TOML: {exc}") from None
+        config = _from_raw(raw, source)
+    validate(config)
+    return config
+
+
+def _from_raw(raw: dict[str, Any], source: str) -> ClusterConfig:
+    unknown = raw.keys() - {*SECTIONS, "groups"}
+    if unknown:
+        raise ConfigError(f"{source}: unknown section(s) {sorted(unknown)}; expected {sorted([*SECTIONS, 'groups'])}")
+    sections = {name: _section(cls, raw.get(name, {}), name, source) for name, cls in SECTIONS.items()}
+    groups_raw = raw.get("groups", [{}])
+    if not isinstance(groups_raw, list) or not groups_raw:
+        raise ConfigError(f"{source}: [[groups]] must be a non-empty array of tables")
+    groups = tuple(_section(GroupSection, g, f"groups[{i}]", source) for i, g in enumerate(groups_raw))
+    return ClusterConfig(source=source, groups=groups, **sections)
+
+
+def _section(cls: type, raw: object, name: str, source: str) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: [{name}] must be a table, found {type(raw).__name__}")
+    known = {f.name: f for f in fields(cls)}
+    unknown = raw.keys() - known.keys()
+    if unknown:
+        raise ConfigError(f"{source}: [{name}] unknown key(s) {sorted(unknown)}; expected {sorted(known)}")
+    values = {}
+    for key, value in raw.items():
+        expected = {"int": int, "float": float, "str": str}[known[key].type]
+        if expected is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if type(value) is not expected:
+            raise ConfigError(
+                f"{source}: {name}.{key} must be {expected.__name__}, found {type(value).__name__} {value!r}"
+            )
+        values[key] = value
+    return cls(**values)
+
+
+def validate(config: ClusterConfig) -> None:
+    """Cross-field checks: positive timings, distinct ports, a token for non-loopback binds."""
+    src = config.source
+
+    def positive(where: str, value: float) -> None:
+        if value <= 0:
+            raise ConfigError(f"{src}: {where} must be > 0, found {value}")
+
+    for where, value in [
+        ("health.interval_ms", config.health.interval_ms),
+        ("health.timeout_ms", config.health.timeout_ms),
+        ("health.failure_threshold", config.health.failure_threshold),
+        ("engine.kv_cache_tokens", config.engine.kv_cache_tokens),
+        ("engine.max_batch", config.engine.max_batch),
+        ("engine.drain_timeout_s", config.engine.drain_timeout_s),
+        ("gateway.queue_limit", config.gateway.queue_limit),
+        ("gateway.hold_timeout_s", config.gateway.hold_timeout_s),
+    ]:
+        positive(where, value)
+    if config.model.dtype not in ("", "bf16", "fp16", "fp32"):
+        raise ConfigError(f"{src}: model.dtype must be bf16, fp16 or fp32, found {config.model.dtype!r}")
+    if config.model.quantize not in ("", "fp8-block"):
+        raise ConfigError(f"{src}: model.quantize must be '' or 'fp8-block', found {config.model.quantize!r}")
+    for i, group in enumerate(config.groups):
+        if group.engines < 1:
+            raise ConfigError(f"{src}: groups[{i}].engines must be >= 1, found {group.engines}")
+        if not (group.device == "cpu" or group.device.startswith("cuda:")):
+            raise ConfigError(f"{src}: groups[{i}].device must be cpu or cuda:N, found {group.device!r}")
+    ports: dict[int, str] = {config.cluster.port: "cluster.port", config.gateway.port: "gateway.port"}
+    if config.cluster.port == config.gateway.port:
+        raise ConfigError(f"{src}: cluster.port and gateway.port are both {config.cluster.port}")
+    for spec in config.engines():
+        if not 0 < spec.port < 65536:
+            raise ConfigError(f"{src}: engine {spec.id} port {spec.port} is out of range")
+        if spec.port in ports:
+            raise ConfigError(f"{src}: engine {spec.id} port {spec.port} collides with {ports[spec.port]}")
+        ports[spec.port] = f"engine {spec.id}"
+    if not _is_loopback(config.cluster.host) and not config.cluster.token_file:
+        raise ConfigError(
+            f"{src}: cluster.host {config.cluster.host!r} is not loopback: set cluster.token_file so that "
+            "mutations need a bearer token"
+        )
+    if config.cluster.token_file:
+        config.token()
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
