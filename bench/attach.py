@@ -167,6 +167,7 @@ def main() -> None:
     parser.add_argument("--tensors", type=int, default=1000, help="at least this many tensors per arena")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--backend", help="arena backend (default: cpu-shm on CPU, cuda-vmm on CUDA)")
+    parser.add_argument("--models", help="disk source: existing bf16 checkpoints (comma-separated), not --sizes-gb")
     parser.add_argument("--load-model", help="synthetic source: checkpoint whose off-mode load is timed")
     parser.add_argument("--workdir", help="where disk checkpoints are written (default: a temp dir)")
     parser.add_argument("--timeout", type=float, default=900)
@@ -182,10 +183,12 @@ def main() -> None:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="hw-bench-"))
     socket_path = Path(tempfile.mkdtemp(prefix="hw-", dir="/tmp")) / "bench.sock"
     rows = []
-    for size in sizes:
-        config = shape_for(size * 1e9, args.tensors)
+    if args.models:
+        targets = [(read_checkpoint(m).config, Path(m)) for m in args.models.split(",")]
+    else:
+        targets = [(shape_for(size * 1e9, args.tensors), workdir / f"model-{size}gb") for size in sizes]
+    for config, model_dir in targets:
         if args.source == "disk":
-            model_dir = workdir / f"model-{size}gb"
             if not model_dir.exists():
                 write_checkpoint(
                     model_dir,

@@ -10,6 +10,8 @@ Steps, each a subprocess with its own time limit, so one failure or hang cannot 
   load      bench/load.py on that checkpoint: the off-mode pipeline onto the GPU
   attach    bench/attach.py: synthetic 1 / 10 / 80 GB arenas (>= 1000 tensors) with cuda-vmm,
             next to the off-mode load of the xl checkpoint
+  attach_xl   a daemon serving the xl checkpoint from disk: off-mode load vs attach of the same weights
+  engines   bench/gpu_engines.py on xl: memory of 1 primary + 3 standbys, daemon SIGKILL while serving
   engine    bench/engine.py on the GPU: promote time, health latency under load, tokens/s
   attach_ipc  the attach benchmark again with the cuda-ipc backend
 Results go to DIR/gpu_suite.json and each step's output to DIR/<step>.log; the last stdout line
@@ -84,6 +86,8 @@ def steps(workdir: Path) -> dict[str, tuple[list[str], int]]:
             ],
             400,
         ),
+        "attach_xl": ([py, "bench/attach.py", "--device", "cuda:0", "--models", str(xl), "--repeats", "10"], 240),
+        "engines": ([py, "bench/gpu_engines.py", "--model", str(xl), "--device", "cuda:0", "--standbys", "3"], 420),
         "engine": ([py, "bench/engine.py", "--device", "cuda:0", "--cycles", "50", "--gen-tokens", "500"], 180),
         "attach_ipc": (
             [

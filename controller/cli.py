@@ -20,6 +20,8 @@ COMMANDS: tuple[str, ...] = (
     "cache.cli",
     "standby.generate",
     "standby.engine",
+    "controller.gateway",
+    "controller.haproxy",
 )
 
 

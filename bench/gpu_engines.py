@@ -1,0 +1,173 @@
+"""One primary and N standbys on one GPU, sharing one weight arena: memory and daemon-death checks.
+
+    python bench/gpu_engines.py --model DIR [--device cuda:0] [--standbys 3]
+
+1. Memory: device memory in use (nvidia-smi) after the daemon loads, after the primary attaches,
+   and after each standby; bytes added per standby (target: weights counted once, each standby adds
+   only its CUDA context and workspace).
+2. Daemon SIGKILL while engines serve: the primary's greedy completion is byte-identical before
+   and after; the daemon is restarted; a new engine attaches to the new daemon, is promoted (after
+   the old primary is demoted) and completes the same text.
+The last stdout line is one JSON object. Every process is killed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+PROMPT = "The weight cache keeps"
+
+
+def used_mib(device_index: int | None) -> int:
+    """Device memory in use; 0 on CPU (lets the flow be checked on a machine without a GPU)."""
+    if device_index is None:
+        return 0
+    out = subprocess.run(
+        ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", f"--id={device_index}"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return int(out.stdout.strip())
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+class Stack:
+    """The processes this benchmark started, all killed in ``close``."""
+
+    def __init__(self, model: Path, device: str, workdir: Path) -> None:
+        self.model, self.device, self.workdir = model, device, workdir
+        self.socket = workdir / "cache.sock"
+        self.procs: list[subprocess.Popen] = []
+        self.env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        }
+
+    def spawn(self, args: list[str], log: str) -> subprocess.Popen:
+        out = open(self.workdir / log, "ab")  # noqa: SIM115 - lives as long as the process
+        proc = subprocess.Popen([sys.executable, "-m", "controller.cli", *args], env=self.env, stdout=out, stderr=out)
+        self.procs.append(proc)
+        return proc
+
+    def start_daemon(self) -> subprocess.Popen:
+        ready = self.socket.with_suffix(".ready")
+        ready.unlink(missing_ok=True)
+        proc = self.spawn(
+            ["cache", "serve", "--model", str(self.model), "--device", self.device, "--socket", str(self.socket)],
+            "daemon.log",
+        )
+        wait_until(lambda: ready.exists() or proc.poll() is not None, 600, "daemon ready")
+        if proc.poll() is not None:
+            raise RuntimeError(f"daemon exited: see {self.workdir / 'daemon.log'}")
+        return proc
+
+    def start_engine(self, port: int, role: str) -> httpx.Client:
+        args = ["engine", "--model", str(self.model), "--device", self.device, "--weight-cache", "client"]
+        args += ["--socket", str(self.socket), "--port", str(port), "--role", role, "--engine-id", f"e{port}"]
+        proc = self.spawn(args, f"engine-{port}.log")
+        client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30)
+
+        def ready() -> bool:
+            if proc.poll() is not None:
+                raise RuntimeError(f"engine on {port} exited: see {self.workdir / f'engine-{port}.log'}")
+            try:
+                return client.get("/health/ready").status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(ready, 300, f"engine on port {port}")
+        return client
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=30)
+
+
+def complete(client: httpx.Client) -> str:
+    reply = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 24, "temperature": 0})
+    reply.raise_for_status()
+    return reply.json()["choices"][0]["text"]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--device", default="cuda:0")
+    parser.add_argument("--standbys", type=int, default=3)
+    parser.add_argument("--base-port", type=int, default=18300)
+    args = parser.parse_args()
+    index = None if args.device == "cpu" else int(args.device.partition(":")[2] or 0)
+    workdir = Path(tempfile.mkdtemp(prefix="hw-eng-", dir="/tmp"))
+    stack = Stack(Path(args.model), args.device, workdir)
+    result: dict[str, object] = {"model": args.model, "device": args.device}
+    try:
+        baseline = used_mib(index)
+        daemon = stack.start_daemon()
+        after_daemon = used_mib(index)
+        primary = stack.start_engine(args.base_port, "primary")
+        after_primary = used_mib(index)
+        kv_bytes = primary.get("/health/ready").json()["kv_cache_bytes"]
+        per_standby = []
+        previous = after_primary
+        for i in range(args.standbys):
+            stack.start_engine(args.base_port + 1 + i, "standby")
+            now = used_mib(index)
+            per_standby.append(now - previous)
+            previous = now
+        result.update(
+            baseline_mib=baseline,
+            daemon_mib=after_daemon - baseline,
+            primary_added_mib=after_primary - after_daemon,
+            primary_kv_cache_mib=round(kv_bytes / 2**20, 1),
+            standby_added_mib=per_standby,
+            total_mib_1_primary_plus_standbys=previous - baseline,
+        )
+        reference = complete(primary)
+        daemon.send_signal(signal.SIGKILL)
+        daemon.wait(timeout=30)
+        after_kill = complete(primary)
+        stack.start_daemon()
+        fresh = stack.start_engine(args.base_port + 1 + args.standbys, "standby")
+        source = fresh.get("/health/ready").json()["weight_cache"]["source"]
+        primary.post("/demote")
+        promote_ms = fresh.post("/promote").json().get("duration_ms")
+        result.update(
+            output_unchanged_after_daemon_sigkill=after_kill == reference,
+            new_engine_source=source,
+            new_engine_output_equal=complete(fresh) == reference,
+            new_engine_promote_ms=promote_ms,
+        )
+    finally:
+        stack.close()
+    ok = bool(result.get("output_unchanged_after_daemon_sigkill") and result.get("new_engine_output_equal"))
+    result["ok"] = ok and result.get("new_engine_source") == "cache"
+    for key, value in result.items():
+        print(f"{key:40s} {value}", file=sys.stderr)
+    print(json.dumps(result))
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

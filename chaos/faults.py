@@ -1,0 +1,89 @@
+"""Fault injectors: signals to a process, and packet delay with ``tc netem`` where the kernel has it.
+
+Signals go through a pidfd opened after checking the process's start time against the one recorded
+when the target was chosen, so a fault never lands on an unrelated process that reused the pid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Target:
+    """One process to hurt, as the controller reported it."""
+
+    name: str  # member or service id, e.g. g0-e1, daemon-g0, gateway, controller
+    pid: int
+    start_time: int  # /proc/<pid>/stat field 22
+
+    @classmethod
+    def of(cls, name: str, pid: int) -> Target | None:
+        start = start_time(pid)
+        return None if start is None else cls(name, pid, start)
+
+
+def start_time(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(")") + 2 :].split()[19])
+
+
+def send(target: Target, sig: signal.Signals) -> bool:
+    """Deliver ``sig`` if the target is still that very process; False if it is already gone."""
+    try:
+        fd = os.pidfd_open(target.pid)
+    except ProcessLookupError:
+        return False
+    try:
+        if start_time(target.pid) != target.start_time:
+            return False
+        signal.pidfd_send_signal(fd, sig)
+        return True
+    except ProcessLookupError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def is_alive(target: Target) -> bool:
+    return start_time(target.pid) == target.start_time
+
+
+@contextlib.contextmanager
+def stopped(target: Target):  # noqa: ANN201 - a context manager of None
+    """SIGSTOP for the duration of the block, SIGCONT after (a fenced target is simply gone by then)."""
+    send(target, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        send(target, signal.SIGCONT)
+
+
+def netem_unavailable() -> str | None:
+    """None when packet delay can be injected here; else why not (the scenario is skipped with it).
+
+    Probes in a throwaway network namespace, so nothing on the host's own interfaces changes."""
+    namespace = f"hwchaos{os.getpid()}"
+    steps = [
+        ["ip", "netns", "add", namespace],
+        ["ip", "netns", "exec", namespace, "ip", "link", "set", "lo", "up"],
+        ["ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"],
+    ]
+    try:
+        for step in steps:
+            result = subprocess.run(step, capture_output=True, text=True, timeout=10)
+            if result.returncode != 0:
+                return f"`{' '.join(step[-6:])}` failed: {result.stderr.strip() or result.returncode}"
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"cannot run ip/tc: {exc}"
+    finally:
+        subprocess.run(["ip", "netns", "del", namespace], capture_output=True, timeout=10)
+    return None

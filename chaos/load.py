@@ -1,0 +1,109 @@
+"""Steady client load through a load balancer, with every request's client-visible outcome recorded.
+
+Open loop: a request starts every ``1 / rps`` seconds whether or not earlier ones have answered, as
+real clients do, so an outage shows up as failed or slow requests instead of as fewer requests. Every
+request is the same short greedy completion; its text is compared with a reference taken before the
+first fault, which checks that no engine ever serves from wrong weights. The generator never retries:
+what it records is what a client would have seen (retries inside the gateway are counted by the
+gateway's metrics).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import httpx
+
+PROMPT = "The quick brown fox"
+MAX_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    start: float  # time.time()
+    end: float
+    status: int | None  # None: no HTTP answer (connect error, reset, timeout)
+    error: str  # "" for a correct 200
+    correct: bool | None  # None: no completion to compare
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and self.correct is True
+
+
+def completion_body(max_tokens: int = MAX_TOKENS) -> dict[str, object]:
+    return {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0}
+
+
+async def reference_completion(client: httpx.AsyncClient, base_url: str, timeout_s: float = 60.0) -> str:
+    """The greedy completion the cluster gives now; retried until it answers, since the stack may be starting."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            response = await client.post(f"{base_url}/v1/completions", json=completion_body())
+            if response.status_code == 200:
+                return response.json()["choices"][0]["text"]
+            failure = f"{response.status_code} {response.text[:200]}"
+        except httpx.HTTPError as exc:
+            failure = f"{type(exc).__name__} {exc}"
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no reference completion from {base_url} within {timeout_s} s: {failure}")
+        await asyncio.sleep(0.2)
+
+
+class LoadGenerator:
+    def __init__(self, base_url: str, rps: float, reference: str, timeout_s: float = 30.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.rps = rps
+        self.reference = reference
+        self.timeout_s = timeout_s
+        self.records: list[RequestRecord] = []
+        self.in_flight: set[asyncio.Task] = set()
+
+    async def run(self, client: httpx.AsyncClient) -> None:
+        """Start one request per tick until cancelled; missed ticks (a stalled loop) are not made up."""
+        interval = 1.0 / self.rps
+        next_start = time.monotonic()
+        while True:
+            task = asyncio.create_task(self.one(client))
+            self.in_flight.add(task)
+            task.add_done_callback(self.in_flight.discard)
+            next_start = max(next_start + interval, time.monotonic())
+            await asyncio.sleep(next_start - time.monotonic())
+
+    async def one(self, client: httpx.AsyncClient) -> None:
+        start = time.time()
+        status, correct, error = None, None, ""
+        try:
+            response = await client.post(
+                f"{self.base_url}/v1/completions", json=completion_body(), timeout=self.timeout_s
+            )
+            status = response.status_code
+            if status == 200:
+                text = response.json()["choices"][0]["text"]
+                correct = text == self.reference
+                error = "" if correct else f"wrong output {text!r}, expected {self.reference!r}"
+            else:
+                error = response.text[:300]
+        except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
+            error = f"{type(exc).__name__}: {exc}"[:300]
+        self.records.append(RequestRecord(start, time.time(), status, error, correct))
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[LoadGenerator]:
+        """Load for the duration of the block; on exit, stop starting requests and let open ones finish."""
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=32)
+        async with httpx.AsyncClient(limits=limits) as client:
+            task = asyncio.create_task(self.run(client))
+            try:
+                yield self
+            finally:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                if self.in_flight:
+                    await asyncio.wait(self.in_flight, timeout=self.timeout_s)

@@ -1,0 +1,428 @@
+"""The stack the controller keeps: engine slots, cache daemons and the gateway, their processes and state.
+
+Mechanism only: start, adopt, fence, stop, persist, and one immutable ``Snapshot`` for the HA loop
+to decide from. An engine slot (``Member``) keeps its id, group and port for life; the process
+behind it comes and goes. ``state.json`` is rewritten after every change, so a restarted controller
+adopts the running processes and starts only what is missing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from cache.client import AttachRefused, DaemonUnavailable, hello
+from controller.config import EngineSpec
+from controller.health import HealthChecker, HealthRecord
+from controller.stack import Layout
+from controller.supervisor import Process, StateFile, Supervisor, read_identity
+
+SERVICE_START_TIMEOUT_S = 600.0  # a daemon loads the whole model from disk before it serves
+PROBE_INTERVAL_S = 0.05
+
+
+class ServiceFailed(Exception):
+    """A daemon or gateway exited, or never served, after being started."""
+
+
+@dataclass
+class Member:
+    """One engine slot: the spec is permanent, the process behind it is replaced on failure."""
+
+    spec: EngineSpec
+    role: str = "standby"  # what we last knew; the engine's own later health replies override it
+    role_set_at: float = 0.0  # time.monotonic() of our last role change: older replies are stale
+    process: Process | None = None
+    health: HealthRecord = field(default_factory=HealthRecord)
+    started_at: float = 0.0  # time.monotonic()
+    start_failures: int = 0  # exits before ever being ready, in a row
+    next_start_at: float = 0.0  # backoff after such exits
+
+
+@dataclass
+class Service:
+    """A cache daemon (one per group) or the gateway: kept running, ``serving`` once its probe answered."""
+
+    id: str
+    kind: str  # "daemon" | "gateway"
+    group: int | None = None
+    process: Process | None = None
+    serving: bool = False
+    restarts: int = 0
+    keeper: asyncio.Task | None = None  # the (re)start in progress
+
+
+@dataclass(frozen=True)
+class MemberView:
+    id: str
+    group: int
+    port: int
+    device: str
+    url: str
+    role: str  # primary | standby (the engine's word when it has answered, else ours)
+    state: str  # the engine's: ready | draining | drained | unknown
+    status: str  # ours: absent | starting | healthy | failing | exited
+    pid: int | None
+    alive: bool
+    exit_reason: str | None
+    exited_at: float | None
+    age_s: float
+    health: HealthRecord
+
+    @property
+    def is_ready_standby(self) -> bool:
+        return self.alive and self.role == "standby" and self.state == "ready" and bool(self.health.ok)
+
+    @property
+    def is_serving_primary(self) -> bool:
+        return self.alive and self.role == "primary" and self.state == "ready" and bool(self.health.ok)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "group": self.group,
+            "role": self.role,
+            "state": self.state,
+            "status": self.status,
+            "pid": self.pid,
+            "port": self.port,
+            "url": self.url,
+            "device": self.device,
+            "exit_reason": self.exit_reason,
+            "last_check": self.health.checked_at,
+            "consecutive_failures": self.health.consecutive_failures,
+            "health": self.health.to_json(),
+        }
+
+
+@dataclass(frozen=True)
+class ServiceView:
+    id: str
+    kind: str
+    group: int | None
+    pid: int | None
+    alive: bool
+    serving: bool
+    restarting: bool
+    restarts: int
+    exit_reason: str | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The whole cluster at one instant: what one HA cycle decides from."""
+
+    taken_at: float
+    groups: int
+    members: tuple[MemberView, ...]
+    services: tuple[ServiceView, ...]
+
+    def member(self, member_id: str) -> MemberView | None:
+        return next((m for m in self.members if m.id == member_id), None)
+
+    def group(self, group: int) -> list[MemberView]:
+        return [m for m in self.members if m.group == group]
+
+    def primaries(self, group: int) -> list[MemberView]:
+        """Members that are (or were, until they died) the primary; live ones first."""
+        return sorted((m for m in self.group(group) if m.role == "primary"), key=lambda m: not m.alive)
+
+    def daemon(self, group: int) -> ServiceView:
+        return next(s for s in self.services if s.kind == "daemon" and s.group == group)
+
+
+class Cluster:
+    def __init__(self, layout: Layout, checker: HealthChecker, wake: Callable[[], None]) -> None:
+        self.layout = layout
+        self.config = layout.config
+        self.checker = checker
+        self.wake = wake
+        self.supervisor = Supervisor(layout.log_dir, layout.env(), self.handle_exit)
+        self.state_file = StateFile(layout.state_file)
+        self.members: dict[str, Member] = {}
+        self.services: dict[str, Service] = {}
+        self.removed: set[str] = set()  # configured engines deleted through the API
+
+    # --- load and persist ---------------------------------------------------------------------
+
+    def load(self, with_gateway: bool) -> list[str]:
+        """Build the desired stack from the config and state.json; adopt the recorded processes that
+        still run. Returns one line per adopted process."""
+        state = self.state_file.load()
+        self.removed = set(state.get("removed", []))
+        recorded = state.get("members", {})
+        specs = {spec.id: spec for spec in self.config.engines() if spec.id not in self.removed}
+        for member_id, row in recorded.items():  # engines added through the API
+            if member_id not in specs and member_id not in self.removed:
+                specs[member_id] = EngineSpec(member_id, row["group"], row["device"], row["port"])
+        for spec in specs.values():
+            self.members[spec.id] = Member(spec, role=recorded.get(spec.id, {}).get("role", "standby"))
+        for group in range(len(self.config.groups)):
+            self.services[f"g{group}-cache"] = Service(f"g{group}-cache", "daemon", group)
+        recorded_services = state.get("services", {})
+        if with_gateway or "gateway" in recorded_services:
+            self.services["gateway"] = Service("gateway", "gateway")
+        adopted = []
+        for member in self.members.values():
+            process_row = recorded.get(member.spec.id, {}).get("process")
+            if process_row and (process := self.supervisor.adopt(member.spec.id, process_row)):
+                self._attach(member, process)
+                adopted.append(f"{member.spec.id} ({member.role}, pid {process.pid})")
+        for service in self.services.values():
+            process_row = recorded_services.get(service.id, {}).get("process")
+            if process_row and (process := self.supervisor.adopt(service.id, process_row)):
+                service.process = process
+                adopted.append(f"{service.id} (pid {process.pid})")
+        if "gateway" in self.services and not with_gateway and self.services["gateway"].process is None:
+            del self.services["gateway"]  # a dead gateway from an earlier `up`: not ours to restart
+        self.save()
+        return adopted
+
+    def save(self) -> None:
+        me = read_identity(os.getpid())
+        members = {
+            m.spec.id: {
+                "group": m.spec.group,
+                "device": m.spec.device,
+                "port": m.spec.port,
+                "role": m.role,
+                "process": m.process.record() if m.process and m.process.alive else None,
+            }
+            for m in self.members.values()
+        }
+        services = {
+            s.id: {"kind": s.kind, "process": s.process.record() if s.process and s.process.alive else None}
+            for s in self.services.values()
+        }
+        self.state_file.save(
+            {
+                "cluster": self.config.cluster.name,
+                "controller": {"pid": me.pid, "start_time": me.start_time, "command": list(me.command)}
+                if me
+                else None,
+                "members": members,
+                "services": services,
+                "removed": sorted(self.removed),
+            }
+        )
+
+    # --- the snapshot --------------------------------------------------------------------------
+
+    def snapshot(self) -> Snapshot:
+        now = time.monotonic()
+        members = tuple(self._view(m, now) for m in sorted(self.members.values(), key=_slot_order))
+        services = tuple(
+            ServiceView(
+                s.id,
+                s.kind,
+                s.group,
+                s.process.pid if s.process else None,
+                bool(s.process and s.process.alive),
+                s.serving,
+                bool(s.keeper and not s.keeper.done()),
+                s.restarts,
+                s.process.exit_reason if s.process else None,
+            )
+            for s in self.services.values()
+        )
+        return Snapshot(now, len(self.config.groups), members, services)
+
+    def _view(self, member: Member, now: float) -> MemberView:
+        process, health = member.process, member.health
+        body = health.body or {}
+        if body.get("role") in ("primary", "standby") and health.sent_at > member.role_set_at:
+            member.role = body["role"]
+        alive = bool(process and process.alive)
+        if process is None:
+            status = "absent"
+        elif not alive:
+            status = "exited"
+        elif health.ok:
+            status = "healthy"
+        else:
+            status = "failing" if health.ever_ok else "starting"
+        return MemberView(
+            id=member.spec.id,
+            group=member.spec.group,
+            port=member.spec.port,
+            device=member.spec.device,
+            url=member.spec.url,
+            role=member.role,
+            state=body.get("state", "unknown") if health.ok is not None else "unknown",
+            status=status,
+            pid=process.pid if process else None,
+            alive=alive,
+            exit_reason=process.exit_reason if process else None,
+            exited_at=process.exited_at if process else None,
+            age_s=now - member.started_at,
+            health=replace(health),
+        )
+
+    # --- engines -------------------------------------------------------------------------------
+
+    def start_engine(self, member_id: str) -> Process:
+        """Start the slot's engine as a standby (attached from its group's daemon)."""
+        member = self.members[member_id]
+        process = self.supervisor.spawn(member_id, self.layout.engine_command(member.spec))
+        self._attach(member, process)
+        self.set_role(member_id, "standby")
+        return process
+
+    def _attach(self, member: Member, process: Process) -> None:
+        member.process = process
+        member.started_at = time.monotonic()
+        member.health = self.checker.track(member.spec.id, member.spec.url)
+
+    async def fence(self, member_id: str) -> bool:
+        """SIGKILL the engine and wait for its exit; False if it would not die."""
+        member = self.members[member_id]
+        self.checker.untrack(member_id)
+        if member.process is None:
+            return True
+        fenced = await self.supervisor.fence(member.process)
+        if fenced:
+            self.set_role(member_id, "standby")  # if it comes back, it comes back as a standby
+        return fenced
+
+    async def stop_engine(self, member_id: str) -> str:
+        member = self.members[member_id]
+        self.checker.untrack(member_id)
+        how = await self.supervisor.stop(member.process) if member.process else "was not running"
+        self.save()
+        return how
+
+    def set_role(self, member_id: str, role: str) -> None:
+        member = self.members[member_id]
+        member.role, member.role_set_at = role, time.monotonic()
+        self.save()
+
+    def add_engine(self, group: int) -> Member:
+        """A new standby slot in ``group``: next index, next port that nothing uses or listens on."""
+        spec_group = self.config.groups[group]
+        indexes = [int(m.spec.id.rsplit("-e", 1)[1]) for m in self.members.values() if m.spec.group == group]
+        index = max(indexes, default=-1) + 1
+        while f"g{group}-e{index}" in self.removed:
+            index += 1
+        taken = {m.spec.port for m in self.members.values()} | {self.config.cluster.port, self.config.gateway.port}
+        taken |= {spec.port for spec in self.config.engines()}
+        port = spec_group.base_port + index
+        while port in taken or not _port_is_free(port):
+            port += 1
+        member = Member(EngineSpec(f"g{group}-e{index}", group, spec_group.device, port))
+        self.members[member.spec.id] = member
+        self.save()
+        return member
+
+    def remove_engine(self, member_id: str) -> None:
+        del self.members[member_id]
+        if any(spec.id == member_id for spec in self.config.engines()):
+            self.removed.add(member_id)
+        self.save()
+
+    # --- daemons and the gateway ----------------------------------------------------------------
+
+    async def start_service(self, service_id: str) -> None:
+        """Spawn the service unless it runs, then wait until it serves. Raises ServiceFailed."""
+        service = self.services[service_id]
+        if service.process is None or not service.process.alive:
+            command = (
+                self.layout.daemon_command(service.group)
+                if service.kind == "daemon"
+                else self.layout.gateway_command()
+            )
+            service.process = self.supervisor.spawn(service.id, command)
+            self.save()
+        process = service.process
+        deadline = time.monotonic() + SERVICE_START_TIMEOUT_S
+        while not await self._probe(service):
+            if not process.alive:
+                raise ServiceFailed(f"{service.id} {process.exit_reason} before serving; see {self._log(service)}")
+            if time.monotonic() > deadline:
+                await self.supervisor.fence(process)
+                raise ServiceFailed(f"{service.id} did not serve within {SERVICE_START_TIMEOUT_S:g} s; killed it")
+            await asyncio.sleep(PROBE_INTERVAL_S)
+        service.serving = True
+
+    async def stop_service(self, service_id: str) -> str:
+        service = self.services[service_id]
+        if service.keeper:
+            service.keeper.cancel()
+        service.serving = False
+        how = await self.supervisor.stop(service.process) if service.process else "was not running"
+        self.save()
+        return how
+
+    async def _probe(self, service: Service) -> bool:
+        if service.kind == "daemon":
+            try:
+                await asyncio.to_thread(hello, self.layout.socket(service.group), 1.0)
+            except (DaemonUnavailable, AttachRefused):
+                return False
+            return True
+        try:
+            _, writer = await asyncio.open_connection(self.config.gateway.host, self.config.gateway.port)
+        except OSError:
+            return False
+        writer.close()
+        return True
+
+    def _log(self, service: Service) -> str:
+        return str(self.layout.log_dir / f"{service.id}.log")
+
+    # --- exits and shutdown ---------------------------------------------------------------------
+
+    def handle_exit(self, process: Process) -> None:
+        """Runs on the event loop the instant a watched process ends: wake the HA loop."""
+        service = self.services.get(process.id)
+        if service is not None and service.process is process:
+            service.serving = False
+        self.wake()
+
+    async def stop_all(self, timeout: float) -> list[str]:
+        """Gateway first (clients see it go, not a half-stack), then all engines at once, then the daemons."""
+        for service in self.services.values():
+            if service.keeper:
+                service.keeper.cancel()
+        await self.checker.close()
+        lines = []
+        if "gateway" in self.services:
+            lines.append(f"gateway: {await self.stop_service('gateway')}")
+        engines = [m for m in self.members.values() if m.process and m.process.alive]
+        results = await asyncio.gather(*(self.supervisor.stop(m.process, timeout) for m in engines))
+        lines += [f"{m.spec.id}: {how}" for m, how in zip(engines, results, strict=True)]
+        daemons = [s for s in self.services.values() if s.kind == "daemon"]
+        results = await asyncio.gather(*(self.stop_service(s.id) for s in daemons))
+        lines += [f"{s.id}: {how}" for s, how in zip(daemons, results, strict=True)]
+        self.save()
+        return lines
+
+    async def release(self) -> None:
+        """Stop watching and leave every process running (the data path outlives the controller)."""
+        for service in self.services.values():
+            if service.keeper:
+                service.keeper.cancel()
+        await self.checker.close()
+        self.save()
+        for process in list(self.supervisor.processes.values()):
+            self.supervisor.forget(process)
+
+
+def _slot_order(member: Member) -> tuple[int, int]:
+    return member.spec.group, int(member.spec.id.rsplit("-e", 1)[1])
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket() as probe:
+        with contextlib.suppress(OSError):
+            probe.bind(("127.0.0.1", port))
+            return True
+    return False

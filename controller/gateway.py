@@ -1,0 +1,440 @@
+"""``hotweights gateway``: a reverse proxy that sends ``/v1/*`` to whichever engine is primary now.
+
+The data path must not depend on the controller, so the gateway finds the primary itself: it polls
+``GET /primary`` on every upstream (each on its own, so one hung engine never slows the others) and
+round-robins among those answering 200 (one per failover group). Clients see no error from a
+failover because of three rules:
+
+- While no primary is known, new requests are held (at most ``queue_limit`` of them, each for at most
+  ``hold_timeout_s``); a primary appearing releases them at once. Overflow or deadline: 503 saying why.
+- A request whose upstream failed before any response byte reached the client (connect error,
+  connection closed before the first body chunk, or a 503 from an engine that is now a standby or
+  draining) is re-sent to the next primary within the same deadline. Completions have no side
+  effects, so running one twice is safe.
+- Once bytes have been relayed, a failure cannot be hidden: an SSE stream ends with a
+  ``data: {"error": ...}`` event and no ``[DONE]`` (as the engine itself ends a cancelled stream);
+  any other body is cut off, so the client sees a truncated response, never a silently short one.
+
+A proxied request waits for its upstream without a read timeout (a generation takes as long as it
+takes); an engine that hangs mid-request is the controller's to fence, which closes the connection.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import os
+import signal
+import socket
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from types import FrameType
+
+import httpx
+import uvicorn
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from controller.config import load_config
+
+log = logging.getLogger(__name__)
+
+# Per-connection headers (RFC 9110 section 7.6.1) and those httpx recomputes; never forwarded.
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+    }
+)
+HOLD_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+KEEPALIVE_S = 2.0  # below uvicorn's 5 s, so a pooled connection is never reused as the engine closes it
+
+
+@dataclass
+class Upstream:
+    """One engine, as the prober last saw it."""
+
+    url: str
+    status: int | None = None  # last /primary status; None: never answered or unreachable
+    reason: str = "not probed yet"  # why it is not primary ("" when it is)
+    checked: float = 0.0  # wall-clock time of the last probe
+    is_primary: bool = False
+    wake: asyncio.Event = field(default_factory=asyncio.Event)  # set to probe now instead of next interval
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "url": self.url,
+            "primary_status": self.status,
+            "is_primary": self.is_primary,
+            "reason": self.reason or None,
+            "checked_ago_ms": round((time.time() - self.checked) * 1000) if self.checked else None,
+        }
+
+
+class Discovery:
+    """Which upstreams answer 200 on ``/primary``; ``available`` is set while at least one does."""
+
+    def __init__(self, urls: list[str], client: httpx.AsyncClient, interval_s: float, timeout_s: float) -> None:
+        self.upstreams = [Upstream(url.rstrip("/")) for url in urls]
+        self.client = client
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self.available = asyncio.Event()
+        self._turn = itertools.count()
+
+    def primaries(self) -> list[Upstream]:
+        return [u for u in self.upstreams if u.is_primary]
+
+    def pick(self) -> Upstream | None:
+        """Round-robin among the current primaries (several groups: one primary each)."""
+        primaries = self.primaries()
+        return primaries[next(self._turn) % len(primaries)] if primaries else None
+
+    async def wait_available(self, timeout_s: float) -> bool:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.available.wait(), max(timeout_s, 0.0))
+        return self.available.is_set()
+
+    def suspect(self, upstream: Upstream, reason: str) -> None:
+        """A proxied request failed there: stop routing to it until a probe says 200 again, and probe
+        every upstream now (one of them may just have been promoted)."""
+        self._mark(upstream, False, reason)
+        for other in self.upstreams:
+            other.wake.set()
+
+    async def run(self) -> None:
+        await asyncio.gather(*(self._watch(u) for u in self.upstreams))
+
+    async def _watch(self, upstream: Upstream) -> None:
+        while True:
+            await self._probe(upstream)
+            # While no primary is known a failover is in progress: learning of the new one is what matters.
+            interval = self.interval_s if self.available.is_set() else self.interval_s / 4
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(upstream.wake.wait(), interval)
+            upstream.wake.clear()
+
+    async def _probe(self, upstream: Upstream) -> None:
+        try:
+            response = await self.client.get(f"{upstream.url}/primary", timeout=self.timeout_s)
+            upstream.status = response.status_code
+            reason = "" if response.status_code == 200 else _reason(response, "/primary")
+        except httpx.HTTPError as exc:
+            upstream.status, reason = None, f"unreachable: {type(exc).__name__} {exc}".strip()
+        upstream.checked = time.time()
+        self._mark(upstream, upstream.status == 200, reason)
+
+    def _mark(self, upstream: Upstream, is_primary: bool, reason: str) -> None:
+        if is_primary != upstream.is_primary:
+            log.info("%s %s", upstream.url, "is primary" if is_primary else f"is no longer primary: {reason}")
+        upstream.is_primary, upstream.reason = is_primary, reason
+        if self.primaries():
+            self.available.set()
+        else:
+            self.available.clear()
+
+
+def _reason(response: httpx.Response, what: str) -> str:
+    """The engine's one-sentence reason from a 503 body (health or OpenAI error shape)."""
+    try:
+        body = json.loads(response.content)
+        reason = body.get("reason") or body["error"]["message"]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        reason = response.text[:200]
+    return f"{what} answered {response.status_code}: {reason}"
+
+
+class GatewayMetrics:
+    """Prometheus metrics in a registry of their own."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter(
+            "hotweights_gateway_requests", "proxied requests, by status sent", ["status"], registry=r
+        )
+        self.retries = Counter(
+            "hotweights_gateway_retries", "requests re-sent after their upstream failed before any byte", registry=r
+        )
+        self.upstream_errors = Counter(
+            "hotweights_gateway_upstream_errors",
+            "failed proxied requests, by upstream and kind (connect, disconnected, unavailable, mid_stream)",
+            ["upstream", "kind"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            "hotweights_gateway_rejected",
+            "503s because no primary came (queue_full, hold_timeout)",
+            ["reason"],
+            registry=r,
+        )
+        self.held = Gauge("hotweights_gateway_held_requests", "requests waiting for a primary now", registry=r)
+        self.hold_seconds = Histogram(
+            "hotweights_gateway_hold_seconds", "time a request waited for a primary", buckets=HOLD_BUCKETS, registry=r
+        )
+        self.primaries = Gauge("hotweights_gateway_primaries", "upstreams answering 200 on /primary", registry=r)
+
+
+class UpstreamFailed(Exception):
+    """The upstream failed before any byte reached the client: the request may go elsewhere."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class ProxiedStream(StreamingResponse):
+    """Relays an upstream response and closes it however the relay ends (done, failed, client gone),
+    so an abandoned generation is cancelled on the engine too."""
+
+    def __init__(self, content: AsyncIterator[bytes], status: int, headers: dict[str, str], upstream: httpx.Response):
+        super().__init__(content, status_code=status, headers=headers)
+        self.upstream = upstream
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.upstream.aclose()
+
+
+def unavailable(message: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": "unavailable", "param": None}}, status_code=503)
+
+
+class Gateway:
+    def __init__(self, urls: list[str], interval_s: float, timeout_s: float, queue_limit: int, hold_s: float) -> None:
+        self.queue_limit = queue_limit
+        self.hold_s = hold_s
+        self.held = 0
+        # Probes and requests use separate pools, so long streams never delay a probe.
+        self.probe_client = httpx.AsyncClient()
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(None, connect=timeout_s),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64, keepalive_expiry=KEEPALIVE_S),
+        )
+        self.discovery = Discovery(urls, self.probe_client, interval_s, timeout_s)
+        self.metrics = GatewayMetrics()
+        self.metrics.held.set_function(lambda: self.held)
+        self.metrics.primaries.set_function(lambda: len(self.discovery.primaries()))
+
+    async def proxy(self, request: Request) -> Response:
+        """Send the request to a primary, holding it while there is none and retrying elsewhere while
+        nothing has been relayed yet; 503 (JSON, with the reason) when that fails until the deadline."""
+        body = await request.body()  # kept, so the request can be re-sent
+        deadline = time.monotonic() + self.hold_s
+        last_failure = ""
+        while True:
+            if refusal := await self.wait_for_primary(deadline):
+                if last_failure:
+                    refusal += f"; last upstream failure: {last_failure}"
+                return self.answer(unavailable(refusal))
+            upstream = self.discovery.pick()
+            assert upstream is not None, "available is set and nothing ran since"
+            try:
+                return self.answer(await self.send(upstream, request, body))
+            except UpstreamFailed as exc:
+                last_failure = f"{upstream.url}: {exc}"
+                log.info("retrying on the next primary: %s", last_failure)
+                self.metrics.upstream_errors.labels(upstream.url, exc.kind).inc()
+                self.metrics.retries.inc()
+                self.discovery.suspect(upstream, str(exc))
+
+    async def wait_for_primary(self, deadline: float) -> str | None:
+        """None once a primary is known; else why the request gives up (queue full or deadline)."""
+        if time.monotonic() >= deadline:
+            return self.reject("hold_timeout", f"no primary engine served the request within {self.hold_s} s")
+        if self.discovery.available.is_set():
+            return None
+        if self.held >= self.queue_limit:
+            return self.reject(
+                "queue_full", f"no primary engine is known and {self.held} requests are already held (queue_limit)"
+            )
+        self.held += 1
+        started = time.monotonic()
+        try:
+            found = await self.discovery.wait_available(deadline - started)
+        finally:
+            self.held -= 1
+            self.metrics.hold_seconds.observe(time.monotonic() - started)
+        return None if found else self.reject("hold_timeout", f"no primary engine appeared within {self.hold_s} s")
+
+    def reject(self, reason: str, message: str) -> str:
+        self.metrics.rejected.labels(reason).inc()
+        return message
+
+    def answer(self, response: Response) -> Response:
+        self.metrics.requests.labels(str(response.status_code)).inc()
+        return response
+
+    async def send(self, upstream: Upstream, request: Request, body: bytes) -> Response:
+        """Open the upstream response and read its first chunk: until then a failure can be retried."""
+        headers = [(k, v) for k, v in request.headers.items() if k not in HOP_BY_HOP]
+        url = httpx.URL(upstream.url + request.url.path, query=request.url.query.encode())
+        outgoing = self.client.build_request(request.method, url, headers=headers, content=body)
+        try:
+            response = await self.client.send(outgoing, stream=True)
+        except httpx.TransportError as exc:
+            kind = "connect" if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout) else "disconnected"
+            raise UpstreamFailed(kind, f"{type(exc).__name__} {exc}".strip()) from exc
+        chunks = response.aiter_raw()
+        try:
+            if response.status_code == 503:  # a standby or draining engine; the next primary may serve it
+                await response.aread()
+                raise UpstreamFailed("unavailable", _reason(response, request.url.path))
+            first = await anext(chunks, b"")
+        except httpx.TransportError as exc:
+            await response.aclose()
+            raise UpstreamFailed("disconnected", f"{type(exc).__name__} {exc}".strip()) from exc
+        except BaseException:
+            await response.aclose()
+            raise
+        reply_headers = {k: v for k, v in response.headers.items() if k not in HOP_BY_HOP - {"content-length"}}
+        reply_headers["x-hotweights-upstream"] = upstream.url
+        is_sse = response.headers.get("content-type", "").startswith("text/event-stream")
+        return ProxiedStream(self.relay(upstream, first, chunks, is_sse), response.status_code, reply_headers, response)
+
+    async def relay(
+        self, upstream: Upstream, first: bytes, chunks: AsyncIterator[bytes], is_sse: bool
+    ) -> AsyncIterator[bytes]:
+        yield first
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except httpx.TransportError as exc:
+            message = f"the upstream {upstream.url} failed mid-response ({type(exc).__name__}); it cannot be retried"
+            log.warning("%s", message)
+            self.metrics.upstream_errors.labels(upstream.url, "mid_stream").inc()
+            self.discovery.suspect(upstream, message)
+            if not is_sse:
+                raise  # the server aborts the connection: a truncated body, never a silently short one
+            event = {"error": {"message": message, "type": "unavailable", "param": None}}
+            yield f"data: {json.dumps(event)}\n\n".encode()
+
+    def health(self) -> dict[str, object]:
+        return {
+            "upstreams": [u.describe() for u in self.discovery.upstreams],
+            "primaries": [u.url for u in self.discovery.primaries()],
+            "held": self.held,
+            "queue_limit": self.queue_limit,
+            "hold_timeout_s": self.hold_s,
+        }
+
+    @contextlib.asynccontextmanager
+    async def running(self, _: Starlette) -> AsyncIterator[None]:
+        """Probe while serving; on shutdown stop probing, then close both pools."""
+        probing = asyncio.create_task(self.discovery.run())
+        try:
+            yield
+        finally:
+            probing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await probing
+            await self.client.aclose()
+            await self.probe_client.aclose()
+
+
+def build_app(gateway: Gateway) -> Starlette:
+    async def health(_: Request) -> JSONResponse:
+        """200 and the gateway's view: each upstream's last /primary answer, the primaries, held requests."""
+        return JSONResponse(gateway.health())
+
+    async def metrics(_: Request) -> Response:
+        return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    methods = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
+    return Starlette(
+        routes=[
+            Route("/gateway/health", health, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+            Route("/v1/{path:path}", gateway.proxy, methods=methods),
+        ],
+        lifespan=gateway.running,
+    )
+
+
+class GatewayServer(uvicorn.Server):
+    """uvicorn, announcing ``{"event": "ready", "port", "pid"}`` on stdout once it listens (as engines do)."""
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started:
+            port = self.servers[0].sockets[0].getsockname()[1]
+            log.info("gateway on http://%s:%d", self.config.host, port)
+            print(json.dumps({"event": "ready", "port": port, "pid": os.getpid()}), flush=True)
+
+
+def cmd_gateway(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    urls = args.upstream or config.engine_urls()
+    gateway = Gateway(
+        urls,
+        interval_s=config.health.interval_ms / 1000,
+        timeout_s=config.health.timeout_ms / 1000,
+        queue_limit=config.gateway.queue_limit,
+        hold_s=config.gateway.hold_timeout_s,
+    )
+    log.info("routing /v1 to the primary among %s", ", ".join(urls))
+    server = GatewayServer(
+        uvicorn.Config(
+            build_app(gateway),
+            host=args.host or config.gateway.host,
+            port=config.gateway.port if args.port is None else args.port,
+            log_config=None,
+            access_log=False,
+            timeout_graceful_shutdown=args.shutdown_timeout,
+        )
+    )
+    # uvicorn re-raises the signal it caught once it has shut down; recording it makes that a clean exit 0.
+    caught: list[int] = []
+
+    def record(sig: int, _: FrameType | None) -> None:
+        caught.append(sig)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, record)
+    server.run()
+    log.info("stopped%s", f" on {signal.Signals(caught[0]).name}" if caught else "")
+    return 0
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "gateway",
+        help="proxy /v1 to the current primary engine, holding and retrying requests across a failover",
+        description="Find the primary by polling GET /primary on every engine (no controller needed), proxy "
+        "/v1/* to it (streaming included), hold requests while there is none and re-send those whose "
+        "upstream failed before any byte was relayed. GET /gateway/health and /metrics describe it.",
+    )
+    p.add_argument("--config", help="cluster TOML: engines, health timings, [gateway] (default: built-in defaults)")
+    p.add_argument("--host", help="address to listen on (default gateway.host)")
+    p.add_argument("--port", type=int, help="port to listen on; 0 picks a free one (default gateway.port)")
+    p.add_argument(
+        "--upstream",
+        action="append",
+        metavar="URL",
+        help="an engine's base URL, repeatable (default: every engine of the config)",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds open requests get after SIGTERM before they are cancelled (default 30)",
+    )
+    p.set_defaults(func=cmd_gateway)

@@ -1,0 +1,588 @@
+"""The HA loop (policy): every cycle decides from one snapshot and returns one sentence.
+
+A cycle takes the first of these that applies:
+
+1. a primary that failed (exited, or failed ``failure_threshold`` health checks in a row): fail
+   over; two live primaries in a group: fence all but one;
+2. one queued REST intent (switchover, failover, drain, promote, add, delete, cache restart);
+3. a daemon or the gateway that is down: (re)start it in the background, with tenacity backoff;
+4. engine slots that are absent, exited, hung or never got ready: fence and (re)start them, once
+   their group's daemon serves;
+5. a group without a primary: promote its best ready standby.
+
+Otherwise the sentence is "no action: ...". The loop logs a sentence when it differs from the
+previous one. It sleeps ``health.interval_ms`` between cycles unless woken: by a supervised
+process exiting (pidfd, immediate), by a health verdict changing, or by a REST intent. REST
+handlers never act: they queue an intent and wait for the loop's answer, so mutations are
+serialised and never interleave with a failover. Failover fences the old primary (SIGKILL, wait
+for its exit) before promoting, so two engines never answer 200 on ``/primary`` at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential
+
+from controller.cluster import Cluster, MemberView, ServiceFailed, Snapshot
+from controller.engineapi import EngineApi, EngineUnreachable
+from controller.events import EventLog
+from controller.health import checks_failed, not_ready_within, process_exited
+from controller.metrics import ControllerMetrics
+from controller.supervisor import FENCE_TIMEOUT_S
+
+log = logging.getLogger("hotweights.controller")
+
+START_TIMEOUT_S = 120.0  # an engine that is not ready this long after its start is killed and restarted
+BACKOFF = wait_exponential(multiplier=0.5, max=30)  # restarts of things that keep failing
+STOP_TIMEOUT_S = 15.0  # how long stop() lets a cycle in progress finish
+
+
+class Refused(Exception):
+    """A request the loop will not carry out; the message says why and what to do instead."""
+
+
+class NotFound(Refused):
+    """No such engine or group."""
+
+
+class NotPossible(Refused):
+    """The cluster is not in a state that allows it (e.g. the candidate is not a ready standby)."""
+
+
+class Conflict(Refused):
+    """It clashes with the current roles, or an engine refused the role change."""
+
+
+class Unavailable(Refused):
+    """An engine did not answer, or the loop did not finish in time."""
+
+
+@dataclass
+class Intent:
+    action: str
+    params: dict[str, Any]
+    future: asyncio.Future
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000, 1)
+
+
+def _backoff_s(attempt: int) -> float:
+    state = RetryCallState(None, None, (), {})
+    state.attempt_number = attempt
+    return BACKOFF(state)
+
+
+class Ha:
+    def __init__(
+        self,
+        cluster: Cluster,
+        engines: EngineApi,
+        events: EventLog,
+        metrics: ControllerMetrics,
+        wake: asyncio.Event,
+        on_ready: Callable[[Snapshot], None],
+    ) -> None:
+        health = cluster.config.health
+        self.cluster = cluster
+        self.engines = engines
+        self.events = events
+        self.metrics = metrics
+        self.wake = wake
+        self.on_ready = on_ready
+        self.interval_s = health.interval_ms / 1000
+        self.check_timeout_s = health.timeout_ms / 1000
+        self.drain_timeout_s = cluster.config.engine.drain_timeout_s
+        self.is_failed = process_exited() | checks_failed(health.failure_threshold) | not_ready_within(START_TIMEOUT_S)
+        self.intents: deque[Intent] = deque()
+        self.heartbeat = time.monotonic()
+        self.announced = False
+        self.stopping = False
+        self.task: asyncio.Task | None = None
+
+    # --- the loop -----------------------------------------------------------------------------
+
+    def wakeup(self) -> None:
+        self.wake.set()
+
+    def start(self) -> None:
+        self.task = asyncio.create_task(self.run(), name="ha-loop")
+
+    async def stop(self) -> None:
+        """Let the cycle in progress finish (a failover half done is worse than a late exit), then stop."""
+        self.stopping = True
+        self.wakeup()
+        if self.task is not None:
+            try:
+                await asyncio.wait_for(self.task, STOP_TIMEOUT_S)
+            except TimeoutError:
+                log.warning("the HA cycle did not finish within %g s; cancelled it", STOP_TIMEOUT_S)
+        for intent in self.intents:
+            if not intent.future.done():
+                intent.future.set_exception(Unavailable("the controller is shutting down"))
+
+    async def run(self) -> None:
+        last = ""
+        while not self.stopping:
+            self.wake.clear()
+            try:
+                sentence = await self.run_cycle()
+            except Exception:
+                log.exception("unexpected error in the HA cycle")
+                sentence = "caught an unexpected error in the HA cycle; report it as a BUG"
+            self.heartbeat = time.monotonic()
+            if sentence != last:
+                log.info(sentence)
+                last = sentence
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.wake.wait(), self.interval_s)
+
+    async def run_cycle(self) -> str:
+        snap = self.cluster.snapshot()
+        self._export_gauges(snap)
+        steps = (
+            self.process_failed_primaries,
+            self.process_intent,
+            self.process_services,
+            self.process_members,
+            self.process_missing_primaries,
+        )
+        for step in steps:
+            if sentence := await step(snap):
+                return sentence
+        if not self.announced and self._is_complete(snap):
+            self.announced = True
+            self.on_ready(snap)
+        return "no action: " + "; ".join(self._describe(snap, group) for group in range(snap.groups))
+
+    # --- 1. failed primaries --------------------------------------------------------------------
+
+    async def process_failed_primaries(self, snap: Snapshot) -> str | None:
+        for group in range(snap.groups):
+            primaries = snap.primaries(group)
+            live = [p for p in primaries if p.alive]
+            if len(live) > 1:
+                return await self.resolve_split_brain(group, live)
+            if live:
+                if reason := self.is_failed(live[0]):
+                    return (await self.failover(snap, group, live[0], reason, "automatic"))[0]
+                for dead in primaries[1:]:  # a stale record: the live one serves, the dead one restarts as standby
+                    self.cluster.set_role(dead.id, "standby")
+            elif primaries:
+                old = primaries[0]
+                return (await self.failover(snap, group, old, self.is_failed(old) or "exited", "automatic"))[0]
+        return None
+
+    async def failover(
+        self,
+        snap: Snapshot,
+        group: int,
+        old: MemberView | None,
+        reason: str,
+        kind: str,
+        candidate: MemberView | None = None,
+    ) -> tuple[str, dict[str, Any]]:
+        """Fence ``old``, promote ``candidate`` (or the best ready standby), confirm, restart ``old``'s slot.
+
+        Durations run from the failure: the exit (pidfd) or the first failed health check; for a
+        forced failover, from the request."""
+        now = time.monotonic()
+        failed_at = now
+        if old is not None and kind == "automatic":
+            failed_at = (old.exited_at if not old.alive else old.health.failing_since) or now
+        timings: dict[str, Any] = {"detect_ms": _ms(now - failed_at), "fence_ms": 0.0}
+        details: dict[str, Any] = {"ok": False, "group": group, "kind": kind, "old_primary": old.id if old else None}
+        prefix = f"failing over: primary {old.id} {reason}" if old else f"failing over in group {group}: {reason}"
+        if old is not None:
+            self.events.record("detect", f"primary {old.id} {reason}", member=old.id, group=group, **timings)
+            fence_start = time.monotonic()
+            if not await self.cluster.fence(old.id):
+                self.events.record("fence_failed", f"{old.id} still alive after SIGKILL", member=old.id, group=group)
+                sentence = (
+                    f"not failing over: primary {old.id} {reason} but is still alive {FENCE_TIMEOUT_S:g} s after "
+                    "SIGKILL; promoting another engine could make two primaries"
+                )
+                return sentence, details
+            timings["fence_ms"] = _ms(time.monotonic() - fence_start)
+            self.events.record("fence", f"fenced {old.id} (pid {old.pid})", member=old.id, group=group, **timings)
+            prefix += f"; fenced in {timings['fence_ms']} ms"
+        candidate = candidate or self.best_standby(snap, group)
+        if candidate is None:
+            self.events.record("no_standby", f"group {group} has no ready standby to promote", group=group)
+            restart = self._restart_slot(snap, old.id) if old else "nothing to restart"
+            return f"{prefix}; no ready standby to promote: {restart}", details
+        promoted, promote_ms, message = await self.promote(candidate)
+        timings["promote_ms"] = promote_ms
+        if not promoted:
+            restart = self._restart_slot(snap, old.id) if old else ""
+            return f"{prefix}; promoting {candidate.id} failed ({message}), will retry; {restart}", details
+        timings["total_ms"] = _ms(time.monotonic() - failed_at)
+        self.metrics.failovers.labels(str(group), kind).inc()
+        self.metrics.failover_duration.labels(kind).observe(timings["total_ms"] / 1000)
+        sentence = f"{prefix}; promoted {candidate.id} in {promote_ms} ms ({timings['total_ms']} ms after the failure)"
+        self.events.record(
+            "failover", sentence, group=group, kind=kind, old=details["old_primary"], new=candidate.id, **timings
+        )
+        if old is not None:
+            sentence += f"; {self._restart_slot(snap, old.id)}"
+        return sentence, details | {"ok": True, "new_primary": candidate.id, "message": sentence} | timings
+
+    async def resolve_split_brain(self, group: int, live: list[MemberView]) -> str:
+        """Keep the serving one that has run longest; fence the others (they restart as standbys)."""
+        keep = max(live, key=lambda m: (m.is_serving_primary, m.age_s))
+        fenced = [m.id for m in live if m is not keep]
+        for member_id in fenced:
+            await self.cluster.fence(member_id)
+        message = f"group {group} had {len(live)} primaries; kept {keep.id}, fenced {', '.join(fenced)}"
+        self.events.record("split_brain", message, group=group, kept=keep.id, fenced=fenced)
+        return message
+
+    def best_standby(self, snap: Snapshot, group: int) -> MemberView | None:
+        """Ready standbys, fewest failed checks first, then the fastest to answer."""
+        ready = [m for m in snap.group(group) if m.is_ready_standby]
+        return min(ready, key=lambda m: (m.health.consecutive_failures, m.health.latency_ms or 0.0), default=None)
+
+    async def promote(self, candidate: MemberView) -> tuple[bool, float, str]:
+        """POST /promote, then confirm /primary answers 200; returns (done, ms, the engine's message)."""
+        start = time.monotonic()
+        try:
+            status, body = await self.engines.post(candidate.url, "/promote")
+        except EngineUnreachable as exc:
+            return False, _ms(time.monotonic() - start), str(exc)
+        message = str(body.get("message", ""))
+        if status != 200:
+            return False, _ms(time.monotonic() - start), f"{status}: {message}"
+        if not await self.engines.is_primary(candidate.url):
+            return False, _ms(time.monotonic() - start), "promoted, but /primary does not answer 200"
+        self.cluster.set_role(candidate.id, "primary")
+        promote_ms = _ms(time.monotonic() - start)
+        self.events.record(
+            "promote", f"promoted {candidate.id}: {message}", member=candidate.id, group=candidate.group,
+            promote_ms=promote_ms,
+        )  # fmt: skip
+        return True, promote_ms, message
+
+    def _restart_slot(self, snap: Snapshot, member_id: str) -> str:
+        group = self.cluster.members[member_id].spec.group
+        if not snap.daemon(group).serving:
+            return f"{member_id} restarts once cache daemon g{group}-cache serves"
+        process = self.cluster.start_engine(member_id)
+        return f"started replacement standby {member_id} (pid {process.pid})"
+
+    # --- 2. REST intents ------------------------------------------------------------------------
+
+    async def request(self, action: str, timeout: float, **params: Any) -> dict[str, Any]:
+        """Queue an intent for the loop and wait for its outcome (raises Refused)."""
+        future = asyncio.get_running_loop().create_future()
+        self.intents.append(Intent(action, params, future))
+        self.wakeup()
+        try:
+            return await asyncio.wait_for(future, timeout)
+        except TimeoutError:
+            raise Unavailable(f"the controller did not finish {action} within {timeout:g} s; see GET /events") from None
+
+    async def process_intent(self, snap: Snapshot) -> str | None:
+        while self.intents:
+            intent = self.intents.popleft()
+            if intent.future.done():
+                continue  # the requester gave up before we got to it
+            try:
+                sentence, result = await getattr(self, f"do_{intent.action}")(snap, **intent.params)
+            except Refused as exc:
+                if not intent.future.done():
+                    intent.future.set_exception(exc)
+                return f"refused {intent.action}: {exc}"
+            except Exception as exc:
+                if not intent.future.done():
+                    intent.future.set_exception(exc)
+                raise
+            if not intent.future.done():
+                intent.future.set_result({"message": sentence} | result)
+            self.wakeup()
+            return sentence
+        return None
+
+    def _member(self, snap: Snapshot, member_id: str) -> MemberView:
+        member = snap.member(member_id)
+        if member is None:
+            known = ", ".join(m.id for m in snap.members)
+            raise NotFound(f"no engine {member_id!r}; known: {known}")
+        return member
+
+    def _check_group(self, snap: Snapshot, group: int) -> None:
+        if not 0 <= group < snap.groups:
+            raise NotFound(f"no group {group}; this cluster has groups 0..{snap.groups - 1}")
+
+    def _ready_standby(self, snap: Snapshot, member_id: str) -> MemberView:
+        member = self._member(snap, member_id)
+        if not member.is_ready_standby:
+            ready = [m.id for m in snap.group(member.group) if m.is_ready_standby]
+            raise NotPossible(
+                f"{member.id} is not a ready standby (role {member.role}, state {member.state}, status "
+                f"{member.status}); ready standbys of group {member.group}: {', '.join(ready) or 'none'}"
+            )
+        return member
+
+    async def do_switchover(
+        self, snap: Snapshot, group: int | None = None, candidate: str | None = None
+    ) -> tuple[str, dict[str, Any]]:
+        """Planned: drain the primary, promote the candidate, demote the old primary to standby."""
+        start = time.monotonic()
+        if candidate is not None:
+            new = self._ready_standby(snap, candidate)
+            if group is not None and group != new.group:
+                raise NotPossible(f"candidate {new.id} is in group {new.group}, not {group}")
+            group = new.group
+        group = 0 if group is None else group
+        self._check_group(snap, group)
+        old = next((p for p in snap.primaries(group) if p.is_serving_primary), None)
+        if old is None:
+            raise NotPossible(f"group {group} has no serving primary to switch over from; use POST /failover")
+        if candidate is None:
+            new = self.best_standby(snap, group)
+            if new is None:
+                raise NotPossible(f"group {group} has no ready standby to switch over to")
+        status, body = await self._post(old, "/drain", {"timeout_s": self.drain_timeout_s})
+        drain_ms = _ms(time.monotonic() - start)
+        if status != 200:
+            await self._post(old, "/promote")  # undo a partial drain: a drained primary resumes
+            raise Conflict(f"{old.id} refused to drain: {body.get('message')}")
+        promoted, promote_ms, message = await self.promote(new)
+        if not promoted:
+            await self._post(old, "/promote")
+            self.cluster.set_role(old.id, "primary")
+            raise Conflict(f"promoting {new.id} failed ({message}); {old.id} resumed serving")
+        demote_start = time.monotonic()
+        status, body = await self._post(old, "/demote", {"timeout_s": self.drain_timeout_s})
+        if status == 200:
+            self.cluster.set_role(old.id, "standby")
+        else:  # still a (drained) primary: fence it rather than keep two primaries around
+            await self.cluster.fence(old.id)
+        timings = {
+            "drain_ms": drain_ms,
+            "promote_ms": promote_ms,
+            "demote_ms": _ms(time.monotonic() - demote_start),
+            "total_ms": _ms(time.monotonic() - start),
+        }
+        self.metrics.failovers.labels(str(group), "switchover").inc()
+        self.metrics.failover_duration.labels("switchover").observe(timings["total_ms"] / 1000)
+        sentence = (
+            f"switched over group {group} from {old.id} to {new.id} in {timings['total_ms']} ms "
+            f"(drain {drain_ms} ms, promote {promote_ms} ms); {old.id} "
+            + ("is a standby" if status == 200 else f"refused to demote ({body.get('message')}) and was fenced")
+        )
+        self.events.record("switchover", sentence, group=group, old=old.id, new=new.id, **timings)
+        return sentence, {"group": group, "old_primary": old.id, "new_primary": new.id} | timings
+
+    async def do_failover(self, snap: Snapshot, candidate: str) -> tuple[str, dict[str, Any]]:
+        """Forced: fence the primary whatever its state, promote ``candidate``."""
+        new = self._ready_standby(snap, candidate)
+        primaries = snap.primaries(new.group)
+        sentence, details = await self.failover(
+            snap, new.group, primaries[0] if primaries else None, "failover requested", "forced", new
+        )
+        if not details["ok"]:
+            raise Unavailable(sentence)
+        return sentence, details
+
+    async def do_drain(self, snap: Snapshot, engine_id: str, timeout_s: float | None = None) -> tuple[str, dict]:
+        member = self._member(snap, engine_id)
+        status, body = await self._post(
+            member, "/drain", {"timeout_s": self.drain_timeout_s if timeout_s is None else timeout_s}
+        )
+        if status != 200:
+            raise Conflict(f"{member.id} refused to drain: {body.get('message')}")
+        sentence = f"drained {member.id}: {body.get('message')}"
+        self.events.record("drain", sentence, member=member.id, group=member.group, duration_ms=body.get("duration_ms"))
+        return sentence, body
+
+    async def do_promote(self, snap: Snapshot, engine_id: str) -> tuple[str, dict]:
+        """A primary: resume (if drained); a standby: only when its group has no live primary."""
+        member = self._member(snap, engine_id)
+        if member.role == "primary":
+            status, body = await self._post(member, "/promote")
+            if status != 200:
+                raise Conflict(f"{member.id} refused: {body.get('message')}")
+            return f"{member.id}: {body.get('message')}", body
+        live = [p.id for p in snap.primaries(member.group) if p.alive]
+        if live:
+            raise Conflict(f"group {member.group} already has primary {live[0]}; use POST /switchover to move the role")
+        member = self._ready_standby(snap, engine_id)
+        promoted, promote_ms, message = await self.promote(member)
+        if not promoted:
+            raise Unavailable(f"promoting {member.id} failed: {message}")
+        return f"promoted {member.id} on request in {promote_ms} ms", {"member": member.id, "promote_ms": promote_ms}
+
+    async def do_add(self, snap: Snapshot, group: int = 0) -> tuple[str, dict]:
+        self._check_group(snap, group)
+        member = self.cluster.add_engine(group)
+        started = self._restart_slot(snap, member.spec.id)
+        sentence = f"added standby {member.spec.id} on port {member.spec.port}: {started}"
+        self.events.record("add", sentence, member=member.spec.id, group=group)
+        return sentence, {"id": member.spec.id, "group": group, "port": member.spec.port, "url": member.spec.url}
+
+    async def do_delete(self, snap: Snapshot, engine_id: str) -> tuple[str, dict]:
+        member = self._member(snap, engine_id)
+        if member.role == "primary" and member.alive:
+            raise Conflict(f"{member.id} is the primary of group {member.group}; switch over first")
+        how = await self.cluster.stop_engine(member.id)
+        self.cluster.remove_engine(member.id)
+        sentence = f"removed {member.id}: {how}"
+        self.events.record("delete", sentence, member=member.id, group=member.group)
+        return sentence, {"id": member.id}
+
+    async def do_restart_cache(self, snap: Snapshot, group: int) -> tuple[str, dict]:
+        """Stop the daemon gracefully and respawn it (reloading from disk); engines keep their mappings."""
+        self._check_group(snap, group)
+        service_id = snap.daemon(group).id
+        how = await self.cluster.stop_service(service_id)
+        self._respawn(service_id)
+        sentence = f"restarting cache daemon {service_id}: old one {how}; engines keep serving"
+        self.events.record("cache_restart", sentence, service=service_id, group=group)
+        return sentence, {"service": service_id}
+
+    async def _post(self, member: MemberView, path: str, body: dict | None = None) -> tuple[int, dict[str, Any]]:
+        try:
+            return await self.engines.post(member.url, path, body, timeout=self.drain_timeout_s + 10)
+        except EngineUnreachable as exc:
+            raise Unavailable(str(exc)) from None
+
+    # --- 3. daemons and the gateway --------------------------------------------------------------
+
+    async def process_services(self, snap: Snapshot) -> str | None:
+        actions = []
+        for view in snap.services:
+            if view.serving or view.restarting:
+                continue
+            if view.pid is not None and not view.alive:
+                self.events.record("exit", f"{view.id} {view.exit_reason}", service=view.id, group=view.group)
+                actions.append(f"{view.id} {view.exit_reason}: respawning it")
+            elif view.alive:
+                actions.append(f"waiting for {view.id} (pid {view.pid}) to serve")
+            else:
+                actions.append(f"starting {view.id}")
+            self._respawn(view.id)
+        return "; ".join(actions) if actions else None
+
+    def _respawn(self, service_id: str) -> None:
+        service = self.cluster.services[service_id]
+        if service.process is not None and not service.process.alive:
+            service.restarts += 1
+            if service.kind == "daemon":
+                self.metrics.daemon_restarts.labels(str(service.group)).inc()
+        service.keeper = asyncio.create_task(self.keep(service_id), name=f"keep-{service_id}")
+
+    async def keep(self, service_id: str) -> None:
+        """(Re)start a service until it serves, backing off between failed attempts."""
+        start = time.monotonic()
+
+        def failed(state: RetryCallState) -> None:
+            error = state.outcome.exception() if state.outcome else None
+            delay = state.next_action.sleep if state.next_action else 0.0
+            self.events.record("start_failed", f"{error}; retrying in {delay:.1f} s", service=service_id)
+
+        retrying = AsyncRetrying(wait=BACKOFF, retry=retry_if_exception_type(ServiceFailed), before_sleep=failed)
+        async for attempt in retrying:
+            with attempt:
+                await self.cluster.start_service(service_id)
+        service = self.cluster.services[service_id]
+        message = f"{service_id} (pid {service.process.pid}) serving after {_ms(time.monotonic() - start)} ms"
+        self.events.record(
+            "respawn" if service.restarts else "start", message, service=service_id, group=service.group,
+            duration_ms=_ms(time.monotonic() - start), attempts=retrying.statistics.get("attempt_number", 1),
+        )  # fmt: skip
+        self.wakeup()
+
+    # --- 4. engine slots -----------------------------------------------------------------------
+
+    async def process_members(self, snap: Snapshot) -> str | None:
+        now = time.monotonic()
+        actions = []
+        for view in snap.members:
+            member = self.cluster.members[view.id]
+            if view.alive:
+                if view.status == "healthy":
+                    member.start_failures = 0
+                elif view.role == "standby" and (reason := self.is_failed(view)):
+                    await self.cluster.fence(view.id)
+                    self.events.record("fence", f"standby {view.id} {reason}", member=view.id, group=view.group)
+                    actions.append(f"fenced standby {view.id} ({reason})")
+                continue
+            if view.role == "primary":
+                continue  # a dead primary is failover's business (step 1)
+            if view.status == "exited" and member.next_start_at < view.exited_at:  # first look at this exit
+                if not view.health.ever_ok:
+                    member.start_failures += 1
+                delay = _backoff_s(member.start_failures) if member.start_failures else 0.0
+                member.next_start_at = view.exited_at + delay
+                self.events.record(
+                    "exit", f"standby {view.id} {view.exit_reason}; restarting in {delay:.1f} s",
+                    member=view.id, group=view.group,
+                )  # fmt: skip
+            if not snap.daemon(view.group).serving or now < member.next_start_at:
+                continue
+            process = self.cluster.start_engine(view.id)
+            actions.append(f"started standby {view.id} (pid {process.pid})")
+        return "; ".join(actions) if actions else None
+
+    # --- 5. groups without a primary -------------------------------------------------------------
+
+    async def process_missing_primaries(self, snap: Snapshot) -> str | None:
+        sentences = []
+        for group in range(snap.groups):
+            if snap.primaries(group):
+                continue
+            unchecked = [m.id for m in snap.group(group) if m.alive and m.health.ok is None]
+            if unchecked:
+                sentences.append(f"group {group} has no known primary; waiting for the first checks of {unchecked}")
+                continue
+            candidate = self.best_standby(snap, group)
+            if candidate is None:
+                states = ", ".join(f"{m.id} {m.status}" for m in snap.group(group))
+                sentences.append(f"group {group} has no primary and no ready standby yet ({states})")
+                continue
+            alive = [m for m in snap.group(group) if m.alive]
+            serving = [m.id for m in alive if await self.engines.is_primary(m.url, self.check_timeout_s)]
+            if serving:  # a primary our checks have not seen yet: never add a second one
+                sentences.append(f"group {group}: {serving} answer /primary 200; waiting for their health checks")
+                continue
+            promoted, promote_ms, message = await self.promote(candidate)
+            if promoted:
+                self.events.record("elect", f"group {group} had no primary: promoted {candidate.id}", group=group)
+                sentences.append(f"group {group} had no primary: promoted ready standby {candidate.id} in {promote_ms} ms")
+            else:
+                sentences.append(f"group {group} has no primary: promoting {candidate.id} failed ({message})")
+        return "; ".join(sentences) if sentences else None
+
+    # --- reporting -----------------------------------------------------------------------------
+
+    def _describe(self, snap: Snapshot, group: int) -> str:
+        primary = next(iter(snap.primaries(group)), None)
+        standbys = sum(m.is_ready_standby for m in snap.group(group))
+        if primary is None:
+            return f"group {group} has no primary"
+        what = "healthy" if primary.is_serving_primary else f"{primary.state} ({primary.status})"
+        return f"primary {primary.id} {what}, {standbys} standby(s) ready"
+
+    def _is_complete(self, snap: Snapshot) -> bool:
+        return all(s.serving for s in snap.services) and all(
+            any(p.is_serving_primary for p in snap.primaries(g))
+            and all(m.is_serving_primary or m.is_ready_standby for m in snap.group(g))
+            for g in range(snap.groups)
+        )
+
+    def _export_gauges(self, snap: Snapshot) -> None:
+        counts = {"primary": 0, "standby": 0, "none": 0}
+        for member in snap.members:
+            counts[member.role if member.alive else "none"] += 1
+        for role, count in counts.items():
+            self.metrics.members.labels(role).set(count)

@@ -1,0 +1,175 @@
+"""Engine health checks and the small policies that judge them.
+
+Healthy means "answered ``GET /health/ready`` with 200 within the timeout", not "the process
+exists": a SIGSTOPped primary is alive and fails every check. Each engine process gets its own
+check task, so one hung engine never delays the checks of the others. The reply body (role,
+state, pid) is kept: the engines, not the controller, are the truth about who is primary.
+
+Policies are tenacity-style callables over one observed member: None when all is well, else the
+reason, and ``a | b`` gives the first reason found.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import httpx
+
+
+@dataclass
+class HealthRecord:
+    """What the checks of one engine process have seen so far (a fresh record per process)."""
+
+    checked_at: float | None = None  # time.time() of the last check's answer
+    sent_at: float = 0.0  # time.monotonic() when the last check was sent: its body is from after this
+    ok: bool | None = None  # None: not checked yet
+    consecutive_failures: int = 0
+    failing_since: float | None = None  # time.monotonic() when the first failed check of this run began
+    ever_ok: bool = False
+    status_code: int | None = None
+    body: dict[str, Any] | None = None
+    error: str | None = None
+    latency_ms: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "checked_at": self.checked_at,
+            "ok": self.ok,
+            "consecutive_failures": self.consecutive_failures,
+            "status_code": self.status_code,
+            "latency_ms": self.latency_ms,
+            "error": self.error,
+            "body": self.body,
+        }
+
+
+class HealthChecker:
+    """One check task per tracked engine; ``on_change`` fires when a verdict may have changed."""
+
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        interval_s: float,
+        timeout_s: float,
+        threshold: int,
+        on_change: Callable[[], None],
+        observe_latency: Callable[[float], None],
+    ) -> None:
+        self.client = client
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self.threshold = threshold
+        self.on_change = on_change
+        self.observe_latency = observe_latency
+        self.tasks: dict[str, asyncio.Task] = {}
+
+    def track(self, key: str, url: str) -> HealthRecord:
+        """Check ``url`` from now on, into a fresh record (replacing whatever ``key`` had)."""
+        self.untrack(key)
+        record = HealthRecord()
+        self.tasks[key] = asyncio.create_task(self._watch(url, record), name=f"health-{key}")
+        return record
+
+    def untrack(self, key: str) -> None:
+        task = self.tasks.pop(key, None)
+        if task is not None:
+            task.cancel()
+
+    async def close(self) -> None:
+        tasks = list(self.tasks.values())
+        self.tasks.clear()
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _watch(self, url: str, record: HealthRecord) -> None:
+        while True:
+            was_ok = record.ok
+            await self.check(url, record)
+            if record.ok != was_ok or record.consecutive_failures == self.threshold:
+                self.on_change()
+            await asyncio.sleep(self.interval_s)
+
+    async def check(self, url: str, record: HealthRecord) -> None:
+        start = time.monotonic()
+        try:
+            response = await self.client.get(f"{url}/health/ready", timeout=self.timeout_s)
+            record.status_code, record.error = response.status_code, None
+            with contextlib.suppress(ValueError):
+                record.body = response.json()
+            ok = response.status_code == 200
+            if not ok:
+                record.error = (record.body or {}).get("reason", f"status {response.status_code}")
+        except httpx.TimeoutException:
+            ok, record.status_code, record.error = False, None, f"no answer within {self.timeout_s * 1000:g} ms"
+        except httpx.TransportError as exc:
+            ok, record.status_code, record.error = False, None, f"{type(exc).__name__}: {exc}"
+        latency = time.monotonic() - start
+        self.observe_latency(latency)
+        record.checked_at, record.sent_at = time.time(), start
+        record.latency_ms, record.ok = round(latency * 1000, 3), ok
+        if ok:
+            record.consecutive_failures, record.failing_since, record.ever_ok = 0, None, True
+        else:
+            record.consecutive_failures += 1
+            record.failing_since = record.failing_since or start
+
+
+class Observed(Protocol):
+    alive: bool
+    exit_reason: str | None
+    health: HealthRecord
+    age_s: float  # seconds since its process started
+
+
+class Policy:
+    """A judgement of one member: None when it is fine, else the reason."""
+
+    def __call__(self, member: Observed) -> str | None:
+        raise NotImplementedError
+
+    def __or__(self, other: Policy) -> Policy:
+        return first_reason(self, other)
+
+
+class first_reason(Policy):  # noqa: N801 - named like the tenacity combinators it imitates
+    def __init__(self, *policies: Policy) -> None:
+        self.policies = policies
+
+    def __call__(self, member: Observed) -> str | None:
+        return next((reason for policy in self.policies if (reason := policy(member))), None)
+
+
+class process_exited(Policy):  # noqa: N801
+    def __call__(self, member: Observed) -> str | None:
+        return None if member.alive else member.exit_reason or "exited"
+
+
+class checks_failed(Policy):  # noqa: N801
+    """Only once it has been healthy: a starting engine refuses connections until it is warm."""
+
+    def __init__(self, threshold: int) -> None:
+        self.threshold = threshold
+
+    def __call__(self, member: Observed) -> str | None:
+        health = member.health
+        if health.ever_ok and health.consecutive_failures >= self.threshold:
+            return f"failed {health.consecutive_failures} health checks in a row ({health.error})"
+        return None
+
+
+class not_ready_within(Policy):  # noqa: N801
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def __call__(self, member: Observed) -> str | None:
+        if not member.health.ever_ok and member.age_s > self.seconds:
+            return f"not ready {self.seconds:g} s after it started ({member.health.error})"
+        return None

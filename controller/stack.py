@@ -1,0 +1,108 @@
+"""What the controller runs: the paths and command lines of a cluster's daemons, engines and gateway.
+
+The controller passes every daemon an explicit ``--socket`` under ``state_dir/run`` and gives the
+engines of its group the same path, so engines and daemon agree without recomputing fingerprints.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from cache.errors import ConfigError
+from cache.launcher import daemon_command
+from cache.makemodel import ensure_default_model
+from cache.paths import DaemonPaths
+from cache.pipeline import DTYPES, LoadSpec
+from controller.config import ClusterConfig, EngineSpec
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+MAX_SOCKET_PATH = 107  # sun_path is 108 bytes including the NUL
+
+
+@dataclass(frozen=True)
+class Layout:
+    config: ClusterConfig
+    config_path: Path | None  # handed to the gateway; None: the defaults
+    model_dir: Path
+
+    @classmethod
+    def create(cls, config: ClusterConfig, config_path: Path | None) -> Layout:
+        """Resolve the model (a relative [model] path is relative to the config file; none: the embedded
+        tiny model, generated on first use) and check that the socket paths fit."""
+        if config.model.path:
+            model_dir = Path(config.model.path).expanduser()
+            if not model_dir.is_absolute() and config_path is not None:
+                model_dir = config_path.parent / model_dir
+        else:
+            model_dir = ensure_default_model()
+        layout = cls(config, config_path.resolve() if config_path else None, model_dir.resolve())
+        longest = layout.socket(len(config.groups) - 1)
+        if len(str(longest)) > MAX_SOCKET_PATH:
+            raise ConfigError(
+                f"{config.source}: cluster.state_dir gives a daemon socket path of {len(str(longest))} bytes "
+                f"({longest}); Unix sockets allow {MAX_SOCKET_PATH}: choose a shorter state_dir"
+            )
+        return layout
+
+    @property
+    def state_dir(self) -> Path:
+        return self.config.state_dir
+
+    @property
+    def state_file(self) -> Path:
+        return self.state_dir / "state.json"
+
+    @property
+    def lock_file(self) -> Path:
+        return self.state_dir / "controller.lock"
+
+    @property
+    def log_dir(self) -> Path:
+        return self.state_dir / "logs"
+
+    @property
+    def events_file(self) -> Path:
+        return self.state_dir / "events.jsonl"
+
+    def socket(self, group: int) -> Path:
+        return self.state_dir / "run" / f"g{group}.sock"
+
+    def env(self) -> dict[str, str]:
+        """Our environment, with this checkout importable (``-m controller.cli`` must resolve to us)."""
+        path = os.environ.get("PYTHONPATH")
+        return {**os.environ, "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{path}" if path else str(REPO_ROOT)}
+
+    def load_spec(self, group: int) -> LoadSpec:
+        model = self.config.model
+        return LoadSpec(
+            device=self.config.groups[group].device,
+            dtype=DTYPES[model.dtype] if model.dtype else None,
+            quantize=model.quantize or None,
+        )
+
+    def daemon_command(self, group: int) -> list[str]:
+        backend = self.config.groups[group].backend or None
+        return daemon_command(self.model_dir, self.load_spec(group), DaemonPaths(self.socket(group)), backend)
+
+    def engine_command(self, spec: EngineSpec) -> list[str]:
+        """Every engine starts as a standby; the controller promotes one, so no start races a live primary."""
+        model, engine = self.config.model, self.config.engine
+        command = [sys.executable, "-m", "controller.cli", "engine", "--model", str(self.model_dir)]
+        command += ["--device", spec.device, "--weight-cache", "client", "--socket", str(self.socket(spec.group))]
+        command += ["--port", str(spec.port), "--role", "standby", "--engine-id", spec.id]
+        command += ["--kv-cache-tokens", str(engine.kv_cache_tokens), "--max-batch", str(engine.max_batch)]
+        command += ["--drain-timeout", str(engine.drain_timeout_s)]
+        if model.dtype:
+            command += ["--dtype", model.dtype]
+        if model.quantize:
+            command += ["--quantize", model.quantize]
+        if self.config.cluster.token_file:
+            command += ["--token-file", str(Path(self.config.cluster.token_file).expanduser().resolve())]
+        return command
+
+    def gateway_command(self) -> list[str]:
+        command = [sys.executable, "-m", "controller.cli", "gateway"]
+        return command + ["--config", str(self.config_path)] if self.config_path else command

@@ -1,0 +1,264 @@
+"""Start, adopt, watch and stop the stack's processes: mechanism only (``ha.py`` decides).
+
+Every process runs in its own session with its output appended to ``state_dir/logs/<id>.log``, so
+engines, daemons and the gateway outlive the controller. Exits are seen through pidfds registered
+with the event loop: no polling delay, and it works for processes a previous controller started
+(they are not our children). A recorded process is adopted only if its pid is alive with the
+recorded start time and command line, so a reused pid is never mistaken for ours. Signals go
+through the pidfd, so they can never reach a process that merely inherited the pid.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import select
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cache.errors import ConfigError
+
+log = logging.getLogger("hotweights.controller")
+
+STOP_TIMEOUT_S = 10.0  # SIGTERM -> SIGKILL for a planned stop
+FENCE_TIMEOUT_S = 5.0  # SIGKILL -> exit; longer means the process is stuck in the kernel
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What tells a live process from another one that reused its pid."""
+
+    pid: int
+    start_time: int  # /proc/<pid>/stat field 22: clock ticks after boot
+    command: tuple[str, ...]
+
+
+def read_identity(pid: int) -> Identity | None:
+    """The identity of a live (not zombie) pid, None if it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        raw_command = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()  # comm may hold spaces and parentheses; fields 3.. follow
+    if fields[0] in ("Z", "X"):
+        return None
+    return Identity(pid, int(fields[19]), tuple(raw_command.decode(errors="replace").split("\0")[:-1]))
+
+
+def exit_reason(returncode: int | None) -> str:
+    if returncode is None:
+        return "exited"  # not our child: the status went to its new parent
+    if returncode < 0:
+        return f"exited (signal {-returncode}, {signal.Signals(-returncode).name})"
+    return f"exited with code {returncode}"
+
+
+@dataclass(eq=False)
+class Process:
+    """One supervised process. ``exited`` is set by the event loop the moment the process ends."""
+
+    id: str
+    identity: Identity
+    pidfd: int
+    popen: subprocess.Popen | None  # None when adopted from a previous controller
+    exited: asyncio.Event = field(default_factory=asyncio.Event)
+    exit_reason: str | None = None
+    exited_at: float | None = None  # time.monotonic()
+
+    @property
+    def pid(self) -> int:
+        return self.identity.pid
+
+    @property
+    def alive(self) -> bool:
+        return not self.exited.is_set()
+
+    def record(self) -> dict[str, Any]:
+        return {"pid": self.pid, "start_time": self.identity.start_time, "command": list(self.identity.command)}
+
+
+class Supervisor:
+    """Owns the pidfds; ``on_exit`` runs on the event loop right after a watched process ends."""
+
+    def __init__(self, log_dir: Path, env: dict[str, str], on_exit: Callable[[Process], None]) -> None:
+        self.log_dir = log_dir
+        self.env = env
+        self.on_exit = on_exit
+        self.processes: dict[str, Process] = {}
+
+    def spawn(self, process_id: str, command: list[str]) -> Process:
+        """Start ``command`` in a new session (it outlives us), output appended to its log."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.log_dir / f"{process_id}.log", "ab") as out:
+            popen = subprocess.Popen(
+                command, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=self.env, start_new_session=True
+            )
+        pidfd = os.pidfd_open(popen.pid)
+        identity = read_identity(popen.pid) or Identity(popen.pid, 0, tuple(command))
+        process = Process(process_id, identity, pidfd, popen)
+        self._watch(process)
+        log.debug("started %s (pid %d): %s", process_id, popen.pid, " ".join(command))
+        return process
+
+    def adopt(self, process_id: str, record: dict[str, Any]) -> Process | None:
+        """Watch a process a previous controller started, if it is still that very process."""
+        opened = open_pidfd(record)
+        if opened is None:
+            return None
+        process = Process(process_id, opened[1], opened[0], None)
+        self._watch(process)
+        return process
+
+    async def fence(self, process: Process, timeout: float = FENCE_TIMEOUT_S) -> bool:
+        """SIGKILL and wait for the exit (works on a SIGSTOPped process too); False if it outlived ``timeout``."""
+        if process.alive:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(process.pidfd, signal.SIGKILL)
+        return await _wait(process, timeout)
+
+    async def stop(self, process: Process, timeout: float = STOP_TIMEOUT_S) -> str:
+        """SIGTERM, then SIGKILL after ``timeout``; returns how it ended."""
+        if not process.alive:
+            return process.exit_reason or "exited"
+        with contextlib.suppress(ProcessLookupError):
+            signal.pidfd_send_signal(process.pidfd, signal.SIGTERM)
+        if await _wait(process, timeout):
+            return process.exit_reason or "exited"
+        await self.fence(process)
+        return f"killed after ignoring SIGTERM for {timeout:g} s"
+
+    def forget(self, process: Process) -> None:
+        """Stop watching without touching the process (controller shutdown that leaves it running)."""
+        if process.alive:
+            asyncio.get_running_loop().remove_reader(process.pidfd)
+            os.close(process.pidfd)
+            process.pidfd = -1
+        self.processes.pop(process.id, None)
+
+    def _watch(self, process: Process) -> None:
+        self.processes[process.id] = process
+        asyncio.get_running_loop().add_reader(process.pidfd, self._handle_exit, process)
+
+    def _handle_exit(self, process: Process) -> None:
+        asyncio.get_running_loop().remove_reader(process.pidfd)
+        os.close(process.pidfd)
+        process.pidfd = -1
+        process.exit_reason = exit_reason(process.popen.poll() if process.popen else None)
+        process.exited_at = time.monotonic()
+        process.exited.set()
+        if self.processes.get(process.id) is process:
+            del self.processes[process.id]
+        self.on_exit(process)
+
+
+async def _wait(process: Process, timeout: float) -> bool:
+    try:
+        await asyncio.wait_for(process.exited.wait(), timeout)
+    except TimeoutError:
+        return False
+    return True
+
+
+def open_pidfd(record: dict[str, Any]) -> tuple[int, Identity] | None:
+    """A pidfd for the recorded process if it is alive and still the same process, else None.
+
+    The pidfd is opened first and the identity checked after, so the fd cannot point to a
+    process that took over the pid between the check and the open."""
+    try:
+        pid, start_time, command = int(record["pid"]), int(record["start_time"]), tuple(record["command"])
+        pidfd = os.pidfd_open(pid)
+    except (KeyError, TypeError, ValueError, ProcessLookupError):
+        return None
+    identity = read_identity(pid)
+    if identity is None or identity.start_time != start_time or identity.command != command:
+        os.close(pidfd)
+        return None
+    return pidfd, identity
+
+
+def stop_recorded(records: Iterable[dict[str, Any]], timeout: float = STOP_TIMEOUT_S) -> list[str]:
+    """Synchronous stop of recorded processes (``hotweights down``): SIGTERM all, wait, SIGKILL leftovers.
+
+    Returns one line per process that was still running."""
+    running = [(record, opened[0]) for record in records if (opened := open_pidfd(record)) is not None]
+    for _, fd in running:
+        with contextlib.suppress(ProcessLookupError):
+            signal.pidfd_send_signal(fd, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    lines = []
+    for record, fd in running:
+        if _poll_exit(fd, deadline - time.monotonic()):
+            lines.append(f"{record.get('id', record['pid'])} (pid {record['pid']}) stopped")
+        else:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+            _poll_exit(fd, FENCE_TIMEOUT_S)
+            lines.append(f"{record.get('id', record['pid'])} (pid {record['pid']}) killed after {timeout:g} s")
+        os.close(fd)
+    return lines
+
+
+def _poll_exit(pidfd: int, timeout: float) -> bool:
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    return bool(poller.poll(max(0.0, timeout) * 1000))
+
+
+class StateFile:
+    """``state.json``, rewritten atomically (temp file + rename), so a crash never leaves half a file."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def load(self) -> dict[str, Any]:
+        try:
+            return json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"{self.path}: unreadable controller state ({exc}); move it away to start fresh") from None
+
+    def save(self, document: dict[str, Any]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(document, indent=1))
+        tmp.replace(self.path)
+
+
+class ControllerLock:
+    """One controller per state dir: an flock held for the controller's life, holding its pid."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fd = -1
+
+    def acquire(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise ConfigError(
+                f"another controller (pid {holder}) manages {self.path.parent}; stop it first "
+                "(hotweights down stops the whole stack)"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1

@@ -1,0 +1,116 @@
+"""A primary and a standby engine, a cluster TOML naming them, and the gateway as a real process."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+from tests.cachehelpers import ENV
+from tests.enginehelpers import EngineProcess, free_port
+
+FLAGS = ("--kv-cache-tokens", "512", "--max-batch", "4")
+
+
+@contextlib.contextmanager
+def primary_and_standby(model: Path) -> Iterator[list[EngineProcess]]:
+    """Engines "a" (primary) and "b" (standby), started side by side, killed however the test ends."""
+    with contextlib.ExitStack() as stack:
+        engines = []
+        for engine_id, role in (("a", "primary"), ("b", "standby")):
+            engine = EngineProcess(model, *FLAGS, "--engine-id", engine_id, "--role", role)
+            stack.callback(engine.close)
+            engines.append(engine)
+        for engine in engines:
+            engine.wait_ready()
+        yield engines
+
+
+def roles(engines: list[EngineProcess]) -> tuple[EngineProcess, EngineProcess]:
+    """(primary, standby) as the engines say now."""
+    primary = [e for e in engines if e.client.get("/primary").status_code == 200]
+    assert len(primary) == 1, f"expected one primary, found {len(primary)}"
+    return primary[0], next(e for e in engines if e is not primary[0])
+
+
+def write_cluster(path: Path, ports: list[int], **gateway: object) -> Path:
+    """A cluster TOML with one group per engine port (the helpers pick each engine's port, so they are
+    not consecutive) and fast health timings; ``gateway`` overrides the [gateway] keys."""
+    groups = "".join(f'[[groups]]\ndevice = "cpu"\nengines = 1\nbase_port = {port}\n\n' for port in ports)
+    section = {"host": "127.0.0.1", "port": free_port()} | gateway
+    lines = "".join(f"{key} = {value!r}\n".replace("'", '"') for key, value in section.items())
+    path.write_text(
+        f"[cluster]\nport = {free_port()}\n\n{groups}"
+        "[health]\ninterval_ms = 50\ntimeout_ms = 250\nfailure_threshold = 2\n\n"
+        f"[gateway]\n{lines}"
+    )
+    return path
+
+
+class GatewayProcess:
+    """``hotweights gateway`` as a child process; stderr goes to a file, shown when it fails."""
+
+    def __init__(self, config: Path, *extra: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile(prefix="gateway-", suffix=".log", delete=False)  # noqa: SIM115
+        command = [sys.executable, "-m", "controller.cli", "gateway", "--config", str(config), "--port", str(self.port)]
+        self.process = subprocess.Popen(
+            [*command, *extra], env=ENV, stdout=subprocess.DEVNULL, stderr=self.log, text=True
+        )
+        self.client = httpx.Client(base_url=self.url, timeout=30.0)
+
+    def wait_ready(self, timeout: float = 30.0) -> GatewayProcess:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"gateway exited with {self.process.returncode}:\n{self.logs()}")
+            with contextlib.suppress(httpx.TransportError):
+                if self.client.get("/gateway/health").status_code == 200:
+                    return self
+            time.sleep(0.05)
+        raise TimeoutError(f"gateway not ready after {timeout} s:\n{self.logs()}")
+
+    def health(self) -> dict:
+        return self.client.get("/gateway/health").json()
+
+    def wait_health(self, predicate, timeout: float = 10.0, what: str = "gateway state") -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if predicate(health := self.health()):
+                return health
+            time.sleep(0.01)
+        raise TimeoutError(f"timed out waiting for {what}; last: {health}\n{self.logs()}")
+
+    def logs(self) -> str:
+        return Path(self.log.name).read_text()
+
+    def stop(self) -> int:
+        """SIGTERM, as a supervisor stops it; the exit status."""
+        self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout=15)
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+        self.client.close()
+        self.log.close()
+        Path(self.log.name).unlink(missing_ok=True)
+
+    def __enter__(self) -> GatewayProcess:
+        try:
+            return self.wait_ready()
+        except BaseException:
+            self.close()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,144 @@
+"""The drill's instruments on real sockets: the delay proxy, the split-brain detector, the load generator."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from chaos.load import LoadGenerator, reference_completion
+from chaos.proxy import DelayProxy
+from chaos.splitbrain import SplitBrainDetector
+from tests.enginehelpers import EngineProcess
+
+
+class RoleServer(ThreadingHTTPServer):
+    """A tiny HTTP server on loopback whose ``/primary`` answers whatever ``status`` is set to."""
+
+    daemon_threads = True
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), RoleHandler)
+        self.status = 503
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class RoleHandler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # headers and body are two writes: Nagle would hold the body 40 ms
+    server: RoleServer
+
+    def do_GET(self) -> None:
+        body = b'{"role": "?"}'
+        self.send_response(self.server.status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def role_servers(count: int) -> Iterator[list[RoleServer]]:
+    servers = [RoleServer() for _ in range(count)]
+    threads = [threading.Thread(target=s.serve_forever, daemon=True) for s in servers]
+    for thread in threads:
+        thread.start()
+    try:
+        yield servers
+    finally:
+        for server in servers:
+            server.shutdown()
+            server.server_close()
+
+
+async def echo_server() -> asyncio.Server:
+    async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+        writer.close()
+
+    return await asyncio.start_server(echo, "127.0.0.1", 0)
+
+
+def test_proxy_delays_both_directions_and_keeps_bytes() -> None:
+    async def scenario() -> None:
+        server = await echo_server()
+        proxy = await DelayProxy(server.sockets[0].getsockname()[1]).start()
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+            payload = bytes(range(256)) * 4096  # 1 MiB, every byte value
+            writer.write(b"x")
+            assert await reader.readexactly(1) == b"x"  # connection up, no delay yet
+            proxy.delay_s = 0.1
+            started = time.monotonic()
+            writer.write(b"y")
+            assert await reader.readexactly(1) == b"y"
+            elapsed = time.monotonic() - started
+            assert 0.2 <= elapsed < 0.6, f"one round trip through a 100 ms proxy took {elapsed:.3f} s"
+            writer.write(payload)
+            assert await reader.readexactly(len(payload)) == payload
+            writer.close()
+        finally:
+            await proxy.close()
+            server.close()
+
+    asyncio.run(scenario())
+
+
+def test_split_brain_detector_counts_sweeps_with_two_primaries() -> None:
+    async def scenario(servers: list[RoleServer]) -> SplitBrainDetector:
+        detector = SplitBrainDetector([s.url for s in servers])
+        async with detector.running():
+            servers[0].status = 200
+            await asyncio.sleep(0.3)
+            assert not detector.samples, "one primary is not a split brain"
+            servers[1].status = 200
+            await asyncio.sleep(0.1)
+            servers[1].status = 503
+            await asyncio.sleep(0.2)
+        return detector
+
+    with role_servers(3) as servers:
+        detector = asyncio.run(scenario(servers))
+    assert detector.sweeps >= 30, f"only {detector.sweeps} sweeps in 0.6 s: polling slower than every 20 ms"
+    assert 3 <= len(detector.samples) <= 20
+    assert all(sample.primaries == (servers[0].url, servers[1].url) for sample in detector.samples)
+
+
+def test_load_generator_records_correct_completions(tiny_model: Path) -> None:
+    async def scenario(url: str) -> LoadGenerator:
+        import httpx
+
+        async with httpx.AsyncClient() as client:
+            reference = await reference_completion(client, url)
+        load = LoadGenerator(url, rps=20, reference=reference)
+        async with load.running():
+            await asyncio.sleep(1.0)
+        load.reference = "something else"
+        async with load.running():
+            await asyncio.sleep(0.2)
+        return load
+
+    with EngineProcess(tiny_model, "--kv-cache-tokens", "256") as engine:
+        load = asyncio.run(scenario(engine.url))
+    good = [r for r in load.records if r.correct]
+    wrong = [r for r in load.records if r.correct is False]
+    assert 15 <= len(good) <= 25, [r.error for r in load.records]
+    assert wrong and all(r.status == 200 and "wrong output" in r.error for r in wrong)
+    assert all(r.end >= r.start for r in load.records)
+
+
+if __name__ == "__main__":
+    pytest.main([__file__, "-q"])
