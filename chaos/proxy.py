@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import sys
 import time
 
 log = logging.getLogger(__name__)
@@ -99,3 +101,26 @@ class DelayProxy:
             delivering.cancel()
             with contextlib.suppress(asyncio.CancelledError, OSError, ConnectionError):
                 await delivering
+
+
+async def serve(pairs: list[str]) -> None:
+    """One proxy per ``PUBLIC=PRIVATE`` pair; stdin lines ``PUBLIC SECONDS`` set a proxy's delay; EOF ends."""
+    proxies = {}
+    for pair in pairs:
+        public, private = (int(port) for port in pair.split("="))
+        proxies[public] = await DelayProxy(private, listen_port=public).start()
+    print(json.dumps({"event": "ready", "proxies": sorted(proxies)}), flush=True)
+    reader = asyncio.StreamReader()
+    await asyncio.get_running_loop().connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    try:
+        while line := await reader.readline():
+            port, seconds = line.split()
+            proxies[int(port)].delay_s = float(seconds)
+            log.info("port %s: delay %s s", port.decode(), seconds.decode())
+    finally:
+        await asyncio.gather(*(p.close() for p in proxies.values()))
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    asyncio.run(serve(sys.argv[1:]))

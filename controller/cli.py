@@ -22,6 +22,7 @@ COMMANDS: tuple[str, ...] = (
     "standby.engine",
     "controller.gateway",
     "controller.haproxy",
+    "controller.commands",
 )
 
 

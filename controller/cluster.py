@@ -206,9 +206,7 @@ class Cluster:
         self.state_file.save(
             {
                 "cluster": self.config.cluster.name,
-                "controller": {"pid": me.pid, "start_time": me.start_time, "command": list(me.command)}
-                if me
-                else None,
+                "controller": {"pid": me.pid, "start_time": me.start_time, "command": list(me.command)} if me else None,
                 "members": members,
                 "services": services,
                 "removed": sorted(self.removed),
@@ -335,9 +333,7 @@ class Cluster:
         service = self.services[service_id]
         if service.process is None or not service.process.alive:
             command = (
-                self.layout.daemon_command(service.group)
-                if service.kind == "daemon"
-                else self.layout.gateway_command()
+                self.layout.daemon_command(service.group) if service.kind == "daemon" else self.layout.gateway_command()
             )
             service.process = self.supervisor.spawn(service.id, command)
             self.save()
@@ -421,8 +417,7 @@ def _slot_order(member: Member) -> tuple[int, int]:
 
 
 def _port_is_free(port: int) -> bool:
-    with socket.socket() as probe:
-        with contextlib.suppress(OSError):
-            probe.bind(("127.0.0.1", port))
-            return True
+    with socket.socket() as probe, contextlib.suppress(OSError):
+        probe.bind(("127.0.0.1", port))
+        return True
     return False

@@ -18,7 +18,9 @@ class EngineApi:
         self.client = client
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
 
-    async def post(self, url: str, path: str, body: dict[str, Any] | None = None, timeout: float | None = None) -> tuple[int, dict[str, Any]]:
+    async def post(
+        self, url: str, path: str, body: dict[str, Any] | None = None, timeout: float | None = None
+    ) -> tuple[int, dict[str, Any]]:
         """POST a role change; returns (status, JSON reply). Raises EngineUnreachable."""
         try:
             response = await self.client.post(

@@ -219,6 +219,8 @@ def unavailable(message: str) -> JSONResponse:
 
 
 class Gateway:
+    """The proxy's policy: where a request goes, how long it may wait, when it is re-sent."""
+
     def __init__(self, urls: list[str], interval_s: float, timeout_s: float, queue_limit: int, hold_s: float) -> None:
         self.queue_limit = queue_limit
         self.hold_s = hold_s
@@ -286,8 +288,10 @@ class Gateway:
     async def send(self, upstream: Upstream, request: Request, body: bytes) -> Response:
         """Open the upstream response and read its first chunk: until then a failure can be retried."""
         headers = [(k, v) for k, v in request.headers.items() if k not in HOP_BY_HOP]
-        url = httpx.URL(upstream.url + request.url.path, query=request.url.query.encode())
-        outgoing = self.client.build_request(request.method, url, headers=headers, content=body)
+        query = f"?{request.url.query}" if request.url.query else ""
+        outgoing = self.client.build_request(
+            request.method, upstream.url + request.url.path + query, headers=headers, content=body
+        )
         try:
             response = await self.client.send(outgoing, stream=True)
         except httpx.TransportError as exc:
@@ -382,6 +386,7 @@ class GatewayServer(uvicorn.Server):
 
 def cmd_gateway(args: argparse.Namespace) -> int:
     config = load_config(args.config)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per probe would drown the log
     urls = args.upstream or config.engine_urls()
     gateway = Gateway(
         urls,

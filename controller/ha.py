@@ -230,7 +230,7 @@ class Ha:
         self.metrics.failover_duration.labels(kind).observe(timings["total_ms"] / 1000)
         sentence = f"{prefix}; promoted {candidate.id} in {promote_ms} ms ({timings['total_ms']} ms after the failure)"
         self.events.record(
-            "failover", sentence, group=group, kind=kind, old=details["old_primary"], new=candidate.id, **timings
+            "failover", sentence, group=group, mode=kind, old=details["old_primary"], new=candidate.id, **timings
         )
         if old is not None:
             sentence += f"; {self._restart_slot(snap, old.id)}"
@@ -247,9 +247,9 @@ class Ha:
         return message
 
     def best_standby(self, snap: Snapshot, group: int) -> MemberView | None:
-        """Ready standbys, fewest failed checks first, then the fastest to answer."""
+        """A ready standby with the fewest failed checks; ties go to the lowest slot (snapshot order)."""
         ready = [m for m in snap.group(group) if m.is_ready_standby]
-        return min(ready, key=lambda m: (m.health.consecutive_failures, m.health.latency_ms or 0.0), default=None)
+        return min(ready, key=lambda m: m.health.consecutive_failures, default=None)
 
     async def promote(self, candidate: MemberView) -> tuple[bool, float, str]:
         """POST /promote, then confirm /primary answers 200; returns (done, ms, the engine's message)."""
@@ -558,7 +558,9 @@ class Ha:
             promoted, promote_ms, message = await self.promote(candidate)
             if promoted:
                 self.events.record("elect", f"group {group} had no primary: promoted {candidate.id}", group=group)
-                sentences.append(f"group {group} had no primary: promoted ready standby {candidate.id} in {promote_ms} ms")
+                sentences.append(
+                    f"group {group} had no primary: promoted ready standby {candidate.id} in {promote_ms} ms"
+                )
             else:
                 sentences.append(f"group {group} has no primary: promoting {candidate.id} failed ({message})")
         return "; ".join(sentences) if sentences else None

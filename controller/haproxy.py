@@ -30,7 +30,9 @@ defaults
     timeout client 300s
     timeout server 300s
     timeout http-request 10s
-    # Re-send a request that found a standby (503) or no connection, on another server.
+    # Re-send a request that found a standby (503) or no connection, on another server; a request can
+    # only be re-sent once HAProxy holds all of it.
+    option http-buffer-request
     retries 3
     retry-on conn-failure empty-response 503
     option redispatch 1

@@ -139,7 +139,7 @@ class Policy:
         return first_reason(self, other)
 
 
-class first_reason(Policy):  # noqa: N801 - named like the tenacity combinators it imitates
+class first_reason(Policy):  # lower case, like the tenacity combinators it imitates
     def __init__(self, *policies: Policy) -> None:
         self.policies = policies
 
@@ -147,12 +147,12 @@ class first_reason(Policy):  # noqa: N801 - named like the tenacity combinators 
         return next((reason for policy in self.policies if (reason := policy(member))), None)
 
 
-class process_exited(Policy):  # noqa: N801
+class process_exited(Policy):
     def __call__(self, member: Observed) -> str | None:
         return None if member.alive else member.exit_reason or "exited"
 
 
-class checks_failed(Policy):  # noqa: N801
+class checks_failed(Policy):
     """Only once it has been healthy: a starting engine refuses connections until it is warm."""
 
     def __init__(self, threshold: int) -> None:
@@ -165,7 +165,7 @@ class checks_failed(Policy):  # noqa: N801
         return None
 
 
-class not_ready_within(Policy):  # noqa: N801
+class not_ready_within(Policy):
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
 

@@ -22,10 +22,16 @@ class ControllerMetrics:
             registry=self.registry,
         )
         self.members = Gauge(
-            "hotweights_controller_members", "Engines by role (primary, standby, none)", ["role"], registry=self.registry
+            "hotweights_controller_members",
+            "Engines by role (primary, standby, none)",
+            ["role"],
+            registry=self.registry,
         )
         self.daemon_restarts = Counter(
-            "hotweights_controller_daemon_restarts", "Cache daemon respawns, by group", ["group"], registry=self.registry
+            "hotweights_controller_daemon_restarts",
+            "Cache daemon respawns, by group",
+            ["group"],
+            registry=self.registry,
         )
         self.health_check_latency = Histogram(
             "hotweights_controller_health_check_seconds",

@@ -105,4 +105,4 @@ class Layout:
 
     def gateway_command(self) -> list[str]:
         command = [sys.executable, "-m", "controller.cli", "gateway"]
-        return command + ["--config", str(self.config_path)] if self.config_path else command
+        return [*command, "--config", str(self.config_path)] if self.config_path else command

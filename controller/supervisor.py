@@ -226,7 +226,9 @@ class StateFile:
         except FileNotFoundError:
             return {}
         except (OSError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"{self.path}: unreadable controller state ({exc}); move it away to start fresh") from None
+            raise ConfigError(
+                f"{self.path}: unreadable controller state ({exc}); move it away to start fresh"
+            ) from None
 
     def save(self, document: dict[str, Any]) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -116,9 +116,12 @@ def test_request_is_held_while_no_engine_is_primary(engines: list[EngineProcess]
 
 
 def test_hold_deadline_and_queue_overflow_answer_503_with_the_reason(tmp_path: Path) -> None:
-    """Nothing listens upstream, one request may wait, for one second; SIGTERM then exits cleanly."""
-    config = write_cluster(tmp_path / "cluster.toml", [free_port()], queue_limit=1, hold_timeout_s=1.0)
-    with GatewayProcess(config) as gateway, ThreadPoolExecutor(1) as pool:
+    """Nothing listens upstream (--upstream overrides the config's engines), one request may wait, for one
+    second; SIGTERM then exits cleanly."""
+    config = write_cluster(tmp_path / "cluster.toml", [], queue_limit=1, hold_timeout_s=1.0)
+    upstream = f"http://127.0.0.1:{free_port()}"
+    with GatewayProcess(config, "--upstream", upstream) as gateway, ThreadPoolExecutor(1) as pool:
+        assert [u["url"] for u in gateway.health()["upstreams"]] == [upstream]
         started = time.monotonic()
         held = pool.submit(httpx.post, f"{gateway.url}/v1/completions", json={"prompt": "x"}, timeout=30)
         gateway.wait_health(lambda h: h["held"] == 1, what="the request held")

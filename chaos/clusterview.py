@@ -1,0 +1,119 @@
+"""The drill's view of a cluster: the controller's REST API, the load balancer's metrics, who to hurt.
+
+Only documented interfaces are used (``GET /cluster``, ``GET /events``, ``POST /switchover``, the
+gateway's ``/metrics``), so the drill judges the controller from the outside, as an operator would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import httpx
+
+from chaos.faults import Target
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    """One ``GET /cluster`` answer."""
+
+    members: list[dict[str, Any]]
+    services: list[dict[str, Any]]
+
+    def primaries(self) -> list[dict[str, Any]]:
+        return [m for m in self.members if m["role"] == "primary" and m["pid"] is not None]
+
+    def ready_standbys(self) -> list[dict[str, Any]]:
+        return [m for m in self.members if m["role"] == "standby" and m["state"] == "ready" and m["status"] == "healthy"]
+
+    def incomplete(self) -> str | None:
+        """None when every group has one healthy primary, every other engine is a ready standby and every
+        daemon and the gateway serve; else what is still missing."""
+        missing = []
+        for group in sorted({m["group"] for m in self.members}):
+            members = [m for m in self.members if m["group"] == group]
+            healthy = [m for m in members if m["status"] == "healthy" and m["state"] == "ready"]
+            primaries = [m for m in healthy if m["role"] == "primary"]
+            if len(primaries) != 1 or len(healthy) != len(members):
+                states = ", ".join(f"{m['id']} {m['role']} {m['status']}" for m in members)
+                missing.append(f"group {group}: {states}")
+        missing += [f"{s['id']} not serving" for s in self.services if not (s["alive"] and s["serving"])]
+        return "; ".join(missing) or None
+
+    def target(self, name: str) -> Target | None:
+        """The live process of a member or service, with its identity taken now."""
+        for entry in self.members + self.services:
+            if entry["id"] == name and entry["pid"]:
+                return Target.of(name, entry["pid"])
+        return None
+
+    def engine_pids(self) -> dict[str, int | None]:
+        return {m["id"]: m["pid"] for m in self.members}
+
+    def service(self, kind: str) -> dict[str, Any] | None:
+        return next((s for s in self.services if s["kind"] == kind), None)
+
+
+def event_time(event: dict[str, Any]) -> float:
+    return datetime.fromisoformat(event["time"]).timestamp()
+
+
+class ControlApi:
+    def __init__(self, url: str, token: str | None, timeout_s: float = 2.0) -> None:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.client = httpx.AsyncClient(base_url=url, headers=headers, timeout=timeout_s)
+
+    async def cluster(self) -> ClusterView | None:
+        """None while the controller does not answer (killed, restarting)."""
+        try:
+            response = await self.client.get("/cluster")
+        except httpx.HTTPError:
+            return None
+        if response.status_code != 200:
+            return None
+        body = response.json()
+        return ClusterView(body["members"], body["services"])
+
+    async def events(self, since: float) -> list[dict[str, Any]]:
+        """Events recorded at or after ``since`` (time.time()); [] while the controller does not answer."""
+        try:
+            response = await self.client.get("/events", params={"limit": 1000})
+            events = response.json()["events"] if response.status_code == 200 else []
+        except (httpx.HTTPError, ValueError, KeyError):
+            return []
+        return [e for e in events if event_time(e) >= since - 0.001]  # ISO times carry milliseconds
+
+    async def switchover(self, timeout_s: float = 60.0) -> httpx.Response:
+        return await self.client.post("/switchover", json={}, timeout=timeout_s)
+
+    async def wait_complete(self, timeout_s: float) -> str | None:
+        """Poll until the cluster is whole again; None when it is, else the last thing that was missing."""
+        deadline = time.monotonic() + timeout_s
+        missing = "the controller does not answer"
+        while time.monotonic() < deadline:
+            view = await self.cluster()
+            missing = "the controller does not answer" if view is None else view.incomplete()
+            if missing is None:
+                return None
+            await asyncio.sleep(0.05)
+        return missing
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+
+async def lb_retries(client: httpx.AsyncClient, lb_url: str) -> float | None:
+    """The gateway's count of requests it re-sent after an upstream failed; None for another LB."""
+    try:
+        response = await client.get(f"{lb_url}/metrics", timeout=2.0)
+    except httpx.HTTPError:
+        return None
+    for line in response.text.splitlines():
+        if line.startswith("hotweights_gateway_retries_total "):
+            return float(line.split()[1])
+    return None
+

@@ -1,0 +1,225 @@
+"""``hotweights drill``: bring up (or attach to) a stack, load it, inject faults round by round, report.
+
+Rounds cycle through the chosen scenarios (``--rounds`` in all; default one of each). Before every
+round the cluster must be whole (one healthy primary, ready standbys, daemon and gateway serving);
+after the fault the drill waits until it is whole again, then keeps the load running briefly so the
+first successes after the fault are seen. Load and the split-brain detector run for the whole drill.
+
+Exit code 1 when any round saw a split-brain sample, a wrong output, a leak, a broken scenario
+promise, or (``--lb gateway``) a client-visible error; 0 otherwise; 130 when interrupted. SIGINT or
+SIGTERM only sets a flag and cancels the round in progress: its cleanup (SIGCONT, delays cleared)
+and the teardown of everything the drill started still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from cache.errors import ConfigError, HotweightsError
+from chaos import memory
+from chaos.clusterview import ControlApi, lb_retries
+from chaos.load import LoadGenerator, reference_completion
+from chaos.measure import RoundResult, apply_events, apply_requests
+from chaos.report import write_report
+from chaos.scenarios import SCENARIOS, Round, Scenario
+from chaos.splitbrain import SplitBrainDetector
+from chaos.stack import DrillStack
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 180.0  # the first start may generate the tiny model and load it from disk
+RECOVERY_TIMEOUT_S = 60.0
+DISTURBED_WAIT_S = 1.0  # how long to wait for the controller to notice before judging "whole again"
+PRE_FAULT_S = 0.3  # load before the fault, so there is a last success to measure from
+POST_RECOVERY_S = 0.5  # load after recovery, so the first successes after the fault are in
+
+
+@dataclass
+class Drill:
+    stack: DrillStack
+    api: ControlApi
+    detector: SplitBrainDetector
+    load: LoadGenerator
+    metrics_client: httpx.AsyncClient
+    results: list[RoundResult] = field(default_factory=list)
+
+    async def run_round(self, scenario: Scenario, index: int) -> RoundResult:
+        result = RoundResult(scenario.name, index, time.time(), client_errors_expected=scenario.client_errors_expected)
+        if reason := scenario.skip_reason(self.stack):
+            result.skipped = reason
+            return result
+        if missing := await self.api.wait_complete(RECOVERY_TIMEOUT_S):
+            result.problem = f"the cluster was not whole before the round: {missing}"
+            return result
+        view = await self.api.cluster()
+        assert view is not None
+        await asyncio.sleep(PRE_FAULT_S)
+        before = await asyncio.to_thread(memory.snapshot, self.stack.marker)
+        retries = await lb_retries(self.metrics_client, self.stack.lb_url)
+        samples = len(self.detector.samples)
+        r = Round(self.stack, self.api, view)
+        try:
+            await scenario.inject(r)
+            await scenario.settle(r)
+            await self.wait_disturbed()
+            missing = await self.api.wait_complete(RECOVERY_TIMEOUT_S)
+            result.recovered_at = time.time()
+            await asyncio.sleep(POST_RECOVERY_S)
+        finally:
+            await scenario.cleanup(r)
+        after_view = await self.api.cluster()
+        after = await asyncio.to_thread(memory.snapshot, self.stack.marker)
+        result.fault_at = r.fault_at or None
+        result.problem = (
+            r.problem
+            or (missing and f"not whole {RECOVERY_TIMEOUT_S:g} s after the fault: {missing}")
+            or (after_view and scenario.verify(r, after_view))
+            or None
+        )
+        result.memory_before, result.memory_after = before.to_json(), after.to_json()
+        result.leak = memory.leak(before, after, scenario.respawns_daemon)
+        if retries is not None and (now := await lb_retries(self.metrics_client, self.stack.lb_url)) is not None:
+            result.retried = int(now - retries) if now >= retries else int(now)  # a restarted gateway starts at 0
+        result.split_brain = len(self.detector.samples) - samples
+        if result.fault_at:
+            apply_events(result, await self.api.events(result.fault_at), {t.name for t in r.targets})
+        return result
+
+    async def wait_disturbed(self) -> None:
+        """Until the controller shows the fault (or DISTURBED_WAIT_S), so "whole" is not judged too early."""
+        deadline = time.monotonic() + DISTURBED_WAIT_S
+        while time.monotonic() < deadline:
+            view = await self.api.cluster()
+            if view is None or view.incomplete():
+                return
+            await asyncio.sleep(0.02)
+
+
+def plan(names: list[str], rounds: int | None) -> list[Scenario]:
+    """``rounds`` rounds cycling through ``names`` (default: one round of each)."""
+    scenarios = [SCENARIOS[name]() for name in names]
+    total = len(scenarios) if rounds is None else rounds
+    return [scenarios[i % len(scenarios)] for i in range(total)]
+
+
+def progress(result: RoundResult, total: int, judge: bool) -> None:
+    if result.skipped:
+        line = f"skipped: {result.skipped}"
+    else:
+        parts = [f"{name} {value:.0f} ms" for name, value in (
+            ("outage", result.outage_ms), ("detect", result.detection_ms), ("promote", result.promotion_ms),
+        ) if value is not None]  # fmt: skip
+        failures = result.failures(judge)
+        parts.append("FAIL: " + "; ".join(failures) if failures else "ok")
+        line = ", ".join(parts)
+    print(f"[{result.index + 1}/{total}] {result.scenario}: {line}", file=sys.stderr, flush=True)
+
+
+async def drill(args: argparse.Namespace, stack: DrillStack) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    rounds = plan(args.scenarios or list(SCENARIOS), args.rounds)
+    judge = args.lb == "gateway"
+    api = ControlApi(stack.controller_url, stack.config.token())
+    async with httpx.AsyncClient() as client:
+        try:
+            stack.start()
+            if missing := await until(stop, api.wait_complete(START_TIMEOUT_S)):
+                raise HotweightsError(f"the stack did not come up within {START_TIMEOUT_S:g} s: {missing}")
+            reference = await until(stop, reference_completion(client, stack.lb_url))
+            load = LoadGenerator(stack.lb_url, args.rps, reference)
+            detector = SplitBrainDetector(stack.direct_urls())
+            d = Drill(stack, api, detector, load, client)
+            began = time.time()
+            async with detector.running(), load.running():
+                for index, scenario in enumerate(rounds):
+                    result = await until(stop, d.run_round(scenario, index))
+                    if result is None:
+                        break
+                    result.ended_at = time.time()
+                    d.results.append(result)
+                    apply_requests(result, load.records, float("inf"))
+                    progress(result, len(rounds), judge)
+            for i, result in enumerate(d.results):  # now every request has answered: the final numbers
+                until_next = d.results[i + 1].started_at if i + 1 < len(d.results) else float("inf")
+                apply_requests(result, load.records, until_next)
+            failures = [f"{r.scenario}#{r.index + 1}: {f}" for r in d.results for f in r.failures(judge)]
+            write_report(Path(args.report), args, d.results, load.records, detector.sweeps, began)
+            print(f"report: {args.report}/summary.md", file=sys.stderr)
+            for line in failures:
+                print(f"FAIL {line}", file=sys.stderr)
+            if stop.is_set():
+                return 130
+            return 1 if failures else 0
+        finally:
+            await api.aclose()
+            for line in await asyncio.to_thread(stack.teardown):
+                log.info("teardown: %s", line)
+
+
+async def until(stop: asyncio.Event, work: Awaitable[Any]) -> Any:
+    """``work``'s result, or None once ``stop`` is set (``work`` is then cancelled, running its cleanups)."""
+    task = asyncio.ensure_future(work)
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return None
+
+
+def cmd_drill(args: argparse.Namespace) -> int:
+    unknown = [name for name in args.scenarios if name not in SCENARIOS]
+    if unknown:
+        raise ConfigError(f"unknown scenario(s) {unknown}; choose from {sorted(SCENARIOS)}")
+    if args.attach_running and not args.config:
+        raise ConfigError("--attach-running needs --config: the cluster.toml of the running stack")
+    if args.rps <= 0:
+        raise ConfigError(f"--rps must be > 0, found {args.rps}")
+    with tempfile.TemporaryDirectory(prefix="hwdrill-") as tmp:
+        workdir = Path(tmp)
+        if args.attach_running:
+            stack = DrillStack.attach(Path(args.config), workdir, args.lb)
+        elif args.config:
+            raise ConfigError("--config names a running stack: add --attach-running (without it the drill starts its own)")
+        else:
+            needs_proxy = any(SCENARIOS[name].needs_proxy for name in args.scenarios or SCENARIOS)
+            stack = DrillStack.create(workdir, args.lb, proxied=needs_proxy)
+        return asyncio.run(drill(args, stack))
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "drill",
+        help="chaos drill: inject faults under load, measure failover, write a report",
+        description="Start a stack (the embedded tiny model on CPU) or attach to a running one, drive steady "
+        "load through the load balancer, inject each scenario's fault, wait for recovery and measure detection, "
+        "fence, promotion, LB convergence, client-visible outage, errors, split brain, output and memory. "
+        f"Scenarios: {', '.join(SCENARIOS)}.",
+    )
+    p.add_argument("scenarios", nargs="*", metavar="SCENARIO", help="scenarios to run (default: all)")
+    p.add_argument("--config", help="cluster.toml of a running stack (with --attach-running)")
+    p.add_argument("--attach-running", action="store_true", help="drill the running stack of --config")
+    p.add_argument("--lb", choices=["gateway", "haproxy"], default="gateway", help="load balancer (default gateway)")
+    p.add_argument("--rounds", type=int, help="rounds in all, cycling through the scenarios (default: one each)")
+    p.add_argument("--rps", type=float, default=20.0, help="client requests per second (default 20)")
+    p.add_argument("--report", required=True, metavar="DIR", help="where report.json, summary.md, timeline.png go")
+    p.set_defaults(func=cmd_drill)

@@ -1,0 +1,100 @@
+"""What a round measured, from the controller's events and the clients' request records.
+
+Controller timings: ``detection_ms`` runs from the fault to the controller's first event about a
+hurt process (it includes the health checks a hang needs); ``fence_ms`` and ``promotion_ms`` are the
+durations the controller recorded. Client timings, all ends of successful (correct 200) requests:
+``lb_convergence_ms`` from the fault to the first success of a request sent after it, and
+``outage_ms`` from the last success before the fault to that same first success.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from chaos.clusterview import event_time
+from chaos.load import RequestRecord
+
+MEASURES = ("detection_ms", "fence_ms", "promotion_ms", "lb_convergence_ms", "outage_ms")
+
+
+@dataclass
+class RoundResult:
+    scenario: str
+    index: int
+    started_at: float  # time.time()
+    skipped: str | None = None
+    ended_at: float = 0.0
+    fault_at: float | None = None
+    detected_at: float | None = None
+    promoted_at: float | None = None
+    recovered_at: float | None = None
+    detection_ms: float | None = None
+    fence_ms: float | None = None
+    promotion_ms: float | None = None
+    lb_convergence_ms: float | None = None
+    outage_ms: float | None = None
+    requests: int = 0
+    failed: int = 0
+    retried: int | None = None  # the gateway's re-sent requests; None for another load balancer
+    wrong: int = 0
+    split_brain: int = 0
+    leak: str | None = None
+    problem: str | None = None
+    client_errors_expected: bool = False
+    memory_before: dict[str, Any] = field(default_factory=dict)
+    memory_after: dict[str, Any] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)  # the first few, for the report
+
+    def failures(self, judge_client_errors: bool) -> list[str]:
+        """Why this round fails the drill; [] when it passes."""
+        found = []
+        if self.split_brain:
+            found.append(f"{self.split_brain} split-brain sample(s)")
+        if self.wrong:
+            found.append(f"{self.wrong} wrong output(s)")
+        if self.leak:
+            found.append(f"leak: {self.leak}")
+        if self.problem:
+            found.append(self.problem)
+        if judge_client_errors and self.failed and not self.client_errors_expected:
+            found.append(f"{self.failed} client-visible error(s)")
+        return found
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: round(v, 3) if isinstance(v, float) else v for k, v in asdict(self).items()}
+
+
+def apply_events(result: RoundResult, events: Sequence[dict[str, Any]], targets: set[str]) -> None:
+    """Fill the controller timings from the events recorded since the fault (oldest first)."""
+    assert result.fault_at is not None
+    for event in events:
+        subject = {event.get("member"), event.get("service")}
+        if result.detected_at is None and subject & targets:
+            result.detected_at = event_time(event)
+            result.detection_ms = (result.detected_at - result.fault_at) * 1000
+        if result.fence_ms is None and event["kind"] == "fence" and "fence_ms" in event:
+            result.fence_ms = event["fence_ms"]
+        if result.promotion_ms is None and event["kind"] == "promote":
+            result.promotion_ms = event["promote_ms"]
+            result.promoted_at = event_time(event)
+
+
+def apply_requests(result: RoundResult, records: Sequence[RequestRecord], until: float) -> None:
+    """Fill the client numbers from every request record (those sent in [started_at, until) are this round's)."""
+    mine = [r for r in records if result.started_at <= r.start < until]
+    result.requests = len(mine)
+    bad = [r for r in mine if not r.ok]
+    result.failed = len(bad)
+    result.wrong = sum(r.correct is False for r in mine)
+    result.errors = [f"{r.status}: {r.error}" for r in bad[:3]]
+    if result.fault_at is None:
+        return
+    before = [r.end for r in records if r.ok and r.end <= result.fault_at]
+    after = [r.end for r in records if r.ok and r.start >= result.fault_at]
+    if after:
+        first = min(after)
+        result.lb_convergence_ms = (first - result.fault_at) * 1000
+        if before:
+            result.outage_ms = (first - max(before)) * 1000

@@ -1,0 +1,104 @@
+"""Memory held by a stack, before and after a fault: what a leak would show up in.
+
+- stack processes: every process whose command line names the stack's directory (a fenced engine
+  that did not die, or a duplicate, is a leak even before it holds much memory);
+- weight arenas: distinct memfd files those processes map (cpu-shm). A respawned daemon loads a new
+  arena while engines attached to the old one keep it mapped until they are replaced, so a round that
+  respawned the daemon may add one arena;
+- /dev/shm usage (host-wide, reported only: other programs use it too);
+- on CUDA, device memory in use (``nvidia-smi``), judged with a tolerance.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+GPU_TOLERANCE_BYTES = 256 << 20  # allocator caches and CUDA contexts of restarted engines
+
+
+@dataclass(frozen=True)
+class MemorySnapshot:
+    processes: int
+    arenas: int
+    arena_bytes: int
+    shm_used_bytes: int
+    gpu_used_bytes: int | None
+
+    def to_json(self) -> dict[str, int | None]:
+        return asdict(self)
+
+
+def stack_pids(marker: str) -> list[int]:
+    """Live processes whose command line contains ``marker``."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if marker in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                pids.append(int(entry.name))
+        except OSError:
+            continue
+    return pids
+
+
+def memfd_arenas(pids: list[int]) -> dict[int, int]:
+    """inode -> largest mapped size, over the memfd mappings of ``pids``."""
+    arenas: dict[int, int] = {}
+    for pid in pids:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            continue
+        for line in maps.splitlines():
+            if "/memfd:" not in line:
+                continue
+            span, _, _, _, inode, *_ = line.split()
+            start, end = (int(x, 16) for x in span.split("-"))
+            arenas[int(inode)] = max(arenas.get(int(inode), 0), end - start)
+    return arenas
+
+
+def gpu_used_bytes() -> int | None:
+    if shutil.which("nvidia-smi") is None:
+        return None
+    result = subprocess.run(
+        ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+        capture_output=True,
+        text=True,
+        timeout=10,
+    )
+    if result.returncode != 0:
+        return None
+    return sum(int(line) for line in result.stdout.split()) << 20  # MiB
+
+
+def snapshot(marker: str) -> MemorySnapshot:
+    pids = stack_pids(marker)
+    arenas = memfd_arenas(pids)
+    shm = os.statvfs("/dev/shm")
+    return MemorySnapshot(
+        processes=len(pids),
+        arenas=len(arenas),
+        arena_bytes=sum(arenas.values()),
+        shm_used_bytes=(shm.f_blocks - shm.f_bfree) * shm.f_frsize,
+        gpu_used_bytes=gpu_used_bytes(),
+    )
+
+
+def leak(before: MemorySnapshot, after: MemorySnapshot, daemon_respawned: bool) -> str | None:
+    """None if ``after`` holds no more than ``before`` (allowing a respawned daemon's new arena); else what grew."""
+    found = []
+    if after.processes > before.processes:
+        found.append(f"{after.processes - before.processes} more stack process(es)")
+    if after.arenas > before.arenas + int(daemon_respawned):
+        found.append(f"arenas {before.arenas} -> {after.arenas}")
+    if not daemon_respawned and before.gpu_used_bytes is not None and after.gpu_used_bytes is not None:
+        grown = after.gpu_used_bytes - before.gpu_used_bytes
+        if grown > GPU_TOLERANCE_BYTES:
+            found.append(f"device memory +{grown >> 20} MiB")
+    return "; ".join(found) or None

@@ -1,0 +1,189 @@
+"""The drill's report: ``report.json`` (per-round summaries), ``summary.md`` and ``timeline.png``.
+
+The JSON keeps one small object per round, never per-request data, so a 100-round report stays a few
+tens of kilobytes. The timeline is drawn from the request records while they are still in memory.
+matplotlib is imported only here, and only when the report is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import shlex
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from chaos.load import RequestRecord
+from chaos.measure import MEASURES, RoundResult
+from chaos.scenarios import SCENARIOS
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (an observed value, never an interpolation)."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+def stats(values: Sequence[float]) -> dict[str, float] | None:
+    if not values:
+        return None
+    return {f"p{q}": round(percentile(values, q), 1) for q in (50, 95, 99)} | {"max": round(max(values), 1)}
+
+
+def summarize(results: Sequence[RoundResult], judge: bool) -> dict[str, Any]:
+    """Per scenario: rounds, the percentiles of each measure and the totals; plus the drill's totals."""
+    scenarios: dict[str, Any] = {}
+    for name in dict.fromkeys(r.scenario for r in results):
+        rounds = [r for r in results if r.scenario == name]
+        ran = [r for r in rounds if not r.skipped]
+        scenarios[name] = {
+            "rounds": len(ran),
+            "skipped": rounds[0].skipped if not ran else None,
+            "measures": {m: stats([getattr(r, m) for r in ran if getattr(r, m) is not None]) for m in MEASURES},
+            "totals": totals(ran, judge),
+        }
+    ran = [r for r in results if not r.skipped]
+    return {"scenarios": scenarios, "totals": totals(ran, judge)}
+
+
+def totals(ran: Sequence[RoundResult], judge: bool) -> dict[str, int]:
+    return {
+        "requests": sum(r.requests for r in ran),
+        "failed": sum(r.failed for r in ran),
+        "retried": sum(r.retried or 0 for r in ran),
+        "wrong": sum(r.wrong for r in ran),
+        "split_brain": sum(r.split_brain for r in ran),
+        "leaks": sum(bool(r.leak) for r in ran),
+        "failed_rounds": sum(bool(r.failures(judge)) for r in ran),
+    }
+
+
+def write_report(
+    out: Path,
+    args: argparse.Namespace,
+    results: Sequence[RoundResult],
+    records: Sequence[RequestRecord],
+    sweeps: int,
+    began: float,
+) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    judge = args.lb == "gateway"
+    command = "hotweights " + shlex.join(sys.argv[sys.argv.index("drill") :] if "drill" in sys.argv else ["drill"])
+    summary = summarize(results, judge)
+    meta = {
+        "command": command,
+        "lb": args.lb,
+        "rps": args.rps,
+        "rounds": len(results),
+        "split_brain_sweeps": sweeps,
+        "duration_s": round((results[-1].ended_at - began) if results else 0.0, 1),
+        "host": f"{platform.node()} {platform.machine()} python {platform.python_version()}",
+    }
+    document = meta | {"summary": summary, "rounds": [_compact(r, began) for r in results]}
+    (out / "report.json").write_text(json.dumps(document, indent=1) + "\n")
+    (out / "summary.md").write_text(render_markdown(meta, summary, results, judge))
+    draw_timeline(out / "timeline.png", results, records, began)
+
+
+def _compact(result: RoundResult, began: float) -> dict[str, Any]:
+    """One round for the JSON: times as seconds since the drill began, empty fields left out."""
+    row = result.to_json()
+    for key in ("started_at", "ended_at", "fault_at", "detected_at", "promoted_at", "recovered_at"):
+        if row.get(key) is not None:
+            row[key] = round(row[key] - began, 3)
+    return {k: v for k, v in row.items() if v not in (None, [], {}, False, "")}
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
+def render_markdown(meta: dict[str, Any], summary: dict[str, Any], results: Sequence[RoundResult], judge: bool) -> str:
+    t = summary["totals"]
+    lines = [
+        "# Chaos drill report",
+        "",
+        f"Command: `{meta['command']}`",
+        "",
+        f"Load balancer: {meta['lb']}; load: {meta['rps']:g} requests/s; {meta['rounds']} rounds in "
+        f"{meta['duration_s']:g} s; split-brain detector: {meta['split_brain_sweeps']} sweeps of GET /primary "
+        f"on every engine. Host: {meta['host']}.",
+        "",
+        f"**Totals:** {t['requests']} requests, {t['failed']} failed, {t['retried']} retried by the gateway, "
+        f"{t['wrong']} wrong outputs, {t['split_brain']} split-brain samples, {t['leaks']} leaks, "
+        f"{t['failed_rounds']} failed rounds.",
+        "",
+        "Times in ms, nearest-rank percentiles over the rounds of each scenario: detection = fault to the "
+        "controller's first event about the hurt process; fence and promotion = the controller's recorded "
+        "durations; LB convergence = fault to the first success of a request sent after it; outage = last "
+        "success before the fault to that first success.",
+        "",
+        "| scenario | rounds | measure | p50 | p95 | p99 | max |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, row in summary["scenarios"].items():
+        if row["skipped"]:
+            lines.append(f"| {name} | skipped | {row['skipped']} | | | | |")
+            continue
+        for i, measure in enumerate(MEASURES):
+            s = row["measures"][measure] or {}
+            first = f"| {name} | {row['rounds']} " if i == 0 else "| | "
+            cells = " | ".join(_fmt(s.get(k)) for k in ("p50", "p95", "p99", "max"))
+            lines.append(f"{first}| {measure.removesuffix('_ms')} | {cells} |")
+    lines += [
+        "",
+        "| scenario | what it measures | requests | failed | retried | wrong | split brain | leaks |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, row in summary["scenarios"].items():
+        tt = row["totals"]
+        note = " (errors expected: the fault is the load balancer)" if SCENARIOS[name].client_errors_expected else ""
+        lines.append(
+            f"| {name} | {SCENARIOS[name].measures}{note} | {tt['requests']} | {tt['failed']} | {tt['retried']} "
+            f"| {tt['wrong']} | {tt['split_brain']} | {tt['leaks']} |"
+        )
+    failed = [(r, r.failures(judge)) for r in results if r.failures(judge)]
+    if failed:
+        lines += ["", "## Failed rounds", ""]
+        lines += [f"- {r.scenario} #{r.index + 1}: {'; '.join(f)}" for r, f in failed]
+    lines += ["", "![timeline](timeline.png)", ""]
+    return "\n".join(lines)
+
+
+def draw_timeline(
+    path: Path, results: Sequence[RoundResult], records: Sequence[RequestRecord], began: float
+) -> None:
+    """Latency of every request over time (failures in red), with fault, detection and promotion markers."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("the drill's timeline needs matplotlib: pip install 'hotweights[drill]'") from None
+    fig, ax = plt.subplots(figsize=(max(12, len(results) * 0.25), 5), dpi=100)
+    ok = [r for r in records if r.ok]
+    bad = [r for r in records if not r.ok]
+    ax.scatter([r.start - began for r in ok], [(r.end - r.start) * 1000 for r in ok], s=2, c="tab:blue", label="ok")
+    ax.scatter(
+        [r.start - began for r in bad], [(r.end - r.start) * 1000 for r in bad], s=10, c="tab:red", marker="x",
+        label="failed",
+    )  # fmt: skip
+    markers = (("fault_at", "tab:red", "fault"), ("detected_at", "tab:orange", "detected"),
+               ("promoted_at", "tab:green", "promoted"))  # fmt: skip
+    for attr, color, label in markers:
+        times = [getattr(r, attr) - began for r in results if getattr(r, attr)]
+        for i, t in enumerate(times):
+            ax.axvline(t, color=color, lw=0.6, alpha=0.7, label=label if i == 0 else None)
+    ax.set_yscale("log")
+    ax.set_xlabel("seconds since the drill began")
+    ax.set_ylabel("request latency (ms)")
+    ax.set_title(f"{len(results)} rounds, {len(records)} requests, {len(bad)} failed")
+    ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -1,0 +1,313 @@
+"""The faults a drill injects, one class each: what to hurt, how, and what to undo afterwards.
+
+A round is: the cluster is whole -> ``inject`` -> ``settle`` (the part of the fault that takes time:
+holding a process stopped, restarting what the drill itself runs) -> the drill waits until the
+cluster is whole again -> ``cleanup`` (always, also when the round failed or was interrupted) ->
+``verify`` (a scenario's own pass condition). Every target is picked from ``GET /cluster`` at the
+start of the round and hit through a pidfd checked against its start time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
+
+from chaos.faults import Target, is_alive, netem_unavailable, send
+
+if TYPE_CHECKING:
+    from chaos.clusterview import ClusterView, ControlApi
+    from chaos.stack import DrillStack
+
+HANG_S = 2.0  # how long hang-daemon keeps the daemon stopped
+SLOW_DELAY_S = 0.5  # slow-primary's added latency each way: twice the default health timeout
+FENCE_WAIT_S = 15.0
+FLAP_KILLS = 3
+
+
+@dataclass
+class Round:
+    """What a scenario acts on and what it leaves for the measurements."""
+
+    stack: DrillStack
+    api: ControlApi
+    view: ClusterView  # the cluster just before the fault
+    fault_at: float = 0.0  # time.time() of the first injected fault
+    targets: list[Target] = field(default_factory=list)
+    problem: str = ""  # set when the fault did not go as the scenario promises (fails the round)
+
+    def hit(self, target: Target | None, sig: signal.Signals) -> Target:
+        if target is None:
+            raise RuntimeError("the process to hurt was not found in GET /cluster")
+        if not self.fault_at:
+            self.fault_at = time.time()
+        send(target, sig)
+        self.targets.append(target)
+        return target
+
+    def primary(self) -> Target | None:
+        primaries = self.view.primaries()
+        return self.view.target(primaries[0]["id"]) if primaries else None
+
+    def standby(self) -> Target | None:
+        standbys = self.view.ready_standbys()
+        return self.view.target(standbys[0]["id"]) if standbys else None
+
+
+async def wait_dead(target: Target, timeout_s: float = FENCE_WAIT_S) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while is_alive(target):
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.02)
+    return True
+
+
+class Scenario:
+    name: ClassVar[str]
+    measures: ClassVar[str]  # one line for the report
+    needs_proxy: ClassVar[bool] = False
+    client_errors_expected: ClassVar[bool] = False  # the fault takes the load balancer itself down
+    respawns_daemon: ClassVar[bool] = False
+
+    def skip_reason(self, stack: DrillStack) -> str | None:
+        return None
+
+    async def inject(self, r: Round) -> None:
+        raise NotImplementedError
+
+    async def settle(self, r: Round) -> None:
+        """The fault's own duration; by default the fault is instant."""
+
+    async def cleanup(self, r: Round) -> None:
+        """Undo what the drill did (resume a stopped process, clear a delay); runs however the round ended."""
+
+    def verify(self, r: Round, after: ClusterView) -> str | None:
+        """None, or why the scenario's own promise was broken."""
+        return None
+
+
+class SignalPrimary(Scenario):
+    sig: ClassVar[signal.Signals]
+
+    async def inject(self, r: Round) -> None:
+        r.hit(r.primary(), self.sig)
+
+
+class KillPrimary(SignalPrimary):
+    name = "kill-primary"
+    measures = "SIGKILL the primary: exit detection (pidfd), fence, promotion, LB convergence"
+    sig = signal.SIGKILL
+
+
+class TermPrimary(SignalPrimary):
+    name = "term-primary"
+    measures = "SIGTERM the primary: it stops listening and exits cleanly; the same failover must follow"
+    sig = signal.SIGTERM
+
+
+class HangPrimary(Scenario):
+    name = "hang-primary"
+    measures = "SIGSTOP the primary: health-check detection (interval x threshold), fence of a stopped process"
+
+    async def inject(self, r: Round) -> None:
+        r.hit(r.primary(), signal.SIGSTOP)
+
+    async def settle(self, r: Round) -> None:
+        if not await wait_dead(r.targets[0]):
+            r.problem = "the stopped primary was not fenced"
+
+    async def cleanup(self, r: Round) -> None:
+        for target in r.targets:
+            send(target, signal.SIGCONT)
+
+
+class SlowPrimary(Scenario):
+    name = "slow-primary"
+    measures = f"+{SLOW_DELAY_S * 1000:g} ms each way through the fault proxy: timeouts detect it, then failover"
+    needs_proxy = True
+
+    def skip_reason(self, stack: DrillStack) -> str | None:
+        return None if stack.bind_map else "engines are not behind fault proxies (--attach-running)"
+
+    async def inject(self, r: Round) -> None:
+        primary = r.primary()
+        if primary is None:
+            raise RuntimeError("no primary in GET /cluster")
+        self.port = next(m["port"] for m in r.view.members if m["id"] == primary.name)
+        r.fault_at = time.time()
+        r.targets.append(primary)
+        r.stack.set_delay(self.port, SLOW_DELAY_S)
+
+    async def settle(self, r: Round) -> None:
+        if not await wait_dead(r.targets[0]):
+            r.problem = "the slow primary was not fenced"
+        r.stack.set_delay(self.port, 0.0)  # its replacement standby must start on a healthy port
+
+    async def cleanup(self, r: Round) -> None:
+        if r.targets:
+            r.stack.set_delay(self.port, 0.0)
+
+
+class SlowPrimaryNetem(Scenario):
+    name = "slow-primary-netem"
+    measures = "packet delay with tc netem on the primary's traffic"
+
+    def skip_reason(self, stack: DrillStack) -> str | None:
+        if reason := netem_unavailable():
+            return f"tc netem is not available here: {reason}"
+        return (
+            "netem works here, but the controller starts engines in the host network namespace: delaying "
+            "their loopback traffic would delay every program on lo (the fault proxy variant runs instead)"
+        )
+
+
+class KillStandby(Scenario):
+    name = "kill-standby"
+    measures = "SIGKILL a standby: serving must not notice; the controller restarts the slot"
+
+    async def inject(self, r: Round) -> None:
+        r.hit(r.standby(), signal.SIGKILL)
+
+
+class KillDaemon(Scenario):
+    name = "kill-daemon"
+    measures = "SIGKILL the cache daemon: engines keep serving from the arena; respawn reloads from disk"
+    respawns_daemon = True
+
+    async def inject(self, r: Round) -> None:
+        r.hit(r.view.target(r.view.service("daemon")["id"]), signal.SIGKILL)
+
+
+class HangDaemon(Scenario):
+    name = "hang-daemon"
+    measures = f"SIGSTOP the cache daemon for {HANG_S:g} s: serving must not notice"
+
+    async def inject(self, r: Round) -> None:
+        r.hit(r.view.target(r.view.service("daemon")["id"]), signal.SIGSTOP)
+
+    async def settle(self, r: Round) -> None:
+        await asyncio.sleep(HANG_S)
+        send(r.targets[0], signal.SIGCONT)
+
+    async def cleanup(self, r: Round) -> None:
+        for target in r.targets:
+            send(target, signal.SIGCONT)
+
+
+class KillDaemonThenPrimary(Scenario):
+    name = "kill-daemon-then-primary"
+    measures = "SIGKILL the daemon, then the primary: promotion must not need the daemon"
+    respawns_daemon = True
+
+    async def inject(self, r: Round) -> None:
+        primary = r.primary()
+        r.hit(r.view.target(r.view.service("daemon")["id"]), signal.SIGKILL)
+        r.hit(primary, signal.SIGKILL)
+
+
+class KillController(Scenario):
+    name = "kill-controller"
+    measures = "SIGKILL the controller for 1 s: serving continues; the restarted controller re-adopts every process"
+
+    async def inject(self, r: Round) -> None:
+        r.hit(r.stack.controller_target(), signal.SIGKILL)
+
+    async def settle(self, r: Round) -> None:
+        await wait_dead(r.targets[0])
+        await asyncio.sleep(1.0)
+        r.stack.restart_controller()
+
+    def verify(self, r: Round, after: ClusterView) -> str | None:
+        before, now = r.view.engine_pids(), after.engine_pids()
+        if before != now:
+            return f"engines were restarted instead of adopted: {before} -> {now}"
+        return None
+
+
+class KillLoadBalancer(Scenario):
+    name = "kill-gateway"
+    measures = "SIGKILL the load balancer: clients see errors until it is back (gateway: the controller restarts it)"
+    client_errors_expected = True
+
+    async def inject(self, r: Round) -> None:
+        if r.stack.lb == "haproxy":
+            r.hit(r.stack.haproxy_target(), signal.SIGKILL)
+        else:
+            r.hit(r.view.target(r.view.service("gateway")["id"]), signal.SIGKILL)
+
+    async def settle(self, r: Round) -> None:
+        if r.stack.lb == "haproxy":
+            await wait_dead(r.targets[0])
+            r.stack.start_haproxy()
+
+
+class DoubleFailure(Scenario):
+    name = "double-failure"
+    measures = "SIGKILL the primary and a standby at once: the remaining standby is promoted"
+
+    async def inject(self, r: Round) -> None:
+        primary, standby = r.primary(), r.standby()
+        r.hit(primary, signal.SIGKILL)
+        r.hit(standby, signal.SIGKILL)
+
+
+class Flapping(Scenario):
+    name = "flapping"
+    measures = f"{FLAP_KILLS} primary kills in quick succession, each as soon as a new primary serves"
+
+    async def inject(self, r: Round) -> None:
+        killed: set[str] = set()
+        for _ in range(FLAP_KILLS):
+            view = r.view if not killed else await self._new_primary(r, killed)
+            if view is None:
+                r.problem = f"no new primary appeared after {len(killed)} kill(s)"
+                return
+            primary = view.primaries()[0]
+            killed.add(primary["id"] + str(primary["pid"]))
+            r.hit(view.target(primary["id"]), signal.SIGKILL)
+
+    async def _new_primary(self, r: Round, killed: set[str]) -> ClusterView | None:
+        deadline = time.monotonic() + FENCE_WAIT_S
+        while time.monotonic() < deadline:
+            view = await r.api.cluster()
+            if view is not None:
+                serving = [m for m in view.primaries() if m["status"] == "healthy" and m["state"] == "ready"]
+                if serving and serving[0]["id"] + str(serving[0]["pid"]) not in killed:
+                    return view
+            await asyncio.sleep(0.01)
+        return None
+
+
+class Switchover(Scenario):
+    name = "switchover"
+    measures = "POST /switchover under load: drain, promote, demote; no client may notice"
+
+    async def inject(self, r: Round) -> None:
+        r.fault_at = time.time()
+        response = await r.api.switchover()
+        if response.status_code != 200:
+            r.problem = f"POST /switchover answered {response.status_code}: {response.text[:200]}"
+
+
+SCENARIOS: dict[str, type[Scenario]] = {
+    cls.name: cls
+    for cls in (
+        KillPrimary,
+        TermPrimary,
+        HangPrimary,
+        SlowPrimary,
+        SlowPrimaryNetem,
+        KillStandby,
+        KillDaemon,
+        HangDaemon,
+        KillDaemonThenPrimary,
+        KillController,
+        KillLoadBalancer,
+        DoubleFailure,
+        Flapping,
+        Switchover,
+    )
+}

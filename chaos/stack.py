@@ -1,0 +1,233 @@
+"""The stack a drill runs against: one it starts (and always tears down) or one already running.
+
+An own stack lives in a fresh directory: its cluster.toml (free ports, fast health timings, small KV
+cache), its state dir, and every log. It runs ``hotweights up`` in its own session; a killed
+controller is replaced by ``hotweights controller``, which re-adopts the running processes. With
+fault proxies, engines bind private ports through the port shim (``chaos/portshim``) and a proxy
+process listens on each engine's public port, so controller checks and load-balancer traffic all pass
+through it. Teardown: ``hotweights down``, then SIGKILL to anything still naming the directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from chaos.faults import Target
+from chaos.memory import stack_pids
+from controller.config import ClusterConfig, load_config
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SHIM_DIR = Path(__file__).resolve().parent / "portshim"
+ENGINES = 3  # one primary and two standbys
+DOWN_TIMEOUT_S = 30.0
+
+CONFIG_TEMPLATE = """\
+# Written by `hotweights drill` for its own stack.
+[cluster]
+name = "drill"
+port = {controller_port}
+state_dir = "{state_dir}"
+
+[[groups]]
+device = "cpu"
+engines = {engines}
+base_port = {base_port}
+
+[engine]
+kv_cache_tokens = 256
+max_batch = 4
+drain_timeout_s = 5.0
+
+[health]
+interval_ms = 100
+timeout_ms = 250
+failure_threshold = 2
+
+[gateway]
+port = {gateway_port}
+hold_timeout_s = 15.0
+"""
+
+
+def free_ports(count: int, consecutive: bool = False) -> list[int]:
+    """``count`` ports that are free now (consecutive ones if asked: engine i gets base_port + i)."""
+    if not consecutive:
+        return [_free_port() for _ in range(count)]
+    for _ in range(100):
+        base = _free_port()
+        if base + count < 65536 and all(_is_free(base + i) for i in range(count)):
+            return list(range(base, base + count))
+    raise RuntimeError(f"no {count} consecutive free ports found")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+@dataclass
+class DrillStack:
+    config_path: Path
+    config: ClusterConfig
+    workdir: Path
+    owned: bool  # started by us: we stop it
+    lb: str  # gateway | haproxy
+    bind_map: dict[int, int] = field(default_factory=dict)  # engine public port -> private port
+    lb_port: int = 0
+    started: list[subprocess.Popen] = field(default_factory=list)
+    proxy: subprocess.Popen | None = None
+    haproxy: subprocess.Popen | None = None
+
+    @classmethod
+    def create(cls, workdir: Path, lb: str, proxied: bool) -> DrillStack:
+        """Write the config of a fresh stack in ``workdir`` (the embedded tiny model on CPU)."""
+        workdir.mkdir(parents=True, exist_ok=True)
+        controller_port, gateway_port, lb_port = free_ports(3)
+        engine_ports = free_ports(ENGINES, consecutive=True)
+        path = workdir / "cluster.toml"
+        path.write_text(
+            CONFIG_TEMPLATE.format(
+                controller_port=controller_port,
+                gateway_port=gateway_port,
+                state_dir=workdir / "state",
+                engines=ENGINES,
+                base_port=engine_ports[0],
+            )
+        )
+        bind_map = dict(zip(engine_ports, free_ports(ENGINES), strict=True)) if proxied else {}
+        stack = cls(path, load_config(path), workdir, owned=True, lb=lb, bind_map=bind_map)
+        stack.lb_port = lb_port if lb == "haproxy" else gateway_port
+        return stack
+
+    @classmethod
+    def attach(cls, config_path: Path, workdir: Path, lb: str) -> DrillStack:
+        config = load_config(config_path)
+        stack = cls(config_path, config, workdir, owned=False, lb=lb)
+        stack.lb_port = free_ports(1)[0] if lb == "haproxy" else config.gateway.port
+        return stack
+
+    # --- addresses -------------------------------------------------------------------------------
+
+    @property
+    def controller_url(self) -> str:
+        return f"http://{self.config.cluster.host}:{self.config.cluster.port}"
+
+    @property
+    def lb_url(self) -> str:
+        return f"http://127.0.0.1:{self.lb_port}"
+
+    def direct_urls(self) -> list[str]:
+        """The engines themselves, behind any proxy: where the split-brain detector asks."""
+        return [f"http://127.0.0.1:{self.bind_map.get(spec.port, spec.port)}" for spec in self.config.engines()]
+
+    @property
+    def marker(self) -> str:
+        """A string in the command line of every process of the stack (see ``chaos.memory``)."""
+        return str(self.workdir) if self.owned else str(self.config.state_dir)
+
+    def env(self) -> dict[str, str]:
+        path = [str(REPO_ROOT)] + ([str(SHIM_DIR)] if self.bind_map else [])
+        if os.environ.get("PYTHONPATH"):
+            path.append(os.environ["PYTHONPATH"])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "OMP_NUM_THREADS": "1"}
+        if self.bind_map:
+            env["HOTWEIGHTS_CHAOS_BIND_MAP"] = ",".join(f"{a}={b}" for a, b in self.bind_map.items())
+        return env
+
+    # --- processes -------------------------------------------------------------------------------
+
+    def spawn(self, name: str, command: list[str], **kwargs: object) -> subprocess.Popen:
+        """A process of ours in its own session, output to ``workdir/name.log``; killed at teardown."""
+        with open(self.workdir / f"{name}.log", "ab") as log:
+            process = subprocess.Popen(
+                command, stdout=log, stderr=log, env=kwargs.pop("env", self.env()), start_new_session=True, **kwargs
+            )
+        self.started.append(process)
+        return process
+
+    def start(self) -> None:
+        """Start whatever the drill itself provides: proxies and the stack (own stack), HAProxy (--lb haproxy)."""
+        if self.bind_map:
+            pairs = [f"{public}={private}" for public, private in self.bind_map.items()]
+            env = {k: v for k, v in self.env().items() if k != "HOTWEIGHTS_CHAOS_BIND_MAP"}
+            self.proxy = self.spawn("proxy", [sys.executable, "-m", "chaos.proxy", *pairs], stdin=subprocess.PIPE, env=env)
+        if self.owned:
+            self.spawn("up", self.cli("up"))
+        if self.lb == "haproxy":
+            self.start_haproxy()
+
+    def cli(self, command: str, *extra: str) -> list[str]:
+        return [sys.executable, "-m", "controller.cli", command, "--config", str(self.config_path), *extra]
+
+    def restart_controller(self) -> None:
+        """A fresh ``hotweights controller``: it must adopt the running engines, daemon and gateway."""
+        self.spawn("controller", self.cli("controller"))
+
+    def controller_target(self) -> Target | None:
+        """The controller's process, from the state file it keeps."""
+        try:
+            record = json.loads((self.config.state_dir / "state.json").read_text()).get("controller") or {}
+        except (OSError, ValueError):
+            return None
+        return Target.of("controller", record["pid"]) if "pid" in record else None
+
+    def start_haproxy(self) -> None:
+        cfg = self.workdir / "haproxy.cfg"
+        subprocess.run(self.cli("haproxy-config", "--port", str(self.lb_port), "-o", str(cfg)), env=self.env(), check=True)
+        self.haproxy = self.spawn("haproxy", ["haproxy", "-db", "-f", str(cfg)])
+
+    def haproxy_target(self) -> Target | None:
+        return Target.of("haproxy", self.haproxy.pid) if self.haproxy else None
+
+    def set_delay(self, public_port: int, seconds: float) -> None:
+        """Delay every byte to and from the engine on ``public_port`` (the proxy applies it to new reads)."""
+        assert self.proxy is not None and self.proxy.stdin is not None, "the stack runs without fault proxies"
+        self.proxy.stdin.write(f"{public_port} {seconds}\n".encode())
+        self.proxy.stdin.flush()
+
+    def teardown(self) -> list[str]:
+        """Stop all we started, in order: the stack (``down``), then our own processes, then stragglers."""
+        lines = []
+        if self.owned:
+            down = subprocess.run(
+                self.cli("down", "--timeout", "5"), env=self.env(), capture_output=True, text=True, timeout=120
+            )
+            lines += down.stderr.strip().splitlines()
+        for process in reversed(self.started):
+            if process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                process.wait(timeout=10)
+        if self.owned:  # a straggler: something the controller started that `down` did not know about
+            for pid in stack_pids(self.marker):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                lines.append(f"killed straggler pid {pid}")
+        for process in self.started:
+            if process.stdin:
+                process.stdin.close()
+        return lines
+
+    def wait_gone(self, timeout_s: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while stack_pids(self.marker) and time.monotonic() < deadline:
+            time.sleep(0.1)

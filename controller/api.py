@@ -1,0 +1,190 @@
+"""The controller's REST API (FastAPI; OpenAPI at ``/docs``).
+
+Reads come from a fresh snapshot. Mutations need ``Authorization: Bearer <token>`` when
+``cluster.token_file`` is set; they never act themselves: they queue an intent for the HA loop
+and wait for its answer, so they are serialised and never interleave with a failover. The loop's
+refusals become status codes here and only here: NotFound 404, NotPossible 412, Conflict 409,
+Unavailable 503. A malformed body is 422 (FastAPI's validation).
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+
+from fastapi import Depends, FastAPI, Header, HTTPException, Query
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ConfigDict, Field
+
+from controller.cluster import Cluster
+from controller.events import EventLog
+from controller.ha import Conflict, Ha, NotFound, NotPossible, Refused, Unavailable
+from controller.metrics import ControllerMetrics
+
+STATUS = {NotFound: 404, NotPossible: 412, Conflict: 409, Unavailable: 503}
+INTENT_TIMEOUT_S = 30.0  # plus the drain timeout for actions that drain
+STALE_LOOP_S = 5.0  # /health turns 503 when the HA loop has not finished a cycle for this long
+
+
+class SwitchoverRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    group: int | None = Field(default=None, ge=0, description="default: the candidate's group, else 0")
+    candidate: str | None = Field(default=None, description="a ready standby; default: the best one")
+
+
+class FailoverRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    candidate: str = Field(description="the ready standby to promote")
+
+
+class DrainRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    timeout_s: float | None = Field(default=None, ge=0, le=86400, description="default: engine.drain_timeout_s")
+
+
+class AddEngineRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    group: int = Field(default=0, ge=0)
+
+
+def build_app(ha: Ha, cluster: Cluster, events: EventLog, metrics: ControllerMetrics, token: str | None) -> FastAPI:
+    app = FastAPI(
+        title="hotweights controller",
+        description="Supervises cache daemons and engines, fails over in under a second, and reports.",
+    )
+    started = time.monotonic()
+    drain_timeout_s = cluster.config.engine.drain_timeout_s
+
+    async def require_token(authorization: str | None = Header(default=None)) -> None:
+        if token is None:
+            return
+        scheme, _, given = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), token.encode()):
+            raise HTTPException(401, "a valid bearer token is required", headers={"WWW-Authenticate": "Bearer"})
+
+    async def act(action: str, timeout: float, success: int = 200, **params: object) -> JSONResponse:
+        try:
+            result = await ha.request(action, timeout, **params)
+        except Refused as exc:
+            return JSONResponse({"detail": str(exc)}, status_code=STATUS[type(exc)])
+        return JSONResponse(result, status_code=success)
+
+    mutation = [Depends(require_token)]
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        """200 while the HA loop goes round (liveness of the controller, not of the engines); 503 when
+        its last cycle ended more than 5 s ago."""
+        age = time.monotonic() - ha.heartbeat
+        body = {"loop_age_ms": round(age * 1000, 1), "uptime_s": round(time.monotonic() - started, 3)}
+        if age > STALE_LOOP_S:
+            return JSONResponse(body | {"status": "stalled"}, status_code=503)
+        return JSONResponse(body | {"status": "ok"})
+
+    @app.get("/cluster")
+    async def get_cluster() -> JSONResponse:
+        """200: every engine (id, role, state, status, pid, port, device, last check, consecutive failures)
+        and every daemon or gateway process."""
+        snap = cluster.snapshot()
+        return JSONResponse(
+            {
+                "name": cluster.config.cluster.name,
+                "members": [m.to_json() for m in snap.members],
+                "services": [s.to_json() for s in snap.services],
+            }
+        )
+
+    @app.get("/primary")
+    async def get_primary(group: int | None = Query(default=None, ge=0)) -> JSONResponse:
+        """200 with the serving primary of each group (or of ``group``); 503 when one has none (the body
+        still lists the others); 404 unknown group."""
+        snap = cluster.snapshot()
+        groups = range(snap.groups) if group is None else [group]
+        if group is not None and group >= snap.groups:
+            return JSONResponse({"detail": f"no group {group}"}, status_code=404)
+        primaries: dict[str, object] = {}
+        for g in groups:
+            serving = next((p for p in snap.primaries(g) if p.is_serving_primary), None)
+            primaries[str(g)] = {"id": serving.id, "url": serving.url, "port": serving.port} if serving else None
+        missing = [g for g, p in primaries.items() if p is None]
+        body = {"groups": primaries} | (
+            {"reason": f"no serving primary in group(s) {', '.join(missing)}"} if missing else {}
+        )
+        return JSONResponse(body, status_code=503 if missing else 200)
+
+    @app.post("/switchover", dependencies=mutation)
+    async def switchover(request: SwitchoverRequest | None = None) -> JSONResponse:
+        """Planned change of primary: drain it, promote ``candidate`` (or the best ready standby),
+        demote the old primary to standby.
+
+        200 done; 401 token; 404 unknown group or candidate; 412 no serving primary, or the candidate is
+        not a ready standby (or none is); 409 the primary refused to drain or the promotion failed (the
+        old primary resumed); 503 an engine did not answer; 422 bad body."""
+        request = request or SwitchoverRequest()
+        return await act(
+            "switchover", drain_timeout_s + INTENT_TIMEOUT_S, group=request.group, candidate=request.candidate
+        )
+
+    @app.post("/failover", dependencies=mutation)
+    async def failover(request: FailoverRequest) -> JSONResponse:
+        """Forced change of primary: fence (SIGKILL) the current one whatever its state, promote ``candidate``.
+
+        200 done; 401 token; 404 unknown candidate; 412 the candidate is not a ready standby; 503 the
+        promotion failed; 422 bad body (``candidate`` is required)."""
+        return await act("failover", INTENT_TIMEOUT_S, candidate=request.candidate)
+
+    @app.post("/engines/{engine_id}/drain", dependencies=mutation)
+    async def drain(engine_id: str, request: DrainRequest | None = None) -> JSONResponse:
+        """Drain an engine (a primary stops taking requests; in-flight ones finish until ``timeout_s``).
+
+        200 drained; 401 token; 404 unknown engine; 409 the engine refused (a standby has nothing to
+        drain); 503 the engine did not answer; 422 bad body."""
+        timeout_s = request.timeout_s if request else None
+        wait = (drain_timeout_s if timeout_s is None else timeout_s) + INTENT_TIMEOUT_S
+        return await act("drain", wait, engine_id=engine_id, timeout_s=timeout_s)
+
+    @app.post("/engines/{engine_id}/promote", dependencies=mutation)
+    async def promote(engine_id: str) -> JSONResponse:
+        """Promote a standby of a group that has no primary, or resume a drained primary.
+
+        200 done; 401 token; 404 unknown engine; 409 its group already has a live primary (use
+        /switchover); 412 not a ready standby; 503 the promotion failed."""
+        return await act("promote", INTENT_TIMEOUT_S, engine_id=engine_id)
+
+    @app.post("/engines", dependencies=mutation)
+    async def add_engine(request: AddEngineRequest | None = None) -> JSONResponse:
+        """Add a standby to ``group`` on the next free port; it starts once the group's daemon serves.
+
+        201 added (id, port, url); 401 token; 404 unknown group; 422 bad body."""
+        return await act("add", INTENT_TIMEOUT_S, success=201, group=(request or AddEngineRequest()).group)
+
+    @app.delete("/engines/{engine_id}", dependencies=mutation)
+    async def delete_engine(engine_id: str) -> JSONResponse:
+        """Stop an engine (SIGTERM, in-flight requests finish) and forget its slot.
+
+        200 removed; 401 token; 404 unknown engine; 409 it is a live primary (switch over first)."""
+        return await act("delete", INTENT_TIMEOUT_S, engine_id=engine_id)
+
+    @app.post("/cache/{group}/restart", dependencies=mutation)
+    async def restart_cache(group: int) -> JSONResponse:
+        """Stop the group's cache daemon and respawn it (reloading from disk); engines keep serving.
+
+        202 the old daemon stopped and a new one is loading (watch GET /events for "respawn"); 401
+        token; 404 unknown group; 422 ``group`` is not an integer."""
+        return await act("restart_cache", INTENT_TIMEOUT_S, success=202, group=group)
+
+    @app.get("/events")
+    async def get_events(
+        limit: int = Query(default=100, ge=1, le=1000), kind: str | None = Query(default=None)
+    ) -> JSONResponse:
+        """200: the most recent events (oldest first), optionally only one ``kind`` (detect, fence,
+        promote, failover, switchover, exit, respawn, ...), each with its durations in ``*_ms``."""
+        return JSONResponse({"events": events.recent(limit, kind)})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        """200: the controller's metrics in the Prometheus text format."""
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,246 @@
+"""``hotweights controller``, ``up`` and ``down``: run the controller, run the whole stack, stop it.
+
+What stops when (SIGTERM or Ctrl-C):
+
+- ``controller``: the HA loop and the REST API stop; daemons, engines and gateway keep serving
+  (the data path never depends on the controller) and the next controller adopts them.
+- ``up`` owns the stack: the gateway, then the engines (SIGTERM, in-flight requests finish,
+  SIGKILL after a deadline), then the daemons; a second Ctrl-C SIGKILLs what is left.
+
+``down`` stops everything recorded in the state dir: the controller first (so it restarts nothing),
+then the gateway, the engines and the daemons. Signal handlers only set flags; the code after
+the server returns does the work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+import httpx
+import uvicorn
+
+from cache.errors import ConfigError
+from controller.api import build_app
+from controller.cluster import Cluster, Snapshot
+from controller.config import ClusterConfig, load_config
+from controller.engineapi import EngineApi
+from controller.events import EventLog
+from controller.ha import Ha
+from controller.health import HealthChecker
+from controller.metrics import ControllerMetrics
+from controller.stack import Layout
+from controller.supervisor import STOP_TIMEOUT_S, ControllerLock, StateFile, stop_recorded
+
+log = logging.getLogger("hotweights.controller")
+
+CONTROLLER_STOP_TIMEOUT_S = 60.0  # `down` waits this long for a controller (an `up` tears its stack down first)
+
+
+class ApiServer(uvicorn.Server):
+    """uvicorn without its own signal handlers: ours set flags and the controller decides what stops."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+@dataclass
+class ShutdownFlags:
+    server: uvicorn.Server
+    signals: list[int] = field(default_factory=list)
+    force: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def handle(self, sig: int) -> None:
+        """Only flags: the first signal ends the API server, a second one asks for SIGKILL."""
+        if self.signals:
+            self.force.set()
+        self.signals.append(sig)
+        self.server.should_exit = True
+
+
+def bind(host: str, port: int) -> socket.socket:
+    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((host, port))
+    except OSError as exc:
+        listener.close()
+        raise ConfigError(f"the controller cannot listen on {host}:{port} ({exc.strerror}); set cluster.port") from None
+    return listener
+
+
+def run_controller(config_arg: str | None, *, with_gateway: bool, owns_stack: bool) -> int:
+    config_path = Path(config_arg) if config_arg else None
+    config = load_config(config_path)
+    layout = Layout.create(config, config_path)
+    lock = ControllerLock(layout.lock_file)
+    lock.acquire()
+    try:
+        listener = bind(config.cluster.host, config.cluster.port)
+        try:
+            return asyncio.run(serve(layout, listener, with_gateway=with_gateway, owns_stack=owns_stack))
+        finally:
+            listener.close()
+    finally:
+        lock.release()
+
+
+async def serve(layout: Layout, listener: socket.socket, *, with_gateway: bool, owns_stack: bool) -> int:
+    config = layout.config
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health check would drown the decisions
+    wake = asyncio.Event()
+    events = EventLog(layout.events_file)
+    metrics = ControllerMetrics()
+    async with httpx.AsyncClient(trust_env=False) as client:
+        checker = HealthChecker(
+            client,
+            config.health.interval_ms / 1000,
+            config.health.timeout_ms / 1000,
+            config.health.failure_threshold,
+            wake.set,
+            metrics.health_check_latency.observe,
+        )
+        cluster = Cluster(layout, checker, wake.set)
+        on_ready = partial(announce, layout, with_gateway)
+        ha = Ha(cluster, EngineApi(client, config.token()), events, metrics, wake, on_ready)
+        app = build_app(ha, cluster, events, metrics, config.token())
+        server = ApiServer(uvicorn.Config(app, log_config=None, access_log=False, lifespan="off"))
+        flags = ShutdownFlags(server)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, flags.handle, sig)
+        adopted = cluster.load(with_gateway)
+        events.record(
+            "controller_start",
+            f"controller started; adopted {len(adopted)} running process(es)"
+            + (f": {', '.join(adopted)}" if adopted else ""),
+            adopted=adopted,
+        )
+        ha.start()
+        await server.serve(sockets=[listener])
+        await ha.stop()
+        if owns_stack:
+            for line in await stop_stack(cluster, flags):
+                log.info("stopped %s", line)
+            events.record("controller_stop", "controller stopped with its stack")
+        else:
+            await cluster.release()
+            kept = ", ".join(sorted(cluster.members) + sorted(cluster.services))
+            log.info("controller stopped; left the data path running (%s); `hotweights down` stops it", kept)
+            events.record("controller_stop", "controller stopped; the data path keeps running")
+    return 0
+
+
+async def stop_stack(cluster: Cluster, flags: ShutdownFlags) -> list[str]:
+    """Stop everything in order; a second signal fences (SIGKILLs) whatever is still running."""
+    stopping = asyncio.create_task(cluster.stop_all(STOP_TIMEOUT_S))
+    forced = asyncio.create_task(flags.force.wait())
+    await asyncio.wait({stopping, forced}, return_when=asyncio.FIRST_COMPLETED)
+    forced.cancel()
+    if stopping.done():
+        return stopping.result()
+    log.warning("second signal: killing what is still running")
+    stopping.cancel()
+    processes = list(cluster.supervisor.processes.values())
+    await asyncio.gather(*(cluster.supervisor.fence(p) for p in processes))
+    cluster.save()
+    return [f"{p.id}: killed" for p in processes]
+
+
+def announce(layout: Layout, with_gateway: bool, snap: Snapshot) -> None:
+    """The "ready" summary on stderr, printed once when every group first has a primary and warm standbys."""
+    config = layout.config
+    lines = [f"hotweights: cluster {config.cluster.name!r} is up"]
+    lines.append(f"  controller  http://{config.cluster.host}:{config.cluster.port}   (API docs /docs, events /events)")
+    if with_gateway:
+        lines.append(f"  gateway     http://{config.gateway.host}:{config.gateway.port}/v1   (OpenAI completions)")
+    for member in snap.members:
+        lines.append(f"  {member.id:<10}  {member.url}   {member.role} (pid {member.pid})")
+    lines.append(f"  state       {layout.state_dir}")
+    print("\n".join(lines), file=sys.stderr, flush=True)
+
+
+def stop_everything(config: ClusterConfig, timeout: float) -> list[str]:
+    """``down``: the controller first, then gateway, engines and daemons as recorded in state.json."""
+    state_file = StateFile(config.state_dir / "state.json")
+    state = state_file.load()
+    lines = []
+    if state.get("controller"):
+        lines += stop_recorded([state["controller"] | {"id": "controller"}], CONTROLLER_STOP_TIMEOUT_S)
+        state = state_file.load()  # the controller rewrote it on its way out
+    services = state.get("services", {})
+    members = state.get("members", {})
+
+    def recorded(rows: dict, kind: str | None = None) -> list[dict]:
+        return [
+            row["process"] | {"id": name}
+            for name, row in rows.items()
+            if row.get("process") and (kind is None or row.get("kind") == kind)
+        ]
+
+    for batch in (recorded(services, "gateway"), recorded(members), recorded(services, "daemon")):
+        lines += stop_recorded(batch, timeout)
+    if state:
+        for row in [*members.values(), *services.values()]:
+            row["process"] = None
+        state_file.save(state | {"controller": None})
+    return lines
+
+
+def cmd_controller(args: argparse.Namespace) -> int:
+    return run_controller(args.config, with_gateway=False, owns_stack=False)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    return run_controller(args.config, with_gateway=not args.no_gateway, owns_stack=True)
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    lines = stop_everything(config, args.timeout)
+    for line in lines:
+        print(line, file=sys.stderr)
+    if not lines:
+        print(f"nothing was running for cluster {config.cluster.name!r} ({config.state_dir})", file=sys.stderr)
+    return 0
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "controller",
+        help="supervise a cluster's cache daemons and engines, fail over, serve the REST API",
+        description="Start (or adopt, after a restart) one cache daemon per group and its engines, health-check "
+        "them, fence and promote on failure. SIGTERM stops only the controller: the engines keep serving.",
+    )
+    p.add_argument("--config", required=True, help="cluster.toml")
+    p.set_defaults(func=cmd_controller)
+
+    p = subparsers.add_parser(
+        "up",
+        help="run the whole stack in the foreground: controller, daemons, engines, gateway",
+        description="Like `controller`, plus the gateway; owns the stack, so Ctrl-C or SIGTERM stops all of it. "
+        "Without --config: the embedded tiny model on CPU, one primary and two standbys.",
+    )
+    p.add_argument("--config", help="cluster.toml (default: built-in defaults)")
+    p.add_argument("--no-gateway", action="store_true", help="do not start the gateway")
+    p.set_defaults(func=cmd_up)
+
+    p = subparsers.add_parser(
+        "down",
+        help="stop everything a controller or `up` started for a cluster",
+        description="Stop the controller, then the gateway, the engines (SIGTERM, then SIGKILL after --timeout) "
+        "and the cache daemons recorded in the cluster's state dir.",
+    )
+    p.add_argument("--config", help="cluster.toml (default: built-in defaults)")
+    p.add_argument("--timeout", type=float, default=STOP_TIMEOUT_S, help="seconds before SIGKILL (default %(default)g)")
+    p.set_defaults(func=cmd_down)

@@ -1,0 +1,274 @@
+"""``hotweights controller`` driving a real stack on loopback: a cache daemon and three engines.
+
+One stack for the module (start-ups are the expensive part on two cores); every test leaves it
+steady again: one serving primary, two healthy standbys, the daemon serving.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from cache.errors import ConfigError
+from controller.config import load_config
+from controller.stack import Layout
+from tests.controllerhelpers import ControllerStack, split_brain_watch, wait_until
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model: Path) -> Iterator[ControllerStack]:
+    cluster = ControllerStack(tiny_model)
+    try:
+        cluster.start_controller()
+        cluster.wait_steady()
+        yield cluster
+    finally:
+        cluster.close()
+
+
+def serving_primary(stack: ControllerStack, exclude: str) -> str | None:
+    """The URL of an engine other than ``exclude`` that answers 200 on /primary, asked directly."""
+    for member in stack.members().values():
+        if member["url"] != exclude and stack.engine_primary_status(member["url"]) == 200:
+            return member["url"]
+    return None
+
+
+# --- configuration --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("[cluster]\nport = 'x'\n", "cluster.port must be int"),
+        ("[health]\ntimeout_ms = 0\n", "health.timeout_ms must be > 0"),
+        ("[[groups]]\nengines = 0\n", "groups[0].engines must be >= 1"),
+        ("[cluster]\nhost = '0.0.0.0'\n", "cluster.host '0.0.0.0' is not loopback"),
+        ("[engine]\nkv_tokens = 3\n", "[engine] unknown key(s) ['kv_tokens']"),
+    ],
+)
+def test_config_errors_name_file_and_key(tmp_path: Path, text: str, expected: str) -> None:
+    path = tmp_path / "cluster.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    assert str(path) in str(caught.value) and expected in str(caught.value)
+
+
+def test_socket_path_too_long_names_state_dir(tmp_path: Path, tiny_model: Path) -> None:
+    path = tmp_path / "cluster.toml"
+    path.write_text(f'[cluster]\nstate_dir = "/tmp/{"x" * 120}"\n[model]\npath = "{tiny_model}"\n')
+    with pytest.raises(ConfigError, match=r"cluster.state_dir .* choose a shorter state_dir"):
+        Layout.create(load_config(path), path)
+
+
+# --- failures -------------------------------------------------------------------------------------
+
+
+def test_kill_primary_fails_over_without_split_brain(stack: ControllerStack) -> None:
+    members = stack.wait_steady()
+    old = stack.primary()
+    urls = [m["url"] for m in members.values()]
+    with split_brain_watch(urls) as detector:
+        time.sleep(0.2)
+        killed_at = time.monotonic()
+        os.kill(old["pid"], signal.SIGKILL)
+        new_url = wait_until(lambda: serving_primary(stack, old["url"]), 10, "a new primary", interval=0.002)
+        failover_ms = (time.monotonic() - killed_at) * 1000
+        replacement = wait_until(
+            lambda: (m := stack.members()[old["id"]])["status"] == "healthy" and m["pid"] != old["pid"] and m,
+            60,
+            "a replacement standby in the old slot",
+        )
+        time.sleep(0.2)
+    print(f"\nfailover: SIGKILL of the primary -> new /primary 200 in {failover_ms:.0f} ms")
+    assert failover_ms < 3000
+    assert detector.sweeps > 50 and detector.samples == [], f"split brain: {detector.samples}"
+    assert new_url != old["url"]
+    assert replacement["role"] == "standby" and replacement["port"] == old["port"]
+    failover = stack.events("failover")[-1]
+    assert failover["old"] == old["id"] and failover["mode"] == "automatic"
+    assert {"detect_ms", "fence_ms", "promote_ms", "total_ms"} <= failover.keys()
+    assert "signal 9" in stack.events("detect")[-1]["message"]
+
+
+def test_hung_primary_detected_by_health_checks(stack: ControllerStack) -> None:
+    stack.wait_steady()
+    old = stack.primary()
+    os.kill(old["pid"], signal.SIGSTOP)
+    try:
+        stopped_at = time.monotonic()
+        wait_until(lambda: serving_primary(stack, old["url"]), 15, "a new primary", interval=0.005)
+        print(f"\nhung primary: SIGSTOP -> new /primary 200 in {(time.monotonic() - stopped_at) * 1000:.0f} ms")
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # fenced: SIGKILL works on a stopped process
+            os.kill(old["pid"], signal.SIGCONT)
+    detect = stack.events("detect")[-1]
+    assert detect["member"] == old["id"] and "health checks" in detect["message"]
+    wait_until(lambda: not Path(f"/proc/{old['pid']}").exists(), 10, "the hung primary to be fenced")
+    stack.wait_steady()
+
+
+def test_daemon_killed_engines_keep_serving(stack: ControllerStack) -> None:
+    stack.wait_steady()
+    daemon = stack.daemon()
+    primary = stack.primary()
+    os.kill(daemon["pid"], signal.SIGKILL)
+    completions = 0
+    with httpx.Client(base_url=primary["url"], timeout=30) as engine:
+        deadline = time.monotonic() + 60
+        while not ((d := stack.daemon())["serving"] and d["pid"] != daemon["pid"]):
+            assert time.monotonic() < deadline, "daemon not respawned"
+            response = engine.post("/v1/completions", json={"prompt": "hello", "max_tokens": 4})
+            assert response.status_code == 200, response.text
+            completions += 1
+    assert completions > 0
+    assert stack.daemon()["restarts"] >= 1
+    assert stack.events("respawn")
+    # a standby started after the respawn attaches to the new daemon
+    standby = next(m for m in stack.members().values() if m["role"] == "standby")
+    os.kill(standby["pid"], signal.SIGKILL)
+    wait_until(
+        lambda: (m := stack.members()[standby["id"]])["status"] == "healthy" and m["pid"] != standby["pid"],
+        60,
+        "a new standby attached to the respawned daemon",
+    )
+    metrics = stack.client.get("/metrics").text
+    assert 'hotweights_controller_daemon_restarts_total{group="0"}' in metrics
+
+
+def test_controller_restart_adopts_running_engines(stack: ControllerStack) -> None:
+    before = stack.wait_steady()
+    daemon_pid = stack.daemon()["pid"]
+    primary = stack.primary()
+    stack.kill_controller()
+    assert stack.engine_primary_status(primary["url"]) == 200  # the data path does not need the controller
+    stack.start_controller()
+    after = stack.wait_steady()
+    assert {k: m["pid"] for k, m in after.items()} == {k: m["pid"] for k, m in before.items()}
+    assert stack.daemon()["pid"] == daemon_pid
+    assert stack.primary()["id"] == primary["id"]
+    assert len(stack.events("controller_start")[-1]["adopted"]) == len(before) + 1
+    engines = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _is_engine_of(p, stack)]
+    assert len(engines) == len(before), "duplicate engines after the restart"
+
+
+def _is_engine_of(proc: Path, stack: ControllerStack) -> bool:
+    try:
+        command = (proc / "cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"engine" in command and str(stack.root).encode() in b" ".join(command)
+
+
+# --- REST -----------------------------------------------------------------------------------------
+
+
+def test_reads(stack: ControllerStack) -> None:
+    stack.wait_steady()
+    assert stack.anonymous.get("/health").json()["status"] == "ok"
+    primary = stack.anonymous.get("/primary")
+    assert primary.status_code == 200 and primary.json()["groups"]["0"]["id"] == stack.primary()["id"]
+    member = stack.members()[stack.primary()["id"]]
+    assert {"id", "role", "state", "pid", "port", "device", "last_check", "consecutive_failures"} <= member.keys()
+    assert stack.anonymous.get("/primary", params={"group": 5}).status_code == 404
+    assert stack.anonymous.get("/docs").status_code == 200
+    metrics = stack.anonymous.get("/metrics").text
+    for name in (
+        "hotweights_controller_failovers_total",
+        "hotweights_controller_failover_duration_seconds",
+        "hotweights_controller_members",
+        "hotweights_controller_health_check_seconds",
+    ):
+        assert name in metrics
+
+
+def test_mutations_need_the_token(stack: ControllerStack) -> None:
+    for method, path in [
+        ("POST", "/switchover"),
+        ("POST", "/failover"),
+        ("POST", "/engines/g0-e0/drain"),
+        ("POST", "/engines/g0-e0/promote"),
+        ("POST", "/engines"),
+        ("DELETE", "/engines/g0-e0"),
+        ("POST", "/cache/0/restart"),
+    ]:
+        response = stack.anonymous.request(method, path, json={})
+        assert response.status_code == 401, (path, response.text)
+        assert response.headers["www-authenticate"] == "Bearer"
+    wrong = stack.anonymous.post("/switchover", headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401
+
+
+def test_refusals(stack: ControllerStack) -> None:
+    members = stack.wait_steady()
+    primary = stack.primary()["id"]
+    standby = next(k for k, m in members.items() if m["role"] == "standby")
+    cases = [
+        ("POST", "/switchover", {"candidate": "g9-e9"}, 404),
+        ("POST", "/switchover", {"candidate": primary}, 412),
+        ("POST", "/switchover", {"group": 3}, 404),
+        ("POST", "/switchover", {"bogus": 1}, 422),
+        ("POST", "/failover", {}, 422),
+        ("POST", "/failover", {"candidate": primary}, 412),
+        ("POST", "/engines/nope/drain", None, 404),
+        ("POST", f"/engines/{standby}/drain", None, 409),
+        ("POST", f"/engines/{standby}/promote", None, 409),
+        ("DELETE", f"/engines/{primary}", None, 409),
+        ("DELETE", "/engines/nope", None, 404),
+        ("POST", "/cache/7/restart", None, 404),
+        ("POST", "/engines", {"group": 4}, 404),
+    ]
+    for method, path, body, status in cases:
+        response = stack.client.request(method, path, json=body)
+        assert response.status_code == status, (method, path, body, response.text)
+        if status != 422:
+            assert response.json()["detail"]
+    assert stack.primary()["id"] == primary
+
+
+def test_switchover_demotes_the_old_primary(stack: ControllerStack) -> None:
+    stack.wait_steady()
+    old = stack.primary()
+    response = stack.client.post("/switchover", json={})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["old_primary"] == old["id"] and body["new_primary"] != old["id"]
+    members = stack.wait_steady()
+    assert members[body["new_primary"]]["role"] == "primary"
+    assert members[old["id"]]["role"] == "standby" and members[old["id"]]["pid"] == old["pid"]  # demoted, not killed
+    assert stack.events("switchover")[-1]["total_ms"] > 0
+
+
+def test_forced_failover_to_a_candidate(stack: ControllerStack) -> None:
+    members = stack.wait_steady()
+    old = stack.primary()
+    candidate = next(k for k, m in members.items() if m["role"] == "standby")
+    response = stack.client.post("/failover", json={"candidate": candidate})
+    assert response.status_code == 200, response.text
+    assert response.json()["new_primary"] == candidate
+    members = stack.wait_steady()
+    assert stack.primary()["id"] == candidate
+    assert members[old["id"]]["pid"] != old["pid"]  # fenced, then restarted as a standby
+    assert stack.events("failover")[-1]["mode"] == "forced"
+
+
+def test_add_and_delete_a_standby(stack: ControllerStack) -> None:
+    stack.wait_steady()
+    response = stack.client.post("/engines", json={"group": 0})
+    assert response.status_code == 201, response.text
+    added = response.json()
+    assert added["id"] == "g0-e3" and added["port"] >= stack.base_port + 3
+    members = stack.wait_steady()
+    assert members["g0-e3"]["role"] == "standby"
+    response = stack.client.delete("/engines/g0-e3")
+    assert response.status_code == 200, response.text
+    assert "g0-e3" not in stack.members()
+    assert stack.wait_steady().keys() == {"g0-e0", "g0-e1", "g0-e2"}
