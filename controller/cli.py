@@ -23,6 +23,7 @@ COMMANDS: tuple[str, ...] = (
     "controller.gateway",
     "controller.haproxy",
     "controller.commands",
+    "chaos.drill",
 )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import socket
 import time
@@ -22,6 +23,8 @@ from controller.config import EngineSpec
 from controller.health import HealthChecker, HealthRecord
 from controller.stack import Layout
 from controller.supervisor import Process, StateFile, Supervisor, read_identity
+
+log = logging.getLogger("hotweights.controller")
 
 SERVICE_START_TIMEOUT_S = 600.0  # a daemon loads the whole model from disk before it serves
 PROBE_INTERVAL_S = 0.05
@@ -161,9 +164,11 @@ class Cluster:
         self.removed = set(state.get("removed", []))
         recorded = state.get("members", {})
         specs = {spec.id: spec for spec in self.config.engines() if spec.id not in self.removed}
-        for member_id, row in recorded.items():  # engines added through the API
-            if member_id not in specs and member_id not in self.removed:
+        for member_id, row in recorded.items():
+            if row.get("added") and member_id not in self.removed:  # engines added through the API
                 specs[member_id] = EngineSpec(member_id, row["group"], row["device"], row["port"])
+            elif member_id not in specs and row.get("process"):
+                log.warning("%s (pid %s) is no longer in the config: left alone", member_id, row["process"]["pid"])
         for spec in specs.values():
             self.members[spec.id] = Member(spec, role=recorded.get(spec.id, {}).get("role", "standby"))
         for group in range(len(self.config.groups)):
@@ -189,8 +194,10 @@ class Cluster:
 
     def save(self) -> None:
         me = read_identity(os.getpid())
+        configured = {spec.id for spec in self.config.engines()}
         members = {
             m.spec.id: {
+                "added": m.spec.id not in configured,
                 "group": m.spec.group,
                 "device": m.spec.device,
                 "port": m.spec.port,
@@ -278,7 +285,7 @@ class Cluster:
     def _attach(self, member: Member, process: Process) -> None:
         member.process = process
         member.started_at = time.monotonic()
-        member.health = self.checker.track(member.spec.id, member.spec.url)
+        member.health = self.checker.track(member.spec.id, member.spec.url, process.pid)
 
     async def fence(self, member_id: str) -> bool:
         """SIGKILL the engine and wait for its exit; False if it would not die."""

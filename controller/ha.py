@@ -215,6 +215,10 @@ class Ha:
             timings["fence_ms"] = _ms(time.monotonic() - fence_start)
             self.events.record("fence", f"fenced {old.id} (pid {old.pid})", member=old.id, group=group, **timings)
             prefix += f"; fenced in {timings['fence_ms']} ms"
+            if await self.engines.is_primary(old.url, self.check_timeout_s):
+                self.events.record("stranger", f"{old.url} answers /primary 200 from a process we do not supervise")
+                stranger = f"{old.url} still answers /primary 200 (a process we do not supervise): stop it"
+                return f"{prefix}; not promoting another: {stranger}", details
         candidate = candidate or self.best_standby(snap, group)
         if candidate is None:
             self.events.record("no_standby", f"group {group} has no ready standby to promote", group=group)
@@ -276,6 +280,7 @@ class Ha:
         if not snap.daemon(group).serving:
             return f"{member_id} restarts once cache daemon g{group}-cache serves"
         process = self.cluster.start_engine(member_id)
+        self.events.record("engine_start", f"started standby {member_id} (pid {process.pid})", member=member_id)
         return f"started replacement standby {member_id} (pid {process.pid})"
 
     # --- 2. REST intents ------------------------------------------------------------------------
@@ -531,6 +536,7 @@ class Ha:
             if not snap.daemon(view.group).serving or now < member.next_start_at:
                 continue
             process = self.cluster.start_engine(view.id)
+            self.events.record("engine_start", f"started standby {view.id} (pid {process.pid})", member=view.id)
             actions.append(f"started standby {view.id} (pid {process.pid})")
         return "; ".join(actions) if actions else None
 
@@ -550,9 +556,9 @@ class Ha:
                 states = ", ".join(f"{m.id} {m.status}" for m in snap.group(group))
                 sentences.append(f"group {group} has no primary and no ready standby yet ({states})")
                 continue
-            alive = [m for m in snap.group(group) if m.alive]
-            serving = [m.id for m in alive if await self.engines.is_primary(m.url, self.check_timeout_s)]
-            if serving:  # a primary our checks have not seen yet: never add a second one
+            members = snap.group(group)  # absent ones too: a stranger may hold a slot's port
+            serving = [m.id for m in members if await self.engines.is_primary(m.url, self.check_timeout_s)]
+            if serving:  # a primary our checks have not seen (yet): never add a second one
                 sentences.append(f"group {group}: {serving} answer /primary 200; waiting for their health checks")
                 continue
             promoted, promote_ms, message = await self.promote(candidate)

@@ -68,11 +68,12 @@ class HealthChecker:
         self.observe_latency = observe_latency
         self.tasks: dict[str, asyncio.Task] = {}
 
-    def track(self, key: str, url: str) -> HealthRecord:
-        """Check ``url`` from now on, into a fresh record (replacing whatever ``key`` had)."""
+    def track(self, key: str, url: str, pid: int) -> HealthRecord:
+        """Check ``url`` from now on, into a fresh record (replacing whatever ``key`` had). An answer
+        from another pid than ``pid`` (a stranger on the port) counts as a failed check."""
         self.untrack(key)
         record = HealthRecord()
-        self.tasks[key] = asyncio.create_task(self._watch(url, record), name=f"health-{key}")
+        self.tasks[key] = asyncio.create_task(self._watch(url, pid, record), name=f"health-{key}")
         return record
 
     def untrack(self, key: str) -> None:
@@ -89,24 +90,28 @@ class HealthChecker:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    async def _watch(self, url: str, record: HealthRecord) -> None:
+    async def _watch(self, url: str, pid: int, record: HealthRecord) -> None:
         while True:
             was_ok = record.ok
-            await self.check(url, record)
+            await self.check(url, pid, record)
             if record.ok != was_ok or record.consecutive_failures == self.threshold:
                 self.on_change()
             await asyncio.sleep(self.interval_s)
 
-    async def check(self, url: str, record: HealthRecord) -> None:
+    async def check(self, url: str, pid: int, record: HealthRecord) -> None:
         start = time.monotonic()
         try:
             response = await self.client.get(f"{url}/health/ready", timeout=self.timeout_s)
             record.status_code, record.error = response.status_code, None
+            body = {}
             with contextlib.suppress(ValueError):
-                record.body = response.json()
-            ok = response.status_code == 200
-            if not ok:
-                record.error = (record.body or {}).get("reason", f"status {response.status_code}")
+                body = response.json()
+            if body.get("pid", pid) != pid:
+                ok, record.error = False, f"answered by pid {body.get('pid')}, not by ours ({pid})"
+            else:
+                record.body, ok = body, response.status_code == 200
+                if not ok:
+                    record.error = body.get("reason", f"status {response.status_code}")
         except httpx.TimeoutException:
             ok, record.status_code, record.error = False, None, f"no answer within {self.timeout_s * 1000:g} ms"
         except httpx.TransportError as exc:

@@ -55,6 +55,11 @@ def read_identity(pid: int) -> Identity | None:
     return Identity(pid, int(fields[19]), tuple(raw_command.decode(errors="replace").split("\0")[:-1]))
 
 
+def _start_time(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2 :].split()[19])
+
+
 def exit_reason(returncode: int | None) -> str:
     if returncode is None:
         return "exited"  # not our child: the status went to its new parent
@@ -103,8 +108,10 @@ class Supervisor:
             popen = subprocess.Popen(
                 command, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=self.env, start_new_session=True
             )
-        pidfd = os.pidfd_open(popen.pid)
-        identity = read_identity(popen.pid) or Identity(popen.pid, 0, tuple(command))
+        pidfd = os.pidfd_open(popen.pid)  # our unreaped child: pid and /proc entry stay until we reap it
+        # The command as we exec'd it, not /proc/<pid>/cmdline: Popen can return while the kernel is still
+        # setting up the new image (vfork), when cmdline reads empty.
+        identity = Identity(popen.pid, _start_time(popen.pid), tuple(command))
         process = Process(process_id, identity, pidfd, popen)
         self._watch(process)
         log.debug("started %s (pid %d): %s", process_id, popen.pid, " ".join(command))

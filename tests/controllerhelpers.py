@@ -85,10 +85,11 @@ class ControllerStack:
         self.log = self.root / "controller.log"
         self.controller: subprocess.Popen | None = None
 
-    def start_controller(self) -> None:
+    def start_controller(self, command: str = "controller") -> None:
+        """``hotweights controller`` (or ``up``, which adds the gateway and owns the stack)."""
         with open(self.log, "ab") as out:
             self.controller = subprocess.Popen(
-                [sys.executable, "-m", "controller.cli", "controller", "--config", str(self.config_path)],
+                [sys.executable, "-m", "controller.cli", command, "--config", str(self.config_path)],
                 env=ENV,
                 stdin=subprocess.DEVNULL,
                 stdout=out,
@@ -144,8 +145,13 @@ class ControllerStack:
     def events(self, kind: str) -> list[dict[str, Any]]:
         return self.client.get("/events", params={"kind": kind}).json()["events"]
 
-    def logs(self) -> str:
-        return self.log.read_text(errors="replace")[-5000:]
+    def logs(self, tail: int = 5000) -> str:
+        return self.log.read_text(errors="replace")[-tail:]
+
+    def recorded_pids(self) -> list[int]:
+        state = StateFile(self.root / "state" / "state.json").load()
+        rows = [*state.get("members", {}).values(), *state.get("services", {}).values()]
+        return [row["process"]["pid"] for row in rows if row.get("process")]
 
     # --- teardown ---------------------------------------------------------------------------------
 
@@ -156,11 +162,9 @@ class ControllerStack:
                 self.kill_controller()
         with contextlib.suppress(Exception):
             stop_everything(self.config, timeout=5.0)
-        state = StateFile(self.root / "state" / "state.json").load()
-        for row in [*state.get("members", {}).values(), *state.get("services", {}).values()]:
-            if row.get("process"):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(row["process"]["pid"], signal.SIGKILL)
+        for pid in self.recorded_pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         self.client.close()
         self.anonymous.close()
         shutil.rmtree(self.root, ignore_errors=True)
