@@ -140,6 +140,11 @@ class ClusterConfig:
             return Path(self.cluster.state_dir).expanduser()
         return hotweights_home() / "clusters" / self.cluster.name
 
+    @property
+    def state_file(self) -> Path:
+        """The controller's persisted state; the gateway reads it too (engines added at runtime)."""
+        return self.state_dir / "state.json"
+
     def token(self) -> str | None:
         """The bearer token from ``token_file`` (None when unset)."""
         if not self.cluster.token_file:

@@ -33,6 +33,7 @@ import socket
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import FrameType
 
 import httpx
@@ -47,6 +48,8 @@ from starlette.types import Receive, Scope, Send
 from controller.config import load_config
 
 log = logging.getLogger(__name__)
+
+STATE_POLL_S = 1.0  # how often the controller's state file is re-read for engines added at runtime
 
 # Per-connection headers (RFC 9110 section 7.6.1) and those httpx recomputes; never forwarded.
 HOP_BY_HOP = frozenset(
@@ -88,6 +91,15 @@ class Upstream:
         }
 
 
+def engine_urls_in_state(state_file: Path) -> list[str]:
+    """Engine URLs in the controller's ``state.json``; none while it is missing or being replaced."""
+    try:
+        members = json.loads(state_file.read_text()).get("members", {})
+        return [f"http://127.0.0.1:{member['port']}" for member in members.values()]
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        return []
+
+
 class Discovery:
     """Which upstreams answer 200 on ``/primary``; ``available`` is set while at least one does."""
 
@@ -119,8 +131,26 @@ class Discovery:
         for other in self.upstreams:
             other.wake.set()
 
-    async def run(self) -> None:
-        await asyncio.gather(*(self._watch(u) for u in self.upstreams))
+    async def run(self, state_file: Path | None = None) -> None:
+        """Probe every upstream; with a controller state file, also pick up engines added at runtime."""
+        async with asyncio.TaskGroup() as tasks:
+            for upstream in self.upstreams:
+                tasks.create_task(self._watch(upstream))
+            if state_file is not None:
+                tasks.create_task(self._follow(state_file, tasks))
+
+    async def _follow(self, state_file: Path, tasks: asyncio.TaskGroup) -> None:
+        """Read the controller's state file (not its API: the data path must not need the controller
+        to be up) and start probing any engine port it lists that we do not know yet."""
+        while True:
+            known = {u.url for u in self.upstreams}
+            for url in engine_urls_in_state(state_file):
+                if url not in known:
+                    upstream = Upstream(url)
+                    self.upstreams.append(upstream)
+                    tasks.create_task(self._watch(upstream))
+                    log.info("%s joined (listed in %s)", url, state_file)
+            await asyncio.sleep(STATE_POLL_S)
 
     async def _watch(self, upstream: Upstream) -> None:
         while True:
@@ -221,7 +251,16 @@ def unavailable(message: str) -> JSONResponse:
 class Gateway:
     """The proxy's policy: where a request goes, how long it may wait, when it is re-sent."""
 
-    def __init__(self, urls: list[str], interval_s: float, timeout_s: float, queue_limit: int, hold_s: float) -> None:
+    def __init__(
+        self,
+        urls: list[str],
+        interval_s: float,
+        timeout_s: float,
+        queue_limit: int,
+        hold_s: float,
+        state_file: Path | None = None,
+    ) -> None:
+        self.state_file = state_file  # the controller's state.json: engines added at runtime are routed too
         self.queue_limit = queue_limit
         self.hold_s = hold_s
         self.held = 0
@@ -343,7 +382,7 @@ class Gateway:
     @contextlib.asynccontextmanager
     async def running(self, _: Starlette) -> AsyncIterator[None]:
         """Probe while serving; on shutdown stop probing, then close both pools."""
-        probing = asyncio.create_task(self.discovery.run())
+        probing = asyncio.create_task(self.discovery.run(self.state_file))
         try:
             yield
         finally:
@@ -394,6 +433,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         timeout_s=config.health.timeout_ms / 1000,
         queue_limit=config.gateway.queue_limit,
         hold_s=config.gateway.hold_timeout_s,
+        state_file=None if args.upstream else config.state_file,
     )
     log.info("routing /v1 to the primary among %s", ", ".join(urls))
     server = GatewayServer(

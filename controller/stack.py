@@ -53,7 +53,7 @@ class Layout:
 
     @property
     def state_file(self) -> Path:
-        return self.state_dir / "state.json"
+        return self.config.state_file
 
     @property
     def lock_file(self) -> Path:

@@ -23,8 +23,19 @@ def test_up_serves_through_the_gateway_and_down_stops_everything(tiny_model: Pat
         assert f"controller  {stack.url}" in summary and f"gateway     {gateway}/v1" in summary
         response = httpx.post(f"{gateway}/v1/completions", json={"prompt": "hello", "max_tokens": 4}, timeout=30)
         assert response.status_code == 200, response.text
+        # An engine added at runtime is not in cluster.toml: the gateway learns of it from the state file.
+        added = stack.client.post("/engines", json={"group": 0})
+        assert added.status_code == 201, added.text
+        new_id, new_port = added.json()["id"], added.json()["port"]
+        stack.wait_steady()
+        failover = stack.client.post("/failover", json={"candidate": new_id})
+        assert failover.status_code == 200, failover.text
+        stack.wait_steady()
+        response = httpx.post(f"{gateway}/v1/completions", json={"prompt": "hello", "max_tokens": 4}, timeout=30)
+        assert response.status_code == 200, response.text
+        assert response.headers["x-hotweights-upstream"] == f"http://127.0.0.1:{new_port}"
         pids = stack.recorded_pids()
-        assert len(pids) == 4  # two engines, the daemon, the gateway
+        assert len(pids) == 5  # three engines, the daemon, the gateway
         down = subprocess.run(
             [sys.executable, "-m", "controller.cli", "down", "--config", str(stack.config_path)],
             env=ENV,

@@ -286,7 +286,7 @@ def _tp_worker(rank: int, workdir: str, results: mp.Queue) -> None:
             config = ModelConfig(**fields)
             model = build(config, shard(state, config, 2, rank), tp)
             out[key] = (
-                model(ids),
+                model(ids).numpy(),  # by value: a shared tensor's fd dies with this process
                 list(generate(model, [4, 8, 15], 6)),
                 list(generate(model, [4, 8, 15], 6, temperature=1.0, seed=3)),
                 list(generate(model, [4, 8, 15], 6, temperature=1.0)),  # seed agreed across ranks
@@ -312,7 +312,7 @@ def test_tensor_parallel_two_ranks_match_single_rank() -> None:
             while len(outputs) < len(procs):
                 try:
                     rank, out = results.get(timeout=0.5)
-                    outputs[rank] = out
+                    outputs[rank] = {key: (torch.from_numpy(logits), *rest) for key, (logits, *rest) in out.items()}
                 except queue.Empty:
                     exits = [p.exitcode for p in procs]
                     if any(exits) or time.monotonic() > deadline:
