@@ -28,7 +28,9 @@ class ClusterView:
         return [m for m in self.members if m["role"] == "primary" and m["pid"] is not None]
 
     def ready_standbys(self) -> list[dict[str, Any]]:
-        return [m for m in self.members if m["role"] == "standby" and m["state"] == "ready" and m["status"] == "healthy"]
+        return [
+            m for m in self.members if m["role"] == "standby" and m["state"] == "ready" and m["status"] == "healthy"
+        ]
 
     def incomplete(self) -> str | None:
         """None when every group has one healthy primary, every other engine is a ready standby and every
@@ -116,4 +118,3 @@ async def lb_retries(client: httpx.AsyncClient, lb_url: str) -> float | None:
         if line.startswith("hotweights_gateway_retries_total "):
             return float(line.split()[1])
     return None
-

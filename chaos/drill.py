@@ -67,13 +67,16 @@ class Drill:
         view = await self.api.cluster()
         assert view is not None
         await asyncio.sleep(PRE_FAULT_S)
-        before = await asyncio.to_thread(memory.snapshot, self.stack.marker)
+        before = await asyncio.to_thread(memory.snapshot, self.stack.markers)
         retries = await lb_retries(self.metrics_client, self.stack.lb_url)
         samples = len(self.detector.samples)
         r = Round(self.stack, self.api, view)
         try:
-            await scenario.inject(r)
-            await scenario.settle(r)
+            try:
+                await scenario.inject(r)
+                await scenario.settle(r)
+            except RuntimeError as exc:  # the process to hurt was not there
+                r.problem = str(exc)
             await self.wait_disturbed()
             missing = await self.api.wait_complete(RECOVERY_TIMEOUT_S)
             result.recovered_at = time.time()
@@ -81,7 +84,7 @@ class Drill:
         finally:
             await scenario.cleanup(r)
         after_view = await self.api.cluster()
-        after = await asyncio.to_thread(memory.snapshot, self.stack.marker)
+        after = await asyncio.to_thread(memory.snapshot, self.stack.markers)
         result.fault_at = r.fault_at or None
         result.problem = (
             r.problem
@@ -139,8 +142,7 @@ async def drill(args: argparse.Namespace, stack: DrillStack) -> int:
     async with httpx.AsyncClient() as client:
         try:
             stack.start()
-            if missing := await until(stop, api.wait_complete(START_TIMEOUT_S)):
-                raise HotweightsError(f"the stack did not come up within {START_TIMEOUT_S:g} s: {missing}")
+            await until(stop, wait_up(stack, api))
             reference = await until(stop, reference_completion(client, stack.lb_url))
             load = LoadGenerator(stack.lb_url, args.rps, reference)
             detector = SplitBrainDetector(stack.direct_urls())
@@ -172,6 +174,16 @@ async def drill(args: argparse.Namespace, stack: DrillStack) -> int:
                 log.info("teardown: %s", line)
 
 
+async def wait_up(stack: DrillStack, api: ControlApi) -> None:
+    """Until the stack is whole; HotweightsError if our ``up`` exits or START_TIMEOUT_S passes first."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while (missing := await api.wait_complete(0.5)) is not None:
+        if failure := stack.start_failure():
+            raise HotweightsError(failure)
+        if time.monotonic() > deadline:
+            raise HotweightsError(f"the stack did not come up within {START_TIMEOUT_S:g} s: {missing}")
+
+
 async def until(stop: asyncio.Event, work: Awaitable[Any]) -> Any:
     """``work``'s result, or None once ``stop`` is set (``work`` is then cancelled, running its cleanups)."""
     task = asyncio.ensure_future(work)
@@ -187,6 +199,7 @@ async def until(stop: asyncio.Event, work: Awaitable[Any]) -> Any:
 
 
 def cmd_drill(args: argparse.Namespace) -> int:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would drown the progress
     unknown = [name for name in args.scenarios if name not in SCENARIOS]
     if unknown:
         raise ConfigError(f"unknown scenario(s) {unknown}; choose from {sorted(SCENARIOS)}")
@@ -194,12 +207,15 @@ def cmd_drill(args: argparse.Namespace) -> int:
         raise ConfigError("--attach-running needs --config: the cluster.toml of the running stack")
     if args.rps <= 0:
         raise ConfigError(f"--rps must be > 0, found {args.rps}")
-    with tempfile.TemporaryDirectory(prefix="hwdrill-") as tmp:
-        workdir = Path(tmp)
+    with contextlib.ExitStack() as cleanup:
+        if args.workdir:
+            workdir = Path(args.workdir).resolve()
+        else:
+            workdir = Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix="hwdrill-")))
         if args.attach_running:
             stack = DrillStack.attach(Path(args.config), workdir, args.lb)
         elif args.config:
-            raise ConfigError("--config names a running stack: add --attach-running (without it the drill starts its own)")
+            raise ConfigError("--config names a running stack: add --attach-running (the drill starts its own without)")
         else:
             needs_proxy = any(SCENARIOS[name].needs_proxy for name in args.scenarios or SCENARIOS)
             stack = DrillStack.create(workdir, args.lb, proxied=needs_proxy)
@@ -220,6 +236,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--attach-running", action="store_true", help="drill the running stack of --config")
     p.add_argument("--lb", choices=["gateway", "haproxy"], default="gateway", help="load balancer (default gateway)")
     p.add_argument("--rounds", type=int, help="rounds in all, cycling through the scenarios (default: one each)")
-    p.add_argument("--rps", type=float, default=20.0, help="client requests per second (default 20)")
+    p.add_argument("--rps", type=float, default=10.0, help="client requests per second (default 10)")
     p.add_argument("--report", required=True, metavar="DIR", help="where report.json, summary.md, timeline.png go")
+    p.add_argument("--workdir", help="keep the drill's stack (config, state, logs) here (default: a temp dir, removed)")
     p.set_defaults(func=cmd_drill)

@@ -6,7 +6,6 @@ when the target was chosen, so a fault never lands on an unrelated process that 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
@@ -29,11 +28,13 @@ class Target:
 
 
 def start_time(pid: int) -> int | None:
+    """The start time of a running pid; None when it is gone or a zombie (dead, not yet reaped)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return int(stat[stat.rindex(")") + 2 :].split()[19])
+    fields = stat[stat.rindex(")") + 2 :].split()  # comm may hold spaces and parentheses
+    return None if fields[0] in ("Z", "X") else int(fields[19])
 
 
 def send(target: Target, sig: signal.Signals) -> bool:
@@ -55,16 +56,6 @@ def send(target: Target, sig: signal.Signals) -> bool:
 
 def is_alive(target: Target) -> bool:
     return start_time(target.pid) == target.start_time
-
-
-@contextlib.contextmanager
-def stopped(target: Target):  # noqa: ANN201 - a context manager of None
-    """SIGSTOP for the duration of the block, SIGCONT after (a fenced target is simply gone by then)."""
-    send(target, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        send(target, signal.SIGCONT)
 
 
 def netem_unavailable() -> str | None:

@@ -82,8 +82,10 @@ def apply_events(result: RoundResult, events: Sequence[dict[str, Any]], targets:
 
 
 def apply_requests(result: RoundResult, records: Sequence[RequestRecord], until: float) -> None:
-    """Fill the client numbers from every request record (those sent in [started_at, until) are this round's)."""
-    mine = [r for r in records if result.started_at <= r.start < until]
+    """Fill the client numbers from every request record. A request belongs to the round in which it
+    ended ([started_at, until)): a failure shows when it ends, and a request held across rounds fails
+    because of the fault of the round it ends in."""
+    mine = [r for r in records if result.started_at <= r.end < until]
     result.requests = len(mine)
     bad = [r for r in mine if not r.ok]
     result.failed = len(bad)

@@ -1,6 +1,6 @@
 """Memory held by a stack, before and after a fault: what a leak would show up in.
 
-- stack processes: every process whose command line names the stack's directory (a fenced engine
+- stack processes: every process whose command line names the stack's config or state dir (a fenced engine
   that did not die, or a duplicate, is a leak even before it holds much memory);
 - weight arenas: distinct memfd files those processes map (cpu-shm). A respawned daemon loads a new
   arena while engines attached to the old one keep it mapped until they are replaced, so a round that
@@ -32,17 +32,31 @@ class MemorySnapshot:
         return asdict(self)
 
 
-def stack_pids(marker: str) -> list[int]:
-    """Live processes whose command line contains ``marker``."""
+def stack_pids(markers: tuple[str, ...]) -> list[int]:
+    """Processes whose command line contains one of ``markers``, except the drill and its ancestors."""
+    ours = ancestors()
     pids = []
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+        if not entry.name.isdigit() or int(entry.name) in ours:
             continue
         try:
-            if marker in (entry / "cmdline").read_bytes().decode(errors="replace"):
-                pids.append(int(entry.name))
+            command = (entry / "cmdline").read_bytes().decode(errors="replace")
         except OSError:
             continue
+        if any(marker in command for marker in markers):
+            pids.append(int(entry.name))
+    return pids
+
+
+def ancestors() -> set[int]:
+    pids, pid = set(), os.getpid()
+    while pid > 1:
+        pids.add(pid)
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            break
+        pid = int(stat[stat.rindex(")") + 2 :].split()[1])
     return pids
 
 
@@ -77,8 +91,8 @@ def gpu_used_bytes() -> int | None:
     return sum(int(line) for line in result.stdout.split()) << 20  # MiB
 
 
-def snapshot(marker: str) -> MemorySnapshot:
-    pids = stack_pids(marker)
+def snapshot(markers: tuple[str, ...]) -> MemorySnapshot:
+    pids = stack_pids(markers)
     arenas = memfd_arenas(pids)
     shm = os.statvfs("/dev/shm")
     return MemorySnapshot(

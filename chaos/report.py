@@ -84,9 +84,29 @@ def write_report(
         "host": f"{platform.node()} {platform.machine()} python {platform.python_version()}",
     }
     document = meta | {"summary": summary, "rounds": [_compact(r, began) for r in results]}
-    (out / "report.json").write_text(json.dumps(document, indent=1) + "\n")
+    (out / "report.json").write_text(dump(document))
     (out / "summary.md").write_text(render_markdown(meta, summary, results, judge))
     draw_timeline(out / "timeline.png", results, records, began)
+
+
+def dump(document: dict[str, Any]) -> str:
+    """JSON with one line per scenario summary and per round: small, and still readable and diffable."""
+
+    def lines(items: dict[str, Any] | list[Any]) -> str:
+        keyed = items.items() if isinstance(items, dict) else ((None, v) for v in items)
+        compact = (("" if k is None else f"{json.dumps(k)}: ") + json.dumps(v, separators=(",", ":")) for k, v in keyed)
+        return ",\n".join(f"  {row}" for row in compact)
+
+    summary = document["summary"]
+    head = "\n".join(
+        f" {json.dumps(k)}: {json.dumps(v)}," for k, v in document.items() if k not in ("summary", "rounds")
+    )
+    return (
+        f"{{\n{head}\n"
+        f' "totals": {json.dumps(summary["totals"])},\n'
+        f' "scenarios": {{\n{lines(summary["scenarios"])}\n }},\n'
+        f' "rounds": [\n{lines(document["rounds"])}\n ]\n}}\n'
+    )
 
 
 def _compact(result: RoundResult, began: float) -> dict[str, Any]:
@@ -95,7 +115,11 @@ def _compact(result: RoundResult, began: float) -> dict[str, Any]:
     for key in ("started_at", "ended_at", "fault_at", "detected_at", "promoted_at", "recovered_at"):
         if row.get(key) is not None:
             row[key] = round(row[key] - began, 3)
-    return {k: v for k, v in row.items() if v not in (None, [], {}, False, "")}
+    before, after = (
+        {k: v for k, v in row.pop(key).items() if v is not None} for key in ("memory_before", "memory_after")
+    )
+    row |= {"memory": after} if before == after else {"memory_before": before, "memory_after": after}
+    return {k: v for k, v in row.items() if v is not None and v is not False and v not in ([], {}, "")}
 
 
 def _fmt(value: float | None) -> str:
@@ -154,9 +178,7 @@ def render_markdown(meta: dict[str, Any], summary: dict[str, Any], results: Sequ
     return "\n".join(lines)
 
 
-def draw_timeline(
-    path: Path, results: Sequence[RoundResult], records: Sequence[RequestRecord], began: float
-) -> None:
+def draw_timeline(path: Path, results: Sequence[RoundResult], records: Sequence[RequestRecord], began: float) -> None:
     """Latency of every request over time (failures in red), with fault, detection and promotion markers."""
     try:
         import matplotlib

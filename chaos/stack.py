@@ -5,7 +5,7 @@ cache), its state dir, and every log. It runs ``hotweights up`` in its own sessi
 controller is replaced by ``hotweights controller``, which re-adopts the running processes. With
 fault proxies, engines bind private ports through the port shim (``chaos/portshim``) and a proxy
 process listens on each engine's public port, so controller checks and load-balancer traffic all pass
-through it. Teardown: ``hotweights down``, then SIGKILL to anything still naming the directory.
+through it. Teardown: ``hotweights down``, then SIGKILL to anything still naming its config or state dir.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -94,6 +93,7 @@ class DrillStack:
     bind_map: dict[int, int] = field(default_factory=dict)  # engine public port -> private port
     lb_port: int = 0
     started: list[subprocess.Popen] = field(default_factory=list)
+    up: subprocess.Popen | None = None
     proxy: subprocess.Popen | None = None
     haproxy: subprocess.Popen | None = None
 
@@ -140,9 +140,10 @@ class DrillStack:
         return [f"http://127.0.0.1:{self.bind_map.get(spec.port, spec.port)}" for spec in self.config.engines()]
 
     @property
-    def marker(self) -> str:
-        """A string in the command line of every process of the stack (see ``chaos.memory``)."""
-        return str(self.workdir) if self.owned else str(self.config.state_dir)
+    def markers(self) -> tuple[str, ...]:
+        """Every process of the stack names one of these: the config (controller, gateway; only ours is
+        surely an absolute path) or the state dir (daemons and engines, through their socket path)."""
+        return (str(self.config_path), str(self.config.state_dir)) if self.owned else (str(self.config.state_dir),)
 
     def env(self) -> dict[str, str]:
         path = [str(REPO_ROOT)] + ([str(SHIM_DIR)] if self.bind_map else [])
@@ -169,9 +170,11 @@ class DrillStack:
         if self.bind_map:
             pairs = [f"{public}={private}" for public, private in self.bind_map.items()]
             env = {k: v for k, v in self.env().items() if k != "HOTWEIGHTS_CHAOS_BIND_MAP"}
-            self.proxy = self.spawn("proxy", [sys.executable, "-m", "chaos.proxy", *pairs], stdin=subprocess.PIPE, env=env)
+            self.proxy = self.spawn(
+                "proxy", [sys.executable, "-m", "chaos.proxy", *pairs], stdin=subprocess.PIPE, env=env
+            )
         if self.owned:
-            self.spawn("up", self.cli("up"))
+            self.up = self.spawn("up", self.cli("up"))
         if self.lb == "haproxy":
             self.start_haproxy()
 
@@ -179,8 +182,19 @@ class DrillStack:
         return [sys.executable, "-m", "controller.cli", command, "--config", str(self.config_path), *extra]
 
     def restart_controller(self) -> None:
-        """A fresh ``hotweights controller``: it must adopt the running engines, daemon and gateway."""
-        self.spawn("controller", self.cli("controller"))
+        """A fresh ``hotweights controller``: it must adopt the running engines, daemon and gateway. It is
+        the cluster's controller from now on, so teardown leaves it to ``down`` (never to our SIGKILL)."""
+        log_dir = self.config.state_dir / "logs"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        with open(log_dir / "controller-restarted.log", "ab") as log:
+            subprocess.Popen(self.cli("controller"), stdout=log, stderr=log, env=self.env(), start_new_session=True)
+
+    def start_failure(self) -> str | None:
+        """None while our ``up`` runs (or there is none); else its exit code and the end of its log."""
+        if self.up is None or self.up.poll() is None:
+            return None
+        tail = (self.workdir / "up.log").read_text(errors="replace").strip().splitlines()[-5:]
+        return f"hotweights up exited with {self.up.returncode}: " + " | ".join(tail)
 
     def controller_target(self) -> Target | None:
         """The controller's process, from the state file it keeps."""
@@ -192,7 +206,9 @@ class DrillStack:
 
     def start_haproxy(self) -> None:
         cfg = self.workdir / "haproxy.cfg"
-        subprocess.run(self.cli("haproxy-config", "--port", str(self.lb_port), "-o", str(cfg)), env=self.env(), check=True)
+        subprocess.run(
+            self.cli("haproxy-config", "--port", str(self.lb_port), "-o", str(cfg)), env=self.env(), check=True
+        )
         self.haproxy = self.spawn("haproxy", ["haproxy", "-db", "-f", str(cfg)])
 
     def haproxy_target(self) -> Target | None:
@@ -218,7 +234,7 @@ class DrillStack:
                     os.killpg(process.pid, signal.SIGKILL)
                 process.wait(timeout=10)
         if self.owned:  # a straggler: something the controller started that `down` did not know about
-            for pid in stack_pids(self.marker):
+            for pid in stack_pids(self.markers):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
                 lines.append(f"killed straggler pid {pid}")
@@ -226,8 +242,3 @@ class DrillStack:
             if process.stdin:
                 process.stdin.close()
         return lines
-
-    def wait_gone(self, timeout_s: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while stack_pids(self.marker) and time.monotonic() < deadline:
-            time.sleep(0.1)

@@ -11,10 +11,8 @@ instead. The drill's proxy listens on the public port and forwards to the privat
 import os
 import socket
 
-_MAP = {
-    int(public): int(private)
-    for public, private in (pair.split("=") for pair in os.environ.get("HOTWEIGHTS_CHAOS_BIND_MAP", "").split(",") if pair)
-}
+_PAIRS = [pair.split("=") for pair in os.environ.get("HOTWEIGHTS_CHAOS_BIND_MAP", "").split(",") if pair]
+_MAP = {int(public): int(private) for public, private in _PAIRS}
 
 if _MAP:
     _bind = socket.socket.bind
