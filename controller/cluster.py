@@ -22,7 +22,7 @@ from cache.client import AttachRefused, DaemonUnavailable, hello
 from controller.config import EngineSpec
 from controller.health import HealthChecker, HealthRecord
 from controller.stack import Layout
-from controller.supervisor import Process, StateFile, Supervisor, read_identity
+from controller.supervisor import Process, StateFile, Supervisor, evict_orphans, read_identity
 
 log = logging.getLogger("hotweights.controller")
 
@@ -275,8 +275,11 @@ class Cluster:
     # --- engines -------------------------------------------------------------------------------
 
     def start_engine(self, member_id: str) -> Process:
-        """Start the slot's engine as a standby (attached from its group's daemon)."""
+        """Start the slot's engine as a standby (attached from its group's daemon), first evicting an
+        orphan of this slot that a previous controller left listening on its port."""
         member = self.members[member_id]
+        for message in evict_orphans(member.spec.port, member_id):
+            log.warning("%s", message)
         process = self.supervisor.spawn(member_id, self.layout.engine_command(member.spec))
         self._attach(member, process)
         self.set_role(member_id, "standby")
@@ -288,9 +291,12 @@ class Cluster:
         member.health = self.checker.track(member.spec.id, member.spec.url, process.pid)
 
     async def fence(self, member_id: str) -> bool:
-        """SIGKILL the engine and wait for its exit; False if it would not die."""
+        """SIGKILL the slot's engine and wait for its exit; False if it would not die. An orphan of the
+        slot that we do not supervise (left by an earlier controller) is evicted too."""
         member = self.members[member_id]
         self.checker.untrack(member_id)
+        for message in await asyncio.to_thread(evict_orphans, member.spec.port, member_id):
+            log.warning("%s", message)
         if member.process is None:
             return True
         fenced = await self.supervisor.fence(member.process)

@@ -32,7 +32,9 @@ quantize = ""                 # "" or "fp8-block"
 [[groups]]
 device = "cpu"                # cpu or cuda:N
 engines = 3                   # 1 primary + 2 standbys
-base_port = 8200              # engine i listens on base_port + i
+base_port = 8200              # engine i answers on base_port + i (health checks, gateway, HAProxy)
+listen_base_port = 0          # engines listen here; clients use base_port; set when a proxy sits in front of
+                              # each engine, e.g. the chaos drill's fault proxy (0: same as base_port)
 backend = ""                  # arena backend; default per device
 
 [engine]
@@ -74,6 +76,7 @@ class GroupSection:
     device: str = "cpu"
     engines: int = 3
     base_port: int = 8200
+    listen_base_port: int = 0  # 0: engines listen on their client ports (base_port + i)
     backend: str = ""
 
 
@@ -101,12 +104,22 @@ class GatewaySection:
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """One engine the controller supervises; ids are stable across controller restarts."""
+    """One engine the controller supervises; ids are stable across controller restarts.
+
+    ``port`` is where clients reach it (health checks, gateway, HAProxy, the controller's engine API);
+    ``listen_port`` is where the engine itself listens: the same unless a proxy sits in front of it
+    (``groups[].listen_base_port``). Left at 0 it becomes ``port``.
+    """
 
     id: str
     group: int
     device: str
     port: int
+    listen_port: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.listen_port:
+            object.__setattr__(self, "listen_port", self.port)
 
     @property
     def url(self) -> str:
@@ -124,9 +137,16 @@ class ClusterConfig:
     gateway: GatewaySection = field(default_factory=GatewaySection)
 
     def engines(self) -> list[EngineSpec]:
-        """Every engine of every group: ``g<group>-e<index>`` on ``base_port + index``."""
+        """Every engine of every group: ``g<group>-e<index>`` on ``base_port + index``, listening on
+        ``listen_base_port + index`` (when set)."""
         return [
-            EngineSpec(id=f"g{g}-e{i}", group=g, device=group.device, port=group.base_port + i)
+            EngineSpec(
+                id=f"g{g}-e{i}",
+                group=g,
+                device=group.device,
+                port=group.base_port + i,
+                listen_port=group.listen_base_port + i if group.listen_base_port else 0,
+            )
             for g, group in enumerate(self.groups)
             for i in range(group.engines)
         ]
@@ -245,6 +265,9 @@ def validate(config: ClusterConfig) -> None:
             raise ConfigError(f"{src}: groups[{i}].engines must be >= 1, found {group.engines}")
         if not (group.device == "cpu" or group.device.startswith("cuda:")):
             raise ConfigError(f"{src}: groups[{i}].device must be cpu or cuda:N, found {group.device!r}")
+        if group.listen_base_port < 0:
+            found = group.listen_base_port
+            raise ConfigError(f"{src}: groups[{i}].listen_base_port must be >= 0 (0: base_port), found {found}")
     ports: dict[int, str] = {config.cluster.port: "cluster.port", config.gateway.port: "gateway.port"}
     if config.cluster.port == config.gateway.port:
         raise ConfigError(f"{src}: cluster.port and gateway.port are both {config.cluster.port}")
@@ -253,7 +276,16 @@ def validate(config: ClusterConfig) -> None:
             raise ConfigError(f"{src}: engine {spec.id} port {spec.port} is out of range")
         if spec.port in ports:
             raise ConfigError(f"{src}: engine {spec.id} port {spec.port} collides with {ports[spec.port]}")
-        ports[spec.port] = f"engine {spec.id}"
+        ports[spec.port] = f"engine {spec.id} port (groups[{spec.group}].base_port)"
+    for spec in config.engines():  # after all client ports: a listen port may be no one else's port
+        if spec.listen_port == spec.port:
+            continue
+        where = f"groups[{spec.group}].listen_base_port gives engine {spec.id} listen port {spec.listen_port}"
+        if not 0 < spec.listen_port < 65536:
+            raise ConfigError(f"{src}: {where}, out of range")
+        if spec.listen_port in ports:
+            raise ConfigError(f"{src}: {where}, which collides with {ports[spec.listen_port]}")
+        ports[spec.listen_port] = f"engine {spec.id} listen port (groups[{spec.group}].listen_base_port)"
     if not _is_loopback(config.cluster.host) and not config.cluster.token_file:
         raise ConfigError(
             f"{src}: cluster.host {config.cluster.host!r} is not loopback: set cluster.token_file so that "

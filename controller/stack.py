@@ -88,11 +88,12 @@ class Layout:
         return daemon_command(self.model_dir, self.load_spec(group), DaemonPaths(self.socket(group)), backend)
 
     def engine_command(self, spec: EngineSpec) -> list[str]:
-        """Every engine starts as a standby; the controller promotes one, so no start races a live primary."""
+        """Every engine starts as a standby; the controller promotes one, so no start races a live primary.
+        It listens on ``spec.listen_port``; clients keep using ``spec.port`` (a proxy may sit in between)."""
         model, engine = self.config.model, self.config.engine
         command = [sys.executable, "-m", "controller.cli", "engine", "--model", str(self.model_dir)]
         command += ["--device", spec.device, "--weight-cache", "client", "--socket", str(self.socket(spec.group))]
-        command += ["--port", str(spec.port), "--role", "standby", "--engine-id", spec.id]
+        command += ["--port", str(spec.listen_port), "--role", "standby", "--engine-id", spec.id]
         command += ["--kv-cache-tokens", str(engine.kv_cache_tokens), "--max-batch", str(engine.max_batch)]
         command += ["--drain-timeout", str(engine.drain_timeout_s)]
         if model.dtype:

@@ -215,6 +215,51 @@ def stop_recorded(records: Iterable[dict[str, Any]], timeout: float = STOP_TIMEO
     return lines
 
 
+def listening_pids(port: int) -> set[int]:
+    """Pids holding a TCP socket that listens on ``port`` (IPv4 or IPv6), read from /proc."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                    inodes.add(f"socket:[{fields[9]}]")
+    pids = set()
+    if inodes:
+        for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+            with contextlib.suppress(OSError):
+                if any(os.readlink(fd) in inodes for fd in fd_dir.iterdir()):
+                    pids.add(int(fd_dir.parent.name))
+    return pids
+
+
+def evict_orphans(port: int, engine_id: str, timeout: float = STOP_TIMEOUT_S) -> list[str]:
+    """SIGKILL engines of this slot left behind by an earlier controller (same --engine-id, still
+    listening on the slot's port) and wait for them to go. An orphan that kept its role could
+    answer 200 on /primary beside the new primary. Other holders of the port are left alone."""
+    evicted = []
+    for pid in sorted(listening_pids(port)):
+        identity = read_identity(pid)
+        if identity is None or not _is_engine_of(identity.command, engine_id):
+            continue
+        pidfd = os.pidfd_open(pid)
+        try:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            _poll_exit(pidfd, timeout)
+        finally:
+            os.close(pidfd)
+        evicted.append(f"evicted orphan engine {engine_id} (pid {pid}) from port {port}")
+    return evicted
+
+
+def _is_engine_of(command: tuple[str, ...], engine_id: str) -> bool:
+    args = list(command)
+    if "engine" not in args or "--engine-id" not in args:
+        return False
+    return args[args.index("--engine-id") + 1 :][:1] == [engine_id]
+
+
 def _poll_exit(pidfd: int, timeout: float) -> bool:
     poller = select.poll()
     poller.register(pidfd, select.POLLIN)

@@ -7,6 +7,7 @@ steady again: one serving primary, two healthy standbys, the daemon serving.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import time
@@ -19,6 +20,7 @@ import pytest
 from cache.errors import ConfigError
 from controller.config import load_config
 from controller.stack import Layout
+from controller.supervisor import read_identity
 from tests.controllerhelpers import ControllerStack, split_brain_watch, wait_until
 
 
@@ -59,6 +61,21 @@ def wait_new_primary(urls: list[str], old: str, timeout: float) -> tuple[str, fl
         ("[[groups]]\nengines = 0\n", "groups[0].engines must be >= 1"),
         ("[cluster]\nhost = '0.0.0.0'\n", "cluster.host '0.0.0.0' is not loopback"),
         ("[engine]\nkv_tokens = 3\n", "[engine] unknown key(s) ['kv_tokens']"),
+        ("[[groups]]\nlisten_base_port = -1\n", "groups[0].listen_base_port must be >= 0"),
+        ("[[groups]]\nlisten_base_port = 65534\n", "engine g0-e2 listen port 65536, out of range"),
+        (
+            "[[groups]]\nbase_port = 8200\nlisten_base_port = 8202\n",
+            "groups[0].listen_base_port gives engine g0-e0 listen port 8202, which collides with "
+            "engine g0-e2 port (groups[0].base_port)",
+        ),
+        (
+            "[gateway]\nport = 9001\n[[groups]]\nlisten_base_port = 9000\n",
+            "engine g0-e1 listen port 9001, which collides with gateway.port",
+        ),
+        (
+            "[[groups]]\nlisten_base_port = 9000\n[[groups]]\nbase_port = 8300\nlisten_base_port = 9002\n",
+            "engine g1-e0 listen port 9002, which collides with engine g0-e2 listen port (groups[0].listen_base_port)",
+        ),
     ],
 )
 def test_config_errors_name_file_and_key(tmp_path: Path, text: str, expected: str) -> None:
@@ -67,6 +84,20 @@ def test_config_errors_name_file_and_key(tmp_path: Path, text: str, expected: st
     with pytest.raises(ConfigError) as caught:
         load_config(path)
     assert str(path) in str(caught.value) and expected in str(caught.value)
+
+
+def test_listen_base_port_moves_only_the_engines_listening_socket(tmp_path: Path, tiny_model: Path) -> None:
+    path = tmp_path / "cluster.toml"
+    path.write_text(f'[model]\npath = "{tiny_model}"\n[[groups]]\nbase_port = 8200\nlisten_base_port = 9200\n')
+    config = load_config(path)
+    specs = config.engines()
+    assert [(s.port, s.listen_port) for s in specs] == [(8200, 9200), (8201, 9201), (8202, 9202)]
+    assert config.engine_urls()[1] == "http://127.0.0.1:8201"  # clients: health checks, gateway, HAProxy
+    command = Layout.create(config, path).engine_command(specs[1])
+    assert command[command.index("--port") + 1] == "9201"
+    assert [s.listen_port for s in load_config(None).engines()] == [8200, 8201, 8202]  # unset: base_port
+    path.write_text("[[groups]]\nlisten_base_port = 8200\n")  # the same as base_port: allowed
+    assert [s.listen_port for s in load_config(path).engines()] == [8200, 8201, 8202]
 
 
 def test_socket_path_too_long_names_state_dir(tmp_path: Path, tiny_model: Path) -> None:
@@ -277,3 +308,19 @@ def test_add_and_delete_a_standby(stack: ControllerStack) -> None:
     assert response.status_code == 200, response.text
     assert "g0-e3" not in stack.members()
     assert stack.wait_steady().keys() == {"g0-e0", "g0-e1", "g0-e2"}
+
+
+def test_restart_evicts_an_engine_the_state_file_lost(stack: ControllerStack) -> None:
+    """An engine the controller cannot adopt (its record is gone) must not keep answering as primary."""
+    stack.wait_steady()
+    primary = stack.primary()
+    stack.kill_controller()
+    state = json.loads(stack.config.state_file.read_text())
+    state["members"][primary["id"]]["process"] = None
+    stack.config.state_file.write_text(json.dumps(state))
+    with split_brain_watch(stack.config.engine_urls()) as detector:
+        stack.start_controller()
+        after = stack.wait_steady()
+    assert read_identity(primary["pid"]) is None, "the orphaned primary is still alive"
+    assert after[primary["id"]]["pid"] != primary["pid"]
+    assert detector.samples == [], f"split brain: {detector.samples}"
