@@ -130,7 +130,7 @@ class SlowPrimary(Scenario):
     needs_proxy = True
 
     def skip_reason(self, stack: DrillStack) -> str | None:
-        return None if stack.bind_map else "engines are not behind fault proxies (--attach-running)"
+        return None if stack.proxy_map else "engines are not behind fault proxies (--attach-running)"
 
     async def inject(self, r: Round) -> None:
         primary = r.primary()

@@ -3,9 +3,10 @@
 An own stack lives in a fresh directory: its cluster.toml (free ports, fast health timings, small KV
 cache), its state dir, and every log. It runs ``hotweights up`` in its own session; a killed
 controller is replaced by ``hotweights controller``, which re-adopts the running processes. With
-fault proxies, engines bind private ports through the port shim (``chaos/portshim``) and a proxy
-process listens on each engine's public port, so controller checks and load-balancer traffic all pass
-through it. Teardown: ``hotweights down``, then SIGKILL to anything still naming its config or state dir.
+fault proxies, its cluster.toml sets ``listen_base_port``: engines listen on private ports and a proxy
+process listens on each engine's public port (``base_port + i``, where every client connects), so
+controller checks and load-balancer traffic all pass through it. Teardown: ``hotweights down``, then
+SIGKILL to anything still naming its config or state dir.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from chaos.memory import stack_pids
 from controller.config import ClusterConfig, load_config
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-SHIM_DIR = Path(__file__).resolve().parent / "portshim"
 ENGINES = 3  # one primary and two standbys
 DOWN_TIMEOUT_S = 30.0
 
@@ -40,7 +40,7 @@ state_dir = "{state_dir}"
 device = "cpu"
 engines = {engines}
 base_port = {base_port}
-
+{listen_base_port}
 [engine]
 kv_cache_tokens = 256
 max_batch = 4
@@ -90,7 +90,7 @@ class DrillStack:
     workdir: Path
     owned: bool  # started by us: we stop it
     lb: str  # gateway | haproxy
-    bind_map: dict[int, int] = field(default_factory=dict)  # engine public port -> private port
+    proxy_map: dict[int, int] = field(default_factory=dict)  # our fault proxies: engine public port -> private
     lb_port: int = 0
     started: list[subprocess.Popen] = field(default_factory=list)
     up: subprocess.Popen | None = None
@@ -102,7 +102,8 @@ class DrillStack:
         """Write the config of a fresh stack in ``workdir`` (the embedded tiny model on CPU)."""
         workdir.mkdir(parents=True, exist_ok=True)
         controller_port, gateway_port, lb_port = free_ports(3)
-        engine_ports = free_ports(ENGINES, consecutive=True)
+        ports = free_ports(2 * ENGINES if proxied else ENGINES, consecutive=True)  # public, then private
+        engine_ports, private_ports = ports[:ENGINES], ports[ENGINES:]
         path = workdir / "cluster.toml"
         path.write_text(
             CONFIG_TEMPLATE.format(
@@ -111,10 +112,16 @@ class DrillStack:
                 state_dir=workdir / "state",
                 engines=ENGINES,
                 base_port=engine_ports[0],
+                listen_base_port=(
+                    f"listen_base_port = {private_ports[0]}  # engines listen here; our fault proxies on base_port\n"
+                    if proxied
+                    else ""
+                ),
             )
         )
-        bind_map = dict(zip(engine_ports, free_ports(ENGINES), strict=True)) if proxied else {}
-        stack = cls(path, load_config(path), workdir, owned=True, lb=lb, bind_map=bind_map)
+        config = load_config(path)
+        proxy_map = {spec.port: spec.listen_port for spec in config.engines() if spec.listen_port != spec.port}
+        stack = cls(path, config, workdir, owned=True, lb=lb, proxy_map=proxy_map)
         stack.lb_port = lb_port if lb == "haproxy" else gateway_port
         return stack
 
@@ -137,7 +144,7 @@ class DrillStack:
 
     def direct_urls(self) -> list[str]:
         """The engines themselves, behind any proxy: where the split-brain detector asks."""
-        return [f"http://127.0.0.1:{self.bind_map.get(spec.port, spec.port)}" for spec in self.config.engines()]
+        return [f"http://127.0.0.1:{spec.listen_port}" for spec in self.config.engines()]
 
     @property
     def markers(self) -> tuple[str, ...]:
@@ -146,13 +153,10 @@ class DrillStack:
         return (str(self.config_path), str(self.config.state_dir)) if self.owned else (str(self.config.state_dir),)
 
     def env(self) -> dict[str, str]:
-        path = [str(REPO_ROOT)] + ([str(SHIM_DIR)] if self.bind_map else [])
+        path = [str(REPO_ROOT)]
         if os.environ.get("PYTHONPATH"):
             path.append(os.environ["PYTHONPATH"])
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "OMP_NUM_THREADS": "1"}
-        if self.bind_map:
-            env["HOTWEIGHTS_CHAOS_BIND_MAP"] = ",".join(f"{a}={b}" for a, b in self.bind_map.items())
-        return env
+        return {**os.environ, "PYTHONPATH": os.pathsep.join(path), "OMP_NUM_THREADS": "1"}
 
     # --- processes -------------------------------------------------------------------------------
 
@@ -167,12 +171,9 @@ class DrillStack:
 
     def start(self) -> None:
         """Start whatever the drill itself provides: proxies and the stack (own stack), HAProxy (--lb haproxy)."""
-        if self.bind_map:
-            pairs = [f"{public}={private}" for public, private in self.bind_map.items()]
-            env = {k: v for k, v in self.env().items() if k != "HOTWEIGHTS_CHAOS_BIND_MAP"}
-            self.proxy = self.spawn(
-                "proxy", [sys.executable, "-m", "chaos.proxy", *pairs], stdin=subprocess.PIPE, env=env
-            )
+        if self.proxy_map:
+            pairs = [f"{public}={private}" for public, private in self.proxy_map.items()]
+            self.proxy = self.spawn("proxy", [sys.executable, "-m", "chaos.proxy", *pairs], stdin=subprocess.PIPE)
         if self.owned:
             self.up = self.spawn("up", self.cli("up"))
         if self.lb == "haproxy":

@@ -278,7 +278,7 @@ class Cluster:
         """Start the slot's engine as a standby (attached from its group's daemon), first evicting an
         orphan of this slot that a previous controller left listening on its port."""
         member = self.members[member_id]
-        for message in evict_orphans(member.spec.port, member_id):
+        for message in evict_orphans(member.spec.listen_port, member_id):
             log.warning("%s", message)
         process = self.supervisor.spawn(member_id, self.layout.engine_command(member.spec))
         self._attach(member, process)
@@ -295,7 +295,7 @@ class Cluster:
         slot that we do not supervise (left by an earlier controller) is evicted too."""
         member = self.members[member_id]
         self.checker.untrack(member_id)
-        for message in await asyncio.to_thread(evict_orphans, member.spec.port, member_id):
+        for message in await asyncio.to_thread(evict_orphans, member.spec.listen_port, member_id):
             log.warning("%s", message)
         if member.process is None:
             return True
@@ -323,8 +323,9 @@ class Cluster:
         index = max(indexes, default=-1) + 1
         while f"g{group}-e{index}" in self.removed:
             index += 1
-        taken = {m.spec.port for m in self.members.values()} | {self.config.cluster.port, self.config.gateway.port}
-        taken |= {spec.port for spec in self.config.engines()}
+        taken = {p for m in self.members.values() for p in (m.spec.port, m.spec.listen_port)}
+        taken |= {self.config.cluster.port, self.config.gateway.port}
+        taken |= {p for spec in self.config.engines() for p in (spec.port, spec.listen_port)}
         port = spec_group.base_port + index
         while port in taken or not _port_is_free(port):
             port += 1
