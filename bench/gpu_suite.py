@@ -14,7 +14,8 @@ Steps, each a subprocess with its own time limit, so one failure or hang cannot 
   engines   bench/gpu_engines.py on xl: memory of 1 primary + 3 standbys, daemon SIGKILL while serving
   engine    bench/engine.py on the GPU: promote time, health latency under load, tokens/s
   attach_ipc  the attach benchmark again with the cuda-ipc backend
-Results go to DIR/gpu_suite.json and each step's output to DIR/<step>.log; the last stdout line
+  drill     hotweights drill kill-primary hang-primary on the xl model with cuda-vmm (report in DIR/drill)
+Results go to DIR/gpu_suite.json and every step's output to DIR/steps.log; the last stdout line
 is one JSON object. Exits 1 if any step failed.
 """
 
@@ -32,7 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
-def steps(workdir: Path) -> dict[str, tuple[list[str], int]]:
+def steps(workdir: Path, out: Path) -> dict[str, tuple[list[str], int]]:
     py = sys.executable
     xl = workdir / "xl"
     return {
@@ -89,6 +90,27 @@ def steps(workdir: Path) -> dict[str, tuple[list[str], int]]:
         "attach_xl": ([py, "bench/attach.py", "--device", "cuda:0", "--models", str(xl), "--repeats", "10"], 240),
         "engines": ([py, "bench/gpu_engines.py", "--model", str(xl), "--device", "cuda:0", "--standbys", "3"], 420),
         "engine": ([py, "bench/engine.py", "--device", "cuda:0", "--cycles", "50", "--gen-tokens", "500"], 180),
+        "drill": (
+            [
+                py,
+                "-m",
+                "controller.cli",
+                "drill",
+                "kill-primary",
+                "hang-primary",
+                "--model",
+                str(xl),
+                "--device",
+                "cuda:0",
+                "--rounds",
+                "6",
+                "--rps",
+                "10",
+                "--report",
+                str(out / "drill"),
+            ],
+            300,
+        ),
         "attach_ipc": (
             [
                 py,
@@ -127,10 +149,11 @@ def main() -> int:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     args.workdir.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
     results: dict[str, dict] = {}
     try:
-        for name, (command, limit) in steps(args.workdir).items():
+        for name, (command, limit) in steps(args.workdir, args.out).items():
             if name in args.skip or (args.only and name not in args.only):
                 continue
             start = time.perf_counter()
@@ -144,7 +167,8 @@ def main() -> int:
             if name == "tests" and rc == 0 and "skipped" in stdout:
                 rc = 3  # on the GPU every CUDA test must run
             seconds = round(time.perf_counter() - start, 1)
-            (args.out / f"{name}.log").write_text(f"$ {' '.join(command)}\n--- stdout\n{stdout}\n--- stderr\n{stderr}")
+            with (args.out / "steps.log").open("a") as log:  # one file: the device returns at most 8
+                log.write(f"=== {name}\n$ {' '.join(command)}\n--- stdout\n{stdout}\n--- stderr\n{stderr}\n")
             results[name] = {"rc": rc, "seconds": seconds, "result": last_json(stdout)}
             print(f"{name:12s} rc={rc} {seconds:7.1f} s  {json.dumps(results[name]['result'])[:300]}", flush=True)
     finally:

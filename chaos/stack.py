@@ -36,8 +36,11 @@ name = "drill"
 port = {controller_port}
 state_dir = "{state_dir}"
 
+[model]
+path = "{model}"
+
 [[groups]]
-device = "cpu"
+device = "{device}"
 engines = {engines}
 base_port = {base_port}
 {listen_base_port}
@@ -98,8 +101,8 @@ class DrillStack:
     haproxy: subprocess.Popen | None = None
 
     @classmethod
-    def create(cls, workdir: Path, lb: str, proxied: bool) -> DrillStack:
-        """Write the config of a fresh stack in ``workdir`` (the embedded tiny model on CPU)."""
+    def create(cls, workdir: Path, lb: str, proxied: bool, model: str = "", device: str = "cpu") -> DrillStack:
+        """Write the config of a fresh stack in ``workdir`` (default: the embedded tiny model on CPU)."""
         workdir.mkdir(parents=True, exist_ok=True)
         controller_port, gateway_port, lb_port = free_ports(3)
         ports = free_ports(2 * ENGINES if proxied else ENGINES, consecutive=True)  # public, then private
@@ -110,6 +113,8 @@ class DrillStack:
                 controller_port=controller_port,
                 gateway_port=gateway_port,
                 state_dir=workdir / "state",
+                model=str(Path(model).resolve()) if model else "",
+                device=device,
                 engines=ENGINES,
                 base_port=engine_ports[0],
                 listen_base_port=(

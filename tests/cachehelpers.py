@@ -19,7 +19,11 @@ from cache.paths import DaemonPaths
 from cache.pipeline import LoadSpec
 
 REPO = Path(__file__).resolve().parent.parent
-ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+ENV = {
+    **os.environ,
+    "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    "OMP_NUM_THREADS": "1",
+}
 
 
 def wait_for(predicate, timeout: float = 60.0, what: str = "condition") -> None:
