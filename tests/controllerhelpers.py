@@ -155,6 +155,18 @@ class ControllerStack:
 
     # --- teardown ---------------------------------------------------------------------------------
 
+    def pids_naming_root(self) -> list[int]:
+        """Every process whose command line names this stack's directory: also those the state file
+        no longer records (a test may have made orphans on purpose)."""
+        marker = str(self.root).encode()
+        pids = []
+        for proc in Path("/proc").iterdir():
+            if proc.name.isdigit() and int(proc.name) != os.getpid():
+                with contextlib.suppress(OSError):
+                    if marker in (proc / "cmdline").read_bytes():
+                        pids.append(int(proc.name))
+        return pids
+
     def close(self) -> None:
         """Kill the controller, stop everything the state file records, SIGKILL any leftover."""
         with contextlib.suppress(Exception):
@@ -162,7 +174,7 @@ class ControllerStack:
                 self.kill_controller()
         with contextlib.suppress(Exception):
             stop_everything(self.config, timeout=5.0)
-        for pid in self.recorded_pids():
+        for pid in {*self.recorded_pids(), *self.pids_naming_root()}:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         self.client.close()
