@@ -7,6 +7,9 @@ For each backend: a child maps a 64 MiB arena and sees the parent's bytes; a chi
 device is refused. Prints a table, then, as the last line, one JSON object. Exits 1 when a check fails
 (with --strict also when a backend is unavailable), never hangs: children are daemonic, every wait has a
 timeout, and a watchdog ends the run.
+
+tests/test_cuda_backends.py runs these same checks under pytest: keep the check functions' results (dicts
+with "ok") and the helpers it imports (fill, digest, cuda_ready) stable.
 """
 
 from __future__ import annotations
@@ -41,20 +44,21 @@ WATCHDOG_S = 540.0  # under a 10-minute device command limit
 IMPORT_LIMIT_MS = 250.0  # loose bound on mapping 1 GiB; the design's target is < 50 ms
 
 
-def _fill(t: torch.Tensor, seed: int) -> None:
+def fill(t: torch.Tensor, seed: int) -> None:
+    """Random bytes: a misplaced or stale mapping cannot match them by accident."""
     t.random_(generator=torch.Generator(device=t.device).manual_seed(seed))
     torch.cuda.synchronize(t.device)
 
 
-def _digest(t: torch.Tensor) -> str:
-    """sha256 of the bytes up to 256 MiB; of per-MiB int64 sums (computed on the GPU) beyond."""
+def digest(t: torch.Tensor) -> str:
+    """sha256 of the bytes (copied to CPU) up to 256 MiB; of per-MiB int64 sums (computed on the GPU) beyond."""
     torch.cuda.synchronize(t.device)
     if t.numel() <= 256 * MiB:
         return hashlib.sha256(t.cpu().numpy()).hexdigest()
     return hashlib.sha256(t.view(-1, MiB).sum(dim=1, dtype=torch.int64).cpu().numpy()).hexdigest()
 
 
-def _cuda_ready(index: int) -> torch.device:
+def cuda_ready(index: int) -> torch.device:
     """Set the device and create its context now, so that timings do not include it."""
     torch.cuda.set_device(index)
     torch.zeros(1, device="cuda").sum().item()
@@ -62,6 +66,7 @@ def _cuda_ready(index: int) -> torch.device:
 
 
 def _recv(conn: Connection, timeout: float = TIMEOUT_S) -> Any:
+    """One message, or fail instead of hanging; a child's traceback is re-raised here."""
     if not conn.poll(timeout):
         raise TimeoutError(f"no message from the child within {timeout} s")
     msg = conn.recv()
@@ -71,6 +76,7 @@ def _recv(conn: Connection, timeout: float = TIMEOUT_S) -> Any:
 
 
 def _send_arena(conn: Connection, sock: socket.socket, handle: dict[str, Any], fds: list[int]) -> None:
+    """The handle as JSON text through the Pipe, the fds (maybe none) through the socket, as the daemon will."""
     conn.send(json.dumps(handle))
     socket.send_fds(sock, [b"F"], fds)
 
@@ -97,7 +103,7 @@ def _warm_up(name: str) -> float:
 def _import_child(name: str, index: int, conn: Connection, sock: socket.socket) -> None:
     """Spawned: import what we are sent; report digest, import time and whether the mapping is read-only."""
     try:
-        device = _cuda_ready(index)
+        device = cuda_ready(index)
         handle, fds = _recv_arena(conn, sock)
         warmup_ms = _warm_up(name)
         t0 = time.perf_counter()
@@ -106,7 +112,7 @@ def _import_child(name: str, index: int, conn: Connection, sock: socket.socket) 
         import_ms = (time.perf_counter() - t0) * 1e3
         read_only = getattr(arena, "read_only", None)
         conn.send(
-            {"digest": _digest(arena.tensor), "import_ms": import_ms, "warmup_ms": warmup_ms, "read_only": read_only}
+            {"digest": digest(arena.tensor), "import_ms": import_ms, "warmup_ms": warmup_ms, "read_only": read_only}
         )
         conn.recv()
         arena.close()
@@ -117,11 +123,11 @@ def _import_child(name: str, index: int, conn: Connection, sock: socket.socket) 
 def _export_child(name: str, index: int, nbytes: int, conn: Connection, sock: socket.socket) -> None:
     """Spawned: allocate, fill and send an arena and its digest, then wait to be killed."""
     try:
-        arena = get_backend(name).allocate(nbytes, _cuda_ready(index))
-        _fill(arena.tensor, seed=1)
+        arena = get_backend(name).allocate(nbytes, cuda_ready(index))
+        fill(arena.tensor, seed=1)
         handle, fds = arena.export()
         _send_arena(conn, sock, handle, fds)
-        conn.send({"digest": _digest(arena.tensor)})
+        conn.send({"digest": digest(arena.tensor)})
         conn.recv()
     except Exception:
         conn.send({"error": traceback.format_exc()})
@@ -162,9 +168,9 @@ def check_roundtrip(name: str, device: torch.device, nbytes: int, seed: int) -> 
     """Parent fills, a child imports: same bytes?"""
     arena = get_backend(name).allocate(nbytes, device)
     try:
-        _fill(arena.tensor, seed)
+        fill(arena.tensor, seed)
         report = _to_child(name, arena, device.index)
-        return {**report, "ok": report["digest"] == _digest(arena.tensor)}
+        return {**report, "ok": report["digest"] == digest(arena.tensor)}
     finally:
         arena.close()
 
@@ -181,11 +187,11 @@ def check_sigkill(name: str, device: torch.device) -> dict[str, Any]:
         handle, fds = _recv_arena(conn, sock)
         imported = get_backend(name).import_arena(handle, fds, device)
         expected = _recv(conn)["digest"]
-        before = _digest(imported.tensor) == expected
+        before = digest(imported.tensor) == expected
         os.kill(proc.pid, signal.SIGKILL)
         proc.join(timeout=30)
         time.sleep(0.5)
-        after = _digest(imported.tensor) == expected
+        after = digest(imported.tensor) == expected
         m = imported.tensor[: 2048 * 2048].view(2048, 2048).float()
         finite = bool(torch.isfinite(m @ m).all().item())
         del m
@@ -254,7 +260,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print(json.dumps({"error": "no CUDA device"}))
         return 1
-    device = _cuda_ready(args.device)
+    device = cuda_ready(args.device)
     rows: list[tuple[str, str, bool, str]] = []
     results: dict[str, dict[str, Any]] = {}
     for name in args.backends.split(","):

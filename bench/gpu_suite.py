@@ -14,7 +14,7 @@ Steps, each a subprocess with its own time limit, so one failure or hang cannot 
   engines   bench/gpu_engines.py on xl: memory of 1 primary + 3 standbys, daemon SIGKILL while serving
   engine    bench/engine.py on the GPU: promote time, health latency under load, tokens/s
   attach_ipc  the attach benchmark again with the cuda-ipc backend
-  drill     hotweights drill kill-primary hang-primary on the xl model with cuda-vmm (report in DIR/drill)
+  drill     hotweights drill kill-primary hang-primary (medium model, cuda-vmm, 5 req/s; report in DIR/drill)
 Results go to DIR/gpu_suite.json and every step's output to DIR/steps.log; the last stdout line
 is one JSON object. Exits 1 if any step failed.
 """
@@ -24,7 +24,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -34,101 +36,47 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def steps(workdir: Path, out: Path) -> dict[str, tuple[list[str], int]]:
-    py = sys.executable
-    xl = workdir / "xl"
-    return {
+    """name -> (command, time limit in s), in the order they run."""
+    xl, medium, drill = (shlex.quote(str(p)) for p in (workdir / "xl", workdir / "medium", out / "drill"))
+    hw = f"{shlex.quote(sys.executable)} -m controller.cli"
+    bench = f"{shlex.quote(sys.executable)} bench"
+    synthetic = "--device cuda:0 --source synthetic --sizes-gb 1,10,80"
+    commands = {
         "tests": (
-            [
-                py,
-                "-m",
-                "pytest",
-                "-q",
-                "-m",
-                "cuda",
-                "-p",
-                "no:cacheprovider",
-                "tests/test_cuda_backends.py",
-                "tests/test_cache_cuda.py",
-            ],
+            f"{shlex.quote(sys.executable)} -m pytest -q -m cuda -p no:cacheprovider tests/test_cuda_backends.py "
+            "tests/test_cache_cuda.py",
             240,
         ),
-        "backends": ([py, "bench/gpu_backends_check.py"], 180),
-        "checkpoint": (
-            [
-                py,
-                "-m",
-                "controller.cli",
-                "make-model",
-                str(xl),
-                "--preset",
-                "xl",
-                "--device",
-                "cuda",
-                "--force",
-                "--quiet",
-            ],
-            300,
-        ),
-        "load": ([py, "bench/load.py", "--model", str(xl), "--device", "cuda:0"], 240),
-        "attach": (
-            [
-                py,
-                "bench/attach.py",
-                "--device",
-                "cuda:0",
-                "--source",
-                "synthetic",
-                "--sizes-gb",
-                "1,10,80",
-                "--repeats",
-                "10",
-                "--load-model",
-                str(xl),
-            ],
-            400,
-        ),
-        "attach_xl": ([py, "bench/attach.py", "--device", "cuda:0", "--models", str(xl), "--repeats", "10"], 240),
-        "engines": ([py, "bench/gpu_engines.py", "--model", str(xl), "--device", "cuda:0", "--standbys", "3"], 420),
-        "engine": ([py, "bench/engine.py", "--device", "cuda:0", "--cycles", "50", "--gen-tokens", "500"], 180),
+        "backends": (f"{bench}/gpu_backends_check.py", 180),
+        "checkpoint": (f"{hw} make-model {xl} --preset xl --device cuda --force --quiet", 300),
+        "load": (f"{bench}/load.py --model {xl} --device cuda:0", 240),
+        "attach": (f"{bench}/attach.py {synthetic} --repeats 10 --load-model {xl}", 400),
+        "attach_xl": (f"{bench}/attach.py --device cuda:0 --models {xl} --repeats 10", 240),
+        "engines": (f"{bench}/gpu_engines.py --model {xl} --device cuda:0 --standbys 3", 420),
+        "engine": (f"{bench}/engine.py --device cuda:0 --cycles 50 --gen-tokens 500", 180),
+        # The drill's model is one the reference engine (batch-1 decode steps) serves at the drill's load.
         "drill": (
-            [
-                py,
-                "-m",
-                "controller.cli",
-                "drill",
-                "kill-primary",
-                "hang-primary",
-                "--model",
-                str(xl),
-                "--device",
-                "cuda:0",
-                "--rounds",
-                "6",
-                "--rps",
-                "10",
-                "--report",
-                str(out / "drill"),
-            ],
+            f"{hw} make-model {medium} --preset medium --device cuda --force --quiet && {hw} drill "
+            f"kill-primary hang-primary --model {medium} --device cuda:0 --rounds 8 --rps 5 --report {drill}",
             300,
         ),
-        "attach_ipc": (
-            [
-                py,
-                "bench/attach.py",
-                "--device",
-                "cuda:0",
-                "--source",
-                "synthetic",
-                "--sizes-gb",
-                "1,10,80",
-                "--repeats",
-                "5",
-                "--backend",
-                "cuda-ipc",
-            ],
-            300,
-        ),
+        "attach_ipc": (f"{bench}/attach.py {synthetic} --repeats 5 --backend cuda-ipc", 300),
     }
+    return {name: (["bash", "-c", command], limit) for name, (command, limit) in commands.items()}
+
+
+def run_step(command: list[str], env: dict[str, str], limit: int) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr); past ``limit`` the step's whole process group is killed (rc 124)."""
+    step = subprocess.Popen(
+        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        stdout, stderr = step.communicate(timeout=limit)
+        return step.returncode, stdout, stderr
+    except subprocess.TimeoutExpired:
+        os.killpg(step.pid, signal.SIGKILL)
+        stdout, stderr = step.communicate()
+        return 124, stdout, stderr
 
 
 def last_json(text: str) -> object:
@@ -157,13 +105,7 @@ def main() -> int:
             if name in args.skip or (args.only and name not in args.only):
                 continue
             start = time.perf_counter()
-            try:
-                done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=limit)
-                rc, stdout, stderr = done.returncode, done.stdout, done.stderr
-            except subprocess.TimeoutExpired as exc:
-                rc, stdout, stderr = 124, exc.stdout or "", exc.stderr or ""
-                stdout = stdout.decode() if isinstance(stdout, bytes) else stdout
-                stderr = stderr.decode() if isinstance(stderr, bytes) else stderr
+            rc, stdout, stderr = run_step(command, env, limit)
             if name == "tests" and rc == 0 and "skipped" in stdout:
                 rc = 3  # on the GPU every CUDA test must run
             seconds = round(time.perf_counter() - start, 1)
