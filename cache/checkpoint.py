@@ -117,6 +117,20 @@ def parse_config(raw: dict[str, Any], source: Path) -> tuple[ModelConfig, torch.
             raise CheckpointError(f"{source}: field {name!r} must be positive, found {value!r}")
         return value
 
+    # Llama variants the reference model does not implement: mapping their weights would load
+    # cleanly and compute wrong values (biases left out, another activation, scaled RoPE).
+    unsupported = {
+        "hidden_act": raw.get("hidden_act", "silu") != "silu",
+        "attention_bias": bool(raw.get("attention_bias", False)),
+        "mlp_bias": bool(raw.get("mlp_bias", False)),
+        "rope_scaling": raw.get("rope_scaling") not in (None, {"rope_type": "default"}, {"type": "default"}),
+    }
+    for name, bad in unsupported.items():
+        if bad:
+            raise CheckpointError(
+                f"{source}: field {name!r}={raw[name]!r} is not supported (the model implements Llama with "
+                "silu, no biases and plain RoPE), so its weights would compute wrong values"
+            )
     heads = field("num_attention_heads", int)
     hidden = field("hidden_size", int)
     torch_dtype = raw.get("torch_dtype", "bfloat16")
@@ -223,10 +237,11 @@ def _read_headers(path: Path) -> dict[str, TensorInfo]:
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"{index_path}: 'weight_map' is missing or empty")
         by_file: dict[str, list[str]] = {}
+        placed = {name: str(file) for name, file in weight_map.items()}
         for name, file in weight_map.items():
             by_file.setdefault(str(file), []).append(name)
     elif (path / SINGLE_FILE).exists():
-        by_file = {SINGLE_FILE: []}
+        by_file, placed = {SINGLE_FILE: []}, {}
     else:
         raise CheckpointError(f"{path}: neither {INDEX_FILE} nor {SINGLE_FILE} found")
 
@@ -239,7 +254,8 @@ def _read_headers(path: Path) -> dict[str, TensorInfo]:
         for name in indexed_names:
             if name not in header:
                 raise CheckpointError(f"{index_path.name} places tensor {name!r} in {file_name}, which lacks it")
-        tensors.update(header)
+        # The index decides: a stale copy of a tensor in another shard must not win by file order.
+        tensors.update({name: info for name, info in header.items() if placed.get(name, file_name) == file_name})
     return tensors
 
 
@@ -268,6 +284,8 @@ def read_safetensors_header(file: Path) -> dict[str, TensorInfo]:
             continue
         try:
             dtype_name, shape, (start, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+            if not all(type(v) is int and v >= 0 for v in (*shape, start, end)) or not isinstance(dtype_name, str):
+                raise ValueError
         except (TypeError, KeyError, ValueError):
             raise CheckpointError(f"{file}: corrupt header entry for tensor {name!r}") from None
         dtype = SAFETENSORS_DTYPES.get(dtype_name)

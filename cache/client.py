@@ -142,7 +142,13 @@ def _import(reply: dict[str, Any], fds: list[int], device: torch.device) -> Impo
             os.close(fd)
         raise DaemonUnavailable("daemon sent an attach reply without a backend handle")
     try:
-        return get_backend(handle["backend"]).import_arena(handle, fds, device)
+        backend = get_backend(handle["backend"])
+    except BackendUnavailable as exc:  # import_arena never took ownership of the fds
+        for fd in fds:
+            os.close(fd)
+        raise DaemonUnavailable(f"cannot map the {handle['backend']} arena here: {exc}") from None
+    try:
+        return backend.import_arena(handle, fds, device)
     except (BackendUnavailable, ValueError) as exc:
         raise DaemonUnavailable(f"cannot map the {handle['backend']} arena here: {exc}") from None
 

@@ -30,10 +30,10 @@ from cache import arena as arena_layout
 from cache.backends import get_backend
 from cache.backends.base import ExportedArena
 from cache.checkpoint import Checkpoint
-from cache.errors import ConfigError, HotweightsError
+from cache.errors import BindingError, ConfigError, HotweightsError
 from cache.fingerprint import Fingerprint, compute_fingerprint
 from cache.paths import DaemonPaths, ensure_private_dir
-from cache.pipeline import LoadSpec, iter_processed, processed_config, processed_dtype
+from cache.pipeline import LoadSpec, check_spec, iter_processed, processed_config, processed_dtype
 from cache.protocol import (
     PROTOCOL_VERSION,
     PeerClosed,
@@ -63,6 +63,7 @@ class ArenaSource:
 
 def pipeline_source(checkpoint: Checkpoint, spec: LoadSpec) -> ArenaSource:
     """The normal source: the load pipeline's output for ``checkpoint`` and ``spec``."""
+    check_spec(checkpoint, spec)  # a ConfigError naming the flag, before the model is built
     config = processed_config(checkpoint, spec)
     tp = TensorParallel(size=spec.tp_size, rank=spec.tp_rank)
     specs = expected_tensors(build_meta_model(config, processed_dtype(checkpoint, spec), tp))
@@ -162,7 +163,14 @@ class CacheDaemon:
         for name, tensor in self.source.tensors():
             if self._should_exit.is_set():
                 raise Interrupted("stopped by a signal while loading")
-            arena_layout.view(self.arena.tensor, by_name[name]).copy_(tensor)
+            entry = by_name.get(name)
+            if entry is None or tensor.shape != entry.shape or tensor.dtype != arena_layout.DTYPES[entry.dtype]:
+                # copy_ would broadcast or cast silently, and engines would compute with the result
+                expected = f"{list(entry.shape)} {entry.dtype}" if entry else "no such tensor"
+                raise BindingError(
+                    f"pipeline produced {name!r} as {list(tensor.shape)} {tensor.dtype}, the arena expects {expected}"
+                )
+            arena_layout.view(self.arena.tensor, entry).copy_(tensor)
             filled.add(name)
         if filled != by_name.keys():
             raise RuntimeError(f"pipeline did not produce {sorted(by_name.keys() - filled)[:3]}")
@@ -236,6 +244,10 @@ class CacheDaemon:
             try:
                 conn, _ = self._listener.accept()
             except TimeoutError:
+                continue
+            except OSError as exc:  # EMFILE, ENFILE, ECONNABORTED...: keep serving, retry shortly
+                log.warning("accept on %s failed: %s", self.paths.socket, exc)
+                self._should_exit.wait(0.1)
                 continue
             threading.Thread(target=self._serve_connection, args=(conn,), daemon=True).start()
 

@@ -9,7 +9,6 @@ stays bounded by the largest fused tensor.
 from __future__ import annotations
 
 import argparse
-import logging
 from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
@@ -23,8 +22,6 @@ from cache import fp8
 from cache.checkpoint import Checkpoint, read_checkpoint
 from cache.errors import CheckpointError, ConfigError
 from standby.model import ModelConfig
-
-log = logging.getLogger(__name__)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 QUANTIZE_CHOICES = ("fp8-block",)
@@ -57,7 +54,9 @@ def check_spec(checkpoint: Checkpoint, spec: LoadSpec) -> None:
     if spec.quantize is not None and spec.quantize not in QUANTIZE_CHOICES:
         raise ConfigError(f"--quantize must be one of {list(QUANTIZE_CHOICES)}, found {spec.quantize!r}")
     config, tp = checkpoint.config, spec.tp_size
-    if tp < 1 or not 0 <= spec.tp_rank < tp:
+    if tp < 1:
+        raise ConfigError(f"--tp-size must be >= 1, found {tp}")
+    if not 0 <= spec.tp_rank < tp:
         raise ConfigError(f"--tp-rank must be in [0, {tp}) for --tp-size {tp}, found {spec.tp_rank}")
     for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
         value = getattr(config, field)

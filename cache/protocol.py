@@ -25,7 +25,6 @@ PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # a 10k-tensor manifest is ~1 MB
 MAX_FDS = 8
 HEADER = struct.Struct(">I")
-OPS = ("hello", "attach", "status")
 ERROR_CODES = (
     "bad_message",  # not a JSON object, too large, truncated, missing or mistyped fields
     "unknown_op",
@@ -69,8 +68,8 @@ def recv_message(sock: socket.socket, max_fds: int = 0) -> tuple[dict[str, Any],
         body = _recv_exactly(sock, length, fds, max_fds, first=False)
         try:
             message = json.loads(body)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ProtocolError(f"frame is not valid JSON: {exc}") from None
+        except (ValueError, RecursionError) as exc:  # also a >4300-digit int, or nesting too deep
+            raise ProtocolError(f"frame is not valid JSON: {str(exc)[:200]}") from None
         if not isinstance(message, dict):
             raise ProtocolError(f"frame must hold a JSON object, found {type(message).__name__}")
         return message, fds

@@ -244,7 +244,8 @@ class Cluster:
     def _view(self, member: Member, now: float) -> MemberView:
         process, health = member.process, member.health
         body = health.body or {}
-        if body.get("role") in ("primary", "standby") and health.sent_at > member.role_set_at:
+        # body_at, not sent_at: a failed check keeps the previous body, which may predate our last role change
+        if body.get("role") in ("primary", "standby") and health.body_at > member.role_set_at:
             member.role = body["role"]
         alive = bool(process and process.alive)
         if process is None:
@@ -274,11 +275,12 @@ class Cluster:
 
     # --- engines -------------------------------------------------------------------------------
 
-    def start_engine(self, member_id: str) -> Process:
+    async def start_engine(self, member_id: str) -> Process:
         """Start the slot's engine as a standby (attached from its group's daemon), first evicting an
-        orphan of this slot that a previous controller left listening on its port."""
+        orphan of this slot that a previous controller left listening on its port (off the event loop:
+        that waits for the orphan's exit)."""
         member = self.members[member_id]
-        for message in evict_orphans(member.spec.listen_port, member_id):
+        for message in await asyncio.to_thread(evict_orphans, member.spec.listen_port, member_id):
             log.warning("%s", message)
         process = self.supervisor.spawn(member_id, self.layout.engine_command(member.spec))
         self._attach(member, process)

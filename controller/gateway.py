@@ -356,10 +356,27 @@ class Gateway:
     async def relay(
         self, upstream: Upstream, first: bytes, chunks: AsyncIterator[bytes], is_sse: bool
     ) -> AsyncIterator[bytes]:
-        yield first
+        # An SSE stream is relayed whole events at a time, so that the error event that ends a failed one
+        # never lands in the middle of an event that was cut off (a read may end anywhere).
+        partial = b""
+
+        def whole_events(chunk: bytes) -> bytes:
+            nonlocal partial
+            if not is_sse:
+                return chunk
+            partial += chunk
+            end = partial.rfind(b"\n\n") + 2
+            ready, partial = (partial[:end], partial[end:]) if end >= 2 else (b"", partial)
+            return ready
+
+        if ready := whole_events(first):
+            yield ready
         try:
             async for chunk in chunks:
-                yield chunk
+                if ready := whole_events(chunk):
+                    yield ready
+            if partial:
+                yield partial
         except httpx.TransportError as exc:
             message = f"the upstream {upstream.url} failed mid-response ({type(exc).__name__}); it cannot be retried"
             log.warning("%s", message)

@@ -219,15 +219,18 @@ class Ha:
                 self.events.record("stranger", f"{old.url} answers /primary 200 from a process we do not supervise")
                 stranger = f"{old.url} still answers /primary 200 (a process we do not supervise): stop it"
                 return f"{prefix}; not promoting another: {stranger}", details
+        else:  # nothing fenced: never promote beside an engine our checks do not know as primary (yet)
+            if serving := await self._answering_primary(snap, group):
+                return f"{prefix}; not promoting: {serving} answer /primary 200", details
         candidate = candidate or self.best_standby(snap, group)
         if candidate is None:
             self.events.record("no_standby", f"group {group} has no ready standby to promote", group=group)
-            restart = self._restart_slot(snap, old.id) if old else "nothing to restart"
+            restart = await self._restart_slot(snap, old.id) if old else "nothing to restart"
             return f"{prefix}; no ready standby to promote: {restart}", details
         promoted, promote_ms, message = await self.promote(candidate)
         timings["promote_ms"] = promote_ms
         if not promoted:
-            restart = self._restart_slot(snap, old.id) if old else ""
+            restart = await self._restart_slot(snap, old.id) if old else ""
             return f"{prefix}; promoting {candidate.id} failed ({message}), will retry; {restart}", details
         timings["total_ms"] = _ms(time.monotonic() - failed_at)
         self.metrics.failovers.labels(str(group), kind).inc()
@@ -237,7 +240,7 @@ class Ha:
             "failover", sentence, group=group, mode=kind, old=details["old_primary"], new=candidate.id, **timings
         )
         if old is not None:
-            sentence += f"; {self._restart_slot(snap, old.id)}"
+            sentence += f"; {await self._restart_slot(snap, old.id)}"
         return sentence, details | {"ok": True, "new_primary": candidate.id, "message": sentence} | timings
 
     async def resolve_split_brain(self, group: int, live: list[MemberView]) -> str:
@@ -261,12 +264,13 @@ class Ha:
         try:
             status, body = await self.engines.post(candidate.url, "/promote")
         except EngineUnreachable as exc:
-            return False, _ms(time.monotonic() - start), str(exc)
+            return False, _ms(time.monotonic() - start), await self._fence_unconfirmed(candidate, str(exc))
         message = str(body.get("message", ""))
         if status != 200:
             return False, _ms(time.monotonic() - start), f"{status}: {message}"
         if not await self.engines.is_primary(candidate.url):
-            return False, _ms(time.monotonic() - start), "promoted, but /primary does not answer 200"
+            failed = "promoted, but /primary does not answer 200"
+            return False, _ms(time.monotonic() - start), await self._fence_unconfirmed(candidate, failed)
         self.cluster.set_role(candidate.id, "primary")
         promote_ms = _ms(time.monotonic() - start)
         self.events.record(
@@ -275,11 +279,37 @@ class Ha:
         )  # fmt: skip
         return True, promote_ms, message
 
-    def _restart_slot(self, snap: Snapshot, member_id: str) -> str:
+    async def _fence_unconfirmed(self, candidate: MemberView, failure: str) -> str:
+        """A promotion we could not confirm may still take effect (or already has, unseen): fence the
+        candidate, so that promoting another engine, or resuming the old primary, never makes two."""
+        if await self.cluster.fence(candidate.id):
+            self.events.record("fence", f"{candidate.id}: {failure}", member=candidate.id, group=candidate.group)
+            return f"{failure}; fenced {candidate.id}"
+        return f"{failure}; {candidate.id} is still alive after SIGKILL"
+
+    async def _answering_primary(self, snap: Snapshot, group: int) -> list[str]:
+        """Members of ``group`` (absent ones too: a stranger may hold a slot's port) answering /primary 200."""
+        return [m.id for m in snap.group(group) if await self.engines.is_primary(m.url, self.check_timeout_s)]
+
+    async def _resume(self, old: MemberView) -> str:
+        """Undo a drain of ``old`` (a drained primary resumes serving); says what happened."""
+        try:
+            status, body = await self._post(old, "/promote")
+        except Unavailable as exc:
+            status, body = 0, {"message": str(exc)}
+        if status == 200:
+            self.cluster.set_role(old.id, "primary")
+            return f"{old.id} resumed serving"
+        return (
+            f"{old.id} did not resume ({body.get('message')}) and may stay drained: "
+            f"POST /engines/{old.id}/promote resumes it"
+        )
+
+    async def _restart_slot(self, snap: Snapshot, member_id: str) -> str:
         group = self.cluster.members[member_id].spec.group
         if not snap.daemon(group).serving:
             return f"{member_id} restarts once cache daemon g{group}-cache serves"
-        process = self.cluster.start_engine(member_id)
+        process = await self.cluster.start_engine(member_id)
         self.events.record("engine_start", f"started standby {member_id} (pid {process.pid})", member=member_id)
         return f"started replacement standby {member_id} (pid {process.pid})"
 
@@ -356,18 +386,27 @@ class Ha:
             new = self.best_standby(snap, group)
             if new is None:
                 raise NotPossible(f"group {group} has no ready standby to switch over to")
-        status, body = await self._post(old, "/drain", {"timeout_s": self.drain_timeout_s})
+        try:
+            status, body = await self._post(old, "/drain", {"timeout_s": self.drain_timeout_s})
+        except Unavailable as exc:  # it may have drained part way: undo that too
+            raise Unavailable(f"{exc}; {await self._resume(old)}") from None
         drain_ms = _ms(time.monotonic() - start)
         if status != 200:
-            await self._post(old, "/promote")  # undo a partial drain: a drained primary resumes
-            raise Conflict(f"{old.id} refused to drain: {body.get('message')}")
+            raise Conflict(f"{old.id} refused to drain: {body.get('message')}; {await self._resume(old)}")
         promoted, promote_ms, message = await self.promote(new)
         if not promoted:
-            await self._post(old, "/promote")
-            self.cluster.set_role(old.id, "primary")
-            raise Conflict(f"promoting {new.id} failed ({message}); {old.id} resumed serving")
+            # The candidate may have taken the role unseen: resume the old primary only once it is gone.
+            if not await self.cluster.fence(new.id):
+                raise Conflict(
+                    f"promoting {new.id} failed ({message}) and it is still alive after SIGKILL; {old.id} stays "
+                    f"drained so that the two never both serve: POST /engines/{old.id}/promote resumes it"
+                )
+            raise Conflict(f"promoting {new.id} failed ({message}); {await self._resume(old)}")
         demote_start = time.monotonic()
-        status, body = await self._post(old, "/demote", {"timeout_s": self.drain_timeout_s})
+        try:
+            status, body = await self._post(old, "/demote", {"timeout_s": self.drain_timeout_s})
+        except Unavailable as exc:
+            status, body = 0, {"message": str(exc)}
         if status == 200:
             self.cluster.set_role(old.id, "standby")
         else:  # still a (drained) primary: fence it rather than keep two primaries around
@@ -422,6 +461,8 @@ class Ha:
         if live:
             raise Conflict(f"group {member.group} already has primary {live[0]}; use POST /switchover to move the role")
         member = self._ready_standby(snap, engine_id)
+        if serving := await self._answering_primary(snap, member.group):  # a primary our checks have not seen
+            raise Conflict(f"{serving} answer /primary 200 in group {member.group}; use POST /switchover")
         promoted, promote_ms, message = await self.promote(member)
         if not promoted:
             raise Unavailable(f"promoting {member.id} failed: {message}")
@@ -430,7 +471,7 @@ class Ha:
     async def do_add(self, snap: Snapshot, group: int = 0) -> tuple[str, dict]:
         self._check_group(snap, group)
         member = self.cluster.add_engine(group)
-        started = self._restart_slot(snap, member.spec.id)
+        started = await self._restart_slot(snap, member.spec.id)
         sentence = f"added standby {member.spec.id} on port {member.spec.port}: {started}"
         self.events.record("add", sentence, member=member.spec.id, group=group)
         return sentence, {"id": member.spec.id, "group": group, "port": member.spec.port, "url": member.spec.url}
@@ -440,6 +481,9 @@ class Ha:
         if member.role == "primary" and member.alive:
             raise Conflict(f"{member.id} is the primary of group {member.group}; switch over first")
         how = await self.cluster.stop_engine(member.id)
+        process = self.cluster.members[member.id].process
+        if process is not None and process.alive:  # forgetting the slot would leave it running unsupervised
+            raise Unavailable(f"{member.id} (pid {process.pid}) {how}; its slot is kept")
         self.cluster.remove_engine(member.id)
         sentence = f"removed {member.id}: {how}"
         self.events.record("delete", sentence, member=member.id, group=member.group)
@@ -535,7 +579,7 @@ class Ha:
                 )  # fmt: skip
             if not snap.daemon(view.group).serving or now < member.next_start_at:
                 continue
-            process = self.cluster.start_engine(view.id)
+            process = await self.cluster.start_engine(view.id)
             self.events.record("engine_start", f"started standby {view.id} (pid {process.pid})", member=view.id)
             actions.append(f"started standby {view.id} (pid {process.pid})")
         return "; ".join(actions) if actions else None
@@ -556,9 +600,8 @@ class Ha:
                 states = ", ".join(f"{m.id} {m.status}" for m in snap.group(group))
                 sentences.append(f"group {group} has no primary and no ready standby yet ({states})")
                 continue
-            members = snap.group(group)  # absent ones too: a stranger may hold a slot's port
-            serving = [m.id for m in members if await self.engines.is_primary(m.url, self.check_timeout_s)]
-            if serving:  # a primary our checks have not seen (yet): never add a second one
+            # a primary our checks have not seen (yet): never add a second one
+            if serving := await self._answering_primary(snap, group):
                 sentences.append(f"group {group}: {serving} answer /primary 200; waiting for their health checks")
                 continue
             promoted, promote_ms, message = await self.promote(candidate)

@@ -3,10 +3,12 @@
 HAProxy health-checks every engine with ``OPTIONS /primary`` and sends traffic only to those
 answering 200 (Patroni's recipe). Checks run at the cluster's ``health`` interval; a server goes down
 after ``failure_threshold`` failed checks and comes up after one good one, because at most one engine
-of a group answers 200 at any instant, so a 200 needs no confirmation. ``on-marked-down
-shutdown-sessions`` cuts connections to a demoted or dead primary at once, and a request that got a
-503 (a standby) or no answer is re-sent to another server. Unlike ``hotweights gateway``, HAProxy
-does not hold requests while no engine is primary: it answers 503 at once.
+of a group answers 200 at any instant, so a 200 needs no confirmation. A server marked down keeps
+its open sessions (no ``on-marked-down shutdown-sessions``): a draining primary answers 503 on
+``/primary`` at once but lets its in-flight requests finish, and a dead one has closed them anyway.
+A request that got a 503 (a standby) or no answer is re-sent to another server. Unlike
+``hotweights gateway``, HAProxy does not hold requests while no engine is primary: it answers 503
+at once.
 """
 
 from __future__ import annotations
@@ -47,8 +49,7 @@ backend engines
     http-check send meth OPTIONS uri /primary ver HTTP/1.1 hdr Host localhost
     http-check expect status 200
     http-response set-header X-Hotweights-Server %s
-    default-server inter {inter_ms}ms fastinter {inter_ms}ms downinter {inter_ms}ms fall {fall} rise 1 \
-on-marked-down shutdown-sessions
+    default-server inter {inter_ms}ms fastinter {inter_ms}ms downinter {inter_ms}ms fall {fall} rise 1
 {servers}
 """
 

@@ -26,7 +26,8 @@ class HealthRecord:
     """What the checks of one engine process have seen so far (a fresh record per process)."""
 
     checked_at: float | None = None  # time.time() of the last check's answer
-    sent_at: float = 0.0  # time.monotonic() when the last check was sent: its body is from after this
+    sent_at: float = 0.0  # time.monotonic() when the last check was sent
+    body_at: float = 0.0  # time.monotonic() when the check that gave ``body`` was sent: the body is from after this
     ok: bool | None = None  # None: not checked yet
     consecutive_failures: int = 0
     failing_since: float | None = None  # time.monotonic() when the first failed check of this run began
@@ -106,15 +107,17 @@ class HealthChecker:
             body = {}
             with contextlib.suppress(ValueError):
                 body = response.json()
+            if not isinstance(body, dict):  # not an engine's reply (a stranger on the port)
+                body = {"pid": None}
             if body.get("pid", pid) != pid:
                 ok, record.error = False, f"answered by pid {body.get('pid')}, not by ours ({pid})"
             else:
-                record.body, ok = body, response.status_code == 200
+                record.body, record.body_at, ok = body, start, response.status_code == 200
                 if not ok:
                     record.error = body.get("reason", f"status {response.status_code}")
         except httpx.TimeoutException:
             ok, record.status_code, record.error = False, None, f"no answer within {self.timeout_s * 1000:g} ms"
-        except httpx.TransportError as exc:
+        except httpx.HTTPError as exc:  # any other failure: a check that raised would end this engine's checks
             ok, record.status_code, record.error = False, None, f"{type(exc).__name__}: {exc}"
         latency = time.monotonic() - start
         self.observe_latency(latency)

@@ -141,7 +141,8 @@ class Supervisor:
             signal.pidfd_send_signal(process.pidfd, signal.SIGTERM)
         if await _wait(process, timeout):
             return process.exit_reason or "exited"
-        await self.fence(process)
+        if not await self.fence(process):
+            return f"still alive {FENCE_TIMEOUT_S:g} s after SIGKILL (it ignored SIGTERM for {timeout:g} s)"
         return f"killed after ignoring SIGTERM for {timeout:g} s"
 
     def forget(self, process: Process) -> None:
@@ -209,8 +210,8 @@ def stop_recorded(records: Iterable[dict[str, Any]], timeout: float = STOP_TIMEO
         else:
             with contextlib.suppress(ProcessLookupError):
                 signal.pidfd_send_signal(fd, signal.SIGKILL)
-            _poll_exit(fd, FENCE_TIMEOUT_S)
-            lines.append(f"{record.get('id', record['pid'])} (pid {record['pid']}) killed after {timeout:g} s")
+            how = f"killed after {timeout:g} s" if _poll_exit(fd, FENCE_TIMEOUT_S) else "still alive after SIGKILL"
+            lines.append(f"{record.get('id', record['pid'])} (pid {record['pid']}) {how}")
         os.close(fd)
     return lines
 
@@ -239,10 +240,14 @@ def evict_orphans(port: int, engine_id: str, timeout: float = STOP_TIMEOUT_S) ->
     answer 200 on /primary beside the new primary. Other holders of the port are left alone."""
     evicted = []
     for pid in sorted(listening_pids(port)):
+        try:
+            pidfd = os.pidfd_open(pid)  # first, then the identity: the fd cannot follow the pid to a newcomer
+        except ProcessLookupError:
+            continue  # gone meanwhile
         identity = read_identity(pid)
         if identity is None or not _is_engine_of(identity.command, engine_id):
+            os.close(pidfd)
             continue
-        pidfd = os.pidfd_open(pid)
         try:
             with contextlib.suppress(ProcessLookupError):
                 signal.pidfd_send_signal(pidfd, signal.SIGKILL)
@@ -274,18 +279,29 @@ class StateFile:
 
     def load(self) -> dict[str, Any]:
         try:
-            return json.loads(self.path.read_text())
+            document = json.loads(self.path.read_text())
         except FileNotFoundError:
             return {}
-        except (OSError, json.JSONDecodeError) as exc:
+        except (OSError, ValueError) as exc:  # ValueError: bad JSON or bad UTF-8
             raise ConfigError(
                 f"{self.path}: unreadable controller state ({exc}); move it away to start fresh"
             ) from None
+        if not isinstance(document, dict):
+            raise ConfigError(
+                f"{self.path}: unreadable controller state (a JSON {type(document).__name__}, not an object); "
+                "move it away to start fresh"
+            )
+        return document
 
     def save(self, document: dict[str, Any]) -> None:
+        """Write a temp file, fsync it, rename it over the old one: after a crash or a power loss the
+        file is the old document or the new one, never empty or half written."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(document, indent=1))
+        with open(tmp, "w") as out:
+            out.write(json.dumps(document, indent=1))
+            out.flush()
+            os.fsync(out.fileno())
         tmp.replace(self.path)
 
 

@@ -10,6 +10,7 @@ inference thread, exit 0. The HTTP contract is ``docs/engine-contract.md``.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import functools
 import json
 import logging
@@ -17,6 +18,7 @@ import os
 import signal
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
@@ -28,7 +30,7 @@ from cache.pipeline import add_load_spec_arguments, load_spec_from_args, model_d
 from standby.generate import load_tokenizer, stop_token_ids
 from standby.metrics import EngineMetrics
 from standby.model import KVCache, Transformer
-from standby.roles import Role, Roles
+from standby.roles import CANCEL_GRACE_S, Role, Roles
 from standby.scheduler import Scheduler
 from standby.server import EngineContext, build_app
 from standby.weights import add_weight_cache_arguments, load_model
@@ -60,11 +62,30 @@ def read_token(path: str) -> str:
 
 
 class EngineServer(uvicorn.Server):
-    """uvicorn, announcing on stdout once it listens (the port is the real one, also for --port 0)."""
+    """uvicorn, announcing on stdout once it listens (the port is the real one, also for --port 0).
 
-    def __init__(self, config: uvicorn.Config, ready: dict[str, object]) -> None:
+    On shutdown, ``cancel`` runs ``cancel_after_s`` in, so requests still generating end as at a drain
+    deadline (503, or an SSE error event) rather than by uvicorn cancelling their tasks, which logs an
+    "Exception in ASGI application" traceback; uvicorn's own deadline should come CANCEL_GRACE_S later."""
+
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        ready: dict[str, object],
+        cancel: Callable[[], object] = lambda: None,
+        cancel_after_s: float = 0.0,
+    ) -> None:
         super().__init__(config)
         self.ready = ready
+        self.cancel = cancel
+        self.cancel_after_s = cancel_after_s
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        timer = asyncio.get_running_loop().call_later(self.cancel_after_s, self.cancel)
+        try:
+            await super().shutdown(sockets=sockets)
+        finally:
+            timer.cancel()
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets=sockets)
@@ -131,9 +152,10 @@ def cmd_engine(args: argparse.Namespace) -> int:
         log_config=None,  # our stderr logging; uvicorn's default would put access logs on stdout
         access_log=False,
         lifespan="off",
-        timeout_graceful_shutdown=args.shutdown_timeout,
+        timeout_graceful_shutdown=args.shutdown_timeout + CANCEL_GRACE_S,
     )
-    server = EngineServer(config, {"engine_id": engine_id, "role": role.value, "fingerprint": ctx.fingerprint})
+    ready = {"engine_id": engine_id, "role": role.value, "fingerprint": ctx.fingerprint}
+    server = EngineServer(config, ready, scheduler.cancel_all, args.shutdown_timeout)
 
     # uvicorn restores the handlers it found and re-raises the signal it caught once it has shut down
     # gracefully; these record it instead of letting SIGTERM kill the process after a clean stop.

@@ -118,9 +118,7 @@ class Roles:
 
     async def demote(self, timeout_s: float | None = None) -> Outcome:
         """Drain (if not drained yet), release the KV cache, become a standby."""
-        if self.role is Role.STANDBY:
-            return Outcome(True, False, "already standby", {"duration_ms": 0.0})
-        start = time.perf_counter()
+        start = time.perf_counter()  # "already standby" is decided under the lock: a promote may be under way
         self._start_draining()
         async with self._lock:
             if self.role is Role.STANDBY:
@@ -128,7 +126,10 @@ class Roles:
             drained = await self._drain(timeout_s)
             if not drained.accepted:
                 return drained
-            freed = await asyncio.to_thread(self.scheduler.release_kv, CANCEL_GRACE_S)
+            try:
+                freed = await asyncio.to_thread(self.scheduler.release_kv, CANCEL_GRACE_S)
+            except RuntimeError as exc:  # sequences that would not unwind: still a drained primary
+                return Outcome(False, False, f"the KV cache was not released: {exc}", drained.details | _ms(start))
             self.role, self.state = Role.STANDBY, State.READY
             details = drained.details | _ms(start) | {"kv_cache_bytes_released": freed}
             return Outcome(
@@ -141,6 +142,8 @@ class Roles:
             self.state = State.DRAINING
 
     async def _drain(self, timeout_s: float | None) -> Outcome:
+        # Again under the lock: a promote queued ahead of this call may have resumed a drained primary.
+        self._start_draining()
         if self.role is Role.STANDBY:
             return Outcome(False, False, "this engine is a standby: there is nothing to drain")
         if self.state is State.DRAINED:

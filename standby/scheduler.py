@@ -86,6 +86,7 @@ class Scheduler:
         self._kv: KVCache | None = None
         self._free_slots: list[int] = []
         self._live: set[Sequence] = set()  # submitted and not yet finished
+        self._closed = False  # the worker has ended: a submitted sequence would never be answered
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="inference", daemon=True)
 
@@ -111,8 +112,11 @@ class Scheduler:
 
     def submit(self, seq: Sequence) -> None:
         with self._lock:
-            self._live.add(seq)
-        self._inbox.put(seq)
+            if not self._closed:
+                self._live.add(seq)
+                self._inbox.put(seq)  # under the lock, so the ending worker either sees it or refuses it
+                return
+        seq.sink(Finish("error", "the inference thread has stopped"))
 
     def cancel_all(self) -> int:
         """Cancel every live sequence; returns how many. Each still gets its ``Finish``."""
@@ -159,6 +163,9 @@ class Scheduler:
             log.exception("inference thread crashed; this is a bug, please report it")
             raise
         finally:
+            with self._lock:
+                self._closed = True
+            self._collect(block=False)  # sequences submitted since the last round must get their Finish too
             for seq in [*self._active, *self._waiting]:
                 self._retire(seq, Finish("cancelled"))
 

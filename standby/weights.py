@@ -23,7 +23,7 @@ from cache.errors import BindingError, ConfigError, HotweightsError
 from cache.fingerprint import Fingerprint, compute_fingerprint
 from cache.launcher import ensure_daemon
 from cache.paths import paths_for
-from cache.pipeline import LoadSpec, load_processed, processed_config, processed_dtype
+from cache.pipeline import LoadSpec, check_spec, load_processed, processed_config, processed_dtype
 from standby.model import ModelConfig, TensorParallel, Transformer
 
 log = logging.getLogger("hotweights.engine")
@@ -150,6 +150,7 @@ def load_model(
         raise ConfigError(f"--weight-cache must be one of {list(WEIGHT_CACHE_MODES)}, found {weight_cache!r}")
     start = time.perf_counter()
     checkpoint = read_checkpoint(model_dir)
+    check_spec(checkpoint, spec)  # a bad --tp-size/--tp-rank is a ConfigError in every mode, not "no daemon"
     fingerprint = compute_fingerprint(checkpoint, spec)
     if weight_cache != "off":
         paths = paths_for(socket_path, torch.device(spec.device), fingerprint.digest())

@@ -252,6 +252,8 @@ def test_wrong_uid_is_forbidden(tiny_model: Path, sock: Path) -> None:
         (struct.pack(">I", 17) + b'{"op": "destroy"}', "unknown_op"),
         (struct.pack(">I", 15) + b'{"op": "hello"}', "version_mismatch"),
         (struct.pack(">I", 34) + b'{"op": "attach", "fingerprint": 7}', "version_mismatch"),
+        (struct.pack(">I", 5007) + b'{"op":' + b"1" * 5000 + b"}", "bad_message"),  # int over 4300 digits
+        (struct.pack(">I", 200000) + b"[" * 100000 + b"]" * 100000, "bad_message"),  # nested too deep
     ],
 )
 def test_malformed_messages_get_an_error_and_a_closed_connection(
@@ -332,3 +334,77 @@ def test_no_leaks_after_50_attach_detach_cycles(tiny_model: Path, sock: Path) ->
             assert attachment.tensors["norm.weight"].sum() != 0
             attachment.close()
         wait_for(lambda: snapshot() == baseline, timeout=5, what=f"fds/maps/threads back to {baseline}")
+
+
+def test_accept_failure_does_not_stop_the_daemon(tiny_model: Path, sock: Path) -> None:
+    """EMFILE (or ECONNABORTED) on accept costs one connection attempt, not the daemon."""
+    with ThreadDaemon(tiny_model, sock) as daemon:
+        listener = daemon._listener
+
+        class FailsOnce:
+            failed = False
+
+            def accept(self):
+                if not self.failed:
+                    self.failed = True
+                    raise OSError(24, "Too many open files")
+                return listener.accept()
+
+        daemon._listener = FailsOnce()
+        try:
+            wait_for(lambda: daemon._listener.failed, timeout=5, what="a failed accept")
+            assert hello(sock)["ok"]
+        finally:
+            daemon._listener = listener
+
+
+def test_unknown_backend_in_attach_reply_closes_the_fds() -> None:
+    from cache.client import _import
+
+    read_end, write_end = os.pipe()
+    try:
+        with pytest.raises(DaemonUnavailable, match="cannot map the nope arena"):
+            _import({"handle": {"backend": "nope"}}, [read_end], torch.device("cpu"))
+        with pytest.raises(OSError):
+            os.fstat(read_end)
+    finally:
+        os.close(write_end)
+
+
+def test_bad_tp_request_is_a_config_error_in_daemon_and_client(tiny_model: Path, sock: Path) -> None:
+    from cache.checkpoint import read_checkpoint
+    from cache.daemon import pipeline_source
+    from cache.errors import ConfigError
+
+    checkpoint = read_checkpoint(tiny_model)
+    for spec in (LoadSpec(tp_size=3), LoadSpec(tp_size=0), LoadSpec(tp_size=2, tp_rank=5)):
+        with pytest.raises(ConfigError, match="--tp-"):
+            pipeline_source(checkpoint, spec)
+        with pytest.raises(ConfigError, match="--tp-"):
+            load_model(tiny_model, spec, weight_cache="client", socket_path=str(sock))
+
+
+def test_daemon_refuses_a_tensor_that_does_not_fit_its_slot(tiny_model: Path, sock: Path) -> None:
+    """copy_ would cast or broadcast silently; the daemon must fail loudly instead."""
+    from cache.checkpoint import read_checkpoint
+    from cache.daemon import CacheDaemon, pipeline_source
+    from cache.errors import BindingError
+    from cache.paths import DaemonPaths
+
+    source = pipeline_source(read_checkpoint(tiny_model), LoadSpec())
+
+    def cast_norm():
+        for name, tensor in source.tensors():
+            yield name, tensor.half() if name == "norm.weight" else tensor
+
+    daemon = CacheDaemon(
+        dataclasses.replace(source, tensors=cast_norm),
+        DaemonPaths(sock),
+        backend="cpu-shm",
+        allowed_uids=frozenset([os.getuid()]),
+    )
+    try:
+        with pytest.raises(BindingError, match=r"'norm\.weight' as \[256\] torch.float16, the arena expects"):
+            daemon.load()
+    finally:
+        daemon.arena.close()

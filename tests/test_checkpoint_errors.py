@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from cache.checkpoint import read_checkpoint
 from cache.errors import CheckpointError
@@ -161,3 +163,49 @@ def test_cli_reports_bad_checkpoint_without_traceback(ckpt: Path) -> None:
     assert result.returncode == 2
     assert "quantization method 'awq' is refused" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("attention_bias", True),
+        ("mlp_bias", True),
+        ("hidden_act", "gelu"),
+        ("rope_scaling", {"rope_type": "llama3", "factor": 8.0}),
+    ],
+)
+def test_llama_variant_the_model_does_not_implement_is_refused(ckpt: Path, field: str, value: object) -> None:
+    edit_json(ckpt / "config.json", **{field: value})
+    with pytest.raises(CheckpointError, match=rf"field '{field}'=.* is not supported"):
+        read_checkpoint(ckpt)
+
+
+def test_index_decides_where_a_duplicated_tensor_is_read_from(ckpt: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from cache.pipeline import LoadSpec, load_processed
+
+    weight_map = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
+    last = list(dict.fromkeys(weight_map.values()))[-1]
+    name = next(n for n, f in weight_map.items() if f != last)
+    original = load_file(ckpt / weight_map[name])[name]
+    stale = load_file(ckpt / last)
+    stale[name] = original + 1  # a stale copy in a shard the index does not name for it
+    save_file(stale, ckpt / last)
+    checkpoint = read_checkpoint(ckpt)
+    assert checkpoint.tensors[name].file.name == weight_map[name]
+    processed = load_processed(checkpoint, LoadSpec(), progress=False)
+    assert torch.equal(processed[name.removeprefix("model.")], original)
+
+
+def test_header_entry_with_mistyped_offsets(ckpt: Path) -> None:
+    shard = first_shard(ckpt)
+    data = shard.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + length])
+    name = next(n for n in header if n != "__metadata__")
+    header[name]["data_offsets"] = [str(v) for v in header[name]["data_offsets"]]
+    blob = json.dumps(header).encode()
+    shard.write_bytes(struct.pack("<Q", len(blob)) + blob + data[8 + length :])
+    with pytest.raises(CheckpointError, match=rf"{shard.name}: corrupt header entry for tensor '{name}'"):
+        read_checkpoint(ckpt)

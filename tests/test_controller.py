@@ -6,21 +6,31 @@ steady again: one serving primary, two healthy standbys, the daemon serving.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import httpx
 import pytest
 
 from cache.errors import ConfigError
-from controller.config import load_config
+from controller import supervisor
+from controller.cluster import Cluster, Member, MemberView, Snapshot
+from controller.config import EngineSpec, load_config
+from controller.events import EventLog
+from controller.ha import Conflict, Ha
+from controller.health import HealthChecker, HealthRecord
+from controller.metrics import ControllerMetrics
 from controller.stack import Layout
-from controller.supervisor import read_identity
+from controller.supervisor import Identity, StateFile, read_identity
 from tests.controllerhelpers import ControllerStack, split_brain_watch, wait_until
 
 
@@ -324,3 +334,110 @@ def test_restart_evicts_an_engine_the_state_file_lost(stack: ControllerStack) ->
     assert read_identity(primary["pid"]) is None, "the orphaned primary is still alive"
     assert after[primary["id"]]["pid"] != primary["pid"]
     assert detector.samples == [], f"split brain: {detector.samples}"
+
+
+# --- units (no stack) -----------------------------------------------------------------------------
+
+
+def _health_checker(handler: Any) -> tuple[HealthChecker, httpx.AsyncClient]:
+    client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    return HealthChecker(client, 0.01, 0.1, 2, lambda: None, lambda _: None), client
+
+
+def test_health_check_survives_odd_replies_and_keeps_the_body_time() -> None:
+    replies = iter(
+        [
+            lambda: httpx.Response(200, json={"role": "primary", "state": "ready", "pid": 7}),
+            lambda: (_ for _ in ()).throw(httpx.ReadTimeout("slow")),
+            lambda: httpx.Response(200, json=["not", "an", "engine"]),
+            lambda: (_ for _ in ()).throw(httpx.DecodingError("garbled")),
+        ]
+    )
+    checker, client = _health_checker(lambda request: next(replies)())
+    record = HealthRecord()
+
+    async def run() -> None:
+        async with client:
+            await checker.check("http://engine", 7, record)
+            assert record.ok and record.body_at == record.sent_at
+            body_at = record.body_at
+            for _ in range(3):  # none of these may raise: a raise would end the engine's checks for good
+                await checker.check("http://engine", 7, record)
+                assert record.ok is False and record.body_at == body_at < record.sent_at
+
+    asyncio.run(run())
+    assert record.consecutive_failures == 3
+
+
+def test_a_failed_check_does_not_undo_a_role_change() -> None:
+    """The body a failed check keeps predates our last role change: it must not bring the old role back."""
+    member = Member(EngineSpec("g0-e0", 0, "cpu", 8200))
+    member.health = HealthRecord(ok=False, body={"role": "primary", "state": "ready"}, body_at=1.0, sent_at=3.0)
+    member.role, member.role_set_at = "standby", 2.0  # e.g. demoted at t=2; the check sent at t=3 timed out
+    cluster = Cluster.__new__(Cluster)
+    assert cluster._view(member, 4.0).role == "standby"
+    member.health.body_at = 3.0  # a reply from after the change is the truth
+    assert cluster._view(member, 4.0).role == "primary"
+
+
+def test_state_file_that_is_not_an_object_is_refused(tmp_path: Path) -> None:
+    state = StateFile(tmp_path / "state.json")
+    for raw in (b"[1, 2]", b"\xff\xfe{}"):
+        state.path.write_bytes(raw)
+        with pytest.raises(ConfigError, match="unreadable controller state"):
+            state.load()
+    state.save({"members": {}})
+    assert state.load() == {"members": {}} and not state.path.with_suffix(".json.tmp").exists()
+
+
+def test_evict_orphans_skips_a_pid_that_went_away(monkeypatch: pytest.MonkeyPatch) -> None:
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    monkeypatch.setattr(supervisor, "listening_pids", lambda port: {gone.pid})
+    monkeypatch.setattr(
+        supervisor, "read_identity", lambda pid: Identity(pid, 1, ("python", "engine", "--engine-id", "g0-e0"))
+    )
+    assert supervisor.evict_orphans(1, "g0-e0") == []
+
+
+def _view(member_id: str, role: str, port: int) -> MemberView:
+    return MemberView(
+        id=member_id, group=0, port=port, device="cpu", url=f"http://127.0.0.1:{port}", role=role, state="ready",
+        status="healthy", pid=1, alive=True, exit_reason=None, exited_at=None, age_s=10.0,
+        health=HealthRecord(ok=True, ever_ok=True),
+    )  # fmt: skip
+
+
+def test_switchover_fences_an_unconfirmed_candidate_before_resuming_the_old_primary(tmp_path: Path) -> None:
+    """/promote said 200 but /primary never confirmed: the candidate may serve; resuming the old primary
+    beside it would make two primaries."""
+    calls: list[tuple[str, ...]] = []
+    old, new = _view("g0-e0", "primary", 8200), _view("g0-e1", "standby", 8201)
+
+    class Engines:
+        async def post(self, url: str, path: str, body: Any = None, timeout: Any = None) -> tuple[int, dict]:
+            calls.append(("post", url, path))
+            return 200, {"message": "ok"}
+
+        async def is_primary(self, url: str, timeout: float = 1.0) -> bool:
+            return False
+
+    class FakeCluster:
+        config = SimpleNamespace(
+            health=SimpleNamespace(interval_ms=100, timeout_ms=250, failure_threshold=2),
+            engine=SimpleNamespace(drain_timeout_s=1.0),
+        )
+
+        async def fence(self, member_id: str) -> bool:
+            calls.append(("fence", member_id))
+            return True
+
+        def set_role(self, member_id: str, role: str) -> None:
+            calls.append(("set_role", member_id, role))
+
+    snap = Snapshot(0.0, 1, (old, new), ())
+    ha = Ha(FakeCluster(), Engines(), EventLog(tmp_path / "events.jsonl"), ControllerMetrics(), None, print)
+    with pytest.raises(Conflict, match="promoting g0-e1 failed"):
+        asyncio.run(ha.do_switchover(snap, candidate="g0-e1"))
+    resume = calls.index(("post", old.url, "/promote"))
+    assert ("fence", "g0-e1") in calls[:resume], calls

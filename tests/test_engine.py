@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import signal
 import tempfile
@@ -16,6 +17,8 @@ import pytest
 from cache.pipeline import LoadSpec
 from standby.generate import load_tokenizer, stop_token_ids
 from standby.model import generate
+from standby.roles import Role, Roles
+from standby.scheduler import Finish, SamplingParams, Scheduler, Sequence
 from standby.weights import load_model
 from tests.cachehelpers import ProcessDaemon, wait_for
 from tests.enginehelpers import EngineProcess
@@ -293,3 +296,89 @@ def test_sigterm_lets_in_flight_requests_finish_and_exits_zero(tiny_model: Path)
         assert rest[-1] == "data: [DONE]"
         assert engine.process.wait(timeout=30) == 0
         assert "stopped on SIGTERM" in engine.logs()
+
+
+def test_sigterm_past_the_shutdown_timeout_cancels_cleanly(tiny_model: Path) -> None:
+    """A stream still running at --shutdown-timeout ends with an SSE error event (as at a drain deadline),
+    not with uvicorn cancelling its task and logging a traceback; the engine still exits 0."""
+    engine = EngineProcess(tiny_model, *FLAGS, "--shutdown-timeout", "0.2")
+    with engine:
+        with engine.client.stream(
+            "POST", "/v1/completions", json={"prompt": "x", "max_tokens": 480, "stream": True}
+        ) as r:
+            lines = r.iter_lines()
+            next(lines)
+            engine.process.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line]
+        assert '"error"' in rest[-1] and "[DONE]" not in rest[-1]
+        assert engine.process.wait(timeout=30) == 0
+        assert "stopped on SIGTERM" in engine.logs()
+        assert "Exception in ASGI application" not in engine.logs()
+
+
+class FakeScheduler:
+    """What ``Roles`` drives, without a model: sequences are never live."""
+
+    def cancel_all(self) -> int:
+        return 0
+
+    def attach_kv(self, kv: object) -> None:
+        pass
+
+    def release_kv(self, timeout_s: float) -> int:
+        return 1
+
+
+def test_a_role_change_queued_behind_a_resume_stops_serving_at_once() -> None:
+    """drain (waiting for a request), then promote (resumes the drained primary), then demote, all queued
+    on the role-change lock: once the demote runs, /primary and /v1 refuse while it drains."""
+
+    async def scenario() -> None:
+        roles = Roles(Role.PRIMARY, FakeScheduler(), lambda: None, drain_timeout_s=10)
+        roles.admit()
+        drain = asyncio.create_task(roles.drain())
+        await asyncio.sleep(0.01)
+        promote = asyncio.create_task(roles.promote())
+        demote = asyncio.create_task(roles.demote())
+        await asyncio.sleep(0.01)
+        roles.release()  # the drain finishes and the promote resumes serving
+        assert (await drain).accepted and (await promote).message.startswith("resumed")
+        roles.admit()  # a request the resumed primary took
+        await asyncio.sleep(0.05)
+        assert roles.serving_refusal() is not None, "the demote is draining but /primary still answers 200"
+        roles.release()
+        assert (await asyncio.wait_for(demote, 5)).changed and roles.role is Role.STANDBY
+
+    asyncio.run(scenario())
+
+
+def test_demote_during_a_promote_is_not_already_standby() -> None:
+    async def scenario() -> None:
+        allocated = threading.Event()
+
+        def allocate() -> object:
+            allocated.wait(5)
+            return type("KV", (), {"nbytes": 8})()
+
+        roles = Roles(Role.STANDBY, FakeScheduler(), allocate, drain_timeout_s=10)
+        promote = asyncio.create_task(roles.promote())
+        await asyncio.sleep(0.01)
+        demote = asyncio.create_task(roles.demote())
+        await asyncio.sleep(0.01)
+        allocated.set()
+        assert (await promote).changed
+        outcome = await asyncio.wait_for(demote, 5)
+        assert (outcome.changed, roles.role) == (True, Role.STANDBY), outcome.message
+
+    asyncio.run(scenario())
+
+
+def test_a_sequence_submitted_after_the_worker_ended_is_answered() -> None:
+    """Once the inference thread has ended (stopped or crashed), a submitted sequence gets an error Finish
+    at once instead of waiting forever for a worker that will never collect it."""
+    scheduler = Scheduler(None, max_batch=1)  # type: ignore[arg-type]  # no sequence ever reaches the model
+    scheduler.start()
+    scheduler.stop(5)
+    events: list[object] = []
+    scheduler.submit(Sequence([1], SamplingParams(max_tokens=1), events.append))
+    assert [type(e) for e in events] == [Finish] and events[0].reason == "error"

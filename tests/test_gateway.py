@@ -5,11 +5,12 @@ The last test kills an engine, so it stays last in this file."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -134,6 +135,30 @@ def test_hold_deadline_and_queue_overflow_answer_503_with_the_reason(tmp_path: P
         assert "no primary engine appeared within 1.0 s" in response.json()["error"]["message"]
         assert metric(gateway, "hotweights_gateway_rejected_total") == 2
         assert gateway.stop() == 0, gateway.logs()
+
+
+def test_a_stream_cut_mid_event_ends_with_a_well_formed_error_event() -> None:
+    """The relay never splices the error event into an event the upstream had only half sent."""
+    from controller.gateway import Gateway, Upstream
+
+    async def chunks() -> AsyncIterator[bytes]:
+        yield b'ta: {"b":2}\n\ndata: {"c"'
+        raise httpx.ReadError("connection reset")
+
+    async def relayed() -> bytes:
+        gateway = Gateway([], interval_s=1.0, timeout_s=1.0, queue_limit=1, hold_s=1.0)
+        try:
+            relay = gateway.relay(Upstream("http://x"), b'data: {"a":1}\n\nda', chunks(), is_sse=True)
+            return b"".join([chunk async for chunk in relay])
+        finally:
+            await gateway.client.aclose()
+            await gateway.probe_client.aclose()
+
+    events = asyncio.run(relayed()).decode().split("\n\n")
+    assert events[-1] == "", "the relayed bytes do not end at an event boundary"
+    payloads = [json.loads(event.removeprefix("data: ")) for event in events[:-1]]
+    assert payloads[:2] == [{"a": 1}, {"b": 2}]
+    assert "failed mid-response" in payloads[2]["error"]["message"]
 
 
 class Load:

@@ -107,7 +107,7 @@ def test_generated_configs_are_valid(tmp_path: Path) -> None:
     for line in (
         "http-check send meth OPTIONS uri /primary ver HTTP/1.1 hdr Host localhost",
         "http-check expect status 200",
-        "inter 50ms fastinter 50ms downinter 50ms fall 2 rise 1 on-marked-down shutdown-sessions",
+        "inter 50ms fastinter 50ms downinter 50ms fall 2 rise 1\n",
         "listen stats",
     ):
         assert line in text, line

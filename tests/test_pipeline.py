@@ -145,6 +145,8 @@ def test_bad_tp_request_names_the_field(tiny_model: Path) -> None:
         load_processed(tiny_model, LoadSpec(tp_size=4, tp_rank=0), progress=False)
     with pytest.raises(ConfigError, match="--tp-rank"):
         load_processed(tiny_model, LoadSpec(tp_size=2, tp_rank=2), progress=False)
+    with pytest.raises(ConfigError, match="--tp-size must be >= 1, found 0"):
+        load_processed(tiny_model, LoadSpec(tp_size=0, tp_rank=0), progress=False)
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
