@@ -3,10 +3,13 @@
 HAProxy health-checks every engine with ``OPTIONS /primary`` and sends traffic only to those
 answering 200 (Patroni's recipe). Checks run at the cluster's ``health`` interval; a server goes down
 after ``failure_threshold`` failed checks and comes up after one good one, because at most one engine
-of a group answers 200 at any instant, so a 200 needs no confirmation. A server marked down keeps
-its open sessions (no ``on-marked-down shutdown-sessions``): a draining primary answers 503 on
-``/primary`` at once but lets its in-flight requests finish, and a dead one has closed them anyway.
-A request that got a 503 (a standby) or no answer is re-sent to another server. Unlike
+of a group answers 200 at any instant, so a 200 needs no confirmation. A server marked down has its
+sessions cut (``on-marked-down shutdown-sessions``), so clients of a hung primary get an error at once
+instead of waiting out ``timeout server``. The price: a draining primary answers 503 on ``/primary`` at
+once, so a planned switchover through HAProxy cuts the old primary's in-flight requests too;
+``--keep-sessions-on-down`` keeps them (drains finish; a hung primary's clients wait for the timeout).
+The gateway needs neither trade: it holds and re-sends. A request that got a 503 (a standby) or no
+answer is re-sent to another server. Unlike
 ``hotweights gateway``, HAProxy does not hold requests while no engine is primary: it answers 503
 at once.
 """
@@ -49,7 +52,7 @@ backend engines
     http-check send meth OPTIONS uri /primary ver HTTP/1.1 hdr Host localhost
     http-check expect status 200
     http-response set-header X-Hotweights-Server %s
-    default-server inter {inter_ms}ms fastinter {inter_ms}ms downinter {inter_ms}ms fall {fall} rise 1
+    default-server inter {inter_ms}ms fastinter {inter_ms}ms downinter {inter_ms}ms fall {fall} rise 1{on_down}
 {servers}
 """
 
@@ -62,7 +65,7 @@ listen stats
 """
 
 
-def render(config: ClusterConfig, port: int, stats_port: int | None) -> str:
+def render(config: ClusterConfig, port: int, stats_port: int | None, keep_sessions: bool = False) -> str:
     """The HAProxy configuration text for ``config``'s engines, listening on ``gateway.host:port``."""
     health = config.health
     servers = "\n".join(f"    server {spec.id} 127.0.0.1:{spec.port} check" for spec in config.engines())
@@ -74,6 +77,7 @@ def render(config: ClusterConfig, port: int, stats_port: int | None) -> str:
         port=port,
         inter_ms=health.interval_ms,
         fall=health.failure_threshold,
+        on_down="" if keep_sessions else " on-marked-down shutdown-sessions",
         servers=servers,
     )
     return text + (STATS.format(stats_port=stats_port) if stats_port else "")
@@ -81,7 +85,8 @@ def render(config: ClusterConfig, port: int, stats_port: int | None) -> str:
 
 def cmd_haproxy_config(args: argparse.Namespace) -> int:
     config = load_config(args.config)
-    text = render(config, config.gateway.port + 1 if args.port is None else args.port, args.stats_port)
+    port = config.gateway.port + 1 if args.port is None else args.port
+    text = render(config, port, args.stats_port, keep_sessions=args.keep_sessions_on_down)
     if args.output:
         Path(args.output).write_text(text)
     else:
@@ -104,4 +109,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="port HAProxy listens on, at gateway.host (default gateway.port + 1, beside the gateway)",
     )
     p.add_argument("--stats-port", type=int, help="also serve HAProxy's stats page on 127.0.0.1:PORT")
+    p.add_argument(
+        "--keep-sessions-on-down",
+        action="store_true",
+        help="leave out on-marked-down shutdown-sessions: drains finish through HAProxy, but clients of a hung "
+        "primary wait for timeout server",
+    )
     p.set_defaults(func=cmd_haproxy_config)

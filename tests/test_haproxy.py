@@ -100,17 +100,23 @@ def engines(tiny_model: Path) -> Iterator[list[EngineProcess]]:
 
 def test_generated_configs_are_valid(tmp_path: Path) -> None:
     cluster = write_cluster(tmp_path / "cluster.toml", [free_port(), free_port()])
-    for out, flags in [(tmp_path / "plain.cfg", ()), (tmp_path / "stats.cfg", ("--stats-port", str(free_port())))]:
+    variants = [
+        (tmp_path / "plain.cfg", ()),
+        (tmp_path / "stats.cfg", ("--stats-port", str(free_port()))),
+        (tmp_path / "keep.cfg", ("--keep-sessions-on-down",)),
+    ]
+    for out, flags in variants:
         result = check(generate(cluster, out, *flags))
         assert result.returncode == 0, result.stdout + result.stderr
     text = (tmp_path / "stats.cfg").read_text()
     for line in (
         "http-check send meth OPTIONS uri /primary ver HTTP/1.1 hdr Host localhost",
         "http-check expect status 200",
-        "inter 50ms fastinter 50ms downinter 50ms fall 2 rise 1\n",
+        "inter 50ms fastinter 50ms downinter 50ms fall 2 rise 1 on-marked-down shutdown-sessions\n",
         "listen stats",
     ):
         assert line in text, line
+    assert "fall 2 rise 1\n" in (tmp_path / "keep.cfg").read_text()
     for spec in load_config(cluster).engines():
         assert f"server {spec.id} 127.0.0.1:{spec.port} check" in text
 
