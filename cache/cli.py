@@ -93,7 +93,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if len(sockets) != 1:
         raise ConfigError(f"verify needs exactly one daemon, found {len(sockets)}: pass --socket or --model")
     status = _status(sockets[0])
-    fingerprint = Fingerprint.from_json(status["fingerprint"])
+    try:
+        fingerprint = Fingerprint.from_json(status.get("fingerprint"))
+    except ValueError as exc:
+        raise DaemonUnavailable(f"{sockets[0]}: the daemon's status has a bad fingerprint: {exc}") from None
     start = time.perf_counter()
     attachment = attach(sockets[0], fingerprint, status["device"])
     try:

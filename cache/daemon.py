@@ -129,7 +129,7 @@ class CacheDaemon:
 
     def run(self) -> None:
         """Load, serve until asked to stop, clean up. Signals only set a flag."""
-        ensure_private_dir(self.paths.socket.parent)
+        ensure_private_dir(self.paths.socket.parent, shared=self.admits_other_uids)
         self._take_lock()
         try:
             self.load()
@@ -146,6 +146,10 @@ class CacheDaemon:
             self._accept_loop()
         finally:
             self._cleanup()
+
+    @property
+    def admits_other_uids(self) -> bool:
+        return bool(self.allowed_uids - {os.getuid()})
 
     def request_exit(self, *_: object) -> None:
         self._should_exit.set()
@@ -218,7 +222,8 @@ class CacheDaemon:
             with contextlib.suppress(FileNotFoundError):
                 stale.unlink()
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        old_umask = os.umask(0o177)
+        # Other allowed uids need to open the socket; SO_PEERCRED then decides who may talk to us.
+        old_umask = os.umask(0o111 if self.admits_other_uids else 0o177)
         try:
             listener.bind(str(self.paths.socket))
         finally:

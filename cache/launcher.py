@@ -11,6 +11,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -54,6 +55,8 @@ def ensure_daemon(
         return
     log.info("no weight cache daemon on %s: starting one (log: %s)", paths.socket, paths.log)
     process = spawn_daemon(daemon_command(model_dir, spec, paths, backend), paths)
+    # The daemon outlives us in its own session; a waiting thread reaps it if it dies first (no zombie).
+    threading.Thread(target=process.wait, name="reap-cache-daemon", daemon=True).start()
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if _answers(paths):

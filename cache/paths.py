@@ -26,14 +26,24 @@ def runtime_dir() -> Path:
     return Path(xdg) / "hotweights" if xdg else Path(f"/tmp/hotweights-{os.getuid()}")
 
 
-def ensure_private_dir(path: Path) -> Path:
-    """Create ``path`` 0700 if missing; refuse one that others can enter or that we do not own."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+def ensure_private_dir(path: Path, *, shared: bool = False) -> Path:
+    """Create the socket directory if missing: 0700, or 0711 when other uids may connect (``shared``:
+    they can reach a socket whose name they know, not list the directory). An existing directory is
+    never chmod'ed (it may be the user's own, e.g. ``--socket ~/x.sock``): it is refused if someone else
+    owns it or others can write to it (they could replace the socket), or, when ``shared``, if others
+    cannot traverse it."""
+    path.mkdir(mode=0o711 if shared else 0o700, parents=True, exist_ok=True)
     info = path.stat()
+    mode = stat.S_IMODE(info.st_mode)
     if info.st_uid != os.getuid():
         raise ConfigError(f"socket directory {path} is owned by uid {info.st_uid}, not by us ({os.getuid()})")
-    if stat.S_IMODE(info.st_mode) & 0o077:
-        os.chmod(path, 0o700)
+    if mode & 0o022:
+        raise ConfigError(f"socket directory {path} is writable by others (mode {mode:o}): use one only we can write")
+    if shared and not mode & 0o001:
+        raise ConfigError(
+            f"--allow-uid needs other users to reach the socket, but {path} (mode {mode:o}) is not traversable "
+            "by them: chmod o+x it or choose another --socket"
+        )
     return path
 
 

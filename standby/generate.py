@@ -130,6 +130,10 @@ def _spawned_rank(rank: int, args: argparse.Namespace, port: int) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     if args.max_tokens < 1:
         raise ConfigError(f"--max-tokens must be >= 1, found {args.max_tokens}")
+    if args.temperature < 0:
+        raise ConfigError(f"--temperature must be >= 0, found {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise ConfigError(f"--top-p must be in (0, 1], found {args.top_p}")
     if args.tp_size < 1:
         raise ConfigError(f"--tp-size must be >= 1, found {args.tp_size}")
     if args.tp_size == 1:

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from cache.client import AttachRefused, DaemonUnavailable, attach, hello, request
+from cache.errors import ConfigError
 from cache.fingerprint import Fingerprint
 from cache.pipeline import LoadSpec, load_processed
 from cache.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, recv_message, send_message
@@ -237,9 +238,55 @@ def test_refused_quantization_never_serves(tmp_path: Path, sock: Path) -> None:
 
 
 def test_wrong_uid_is_forbidden(tiny_model: Path, sock: Path) -> None:
+    sock.parent.chmod(0o711)  # other uids are allowed: they must be able to reach the socket
     with ThreadDaemon(tiny_model, sock, allowed_uids=frozenset([os.getuid() + 12345])):
+        assert oct(sock.stat().st_mode & 0o777) == oct(0o666)  # the kernel-checked uid is the gate
         reply = request(sock, {"op": "hello", "version": PROTOCOL_VERSION})
         assert reply == {"ok": False, "error": "forbidden", "message": f"uid {os.getuid()} may not use this cache"}
+
+
+# Run by the system Python as another user, who may not read this checkout or its virtualenv.
+HELLO_AS = """
+import json, socket, struct, sys
+conn = socket.socket(socket.AF_UNIX)
+conn.connect(sys.argv[1])
+body = json.dumps({"op": "hello", "version": 1}).encode()
+conn.sendall(struct.pack(">I", len(body)) + body)
+(length,) = struct.unpack(">I", conn.recv(4))
+print(conn.recv(length).decode())
+"""
+SYSTEM_PYTHON = "/usr/bin/python3"
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="acting as other uids needs root")
+@pytest.mark.skipif(not Path(SYSTEM_PYTHON).exists(), reason=f"needs {SYSTEM_PYTHON} for the other uid")
+def test_allowed_other_uid_is_served_and_others_are_not(tiny_model: Path, sock: Path) -> None:
+    sock.parent.chmod(0o711)
+    allowed, stranger = 65534, 65533
+
+    def hello_as(uid: int) -> str:
+        result = subprocess.run(
+            [SYSTEM_PYTHON, "-c", HELLO_AS, str(sock)],
+            cwd="/",
+            capture_output=True,
+            text=True,
+            timeout=60,
+            preexec_fn=lambda: os.setuid(uid),
+        )
+        assert result.returncode == 0, result.stderr
+        return result.stdout
+
+    with ThreadDaemon(tiny_model, sock, allowed_uids=frozenset([os.getuid(), allowed])):
+        assert json.loads(hello_as(allowed))["ok"] is True
+        assert json.loads(hello_as(stranger))["error"] == "forbidden"
+
+
+def test_socket_directory_others_can_write_is_refused(tiny_model: Path, sock: Path) -> None:
+    sock.parent.chmod(0o777)
+    daemon = ThreadDaemon(tiny_model, sock)
+    with pytest.raises(ConfigError, match="writable by others"):
+        daemon.daemon.run()
+    sock.parent.chmod(0o700)
 
 
 @pytest.mark.parametrize(

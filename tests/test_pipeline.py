@@ -169,3 +169,11 @@ def test_generate_fp8_checkpoint_from_cli(tiny_fp8_model: Path) -> None:
     result = run_cli("generate", "--model", str(tiny_fp8_model), "--prompt", "Hello", "--max-tokens", "5")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip()
+
+
+def test_generate_refuses_bad_sampling_flags_before_loading(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-model"  # never read: the flags are checked first
+    for flag, value, expected in (("--temperature", "-1", "--temperature must be >= 0"), ("--top-p", "0", "--top-p")):
+        result = run_cli("generate", "--model", str(missing), "--prompt", "hi", flag, value)
+        assert result.returncode == 2 and expected in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr
