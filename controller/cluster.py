@@ -181,6 +181,9 @@ class Cluster:
             process_row = recorded.get(member.spec.id, {}).get("process")
             if process_row and (process := self.supervisor.adopt(member.spec.id, process_row)):
                 self._attach(member, process)
+                # A primary served before we started: judge it by failed checks at once, not by the start-up
+                # allowance a fresh engine gets, or an adopted hung primary would hold its group for minutes.
+                member.health.ever_ok = member.role == "primary"
                 adopted.append(f"{member.spec.id} ({member.role}, pid {process.pid})")
         for service in self.services.values():
             process_row = recorded_services.get(service.id, {}).get("process")

@@ -441,3 +441,20 @@ def test_switchover_fences_an_unconfirmed_candidate_before_resuming_the_old_prim
         asyncio.run(ha.do_switchover(snap, candidate="g0-e1"))
     resume = calls.index(("post", old.url, "/promote"))
     assert ("fence", "g0-e1") in calls[:resume], calls
+
+
+def test_restart_fails_over_from_an_adopted_hung_primary(stack: ControllerStack) -> None:
+    """A primary that hung while no controller ran is judged by its failed checks, not a start-up allowance."""
+    stack.wait_steady()
+    primary = stack.primary()
+    stack.kill_controller()
+    os.kill(primary["pid"], signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        stack.start_controller()
+        wait_until(lambda: stack.primary()["id"] != primary["id"], 30, "a new primary")
+        assert time.monotonic() - started < 30
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(primary["pid"], signal.SIGCONT)
+    stack.wait_steady()
