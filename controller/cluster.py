@@ -18,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import httpx
+
 from cache.client import AttachRefused, DaemonUnavailable, hello
 from controller.config import EngineSpec
 from controller.health import HealthChecker, HealthRecord
@@ -28,6 +30,7 @@ log = logging.getLogger("hotweights.controller")
 
 SERVICE_START_TIMEOUT_S = 600.0  # a daemon loads the whole model from disk before it serves
 PROBE_INTERVAL_S = 0.05
+PROBE_TIMEOUT_S = 1.0  # a daemon's hello or the gateway's health page
 
 
 class ServiceFailed(Exception):
@@ -376,19 +379,30 @@ class Cluster:
         self.save()
         return how
 
+    async def probe(self, service_id: str) -> bool:
+        """Does the service answer now (a daemon its hello, the gateway its health page), within 1 s?"""
+        return await self._probe(self.services[service_id])
+
+    async def fence_service(self, service_id: str) -> bool:
+        """SIGKILL a service that stopped answering and wait for its exit; the loop then respawns it."""
+        service = self.services[service_id]
+        service.serving = False
+        return service.process is None or await self.supervisor.fence(service.process)
+
     async def _probe(self, service: Service) -> bool:
         if service.kind == "daemon":
             try:
-                await asyncio.to_thread(hello, self.layout.socket(service.group), 1.0)
+                await asyncio.to_thread(hello, self.layout.socket(service.group), PROBE_TIMEOUT_S)
             except (DaemonUnavailable, AttachRefused):
                 return False
             return True
+        # An HTTP answer, not a TCP connect: the kernel accepts connections for a stopped process too.
+        url = f"http://{self.config.gateway.host}:{self.config.gateway.port}/gateway/health"
         try:
-            _, writer = await asyncio.open_connection(self.config.gateway.host, self.config.gateway.port)
-        except OSError:
+            async with httpx.AsyncClient(timeout=PROBE_TIMEOUT_S) as client:
+                return (await client.get(url)).status_code == 200
+        except httpx.HTTPError:
             return False
-        writer.close()
-        return True
 
     def _log(self, service: Service) -> str:
         return str(self.layout.log_dir / f"{service.id}.log")

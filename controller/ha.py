@@ -42,6 +42,8 @@ log = logging.getLogger("hotweights.controller")
 
 START_TIMEOUT_S = 120.0  # an engine that is not ready this long after its start is killed and restarted
 BACKOFF = wait_exponential(multiplier=0.5, max=30)  # restarts of things that keep failing
+SERVICE_PROBE_S = 1.0  # how often a serving daemon or gateway must answer its probe
+SERVICE_HUNG_PROBES = 5  # probes in a row it may leave unanswered before it is killed and respawned
 STOP_TIMEOUT_S = 15.0  # how long stop() lets a cycle in progress finish
 
 
@@ -108,6 +110,8 @@ class Ha:
         self.announced = False
         self.stopping = False
         self.task: asyncio.Task | None = None
+        self.liveness: dict[str, asyncio.Task] = {}  # the probe in flight (or last done) per service
+        self.unanswered: dict[str, int] = {}  # probes in a row each service left unanswered
 
     # --- the loop -----------------------------------------------------------------------------
 
@@ -510,7 +514,10 @@ class Ha:
     async def process_services(self, snap: Snapshot) -> str | None:
         actions = []
         for view in snap.services:
-            if view.serving or view.restarting:
+            if view.serving and not view.restarting:
+                self._check_liveness(view.id)
+                continue
+            if view.restarting:
                 continue
             if view.pid is not None and not view.alive:
                 self.events.record("exit", f"{view.id} {view.exit_reason}", service=view.id, group=view.group)
@@ -521,6 +528,30 @@ class Ha:
                 actions.append(f"starting {view.id}")
             self._respawn(view.id)
         return "; ".join(actions) if actions else None
+
+    def _check_liveness(self, service_id: str) -> None:
+        """Probe a serving service every SERVICE_PROBE_S in the background (a hung one is alive but
+        answers nothing: new standbys could not attach, or clients would wait on the gateway)."""
+        task = self.liveness.get(service_id)
+        if task is None or task.done():
+            self.liveness[service_id] = asyncio.create_task(self._liveness(service_id), name=f"live-{service_id}")
+
+    async def _liveness(self, service_id: str) -> None:
+        started = time.monotonic()
+        if await self.cluster.probe(service_id):
+            self.unanswered[service_id] = 0
+        else:
+            missed = self.unanswered[service_id] = self.unanswered.get(service_id, 0) + 1
+            if missed >= SERVICE_HUNG_PROBES and not self.stopping:
+                self.unanswered[service_id] = 0
+                self.events.record(
+                    "hung", f"{service_id} answered none of {missed} probes {SERVICE_PROBE_S:g} s apart: killing it",
+                    service=service_id,
+                )  # fmt: skip
+                await self.cluster.fence_service(service_id)
+                self.wakeup()
+                return
+        await asyncio.sleep(max(0.0, SERVICE_PROBE_S - (time.monotonic() - started)))
 
     def _respawn(self, service_id: str) -> None:
         service = self.cluster.services[service_id]

@@ -190,6 +190,25 @@ def test_daemon_killed_engines_keep_serving(stack: ControllerStack) -> None:
     assert 'hotweights_controller_daemon_restarts_total{group="0"}' in metrics
 
 
+def test_hung_daemon_is_killed_and_respawned(stack: ControllerStack) -> None:
+    """A stopped daemon is alive but answers nothing: the controller notices within seconds and respawns it."""
+    stack.wait_steady()
+    daemon = stack.daemon()
+    primary = stack.primary()
+    os.kill(daemon["pid"], signal.SIGSTOP)
+    try:
+        with httpx.Client(base_url=primary["url"], timeout=30) as engine:
+            deadline = time.monotonic() + 30
+            while not ((d := stack.daemon())["serving"] and d["pid"] != daemon["pid"]):
+                assert time.monotonic() < deadline, "hung daemon not replaced"
+                assert engine.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+                time.sleep(0.2)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(daemon["pid"], signal.SIGCONT)
+    assert stack.events("hung") and read_identity(daemon["pid"]) is None
+
+
 def test_controller_restart_adopts_running_engines(stack: ControllerStack) -> None:
     before = stack.wait_steady()
     daemon_pid = stack.daemon()["pid"]
