@@ -122,9 +122,9 @@ def build_app(ha: Ha, cluster: Cluster, events: EventLog, metrics: ControllerMet
         not a ready standby (or none is); 409 the primary refused to drain or the promotion failed (the
         old primary resumed); 503 an engine did not answer; 422 bad body."""
         request = request or SwitchoverRequest()
-        return await act(
-            "switchover", drain_timeout_s + INTENT_TIMEOUT_S, group=request.group, candidate=request.candidate
-        )
+        # Its steps may take a drain, a promotion and a demotion (which drains again): wait for all of them.
+        wait_s = 2 * drain_timeout_s + 2 * INTENT_TIMEOUT_S
+        return await act("switchover", wait_s, group=request.group, candidate=request.candidate)
 
     @app.post("/failover", dependencies=mutation)
     async def failover(request: FailoverRequest) -> JSONResponse:
