@@ -103,7 +103,7 @@ def test_generated_configs_are_valid(tmp_path: Path) -> None:
     variants = [
         (tmp_path / "plain.cfg", ()),
         (tmp_path / "stats.cfg", ("--stats-port", str(free_port()))),
-        (tmp_path / "keep.cfg", ("--keep-sessions-on-down",)),
+        (tmp_path / "cut.cfg", ("--shutdown-sessions-on-down",)),
     ]
     for out, flags in variants:
         result = check(generate(cluster, out, *flags))
@@ -112,11 +112,11 @@ def test_generated_configs_are_valid(tmp_path: Path) -> None:
     for line in (
         "http-check send meth OPTIONS uri /primary ver HTTP/1.1 hdr Host localhost",
         "http-check expect status 200",
-        "inter 50ms fastinter 50ms downinter 50ms fall 2 rise 1 on-marked-down shutdown-sessions\n",
+        "inter 50ms fastinter 50ms downinter 50ms fall 2 rise 1\n",
         "listen stats",
     ):
         assert line in text, line
-    assert "fall 2 rise 1\n" in (tmp_path / "keep.cfg").read_text()
+    assert "fall 2 rise 1 on-marked-down shutdown-sessions\n" in (tmp_path / "cut.cfg").read_text()
     for spec in load_config(cluster).engines():
         assert f"server {spec.id} 127.0.0.1:{spec.port} check" in text
 
