@@ -368,13 +368,15 @@ def memfd_maps(pid: int) -> int:
 
 def test_no_leaks_after_50_attach_detach_cycles(tiny_model: Path, sock: Path) -> None:
     expected = fingerprint_of(tiny_model)
-    with ThreadDaemon(tiny_model, sock):
+    with ThreadDaemon(tiny_model, sock) as daemon:
 
         def snapshot() -> tuple[int, int, int]:
             return len(os.listdir("/proc/self/fd")), memfd_maps(os.getpid()), threading.active_count()
 
         warm = attach(sock, expected, "cpu")
         warm.close()
+        # The daemon's side of a connection ends on its own thread after we hang up: let it, then count.
+        wait_for(lambda: not daemon.clients, timeout=5, what="the warm-up connection to end")
         baseline = snapshot()
         for _ in range(50):
             attachment = attach(sock, expected, "cpu")
