@@ -27,14 +27,10 @@ import contextlib
 import itertools
 import json
 import logging
-import os
-import signal
-import socket
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
 
 import httpx
 import uvicorn
@@ -46,6 +42,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from controller.config import load_config
+from standby.serving import AnnouncingServer, run_until_signal
 
 log = logging.getLogger(__name__)
 
@@ -429,17 +426,6 @@ def build_app(gateway: Gateway) -> Starlette:
     )
 
 
-class GatewayServer(uvicorn.Server):
-    """uvicorn, announcing ``{"event": "ready", "port", "pid"}`` on stdout once it listens (as engines do)."""
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets=sockets)
-        if self.started:
-            port = self.servers[0].sockets[0].getsockname()[1]
-            log.info("gateway on http://%s:%d", self.config.host, port)
-            print(json.dumps({"event": "ready", "port": port, "pid": os.getpid()}), flush=True)
-
-
 def cmd_gateway(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per probe would drown the log
@@ -453,7 +439,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         state_file=None if args.upstream else config.state_file,
     )
     log.info("routing /v1 to the primary among %s", ", ".join(urls))
-    server = GatewayServer(
+    server = AnnouncingServer(
         uvicorn.Config(
             build_app(gateway),
             host=args.host or config.gateway.host,
@@ -463,16 +449,8 @@ def cmd_gateway(args: argparse.Namespace) -> int:
             timeout_graceful_shutdown=args.shutdown_timeout,
         )
     )
-    # uvicorn re-raises the signal it caught once it has shut down; recording it makes that a clean exit 0.
-    caught: list[int] = []
-
-    def record(sig: int, _: FrameType | None) -> None:
-        caught.append(sig)
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, record)
-    server.run()
-    log.info("stopped%s", f" on {signal.Signals(caught[0]).name}" if caught else "")
+    stopped_by = run_until_signal(server)
+    log.info("stopped%s", f" on {stopped_by}" if stopped_by else "")
     return 0
 
 

@@ -12,15 +12,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
-import json
 import logging
 import os
-import signal
 import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import FrameType
 
 import torch
 import uvicorn
@@ -33,6 +30,7 @@ from standby.model import KVCache, Transformer
 from standby.roles import CANCEL_GRACE_S, Role, Roles
 from standby.scheduler import Scheduler
 from standby.server import EngineContext, build_app
+from standby.serving import AnnouncingServer, run_until_signal
 from standby.weights import add_weight_cache_arguments, load_model
 
 log = logging.getLogger(__name__)
@@ -61,22 +59,20 @@ def read_token(path: str) -> str:
     return token
 
 
-class EngineServer(uvicorn.Server):
-    """uvicorn, announcing on stdout once it listens (the port is the real one, also for --port 0).
-
-    On shutdown, ``cancel`` runs ``cancel_after_s`` in, so requests still generating end as at a drain
-    deadline (503, or an SSE error event) rather than by uvicorn cancelling their tasks, which logs an
-    "Exception in ASGI application" traceback; uvicorn's own deadline should come CANCEL_GRACE_S later."""
+class EngineServer(AnnouncingServer):
+    """The engine's uvicorn: on shutdown, ``cancel`` runs ``cancel_after_s`` in, so requests still
+    generating end as at a drain deadline (503, or an SSE error event) rather than by uvicorn cancelling
+    their tasks, which logs an "Exception in ASGI application" traceback; uvicorn's own deadline should
+    come CANCEL_GRACE_S later."""
 
     def __init__(
         self,
         config: uvicorn.Config,
         ready: dict[str, object],
-        cancel: Callable[[], object] = lambda: None,
-        cancel_after_s: float = 0.0,
+        cancel: Callable[[], object],
+        cancel_after_s: float,
     ) -> None:
-        super().__init__(config)
-        self.ready = ready
+        super().__init__(config, ready)
         self.cancel = cancel
         self.cancel_after_s = cancel_after_s
 
@@ -86,13 +82,6 @@ class EngineServer(uvicorn.Server):
             await super().shutdown(sockets=sockets)
         finally:
             timer.cancel()
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets=sockets)
-        if self.started:
-            port = self.servers[0].sockets[0].getsockname()[1]
-            log.info("serving on http://%s:%d", self.config.host, port)
-            print(json.dumps({"event": "ready", "port": port, "pid": os.getpid()} | self.ready), flush=True)
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -157,21 +146,12 @@ def cmd_engine(args: argparse.Namespace) -> int:
     ready = {"engine_id": engine_id, "role": role.value, "fingerprint": ctx.fingerprint}
     server = EngineServer(config, ready, scheduler.cancel_all, args.shutdown_timeout)
 
-    # uvicorn restores the handlers it found and re-raises the signal it caught once it has shut down
-    # gracefully; these record it instead of letting SIGTERM kill the process after a clean stop.
-    caught: list[int] = []
-
-    def record(sig: int, _: FrameType | None) -> None:
-        caught.append(sig)
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, record)
     scheduler.start()
     try:
-        server.run()
+        stopped_by = run_until_signal(server)
     finally:
         scheduler.stop(args.shutdown_timeout + 5)
-    log.info("stopped%s", f" on {signal.Signals(caught[0]).name}" if caught else "")
+    log.info("stopped%s", f" on {stopped_by}" if stopped_by else "")
     return 0
 
 

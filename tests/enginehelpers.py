@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import shutil
 import signal
 import socket
 import subprocess
@@ -10,6 +12,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Self
 
 import httpx
 
@@ -22,38 +25,68 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class EngineProcess:
-    """One engine; stderr goes to a file (a full pipe would block the engine's logging)."""
+class ChildService:
+    """A real child process answering HTTP on loopback. Its output goes to a file (a full pipe would block
+    its logging) that failures quote; ``close`` kills it, whatever the test did."""
+
+    name = "service"
+    ready_path = "/"  # answers 200 once the service is ready
+
+    def __init__(self, command: list[str], base_url: str, *, env: dict[str, str] | None = ENV) -> None:
+        self.log = tempfile.NamedTemporaryFile(prefix=f"{self.name}-", suffix=".log", delete=False)  # noqa: SIM115
+        self.process = subprocess.Popen(command, env=env, stdout=self.log, stderr=self.log)
+        self.client = httpx.Client(base_url=base_url, timeout=30.0)
+
+    def wait_ready(self, timeout: float = 60.0) -> Self:
+        """Poll ``ready_path``; fail with the log if the process exits first."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.process.returncode}:\n{self.logs()}")
+            with contextlib.suppress(httpx.TransportError):
+                if self.client.get(self.ready_path).status_code == 200:
+                    return self
+            time.sleep(0.05)
+        raise TimeoutError(f"{self.name} not ready after {timeout} s:\n{self.logs()}")
+
+    def logs(self) -> str:
+        return Path(self.log.name).read_text()
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+        self.client.close()
+        self.log.close()
+        Path(self.log.name).unlink(missing_ok=True)
+
+    def __enter__(self) -> Self:
+        try:
+            return self.wait_ready()
+        except BaseException:
+            self.close()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class EngineProcess(ChildService):
+    """One ``hotweights engine``; with ``token``, role changes need it."""
+
+    name = "engine"
+    ready_path = "/health/ready"
 
     def __init__(self, model: Path, *extra: str, token: str | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.token = token
-        self.log = tempfile.NamedTemporaryFile(prefix="engine-", suffix=".log", delete=False)  # noqa: SIM115
+        self.token_file = Path(tempfile.mkdtemp(prefix="engine-token-")) / "token"
         command = [sys.executable, "-m", "controller.cli", "engine", "--model", str(model), "--port", str(self.port)]
         if token is not None:
-            token_file = Path(self.log.name).with_suffix(".token")
-            token_file.write_text(token + "\n")
-            command += ["--token-file", str(token_file)]
-        self.process = subprocess.Popen([*command, *extra], env=ENV, stdout=subprocess.PIPE, stderr=self.log, text=True)
-        self.client = httpx.Client(base_url=self.url, timeout=30.0)
-
-    def wait_ready(self, timeout: float = 60.0) -> EngineProcess:
-        """Poll /health/ready; fail with the engine's log if it exits first."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"engine exited with {self.process.returncode}:\n{self.logs()}")
-            try:
-                if self.client.get("/health/ready").status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
-        raise TimeoutError(f"engine not ready after {timeout} s:\n{self.logs()}")
-
-    def logs(self) -> str:
-        return Path(self.log.name).read_text()
+            self.token_file.write_text(token + "\n")
+            command += ["--token-file", str(self.token_file)]
+        super().__init__([*command, *extra], self.url)
 
     def auth(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token}"} if self.token else {}
@@ -81,21 +114,5 @@ class EngineProcess:
             self.close()
 
     def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(timeout=10)
-        self.client.close()
-        self.process.stdout.close()
-        self.log.close()
-        for path in (Path(self.log.name), Path(self.log.name).with_suffix(".token")):
-            path.unlink(missing_ok=True)
-
-    def __enter__(self) -> EngineProcess:
-        try:
-            return self.wait_ready()
-        except BaseException:
-            self.close()
-            raise
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        super().close()
+        shutil.rmtree(self.token_file.parent, ignore_errors=True)

@@ -4,17 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import signal
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
-
-from tests.cachehelpers import ENV
-from tests.enginehelpers import EngineProcess, free_port
+from tests.enginehelpers import ChildService, EngineProcess, free_port
 
 FLAGS = ("--kv-cache-tokens", "512", "--max-batch", "4")
 
@@ -54,29 +49,17 @@ def write_cluster(path: Path, ports: list[int], **gateway: object) -> Path:
     return path
 
 
-class GatewayProcess:
-    """``hotweights gateway`` as a child process; stderr goes to a file, shown when it fails."""
+class GatewayProcess(ChildService):
+    """``hotweights gateway`` as a child process."""
+
+    name = "gateway"
+    ready_path = "/gateway/health"
 
     def __init__(self, config: Path, *extra: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile(prefix="gateway-", suffix=".log", delete=False)  # noqa: SIM115
         command = [sys.executable, "-m", "controller.cli", "gateway", "--config", str(config), "--port", str(self.port)]
-        self.process = subprocess.Popen(
-            [*command, *extra], env=ENV, stdout=subprocess.DEVNULL, stderr=self.log, text=True
-        )
-        self.client = httpx.Client(base_url=self.url, timeout=30.0)
-
-    def wait_ready(self, timeout: float = 30.0) -> GatewayProcess:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"gateway exited with {self.process.returncode}:\n{self.logs()}")
-            with contextlib.suppress(httpx.TransportError):
-                if self.client.get("/gateway/health").status_code == 200:
-                    return self
-            time.sleep(0.05)
-        raise TimeoutError(f"gateway not ready after {timeout} s:\n{self.logs()}")
+        super().__init__([*command, *extra], self.url)
 
     def health(self) -> dict:
         return self.client.get("/gateway/health").json()
@@ -89,28 +72,7 @@ class GatewayProcess:
             time.sleep(0.01)
         raise TimeoutError(f"timed out waiting for {what}; last: {health}\n{self.logs()}")
 
-    def logs(self) -> str:
-        return Path(self.log.name).read_text()
-
     def stop(self) -> int:
         """SIGTERM, as a supervisor stops it; the exit status."""
         self.process.send_signal(signal.SIGTERM)
         return self.process.wait(timeout=15)
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(timeout=10)
-        self.client.close()
-        self.log.close()
-        Path(self.log.name).unlink(missing_ok=True)
-
-    def __enter__(self) -> GatewayProcess:
-        try:
-            return self.wait_ready()
-        except BaseException:
-            self.close()
-            raise
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -7,7 +7,6 @@ import contextlib
 import csv
 import shutil
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +16,7 @@ import pytest
 
 from controller.cli import main
 from controller.config import load_config
-from tests.enginehelpers import EngineProcess, free_port
+from tests.enginehelpers import ChildService, EngineProcess, free_port
 from tests.gatewayhelpers import primary_and_standby, roles, write_cluster
 
 HAPROXY = shutil.which("haproxy")
@@ -36,13 +35,13 @@ def check(path: Path) -> subprocess.CompletedProcess:
     return subprocess.run([HAPROXY, "-c", "-f", str(path)], capture_output=True, text=True, timeout=30)
 
 
-class HAProxyProcess:
-    """``haproxy -db`` (foreground) as a child; its output goes to a file, shown when a test fails."""
+class HAProxyProcess(ChildService):
+    """``haproxy -db`` (foreground) as a child."""
+
+    name = "haproxy"
 
     def __init__(self, config: Path, port: int, stats_port: int) -> None:
-        self.log = tempfile.NamedTemporaryFile(prefix="haproxy-", suffix=".log", delete=False)  # noqa: SIM115
-        self.process = subprocess.Popen([HAPROXY, "-db", "-f", str(config)], stdout=self.log, stderr=self.log)
-        self.client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10.0)
+        super().__init__([HAPROXY, "-db", "-f", str(config)], f"http://127.0.0.1:{port}", env=None)
         self.stats_url = f"http://127.0.0.1:{stats_port}/;csv"
 
     def up(self) -> set[str] | None:
@@ -79,17 +78,6 @@ class HAProxyProcess:
                 routed = time.monotonic() - started  # the first answer of the streak that lasted
             time.sleep(0.002)
         return routed, marked, failed
-
-    def logs(self) -> str:
-        return Path(self.log.name).read_text()
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(timeout=10)
-        self.client.close()
-        self.log.close()
-        Path(self.log.name).unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="module")

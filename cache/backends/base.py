@@ -61,3 +61,26 @@ class ArenaBackend(ABC):
         """Map an arena exported by ``ExportedArena.export`` in another process. Takes ownership of
         ``fds`` (closes them when done with them). Raises BackendUnavailable or ValueError for a
         handle this backend cannot read."""
+
+
+def require_cuda(backend: str, device: torch.device) -> int:
+    """The CUDA device index ``device`` names; BackendUnavailable when torch sees no such device."""
+    if device.type != "cuda":
+        raise BackendUnavailable(f"{backend} shares CUDA memory; got device {device}")
+    if not torch.cuda.is_available():
+        raise BackendUnavailable(f"{backend}: torch sees no CUDA device (torch {torch.__version__})")
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if not 0 <= index < torch.cuda.device_count():
+        raise BackendUnavailable(f"{backend}: no CUDA device {index} (torch sees {torch.cuda.device_count()})")
+    return index
+
+
+def importing_device(backend: str, exporter_index: int, device: torch.device) -> int:
+    """The device index an arena exported on ``exporter_index`` is imported on; ValueError for another
+    device (checked before CUDA is touched, so the refusal is the same on any machine)."""
+    if device.type == "cuda" and device.index is not None and device.index != exporter_index:
+        raise ValueError(f"{backend}: arena lives on cuda:{exporter_index} but was imported on cuda:{device.index}")
+    index = require_cuda(backend, device)
+    if index != exporter_index:
+        raise ValueError(f"{backend}: arena lives on cuda:{exporter_index} but was imported on cuda:{index}")
+    return index

@@ -28,7 +28,13 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
-from cache.backends.base import ArenaBackend, BackendUnavailable, ExportedArena, ImportedArena
+from cache.backends.base import (
+    ArenaBackend,
+    ExportedArena,
+    ImportedArena,
+    importing_device,
+    require_cuda,
+)
 
 NAME = "cuda-ipc"
 
@@ -160,18 +166,6 @@ def decode_args(encoded: Any) -> tuple[Any, ...]:
     return tuple(out)
 
 
-def _require_cuda(device: torch.device) -> int:
-    """The device index; BackendUnavailable when torch sees no such CUDA device."""
-    if device.type != "cuda":
-        raise BackendUnavailable(f"{NAME} shares CUDA memory; got device {device}")
-    if not torch.cuda.is_available():
-        raise BackendUnavailable(f"{NAME}: torch sees no CUDA device (torch {torch.__version__})")
-    index = torch.cuda.current_device() if device.index is None else device.index
-    if not 0 <= index < torch.cuda.device_count():
-        raise BackendUnavailable(f"{NAME}: no CUDA device {index} (torch sees {torch.cuda.device_count()})")
-    return index
-
-
 class IpcExportedArena(ExportedArena):
     """The daemon's arena: a torch CUDA tensor from the caching allocator."""
 
@@ -228,11 +222,7 @@ def _parse_handle(handle: Any, device: torch.device) -> tuple[int, tuple[Any, ..
         raise ValueError(
             f"{NAME}: handle names device {exporter_index} but its storage is on {fields['storage_device']}"
         )
-    if device.type == "cuda" and device.index is not None and device.index != exporter_index:
-        raise ValueError(f"{NAME}: arena lives on cuda:{exporter_index} but was imported on cuda:{device.index}")
-    index = _require_cuda(device)
-    if index != exporter_index:
-        raise ValueError(f"{NAME}: arena lives on cuda:{exporter_index} but was imported on cuda:{index}")
+    index = importing_device(NAME, exporter_index, device)
     return index, args
 
 
@@ -244,7 +234,7 @@ class CudaIpcBackend(ArenaBackend):
     def allocate(self, nbytes: int, device: torch.device) -> IpcExportedArena:
         if nbytes <= 0:
             raise ValueError(f"{NAME}: nbytes must be positive, got {nbytes}")
-        index = _require_cuda(device)
+        index = require_cuda(NAME, device)
         return IpcExportedArena(torch.empty(nbytes, dtype=torch.uint8, device=torch.device("cuda", index)))
 
     def import_arena(self, handle: dict[str, Any], fds: list[int], device: torch.device) -> IpcImportedArena:

@@ -31,7 +31,14 @@ from typing import Any
 
 import torch
 
-from cache.backends.base import ArenaBackend, BackendUnavailable, ExportedArena, ImportedArena
+from cache.backends.base import (
+    ArenaBackend,
+    BackendUnavailable,
+    ExportedArena,
+    ImportedArena,
+    importing_device,
+    require_cuda,
+)
 
 NAME = "cuda-vmm"
 INSTALL_HINT = "pip install 'hotweights[cuda]'"
@@ -75,18 +82,6 @@ def _check(result: Any, what: str) -> Any:
     if not values:
         return None
     return values[0] if len(values) == 1 else tuple(values)
-
-
-def _require_cuda(device: torch.device) -> int:
-    """The device index; BackendUnavailable when torch sees no such CUDA device."""
-    if device.type != "cuda":
-        raise BackendUnavailable(f"{NAME} shares CUDA memory; got device {device}")
-    if not torch.cuda.is_available():
-        raise BackendUnavailable(f"{NAME}: torch sees no CUDA device (torch {torch.__version__})")
-    index = torch.cuda.current_device() if device.index is None else device.index
-    if not 0 <= index < torch.cuda.device_count():
-        raise BackendUnavailable(f"{NAME}: no CUDA device {index} (torch sees {torch.cuda.device_count()})")
-    return index
 
 
 @contextmanager
@@ -303,11 +298,7 @@ def _parse_handle(handle: dict[str, Any], fds: list[int], device: torch.device) 
         raise ValueError(f"{NAME}: bad nbytes {nbytes!r}")
     if not isinstance(exporter_index, int) or isinstance(exporter_index, bool):
         raise ValueError(f"{NAME}: bad device_index {exporter_index!r}")
-    if device.type == "cuda" and device.index is not None and device.index != exporter_index:
-        raise ValueError(f"{NAME}: arena lives on cuda:{exporter_index} but was imported on cuda:{device.index}")
-    index = _require_cuda(device)
-    if index != exporter_index:
-        raise ValueError(f"{NAME}: arena lives on cuda:{exporter_index} but was imported on cuda:{index}")
+    index = importing_device(NAME, exporter_index, device)
     ours, theirs = _device_uuid(index), handle.get("device_uuid")
     if ours is not None and theirs is not None and ours != theirs:
         raise ValueError(f"{NAME}: arena lives on GPU {theirs} but cuda:{index} here is GPU {ours}")
@@ -324,7 +315,7 @@ class CudaVmmBackend(ArenaBackend):
     def allocate(self, nbytes: int, device: torch.device) -> VmmExportedArena:
         if nbytes <= 0:
             raise ValueError(f"{NAME}: nbytes must be positive, got {nbytes}")
-        index = _require_cuda(device)
+        index = require_cuda(NAME, device)
         drv = _driver()
         with _on_device(drv, index):
             granularity = _granularity(drv, index)
