@@ -399,8 +399,7 @@ class Cluster:
         # An HTTP answer, not a TCP connect: the kernel accepts connections for a stopped process too.
         url = f"http://{self.config.gateway.host}:{self.config.gateway.port}/gateway/health"
         try:
-            async with httpx.AsyncClient(timeout=PROBE_TIMEOUT_S) as client:
-                return (await client.get(url)).status_code == 200
+            return (await self.checker.client.get(url, timeout=PROBE_TIMEOUT_S)).status_code == 200
         except httpx.HTTPError:
             return False
 
