@@ -1,5 +1,5 @@
-"""The OpenAI completions protocol: request schema, token-to-text streaming with stop strings, and
-one request's run from submitted sequences to response chunks.
+"""The OpenAI completions protocol: request schema, and one request's run from submitted sequences
+to response chunks (text via ``standby.generate.TextStream``, stop strings included).
 
 Nothing here knows about HTTP routing or roles; ``standby/server.py`` wires it to FastAPI.
 """
@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from tokenizers import Tokenizer
 
+from standby.generate import TextStream
 from standby.scheduler import Event, Finish, SamplingParams, Scheduler, Sequence
 
 
@@ -63,45 +64,6 @@ class CompletionRequest(BaseModel):
     @property
     def stop_strings(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-
-
-class TextStream:
-    """Token ids in, text pieces out. Holds back an incomplete UTF-8 sequence and any tail that may
-    be the start of a stop string; at a stop string, ends the text just before it."""
-
-    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...]) -> None:
-        self.tokenizer = tokenizer
-        self.stop = stop
-        self.ids: list[int] = []
-        self.sent = 0  # characters handed out so far
-        self.stopped = False
-
-    def push(self, token: int) -> str:
-        self.ids.append(token)
-        text = self.tokenizer.decode(self.ids)
-        if self.stop:
-            longest = max(map(len, self.stop))
-            hits = [i for s in self.stop if (i := text.find(s, max(0, self.sent - longest + 1))) >= 0]
-            if hits:
-                self.stopped = True
-                return self._advance(text, min(hits))
-        if text.endswith("\ufffd"):
-            return ""
-        return self._advance(text, len(text) - self._stop_prefix_len(text))
-
-    def flush(self) -> str:
-        """The rest of the text, once generation has ended without a stop string."""
-        text = self.tokenizer.decode(self.ids)
-        return "" if self.stopped else self._advance(text, len(text))
-
-    def _advance(self, text: str, end: int) -> str:
-        piece = text[self.sent : end]
-        self.sent = max(self.sent, end)
-        return piece
-
-    def _stop_prefix_len(self, text: str) -> int:
-        """Length of the longest tail of ``text`` that a stop string starts with."""
-        return max((n for s in self.stop for n in range(len(s) - 1, 0, -1) if text.endswith(s[:n])), default=0)
 
 
 class GenerationAborted(Exception):

@@ -46,6 +46,45 @@ def stop_token_ids(model_dir: Path) -> tuple[int, ...]:
     return ()
 
 
+class TextStream:
+    """Token ids in, text pieces out. Holds back an incomplete UTF-8 sequence and any tail that may
+    be the start of a stop string; at a stop string, ends the text just before it."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...]) -> None:
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.ids: list[int] = []
+        self.sent = 0  # characters handed out so far
+        self.stopped = False
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids)
+        if self.stop:
+            longest = max(map(len, self.stop))
+            hits = [i for s in self.stop if (i := text.find(s, max(0, self.sent - longest + 1))) >= 0]
+            if hits:
+                self.stopped = True
+                return self._advance(text, min(hits))
+        if text.endswith("\ufffd"):
+            return ""
+        return self._advance(text, len(text) - self._stop_prefix_len(text))
+
+    def flush(self) -> str:
+        """The rest of the text, once generation has ended without a stop string."""
+        text = self.tokenizer.decode(self.ids)
+        return "" if self.stopped else self._advance(text, len(text))
+
+    def _advance(self, text: str, end: int) -> str:
+        piece = text[self.sent : end]
+        self.sent = max(self.sent, end)
+        return piece
+
+    def _stop_prefix_len(self, text: str) -> int:
+        """Length of the longest tail of ``text`` that a stop string starts with."""
+        return max((n for s in self.stop for n in range(len(s) - 1, 0, -1) if text.endswith(s[:n])), default=0)
+
+
 def stream_text(
     model: Transformer,
     tokenizer: Tokenizer,
@@ -61,16 +100,14 @@ def stream_text(
     prompt_ids = tokenizer.encode(prompt).ids
     if not prompt_ids:
         raise ConfigError("--prompt is empty after tokenization")
-    ids: list[int] = []
-    emitted = ""
+    text = TextStream(tokenizer, stop=())
     for token in generate(
         model, prompt_ids, max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop_ids=stop_ids
     ):
-        ids.append(token)
-        text = tokenizer.decode(ids)
-        if not text.endswith("\ufffd"):
-            yield text[len(emitted) :]
-            emitted = text
+        if piece := text.push(token):
+            yield piece
+    if rest := text.flush():
+        yield rest
 
 
 def run_rank(rank: int, args: argparse.Namespace, port: int) -> None:
