@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -11,6 +12,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 from cache.checkpoint import read_checkpoint
 from cache.daemon import CacheDaemon, pipeline_source
@@ -26,13 +29,15 @@ ENV = {
 }
 
 
-def wait_for(predicate, timeout: float = 60.0, what: str = "condition") -> None:
+def wait_until(predicate: Any, timeout: float = 60.0, what: str = "condition", interval: float = 0.02) -> Any:
+    """Poll until ``predicate()`` is truthy and return its value; transport errors count as not yet."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.02)
-    raise TimeoutError(f"timed out waiting for {what}")
+        with contextlib.suppress(httpx.TransportError):
+            if value := predicate():
+                return value
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
 
 
 class ThreadDaemon:
@@ -48,7 +53,7 @@ class ThreadDaemon:
 
     def __enter__(self) -> CacheDaemon:
         self.thread.start()
-        wait_for(lambda: self.paths.ready.exists() or not self.thread.is_alive(), what="daemon ready")
+        wait_until(lambda: self.paths.ready.exists() or not self.thread.is_alive(), what="daemon ready")
         assert self.thread.is_alive(), "daemon thread died during load"
         return self.daemon
 
@@ -68,7 +73,7 @@ class ProcessDaemon:
 
     def start(self) -> ProcessDaemon:
         self.process = subprocess.Popen(self.command, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        wait_for(lambda: self.serving() or self.process.poll() is not None, what="daemon ready")
+        wait_until(lambda: self.serving() or self.process.poll() is not None, what="daemon ready")
         assert self.process.poll() is None, self.process.stderr.read().decode()
         return self
 

@@ -7,12 +7,10 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,42 +18,14 @@ from typing import Any
 import httpx
 
 from chaos.splitbrain import SplitBrainDetector
+from chaos.stack import free_ports
 from controller.commands import stop_everything
 from controller.config import load_config
 from controller.supervisor import StateFile
-from tests.cachehelpers import ENV
+from tests.cachehelpers import ENV, wait_until
 from tests.enginehelpers import free_port
 
 TOKEN = "controller-test-token"
-
-
-def free_port_run(count: int) -> int:
-    """A base port with ``count`` free ports after it (engine i listens on base + i)."""
-    for _ in range(100):
-        base = free_port()
-        if base + count < 65536 and all(_is_free(base + i) for i in range(count)):
-            return base
-    raise RuntimeError(f"no run of {count} free ports found")
-
-
-def _is_free(port: int) -> bool:
-    with socket.socket() as probe:
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def wait_until(predicate: Any, timeout: float, what: str, interval: float = 0.02) -> Any:
-    """Poll until ``predicate()`` is truthy and return its value; transport errors count as not yet."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.TransportError):
-            if value := predicate():
-                return value
-        time.sleep(interval)
-    raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
 
 
 class ControllerStack:
@@ -64,7 +34,7 @@ class ControllerStack:
     def __init__(self, model: Path, engines: int = 3) -> None:
         self.root = Path(tempfile.mkdtemp(prefix="hwc-", dir="/tmp"))
         self.port = free_port()
-        self.base_port = free_port_run(engines + 2)
+        self.base_port = free_ports(engines + 2, consecutive=True)[0]
         token_file = self.root / "token"
         token_file.write_text(TOKEN + "\n")
         self.config_path = self.root / "cluster.toml"

@@ -24,7 +24,7 @@ from cache.fingerprint import Fingerprint
 from cache.pipeline import LoadSpec, load_processed
 from cache.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, recv_message, send_message
 from standby.weights import load_model
-from tests.cachehelpers import ENV, Engine, ProcessDaemon, ThreadDaemon, fingerprint_of, wait_for
+from tests.cachehelpers import ENV, Engine, ProcessDaemon, ThreadDaemon, fingerprint_of, wait_until
 from tests.conftest import make_checkpoint
 
 
@@ -108,7 +108,7 @@ def test_three_engines_share_one_arena(tiny_model: Path, sock: Path) -> None:
             status = request(sock, {"op": "status"})["status"]
             attached = [client["pid"] for client in status["clients"] if client["attached"]]
             assert sorted(attached) == sorted(e.process.pid for e in (a, b, c))
-        wait_for(lambda: len([x for x in request(sock, {"op": "status"})["status"]["clients"] if x["attached"]]) == 2)
+        wait_until(lambda: len([x for x in request(sock, {"op": "status"})["status"]["clients"] if x["attached"]]) == 2)
 
 
 def test_engines_survive_daemon_sigkill_and_restart_serves_again(tiny_model: Path, sock: Path) -> None:
@@ -186,7 +186,7 @@ def test_daemon_mode_starts_a_detached_daemon(tiny_model: Path, runtime: Path) -
     finally:
         loaded.attachment.close()
         os.kill(pid, 15)
-        wait_for(lambda: not ready.exists(), what="daemon exit")
+        wait_until(lambda: not ready.exists(), what="daemon exit")
 
 
 # -- refusals -------------------------------------------------------------------------------------
@@ -376,13 +376,13 @@ def test_no_leaks_after_50_attach_detach_cycles(tiny_model: Path, sock: Path) ->
         warm = attach(sock, expected, "cpu")
         warm.close()
         # The daemon's side of a connection ends on its own thread after we hang up: let it, then count.
-        wait_for(lambda: not daemon.clients, timeout=5, what="the warm-up connection to end")
+        wait_until(lambda: not daemon.clients, timeout=5, what="the warm-up connection to end")
         baseline = snapshot()
         for _ in range(50):
             attachment = attach(sock, expected, "cpu")
             assert attachment.tensors["norm.weight"].sum() != 0
             attachment.close()
-        wait_for(lambda: snapshot() == baseline, timeout=5, what=f"fds/maps/threads back to {baseline}")
+        wait_until(lambda: snapshot() == baseline, timeout=5, what=f"fds/maps/threads back to {baseline}")
 
 
 def test_accept_failure_does_not_stop_the_daemon(tiny_model: Path, sock: Path) -> None:
@@ -401,7 +401,7 @@ def test_accept_failure_does_not_stop_the_daemon(tiny_model: Path, sock: Path) -
 
         daemon._listener = FailsOnce()
         try:
-            wait_for(lambda: daemon._listener.failed, timeout=5, what="a failed accept")
+            wait_until(lambda: daemon._listener.failed, timeout=5, what="a failed accept")
             assert hello(sock)["ok"]
         finally:
             daemon._listener = listener

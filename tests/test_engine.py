@@ -20,7 +20,7 @@ from standby.model import generate
 from standby.roles import Role, Roles
 from standby.scheduler import Finish, SamplingParams, Scheduler, Sequence
 from standby.weights import load_model
-from tests.cachehelpers import ProcessDaemon, wait_for
+from tests.cachehelpers import ProcessDaemon, wait_until
 from tests.enginehelpers import EngineProcess
 
 TOKEN = "test-token-1234"
@@ -249,7 +249,7 @@ def test_promote_drain_demote(standby: EngineProcess) -> None:
         assert next(lines).startswith("data: ")
         drain = threading.Thread(target=lambda: drained.append(standby.post("/drain", json={"timeout_s": 60})))
         drain.start()
-        wait_for(lambda: standby.client.get("/primary").status_code == 503, timeout=5, what="/primary 503")
+        wait_until(lambda: standby.client.get("/primary").status_code == 503, timeout=5, what="/primary 503")
         assert standby.client.get("/health/ready").json()["in_flight"] == 1, "the stream ended before the drain began"
         assert standby.complete(prompt="x", max_tokens=2).status_code == 503
         rest = [line for line in lines if line]
@@ -301,7 +301,7 @@ def test_sigterm_lets_in_flight_requests_finish_and_exits_zero(tiny_model: Path)
 def test_sigterm_past_the_shutdown_timeout_cancels_cleanly(tiny_model: Path) -> None:
     """A stream still running at --shutdown-timeout ends with an SSE error event (as at a drain deadline),
     not with uvicorn cancelling its task and logging a traceback; the engine still exits 0."""
-    engine = EngineProcess(tiny_model, *FLAGS, "--shutdown-timeout", "0.2")
+    engine = EngineProcess(tiny_model, *FLAGS, "--shutdown-timeout", "0.05")  # far shorter than the generation
     with engine:
         with engine.client.stream(
             "POST", "/v1/completions", json={"prompt": "x", "max_tokens": 480, "stream": True}

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.cachehelpers import wait_for
+from tests.cachehelpers import wait_until
 from tests.enginehelpers import EngineProcess, free_port
 from tests.gatewayhelpers import GatewayProcess, primary_and_standby, roles, write_cluster
 
@@ -218,7 +218,7 @@ def test_failovers_under_load_show_no_client_errors(engines: list[EngineProcess]
         # A stream under way when its engine dies cannot be hidden (checked below): plain requests only now.
         load.streams = False
         count = len(load.latencies)
-        wait_for(lambda: len(load.latencies) >= count + 2, timeout=10, what="a streamed request to finish")
+        wait_until(lambda: len(load.latencies) >= count + 2, timeout=10, what="a streamed request to finish")
         with gateway.client.stream("POST", "/v1/completions", json=LONG_STREAM) as cut:
             lines = (line for line in cut.iter_lines() if line)
             assert next(lines).startswith("data: {")
