@@ -29,15 +29,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cache.checkpoint import read_checkpoint
-from cache.client import attach, hello
-from cache.daemon import ArenaSource, CacheDaemon, pipeline_source
-from cache.fingerprint import ARENA_FORMAT_VERSION, Fingerprint, compute_fingerprint
-from cache.makemodel import write_checkpoint
-from cache.paths import DaemonPaths
-from cache.pipeline import LoadSpec, load_processed
-from standby.model import ModelConfig, TensorParallel
-from standby.weights import bind, build_meta_model, expected_tensors
+from hotweights.cache.checkpoint import read_checkpoint
+from hotweights.cache.client import attach, hello
+from hotweights.cache.daemon import ArenaSource, CacheDaemon, pipeline_source
+from hotweights.cache.fingerprint import ARENA_FORMAT_VERSION, Fingerprint, compute_fingerprint
+from hotweights.cache.makemodel import write_checkpoint
+from hotweights.cache.paths import DaemonPaths
+from hotweights.cache.pipeline import LoadSpec, load_processed
+from hotweights.standby.model import ModelConfig, TensorParallel
+from hotweights.standby.weights import bind, build_meta_model, expected_tensors
 
 DTYPE = torch.bfloat16
 

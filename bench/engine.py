@@ -26,6 +26,8 @@ from pathlib import Path
 
 import httpx
 
+from hotweights.spawn import hotweights_command
+
 REPO = Path(__file__).resolve().parents[1]
 HEALTH_TARGET_MS = 10.0
 
@@ -42,7 +44,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def start_engine(args: argparse.Namespace, port: int, log: Path) -> subprocess.Popen:
-    command = [sys.executable, "-m", "controller.cli", "engine", "--role", "standby", "--port", str(port)]
+    command = hotweights_command("engine", "--role", "standby", "--port", str(port))
     command += ["--device", args.device, "--max-batch", str(args.max_batch)]
     command += ["--kv-cache-tokens", str(args.kv_cache_tokens)] + (["--model", args.model] if args.model else [])
     with log.open("w") as out:

@@ -16,11 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from hotweights.spawn import hotweights_command
 
 REPO = Path(__file__).resolve().parent.parent
 TARGETS = {"p50_ms": 300.0, "p99_ms": 1000.0}
@@ -41,12 +42,11 @@ def main() -> int:
     parser.add_argument("--model", help="checkpoint (default: the embedded tiny model)")
     args = parser.parse_args()
     report = Path(tempfile.mkdtemp(prefix="hw-failover-"))
-    command = [sys.executable, "-m", "controller.cli", "drill", "kill-primary", "--lb", args.lb]
+    command = hotweights_command("drill", "kill-primary", "--lb", args.lb)
     command += ["--rounds", str(args.rounds), "--rps", str(args.rps), "--device", args.device, "--report", str(report)]
     if args.model:
         command += ["--model", args.model]
-    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    drill = subprocess.run(command, cwd=REPO, env={**os.environ, "PYTHONPATH": path}, check=False)
+    drill = subprocess.run(command, cwd=REPO, check=False)
     rounds = json.loads((report / "report.json").read_text())["rounds"]
     times = [r["lb_convergence_ms"] for r in rounds if r.get("lb_convergence_ms") is not None]
     if not times:

@@ -34,9 +34,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
-
-from cache.backends import get_backend
-from cache.backends.base import BackendUnavailable, ExportedArena
+from hotweights.cache.backends import get_backend
+from hotweights.cache.backends.base import BackendUnavailable, ExportedArena
 
 MiB = 1 << 20
 TIMEOUT_S = 120.0
@@ -94,7 +93,7 @@ def _warm_up(name: str) -> float:
     t0 = time.perf_counter()
     get_backend(name)
     if name == "cuda-vmm":
-        from cache.backends.cuda_vmm import _driver
+        from hotweights.cache.backends.cuda_vmm import _driver
 
         _driver()
     return (time.perf_counter() - t0) * 1e3

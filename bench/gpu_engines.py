@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -24,6 +23,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from hotweights.spawn import hotweights_command
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPT = "The weight cache keeps"
@@ -58,14 +59,10 @@ class Stack:
         self.model, self.device, self.workdir = model, device, workdir
         self.socket = workdir / "cache.sock"
         self.procs: list[subprocess.Popen] = []
-        self.env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-        }
 
     def spawn(self, args: list[str], log: str) -> subprocess.Popen:
         out = open(self.workdir / log, "ab")  # noqa: SIM115 - lives as long as the process
-        proc = subprocess.Popen([sys.executable, "-m", "controller.cli", *args], env=self.env, stdout=out, stderr=out)
+        proc = subprocess.Popen(hotweights_command(*args), stdout=out, stderr=out)
         self.procs.append(proc)
         return proc
 

@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parent.parent
 def steps(workdir: Path, out: Path) -> dict[str, tuple[list[str], int]]:
     """name -> (command, time limit in s), in the order they run."""
     xl, medium, drill = (shlex.quote(str(p)) for p in (workdir / "xl", workdir / "medium", out / "drill"))
-    hw = f"{shlex.quote(sys.executable)} -m controller.cli"
+    hw = f"{shlex.quote(sys.executable)} -m hotweights"
     bench = f"{shlex.quote(sys.executable)} bench"
     synthetic = "--device cuda:0 --source synthetic --sizes-gb 1,10,80"
     commands = {
@@ -97,8 +97,7 @@ def main() -> int:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     args.workdir.mkdir(parents=True, exist_ok=True)
-    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     results: dict[str, dict] = {}
     try:
         for name, (command, limit) in steps(args.workdir, args.out).items():

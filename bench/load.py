@@ -21,9 +21,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cache.checkpoint import read_checkpoint
-from cache.makemodel import PRESETS, write_checkpoint
-from cache.pipeline import LoadSpec, load_processed
+from hotweights.cache.checkpoint import read_checkpoint
+from hotweights.cache.makemodel import PRESETS, write_checkpoint
+from hotweights.cache.pipeline import LoadSpec, load_processed
 
 
 def timed_load(model_dir: Path, spec: LoadSpec) -> float:

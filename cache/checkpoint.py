@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hotweights.cache import fp8
+from hotweights.standby.model import ModelConfig
 
-from cache import fp8
-from cache.errors import CheckpointError
-from standby.model import ModelConfig
+from hotweights.errors import CheckpointError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 INDEX_FILE = "model.safetensors.index.json"

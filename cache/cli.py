@@ -10,16 +10,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hotweights.cache import arena as arena_layout
+from hotweights.cache.backends import BACKENDS, default_backend_name
+from hotweights.cache.checkpoint import read_checkpoint
+from hotweights.cache.client import DaemonUnavailable, attach, request
+from hotweights.cache.daemon import serve
+from hotweights.cache.fingerprint import Fingerprint, compute_fingerprint
+from hotweights.cache.paths import paths_for, runtime_dir
+from hotweights.cache.pipeline import add_load_spec_arguments, load_spec_from_args, model_dir_from_args
 
-from cache import arena as arena_layout
-from cache.backends import BACKENDS, default_backend_name
-from cache.checkpoint import read_checkpoint
-from cache.client import DaemonUnavailable, attach, request
-from cache.daemon import serve
-from cache.errors import ConfigError
-from cache.fingerprint import Fingerprint, compute_fingerprint
-from cache.paths import paths_for, runtime_dir
-from cache.pipeline import add_load_spec_arguments, load_spec_from_args, model_dir_from_args
+from hotweights.errors import ConfigError
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

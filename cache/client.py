@@ -24,13 +24,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hotweights.cache import arena as arena_layout
+from hotweights.cache.backends import get_backend
+from hotweights.cache.backends.base import BackendUnavailable, ImportedArena
+from hotweights.cache.fingerprint import Fingerprint
+from hotweights.cache.protocol import MAX_FDS, PROTOCOL_VERSION, ProtocolError, recv_message, send_message
 
-from cache import arena as arena_layout
-from cache.backends import get_backend
-from cache.backends.base import BackendUnavailable, ImportedArena
-from cache.errors import HotweightsError
-from cache.fingerprint import Fingerprint
-from cache.protocol import MAX_FDS, PROTOCOL_VERSION, ProtocolError, recv_message, send_message
+from hotweights.errors import HotweightsError
 
 CONNECT_TIMEOUT_S = 10.0
 

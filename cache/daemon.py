@@ -25,16 +25,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-from cache import arena as arena_layout
-from cache.backends import get_backend
-from cache.backends.base import ExportedArena
-from cache.checkpoint import Checkpoint
-from cache.errors import BindingError, ConfigError, HotweightsError
-from cache.fingerprint import Fingerprint, compute_fingerprint
-from cache.paths import DaemonPaths, ensure_private_dir
-from cache.pipeline import LoadSpec, check_spec, iter_processed, processed_config, processed_dtype
-from cache.protocol import (
+from hotweights.cache import arena as arena_layout
+from hotweights.cache.backends import get_backend
+from hotweights.cache.backends.base import ExportedArena
+from hotweights.cache.checkpoint import Checkpoint
+from hotweights.cache.fingerprint import Fingerprint, compute_fingerprint
+from hotweights.cache.paths import DaemonPaths, ensure_private_dir
+from hotweights.cache.pipeline import LoadSpec, check_spec, iter_processed, processed_config, processed_dtype
+from hotweights.cache.protocol import (
     PROTOCOL_VERSION,
     PeerClosed,
     ProtocolError,
@@ -42,10 +40,12 @@ from cache.protocol import (
     recv_message,
     send_message,
 )
-from standby.model import TensorParallel
-from standby.weights import build_meta_model, expected_tensors
+from hotweights.standby.model import TensorParallel
+from hotweights.standby.weights import build_meta_model, expected_tensors
 
-log = logging.getLogger("hotweights.cache")
+from hotweights.errors import BindingError, ConfigError, HotweightsError
+
+log = logging.getLogger(__name__)
 
 REQUEST_TIMEOUT_S = 10.0
 MAX_SOCKET_PATH = 107  # sun_path is 108 bytes including the NUL

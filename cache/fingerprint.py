@@ -13,9 +13,8 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
-
-from cache.checkpoint import INDEX_FILE, Checkpoint
-from cache.pipeline import LoadSpec, processed_config, processed_dtype
+from hotweights.cache.checkpoint import INDEX_FILE, Checkpoint
+from hotweights.cache.pipeline import LoadSpec, processed_config, processed_dtype
 
 ARENA_FORMAT_VERSION = 1
 

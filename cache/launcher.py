@@ -10,23 +10,24 @@ import fcntl
 import logging
 import os
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
-from cache.client import AttachRefused, DaemonUnavailable, hello
-from cache.paths import DaemonPaths, ensure_private_dir
-from cache.pipeline import DTYPES, LoadSpec
+from hotweights.cache.client import AttachRefused, DaemonUnavailable, hello
+from hotweights.cache.paths import DaemonPaths, ensure_private_dir
+from hotweights.cache.pipeline import DTYPES, LoadSpec
 
-log = logging.getLogger("hotweights.cache")
+from hotweights.spawn import hotweights_command
+
+log = logging.getLogger(__name__)
 
 POLL_S = 0.05
 
 
 def daemon_command(model_dir: Path, spec: LoadSpec, paths: DaemonPaths, backend: str | None = None) -> list[str]:
     """The ``hotweights cache serve`` command line for this spec."""
-    command = [sys.executable, "-m", "controller.cli", "cache", "serve", "--model", str(model_dir)]
+    command = hotweights_command("cache", "serve", "--model", str(model_dir))
     command += ["--device", spec.device, "--tp-size", str(spec.tp_size), "--tp-rank", str(spec.tp_rank)]
     command += ["--socket", str(paths.socket)]
     if spec.dtype is not None:

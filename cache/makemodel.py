@@ -28,14 +28,14 @@ from importlib import resources
 from pathlib import Path
 
 import torch
+from hotweights.cache import fp8
+from hotweights.cache.pipeline import DTYPES
+from hotweights.standby.model import ModelConfig
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from tqdm import tqdm
 
-from cache import fp8
-from cache.errors import ConfigError
-from cache.pipeline import DTYPES
-from standby.model import ModelConfig
+from hotweights.errors import ConfigError
 
 BOS_TOKEN = "<|begin_of_text|>"
 EOS_TOKEN = "<|end_of_text|>"

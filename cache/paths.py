@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from cache.errors import ConfigError
+from hotweights.errors import ConfigError
 
 
 def runtime_dir() -> Path:

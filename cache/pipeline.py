@@ -15,13 +15,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+from hotweights.cache import fp8
+from hotweights.cache.checkpoint import Checkpoint, read_checkpoint
+from hotweights.standby.model import ModelConfig
 from safetensors import safe_open
 from tqdm import tqdm
 
-from cache import fp8
-from cache.checkpoint import Checkpoint, read_checkpoint
-from cache.errors import CheckpointError, ConfigError
-from standby.model import ModelConfig
+from hotweights.errors import CheckpointError, ConfigError
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 QUANTIZE_CHOICES = ("fp8-block",)
@@ -244,6 +244,6 @@ def model_dir_from_args(args: argparse.Namespace) -> Path:
     """--model, or the embedded tiny default (generated on first use)."""
     if args.model:
         return Path(args.model)
-    from cache.makemodel import ensure_default_model
+    from hotweights.cache.makemodel import ensure_default_model
 
     return ensure_default_model()

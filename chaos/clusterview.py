@@ -13,8 +13,7 @@ from datetime import datetime
 from typing import Any
 
 import httpx
-
-from chaos.faults import Target
+from hotweights.chaos.faults import Target
 
 
 @dataclass(frozen=True)

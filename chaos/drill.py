@@ -27,16 +27,16 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from hotweights.chaos import memory
+from hotweights.chaos.clusterview import ControlApi, lb_retries
+from hotweights.chaos.load import LoadGenerator, reference_completion
+from hotweights.chaos.measure import RoundResult, apply_events, apply_requests
+from hotweights.chaos.report import write_report
+from hotweights.chaos.scenarios import SCENARIOS, Round, Scenario
+from hotweights.chaos.splitbrain import SplitBrainDetector
+from hotweights.chaos.stack import DrillStack
 
-from cache.errors import ConfigError, HotweightsError
-from chaos import memory
-from chaos.clusterview import ControlApi, lb_retries
-from chaos.load import LoadGenerator, reference_completion
-from chaos.measure import RoundResult, apply_events, apply_requests
-from chaos.report import write_report
-from chaos.scenarios import SCENARIOS, Round, Scenario
-from chaos.splitbrain import SplitBrainDetector
-from chaos.stack import DrillStack
+from hotweights.errors import ConfigError, HotweightsError
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from chaos.clusterview import event_time
-from chaos.load import RequestRecord
+from hotweights.chaos.clusterview import event_time
+from hotweights.chaos.load import RequestRecord
 
 MEASURES = ("detection_ms", "fence_ms", "promotion_ms", "lb_convergence_ms", "outage_ms")
 

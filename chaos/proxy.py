@@ -9,6 +9,7 @@ chunks read from then on.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
@@ -121,6 +122,16 @@ async def serve(pairs: list[str]) -> None:
         await asyncio.gather(*(p.close() for p in proxies.values()))
 
 
-if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    asyncio.run(serve(sys.argv[1:]))
+def cmd_proxy(args: argparse.Namespace) -> int:
+    asyncio.run(serve(args.pairs))
+    return 0
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "drill-proxy",
+        help="the drills' delay proxy (started by `hotweights drill` for the hang scenarios)",
+        description="TCP proxies PUBLIC=PRIVATE; each stdin line 'PUBLIC SECONDS' sets that proxy's delay; EOF ends.",
+    )
+    p.add_argument("pairs", nargs="+", metavar="PUBLIC=PRIVATE", help="listen port = engine port")
+    p.set_defaults(func=cmd_proxy)

@@ -17,9 +17,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from chaos.load import RequestRecord
-from chaos.measure import MEASURES, RoundResult
-from chaos.scenarios import SCENARIOS
+from hotweights.chaos.load import RequestRecord
+from hotweights.chaos.measure import MEASURES, RoundResult
+from hotweights.chaos.scenarios import SCENARIOS
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -15,11 +15,11 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
-from chaos.faults import Target, is_alive, netem_unavailable, send
+from hotweights.chaos.faults import Target, is_alive, netem_unavailable, send
 
 if TYPE_CHECKING:
-    from chaos.clusterview import ClusterView, ControlApi
-    from chaos.stack import DrillStack
+    from hotweights.chaos.clusterview import ClusterView, ControlApi
+    from hotweights.chaos.stack import DrillStack
 
 HANG_S = 2.0  # how long hang-daemon keeps the daemon stopped
 SLOW_DELAY_S = 0.5  # slow-primary's added latency each way: twice the default health timeout

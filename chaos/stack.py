@@ -17,15 +17,15 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from chaos.faults import Target
-from chaos.memory import stack_pids
-from controller.config import ClusterConfig, load_config
+from hotweights.chaos.faults import Target
+from hotweights.chaos.memory import stack_pids
+from hotweights.controller.config import ClusterConfig, load_config
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from hotweights.spawn import hotweights_command
+
 ENGINES = 3  # one primary and two standbys
 DOWN_TIMEOUT_S = 30.0
 
@@ -158,10 +158,7 @@ class DrillStack:
         return (str(self.config_path), str(self.config.state_dir)) if self.owned else (str(self.config.state_dir),)
 
     def env(self) -> dict[str, str]:
-        path = [str(REPO_ROOT)]
-        if os.environ.get("PYTHONPATH"):
-            path.append(os.environ["PYTHONPATH"])
-        return {**os.environ, "PYTHONPATH": os.pathsep.join(path), "OMP_NUM_THREADS": "1"}
+        return {**os.environ, "OMP_NUM_THREADS": "1"}
 
     # --- processes -------------------------------------------------------------------------------
 
@@ -178,14 +175,14 @@ class DrillStack:
         """Start whatever the drill itself provides: proxies and the stack (own stack), HAProxy (--lb haproxy)."""
         if self.proxy_map:
             pairs = [f"{public}={private}" for public, private in self.proxy_map.items()]
-            self.proxy = self.spawn("proxy", [sys.executable, "-m", "chaos.proxy", *pairs], stdin=subprocess.PIPE)
+            self.proxy = self.spawn("proxy", hotweights_command("drill-proxy", *pairs), stdin=subprocess.PIPE)
         if self.owned:
             self.up = self.spawn("up", self.cli("up"))
         if self.lb == "haproxy":
             self.start_haproxy()
 
     def cli(self, command: str, *extra: str) -> list[str]:
-        return [sys.executable, "-m", "controller.cli", command, "--config", str(self.config_path), *extra]
+        return hotweights_command(command, "--config", str(self.config_path), *extra)
 
     def restart_controller(self) -> None:
         """A fresh ``hotweights controller``: it must adopt the running engines, daemon and gateway. It is

@@ -19,14 +19,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
+from hotweights.cache.client import AttachRefused, DaemonUnavailable, hello
+from hotweights.controller.config import EngineSpec
+from hotweights.controller.health import HealthChecker, HealthRecord
+from hotweights.controller.stack import Layout
+from hotweights.controller.supervisor import Process, StateFile, Supervisor, evict_orphans, read_identity
 
-from cache.client import AttachRefused, DaemonUnavailable, hello
-from controller.config import EngineSpec
-from controller.health import HealthChecker, HealthRecord
-from controller.stack import Layout
-from controller.supervisor import Process, StateFile, Supervisor, evict_orphans, read_identity
-
-log = logging.getLogger("hotweights.controller")
+log = logging.getLogger(__name__)
 
 SERVICE_START_TIMEOUT_S = 600.0  # a daemon loads the whole model from disk before it serves
 PROBE_INTERVAL_S = 0.05
@@ -152,7 +151,7 @@ class Cluster:
         self.config = layout.config
         self.checker = checker
         self.wake = wake
-        self.supervisor = Supervisor(layout.log_dir, layout.env(), self.handle_exit)
+        self.supervisor = Supervisor(layout.log_dir, self.handle_exit)
         self.state_file = StateFile(layout.state_file)
         self.members: dict[str, Member] = {}
         self.services: dict[str, Service] = {}

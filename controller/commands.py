@@ -28,20 +28,20 @@ from pathlib import Path
 
 import httpx
 import uvicorn
+from hotweights.controller.api import build_app
+from hotweights.controller.cluster import Cluster, Snapshot
+from hotweights.controller.config import ClusterConfig, load_config
+from hotweights.controller.engineapi import EngineApi
+from hotweights.controller.events import EventLog
+from hotweights.controller.ha import Ha
+from hotweights.controller.health import HealthChecker
+from hotweights.controller.metrics import ControllerMetrics
+from hotweights.controller.stack import Layout
+from hotweights.controller.supervisor import STOP_TIMEOUT_S, ControllerLock, StateFile, stop_recorded
 
-from cache.errors import ConfigError
-from controller.api import build_app
-from controller.cluster import Cluster, Snapshot
-from controller.config import ClusterConfig, load_config
-from controller.engineapi import EngineApi
-from controller.events import EventLog
-from controller.ha import Ha
-from controller.health import HealthChecker
-from controller.metrics import ControllerMetrics
-from controller.stack import Layout
-from controller.supervisor import STOP_TIMEOUT_S, ControllerLock, StateFile, stop_recorded
+from hotweights.errors import ConfigError
 
-log = logging.getLogger("hotweights.controller")
+log = logging.getLogger(__name__)
 
 CONTROLLER_STOP_TIMEOUT_S = 60.0  # `down` waits this long for a controller (an `up` tears its stack down first)
 

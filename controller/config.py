@@ -13,8 +13,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from cache.errors import ConfigError
-from cache.makemodel import hotweights_home
+from hotweights.cache.makemodel import hotweights_home
+
+from hotweights.errors import ConfigError
 
 EXAMPLE_CONFIG = """\
 [cluster]

@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-log = logging.getLogger("hotweights.controller")
+log = logging.getLogger(__name__)
 
 
 class EventLog:

@@ -34,15 +34,14 @@ from pathlib import Path
 
 import httpx
 import uvicorn
+from hotweights.controller.config import load_config
+from hotweights.standby.serving import AnnouncingServer, run_until_signal
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
-
-from controller.config import load_config
-from standby.serving import AnnouncingServer, run_until_signal
 
 log = logging.getLogger(__name__)
 

@@ -29,16 +29,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from hotweights.controller.cluster import Cluster, MemberView, ServiceFailed, Snapshot
+from hotweights.controller.engineapi import EngineApi, EngineUnreachable
+from hotweights.controller.events import EventLog
+from hotweights.controller.health import checks_failed, not_ready_within, process_exited
+from hotweights.controller.metrics import ControllerMetrics
+from hotweights.controller.supervisor import FENCE_TIMEOUT_S
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential
 
-from controller.cluster import Cluster, MemberView, ServiceFailed, Snapshot
-from controller.engineapi import EngineApi, EngineUnreachable
-from controller.events import EventLog
-from controller.health import checks_failed, not_ready_within, process_exited
-from controller.metrics import ControllerMetrics
-from controller.supervisor import FENCE_TIMEOUT_S
-
-log = logging.getLogger("hotweights.controller")
+log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 120.0  # an engine that is not ready this long after its start is killed and restarted
 BACKOFF = wait_exponential(multiplier=0.5, max=30)  # restarts of things that keep failing

@@ -6,19 +6,18 @@ engines of its group the same path, so engines and daemon agree without recomput
 
 from __future__ import annotations
 
-import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from cache.errors import ConfigError
-from cache.launcher import daemon_command
-from cache.makemodel import ensure_default_model
-from cache.paths import DaemonPaths
-from cache.pipeline import DTYPES, LoadSpec
-from controller.config import ClusterConfig, EngineSpec
+from hotweights.cache.launcher import daemon_command
+from hotweights.cache.makemodel import ensure_default_model
+from hotweights.cache.paths import DaemonPaths
+from hotweights.cache.pipeline import DTYPES, LoadSpec
+from hotweights.controller.config import ClusterConfig, EngineSpec
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from hotweights.errors import ConfigError
+from hotweights.spawn import hotweights_command
+
 MAX_SOCKET_PATH = 107  # sun_path is 108 bytes including the NUL
 
 
@@ -70,11 +69,6 @@ class Layout:
     def socket(self, group: int) -> Path:
         return self.state_dir / "run" / f"g{group}.sock"
 
-    def env(self) -> dict[str, str]:
-        """Our environment, with this checkout importable (``-m controller.cli`` must resolve to us)."""
-        path = os.environ.get("PYTHONPATH")
-        return {**os.environ, "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{path}" if path else str(REPO_ROOT)}
-
     def load_spec(self, group: int) -> LoadSpec:
         model = self.config.model
         return LoadSpec(
@@ -91,7 +85,7 @@ class Layout:
         """Every engine starts as a standby; the controller promotes one, so no start races a live primary.
         It listens on ``spec.listen_port``; clients keep using ``spec.port`` (a proxy may sit in between)."""
         model, engine = self.config.model, self.config.engine
-        command = [sys.executable, "-m", "controller.cli", "engine", "--model", str(self.model_dir)]
+        command = hotweights_command("engine", "--model", str(self.model_dir))
         command += ["--device", spec.device, "--weight-cache", "client", "--socket", str(self.socket(spec.group))]
         command += ["--port", str(spec.listen_port), "--role", "standby", "--engine-id", spec.id]
         command += ["--kv-cache-tokens", str(engine.kv_cache_tokens), "--max-batch", str(engine.max_batch)]
@@ -105,5 +99,5 @@ class Layout:
         return command
 
     def gateway_command(self) -> list[str]:
-        command = [sys.executable, "-m", "controller.cli", "gateway"]
+        command = hotweights_command("gateway")
         return [*command, "--config", str(self.config_path)] if self.config_path else command

@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cache.errors import ConfigError
+from hotweights.errors import ConfigError
 
-log = logging.getLogger("hotweights.controller")
+log = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 10.0  # SIGTERM -> SIGKILL for a planned stop
 FENCE_TIMEOUT_S = 5.0  # SIGKILL -> exit; longer means the process is stuck in the kernel
@@ -95,9 +95,8 @@ class Process:
 class Supervisor:
     """Owns the pidfds; ``on_exit`` runs on the event loop right after a watched process ends."""
 
-    def __init__(self, log_dir: Path, env: dict[str, str], on_exit: Callable[[Process], None]) -> None:
+    def __init__(self, log_dir: Path, on_exit: Callable[[Process], None]) -> None:
         self.log_dir = log_dir
-        self.env = env
         self.on_exit = on_exit
         self.processes: dict[str, Process] = {}
 
@@ -106,7 +105,7 @@ class Supervisor:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_dir / f"{process_id}.log", "ab") as out:
             popen = subprocess.Popen(
-                command, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=self.env, start_new_session=True
+                command, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True
             )
         pidfd = os.pidfd_open(popen.pid)  # our unreaped child: pid and /proc entry stay until we reap it
         # The command as we exec'd it, not /proc/<pid>/cmdline: Popen can return while the kernel is still

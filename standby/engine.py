@@ -21,17 +21,17 @@ from pathlib import Path
 
 import torch
 import uvicorn
+from hotweights.cache.pipeline import add_load_spec_arguments, load_spec_from_args, model_dir_from_args
+from hotweights.standby.generate import load_tokenizer, stop_token_ids
+from hotweights.standby.metrics import EngineMetrics
+from hotweights.standby.model import KVCache, Transformer
+from hotweights.standby.roles import CANCEL_GRACE_S, Role, Roles
+from hotweights.standby.scheduler import Scheduler
+from hotweights.standby.server import EngineContext, build_app
+from hotweights.standby.serving import AnnouncingServer, run_until_signal
+from hotweights.standby.weights import add_weight_cache_arguments, load_model
 
-from cache.errors import ConfigError
-from cache.pipeline import add_load_spec_arguments, load_spec_from_args, model_dir_from_args
-from standby.generate import load_tokenizer, stop_token_ids
-from standby.metrics import EngineMetrics
-from standby.model import KVCache, Transformer
-from standby.roles import CANCEL_GRACE_S, Role, Roles
-from standby.scheduler import Scheduler
-from standby.server import EngineContext, build_app
-from standby.serving import AnnouncingServer, run_until_signal
-from standby.weights import add_weight_cache_arguments, load_model
+from hotweights.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -20,9 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from hotweights.cache.fp8 import dequantize, scale_shape
 from torch import nn
-
-from cache.fp8 import dequantize, scale_shape
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from standby.model import KVCache
-from standby.scheduler import Scheduler
+from hotweights.standby.model import KVCache
+from hotweights.standby.scheduler import Scheduler
 
 CANCEL_GRACE_S = 2.0  # after a drain deadline cancels requests, how long they get to unwind
 

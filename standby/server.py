@@ -17,17 +17,16 @@ from dataclasses import dataclass, field
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from hotweights.standby.completions import CompletionRequest, CompletionRun, GenerationAborted
+from hotweights.standby.metrics import EngineMetrics, RequestCounter
+from hotweights.standby.roles import Outcome, Role, Roles
+from hotweights.standby.scheduler import Scheduler
+from hotweights.standby.weights import LoadedModel
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 from tokenizers import Tokenizer
-
-from standby.completions import CompletionRequest, CompletionRun, GenerationAborted
-from standby.metrics import EngineMetrics, RequestCounter
-from standby.roles import Outcome, Role, Roles
-from standby.scheduler import Scheduler
-from standby.weights import LoadedModel
 
 log = logging.getLogger(__name__)
 

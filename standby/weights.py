@@ -15,18 +15,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from hotweights.cache.checkpoint import Checkpoint, read_checkpoint
+from hotweights.cache.client import Attachment, AttachRefused, DaemonUnavailable, attach
+from hotweights.cache.fingerprint import Fingerprint, compute_fingerprint
+from hotweights.cache.launcher import ensure_daemon
+from hotweights.cache.paths import paths_for
+from hotweights.cache.pipeline import LoadSpec, check_spec, load_processed, processed_config, processed_dtype
+from hotweights.standby.model import ModelConfig, TensorParallel, Transformer
 from torch import nn
 
-from cache.checkpoint import Checkpoint, read_checkpoint
-from cache.client import Attachment, AttachRefused, DaemonUnavailable, attach
-from cache.errors import BindingError, ConfigError, HotweightsError
-from cache.fingerprint import Fingerprint, compute_fingerprint
-from cache.launcher import ensure_daemon
-from cache.paths import paths_for
-from cache.pipeline import LoadSpec, check_spec, load_processed, processed_config, processed_dtype
-from standby.model import ModelConfig, TensorParallel, Transformer
+from hotweights.errors import BindingError, ConfigError, HotweightsError
 
-log = logging.getLogger("hotweights.engine")
+log = logging.getLogger(__name__)
 
 
 def build_meta_model(config: ModelConfig, dtype: torch.dtype, tp: TensorParallel) -> Transformer:

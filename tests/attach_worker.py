@@ -12,11 +12,10 @@ import sys
 from pathlib import Path
 
 import torch
-
-from cache.pipeline import LoadSpec
-from standby.generate import load_tokenizer
-from standby.model import generate
-from standby.weights import load_model
+from hotweights.cache.pipeline import LoadSpec
+from hotweights.standby.generate import load_tokenizer
+from hotweights.standby.model import generate
+from hotweights.standby.weights import load_model
 
 PROMPT = "The failover took"
 

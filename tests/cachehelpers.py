@@ -14,19 +14,16 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from hotweights.cache.checkpoint import read_checkpoint
+from hotweights.cache.daemon import CacheDaemon, pipeline_source
+from hotweights.cache.fingerprint import compute_fingerprint
+from hotweights.cache.paths import DaemonPaths
+from hotweights.cache.pipeline import LoadSpec
 
-from cache.checkpoint import read_checkpoint
-from cache.daemon import CacheDaemon, pipeline_source
-from cache.fingerprint import compute_fingerprint
-from cache.paths import DaemonPaths
-from cache.pipeline import LoadSpec
+from hotweights.spawn import hotweights_command
 
 REPO = Path(__file__).resolve().parent.parent
-ENV = {
-    **os.environ,
-    "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-    "OMP_NUM_THREADS": "1",
-}
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def wait_until(predicate: Any, timeout: float = 60.0, what: str = "condition", interval: float = 0.02) -> Any:
@@ -67,7 +64,7 @@ class ProcessDaemon:
 
     def __init__(self, model: Path, socket_path: Path, *extra: str) -> None:
         self.paths = DaemonPaths(socket_path)
-        command = [sys.executable, "-m", "controller.cli", "cache", "serve", "--model", str(model)]
+        command = hotweights_command("cache", "serve", "--model", str(model))
         self.command = [*command, "--socket", str(socket_path), *extra]
         self.process: subprocess.Popen | None = None
 

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from cache.makemodel import PRESETS, write_checkpoint
+from hotweights.cache.makemodel import PRESETS, write_checkpoint
 
 # Tests spawn many torch processes on small machines; one thread each keeps them from thrashing.
 os.environ.setdefault("OMP_NUM_THREADS", "1")

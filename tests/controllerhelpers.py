@@ -8,7 +8,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -16,12 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from hotweights.chaos.splitbrain import SplitBrainDetector
+from hotweights.chaos.stack import free_ports
+from hotweights.controller.commands import stop_everything
+from hotweights.controller.config import load_config
+from hotweights.controller.supervisor import StateFile
 
-from chaos.splitbrain import SplitBrainDetector
-from chaos.stack import free_ports
-from controller.commands import stop_everything
-from controller.config import load_config
-from controller.supervisor import StateFile
+from hotweights.spawn import hotweights_command
 from tests.cachehelpers import ENV, wait_until
 from tests.enginehelpers import free_port
 
@@ -59,7 +59,7 @@ class ControllerStack:
         """``hotweights controller`` (or ``up``, which adds the gateway and owns the stack)."""
         with open(self.log, "ab") as out:
             self.controller = subprocess.Popen(
-                [sys.executable, "-m", "controller.cli", command, "--config", str(self.config_path)],
+                hotweights_command(command, "--config", str(self.config_path)),
                 env=ENV,
                 stdin=subprocess.DEVNULL,
                 stdout=out,

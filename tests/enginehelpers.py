@@ -8,7 +8,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Self
 
 import httpx
 
+from hotweights.spawn import hotweights_command
 from tests.cachehelpers import ENV
 
 
@@ -82,7 +82,7 @@ class EngineProcess(ChildService):
         self.url = f"http://127.0.0.1:{self.port}"
         self.token = token
         self.token_file = Path(tempfile.mkdtemp(prefix="engine-token-")) / "token"
-        command = [sys.executable, "-m", "controller.cli", "engine", "--model", str(model), "--port", str(self.port)]
+        command = hotweights_command("engine", "--model", str(model), "--port", str(self.port))
         if token is not None:
             self.token_file.write_text(token + "\n")
             command += ["--token-file", str(self.token_file)]

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import signal
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from hotweights.spawn import hotweights_command
 from tests.enginehelpers import ChildService, EngineProcess, free_port
 
 FLAGS = ("--kv-cache-tokens", "512", "--max-batch", "4")
@@ -58,7 +58,7 @@ class GatewayProcess(ChildService):
     def __init__(self, config: Path, *extra: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        command = [sys.executable, "-m", "controller.cli", "gateway", "--config", str(config), "--port", str(self.port)]
+        command = hotweights_command("gateway", "--config", str(config), "--port", str(self.port))
         super().__init__([*command, *extra], self.url)
 
     def health(self) -> dict:

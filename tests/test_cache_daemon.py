@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from hotweights.cache.client import AttachRefused, DaemonUnavailable, attach, hello, request
+from hotweights.cache.fingerprint import Fingerprint
+from hotweights.cache.pipeline import LoadSpec, load_processed
+from hotweights.cache.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, recv_message, send_message
+from hotweights.standby.weights import load_model
 
-from cache.client import AttachRefused, DaemonUnavailable, attach, hello, request
-from cache.errors import ConfigError
-from cache.fingerprint import Fingerprint
-from cache.pipeline import LoadSpec, load_processed
-from cache.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, recv_message, send_message
-from standby.weights import load_model
+from hotweights.errors import ConfigError
 from tests.cachehelpers import ENV, Engine, ProcessDaemon, ThreadDaemon, fingerprint_of, wait_until
 from tests.conftest import make_checkpoint
 
@@ -408,7 +408,7 @@ def test_accept_failure_does_not_stop_the_daemon(tiny_model: Path, sock: Path) -
 
 
 def test_unknown_backend_in_attach_reply_closes_the_fds() -> None:
-    from cache.client import _import
+    from hotweights.cache.client import _import
 
     read_end, write_end = os.pipe()
     try:
@@ -421,9 +421,10 @@ def test_unknown_backend_in_attach_reply_closes_the_fds() -> None:
 
 
 def test_bad_tp_request_is_a_config_error_in_daemon_and_client(tiny_model: Path, sock: Path) -> None:
-    from cache.checkpoint import read_checkpoint
-    from cache.daemon import pipeline_source
-    from cache.errors import ConfigError
+    from hotweights.cache.checkpoint import read_checkpoint
+    from hotweights.cache.daemon import pipeline_source
+
+    from hotweights.errors import ConfigError
 
     checkpoint = read_checkpoint(tiny_model)
     for spec in (LoadSpec(tp_size=3), LoadSpec(tp_size=0), LoadSpec(tp_size=2, tp_rank=5)):
@@ -435,10 +436,11 @@ def test_bad_tp_request_is_a_config_error_in_daemon_and_client(tiny_model: Path,
 
 def test_daemon_refuses_a_tensor_that_does_not_fit_its_slot(tiny_model: Path, sock: Path) -> None:
     """copy_ would cast or broadcast silently; the daemon must fail loudly instead."""
-    from cache.checkpoint import read_checkpoint
-    from cache.daemon import CacheDaemon, pipeline_source
-    from cache.errors import BindingError
-    from cache.paths import DaemonPaths
+    from hotweights.cache.checkpoint import read_checkpoint
+    from hotweights.cache.daemon import CacheDaemon, pipeline_source
+    from hotweights.cache.paths import DaemonPaths
+
+    from hotweights.errors import BindingError
 
     source = pipeline_source(read_checkpoint(tiny_model), LoadSpec())
 

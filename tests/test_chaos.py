@@ -6,17 +6,18 @@ import asyncio
 import contextlib
 import json
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from chaos.load import LoadGenerator, reference_completion
-from chaos.proxy import DelayProxy
-from chaos.scenarios import SCENARIOS
-from chaos.splitbrain import SplitBrainDetector
+from hotweights.chaos.load import LoadGenerator, reference_completion
+from hotweights.chaos.proxy import DelayProxy
+from hotweights.chaos.scenarios import SCENARIOS
+from hotweights.chaos.splitbrain import SplitBrainDetector
+
+from hotweights.spawn import hotweights_command
 from tests.cachehelpers import ENV
 from tests.enginehelpers import EngineProcess
 
@@ -148,7 +149,7 @@ def test_drill_every_scenario_once_through_the_gateway(tmp_path: Path) -> None:
     output, no leak, every scenario's promise kept and no client-visible error through the gateway."""
     env = {**ENV, "HOTWEIGHTS_HOME": str(tmp_path / "home")}
     report = tmp_path / "report"
-    command = [sys.executable, "-m", "controller.cli", "drill", "--rps", "10", "--report", str(report)]
+    command = hotweights_command("drill", "--rps", "10", "--report", str(report))
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=280)
     assert result.returncode == 0, result.stderr[-4000:]
     document = json.loads((report / "report.json").read_text())

@@ -6,14 +6,14 @@ import json
 import shutil
 import struct
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from hotweights.cache.checkpoint import read_checkpoint
 
-from cache.checkpoint import read_checkpoint
-from cache.errors import CheckpointError
+from hotweights.errors import CheckpointError
+from hotweights.spawn import hotweights_command
 
 
 @pytest.fixture
@@ -155,7 +155,7 @@ def test_missing_tensor(ckpt: Path) -> None:
 def test_cli_reports_bad_checkpoint_without_traceback(ckpt: Path) -> None:
     edit_json(ckpt / "config.json", quantization_config={"quant_method": "awq"})
     result = subprocess.run(
-        [sys.executable, "-m", "controller.cli", "generate", "--model", str(ckpt), "--prompt", "hi"],
+        hotweights_command("generate", "--model", str(ckpt), "--prompt", "hi"),
         capture_output=True,
         text=True,
         timeout=120,
@@ -181,9 +181,8 @@ def test_llama_variant_the_model_does_not_implement_is_refused(ckpt: Path, field
 
 
 def test_index_decides_where_a_duplicated_tensor_is_read_from(ckpt: Path) -> None:
+    from hotweights.cache.pipeline import LoadSpec, load_processed
     from safetensors.torch import load_file, save_file
-
-    from cache.pipeline import LoadSpec, load_processed
 
     weight_map = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
     last = list(dict.fromkeys(weight_map.values()))[-1]

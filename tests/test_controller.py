@@ -20,17 +20,17 @@ from typing import Any
 
 import httpx
 import pytest
+from hotweights.controller import supervisor
+from hotweights.controller.cluster import Cluster, Member, MemberView, Snapshot
+from hotweights.controller.config import EngineSpec, load_config
+from hotweights.controller.events import EventLog
+from hotweights.controller.ha import Conflict, Ha
+from hotweights.controller.health import HealthChecker, HealthRecord
+from hotweights.controller.metrics import ControllerMetrics
+from hotweights.controller.stack import Layout
+from hotweights.controller.supervisor import Identity, StateFile, read_identity
 
-from cache.errors import ConfigError
-from controller import supervisor
-from controller.cluster import Cluster, Member, MemberView, Snapshot
-from controller.config import EngineSpec, load_config
-from controller.events import EventLog
-from controller.ha import Conflict, Ha
-from controller.health import HealthChecker, HealthRecord
-from controller.metrics import ControllerMetrics
-from controller.stack import Layout
-from controller.supervisor import Identity, StateFile, read_identity
+from hotweights.errors import ConfigError
 from tests.controllerhelpers import ControllerStack, split_brain_watch, wait_until
 
 

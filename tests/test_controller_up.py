@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import httpx
+from hotweights.controller.supervisor import read_identity
 
-from controller.supervisor import read_identity
+from hotweights.spawn import hotweights_command
 from tests.cachehelpers import ENV
 from tests.controllerhelpers import ControllerStack, wait_until
 
@@ -37,7 +37,7 @@ def test_up_serves_through_the_gateway_and_down_stops_everything(tiny_model: Pat
         pids = stack.recorded_pids()
         assert len(pids) == 5  # three engines, the daemon, the gateway
         down = subprocess.run(
-            [sys.executable, "-m", "controller.cli", "down", "--config", str(stack.config_path)],
+            hotweights_command("down", "--config", str(stack.config_path)),
             env=ENV,
             capture_output=True,
             text=True,

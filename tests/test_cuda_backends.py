@@ -13,6 +13,8 @@ import os
 
 import pytest
 import torch
+from hotweights.cache.backends import get_backend
+from hotweights.cache.backends.base import ArenaBackend
 
 from bench.gpu_backends_check import (
     IMPORT_LIMIT_MS,
@@ -25,8 +27,6 @@ from bench.gpu_backends_check import (
     digest,
     fill,
 )
-from cache.backends import get_backend
-from cache.backends.base import ArenaBackend
 
 pytestmark = [
     pytest.mark.cuda,

@@ -13,13 +13,13 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from hotweights.cache.pipeline import LoadSpec
+from hotweights.standby.generate import load_tokenizer, stop_token_ids
+from hotweights.standby.model import generate
+from hotweights.standby.roles import Role, Roles
+from hotweights.standby.scheduler import Finish, SamplingParams, Scheduler, Sequence
+from hotweights.standby.weights import load_model
 
-from cache.pipeline import LoadSpec
-from standby.generate import load_tokenizer, stop_token_ids
-from standby.model import generate
-from standby.roles import Role, Roles
-from standby.scheduler import Finish, SamplingParams, Scheduler, Sequence
-from standby.weights import load_model
 from tests.cachehelpers import ProcessDaemon, wait_until
 from tests.enginehelpers import EngineProcess
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from hotweights.controller.config import load_config
 
-from controller.cli import main
-from controller.config import load_config
+from hotweights.cli import main
 from tests.enginehelpers import ChildService, EngineProcess, free_port
 from tests.gatewayhelpers import primary_and_standby, roles, write_cluster
 

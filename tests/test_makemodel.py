@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from hotweights.cache import fp8, makemodel
+from hotweights.cache.makemodel import PRESETS, write_checkpoint
+from hotweights.standby.model import ModelConfig
 from safetensors import safe_open
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
-from cache import fp8, makemodel
-from cache.errors import ConfigError
-from cache.makemodel import PRESETS, write_checkpoint
-from controller.cli import main
-from standby.model import ModelConfig
+from hotweights.cli import main
+from hotweights.errors import ConfigError
 
 TINY = PRESETS["tiny"]
 # Dims that are not multiples of 128 and heads != kv heads, so shapes and FP8 padding are exercised.

@@ -12,9 +12,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-
-from cache import fp8
-from standby.model import Fp8BlockLinear, KVCache, ModelConfig, TensorParallel, Transformer, generate
+from hotweights.cache import fp8
+from hotweights.standby.model import Fp8BlockLinear, KVCache, ModelConfig, TensorParallel, Transformer, generate
 
 CONFIG = ModelConfig(
     vocab_size=128,

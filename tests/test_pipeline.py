@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from hotweights.cache import fp8
+from hotweights.cache.checkpoint import read_checkpoint
+from hotweights.cache.pipeline import LoadSpec, load_processed, processed_config
+from hotweights.standby.model import ModelConfig, TensorParallel
+from hotweights.standby.weights import bind, build_meta_model, build_model, expected_tensors, load_from_disk
 
-from cache import fp8
-from cache.checkpoint import read_checkpoint
-from cache.errors import BindingError, ConfigError
-from cache.pipeline import LoadSpec, load_processed, processed_config
-from standby.model import ModelConfig, TensorParallel
-from standby.weights import bind, build_meta_model, build_model, expected_tensors, load_from_disk
+from hotweights.errors import BindingError, ConfigError
+from hotweights.spawn import hotweights_command
 from tests.conftest import make_checkpoint
 
 
@@ -150,7 +150,7 @@ def test_bad_tp_request_names_the_field(tiny_model: Path) -> None:
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "controller.cli", *args], capture_output=True, text=True, timeout=240)
+    return subprocess.run(hotweights_command(*args), capture_output=True, text=True, timeout=240)
 
 
 def test_generate_cli_is_deterministic_and_tp2_agrees(tmp_path: Path) -> None:

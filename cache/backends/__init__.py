@@ -5,8 +5,7 @@ from __future__ import annotations
 from importlib import import_module
 
 import torch
-
-from cache.backends.base import ArenaBackend, BackendUnavailable
+from hotweights.cache.backends.base import ArenaBackend, BackendUnavailable
 
 BACKENDS = {
     "cpu-shm": "cache.backends.cpu_shm:CpuShmBackend",

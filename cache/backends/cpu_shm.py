@@ -16,8 +16,7 @@ import warnings
 from typing import Any
 
 import torch
-
-from cache.backends.base import ArenaBackend, ExportedArena, ImportedArena
+from hotweights.cache.backends.base import ArenaBackend, ExportedArena, ImportedArena
 
 PAGE = mmap.PAGESIZE
 

@@ -26,15 +26,14 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
-
-from cache.backends.base import (
+from hotweights.cache.backends.base import (
     ArenaBackend,
     ExportedArena,
     ImportedArena,
     importing_device,
     require_cuda,
 )
+from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 NAME = "cuda-ipc"
 

@@ -30,8 +30,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-
-from cache.backends.base import (
+from hotweights.cache.backends.base import (
     ArenaBackend,
     BackendUnavailable,
     ExportedArena,

@@ -12,18 +12,19 @@ import sys
 from collections.abc import Callable
 from importlib import import_module
 
-from cache.errors import HotweightsError
+from hotweights.errors import HotweightsError
 
 # Modules whose add_parser registers a subcommand, in the order --help lists them.
 COMMANDS: tuple[str, ...] = (
-    "cache.makemodel",
-    "cache.cli",
-    "standby.generate",
-    "standby.engine",
-    "controller.gateway",
-    "controller.haproxy",
-    "controller.commands",
-    "chaos.drill",
+    "hotweights.cache.makemodel",
+    "hotweights.cache.cli",
+    "hotweights.standby.generate",
+    "hotweights.standby.engine",
+    "hotweights.controller.gateway",
+    "hotweights.controller.haproxy",
+    "hotweights.controller.commands",
+    "hotweights.chaos.drill",
+    "hotweights.chaos.proxy",
 )
 
 
@@ -55,6 +56,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hotweights {args.command}: error: {exc}", file=sys.stderr)
         return 2
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,14 @@
+"""The one way a hotweights process starts another: ``[sys.executable, "-m", "hotweights", ...]``.
+
+Children run this interpreter's installed package, never whatever ``cache/`` or ``controller/``
+folder happens to lie in the current directory, and nothing sets or extends ``PYTHONPATH``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def hotweights_command(*args: str) -> list[str]:
+    """The argv that runs ``hotweights ARGS...`` with this interpreter."""
+    return [sys.executable, "-m", "hotweights", *args]
