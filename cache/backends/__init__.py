@@ -8,9 +8,9 @@ import torch
 from hotweights.cache.backends.base import ArenaBackend, BackendUnavailable
 
 BACKENDS = {
-    "cpu-shm": "cache.backends.cpu_shm:CpuShmBackend",
-    "cuda-vmm": "cache.backends.cuda_vmm:CudaVmmBackend",
-    "cuda-ipc": "cache.backends.cuda_ipc:CudaIpcBackend",
+    "cpu-shm": "hotweights.cache.backends.cpu_shm:CpuShmBackend",
+    "cuda-vmm": "hotweights.cache.backends.cuda_vmm:CudaVmmBackend",
+    "cuda-ipc": "hotweights.cache.backends.cuda_ipc:CudaIpcBackend",
 }
 
 
