@@ -36,8 +36,10 @@ from hotweights.cache.fingerprint import ARENA_FORMAT_VERSION, Fingerprint, comp
 from hotweights.cache.makemodel import write_checkpoint
 from hotweights.cache.paths import DaemonPaths
 from hotweights.cache.pipeline import LoadSpec, load_processed
-from hotweights.standby.model import ModelConfig, TensorParallel
+from hotweights.standby.model import TensorParallel
 from hotweights.standby.weights import bind, build_meta_model, expected_tensors
+
+from hotweights.layout import ModelConfig
 
 DTYPE = torch.bfloat16
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,21 +25,12 @@ from pathlib import Path
 
 import httpx
 
+from hotweights.ports import free_port
 from hotweights.spawn import hotweights_command
+from hotweights.stats import percentile
 
 REPO = Path(__file__).resolve().parents[1]
 HEALTH_TARGET_MS = 10.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3)
 
 
 def start_engine(args: argparse.Namespace, port: int, log: Path) -> subprocess.Popen:
@@ -75,9 +65,9 @@ def measure_promote(client: httpx.Client, cycles: int) -> dict[str, float]:
         reported.append(reply["duration_ms"])
         client.post("/demote").raise_for_status()
     return {
-        "promote_ms_p50": percentile(reported, 0.5),
+        "promote_ms_p50": round(percentile(reported, 50), 3),
         "promote_ms_max": round(max(reported), 3),
-        "promote_wall_ms_p50": percentile(wall, 0.5),
+        "promote_wall_ms_p50": round(percentile(wall, 50), 3),
         "promote_wall_ms_max": round(max(wall), 3),
     }
 
@@ -103,8 +93,8 @@ def measure_health_under_load(client: httpx.Client, url: str, gen_tokens: int) -
     worker.join()
     return {
         "health_samples": len(latencies),
-        "health_p50_ms": percentile(latencies, 0.5),
-        "health_p99_ms": percentile(latencies, 0.99),
+        "health_p50_ms": round(percentile(latencies, 50), 3),
+        "health_p99_ms": round(percentile(latencies, 99), 3),
         "health_max_ms": round(max(latencies), 3),
     }
 

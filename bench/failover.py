@@ -15,22 +15,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from hotweights.spawn import hotweights_command
+from hotweights.stats import percentile
 
 REPO = Path(__file__).resolve().parent.parent
 TARGETS = {"p50_ms": 300.0, "p99_ms": 1000.0}
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (the drill's summary uses the same)."""
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
 def main() -> int:

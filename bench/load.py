@@ -25,6 +25,8 @@ from hotweights.cache.checkpoint import read_checkpoint
 from hotweights.cache.makemodel import PRESETS, write_checkpoint
 from hotweights.cache.pipeline import LoadSpec, load_processed
 
+from hotweights.quant import QUANT_METHODS
+
 
 def timed_load(model_dir: Path, spec: LoadSpec) -> float:
     start = time.perf_counter()
@@ -42,7 +44,7 @@ def main() -> None:
     parser.add_argument("--preset", default="medium", choices=sorted(PRESETS))
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--tp-size", type=int, default=1)
-    parser.add_argument("--quantize", choices=("fp8-block",))
+    parser.add_argument("--quantize", choices=QUANT_METHODS)
     args = parser.parse_args()
 
     workdir = None

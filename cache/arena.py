@@ -12,14 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
+from hotweights.dtypes import ARENA_DTYPES
+
 ALIGNMENT = 256  # bytes; enough for vectorised CPU and CUDA kernels
 HASH_CHUNK_WORDS = 1 << 17  # 1 MiB of int64 words per hashed row
 HASH_BATCH_ROWS = 64  # rows hashed per step: bounds the temporary to 64 MiB
 
-DTYPES = {
-    str(dtype).removeprefix("torch."): dtype
-    for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.uint8, torch.int64)
-}
 
 
 @dataclass(frozen=True)
@@ -41,9 +39,9 @@ class TensorEntry:
             entry = cls(str(name), str(dtype), tuple(int(d) for d in shape), int(offset), int(nbytes))
         except (TypeError, ValueError):
             raise ValueError(f"malformed manifest row {row!r}") from None
-        if entry.dtype not in DTYPES:
+        if entry.dtype not in ARENA_DTYPES:
             raise ValueError(f"manifest tensor {entry.name!r} has unknown dtype {entry.dtype!r}")
-        expected = math.prod(entry.shape) * DTYPES[entry.dtype].itemsize
+        expected = math.prod(entry.shape) * ARENA_DTYPES[entry.dtype].itemsize
         if entry.nbytes != expected or entry.offset < 0 or entry.offset + entry.nbytes > arena_nbytes:
             raise ValueError(f"manifest tensor {entry.name!r} does not fit the arena ({entry})")
         return entry
@@ -62,7 +60,7 @@ def plan_layout(specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> tuple[
 
 def view(arena: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
     """A zero-copy typed view of one tensor inside the uint8 arena."""
-    return arena[entry.offset : entry.offset + entry.nbytes].view(DTYPES[entry.dtype]).view(entry.shape)
+    return arena[entry.offset : entry.offset + entry.nbytes].view(ARENA_DTYPES[entry.dtype]).view(entry.shape)
 
 
 def views(arena: torch.Tensor, entries: list[TensorEntry]) -> dict[str, torch.Tensor]:
@@ -74,7 +72,7 @@ def views(arena: torch.Tensor, entries: list[TensorEntry]) -> dict[str, torch.Te
     typed: dict[torch.dtype, torch.Tensor] = {}
     out = {}
     for entry in entries:
-        dtype = DTYPES[entry.dtype]
+        dtype = ARENA_DTYPES[entry.dtype]
         base = typed.get(dtype)
         if base is None:
             usable = arena.numel() // dtype.itemsize * dtype.itemsize

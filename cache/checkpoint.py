@@ -15,33 +15,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hotweights.cache import fp8
-from hotweights.standby.model import ModelConfig
 
+from hotweights import quant
+from hotweights.dtypes import CONFIG_DTYPES, FLOAT_DTYPES, SAFETENSORS_DTYPES
 from hotweights.errors import CheckpointError
+from hotweights.layout import ModelConfig
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 
-CONFIG_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-SAFETENSORS_DTYPES = {
-    "BF16": torch.bfloat16,
-    "F16": torch.float16,
-    "F32": torch.float32,
-    "F8_E4M3": torch.float8_e4m3fn,
-}
-FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-# Why each quantization method other than block FP8 is refused: a raw mapping of its tensors
-# would compute wrong values, because part of its effect lives outside the weights.
-REFUSED_QUANTIZATION = {
-    "fp8-per-tensor": "per-tensor FP8 keeps its activation and weight scales in Python-side module state",
-    "awq": "AWQ packs int4 weights and re-lays them out at load time",
-    "gptq": "GPTQ packs int4 weights with act-order permutations applied at load time",
-    "marlin": "Marlin re-lays weights into a kernel-specific tile order at load time",
-}
 PROJECTIONS = (
     "self_attn.q_proj",
     "self_attn.k_proj",
@@ -161,21 +145,21 @@ def parse_config(raw: dict[str, Any], source: Path) -> tuple[ModelConfig, torch.
 
 
 def parse_quantization(qc: dict[str, Any] | None, source: Path) -> str | None:
-    """Return None or "fp8-block"; refuse every other method with the reason."""
+    """Return None or ``quant.FP8_BLOCK``; refuse every other method with the reason."""
     if qc is None:
         return None
     method = str(qc.get("quant_method", "unknown")).lower()
     if method == "fp8":
         if qc.get("weight_block_size") is None:
             method = "fp8-per-tensor"
-        elif list(qc["weight_block_size"]) != [fp8.BLOCK, fp8.BLOCK] or qc.get("fmt", "e4m3") != "e4m3":
+        elif list(qc["weight_block_size"]) != [quant.BLOCK, quant.BLOCK] or qc.get("fmt", "e4m3") != "e4m3":
             raise CheckpointError(
                 f"{source}: quantization fp8 with weight_block_size={qc['weight_block_size']} "
                 f"fmt={qc.get('fmt')!r} is refused: only 128x128 blocks of e4m3 are supported"
             )
         else:
-            return "fp8-block"
-    reason = REFUSED_QUANTIZATION.get(method, "it is not on the allowlist (unquantized, block-wise FP8)")
+            return quant.FP8_BLOCK
+    reason = quant.REFUSED_QUANTIZATION.get(method, "it is not on the allowlist (unquantized, block-wise FP8)")
     raise CheckpointError(
         f"{source}: quantization method {method!r} is refused: {reason}, so mapping its raw tensors "
         "would compute wrong values. Supported: unquantized, and block-wise FP8 (128x128, e4m3)."
@@ -202,9 +186,9 @@ def expected_hf_tensors(config: ModelConfig) -> dict[str, tuple[tuple[int, ...],
         out[f"{prefix}.post_attention_layernorm.weight"] = ((h,), "weight")
         for proj in PROJECTIONS:
             shape = proj_shapes[proj]
-            if config.quant == "fp8-block":
+            if config.quant == quant.FP8_BLOCK:
                 out[f"{prefix}.{proj}.weight"] = (shape, "fp8")
-                out[f"{prefix}.{proj}.weight_scale_inv"] = (fp8.scale_shape(*shape), "scale")
+                out[f"{prefix}.{proj}.weight_scale_inv"] = (quant.scale_shape(*shape), "scale")
             else:
                 out[f"{prefix}.{proj}.weight"] = (shape, "weight")
     out["model.norm.weight"] = ((h,), "weight")
@@ -222,7 +206,7 @@ def _check_expected_tensors(config: ModelConfig, tensors: dict[str, TensorInfo])
             raise CheckpointError(
                 f"{info.file.name}: tensor {name!r} has shape {list(info.shape)} but config.json implies {list(shape)}"
             )
-        allowed = {"fp8": (torch.float8_e4m3fn,), "scale": (torch.float32,), "weight": FLOAT_DTYPES}[kind]
+        allowed = {"fp8": (quant.FP8_DTYPE,), "scale": (torch.float32,), "weight": FLOAT_DTYPES}[kind]
         if info.dtype not in allowed:
             raise CheckpointError(
                 f"{info.file.name}: tensor {name!r} has dtype {info.dtype}, expected one of {[str(d) for d in allowed]}"

@@ -16,10 +16,11 @@ from hotweights.cache.checkpoint import read_checkpoint
 from hotweights.cache.client import DaemonUnavailable, attach, request
 from hotweights.cache.daemon import serve
 from hotweights.cache.fingerprint import Fingerprint, compute_fingerprint
-from hotweights.cache.paths import paths_for, runtime_dir
+from hotweights.cache.paths import paths_for
 from hotweights.cache.pipeline import add_load_spec_arguments, load_spec_from_args, model_dir_from_args
 
 from hotweights.errors import ConfigError
+from hotweights.paths import runtime_dir
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

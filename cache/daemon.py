@@ -11,7 +11,6 @@ kernel or driver holds the memory until the last mapping goes.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import logging
 import os
@@ -40,10 +39,11 @@ from hotweights.cache.protocol import (
     recv_message,
     send_message,
 )
-from hotweights.standby.model import TensorParallel
-from hotweights.standby.weights import build_meta_model, expected_tensors
 
+from hotweights.dtypes import ARENA_DTYPES
 from hotweights.errors import BindingError, ConfigError, HotweightsError
+from hotweights.layout import processed_tensors
+from hotweights.pidlock import LockHeld, PidLock
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +65,7 @@ def pipeline_source(checkpoint: Checkpoint, spec: LoadSpec) -> ArenaSource:
     """The normal source: the load pipeline's output for ``checkpoint`` and ``spec``."""
     check_spec(checkpoint, spec)  # a ConfigError naming the flag, before the model is built
     config = processed_config(checkpoint, spec)
-    tp = TensorParallel(size=spec.tp_size, rank=spec.tp_rank)
-    specs = expected_tensors(build_meta_model(config, processed_dtype(checkpoint, spec), tp))
+    specs = processed_tensors(config, processed_dtype(checkpoint, spec), spec.tp_size)
     return ArenaSource(
         fingerprint=compute_fingerprint(checkpoint, spec),
         specs=specs,
@@ -117,7 +116,7 @@ class CacheDaemon:
         self.clients: dict[int, Client] = {}
         self._clients_lock = threading.Lock()
         self._should_exit = threading.Event()
-        self._lock_fd = -1
+        self._lock = PidLock(paths.lock)
         self._listener: socket.socket | None = None
         self._handlers: dict[str, Callable[[dict[str, Any]], tuple[dict[str, Any], list[int]]]] = {
             "hello": self.handle_hello,
@@ -168,7 +167,7 @@ class CacheDaemon:
             if self._should_exit.is_set():
                 raise Interrupted("stopped by a signal while loading")
             entry = by_name.get(name)
-            if entry is None or tensor.shape != entry.shape or tensor.dtype != arena_layout.DTYPES[entry.dtype]:
+            if entry is None or tensor.shape != entry.shape or tensor.dtype != ARENA_DTYPES[entry.dtype]:
                 # copy_ would broadcast or cast silently, and engines would compute with the result
                 expected = f"{list(entry.shape)} {entry.dtype}" if entry else "no such tensor"
                 raise BindingError(
@@ -202,19 +201,13 @@ class CacheDaemon:
         )
 
     def _take_lock(self) -> None:
-        self._lock_fd = os.open(self.paths.lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(self._lock_fd, 64, 0).decode(errors="replace").strip() or "unknown"
-            os.close(self._lock_fd)
-            self._lock_fd = -1
+            self._lock.acquire()
+        except LockHeld as held:
             raise AlreadyRunning(
-                f"another daemon (pid {holder}) is starting or serving {self.paths.socket}; "
+                f"another daemon (pid {held.holder}) is starting or serving {self.paths.socket}; "
                 "stop it first or pass a different --socket"
             ) from None
-        os.ftruncate(self._lock_fd, 0)
-        os.pwrite(self._lock_fd, f"{os.getpid()}\n".encode(), 0)
 
     def _bind(self) -> None:
         """We hold the lock, so a leftover socket or marker is stale: remove and bind fresh."""
@@ -264,8 +257,7 @@ class CacheDaemon:
                 path.unlink()
         if self.arena is not None:
             self.arena.close()
-        if self._lock_fd >= 0:
-            os.close(self._lock_fd)
+        self._lock.release()
         log.info("stopped; socket and ready marker removed")
 
     # -- one connection ----------------------------------------------------------------------

@@ -6,9 +6,7 @@ outlives the engine that started it: the next engine start attaches in milliseco
 
 from __future__ import annotations
 
-import fcntl
 import logging
-import os
 import subprocess
 import threading
 import time
@@ -16,8 +14,10 @@ from pathlib import Path
 
 from hotweights.cache.client import AttachRefused, DaemonUnavailable, hello
 from hotweights.cache.paths import DaemonPaths, ensure_private_dir
-from hotweights.cache.pipeline import DTYPES, LoadSpec
+from hotweights.cache.pipeline import LoadSpec
 
+from hotweights.dtypes import short_name
+from hotweights.pidlock import is_held
 from hotweights.spawn import hotweights_command
 
 log = logging.getLogger(__name__)
@@ -31,7 +31,7 @@ def daemon_command(model_dir: Path, spec: LoadSpec, paths: DaemonPaths, backend:
     command += ["--device", spec.device, "--tp-size", str(spec.tp_size), "--tp-rank", str(spec.tp_rank)]
     command += ["--socket", str(paths.socket)]
     if spec.dtype is not None:
-        command += ["--dtype", next(name for name, dtype in DTYPES.items() if dtype == spec.dtype)]
+        command += ["--dtype", short_name(spec.dtype)]
     if spec.quantize:
         command += ["--quantize", spec.quantize]
     if backend:
@@ -62,7 +62,7 @@ def ensure_daemon(
     while time.monotonic() < deadline:
         if _answers(paths):
             return
-        if process.poll() is not None and not _lock_held(paths):
+        if process.poll() is not None and not is_held(paths.lock):
             raise DaemonUnavailable(
                 f"the weight cache daemon exited with code {process.returncode} before serving; "
                 f"last log lines from {paths.log}:\n{_tail(paths.log)}"
@@ -80,21 +80,6 @@ def _answers(paths: DaemonPaths) -> bool:
     except (DaemonUnavailable, AttachRefused):
         return False
     return True
-
-
-def _lock_held(paths: DaemonPaths) -> bool:
-    """True while some daemon (ours, or one that won a race) is alive and loading for this socket."""
-    try:
-        fd = os.open(paths.lock, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
 
 
 def _tail(path: Path, lines: int = 15) -> str:

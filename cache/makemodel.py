@@ -28,14 +28,15 @@ from importlib import resources
 from pathlib import Path
 
 import torch
-from hotweights.cache import fp8
-from hotweights.cache.pipeline import DTYPES
-from hotweights.standby.model import ModelConfig
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from tqdm import tqdm
 
+from hotweights.dtypes import MODEL_DTYPES, config_name
 from hotweights.errors import ConfigError
+from hotweights.layout import ModelConfig
+from hotweights.paths import hotweights_home
+from hotweights.quant import FP8_BLOCK, QUANT_METHODS
 
 BOS_TOKEN = "<|begin_of_text|>"
 EOS_TOKEN = "<|end_of_text|>"
@@ -85,12 +86,6 @@ PRESETS: dict[str, ModelConfig] = {
     ),
 }
 
-DTYPE_NAMES: dict[torch.dtype, str] = {
-    torch.bfloat16: "bfloat16",
-    torch.float16: "float16",
-    torch.float32: "float32",
-}
-QUANT_METHODS = ("fp8-block",)
 _SIZE_UNITS = {
     "": 1,
     "b": 1,
@@ -149,7 +144,7 @@ def count_params(config: ModelConfig) -> int:
 
 def is_quantized(spec: TensorSpec, quant: str | None) -> bool:
     """Block FP8 covers the seven projections; embeddings, norms and lm_head keep the model dtype."""
-    return quant == "fp8-block" and spec.name.startswith("model.layers.") and spec.kind == "linear"
+    return quant == FP8_BLOCK and spec.name.startswith("model.layers.") and spec.kind == "linear"
 
 
 def tensor_names(config: ModelConfig, quant: str | None) -> Iterator[str]:
@@ -195,7 +190,7 @@ def output_tensors(
     """The tensor(s) written for one spec, on the CPU: the weight, plus its scale when FP8."""
     x = init_tensor(spec, seed=seed, device=device)
     if is_quantized(spec, quant):
-        q, s = fp8.quantize(x)
+        q, s = quant.quantize(x)
         return {spec.name: q.cpu(), scale_name(spec.name): s.cpu()}
     return {spec.name: x.to(dtype).cpu()}
 
@@ -203,7 +198,7 @@ def output_tensors(
 def spec_nbytes(spec: TensorSpec, dtype: torch.dtype, quant: str | None) -> int:
     """Bytes the spec takes on disk, scale included."""
     if is_quantized(spec, quant):
-        return spec.numel * fp8.FP8_DTYPE.itemsize + math.prod(fp8.scale_shape(*spec.shape)) * 4
+        return spec.numel * quant.FP8_DTYPE.itemsize + math.prod(quant.scale_shape(*spec.shape)) * 4
     return spec.numel * dtype.itemsize
 
 
@@ -317,15 +312,15 @@ def hf_config(config: ModelConfig, *, dtype: torch.dtype, quant: str | None, bos
         "max_position_embeddings": config.max_position_embeddings,
         "tie_word_embeddings": config.tie_word_embeddings,
         "vocab_size": config.vocab_size,
-        "torch_dtype": DTYPE_NAMES[dtype],
+        "torch_dtype": config_name(dtype),
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,
         "bos_token_id": bos,
         "eos_token_id": eos,
     }
-    if quant == "fp8-block":
-        data["quantization_config"] = dict(fp8.QUANT_CONFIG)
+    if quant == FP8_BLOCK:
+        data["quantization_config"] = dict(quant.QUANT_CONFIG)
     return data
 
 
@@ -359,8 +354,8 @@ def validate_config(config: ModelConfig, dtype: torch.dtype, quant: str | None) 
         raise ConfigError(
             f"--vocab: expected >= {MIN_VOCAB} (256 bytes + 2 specials + merges), found {config.vocab_size}"
         )
-    if dtype not in DTYPE_NAMES:
-        raise ConfigError(f"--dtype: expected one of {sorted(DTYPES)}, found {dtype}")
+    if dtype not in MODEL_DTYPES.values():
+        raise ConfigError(f"--dtype: expected one of {sorted(MODEL_DTYPES)}, found {dtype}")
     if quant not in (None, *QUANT_METHODS):
         raise ConfigError(f"--quant: expected one of {list(QUANT_METHODS)}, found {quant!r}")
 
@@ -442,11 +437,6 @@ def move_into_place(tmp: Path, out_dir: Path, *, overwrite: bool) -> None:
         raise ConfigError(f"{out_dir} appeared while writing ({exc.strerror}); pass --force to replace it") from exc
 
 
-def hotweights_home() -> Path:
-    """Where generated data lives: $HOTWEIGHTS_HOME, else ~/.cache/hotweights."""
-    return Path(os.environ.get("HOTWEIGHTS_HOME") or Path.home() / ".cache" / "hotweights")
-
-
 def ensure_default_model() -> Path:
     """The built-in tiny checkpoint, generated on first use; safe when processes race to create it."""
     path = hotweights_home() / "models" / DEFAULT_MODEL_NAME
@@ -511,7 +501,7 @@ def run(args: argparse.Namespace) -> int:
     out = write_checkpoint(
         Path(args.out),
         config,
-        dtype=DTYPES[args.dtype],
+        dtype=MODEL_DTYPES[args.dtype],
         quant=args.quant,
         seed=args.seed,
         shard_size=parse_size(args.shard_size),
@@ -535,7 +525,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     for flag in ("layers", "hidden", "heads", "kv-heads", "head-dim", "intermediate", "vocab"):
         p.add_argument(f"--{flag}", type=int, metavar="N", help="override the preset")
     p.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, help="share embed and lm_head")
-    p.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="weight dtype (default bf16)")
+    p.add_argument("--dtype", choices=list(MODEL_DTYPES), default="bf16", help="weight dtype (default bf16)")
     p.add_argument("--quant", choices=QUANT_METHODS, help="quantize the projections (block FP8)")
     p.add_argument("--seed", type=int, default=0, help="weights are a function of (seed, tensor name)")
     p.add_argument("--shard-size", default="2GB", help="max bytes per shard: 500MB, 2GB, 1GiB, ... (default 2GB)")

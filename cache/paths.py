@@ -15,15 +15,7 @@ from pathlib import Path
 import torch
 
 from hotweights.errors import ConfigError
-
-
-def runtime_dir() -> Path:
-    """$HOTWEIGHTS_RUNTIME_DIR, else $XDG_RUNTIME_DIR/hotweights, else /tmp/hotweights-<uid>."""
-    explicit = os.environ.get("HOTWEIGHTS_RUNTIME_DIR")
-    if explicit:
-        return Path(explicit)
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
-    return Path(xdg) / "hotweights" if xdg else Path(f"/tmp/hotweights-{os.getuid()}")
+from hotweights.paths import runtime_dir
 
 
 def ensure_private_dir(path: Path, *, shared: bool = False) -> Path:

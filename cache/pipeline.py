@@ -15,16 +15,16 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from hotweights.cache import fp8
 from hotweights.cache.checkpoint import Checkpoint, read_checkpoint
-from hotweights.standby.model import ModelConfig
+from hotweights.cache.makemodel import ensure_default_model
 from safetensors import safe_open
 from tqdm import tqdm
 
+from hotweights import quant
+from hotweights.dtypes import MODEL_DTYPES
 from hotweights.errors import CheckpointError, ConfigError
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-QUANTIZE_CHOICES = ("fp8-block",)
+from hotweights.layout import ModelConfig
+from hotweights.quant import FP8_BLOCK, QUANT_METHODS
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class LoadSpec:
     dtype: torch.dtype | None = None  # None: the checkpoint's torch_dtype
     tp_size: int = 1
     tp_rank: int = 0
-    quantize: str | None = None  # "fp8-block": quantize an unquantized checkpoint at load
+    quantize: str | None = None  # a method of QUANT_METHODS: quantize an unquantized checkpoint at load
 
 
 def processed_config(checkpoint: Checkpoint, spec: LoadSpec) -> ModelConfig:
@@ -51,8 +51,8 @@ def processed_dtype(checkpoint: Checkpoint, spec: LoadSpec) -> torch.dtype:
 
 def check_spec(checkpoint: Checkpoint, spec: LoadSpec) -> None:
     """Refuse a request the pipeline cannot serve (bad quantize, a TP split that does not divide)."""
-    if spec.quantize is not None and spec.quantize not in QUANTIZE_CHOICES:
-        raise ConfigError(f"--quantize must be one of {list(QUANTIZE_CHOICES)}, found {spec.quantize!r}")
+    if spec.quantize is not None and spec.quantize not in QUANT_METHODS:
+        raise ConfigError(f"--quantize must be one of {list(QUANT_METHODS)}, found {spec.quantize!r}")
     config, tp = checkpoint.config, spec.tp_size
     if tp < 1:
         raise ConfigError(f"--tp-size must be >= 1, found {tp}")
@@ -62,7 +62,7 @@ def check_spec(checkpoint: Checkpoint, spec: LoadSpec) -> None:
         value = getattr(config, field)
         if value % tp:
             raise ConfigError(f"config.json {field}={value} is not divisible by --tp-size {tp}")
-    if config.quant == "fp8-block":
+    if config.quant == FP8_BLOCK:
         # Slicing and fusing pre-quantized weights must cut on 128-row/column block edges.
         hd = config.head_dim
         parts = {
@@ -71,10 +71,10 @@ def check_spec(checkpoint: Checkpoint, spec: LoadSpec) -> None:
             "gate rows per rank (intermediate_size/tp)": config.intermediate_size // tp,
         }
         for what, rows in parts.items():
-            if rows % fp8.BLOCK:
+            if rows % quant.BLOCK:
                 raise ConfigError(
                     f"block-FP8 checkpoint cannot be split/fused with --tp-size {tp}: {what} = {rows} "
-                    f"is not a multiple of {fp8.BLOCK}"
+                    f"is not a multiple of {quant.BLOCK}"
                 )
 
 
@@ -85,7 +85,7 @@ def iter_processed(
     checkpoint = model_dir if isinstance(model_dir, Checkpoint) else read_checkpoint(model_dir)
     config = checkpoint.config
     check_spec(checkpoint, spec)
-    fp8_on_disk = config.quant == "fp8-block"
+    fp8_on_disk = config.quant == FP8_BLOCK
     reader = _ShardReader(checkpoint, spec, processed_dtype(checkpoint, spec))
     per_layer = 6 + (4 if fp8_on_disk or spec.quantize else 0)  # 4 block-scale tensors when FP8
     total = 2 + config.num_hidden_layers * per_layer + (0 if config.tie_word_embeddings else 1)
@@ -164,16 +164,16 @@ def _linear(
         weight = torch.cat([take(f"{hf}.weight", start, n, keep_dtype=True) for hf, start, n in parts])
         scale = torch.cat(
             [
-                take(f"{hf}.weight_scale_inv", start // fp8.BLOCK, -(-n // fp8.BLOCK), keep_dtype=True)
+                take(f"{hf}.weight_scale_inv", start // quant.BLOCK, -(-n // quant.BLOCK), keep_dtype=True)
                 for hf, start, n in parts
             ]
         )
     else:
         weight = torch.cat([take(f"{hf}.weight", start, n) for hf, start, n in parts])
-        if spec.quantize != "fp8-block":
+        if spec.quantize != FP8_BLOCK:
             yield f"{out}.weight", weight
             return
-        weight, scale = fp8.quantize(weight)
+        weight, scale = quant.quantize(weight)
     yield f"{out}.weight", weight
     yield f"{out}.weight_scale_inv", scale
 
@@ -223,17 +223,17 @@ def add_load_spec_arguments(parser: argparse.ArgumentParser, *, with_rank: bool 
     """The flags that decide what the pipeline produces, shared by daemon, engine and generate."""
     parser.add_argument("--model", help="checkpoint directory (default: the embedded tiny model, made on first use)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda:N (default cpu)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), help="weights dtype (default: the checkpoint's)")
+    parser.add_argument("--dtype", choices=sorted(MODEL_DTYPES), help="weights dtype (default: the checkpoint's)")
     parser.add_argument("--tp-size", type=int, default=1, help="tensor-parallel size (default 1)")
     if with_rank:
         parser.add_argument("--tp-rank", type=int, default=0, help="tensor-parallel rank of this process (default 0)")
-    parser.add_argument("--quantize", choices=QUANTIZE_CHOICES, help="quantize an unquantized checkpoint at load")
+    parser.add_argument("--quantize", choices=QUANT_METHODS, help="quantize an unquantized checkpoint at load")
 
 
 def load_spec_from_args(args: argparse.Namespace, *, tp_rank: int | None = None) -> LoadSpec:
     return LoadSpec(
         device=args.device,
-        dtype=DTYPES[args.dtype] if args.dtype else None,
+        dtype=MODEL_DTYPES[args.dtype] if args.dtype else None,
         tp_size=args.tp_size,
         tp_rank=getattr(args, "tp_rank", 0) if tp_rank is None else tp_rank,
         quantize=args.quantize,
@@ -244,6 +244,5 @@ def model_dir_from_args(args: argparse.Namespace) -> Path:
     """--model, or the embedded tiny default (generated on first use)."""
     if args.model:
         return Path(args.model)
-    from hotweights.cache.makemodel import ensure_default_model
 
     return ensure_default_model()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
 import shlex
 import sys
@@ -21,11 +20,7 @@ from hotweights.chaos.load import RequestRecord
 from hotweights.chaos.measure import MEASURES, RoundResult
 from hotweights.chaos.scenarios import SCENARIOS
 
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (an observed value, never an interpolation)."""
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+from hotweights.stats import percentile
 
 
 def stats(values: Sequence[float]) -> dict[str, float] | None:

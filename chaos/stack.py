@@ -15,7 +15,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +23,7 @@ from hotweights.chaos.faults import Target
 from hotweights.chaos.memory import stack_pids
 from hotweights.controller.config import ClusterConfig, load_config
 
+from hotweights.ports import free_ports
 from hotweights.spawn import hotweights_command
 
 ENGINES = 3  # one primary and two standbys
@@ -58,32 +58,6 @@ failure_threshold = 2
 port = {gateway_port}
 hold_timeout_s = 15.0
 """
-
-
-def free_ports(count: int, consecutive: bool = False) -> list[int]:
-    """``count`` ports that are free now (consecutive ones if asked: engine i gets base_port + i)."""
-    if not consecutive:
-        return [_free_port() for _ in range(count)]
-    for _ in range(100):
-        base = _free_port()
-        if base + count < 65536 and all(_is_free(base + i) for i in range(count)):
-            return list(range(base, base + count))
-    raise RuntimeError(f"no {count} consecutive free ports found")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _is_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
 
 
 @dataclass

@@ -13,9 +13,10 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from hotweights.cache.makemodel import hotweights_home
-
+from hotweights.dtypes import MODEL_DTYPES
 from hotweights.errors import ConfigError
+from hotweights.paths import hotweights_home
+from hotweights.quant import QUANT_METHODS
 
 EXAMPLE_CONFIG = """\
 [cluster]
@@ -257,10 +258,11 @@ def validate(config: ClusterConfig) -> None:
         ("gateway.hold_timeout_s", config.gateway.hold_timeout_s),
     ]:
         positive(where, value)
-    if config.model.dtype not in ("", "bf16", "fp16", "fp32"):
-        raise ConfigError(f"{src}: model.dtype must be bf16, fp16 or fp32, found {config.model.dtype!r}")
-    if config.model.quantize not in ("", "fp8-block"):
-        raise ConfigError(f"{src}: model.quantize must be '' or 'fp8-block', found {config.model.quantize!r}")
+    if config.model.dtype not in ("", *MODEL_DTYPES):
+        raise ConfigError(f"{src}: model.dtype must be one of {', '.join(MODEL_DTYPES)}, found {config.model.dtype!r}")
+    if config.model.quantize not in ("", *QUANT_METHODS):
+        expected = " or ".join(repr(m) for m in ("", *QUANT_METHODS))
+        raise ConfigError(f"{src}: model.quantize must be {expected}, found {config.model.quantize!r}")
     for i, group in enumerate(config.groups):
         if group.engines < 1:
             raise ConfigError(f"{src}: groups[{i}].engines must be >= 1, found {group.engines}")

@@ -12,9 +12,10 @@ from pathlib import Path
 from hotweights.cache.launcher import daemon_command
 from hotweights.cache.makemodel import ensure_default_model
 from hotweights.cache.paths import DaemonPaths
-from hotweights.cache.pipeline import DTYPES, LoadSpec
+from hotweights.cache.pipeline import LoadSpec
 from hotweights.controller.config import ClusterConfig, EngineSpec
 
+from hotweights.dtypes import MODEL_DTYPES
 from hotweights.errors import ConfigError
 from hotweights.spawn import hotweights_command
 
@@ -73,7 +74,7 @@ class Layout:
         model = self.config.model
         return LoadSpec(
             device=self.config.groups[group].device,
-            dtype=DTYPES[model.dtype] if model.dtype else None,
+            dtype=MODEL_DTYPES[model.dtype] if model.dtype else None,
             quantize=model.quantize or None,
         )
 

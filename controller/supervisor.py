@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import json
 import logging
 import os
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from hotweights.errors import ConfigError
+from hotweights.pidlock import LockHeld, PidLock
 
 log = logging.getLogger(__name__)
 
@@ -304,30 +304,14 @@ class StateFile:
         tmp.replace(self.path)
 
 
-class ControllerLock:
-    """One controller per state dir: an flock held for the controller's life, holding its pid."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.fd = -1
+class ControllerLock(PidLock):
+    """One controller per state dir: held for the controller's life."""
 
     def acquire(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
+            super().acquire()
+        except LockHeld as held:
             raise ConfigError(
-                f"another controller (pid {holder}) manages {self.path.parent}; stop it first "
+                f"another controller (pid {held.holder}) manages {self.path.parent}; stop it first "
                 "(hotweights down stops the whole stack)"
             ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self.fd = fd
-
-    def release(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1

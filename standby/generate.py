@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 from collections.abc import Iterator
 from dataclasses import replace
@@ -26,6 +25,7 @@ from hotweights.standby.weights import add_weight_cache_arguments, load_model
 from tokenizers import Tokenizer
 
 from hotweights.errors import CheckpointError, ConfigError
+from hotweights.ports import free_port
 
 
 def load_tokenizer(model_dir: Path) -> Tokenizer:
@@ -153,12 +153,6 @@ def run_rank(rank: int, args: argparse.Namespace, port: int) -> None:
             dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawned_rank(rank: int, args: argparse.Namespace, port: int) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     run_rank(rank, args, port)
@@ -180,7 +174,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ConfigError("--socket names one daemon, but --tp-size > 1 needs one per rank: leave it unset")
     args.model = str(model_dir_from_args(args))
     read_checkpoint(args.model)  # fail here, once, rather than in every rank
-    torch.multiprocessing.spawn(_spawned_rank, args=(args, _free_port()), nprocs=args.tp_size, join=True)
+    torch.multiprocessing.spawn(_spawned_rank, args=(args, free_port()), nprocs=args.tp_size, join=True)
     return 0
 
 

@@ -20,26 +20,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from hotweights.cache.fp8 import dequantize, scale_shape
 from torch import nn
 
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """The shape of a checkpoint, read from its Hugging Face ``config.json``."""
-
-    vocab_size: int = 1024
-    hidden_size: int = 256
-    intermediate_size: int = 512
-    num_hidden_layers: int = 2
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    head_dim: int = 64
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 500000.0
-    max_position_embeddings: int = 4096
-    tie_word_embeddings: bool = False
-    quant: str | None = None  # None (unquantized) or "fp8-block"
+from hotweights import quant
+from hotweights.layout import ModelConfig, check_tensor_parallel
+from hotweights.quant import dequantize, scale_shape
 
 
 @dataclass(frozen=True)
@@ -50,23 +35,6 @@ class TensorParallel:
     size: int = 1
     rank: int = 0
     group: object | None = None  # a torch.distributed ProcessGroup when size > 1
-
-
-def check_tensor_parallel(config: ModelConfig, tp: TensorParallel) -> None:
-    """Raise ValueError unless every split dimension divides evenly across ``tp.size`` ranks."""
-    if tp.size < 1 or not 0 <= tp.rank < tp.size:
-        raise ValueError(f"tensor-parallel rank {tp.rank} is not in [0, {tp.size})")
-    if config.num_attention_heads % config.num_key_value_heads:
-        raise ValueError(
-            f"num_attention_heads={config.num_attention_heads} is not a multiple of "
-            f"num_key_value_heads={config.num_key_value_heads}"
-        )
-    for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
-        value = getattr(config, field)
-        if value % tp.size:
-            raise ValueError(f"{field}={value} is not divisible by tensor-parallel size {tp.size}")
-    if config.quant not in (None, "fp8-block"):
-        raise ValueError(f"quant={config.quant!r} is not supported; use None or 'fp8-block'")
 
 
 def _empty(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -103,7 +71,7 @@ class Linear(nn.Linear):
 
 
 class Fp8BlockLinear(nn.Module):
-    """y = x W^T with W stored as block FP8 (``cache/fp8.py``); W is dequantized on every call.
+    """y = x W^T with W stored as block FP8 (``hotweights.quant``); W is dequantized on every call.
 
     That is slow and uses a full-size temporary, but it is exact to the stored format, which is
     what a reference model is for; fast engines use fused FP8 GEMMs instead.
@@ -111,7 +79,7 @@ class Fp8BlockLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__()
-        self.weight = _empty(out_features, in_features, dtype=torch.float8_e4m3fn)  # (N, K)
+        self.weight = _empty(out_features, in_features, dtype=quant.FP8_DTYPE)  # (N, K)
         self.weight_scale_inv = _empty(*scale_shape(out_features, in_features), dtype=torch.float32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -119,7 +87,7 @@ class Fp8BlockLinear(nn.Module):
 
 
 def _projection(in_features: int, out_features: int, config: ModelConfig, dtype: torch.dtype) -> nn.Module:
-    if config.quant == "fp8-block":
+    if config.quant == quant.FP8_BLOCK:
         return Fp8BlockLinear(in_features, out_features)
     return Linear(in_features, out_features, dtype)
 
@@ -275,7 +243,7 @@ class KVCache:
         device: torch.device | str,
         dtype: torch.dtype,
     ) -> KVCache:
-        check_tensor_parallel(config, tp)
+        check_tensor_parallel(config, tp.size, tp.rank)
         shape = (
             config.num_hidden_layers,
             batch,
@@ -304,7 +272,7 @@ class Transformer(nn.Module):
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: TensorParallel = TensorParallel()) -> None:
         super().__init__()
-        check_tensor_parallel(config, tp)
+        check_tensor_parallel(config, tp.size, tp.rank)
         self.config = config
         self.tp = tp
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, tp)

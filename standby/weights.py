@@ -21,10 +21,11 @@ from hotweights.cache.fingerprint import Fingerprint, compute_fingerprint
 from hotweights.cache.launcher import ensure_daemon
 from hotweights.cache.paths import paths_for
 from hotweights.cache.pipeline import LoadSpec, check_spec, load_processed, processed_config, processed_dtype
-from hotweights.standby.model import ModelConfig, TensorParallel, Transformer
+from hotweights.standby.model import TensorParallel, Transformer
 from torch import nn
 
 from hotweights.errors import BindingError, ConfigError, HotweightsError
+from hotweights.layout import ModelConfig
 
 log = logging.getLogger(__name__)
 

@@ -16,14 +16,13 @@ from typing import Any
 
 import httpx
 from hotweights.chaos.splitbrain import SplitBrainDetector
-from hotweights.chaos.stack import free_ports
 from hotweights.controller.commands import stop_everything
 from hotweights.controller.config import load_config
 from hotweights.controller.supervisor import StateFile
 
+from hotweights.ports import free_port, free_ports
 from hotweights.spawn import hotweights_command
 from tests.cachehelpers import ENV, wait_until
-from tests.enginehelpers import free_port
 
 TOKEN = "controller-test-token"
 
@@ -55,11 +54,12 @@ class ControllerStack:
         self.log = self.root / "controller.log"
         self.controller: subprocess.Popen | None = None
 
-    def start_controller(self, command: str = "controller") -> None:
-        """``hotweights controller`` (or ``up``, which adds the gateway and owns the stack)."""
+    def start_controller(self, command: str = "controller", cwd: Path | None = None) -> None:
+        """``hotweights controller`` (or ``up``, which adds the gateway and owns the stack), run in ``cwd``."""
         with open(self.log, "ab") as out:
             self.controller = subprocess.Popen(
                 hotweights_command(command, "--config", str(self.config_path)),
+                cwd=cwd,
                 env=ENV,
                 stdin=subprocess.DEVNULL,
                 stdout=out,

@@ -6,7 +6,6 @@ import contextlib
 import json
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -15,14 +14,9 @@ from typing import Self
 
 import httpx
 
+from hotweights.ports import free_port
 from hotweights.spawn import hotweights_command
 from tests.cachehelpers import ENV
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ChildService:

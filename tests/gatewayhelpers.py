@@ -8,8 +8,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from hotweights.ports import free_port
 from hotweights.spawn import hotweights_command
-from tests.enginehelpers import ChildService, EngineProcess, free_port
+from tests.enginehelpers import ChildService, EngineProcess
 
 FLAGS = ("--kv-cache-tokens", "512", "--max-batch", "4")
 

@@ -18,8 +18,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from hotweights.ports import free_port
 from tests.cachehelpers import wait_until
-from tests.enginehelpers import EngineProcess, free_port
+from tests.enginehelpers import EngineProcess
 from tests.gatewayhelpers import GatewayProcess, primary_and_standby, roles, write_cluster
 
 PROMPTS = ["The quick brown fox", "Once upon a time"]

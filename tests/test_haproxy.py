@@ -16,7 +16,8 @@ import pytest
 from hotweights.controller.config import load_config
 
 from hotweights.cli import main
-from tests.enginehelpers import ChildService, EngineProcess, free_port
+from hotweights.ports import free_port
+from tests.enginehelpers import ChildService, EngineProcess
 from tests.gatewayhelpers import primary_and_standby, roles, write_cluster
 
 HAPROXY = shutil.which("haproxy")

@@ -9,15 +9,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from hotweights.cache import fp8, makemodel
+from hotweights.cache import makemodel
 from hotweights.cache.makemodel import PRESETS, write_checkpoint
-from hotweights.standby.model import ModelConfig
 from safetensors import safe_open
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
+from hotweights import quant
 from hotweights.cli import main
 from hotweights.errors import ConfigError
+from hotweights.layout import ModelConfig
 
 TINY = PRESETS["tiny"]
 # Dims that are not multiples of 128 and heads != kv heads, so shapes and FP8 padding are exercised.
@@ -188,7 +189,7 @@ def test_weights_are_cast_from_init_tensor(tiny: Path) -> None:
 
 def test_fp8_block(tmp_path: Path) -> None:
     out = write(tmp_path / "m", ODD, quant="fp8-block")
-    assert read_json(out / "config.json")["quantization_config"] == fp8.QUANT_CONFIG
+    assert read_json(out / "config.json")["quantization_config"] == quant.QUANT_CONFIG
     tensors = load_all(out)
     assert set(tensors) == set(makemodel.tensor_names(ODD, "fp8-block"))
     quantized = [s for s in makemodel.tensor_specs(ODD) if s.name.endswith("_proj.weight")]

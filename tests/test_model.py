@@ -12,8 +12,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from hotweights.cache import fp8
-from hotweights.standby.model import Fp8BlockLinear, KVCache, ModelConfig, TensorParallel, Transformer, generate
+from hotweights.standby.model import Fp8BlockLinear, KVCache, TensorParallel, Transformer, generate
+
+from hotweights import quant
+from hotweights.layout import ModelConfig, processed_tensors
 
 CONFIG = ModelConfig(
     vocab_size=128,
@@ -147,10 +149,22 @@ def test_meta_build_fp8_adds_scales_to_projections_only() -> None:
         if name.endswith("_proj.weight"):
             assert params[name].dtype == torch.float8_e4m3fn
             scale = params[name.replace(".weight", ".weight_scale_inv")]
-            assert (tuple(scale.shape), scale.dtype) == (fp8.scale_shape(*shape), torch.float32)
+            assert (tuple(scale.shape), scale.dtype) == (quant.scale_shape(*shape), torch.float32)
         else:
             assert params[name].dtype == torch.bfloat16
     assert len(params) == len(shapes) + 4 * config.num_hidden_layers
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_shared_layout_lists_exactly_the_models_parameters(quantized: bool, tied: bool, tp: int) -> None:
+    """The cache daemon learns its tensor list from hotweights.layout, the engine from its model: they agree."""
+    config = ModelConfig(tie_word_embeddings=tied, quant="fp8-block" if quantized else None, hidden_size=200)
+    with torch.device("meta"):
+        model = Transformer(config, torch.bfloat16, TensorParallel(size=tp, rank=tp - 1))
+    expected = {name: (tuple(p.shape), p.dtype) for name, p in model.named_parameters()}
+    assert processed_tensors(config, torch.bfloat16, tp) == expected
 
 
 def test_forward_matches_naive_reference() -> None:
@@ -203,9 +217,9 @@ def test_fp8_model_matches_float_model_with_dequantized_weights() -> None:
     state, fp8_state = random_weights(CONFIG), {}
     for name, w in list(state.items()):
         if name.endswith("_proj.weight"):
-            q, s = fp8.quantize(w)
+            q, s = quant.quantize(w)
             fp8_state |= {name: q, name.replace(".weight", ".weight_scale_inv"): s}
-            state[name] = fp8.dequantize(q, s)
+            state[name] = quant.dequantize(q, s)
         else:
             fp8_state[name] = w
     ids = torch.arange(7)[None]

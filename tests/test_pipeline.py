@@ -7,13 +7,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from hotweights.cache import fp8
 from hotweights.cache.checkpoint import read_checkpoint
 from hotweights.cache.pipeline import LoadSpec, load_processed, processed_config
-from hotweights.standby.model import ModelConfig, TensorParallel
+from hotweights.standby.model import TensorParallel
 from hotweights.standby.weights import bind, build_meta_model, build_model, expected_tensors, load_from_disk
 
+from hotweights import quant
 from hotweights.errors import BindingError, ConfigError
+from hotweights.layout import ModelConfig
 from hotweights.spawn import hotweights_command
 from tests.conftest import make_checkpoint
 
@@ -115,7 +116,7 @@ def test_fp8_checkpoint_keeps_block_scales(tiny_fp8_model: Path) -> None:
     qkv = tensors["layers.0.self_attn.qkv_proj.weight"]
     scale = tensors["layers.0.self_attn.qkv_proj.weight_scale_inv"]
     assert qkv.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
-    assert tuple(scale.shape) == fp8.scale_shape(*qkv.shape)
+    assert tuple(scale.shape) == quant.scale_shape(*qkv.shape)
     model = load_from_disk(checkpoint, LoadSpec())
     assert torch.isfinite(logits_of(model, [3, 4, 5])).all()
 
@@ -132,7 +133,7 @@ def test_quantize_at_load_is_within_e4m3_error(tiny_model: Path) -> None:
     assert processed_config(checkpoint, LoadSpec(quantize="fp8-block")).quant == "fp8-block"
     for name in ("layers.0.self_attn.qkv_proj.weight", "layers.1.mlp.down_proj.weight"):
         original = plain[name]
-        restored = fp8.dequantize(quantized[name], quantized[name + "_scale_inv"])
+        restored = quant.dequantize(quantized[name], quantized[name + "_scale_inv"])
         # e4m3 keeps 3 mantissa bits: rounding error <= 2**-4 relative, or half the subnormal step (2**-10 * s).
         scale = quantized[name + "_scale_inv"].repeat_interleave(128, 0).repeat_interleave(128, 1)
         bound = original.abs() * 2**-4 + scale[: original.shape[0], : original.shape[1]] * 2**-10

@@ -1,5 +1,7 @@
-"""Block-wise FP8 (DeepSeek-V3 form): float8_e4m3fn weights with one float32 scale per 128x128 block.
+"""The one quantization vocabulary: method names, the allowlist, why the rest is refused, and the
+block-FP8 storage format (DeepSeek-V3 form).
 
+Block FP8: float8_e4m3fn weights with one float32 scale per 128x128 block,
 W = float(Wq) * S[i // 128, j // 128]; the scale is stored as ``weight_scale_inv`` (the name is
 historical: it holds s, the multiplier, not 1/s).
 """
@@ -8,20 +10,41 @@ from __future__ import annotations
 
 import torch
 
+FP8_BLOCK = "fp8-block"
+QUANT_METHODS: tuple[str, ...] = (FP8_BLOCK,)
+"""Quantization methods hotweights maps (besides unquantized); ``--quantize`` / ``[model] quantize``."""
+
+# Why each quantization method other than block FP8 is refused: a raw mapping of its tensors
+# would compute wrong values, because part of its effect lives outside the weights.
+REFUSED_QUANTIZATION = {
+    "fp8-per-tensor": "per-tensor FP8 keeps its activation and weight scales in Python-side module state",
+    "awq": "AWQ packs int4 weights and re-lays them out at load time",
+    "gptq": "GPTQ packs int4 weights with act-order permutations applied at load time",
+    "marlin": "Marlin re-lays weights into a kernel-specific tile order at load time",
+}
+
 BLOCK = 128
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
+SCALE_SUFFIX = "_scale_inv"  # weight -> weight_scale_inv
 QUANT_CONFIG = {
     "quant_method": "fp8",
     "fmt": "e4m3",
     "activation_scheme": "dynamic",
     "weight_block_size": [BLOCK, BLOCK],
 }
+"""The ``quantization_config`` of a block-FP8 ``config.json``."""
 
 
 def scale_shape(rows: int, cols: int) -> tuple[int, int]:
     """Shape of the scale grid for a [rows, cols] weight."""
     return (-(-rows // BLOCK), -(-cols // BLOCK))
+
+
+def check_method(quant: str | None, where: str) -> None:
+    """Raise ValueError naming ``where`` unless ``quant`` is None or an allowed method."""
+    if quant is not None and quant not in QUANT_METHODS:
+        raise ValueError(f"{where}: quantization {quant!r} is not supported; use none or one of {list(QUANT_METHODS)}")
 
 
 def _blocked(x: torch.Tensor) -> tuple[torch.Tensor, int, int]:

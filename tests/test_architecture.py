@@ -1,0 +1,54 @@
+"""The import layers of pyproject.toml's import-linter contracts hold, and a violation is caught.
+
+import-linter finds a package by walking its one directory, and the design's folders install as
+``hotweights.<folder>`` from the repository root (setuptools' package-dir mapping), so the test
+stages the installed layout (a copy of the sources, mapped as pyproject.toml maps them) and lints that.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
+
+
+def stage(root: Path) -> Path:
+    """Copy every package to where it installs under ``root`` (e.g. cache/ -> root/hotweights/cache/)."""
+    mapping = PYPROJECT["tool"]["setuptools"]["package-dir"]
+    for package in PYPROJECT["tool"]["setuptools"]["packages"]:
+        top = package.split(".")[1] if "." in package else package
+        source = REPO / mapping[package if package in mapping else f"hotweights.{top}"]
+        if package not in mapping:  # a subpackage: below its parent's folder
+            source = source / Path(*package.split(".")[2:])
+        target = root / Path(*package.split("."))
+        target.mkdir(parents=True, exist_ok=True)
+        for module in source.glob("*.py"):
+            shutil.copy(module, target / module.name)
+    shutil.copy(REPO / "pyproject.toml", root / "pyproject.toml")
+    return root
+
+
+def lint_imports(root: Path) -> subprocess.CompletedProcess:
+    """``lint-imports`` in ``root``, where the staged copy comes first on sys.path."""
+    code = "import sys; sys.path.insert(0, '.'); import importlinter.cli as c; c.lint_imports_command()"
+    return subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+
+
+def test_layers_import_one_way(tmp_path: Path) -> None:
+    result = lint_imports(stage(tmp_path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 broken" in result.stdout
+
+
+def test_an_upward_import_breaks_the_contract(tmp_path: Path) -> None:
+    root = stage(tmp_path)
+    arena = root / "hotweights" / "cache" / "arena.py"
+    arena.write_text(arena.read_text() + "\nfrom hotweights.standby import model  # noqa\n")
+    result = lint_imports(root)
+    assert result.returncode != 0
+    assert "hotweights.cache.arena -> hotweights.standby.model" in result.stdout
