@@ -19,22 +19,13 @@ import torch
 from hotweights import quant
 from hotweights.dtypes import CONFIG_DTYPES, FLOAT_DTYPES, SAFETENSORS_DTYPES
 from hotweights.errors import CheckpointError
-from hotweights.layout import ModelConfig
+from hotweights.layout import ModelConfig, checkpoint_tensors
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 
-PROJECTIONS = (
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
-    "self_attn.o_proj",
-    "mlp.gate_proj",
-    "mlp.up_proj",
-    "mlp.down_proj",
-)
 
 
 @dataclass(frozen=True)
@@ -168,32 +159,13 @@ def parse_quantization(qc: dict[str, Any] | None, source: Path) -> str | None:
 
 def expected_hf_tensors(config: ModelConfig) -> dict[str, tuple[tuple[int, ...], str]]:
     """Hugging Face name -> (shape, kind) where kind is "weight", "fp8" or "scale"."""
-    h, i, v, hd = config.hidden_size, config.intermediate_size, config.vocab_size, config.head_dim
-    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
-    proj_shapes = {
-        "self_attn.q_proj": (q, h),
-        "self_attn.k_proj": (kv, h),
-        "self_attn.v_proj": (kv, h),
-        "self_attn.o_proj": (h, q),
-        "mlp.gate_proj": (i, h),
-        "mlp.up_proj": (i, h),
-        "mlp.down_proj": (h, i),
-    }
-    out: dict[str, tuple[tuple[int, ...], str]] = {"model.embed_tokens.weight": ((v, h), "weight")}
-    for layer in range(config.num_hidden_layers):
-        prefix = f"model.layers.{layer}"
-        out[f"{prefix}.input_layernorm.weight"] = ((h,), "weight")
-        out[f"{prefix}.post_attention_layernorm.weight"] = ((h,), "weight")
-        for proj in PROJECTIONS:
-            shape = proj_shapes[proj]
-            if config.quant == quant.FP8_BLOCK:
-                out[f"{prefix}.{proj}.weight"] = (shape, "fp8")
-                out[f"{prefix}.{proj}.weight_scale_inv"] = (quant.scale_shape(*shape), "scale")
-            else:
-                out[f"{prefix}.{proj}.weight"] = (shape, "weight")
-    out["model.norm.weight"] = ((h,), "weight")
-    if not config.tie_word_embeddings:
-        out["lm_head.weight"] = ((v, h), "weight")
+    out: dict[str, tuple[tuple[int, ...], str]] = {}
+    for spec in checkpoint_tensors(config):
+        if config.quant == quant.FP8_BLOCK and spec.quantizable:
+            out[spec.name] = (spec.shape, "fp8")
+            out[spec.name + quant.SCALE_SUFFIX] = (quant.scale_shape(*spec.shape), "scale")
+        else:
+            out[spec.name] = (spec.shape, "weight")
     return out
 
 

@@ -23,7 +23,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
@@ -34,9 +33,9 @@ from tqdm import tqdm
 
 from hotweights.dtypes import MODEL_DTYPES, config_name
 from hotweights.errors import ConfigError
-from hotweights.layout import ModelConfig
+from hotweights.layout import ModelConfig, TensorSpec, checkpoint_tensors
 from hotweights.paths import hotweights_home
-from hotweights.quant import FP8_BLOCK, QUANT_METHODS
+from hotweights.quant import FP8_BLOCK, FP8_DTYPE, QUANT_CONFIG, QUANT_METHODS, SCALE_SUFFIX, quantize, scale_shape
 
 BOS_TOKEN = "<|begin_of_text|>"
 EOS_TOKEN = "<|end_of_text|>"
@@ -100,56 +99,18 @@ _SIZE_UNITS = {
 }
 
 
-@dataclass(frozen=True)
-class TensorSpec:
-    """One Hugging Face weight: its name, shape and how it is initialised."""
-
-    name: str
-    shape: tuple[int, ...]
-    kind: str  # "embed", "linear" or "norm"
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-
-def tensor_specs(config: ModelConfig) -> list[TensorSpec]:
-    """Every weight of a Llama checkpoint, in the order Hugging Face writes them."""
-    h, i, hd = config.hidden_size, config.intermediate_size, config.head_dim
-    q_rows, kv_rows = config.num_attention_heads * hd, config.num_key_value_heads * hd
-    specs = [TensorSpec("model.embed_tokens.weight", (config.vocab_size, h), "embed")]
-    for layer in range(config.num_hidden_layers):
-        p = f"model.layers.{layer}."
-        specs += [
-            TensorSpec(p + "self_attn.q_proj.weight", (q_rows, h), "linear"),
-            TensorSpec(p + "self_attn.k_proj.weight", (kv_rows, h), "linear"),
-            TensorSpec(p + "self_attn.v_proj.weight", (kv_rows, h), "linear"),
-            TensorSpec(p + "self_attn.o_proj.weight", (h, q_rows), "linear"),
-            TensorSpec(p + "mlp.gate_proj.weight", (i, h), "linear"),
-            TensorSpec(p + "mlp.up_proj.weight", (i, h), "linear"),
-            TensorSpec(p + "mlp.down_proj.weight", (h, i), "linear"),
-            TensorSpec(p + "input_layernorm.weight", (h,), "norm"),
-            TensorSpec(p + "post_attention_layernorm.weight", (h,), "norm"),
-        ]
-    specs.append(TensorSpec("model.norm.weight", (h,), "norm"))
-    if not config.tie_word_embeddings:
-        specs.append(TensorSpec("lm_head.weight", (config.vocab_size, h), "linear"))
-    return specs
-
-
 def count_params(config: ModelConfig) -> int:
     """Parameters of the unquantized model (FP8 scales not counted)."""
-    return sum(spec.numel for spec in tensor_specs(config))
+    return sum(spec.numel for spec in checkpoint_tensors(config))
 
 
 def is_quantized(spec: TensorSpec, quant: str | None) -> bool:
-    """Block FP8 covers the seven projections; embeddings, norms and lm_head keep the model dtype."""
-    return quant == FP8_BLOCK and spec.name.startswith("model.layers.") and spec.kind == "linear"
+    return quant == FP8_BLOCK and spec.quantizable
 
 
 def tensor_names(config: ModelConfig, quant: str | None) -> Iterator[str]:
     """Every tensor name a checkpoint of this shape holds, FP8 scales included."""
-    for spec in tensor_specs(config):
+    for spec in checkpoint_tensors(config):
         yield spec.name
         if is_quantized(spec, quant):
             yield scale_name(spec.name)
@@ -157,7 +118,7 @@ def tensor_names(config: ModelConfig, quant: str | None) -> Iterator[str]:
 
 def scale_name(weight_name: str) -> str:
     """``...q_proj.weight`` -> ``...q_proj.weight_scale_inv``, the name FP8 checkpoints use."""
-    return weight_name.removesuffix(".weight") + ".weight_scale_inv"
+    return weight_name + SCALE_SUFFIX
 
 
 def tensor_seed(seed: int, name: str) -> int:
@@ -190,7 +151,7 @@ def output_tensors(
     """The tensor(s) written for one spec, on the CPU: the weight, plus its scale when FP8."""
     x = init_tensor(spec, seed=seed, device=device)
     if is_quantized(spec, quant):
-        q, s = quant.quantize(x)
+        q, s = quantize(x)
         return {spec.name: q.cpu(), scale_name(spec.name): s.cpu()}
     return {spec.name: x.to(dtype).cpu()}
 
@@ -198,7 +159,7 @@ def output_tensors(
 def spec_nbytes(spec: TensorSpec, dtype: torch.dtype, quant: str | None) -> int:
     """Bytes the spec takes on disk, scale included."""
     if is_quantized(spec, quant):
-        return spec.numel * quant.FP8_DTYPE.itemsize + math.prod(quant.scale_shape(*spec.shape)) * 4
+        return spec.numel * FP8_DTYPE.itemsize + math.prod(scale_shape(*spec.shape)) * 4
     return spec.numel * dtype.itemsize
 
 
@@ -234,7 +195,7 @@ def write_weights(
     progress: bool,
 ) -> None:
     """Generate and save one shard at a time, then the index that maps every tensor to its file."""
-    specs = tensor_specs(config)
+    specs = checkpoint_tensors(config)
     shards = plan_shards(specs, dtype, quant, shard_size)
     total = sum(spec_nbytes(spec, dtype, quant) for spec in specs)
     weight_map: dict[str, str] = {}
@@ -320,7 +281,7 @@ def hf_config(config: ModelConfig, *, dtype: torch.dtype, quant: str | None, bos
         "eos_token_id": eos,
     }
     if quant == FP8_BLOCK:
-        data["quantization_config"] = dict(quant.QUANT_CONFIG)
+        data["quantization_config"] = dict(QUANT_CONFIG)
     return data
 
 

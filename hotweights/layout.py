@@ -8,6 +8,7 @@ The table in ``docs/architecture.md`` ("Processed tensor names") documents the s
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,49 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     quant: str | None = None  # None (unquantized) or a method of hotweights.quant.QUANT_METHODS
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One Hugging Face weight of a checkpoint: its name, shape and kind."""
+
+    name: str
+    shape: tuple[int, ...]
+    kind: str  # "embed", "linear" or "norm"
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def quantizable(self) -> bool:
+        """Block FP8 covers the seven projections; embeddings, norms and lm_head keep the model dtype."""
+        return self.name.startswith("model.layers.") and self.kind == "linear"
+
+
+def checkpoint_tensors(config: ModelConfig) -> list[TensorSpec]:
+    """Every weight of a Llama checkpoint on disk (Hugging Face names), in the order Hugging Face writes
+    them; block-FP8 checkpoints add a ``weight_scale_inv`` beside each quantizable weight."""
+    h, i, hd = config.hidden_size, config.intermediate_size, config.head_dim
+    q_rows, kv_rows = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    specs = [TensorSpec("model.embed_tokens.weight", (config.vocab_size, h), "embed")]
+    for layer in range(config.num_hidden_layers):
+        p = f"model.layers.{layer}."
+        specs += [
+            TensorSpec(p + "self_attn.q_proj.weight", (q_rows, h), "linear"),
+            TensorSpec(p + "self_attn.k_proj.weight", (kv_rows, h), "linear"),
+            TensorSpec(p + "self_attn.v_proj.weight", (kv_rows, h), "linear"),
+            TensorSpec(p + "self_attn.o_proj.weight", (h, q_rows), "linear"),
+            TensorSpec(p + "mlp.gate_proj.weight", (i, h), "linear"),
+            TensorSpec(p + "mlp.up_proj.weight", (i, h), "linear"),
+            TensorSpec(p + "mlp.down_proj.weight", (h, i), "linear"),
+            TensorSpec(p + "input_layernorm.weight", (h,), "norm"),
+            TensorSpec(p + "post_attention_layernorm.weight", (h,), "norm"),
+        ]
+    specs.append(TensorSpec("model.norm.weight", (h,), "norm"))
+    if not config.tie_word_embeddings:
+        specs.append(TensorSpec("lm_head.weight", (config.vocab_size, h), "linear"))
+    return specs
 
 
 def check_tensor_parallel(config: ModelConfig, size: int, rank: int) -> None:

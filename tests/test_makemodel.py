@@ -18,7 +18,7 @@ from tokenizers import Tokenizer
 from hotweights import quant
 from hotweights.cli import main
 from hotweights.errors import ConfigError
-from hotweights.layout import ModelConfig
+from hotweights.layout import ModelConfig, checkpoint_tensors
 
 TINY = PRESETS["tiny"]
 # Dims that are not multiples of 128 and heads != kv heads, so shapes and FP8 padding are exercised.
@@ -183,7 +183,7 @@ def test_shard_size_splits_without_changing_values(tmp_path: Path, tiny: Path) -
 
 def test_weights_are_cast_from_init_tensor(tiny: Path) -> None:
     tensors = load_all(tiny)
-    for spec in makemodel.tensor_specs(TINY):
+    for spec in checkpoint_tensors(TINY):
         assert torch.equal(tensors[spec.name], makemodel.init_tensor(spec, seed=0).bfloat16())
 
 
@@ -192,9 +192,9 @@ def test_fp8_block(tmp_path: Path) -> None:
     assert read_json(out / "config.json")["quantization_config"] == quant.QUANT_CONFIG
     tensors = load_all(out)
     assert set(tensors) == set(makemodel.tensor_names(ODD, "fp8-block"))
-    quantized = [s for s in makemodel.tensor_specs(ODD) if s.name.endswith("_proj.weight")]
+    quantized = [s for s in checkpoint_tensors(ODD) if s.name.endswith("_proj.weight")]
     assert len(quantized) == 7
-    for spec in makemodel.tensor_specs(ODD):
+    for spec in checkpoint_tensors(ODD):
         if spec not in quantized:
             assert tensors[spec.name].dtype == torch.bfloat16
             continue
