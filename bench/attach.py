@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from hotweights.cache.checkpoint import read_checkpoint
 from hotweights.cache.client import attach, hello
 from hotweights.cache.daemon import ArenaSource, CacheDaemon, pipeline_source
-from hotweights.cache.fingerprint import ARENA_FORMAT_VERSION, Fingerprint, compute_fingerprint
+from hotweights.cache.fingerprint import ARENA_FORMAT_VERSION, REFERENCE_LAYOUT, Fingerprint, compute_fingerprint
 from hotweights.cache.makemodel import write_checkpoint
 from hotweights.cache.paths import DaemonPaths
 from hotweights.cache.pipeline import LoadSpec, load_processed
@@ -84,6 +84,7 @@ def synthetic_fingerprint(config: ModelConfig, device: torch.device) -> Fingerpr
         compute_capability=cc,
         torch_version=torch.__version__,
         arena_format=ARENA_FORMAT_VERSION,
+        layout=REFERENCE_LAYOUT,
     )
 
 

@@ -14,23 +14,25 @@ from hotweights.cache import arena as arena_layout
 from hotweights.cache.backends import BACKENDS, default_backend_name
 from hotweights.cache.checkpoint import read_checkpoint
 from hotweights.cache.client import DaemonUnavailable, attach, request
-from hotweights.cache.daemon import serve
+from hotweights.cache.daemon import pipeline_source, serve
 from hotweights.cache.fingerprint import Fingerprint, compute_fingerprint
 from hotweights.cache.paths import paths_for
 from hotweights.cache.pipeline import add_load_spec_arguments, load_spec_from_args, model_dir_from_args
+from hotweights.cache.vllm_format import FORMATS, VLLM_FORMAT, vllm_source
 
 from hotweights.errors import ConfigError
 from hotweights.paths import runtime_dir
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    checkpoint = read_checkpoint(model_dir_from_args(args))
     spec = load_spec_from_args(args)
-    device = torch.device(spec.device)
-    fingerprint = compute_fingerprint(checkpoint, spec)
-    paths = paths_for(args.socket, device, fingerprint.digest())
+    if args.format == VLLM_FORMAT:
+        source = vllm_source(Path(model_dir_from_args(args)).resolve(), spec)
+    else:
+        source = pipeline_source(read_checkpoint(model_dir_from_args(args)), spec)
+    paths = paths_for(args.socket, source.device, source.fingerprint.digest())
     uids = frozenset([os.getuid(), *args.allow_uid])
-    serve(checkpoint, spec, paths, backend=args.backend or default_backend_name(device), allowed_uids=uids)
+    serve(source, paths, backend=args.backend or default_backend_name(source.device), allowed_uids=uids)
     return 0
 
 
@@ -123,6 +125,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_load_spec_arguments(serve_p)
     serve_p.add_argument("--socket", help="socket path (default: derived from device identity and fingerprint)")
     serve_p.add_argument("--backend", choices=sorted(BACKENDS), help="default: cuda-vmm on CUDA, cpu-shm on CPU")
+    serve_p.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="reference",
+        help="whose processed layout the arena holds: hotweights' reference engine (default), or vLLM's "
+        "(runs vLLM's loader; needs vLLM in this Python; engines use --load-format hotweights)",
+    )
     serve_p.add_argument(
         "--allow-uid", type=int, action="append", default=[], help="another uid allowed to attach (repeatable)"
     )

@@ -59,6 +59,7 @@ class ArenaSource:
     specs: dict[str, tuple[tuple[int, ...], torch.dtype]]
     tensors: Callable[[], Iterator[tuple[str, torch.Tensor]]]
     device: torch.device
+    aliases: dict[str, str] = field(default_factory=dict)  # tied names: alias -> the canonical tensor's name
 
 
 def pipeline_source(checkpoint: Checkpoint, spec: LoadSpec) -> ArenaSource:
@@ -191,6 +192,7 @@ class CacheDaemon:
             "device": str(device),
             "backend": self.backend.name,
             "tensors": [entry.to_json() for entry in entries],
+            "aliases": self.source.aliases,
         }
         log.info(
             "loaded %d tensors in %.2f s, hashed in %.2f s (%s)",
@@ -386,16 +388,9 @@ def _version_mismatch(request: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-def serve(
-    checkpoint: Checkpoint,
-    spec: LoadSpec,
-    paths: DaemonPaths,
-    *,
-    backend: str,
-    allowed_uids: frozenset[int],
-) -> None:
-    """Run a daemon in this process until SIGTERM or SIGINT."""
-    daemon = CacheDaemon(pipeline_source(checkpoint, spec), paths, backend=backend, allowed_uids=allowed_uids)
+def serve(source: ArenaSource, paths: DaemonPaths, *, backend: str, allowed_uids: frozenset[int]) -> None:
+    """Run a daemon for ``source`` in this process until SIGTERM or SIGINT."""
+    daemon = CacheDaemon(source, paths, backend=backend, allowed_uids=allowed_uids)
     previous = {sig: signal.signal(sig, daemon.request_exit) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         daemon.run()

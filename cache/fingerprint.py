@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from hotweights.cache.checkpoint import INDEX_FILE, Checkpoint
 from hotweights.cache.pipeline import LoadSpec, processed_config, processed_dtype
 
 ARENA_FORMAT_VERSION = 1
+REFERENCE_LAYOUT = "hotweights-reference"
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,7 @@ class Fingerprint:
     compute_capability: str
     torch_version: str
     arena_format: int
+    layout: str  # whose processed layout: REFERENCE_LAYOUT, or vLLM's (version and architecture)
 
     def digest(self) -> str:
         """A short stable id, used in socket names and health endpoints."""
@@ -82,8 +85,8 @@ def compute_fingerprint(checkpoint: Checkpoint, spec: LoadSpec) -> Fingerprint:
     device = torch.device(spec.device)
     return Fingerprint(
         model_path=str(checkpoint.path),
-        config_hash=_sha256(config_blob),
-        weights_index_hash=_weights_index_hash(checkpoint),
+        config_hash=sha256_hex(config_blob),
+        weights_index_hash=weights_index_hash(checkpoint.path, checkpoint.files),
         tp_size=spec.tp_size,
         tp_rank=spec.tp_rank,
         pp_size=1,
@@ -91,39 +94,40 @@ def compute_fingerprint(checkpoint: Checkpoint, spec: LoadSpec) -> Fingerprint:
         dp_size=1,
         dp_rank=0,
         quantization=config.quant or "none",
-        quantization_config_hash=_sha256(json.dumps(quant_config, sort_keys=True).encode()),
+        quantization_config_hash=sha256_hex(json.dumps(quant_config, sort_keys=True).encode()),
         dtype=str(processed_dtype(checkpoint, spec)).removeprefix("torch."),
-        device_kind=_device_kind(device),
-        compute_capability=_compute_capability(device),
+        device_kind=device_kind(device),
+        compute_capability=compute_capability(device),
         torch_version=torch.__version__,
         arena_format=ARENA_FORMAT_VERSION,
+        layout=REFERENCE_LAYOUT,
     )
 
 
-def _weights_index_hash(checkpoint: Checkpoint) -> str:
+def weights_index_hash(model_dir: Path, files: Iterable[Path]) -> str:
     """The index plus each shard's name, size and mtime: a rewritten checkpoint never matches."""
     h = hashlib.sha256()
-    index = checkpoint.path / INDEX_FILE
+    index = model_dir / INDEX_FILE
     if index.exists():
         h.update(index.read_bytes())
-    for file in checkpoint.files:
+    for file in files:
         stat = Path(file).stat()
         h.update(f"{file.name}:{stat.st_size}:{stat.st_mtime_ns}\n".encode())
     return h.hexdigest()[:32]
 
 
-def _device_kind(device: torch.device) -> str:
+def device_kind(device: torch.device) -> str:
     if device.type == "cuda":
         return f"cuda:{torch.cuda.get_device_name(device)}"
     return device.type
 
 
-def _compute_capability(device: torch.device) -> str:
+def compute_capability(device: torch.device) -> str:
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         return f"{major}.{minor}"
     return "none"
 
 
-def _sha256(blob: bytes) -> str:
+def sha256_hex(blob: bytes) -> str:
     return hashlib.sha256(blob).hexdigest()[:32]

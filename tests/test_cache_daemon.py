@@ -208,6 +208,7 @@ ALTERED = {
     "compute_capability": "9.0",
     "torch_version": "0.0.1",
     "arena_format": 99,
+    "layout": "vllm-0.0.0:LlamaForCausalLM",
 }
 
 

