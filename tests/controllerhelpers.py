@@ -19,9 +19,9 @@ from hotweights.chaos.splitbrain import SplitBrainDetector
 from hotweights.chaos.stack import free_ports
 from hotweights.controller.commands import stop_everything
 from hotweights.controller.config import load_config
-from hotweights.controller.supervisor import StateFile
 
 from hotweights.spawn import hotweights_command
+from hotweights.state import read_state
 from tests.cachehelpers import ENV, wait_until
 from tests.enginehelpers import free_port
 
@@ -119,9 +119,7 @@ class ControllerStack:
         return self.log.read_text(errors="replace")[-tail:]
 
     def recorded_pids(self) -> list[int]:
-        state = StateFile(self.root / "state" / "state.json").load()
-        rows = [*state.get("members", {}).values(), *state.get("services", {}).values()]
-        return [row["process"]["pid"] for row in rows if row.get("process")]
+        return [process.pid for _, process in read_state(self.config.state_file).processes()]
 
     # --- teardown ---------------------------------------------------------------------------------
 

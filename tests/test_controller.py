@@ -28,9 +28,10 @@ from hotweights.controller.ha import Conflict, Ha
 from hotweights.controller.health import HealthChecker, HealthRecord
 from hotweights.controller.metrics import ControllerMetrics
 from hotweights.controller.stack import Layout
-from hotweights.controller.supervisor import Identity, StateFile, read_identity
+from hotweights.controller.supervisor import Identity, read_identity
 
 from hotweights.errors import ConfigError
+from hotweights.state import ClusterState, read_state, write_state
 from tests.controllerhelpers import ControllerStack, split_brain_watch, wait_until
 
 
@@ -400,13 +401,13 @@ def test_a_failed_check_does_not_undo_a_role_change() -> None:
 
 
 def test_state_file_that_is_not_an_object_is_refused(tmp_path: Path) -> None:
-    state = StateFile(tmp_path / "state.json")
+    path = tmp_path / "state.json"
     for raw in (b"[1, 2]", b"\xff\xfe{}"):
-        state.path.write_bytes(raw)
+        path.write_bytes(raw)
         with pytest.raises(ConfigError, match="unreadable controller state"):
-            state.load()
-    state.save({"members": {}})
-    assert state.load() == {"members": {}} and not state.path.with_suffix(".json.tmp").exists()
+            read_state(path)
+    write_state(path, ClusterState(members={}))
+    assert read_state(path) == ClusterState(members={}) and not path.with_suffix(".json.tmp").exists()
 
 
 def test_evict_orphans_skips_a_pid_that_went_away(monkeypatch: pytest.MonkeyPatch) -> None:
