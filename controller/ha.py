@@ -659,24 +659,25 @@ class Ha:
                 )  # fmt: skip
             if snap.daemon(group).serving and now >= restarts.next_start_at:
                 start.append(view)
-        if not fence and not start:
+        if (not fence and not start) or self.executor.backing_off(group, "members"):
             return None
         what = ", ".join([f"fencing standby {v.id} ({why})" for v, why in fence] + [f"starting {v.id}" for v in start])
-        return self.executor.run(group, what, self._tend(fence, start))
+        return self.executor.run(group, what, self._tend(fence, start), kind="members")
 
     async def _tend(self, fence: list[tuple[MemberView, str]], start: list[MemberView]) -> Outcome:
-        done = []
+        done, ok = [], True
         for view, reason in fence:
             if await self.cluster.fence(view.id):
                 self.events.record("fence", f"standby {view.id} {reason}", member=view.id, group=view.group)
                 done.append(f"fenced standby {view.id} ({reason})")
             else:
                 done.append(f"standby {view.id} ({reason}) is still alive {FENCE_TIMEOUT_S:g} s after SIGKILL")
+                ok = False
         for view in start:
             process = await self.cluster.start_engine(view.id)
             self.events.record("engine_start", f"started standby {view.id} (pid {process.pid})", member=view.id)
             done.append(f"started standby {view.id} (pid {process.pid})")
-        return Outcome("; ".join(done))
+        return Outcome("; ".join(done), ok)
 
     # --- 4. a group without a primary -------------------------------------------------------------
 
