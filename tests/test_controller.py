@@ -208,6 +208,8 @@ def test_hung_daemon_is_killed_and_respawned(stack: ControllerStack) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(daemon["pid"], signal.SIGCONT)
     assert stack.events("hung") and read_identity(daemon["pid"]) is None
+    # it had been serving: its end is no failed start
+    assert not [e for e in stack.events("start_failed") if "before serving" in e["message"]]
 
 
 def test_controller_restart_adopts_running_engines(stack: ControllerStack) -> None:
@@ -387,6 +389,21 @@ def test_health_check_survives_odd_replies_and_keeps_the_body_time() -> None:
 
     asyncio.run(run())
     assert record.consecutive_failures == 3
+
+
+def test_a_starting_engine_counts_no_failed_checks() -> None:
+    """An engine that never answered yet is starting, not failing: /cluster shows no failure count for it."""
+    checker, client = _health_checker(lambda request: (_ for _ in ()).throw(httpx.ConnectError("refused")))
+    record = HealthRecord()
+
+    async def run() -> None:
+        async with client:
+            for _ in range(5):
+                await checker.check("http://engine", 7, record)
+
+    asyncio.run(run())
+    assert (record.ok, record.consecutive_failures, record.failing_since) == (False, 0, None)
+    assert "refused" in record.error
 
 
 def test_a_failed_check_does_not_undo_a_role_change() -> None:
