@@ -21,6 +21,7 @@ from hotweights.state import (
     read_state,
     write_state,
 )
+from tests.cachehelpers import wait_until
 
 MEMBER = {"group": 0, "device": "cpu", "port": 8200, "role": "primary", "added": False, "process": None}
 
@@ -81,8 +82,8 @@ def test_a_reused_pid_is_not_adopted() -> None:
     """After a reboot a recorded pid may belong to another program: same pid, other start time or command."""
     other = subprocess.Popen(["sleep", "30"])
     try:
-        identity = read_identity(other.pid)
-        assert identity is not None
+        # Popen may return before the exec shows in /proc: wait for the command line we started
+        identity = wait_until(lambda: (i := read_identity(other.pid)) and i.command == ("sleep", "30") and i, 10)
         for record in (
             ProcessRecord(other.pid, identity.start_time + 1, identity.command),
             ProcessRecord(other.pid, identity.start_time, ("python", "-m", "hotweights", "engine")),
