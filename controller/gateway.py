@@ -43,6 +43,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from hotweights.errors import ConfigError
+from hotweights.state import read_state
+
 log = logging.getLogger(__name__)
 
 STATE_POLL_S = 1.0  # how often the controller's state file is re-read for engines added at runtime
@@ -90,10 +93,10 @@ class Upstream:
 def engine_urls_in_state(state_file: Path) -> list[str]:
     """Engine URLs in the controller's ``state.json``; none while it is missing or being replaced."""
     try:
-        members = json.loads(state_file.read_text()).get("members", {})
-        return [f"http://127.0.0.1:{member['port']}" for member in members.values()]
-    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        members = read_state(state_file).members
+    except ConfigError:  # corrupt or of another version: the controller will say so
         return []
+    return [f"http://127.0.0.1:{member.port}" for member in members.values()]
 
 
 class Discovery:

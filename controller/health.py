@@ -125,7 +125,7 @@ class HealthChecker:
         record.latency_ms, record.ok = round(latency * 1000, 3), ok
         if ok:
             record.consecutive_failures, record.failing_since, record.ever_ok = 0, None, True
-        else:
+        elif record.ever_ok:  # an engine that is starting refuses checks: not a failure yet
             record.consecutive_failures += 1
             record.failing_since = record.failing_since or start
 

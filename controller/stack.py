@@ -67,6 +67,12 @@ class Layout:
     def events_file(self) -> Path:
         return self.state_dir / "events.jsonl"
 
+    @property
+    def markers(self) -> tuple[str, ...]:
+        """What the command lines of this stack's processes name: the state dir (daemon and engine
+        sockets), the config file (the gateway)."""
+        return (str(self.state_dir), *([str(self.config_path)] if self.config_path else []))
+
     def socket(self, group: int) -> Path:
         return self.state_dir / "run" / f"g{group}.sock"
 

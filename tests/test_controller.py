@@ -28,9 +28,10 @@ from hotweights.controller.ha import Conflict, Ha
 from hotweights.controller.health import HealthChecker, HealthRecord
 from hotweights.controller.metrics import ControllerMetrics
 from hotweights.controller.stack import Layout
-from hotweights.controller.supervisor import Identity, StateFile, read_identity
+from hotweights.controller.supervisor import Identity, read_identity
 
 from hotweights.errors import ConfigError
+from hotweights.state import ClusterState, read_state, write_state
 from tests.controllerhelpers import ControllerStack, split_brain_watch, wait_until
 
 
@@ -207,6 +208,8 @@ def test_hung_daemon_is_killed_and_respawned(stack: ControllerStack) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(daemon["pid"], signal.SIGCONT)
     assert stack.events("hung") and read_identity(daemon["pid"]) is None
+    # it had been serving: its end is no failed start
+    assert not [e for e in stack.events("start_failed") if "before serving" in e["message"]]
 
 
 def test_controller_restart_adopts_running_engines(stack: ControllerStack) -> None:
@@ -388,6 +391,21 @@ def test_health_check_survives_odd_replies_and_keeps_the_body_time() -> None:
     assert record.consecutive_failures == 3
 
 
+def test_a_starting_engine_counts_no_failed_checks() -> None:
+    """An engine that never answered yet is starting, not failing: /cluster shows no failure count for it."""
+    checker, client = _health_checker(lambda request: (_ for _ in ()).throw(httpx.ConnectError("refused")))
+    record = HealthRecord()
+
+    async def run() -> None:
+        async with client:
+            for _ in range(5):
+                await checker.check("http://engine", 7, record)
+
+    asyncio.run(run())
+    assert (record.ok, record.consecutive_failures, record.failing_since) == (False, 0, None)
+    assert "refused" in record.error
+
+
 def test_a_failed_check_does_not_undo_a_role_change() -> None:
     """The body a failed check keeps predates our last role change: it must not bring the old role back."""
     member = Member(EngineSpec("g0-e0", 0, "cpu", 8200))
@@ -400,13 +418,13 @@ def test_a_failed_check_does_not_undo_a_role_change() -> None:
 
 
 def test_state_file_that_is_not_an_object_is_refused(tmp_path: Path) -> None:
-    state = StateFile(tmp_path / "state.json")
+    path = tmp_path / "state.json"
     for raw in (b"[1, 2]", b"\xff\xfe{}"):
-        state.path.write_bytes(raw)
+        path.write_bytes(raw)
         with pytest.raises(ConfigError, match="unreadable controller state"):
-            state.load()
-    state.save({"members": {}})
-    assert state.load() == {"members": {}} and not state.path.with_suffix(".json.tmp").exists()
+            read_state(path)
+    write_state(path, ClusterState(members={}))
+    assert read_state(path) == ClusterState(members={}) and not path.with_suffix(".json.tmp").exists()
 
 
 def test_evict_orphans_skips_a_pid_that_went_away(monkeypatch: pytest.MonkeyPatch) -> None:
