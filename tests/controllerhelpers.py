@@ -21,6 +21,7 @@ from hotweights.controller.commands import stop_everything
 from hotweights.controller.config import load_config
 from hotweights.controller.supervisor import StateFile
 
+from hotweights.contract import Endpoint
 from hotweights.spawn import hotweights_command
 from tests.cachehelpers import ENV, wait_until
 from tests.enginehelpers import free_port
@@ -108,7 +109,7 @@ class ControllerStack:
 
     def engine_primary_status(self, url: str) -> int | None:
         try:
-            return httpx.get(url + "/primary", timeout=2.0).status_code
+            return httpx.get(url + Endpoint.PRIMARY, timeout=2.0).status_code
         except httpx.TransportError:
             return None
 
