@@ -291,6 +291,9 @@ def test_refusals(stack: ControllerStack) -> None:
         ("DELETE", "/engines/nope", None, 404),
         ("POST", "/cache/7/restart", None, 404),
         ("POST", "/engines", {"group": 4}, 404),
+        ("POST", "/engines", {"group": False}, 422),  # a bool is not group 0
+        ("POST", "/switchover", {"group": False}, 422),
+        ("POST", f"/engines/{standby}/drain", {"timeout_s": True}, 422),
     ]
     for method, path, body, status in cases:
         response = stack.client.request(method, path, json=body)

@@ -191,7 +191,7 @@ def test_metrics_are_exported(primary: EngineProcess) -> None:
     primary.complete(prompt="x", max_tokens=2)
     text = primary.client.get(Endpoint.METRICS).text
     for name in (
-        'hotweights_engine_requests_total{endpoint=Endpoint.COMPLETIONS,status="200"}',
+        f'hotweights_engine_requests_total{{endpoint="{Endpoint.COMPLETIONS}",status="200"}}',
         "hotweights_engine_prompt_tokens_total",
         "hotweights_engine_completion_tokens_total",
         "hotweights_engine_request_duration_seconds_bucket",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
 import json
 import threading
 import time
@@ -99,6 +100,62 @@ def test_health_and_metrics_describe_the_upstreams(engines: list[EngineProcess],
         "hotweights_gateway_primaries 1.0",
     ):
         assert name in text, name
+
+
+def engine_requests(engines: list[EngineProcess]) -> float:
+    """Requests the engines answered, besides the gateway's probes and these scrapes."""
+    total = 0.0
+    for engine in engines:
+        for family in text_string_to_metric_families(engine.client.get(Endpoint.METRICS).text):
+            total += sum(
+                s.value
+                for s in family.samples
+                if s.name == "hotweights_engine_requests_total"
+                and s.labels["endpoint"] not in (Endpoint.PRIMARY, Endpoint.METRICS)
+            )
+    return total
+
+
+def raw_request(gateway: GatewayProcess, method: str, path: str) -> int:
+    """Send ``path`` byte for byte (httpx would normalize it); the status."""
+    connection = http.client.HTTPConnection("127.0.0.1", gateway.port, timeout=30)
+    try:
+        connection.request(method, path, body=b"{}", headers={"Content-Type": "application/json"})
+        return connection.getresponse().status
+    finally:
+        connection.close()
+
+
+HOSTILE_PATHS = [
+    "/v1/../demote",
+    "/v1/%2e%2e/demote",
+    "/v1/%2E%2E/demote",
+    "/v1/.%2e/demote",
+    "/v1/..%2fdemote",
+    "/v1/x/../../demote",
+    "/v1/%2fdemote",
+    "/v1/%5c..%5cdemote",
+    "/v1/./models",
+    "/v1//models",
+    "/v1/models/",
+    "/v1/models/..",
+    "/v1/models%2f",
+    "/v1/models%00",
+    "/v1/",
+]
+
+
+def test_only_normalized_v1_paths_reach_the_engines(engines: list[EngineProcess], gateway: GatewayProcess) -> None:
+    """The engines have no token here: a traversal that reached /demote would demote the primary."""
+    primary, _ = roles(engines)
+    before = engine_requests(engines)
+    for path in HOSTILE_PATHS:
+        for method in ("POST", "GET"):
+            assert raw_request(gateway, method, path) == 404, (method, path)
+    assert engine_requests(engines) == before, "a hostile path reached an engine"
+    assert roles(engines)[0] is primary
+    assert raw_request(gateway, "GET", Endpoint.MODELS) == 200  # the same client, a plain path: forwarded
+    assert engine_requests(engines) == before + 1
 
 
 def test_request_is_held_while_no_engine_is_primary(engines: list[EngineProcess], gateway: GatewayProcess) -> None:
