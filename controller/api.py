@@ -5,7 +5,8 @@ Reads come from a fresh snapshot. Mutations need ``Authorization: Bearer <token>
 and wait for its answer, so they are serialised and never interleave with a failover. The loop's
 refusals become status codes here and only here: NotFound 404, NotPossible 412, Conflict 409,
 Unavailable 503 (also when the loop did not answer in time). A malformed body is 422 (FastAPI's
-validation; the request models are strict, so ``{"group": false}`` is not group 0). Each route
+validation; the request models are strict, so ``{"group": false}`` is not group 0), one that is not
+even text 400. Each route
 declares in ``responses`` every status code it answers, so the OpenAPI document is the whole truth.
 """
 
@@ -31,6 +32,7 @@ STRICT = ConfigDict(extra="forbid", strict=True)  # strict: a bool is not a numb
 
 STATUS_DESCRIPTIONS: dict[int, dict[str, object]] = {
     201: {"description": "added"},
+    400: {"description": "a body that is not even text (FastAPI cannot decode it)"},
     202: {"description": "accepted: it goes on in the background (watch GET /events)"},
     404: {"description": "unknown group or engine"},
     409: {"description": "conflicts with the cluster's state; `detail` says why"},
@@ -123,7 +125,7 @@ def build_app(ha: Ha, cluster: Cluster, events: EventLog, metrics: ControllerMet
         )
         return JSONResponse(body, status_code=503 if missing else 200)
 
-    @app.post("/switchover", dependencies=mutation, responses=declare(401, 404, 409, 412, 503))
+    @app.post("/switchover", dependencies=mutation, responses=declare(400, 401, 404, 409, 412, 503))
     async def switchover(request: SwitchoverRequest | None = None) -> JSONResponse:
         """Planned change of primary: drain it, promote ``candidate`` (or the best ready standby),
         demote the old primary to standby.
@@ -136,7 +138,7 @@ def build_app(ha: Ha, cluster: Cluster, events: EventLog, metrics: ControllerMet
         wait_s = 2 * drain_timeout_s + 2 * INTENT_TIMEOUT_S
         return await act("switchover", wait_s, group=request.group, candidate=request.candidate)
 
-    @app.post("/failover", dependencies=mutation, responses=declare(401, 404, 412, 503))
+    @app.post("/failover", dependencies=mutation, responses=declare(400, 401, 404, 412, 503))
     async def failover(request: FailoverRequest) -> JSONResponse:
         """Forced change of primary: fence (SIGKILL) the current one whatever its state, promote ``candidate``.
 
@@ -144,7 +146,7 @@ def build_app(ha: Ha, cluster: Cluster, events: EventLog, metrics: ControllerMet
         promotion failed; 422 bad body (``candidate`` is required)."""
         return await act("failover", INTENT_TIMEOUT_S, candidate=request.candidate)
 
-    @app.post("/engines/{engine_id}/drain", dependencies=mutation, responses=declare(401, 404, 409, 503))
+    @app.post("/engines/{engine_id}/drain", dependencies=mutation, responses=declare(400, 401, 404, 409, 503))
     async def drain(engine_id: str, request: DrainRequest | None = None) -> JSONResponse:
         """Drain an engine (a primary stops taking requests; in-flight ones finish until ``timeout_s``).
 
@@ -162,7 +164,7 @@ def build_app(ha: Ha, cluster: Cluster, events: EventLog, metrics: ControllerMet
         /switchover); 412 not a ready standby; 503 the promotion failed."""
         return await act("promote", INTENT_TIMEOUT_S, engine_id=engine_id)
 
-    @app.post("/engines", dependencies=mutation, status_code=201, responses=declare(401, 404, 503))
+    @app.post("/engines", dependencies=mutation, status_code=201, responses=declare(400, 401, 404, 503))
     async def add_engine(request: AddEngineRequest | None = None) -> JSONResponse:
         """Add a standby to ``group`` on the next free port; it starts once the group's daemon serves.
 
