@@ -217,6 +217,15 @@ def test_role_changes_need_the_token(primary: EngineProcess) -> None:
     assert (response.json()["changed"], response.json()["message"]) == (False, "already primary")
 
 
+def test_role_change_bodies_are_checked_strictly(primary: EngineProcess) -> None:
+    for body in ({"timeout_s": True}, {"timeout_s": -1}, {"timeout_s": "5"}, {"bogus": 1}):
+        for path in (Endpoint.DRAIN, Endpoint.DEMOTE):
+            response = primary.post(path, json=body)
+            assert response.status_code == 400, (path, body, response.text)
+            assert response.json()["error"]["type"] == "invalid_request_error"
+    assert primary.client.get(Endpoint.PRIMARY).status_code == 200  # nothing was drained
+
+
 def test_standby_never_serves(standby: EngineProcess) -> None:
     for response in (standby.complete(prompt="x", max_tokens=2), standby.client.get(Endpoint.MODELS)):
         assert response.status_code == 503
