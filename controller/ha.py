@@ -46,6 +46,8 @@ from hotweights.controller.metrics import ControllerMetrics
 from hotweights.controller.supervisor import FENCE_TIMEOUT_S
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
 
+from hotweights.contract import Endpoint
+
 log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 120.0  # an engine that is not ready this long after its start is killed and restarted
@@ -302,7 +304,7 @@ class Ha:
         """POST /promote, then confirm /primary answers 200; returns (done, ms, the engine's message)."""
         start = time.monotonic()
         try:
-            status, body = await self.engines.post(candidate.url, "/promote")
+            status, body = await self.engines.post(candidate.url, Endpoint.PROMOTE)
         except EngineUnreachable as exc:
             return False, _ms(time.monotonic() - start), await self._fence_unconfirmed(candidate, str(exc))
         message = str(body.get("message", ""))
@@ -334,7 +336,7 @@ class Ha:
     async def _resume(self, old: MemberView) -> str:
         """Undo a drain of ``old`` (a drained primary resumes serving); says what happened."""
         try:
-            status, body = await self._post(old, "/promote")
+            status, body = await self._post(old, Endpoint.PROMOTE)
         except Unavailable as exc:
             status, body = 0, {"message": str(exc)}
         if status == 200:
@@ -443,7 +445,7 @@ class Ha:
             if new is None:
                 raise NotPossible(f"group {group} has no ready standby to switch over to")
         try:
-            status, body = await self._post(old, "/drain", {"timeout_s": self.drain_timeout_s})
+            status, body = await self._post(old, Endpoint.DRAIN, {"timeout_s": self.drain_timeout_s})
         except Unavailable as exc:  # it may have drained part way: undo that too
             raise Unavailable(f"{exc}; {await self._resume(old)}") from None
         drain_ms = _ms(time.monotonic() - start)
@@ -460,7 +462,7 @@ class Ha:
             raise Conflict(f"promoting {new.id} failed ({message}); {await self._resume(old)}")
         demote_start = time.monotonic()
         try:
-            status, body = await self._post(old, "/demote", {"timeout_s": self.drain_timeout_s})
+            status, body = await self._post(old, Endpoint.DEMOTE, {"timeout_s": self.drain_timeout_s})
         except Unavailable as exc:
             status, body = 0, {"message": str(exc)}
         if status == 200:
@@ -497,7 +499,7 @@ class Ha:
     async def do_drain(self, snap: Snapshot, engine_id: str, timeout_s: float | None = None) -> tuple[str, dict]:
         member = self._member(snap, engine_id)
         status, body = await self._post(
-            member, "/drain", {"timeout_s": self.drain_timeout_s if timeout_s is None else timeout_s}
+            member, Endpoint.DRAIN, {"timeout_s": self.drain_timeout_s if timeout_s is None else timeout_s}
         )
         if status != 200:
             raise Conflict(f"{member.id} refused to drain: {body.get('message')}")
@@ -509,7 +511,7 @@ class Ha:
         """A primary: resume (if drained); a standby: only when its group has no live primary."""
         member = self._member(snap, engine_id)
         if member.role == "primary":
-            status, body = await self._post(member, "/promote")
+            status, body = await self._post(member, Endpoint.PROMOTE)
             if status != 200:
                 raise Conflict(f"{member.id} refused: {body.get('message')}")
             return f"{member.id}: {body.get('message')}", body

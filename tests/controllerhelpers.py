@@ -19,6 +19,7 @@ from hotweights.chaos.splitbrain import SplitBrainDetector
 from hotweights.controller.commands import stop_everything
 from hotweights.controller.config import load_config
 
+from hotweights.contract import Endpoint
 from hotweights.errors import ConfigError
 from hotweights.ports import free_port, free_ports
 from hotweights.spawn import hotweights_command
@@ -126,7 +127,7 @@ class ControllerStack:
 
     def engine_primary_status(self, url: str) -> int | None:
         try:
-            return httpx.get(url + "/primary", timeout=2.0).status_code
+            return httpx.get(url + Endpoint.PRIMARY, timeout=2.0).status_code
         except httpx.TransportError:
             return None
 
