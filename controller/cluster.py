@@ -32,6 +32,7 @@ from hotweights.controller.supervisor import (
     stop_recorded,
 )
 
+from hotweights.contract import Role, State
 from hotweights.state import (
     ClusterState,
     MemberRecord,
@@ -57,7 +58,7 @@ class Member:
     """One engine slot: the spec is permanent, the process behind it is replaced on failure."""
 
     spec: EngineSpec
-    role: str = "standby"  # what we last set; the engine's own later health replies override it
+    role: str = Role.STANDBY  # what we last set; the engine's own later health replies override it
     role_set_at: float = 0.0  # time.monotonic() of our last role change: older replies are stale
     process: Process | None = None
     health: HealthRecord = field(default_factory=HealthRecord)
@@ -67,7 +68,7 @@ class Member:
         """The engine's word when its latest reply postdates our last role change, else ours. By
         ``body_at``, not ``sent_at``: a failed check keeps the previous body, which may predate it."""
         body = self.health.body or {}
-        if body.get("role") in ("primary", "standby") and self.health.body_at > self.role_set_at:
+        if body.get("role") in (Role.PRIMARY, Role.STANDBY) and self.health.body_at > self.role_set_at:
             return body["role"]
         return self.role
 
@@ -105,11 +106,11 @@ class MemberView:
 
     @property
     def is_ready_standby(self) -> bool:
-        return self.alive and self.role == "standby" and self.state == "ready" and bool(self.health.ok)
+        return self.alive and self.role == Role.STANDBY and self.state == State.READY and bool(self.health.ok)
 
     @property
     def is_serving_primary(self) -> bool:
-        return self.alive and self.role == "primary" and self.state == "ready" and bool(self.health.ok)
+        return self.alive and self.role == Role.PRIMARY and self.state == State.READY and bool(self.health.ok)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -162,7 +163,7 @@ class Snapshot:
 
     def primaries(self, group: int) -> list[MemberView]:
         """Members that are (or were, until they died) the primary; live ones first."""
-        return sorted((m for m in self.group(group) if m.role == "primary"), key=lambda m: not m.alive)
+        return sorted((m for m in self.group(group) if m.role == Role.PRIMARY), key=lambda m: not m.alive)
 
     def daemon(self, group: int) -> ServiceView:
         return next(s for s in self.services if s.kind == "daemon" and s.group == group)
@@ -210,7 +211,7 @@ class Cluster:
                 member.role = row.role
                 # A primary served before we started: judge it by failed checks at once, not by the start-up
                 # allowance a fresh engine gets, or an adopted hung primary would hold its group for minutes.
-                member.health.ever_ok = member.role == "primary"
+                member.health.ever_ok = member.role == Role.PRIMARY
                 adopted.append(f"{member.spec.id} ({member.role}, pid {process.pid})")
         for service in self.services.values():
             row = state.services.get(service.id)
@@ -242,7 +243,7 @@ class Cluster:
                 group=m.spec.group,
                 device=m.spec.device,
                 port=m.spec.port,
-                role=m.current_role() if m.process and m.process.alive else "standby",
+                role=m.current_role() if m.process and m.process.alive else Role.STANDBY,
                 added=m.spec.id not in configured,
                 process=m.process.record() if m.process and m.process.alive else None,
             )
@@ -323,7 +324,7 @@ class Cluster:
             log.warning("%s", message)
         process = self.supervisor.spawn(member_id, self.layout.engine_command(member.spec))
         self._attach(member, process)
-        self.set_role(member_id, "standby")
+        self.set_role(member_id, Role.STANDBY)
         return process
 
     def _attach(self, member: Member, process: Process) -> None:
@@ -340,7 +341,7 @@ class Cluster:
             log.warning("%s", message)
         fenced = member.process is None or await self.supervisor.fence(member.process)
         if fenced:
-            self.set_role(member_id, "standby")  # if it comes back, it comes back as a standby
+            self.set_role(member_id, Role.STANDBY)  # if it comes back, it comes back as a standby
         return fenced
 
     async def stop_engine(self, member_id: str) -> str:

@@ -39,6 +39,7 @@ from hotweights.controller.metrics import ControllerMetrics
 from hotweights.controller.stack import Layout
 from hotweights.controller.supervisor import STOP_TIMEOUT_S, ControllerLock, stack_orphans, stop_recorded
 
+from hotweights.contract import Role
 from hotweights.errors import ConfigError
 from hotweights.state import StateCorrupt, read_state, write_state
 
@@ -197,7 +198,7 @@ def stop_everything(config: ClusterConfig, timeout: float, config_path: Path | N
     ):
         lines += stop_recorded(batch, timeout)
     if config.state_file.exists():
-        members = {name: replace(row, process=None, role="standby") for name, row in state.members.items()}
+        members = {name: replace(row, process=None, role=Role.STANDBY) for name, row in state.members.items()}
         services = {name: replace(row, process=None) for name, row in state.services.items()}
         write_state(config.state_file, replace(state, controller=None, members=members, services=services))
     return lines

@@ -46,7 +46,7 @@ from hotweights.controller.metrics import ControllerMetrics
 from hotweights.controller.supervisor import FENCE_TIMEOUT_S
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
 
-from hotweights.contract import Endpoint
+from hotweights.contract import Endpoint, Role
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +212,7 @@ class Ha:
         if len(live) > 1:
             return self.executor.run(group, f"resolving {len(live)} primaries", self.resolve_split_brain(group, live))
         for dead in primaries[1:] if live else ():  # a stale record: the live one serves, the dead one restarts
-            self.cluster.set_role(dead.id, "standby")
+            self.cluster.set_role(dead.id, Role.STANDBY)
         old = primaries[0] if primaries else None
         reason = old and self.is_failed(old)
         if old is None or not reason or self.executor.backing_off(group, "failover"):
@@ -313,7 +313,7 @@ class Ha:
         if not await self.engines.is_primary(candidate.url):
             failed = "promoted, but /primary does not answer 200"
             return False, _ms(time.monotonic() - start), await self._fence_unconfirmed(candidate, failed)
-        self.cluster.set_role(candidate.id, "primary")
+        self.cluster.set_role(candidate.id, Role.PRIMARY)
         promote_ms = _ms(time.monotonic() - start)
         self.events.record(
             "promote", f"promoted {candidate.id}: {message}", member=candidate.id, group=candidate.group,
@@ -340,7 +340,7 @@ class Ha:
         except Unavailable as exc:
             status, body = 0, {"message": str(exc)}
         if status == 200:
-            self.cluster.set_role(old.id, "primary")
+            self.cluster.set_role(old.id, Role.PRIMARY)
             return f"{old.id} resumed serving"
         return (
             f"{old.id} did not resume ({body.get('message')}) and may stay drained: "
@@ -466,7 +466,7 @@ class Ha:
         except Unavailable as exc:
             status, body = 0, {"message": str(exc)}
         if status == 200:
-            self.cluster.set_role(old.id, "standby")
+            self.cluster.set_role(old.id, Role.STANDBY)
         else:  # still a (drained) primary: fence it rather than keep two primaries around
             await self.cluster.fence(old.id)
         timings = {
@@ -510,7 +510,7 @@ class Ha:
     async def do_promote(self, snap: Snapshot, engine_id: str) -> tuple[str, dict]:
         """A primary: resume (if drained); a standby: only when its group has no live primary."""
         member = self._member(snap, engine_id)
-        if member.role == "primary":
+        if member.role == Role.PRIMARY:
             status, body = await self._post(member, Endpoint.PROMOTE)
             if status != 200:
                 raise Conflict(f"{member.id} refused: {body.get('message')}")
@@ -536,7 +536,7 @@ class Ha:
 
     async def do_delete(self, snap: Snapshot, engine_id: str) -> tuple[str, dict]:
         member = self._member(snap, engine_id)
-        if member.role == "primary" and member.alive:
+        if member.role == Role.PRIMARY and member.alive:
             raise Conflict(f"{member.id} is the primary of group {member.group}; switch over first")
         how = await self.cluster.stop_engine(member.id)
         process = self.cluster.members[member.id].process
@@ -644,10 +644,10 @@ class Ha:
             if view.alive:
                 if view.status == "healthy":
                     restarts.failures = 0
-                elif view.role == "standby" and (reason := self.is_failed(view)):
+                elif view.role == Role.STANDBY and (reason := self.is_failed(view)):
                     fence.append((view, reason))
                 continue
-            if view.role == "primary":
+            if view.role == Role.PRIMARY:
                 continue  # a dead primary is failover's business (step 1)
             if view.status == "exited" and restarts.seen_exit_at != view.exited_at:  # first look at this exit
                 restarts.seen_exit_at = view.exited_at
@@ -725,7 +725,7 @@ class Ha:
         )
 
     def _export_gauges(self, snap: Snapshot) -> None:
-        counts = {"primary": 0, "standby": 0, "none": 0}
+        counts = {Role.PRIMARY: 0, Role.STANDBY: 0, "none": 0}
         for member in snap.members:
             counts[member.role if member.alive else "none"] += 1
         for role, count in counts.items():
