@@ -25,6 +25,7 @@ from pathlib import Path
 
 import httpx
 
+from hotweights.contract import Endpoint, Role
 from hotweights.ports import free_port
 from hotweights.spawn import hotweights_command
 from hotweights.stats import percentile
@@ -34,7 +35,7 @@ HEALTH_TARGET_MS = 10.0
 
 
 def start_engine(args: argparse.Namespace, port: int, log: Path) -> subprocess.Popen:
-    command = hotweights_command("engine", "--role", "standby", "--port", str(port))
+    command = hotweights_command("engine", "--role", Role.STANDBY, "--port", str(port))
     command += ["--device", args.device, "--max-batch", str(args.max_batch)]
     command += ["--kv-cache-tokens", str(args.kv_cache_tokens)] + (["--model", args.model] if args.model else [])
     with log.open("w") as out:
@@ -47,7 +48,7 @@ def wait_ready(client: httpx.Client, process: subprocess.Popen, log: Path, timeo
         if process.poll() is not None:
             raise SystemExit(f"engine exited with {process.returncode}:\n{log.read_text()}")
         try:
-            if client.get("/health/ready").status_code == 200:
+            if client.get(Endpoint.READY).status_code == 200:
                 return
         except httpx.TransportError:
             pass
@@ -59,11 +60,11 @@ def measure_promote(client: httpx.Client, cycles: int) -> dict[str, float]:
     reported, wall = [], []
     for _ in range(cycles):
         start = time.perf_counter()
-        reply = client.post("/promote").json()
+        reply = client.post(Endpoint.PROMOTE).json()
         wall.append((time.perf_counter() - start) * 1000)
         assert reply["changed"], reply
         reported.append(reply["duration_ms"])
-        client.post("/demote").raise_for_status()
+        client.post(Endpoint.DEMOTE).raise_for_status()
     return {
         "promote_ms_p50": round(percentile(reported, 50), 3),
         "promote_ms_max": round(max(reported), 3),
@@ -74,7 +75,7 @@ def measure_promote(client: httpx.Client, cycles: int) -> dict[str, float]:
 
 def complete(client: httpx.Client, max_tokens: int, prompt: str = "The quick brown fox") -> int:
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
-    reply = client.post("/v1/completions", json=body, timeout=600)
+    reply = client.post(Endpoint.COMPLETIONS, json=body, timeout=600)
     reply.raise_for_status()
     return reply.json()["usage"]["completion_tokens"]
 
@@ -87,7 +88,7 @@ def measure_health_under_load(client: httpx.Client, url: str, gen_tokens: int) -
     latencies = []
     while not done.is_set():
         start = time.perf_counter()
-        status = client.get("/primary").status_code
+        status = client.get(Endpoint.PRIMARY).status_code
         latencies.append((time.perf_counter() - start) * 1000)
         assert status == 200, status
     worker.join()
@@ -124,10 +125,10 @@ def main() -> int:
     try:
         with httpx.Client(base_url=url, timeout=60) as client:
             wait_ready(client, process, log)
-            results = {"device": args.device, "model": client.get("/health/ready").json()["model"]}
+            results = {"device": args.device, "model": client.get(Endpoint.READY).json()["model"]}
             results |= measure_promote(client, args.cycles)
-            client.post("/promote").raise_for_status()
-            results["kv_cache_bytes"] = client.get("/primary").json()["kv_cache_bytes"]
+            client.post(Endpoint.PROMOTE).raise_for_status()
+            results["kv_cache_bytes"] = client.get(Endpoint.PRIMARY).json()["kv_cache_bytes"]
             results |= measure_health_under_load(client, url, args.gen_tokens)
             results["tokens_per_s"] = measure_throughput(url, args.gen_tokens, 1)
             results[f"tokens_per_s_{args.max_batch}_concurrent"] = measure_throughput(

@@ -1,7 +1,9 @@
-"""Kill-to-first-successful-response over many failovers under steady load, through a load balancer.
+"""Kill-to-first-successful-response over many failovers under steady load, through a load balancer;
+or, with ``--simultaneous``, failover of several groups whose primaries die at the same instant.
 
     python bench/failover.py --lb gateway --rounds 20
     python bench/failover.py --lb haproxy --rounds 20 --device cuda:0 --model DIR
+    python bench/failover.py --groups 4 --simultaneous --rounds 3
 
 Runs ``hotweights drill kill-primary`` (its own stack: controller, daemon, 1 primary + 2 standbys,
 the load balancer; torn down at the end) and reads its report: for each round, the time from the
@@ -9,16 +11,35 @@ SIGKILL of the primary to the first successful response to a request sent after 
 line is one JSON object with ``p50_ms``, ``p99_ms``, ``max_ms``, ``client_errors`` and
 ``split_brain_samples``. Targets on CPU through the gateway: p50 <= 300 ms, p99 <= 1000 ms, no client
 errors; no split-brain sample anywhere.
+
+``--groups N --simultaneous`` runs its own ``hotweights controller`` (N groups of 3 engines, no load
+balancer, no client load). Each round first SIGKILLs group 0's primary alone (the single-group
+time), waits for the stack to be whole again, then SIGKILLs all N primaries at once. A group's time
+is from the SIGKILL to the controller's "failover" event (the new primary confirmed on /primary).
+The last line keeps the keys above (over the simultaneous times; the client and split-brain counts
+are null: nothing measures them here) and adds ``single_ms`` and ``groups_ms`` per round and
+``ratio``, the slowest simultaneous group over the single-group time of the same round (1.0: the
+groups fail over independently; N: one after another).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
+from datetime import datetime
 from pathlib import Path
+from typing import Any
+
+import httpx
+from hotweights.chaos.clusterview import ClusterView
+from hotweights.chaos.stack import free_ports
 
 from hotweights.spawn import hotweights_command
 from hotweights.stats import percentile
@@ -30,11 +51,16 @@ TARGETS = {"p50_ms": 300.0, "p99_ms": 1000.0}
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lb", choices=("gateway", "haproxy"), default="gateway")
-    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--rounds", type=int, help="default 20; 3 with --simultaneous")
     parser.add_argument("--rps", type=float, default=10.0)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--model", help="checkpoint (default: the embedded tiny model)")
+    parser.add_argument("--groups", type=int, default=1, help="failover groups (with --simultaneous)")
+    parser.add_argument("--simultaneous", action="store_true", help="kill every group's primary at once")
     args = parser.parse_args()
+    if args.simultaneous:
+        return simultaneous(args.groups, args.rounds or 3, args.device, args.model)
+    args.rounds = args.rounds or 20
     report = Path(tempfile.mkdtemp(prefix="hw-failover-"))
     command = hotweights_command("drill", "kill-primary", "--lb", args.lb)
     command += ["--rounds", str(args.rounds), "--rps", str(args.rps), "--device", args.device, "--report", str(report)]
@@ -66,6 +92,141 @@ def main() -> int:
     }
     print(json.dumps(result))
     return 0 if drill.returncode == 0 else drill.returncode
+
+
+GROUP_CONFIG = """\
+[cluster]
+name = "bench"
+port = {controller_port}
+state_dir = "{state_dir}"
+
+[model]
+path = "{model}"
+
+{groups}
+[engine]
+kv_cache_tokens = 256
+max_batch = 4
+
+[health]
+interval_ms = 100
+timeout_ms = 500
+failure_threshold = 2
+"""
+
+
+class GroupsStack:
+    """``hotweights controller`` with ``groups`` groups of 3 engines in a temp dir; ``close`` stops it all."""
+
+    def __init__(self, groups: int, device: str, model: str | None) -> None:
+        self.root = Path(tempfile.mkdtemp(prefix="hwb-", dir="/tmp"))
+        port = free_ports(1)[0]
+        sections = "".join(
+            f'[[groups]]\ndevice = "{device}"\nengines = 3\nbase_port = {free_ports(3, consecutive=True)[0]}\n\n'
+            for _ in range(groups)
+        )
+        self.config = self.root / "cluster.toml"
+        self.config.write_text(
+            GROUP_CONFIG.format(
+                controller_port=port,
+                state_dir=self.root / "state",
+                model=str(Path(model).resolve()) if model else "",
+                groups=sections,
+            )
+        )
+        self.api = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5.0)
+        with open(self.root / "controller.log", "ab") as log:
+            env = {**os.environ, "OMP_NUM_THREADS": "1"}
+            command = hotweights_command("controller", "--config", str(self.config))
+            self.controller = subprocess.Popen(command, stdout=log, stderr=log, env=env, start_new_session=True)
+
+    def view(self) -> ClusterView | None:
+        try:
+            body = self.api.get("/cluster").json()
+        except (httpx.HTTPError, ValueError):
+            return None
+        return ClusterView(body["members"], body["services"])
+
+    def wait_whole(self, timeout: float = 300.0) -> ClusterView:
+        """Every group with one healthy primary and ready standbys, every daemon serving."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.controller.poll() is not None:
+                raise RuntimeError(f"the controller exited; see {self.root / 'controller.log'}")
+            if (view := self.view()) is not None and view.incomplete() is None:
+                return view
+            time.sleep(0.2)
+        raise TimeoutError(f"the stack was not whole within {timeout:g} s: {view and view.incomplete()}")
+
+    def kill_primaries(self, view: ClusterView, groups: list[int]) -> tuple[float, dict[int, str]]:
+        """SIGKILL the primaries of ``groups`` back to back; returns the time.time() before the first kill."""
+        primaries = {m["group"]: m for m in view.primaries()}
+        started = time.time()
+        for group in groups:
+            os.kill(primaries[group]["pid"], signal.SIGKILL)
+        return started, {group: primaries[group]["id"] for group in groups}
+
+    def wait_failovers(self, killed: dict[int, str], since: float, timeout: float = 60.0) -> dict[int, float]:
+        """Per group: ms from ``since`` (the kill) to its failover event from the killed primary."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            events = self.api.get("/events", params={"kind": "failover", "limit": 1000}).json()["events"]
+            found = {
+                e["group"]: (datetime.fromisoformat(e["time"]).timestamp() - since) * 1000
+                for e in events
+                if killed.get(e["group"]) == e["old"] and datetime.fromisoformat(e["time"]).timestamp() >= since
+            }
+            if found.keys() == killed.keys():
+                return {group: round(found[group], 1) for group in sorted(found)}
+            time.sleep(0.2)
+        raise TimeoutError(f"not every group failed over within {timeout:g} s; see {self.root}")
+
+    def close(self) -> None:
+        subprocess.run(
+            hotweights_command("down", "--config", str(self.config), "--timeout", "5"), capture_output=True, check=False
+        )
+        if self.controller.poll() is None:
+            os.killpg(self.controller.pid, signal.SIGKILL)
+            self.controller.wait(timeout=10)
+        self.api.close()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def simultaneous(groups: int, rounds: int, device: str, model: str | None) -> int:
+    stack = GroupsStack(groups, device, model)
+    results: list[dict[str, Any]] = []
+    try:
+        for _ in range(rounds):
+            since, killed = stack.kill_primaries(stack.wait_whole(), [0])
+            single = stack.wait_failovers(killed, since)[0]
+            since, killed = stack.kill_primaries(stack.wait_whole(), list(range(groups)))
+            times = stack.wait_failovers(killed, since)
+            results.append({"single_ms": single, "groups_ms": times, "ratio": round(max(times.values()) / single, 2)})
+            print(json.dumps(results[-1]), flush=True)
+    finally:
+        stack.close()
+    times = [t for r in results for t in r["groups_ms"].values()]
+    result = {
+        "lb": None,
+        "device": device,
+        "rounds": rounds,
+        "rps": 0.0,
+        "groups": groups,
+        "p50_ms": round(percentile(times, 50), 1),
+        "p99_ms": round(percentile(times, 99), 1),
+        "max_ms": round(max(times), 1),
+        "client_errors": None,
+        "retried": None,
+        "split_brain_samples": None,
+        "single_ms": [r["single_ms"] for r in results],
+        "groups_ms": [r["groups_ms"] for r in results],
+        "ratio": max(r["ratio"] for r in results),
+        "targets": TARGETS,
+        "report": None,
+    }
+    result["met"] = {name: result[name] <= limit for name, limit in TARGETS.items()}
+    print(json.dumps(result))
+    return 0
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import httpx
 
+from hotweights.contract import Endpoint
 from hotweights.spawn import hotweights_command
 
 REPO = Path(__file__).resolve().parent.parent
@@ -88,7 +89,7 @@ class Stack:
             if proc.poll() is not None:
                 raise RuntimeError(f"engine on {port} exited: see {self.workdir / f'engine-{port}.log'}")
             try:
-                return client.get("/health/ready").status_code == 200
+                return client.get(Endpoint.READY).status_code == 200
             except httpx.HTTPError:
                 return False
 
@@ -103,7 +104,7 @@ class Stack:
 
 
 def complete(client: httpx.Client) -> str:
-    reply = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 24, "temperature": 0})
+    reply = client.post(Endpoint.COMPLETIONS, json={"prompt": PROMPT, "max_tokens": 24, "temperature": 0})
     reply.raise_for_status()
     return reply.json()["choices"][0]["text"]
 
@@ -125,7 +126,7 @@ def main() -> int:
         after_daemon = used_mib(index)
         primary = stack.start_engine(args.base_port, "primary")
         after_primary = used_mib(index)
-        kv_bytes = primary.get("/health/ready").json()["kv_cache_bytes"]
+        kv_bytes = primary.get(Endpoint.READY).json()["kv_cache_bytes"]
         per_standby = []
         previous = after_primary
         for i in range(args.standbys):
@@ -147,9 +148,9 @@ def main() -> int:
         after_kill = complete(primary)
         stack.start_daemon()
         fresh = stack.start_engine(args.base_port + 1 + args.standbys, "standby")
-        source = fresh.get("/health/ready").json()["weight_cache"]["source"]
-        primary.post("/demote")
-        promote_ms = fresh.post("/promote").json().get("duration_ms")
+        source = fresh.get(Endpoint.READY).json()["weight_cache"]["source"]
+        primary.post(Endpoint.DEMOTE)
+        promote_ms = fresh.post(Endpoint.PROMOTE).json().get("duration_ms")
         result.update(
             output_unchanged_after_daemon_sigkill=after_kill == reference,
             new_engine_source=source,

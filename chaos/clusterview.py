@@ -15,6 +15,8 @@ from typing import Any
 import httpx
 from hotweights.chaos.faults import Target
 
+from hotweights.contract import Role, State
+
 
 @dataclass(frozen=True)
 class ClusterView:
@@ -24,11 +26,13 @@ class ClusterView:
     services: list[dict[str, Any]]
 
     def primaries(self) -> list[dict[str, Any]]:
-        return [m for m in self.members if m["role"] == "primary" and m["pid"] is not None]
+        return [m for m in self.members if m["role"] == Role.PRIMARY and m["pid"] is not None]
 
     def ready_standbys(self) -> list[dict[str, Any]]:
         return [
-            m for m in self.members if m["role"] == "standby" and m["state"] == "ready" and m["status"] == "healthy"
+            m
+            for m in self.members
+            if m["role"] == Role.STANDBY and m["state"] == State.READY and m["status"] == "healthy"
         ]
 
     def incomplete(self) -> str | None:
@@ -37,8 +41,8 @@ class ClusterView:
         missing = []
         for group in sorted({m["group"] for m in self.members}):
             members = [m for m in self.members if m["group"] == group]
-            healthy = [m for m in members if m["status"] == "healthy" and m["state"] == "ready"]
-            primaries = [m for m in healthy if m["role"] == "primary"]
+            healthy = [m for m in members if m["status"] == "healthy" and m["state"] == State.READY]
+            primaries = [m for m in healthy if m["role"] == Role.PRIMARY]
             if len(primaries) != 1 or len(healthy) != len(members):
                 states = ", ".join(f"{m['id']} {m['role']} {m['status']}" for m in members)
                 missing.append(f"group {group}: {states}")

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import httpx
 
+from hotweights.contract import Endpoint
+
 PROMPT = "The quick brown fox"
 MAX_TOKENS = 8
 
@@ -44,7 +46,7 @@ async def reference_completion(client: httpx.AsyncClient, base_url: str, timeout
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            response = await client.post(f"{base_url}/v1/completions", json=completion_body())
+            response = await client.post(base_url + Endpoint.COMPLETIONS, json=completion_body())
             if response.status_code == 200:
                 return response.json()["choices"][0]["text"]
             failure = f"{response.status_code} {response.text[:200]}"
@@ -80,7 +82,7 @@ class LoadGenerator:
         status, correct, error = None, None, ""
         try:
             response = await client.post(
-                f"{self.base_url}/v1/completions", json=completion_body(), timeout=self.timeout_s
+                self.base_url + Endpoint.COMPLETIONS, json=completion_body(), timeout=self.timeout_s
             )
             status = response.status_code
             if status == 200:

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, ClassVar
 
 from hotweights.chaos.faults import Target, is_alive, netem_unavailable, send
 
+from hotweights.contract import State
+
 if TYPE_CHECKING:
     from hotweights.chaos.clusterview import ClusterView, ControlApi
     from hotweights.chaos.stack import DrillStack
@@ -274,7 +276,7 @@ class Flapping(Scenario):
         while time.monotonic() < deadline:
             view = await r.api.cluster()
             if view is not None:
-                serving = [m for m in view.primaries() if m["status"] == "healthy" and m["state"] == "ready"]
+                serving = [m for m in view.primaries() if m["status"] == "healthy" and m["state"] == State.READY]
                 if serving and serving[0]["id"] + str(serving[0]["pid"]) not in killed:
                     return view
             await asyncio.sleep(0.01)

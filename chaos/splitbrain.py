@@ -19,6 +19,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from hotweights.contract import Endpoint
+
 
 @dataclass(frozen=True)
 class Sample:
@@ -33,7 +35,7 @@ class PrimaryProbe:
         parts = urlsplit(url)
         self.url = url
         self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
-        self.request = f"GET /primary HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n\r\n".encode()
+        self.request = f"GET {Endpoint.PRIMARY} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n\r\n".encode()
         self._conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
 
     async def status(self, timeout_s: float) -> int | None:

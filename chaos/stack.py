@@ -12,7 +12,6 @@ SIGKILL to anything still naming its config or state dir.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -23,8 +22,10 @@ from hotweights.chaos.faults import Target
 from hotweights.chaos.memory import stack_pids
 from hotweights.controller.config import ClusterConfig, load_config
 
+from hotweights.errors import ConfigError
 from hotweights.ports import free_ports
 from hotweights.spawn import hotweights_command
+from hotweights.state import read_state
 
 ENGINES = 3  # one primary and two standbys
 DOWN_TIMEOUT_S = 30.0
@@ -176,10 +177,10 @@ class DrillStack:
     def controller_target(self) -> Target | None:
         """The controller's process, from the state file it keeps."""
         try:
-            record = json.loads((self.config.state_dir / "state.json").read_text()).get("controller") or {}
-        except (OSError, ValueError):
+            controller = read_state(self.config.state_file).controller
+        except ConfigError:
             return None
-        return Target.of("controller", record["pid"]) if "pid" in record else None
+        return Target.of("controller", controller.pid) if controller else None
 
     def start_haproxy(self) -> None:
         cfg = self.workdir / "haproxy.cfg"

@@ -4,16 +4,18 @@ Reads come from a fresh snapshot. Mutations need ``Authorization: Bearer <token>
 ``cluster.token_file`` is set; they never act themselves: they queue an intent for the HA loop
 and wait for its answer, so they are serialised and never interleave with a failover. The loop's
 refusals become status codes here and only here: NotFound 404, NotPossible 412, Conflict 409,
-Unavailable 503. A malformed body is 422 (FastAPI's validation).
+Unavailable 503 (also when the loop did not answer in time). A malformed body is 422 (FastAPI's
+validation; the request models are strict, so ``{"group": false}`` is not group 0), one that is not
+even text 400. Each route
+declares in ``responses`` every status code it answers, so the OpenAPI document is the whole truth.
 """
 
 from __future__ import annotations
 
-import secrets
 import time
 
-from fastapi import Depends, FastAPI, Header, HTTPException, Query
-from fastapi.responses import JSONResponse, Response
+from fastapi import Depends, FastAPI, Query
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from hotweights.controller.cluster import Cluster
 from hotweights.controller.events import EventLog
 from hotweights.controller.ha import Conflict, Ha, NotFound, NotPossible, Refused, Unavailable
@@ -21,29 +23,47 @@ from hotweights.controller.metrics import ControllerMetrics
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
+from hotweights.contract import UNAUTHORIZED, Endpoint, bearer_check
+
 STATUS = {NotFound: 404, NotPossible: 412, Conflict: 409, Unavailable: 503}
 INTENT_TIMEOUT_S = 30.0  # plus the drain timeout for actions that drain
 STALE_LOOP_S = 5.0  # /health turns 503 when the HA loop has not finished a cycle for this long
+STRICT = ConfigDict(extra="forbid", strict=True)  # strict: a bool is not a number
+
+STATUS_DESCRIPTIONS: dict[int, dict[str, object]] = {
+    201: {"description": "added"},
+    400: {"description": "a body that is not even text (FastAPI cannot decode it)"},
+    202: {"description": "accepted: it goes on in the background (watch GET /events)"},
+    404: {"description": "unknown group or engine"},
+    409: {"description": "conflicts with the cluster's state; `detail` says why"},
+    412: {"description": "a precondition does not hold (no ready standby, no serving primary); `detail` says why"},
+    503: {"description": "an engine or the HA loop did not answer in time, or an action failed; `detail` says why"},
+} | UNAUTHORIZED
+
+
+def declare(*codes: int) -> dict[int | str, dict[str, object]]:
+    """OpenAPI ``responses``: the status codes an endpoint answers besides its success."""
+    return {code: STATUS_DESCRIPTIONS[code] for code in codes}
 
 
 class SwitchoverRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     group: int | None = Field(default=None, ge=0, description="default: the candidate's group, else 0")
     candidate: str | None = Field(default=None, description="a ready standby; default: the best one")
 
 
 class FailoverRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     candidate: str = Field(description="the ready standby to promote")
 
 
 class DrainRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     timeout_s: float | None = Field(default=None, ge=0, le=86400, description="default: engine.drain_timeout_s")
 
 
 class AddEngineRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     group: int = Field(default=0, ge=0)
 
 
@@ -55,13 +75,6 @@ def build_app(ha: Ha, cluster: Cluster, events: EventLog, metrics: ControllerMet
     started = time.monotonic()
     drain_timeout_s = cluster.config.engine.drain_timeout_s
 
-    async def require_token(authorization: str | None = Header(default=None)) -> None:
-        if token is None:
-            return
-        scheme, _, given = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), token.encode()):
-            raise HTTPException(401, "a valid bearer token is required", headers={"WWW-Authenticate": "Bearer"})
-
     async def act(action: str, timeout: float, success: int = 200, **params: object) -> JSONResponse:
         try:
             result = await ha.request(action, timeout, **params)
@@ -69,9 +82,9 @@ def build_app(ha: Ha, cluster: Cluster, events: EventLog, metrics: ControllerMet
             return JSONResponse({"detail": str(exc)}, status_code=STATUS[type(exc)])
         return JSONResponse(result, status_code=success)
 
-    mutation = [Depends(require_token)]
+    mutation = [Depends(bearer_check(token))]
 
-    @app.get("/health")
+    @app.get("/health", responses=declare(503))
     async def health() -> JSONResponse:
         """200 while the HA loop goes round (liveness of the controller, not of the engines); 503 when
         its last cycle ended more than 5 s ago."""
@@ -94,7 +107,7 @@ def build_app(ha: Ha, cluster: Cluster, events: EventLog, metrics: ControllerMet
             }
         )
 
-    @app.get("/primary")
+    @app.get("/primary", responses=declare(404, 503))
     async def get_primary(group: int | None = Query(default=None, ge=0)) -> JSONResponse:
         """200 with the serving primary of each group (or of ``group``); 503 when one has none (the body
         still lists the others); 404 unknown group."""
@@ -112,7 +125,7 @@ def build_app(ha: Ha, cluster: Cluster, events: EventLog, metrics: ControllerMet
         )
         return JSONResponse(body, status_code=503 if missing else 200)
 
-    @app.post("/switchover", dependencies=mutation)
+    @app.post("/switchover", dependencies=mutation, responses=declare(400, 401, 404, 409, 412, 503))
     async def switchover(request: SwitchoverRequest | None = None) -> JSONResponse:
         """Planned change of primary: drain it, promote ``candidate`` (or the best ready standby),
         demote the old primary to standby.
@@ -125,7 +138,7 @@ def build_app(ha: Ha, cluster: Cluster, events: EventLog, metrics: ControllerMet
         wait_s = 2 * drain_timeout_s + 2 * INTENT_TIMEOUT_S
         return await act("switchover", wait_s, group=request.group, candidate=request.candidate)
 
-    @app.post("/failover", dependencies=mutation)
+    @app.post("/failover", dependencies=mutation, responses=declare(400, 401, 404, 412, 503))
     async def failover(request: FailoverRequest) -> JSONResponse:
         """Forced change of primary: fence (SIGKILL) the current one whatever its state, promote ``candidate``.
 
@@ -133,7 +146,7 @@ def build_app(ha: Ha, cluster: Cluster, events: EventLog, metrics: ControllerMet
         promotion failed; 422 bad body (``candidate`` is required)."""
         return await act("failover", INTENT_TIMEOUT_S, candidate=request.candidate)
 
-    @app.post("/engines/{engine_id}/drain", dependencies=mutation)
+    @app.post("/engines/{engine_id}/drain", dependencies=mutation, responses=declare(400, 401, 404, 409, 503))
     async def drain(engine_id: str, request: DrainRequest | None = None) -> JSONResponse:
         """Drain an engine (a primary stops taking requests; in-flight ones finish until ``timeout_s``).
 
@@ -143,7 +156,7 @@ def build_app(ha: Ha, cluster: Cluster, events: EventLog, metrics: ControllerMet
         wait = (drain_timeout_s if timeout_s is None else timeout_s) + INTENT_TIMEOUT_S
         return await act("drain", wait, engine_id=engine_id, timeout_s=timeout_s)
 
-    @app.post("/engines/{engine_id}/promote", dependencies=mutation)
+    @app.post("/engines/{engine_id}/promote", dependencies=mutation, responses=declare(401, 404, 409, 412, 503))
     async def promote(engine_id: str) -> JSONResponse:
         """Promote a standby of a group that has no primary, or resume a drained primary.
 
@@ -151,26 +164,27 @@ def build_app(ha: Ha, cluster: Cluster, events: EventLog, metrics: ControllerMet
         /switchover); 412 not a ready standby; 503 the promotion failed."""
         return await act("promote", INTENT_TIMEOUT_S, engine_id=engine_id)
 
-    @app.post("/engines", dependencies=mutation)
+    @app.post("/engines", dependencies=mutation, status_code=201, responses=declare(400, 401, 404, 503))
     async def add_engine(request: AddEngineRequest | None = None) -> JSONResponse:
         """Add a standby to ``group`` on the next free port; it starts once the group's daemon serves.
 
-        201 added (id, port, url); 401 token; 404 unknown group; 422 bad body."""
+        201 added (id, port, url); 401 token; 404 unknown group; 503 no answer in time; 422 bad body."""
         return await act("add", INTENT_TIMEOUT_S, success=201, group=(request or AddEngineRequest()).group)
 
-    @app.delete("/engines/{engine_id}", dependencies=mutation)
+    @app.delete("/engines/{engine_id}", dependencies=mutation, responses=declare(401, 404, 409, 503))
     async def delete_engine(engine_id: str) -> JSONResponse:
         """Stop an engine (SIGTERM, in-flight requests finish) and forget its slot.
 
-        200 removed; 401 token; 404 unknown engine; 409 it is a live primary (switch over first)."""
+        200 removed; 401 token; 404 unknown engine; 409 it is a live primary (switch over first); 503 it
+        did not stop."""
         return await act("delete", INTENT_TIMEOUT_S, engine_id=engine_id)
 
-    @app.post("/cache/{group}/restart", dependencies=mutation)
+    @app.post("/cache/{group}/restart", dependencies=mutation, status_code=202, responses=declare(401, 404, 503))
     async def restart_cache(group: int) -> JSONResponse:
         """Stop the group's cache daemon and respawn it (reloading from disk); engines keep serving.
 
         202 the old daemon stopped and a new one is loading (watch GET /events for "respawn"); 401
-        token; 404 unknown group; 422 ``group`` is not an integer."""
+        token; 404 unknown group; 503 the old daemon did not stop; 422 ``group`` is not an integer."""
         return await act("restart_cache", INTENT_TIMEOUT_S, success=202, group=group)
 
     @app.get("/events")
@@ -181,7 +195,7 @@ def build_app(ha: Ha, cluster: Cluster, events: EventLog, metrics: ControllerMet
         promote, failover, switchover, exit, respawn, ...), each with its durations in ``*_ms``."""
         return JSONResponse({"events": events.recent(limit, kind)})
 
-    @app.get("/metrics")
+    @app.get(Endpoint.METRICS, response_class=PlainTextResponse)
     async def prometheus() -> Response:
         """200: the controller's metrics in the Prometheus text format."""
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)

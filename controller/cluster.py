@@ -14,8 +14,8 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import httpx
@@ -23,7 +23,24 @@ from hotweights.cache.client import AttachRefused, DaemonUnavailable, hello
 from hotweights.controller.config import EngineSpec
 from hotweights.controller.health import HealthChecker, HealthRecord
 from hotweights.controller.stack import Layout
-from hotweights.controller.supervisor import Process, StateFile, Supervisor, evict_orphans, read_identity
+from hotweights.controller.supervisor import (
+    Process,
+    Supervisor,
+    evict_orphans,
+    read_identity,
+    stack_orphans,
+    stop_recorded,
+)
+
+from hotweights.contract import Role, State
+from hotweights.state import (
+    ClusterState,
+    MemberRecord,
+    ServiceRecord,
+    StateCorrupt,
+    read_state,
+    write_state,
+)
 
 log = logging.getLogger(__name__)
 
@@ -41,13 +58,19 @@ class Member:
     """One engine slot: the spec is permanent, the process behind it is replaced on failure."""
 
     spec: EngineSpec
-    role: str = "standby"  # what we last knew; the engine's own later health replies override it
+    role: str = Role.STANDBY  # what we last set; the engine's own later health replies override it
     role_set_at: float = 0.0  # time.monotonic() of our last role change: older replies are stale
     process: Process | None = None
     health: HealthRecord = field(default_factory=HealthRecord)
     started_at: float = 0.0  # time.monotonic()
-    start_failures: int = 0  # exits before ever being ready, in a row
-    next_start_at: float = 0.0  # backoff after such exits
+
+    def current_role(self) -> str:
+        """The engine's word when its latest reply postdates our last role change, else ours. By
+        ``body_at``, not ``sent_at``: a failed check keeps the previous body, which may predate it."""
+        body = self.health.body or {}
+        if body.get("role") in (Role.PRIMARY, Role.STANDBY) and self.health.body_at > self.role_set_at:
+            return body["role"]
+        return self.role
 
 
 @dataclass
@@ -59,8 +82,9 @@ class Service:
     group: int | None = None
     process: Process | None = None
     serving: bool = False
-    restarts: int = 0
+    restarts: int = 0  # replacements of a process that had exited
     keeper: asyncio.Task | None = None  # the (re)start in progress
+    fencing: bool = False  # being killed for not answering; respawned once it is gone
 
 
 @dataclass(frozen=True)
@@ -82,11 +106,11 @@ class MemberView:
 
     @property
     def is_ready_standby(self) -> bool:
-        return self.alive and self.role == "standby" and self.state == "ready" and bool(self.health.ok)
+        return self.alive and self.role == Role.STANDBY and self.state == State.READY and bool(self.health.ok)
 
     @property
     def is_serving_primary(self) -> bool:
-        return self.alive and self.role == "primary" and self.state == "ready" and bool(self.health.ok)
+        return self.alive and self.role == Role.PRIMARY and self.state == State.READY and bool(self.health.ok)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -119,7 +143,7 @@ class ServiceView:
     exit_reason: str | None
 
     def to_json(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -139,7 +163,7 @@ class Snapshot:
 
     def primaries(self, group: int) -> list[MemberView]:
         """Members that are (or were, until they died) the primary; live ones first."""
-        return sorted((m for m in self.group(group) if m.role == "primary"), key=lambda m: not m.alive)
+        return sorted((m for m in self.group(group) if m.role == Role.PRIMARY), key=lambda m: not m.alive)
 
     def daemon(self, group: int) -> ServiceView:
         return next(s for s in self.services if s.kind == "daemon" and s.group == group)
@@ -152,7 +176,6 @@ class Cluster:
         self.checker = checker
         self.wake = wake
         self.supervisor = Supervisor(layout.log_dir, self.handle_exit)
-        self.state_file = StateFile(layout.state_file)
         self.members: dict[str, Member] = {}
         self.services: dict[str, Service] = {}
         self.removed: set[str] = set()  # configured engines deleted through the API
@@ -161,73 +184,88 @@ class Cluster:
 
     def load(self, with_gateway: bool) -> list[str]:
         """Build the desired stack from the config and state.json; adopt the recorded processes that
-        still run. Returns one line per adopted process."""
-        state = self.state_file.load()
-        self.removed = set(state.get("removed", []))
-        recorded = state.get("members", {})
+        still run (same pid, start time and command line). Returns one line per adopted process, and
+        one per leftover of a corrupt state file that was stopped.
+
+        A role belongs to a process: a slot whose process is gone (a clean stop, a crash of the whole
+        stack, a reboot) starts as a standby, so a second start is a start-up, not a failover."""
+        state, notes = self._read_state()
+        self.removed = set(state.removed)
         specs = {spec.id: spec for spec in self.config.engines() if spec.id not in self.removed}
-        for member_id, row in recorded.items():
-            if row.get("added") and member_id not in self.removed:  # engines added through the API
-                specs[member_id] = EngineSpec(member_id, row["group"], row["device"], row["port"])
-            elif member_id not in specs and row.get("process"):
-                log.warning("%s (pid %s) is no longer in the config: left alone", member_id, row["process"]["pid"])
+        for member_id, row in state.members.items():
+            if row.added and member_id not in self.removed:  # engines added through the API
+                specs[member_id] = EngineSpec(member_id, row.group, row.device, row.port)
+            elif member_id not in specs and row.process:
+                log.warning("%s (pid %s) is no longer in the config: left alone", member_id, row.process.pid)
         for spec in specs.values():
-            self.members[spec.id] = Member(spec, role=recorded.get(spec.id, {}).get("role", "standby"))
+            self.members[spec.id] = Member(spec)
         for group in range(len(self.config.groups)):
             self.services[f"g{group}-cache"] = Service(f"g{group}-cache", "daemon", group)
-        recorded_services = state.get("services", {})
-        if with_gateway or "gateway" in recorded_services:
+        if with_gateway or "gateway" in state.services:
             self.services["gateway"] = Service("gateway", "gateway")
         adopted = []
         for member in self.members.values():
-            process_row = recorded.get(member.spec.id, {}).get("process")
-            if process_row and (process := self.supervisor.adopt(member.spec.id, process_row)):
+            row = state.members.get(member.spec.id)
+            if row and row.process and (process := self.supervisor.adopt(member.spec.id, row.process)):
                 self._attach(member, process)
+                member.role = row.role
                 # A primary served before we started: judge it by failed checks at once, not by the start-up
                 # allowance a fresh engine gets, or an adopted hung primary would hold its group for minutes.
-                member.health.ever_ok = member.role == "primary"
+                member.health.ever_ok = member.role == Role.PRIMARY
                 adopted.append(f"{member.spec.id} ({member.role}, pid {process.pid})")
         for service in self.services.values():
-            process_row = recorded_services.get(service.id, {}).get("process")
-            if process_row and (process := self.supervisor.adopt(service.id, process_row)):
+            row = state.services.get(service.id)
+            if row and row.process and (process := self.supervisor.adopt(service.id, row.process)):
                 service.process = process
                 adopted.append(f"{service.id} (pid {process.pid})")
         if "gateway" in self.services and not with_gateway and self.services["gateway"].process is None:
             del self.services["gateway"]  # a dead gateway from an earlier `up`: not ours to restart
         self.save()
-        return adopted
+        return adopted + notes
+
+    def _read_state(self) -> tuple[ClusterState, list[str]]:
+        """The recorded state; a corrupt file is moved aside and the stack's leftovers (processes naming
+        its state dir or config) are stopped, for a fresh start. An unknown version raises (ConfigError)."""
+        try:
+            return read_state(self.layout.state_file), []
+        except StateCorrupt as exc:
+            aside = self.layout.state_file.with_name(f"state.json.corrupt-{time.strftime('%Y%m%dT%H%M%S')}")
+            self.layout.state_file.replace(aside)
+            log.warning("%s; moved it to %s and starting fresh", exc, aside)
+            stopped = stop_recorded(stack_orphans(self.layout.markers))
+            return ClusterState(), [f"none from {aside.name} (corrupt)", *stopped]
 
     def save(self) -> None:
         me = read_identity(os.getpid())
         configured = {spec.id for spec in self.config.engines()}
         members = {
-            m.spec.id: {
-                "added": m.spec.id not in configured,
-                "group": m.spec.group,
-                "device": m.spec.device,
-                "port": m.spec.port,
-                "role": m.role,
-                "process": m.process.record() if m.process and m.process.alive else None,
-            }
+            m.spec.id: MemberRecord(
+                group=m.spec.group,
+                device=m.spec.device,
+                port=m.spec.port,
+                role=m.current_role() if m.process and m.process.alive else Role.STANDBY,
+                added=m.spec.id not in configured,
+                process=m.process.record() if m.process and m.process.alive else None,
+            )
             for m in self.members.values()
         }
         services = {
-            s.id: {"kind": s.kind, "process": s.process.record() if s.process and s.process.alive else None}
+            s.id: ServiceRecord(s.kind, s.process.record() if s.process and s.process.alive else None)
             for s in self.services.values()
         }
-        self.state_file.save(
-            {
-                "cluster": self.config.cluster.name,
-                "controller": {"pid": me.pid, "start_time": me.start_time, "command": list(me.command)} if me else None,
-                "members": members,
-                "services": services,
-                "removed": sorted(self.removed),
-            }
+        state = ClusterState(
+            cluster=self.config.cluster.name,
+            controller=me,
+            members=members,
+            services=services,
+            removed=tuple(sorted(self.removed)),
         )
+        write_state(self.layout.state_file, state)
 
     # --- the snapshot --------------------------------------------------------------------------
 
     def snapshot(self) -> Snapshot:
+        """The cluster now, read-only: taking it changes nothing."""
         now = time.monotonic()
         members = tuple(self._view(m, now) for m in sorted(self.members.values(), key=_slot_order))
         services = tuple(
@@ -238,7 +276,7 @@ class Cluster:
                 s.process.pid if s.process else None,
                 bool(s.process and s.process.alive),
                 s.serving,
-                bool(s.keeper and not s.keeper.done()),
+                s.fencing or bool(s.keeper and not s.keeper.done()),
                 s.restarts,
                 s.process.exit_reason if s.process else None,
             )
@@ -249,9 +287,6 @@ class Cluster:
     def _view(self, member: Member, now: float) -> MemberView:
         process, health = member.process, member.health
         body = health.body or {}
-        # body_at, not sent_at: a failed check keeps the previous body, which may predate our last role change
-        if body.get("role") in ("primary", "standby") and health.body_at > member.role_set_at:
-            member.role = body["role"]
         alive = bool(process and process.alive)
         if process is None:
             status = "absent"
@@ -267,7 +302,7 @@ class Cluster:
             port=member.spec.port,
             device=member.spec.device,
             url=member.spec.url,
-            role=member.role,
+            role=member.current_role(),
             state=body.get("state", "unknown") if health.ok is not None else "unknown",
             status=status,
             pid=process.pid if process else None,
@@ -289,7 +324,7 @@ class Cluster:
             log.warning("%s", message)
         process = self.supervisor.spawn(member_id, self.layout.engine_command(member.spec))
         self._attach(member, process)
-        self.set_role(member_id, "standby")
+        self.set_role(member_id, Role.STANDBY)
         return process
 
     def _attach(self, member: Member, process: Process) -> None:
@@ -304,11 +339,9 @@ class Cluster:
         self.checker.untrack(member_id)
         for message in await asyncio.to_thread(evict_orphans, member.spec.listen_port, member_id):
             log.warning("%s", message)
-        if member.process is None:
-            return True
-        fenced = await self.supervisor.fence(member.process)
+        fenced = member.process is None or await self.supervisor.fence(member.process)
         if fenced:
-            self.set_role(member_id, "standby")  # if it comes back, it comes back as a standby
+            self.set_role(member_id, Role.STANDBY)  # if it comes back, it comes back as a standby
         return fenced
 
     async def stop_engine(self, member_id: str) -> str:
@@ -349,10 +382,19 @@ class Cluster:
 
     # --- daemons and the gateway ----------------------------------------------------------------
 
+    def respawn(self, service_id: str, keep: Callable[[], Awaitable[None]]) -> None:
+        """Run ``keep`` (the loop's retrying start) as the service's keeper, unless one runs already."""
+        service = self.services[service_id]
+        if service.keeper is None or service.keeper.done():
+            service.keeper = asyncio.create_task(keep(), name=f"keep-{service_id}")
+
     async def start_service(self, service_id: str) -> None:
         """Spawn the service unless it runs, then wait until it serves. Raises ServiceFailed."""
         service = self.services[service_id]
-        if service.process is None or not service.process.alive:
+        spawned = service.process is None or not service.process.alive
+        if spawned:
+            if service.process is not None:
+                service.restarts += 1
             command = (
                 self.layout.daemon_command(service.group) if service.kind == "daemon" else self.layout.gateway_command()
             )
@@ -362,7 +404,8 @@ class Cluster:
         deadline = time.monotonic() + SERVICE_START_TIMEOUT_S
         while not await self._probe(service):
             if not process.alive:
-                raise ServiceFailed(f"{service.id} {process.exit_reason} before serving; see {self._log(service)}")
+                when = "before serving" if spawned else "while we waited for its answer"
+                raise ServiceFailed(f"{service.id} {process.exit_reason} {when}; see {self._log(service)}")
             if time.monotonic() > deadline:
                 await self.supervisor.fence(process)
                 raise ServiceFailed(f"{service.id} did not serve within {SERVICE_START_TIMEOUT_S:g} s; killed it")
@@ -385,8 +428,11 @@ class Cluster:
     async def fence_service(self, service_id: str) -> bool:
         """SIGKILL a service that stopped answering and wait for its exit; the loop then respawns it."""
         service = self.services[service_id]
-        service.serving = False
-        return service.process is None or await self.supervisor.fence(service.process)
+        service.serving, service.fencing = False, True
+        try:
+            return service.process is None or await self.supervisor.fence(service.process)
+        finally:
+            service.fencing = False
 
     async def _probe(self, service: Service) -> bool:
         if service.kind == "daemon":

@@ -22,7 +22,7 @@ import signal
 import socket
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
@@ -37,9 +37,11 @@ from hotweights.controller.ha import Ha
 from hotweights.controller.health import HealthChecker
 from hotweights.controller.metrics import ControllerMetrics
 from hotweights.controller.stack import Layout
-from hotweights.controller.supervisor import STOP_TIMEOUT_S, ControllerLock, StateFile, stop_recorded
+from hotweights.controller.supervisor import STOP_TIMEOUT_S, ControllerLock, stack_orphans, stop_recorded
 
+from hotweights.contract import Role
 from hotweights.errors import ConfigError
+from hotweights.state import StateCorrupt, read_state, write_state
 
 log = logging.getLogger(__name__)
 
@@ -170,30 +172,35 @@ def announce(layout: Layout, with_gateway: bool, snap: Snapshot) -> None:
     print("\n".join(lines), file=sys.stderr, flush=True)
 
 
-def stop_everything(config: ClusterConfig, timeout: float) -> list[str]:
-    """``down``: the controller first, then gateway, engines and daemons as recorded in state.json."""
-    state_file = StateFile(config.state_dir / "state.json")
-    state = state_file.load()
+def stop_everything(config: ClusterConfig, timeout: float, config_path: Path | None = None) -> list[str]:
+    """``down``: the controller first, then gateway, engines and daemons as recorded in state.json.
+
+    A corrupt state.json records nothing to go by: the stack's leftovers are found by their command
+    lines instead (processes naming the state dir or ``config_path``), stopped, and the file moved aside."""
+    try:
+        state = read_state(config.state_file)
+    except StateCorrupt as exc:
+        aside = config.state_file.with_name(config.state_file.name + ".corrupt")
+        config.state_file.replace(aside)
+        log.warning("%s; moved it to %s and stopping the stack's processes found by their command lines", exc, aside)
+        markers = [str(config.state_dir), *([str(config_path.resolve())] if config_path else [])]
+        return stop_recorded(stack_orphans(markers), timeout)
     lines = []
-    if state.get("controller"):
-        lines += stop_recorded([state["controller"] | {"id": "controller"}], CONTROLLER_STOP_TIMEOUT_S)
-        state = state_file.load()  # the controller rewrote it on its way out
-    services = state.get("services", {})
-    members = state.get("members", {})
-
-    def recorded(rows: dict, kind: str | None = None) -> list[dict]:
-        return [
-            row["process"] | {"id": name}
-            for name, row in rows.items()
-            if row.get("process") and (kind is None or row.get("kind") == kind)
-        ]
-
-    for batch in (recorded(services, "gateway"), recorded(members), recorded(services, "daemon")):
+    if state.controller:
+        lines += stop_recorded([("controller", state.controller)], CONTROLLER_STOP_TIMEOUT_S)
+        state = read_state(config.state_file)  # the controller rewrote it on its way out
+    kinds = {name: row.kind for name, row in state.services.items()}
+    processes = state.processes()
+    for batch in (
+        [(name, p) for name, p in processes if kinds.get(name) == "gateway"],
+        [(name, p) for name, p in processes if name in state.members],
+        [(name, p) for name, p in processes if kinds.get(name) == "daemon"],
+    ):
         lines += stop_recorded(batch, timeout)
-    if state:
-        for row in [*members.values(), *services.values()]:
-            row["process"] = None
-        state_file.save(state | {"controller": None})
+    if config.state_file.exists():
+        members = {name: replace(row, process=None, role=Role.STANDBY) for name, row in state.members.items()}
+        services = {name: replace(row, process=None) for name, row in state.services.items()}
+        write_state(config.state_file, replace(state, controller=None, members=members, services=services))
     return lines
 
 
@@ -207,7 +214,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 def cmd_down(args: argparse.Namespace) -> int:
     config = load_config(args.config)
-    lines = stop_everything(config, args.timeout)
+    lines = stop_everything(config, args.timeout, Path(args.config) if args.config else None)
     for line in lines:
         print(line, file=sys.stderr)
     if not lines:

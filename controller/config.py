@@ -7,12 +7,12 @@ expected and what was found; nothing starts until the whole file is valid. ``EXA
 
 from __future__ import annotations
 
-import ipaddress
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from hotweights.contract import refuse_open_listener
 from hotweights.dtypes import MODEL_DTYPES
 from hotweights.errors import ConfigError
 from hotweights.paths import hotweights_home
@@ -23,7 +23,7 @@ EXAMPLE_CONFIG = """\
 name = "demo"
 host = "127.0.0.1"            # controller REST API
 port = 8100
-token_file = ""               # bearer token for mutations; required for a non-loopback host
+token_file = ""               # bearer token for mutations; required for a non-loopback cluster or gateway host
 state_dir = ""                # default: $HOTWEIGHTS_HOME/clusters/<name>
 
 [model]
@@ -55,6 +55,10 @@ port = 8000
 queue_limit = 256             # requests held while no primary answers
 hold_timeout_s = 10.0         # how long a held request waits for a primary
 """
+
+# Why an exposed gateway needs the cluster's token: it forwards only /v1, and the engines behind it then
+# refuse role changes without the token, whatever a client manages to send.
+GATEWAY_TOKEN_FIX = "set cluster.token_file so that the engines behind the gateway need it for role changes"
 
 
 @dataclass(frozen=True)
@@ -289,19 +293,10 @@ def validate(config: ClusterConfig) -> None:
         if spec.listen_port in ports:
             raise ConfigError(f"{src}: {where}, which collides with {ports[spec.listen_port]}")
         ports[spec.listen_port] = f"engine {spec.id} listen port (groups[{spec.group}].listen_base_port)"
-    if not _is_loopback(config.cluster.host) and not config.cluster.token_file:
-        raise ConfigError(
-            f"{src}: cluster.host {config.cluster.host!r} is not loopback: set cluster.token_file so that "
-            "mutations need a bearer token"
-        )
-    if config.cluster.token_file:
+    has_token = bool(config.cluster.token_file)
+    refuse_open_listener(
+        config.cluster.host, has_token, f"{src}: cluster.host", "set cluster.token_file so that mutations need it"
+    )
+    refuse_open_listener(config.gateway.host, has_token, f"{src}: gateway.host", GATEWAY_TOKEN_FIX)
+    if has_token:
         config.token()
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

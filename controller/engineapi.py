@@ -6,6 +6,8 @@ from typing import Any
 
 import httpx
 
+from hotweights.contract import Endpoint
+
 ROLE_CHANGE_TIMEOUT_S = 10.0  # promote allocates the KV cache; big ones take a while on a GPU
 
 
@@ -36,6 +38,6 @@ class EngineApi:
     async def is_primary(self, url: str, timeout: float = 1.0) -> bool:
         """Whether the engine answers 200 on /primary (what load balancers route on)."""
         try:
-            return (await self.client.get(url + "/primary", timeout=timeout)).status_code == 200
+            return (await self.client.get(url + Endpoint.PRIMARY, timeout=timeout)).status_code == 200
         except httpx.HTTPError:
             return False

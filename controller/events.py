@@ -1,7 +1,9 @@
 """The controller's timeline: detections, fences, promotions and respawns, with their durations.
 
 The last ``keep`` events stay in memory for ``GET /events``; every event is also appended to
-``events.jsonl`` in the state dir, one JSON object a line, so the history survives restarts.
+``events.jsonl`` in the state dir, one JSON object a line, so the history survives restarts. The
+file is bounded: once it holds ``max_bytes`` it becomes ``events.jsonl.1`` (replacing the previous
+one) and a new file begins, so the history on disk never exceeds twice ``max_bytes``.
 """
 
 from __future__ import annotations
@@ -16,10 +18,13 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+MAX_BYTES = 8 << 20  # events.jsonl rotates to events.jsonl.1 at this size
+
 
 class EventLog:
-    def __init__(self, path: Path, keep: int = 1000) -> None:
+    def __init__(self, path: Path, keep: int = 1000, max_bytes: int = MAX_BYTES) -> None:
         self.path = path
+        self.max_bytes = max_bytes
         self.events: deque[dict[str, Any]] = deque(maxlen=keep)
         self.seq = 0
 
@@ -34,6 +39,9 @@ class EventLog:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.path, "a") as out:
                 out.write(json.dumps(event) + "\n")
+                full = out.tell() >= self.max_bytes
+            if full:
+                self.path.replace(self.path.with_name(self.path.name + ".1"))
         except OSError as exc:
             log.warning("cannot append to %s: %s", self.path, exc)
         return event

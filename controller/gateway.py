@@ -15,6 +15,10 @@ failover because of three rules:
   ``data: {"error": ...}`` event and no ``[DONE]`` (as the engine itself ends a cancelled stream);
   any other body is cut off, so the client sees a truncated response, never a silently short one.
 
+Only normalized ``/v1/...`` paths are forwarded: each segment of the raw path (as the client sent it,
+before percent-decoding) is a plain RFC 3986 word, so ``..``, ``.``, empty segments and any percent
+escape (``%2e%2e``, ``%2f``) are 404 here and never reach an engine's root endpoints.
+
 A proxied request waits for its upstream without a read timeout (a generation takes as long as it
 takes); an engine that hangs mid-request is the controller's to fence, which closes the connection.
 """
@@ -27,6 +31,7 @@ import contextlib
 import itertools
 import json
 import logging
+import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -34,7 +39,7 @@ from pathlib import Path
 
 import httpx
 import uvicorn
-from hotweights.controller.config import load_config
+from hotweights.controller.config import GATEWAY_TOKEN_FIX, load_config
 from hotweights.standby.serving import AnnouncingServer, run_until_signal
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.applications import Starlette
@@ -43,8 +48,14 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from hotweights.contract import SERVING_PREFIX, Endpoint, refuse_open_listener
+from hotweights.errors import ConfigError
+from hotweights.state import read_state
+
 log = logging.getLogger(__name__)
 
+SEGMENT = re.compile(r"[A-Za-z0-9_~-][A-Za-z0-9._~-]*")  # unreserved characters, not led by a dot
+NOT_NORMALIZED = f"only {SERVING_PREFIX}... paths of plain segments are forwarded: no '.', '..', '//' or % escapes"
 STATE_POLL_S = 1.0  # how often the controller's state file is re-read for engines added at runtime
 
 # Per-connection headers (RFC 9110 section 7.6.1) and those httpx recomputes; never forwarded.
@@ -90,10 +101,10 @@ class Upstream:
 def engine_urls_in_state(state_file: Path) -> list[str]:
     """Engine URLs in the controller's ``state.json``; none while it is missing or being replaced."""
     try:
-        members = json.loads(state_file.read_text()).get("members", {})
-        return [f"http://127.0.0.1:{member['port']}" for member in members.values()]
-    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        members = read_state(state_file).members
+    except ConfigError:  # corrupt or of another version: the controller will say so
         return []
+    return [f"http://127.0.0.1:{member.port}" for member in members.values()]
 
 
 class Discovery:
@@ -159,9 +170,9 @@ class Discovery:
 
     async def _probe(self, upstream: Upstream) -> None:
         try:
-            response = await self.client.get(f"{upstream.url}/primary", timeout=self.timeout_s)
+            response = await self.client.get(upstream.url + Endpoint.PRIMARY, timeout=self.timeout_s)
             upstream.status = response.status_code
-            reason = "" if response.status_code == 200 else _reason(response, "/primary")
+            reason = "" if response.status_code == 200 else _reason(response, Endpoint.PRIMARY)
         except httpx.HTTPError as exc:
             upstream.status, reason = None, f"unreachable: {type(exc).__name__} {exc}".strip()
         upstream.checked = time.time()
@@ -240,6 +251,20 @@ class ProxiedStream(StreamingResponse):
             await self.upstream.aclose()
 
 
+def forwardable_path(raw_path: bytes) -> str | None:
+    """The path to forward when ``raw_path`` (undecoded, without the query) is a normalized ``/v1/...``
+    path; else None."""
+    path = raw_path.decode("ascii", errors="replace")
+    if not path.startswith(SERVING_PREFIX):
+        return None
+    segments = path.removeprefix(SERVING_PREFIX).split("/")
+    return path if all(SEGMENT.fullmatch(segment) for segment in segments) else None
+
+
+def not_found(message: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": "not_found_error", "param": None}}, status_code=404)
+
+
 def unavailable(message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": "unavailable", "param": None}}, status_code=503)
 
@@ -273,7 +298,11 @@ class Gateway:
 
     async def proxy(self, request: Request) -> Response:
         """Send the request to a primary, holding it while there is none and retrying elsewhere while
-        nothing has been relayed yet; 503 (JSON, with the reason) when that fails until the deadline."""
+        nothing has been relayed yet; 503 (JSON, with the reason) when that fails until the deadline;
+        404 for a path that is not a normalized ``/v1/...`` path."""
+        path = forwardable_path(request.scope.get("raw_path") or b"")
+        if path is None:
+            return self.answer(not_found(NOT_NORMALIZED))
         body = await request.body()  # kept, so the request can be re-sent
         deadline = time.monotonic() + self.hold_s
         last_failure = ""
@@ -285,7 +314,7 @@ class Gateway:
             upstream = self.discovery.pick()
             assert upstream is not None, "available is set and nothing ran since"
             try:
-                return self.answer(await self.send(upstream, request, body))
+                return self.answer(await self.send(upstream, request, path, body))
             except UpstreamFailed as exc:
                 last_failure = f"{upstream.url}: {exc}"
                 log.info("retrying on the next primary: %s", last_failure)
@@ -320,13 +349,11 @@ class Gateway:
         self.metrics.requests.labels(str(response.status_code)).inc()
         return response
 
-    async def send(self, upstream: Upstream, request: Request, body: bytes) -> Response:
+    async def send(self, upstream: Upstream, request: Request, path: str, body: bytes) -> Response:
         """Open the upstream response and read its first chunk: until then a failure can be retried."""
         headers = [(k, v) for k, v in request.headers.items() if k not in HOP_BY_HOP]
         query = f"?{request.url.query}" if request.url.query else ""
-        outgoing = self.client.build_request(
-            request.method, upstream.url + request.url.path + query, headers=headers, content=body
-        )
+        outgoing = self.client.build_request(request.method, upstream.url + path + query, headers=headers, content=body)
         try:
             response = await self.client.send(outgoing, stream=True)
         except httpx.TransportError as exc:
@@ -336,7 +363,7 @@ class Gateway:
         try:
             if response.status_code == 503:  # a standby or draining engine; the next primary may serve it
                 await response.aread()
-                raise UpstreamFailed("unavailable", _reason(response, request.url.path))
+                raise UpstreamFailed("unavailable", _reason(response, path))
             first = await anext(chunks, b"")
         except httpx.TransportError as exc:
             await response.aclose()
@@ -418,8 +445,8 @@ def build_app(gateway: Gateway) -> Starlette:
     return Starlette(
         routes=[
             Route("/gateway/health", health, methods=["GET"]),
-            Route("/metrics", metrics, methods=["GET"]),
-            Route("/v1/{path:path}", gateway.proxy, methods=methods),
+            Route(Endpoint.METRICS, metrics, methods=["GET"]),
+            Route(SERVING_PREFIX + "{path:path}", gateway.proxy, methods=methods),
         ],
         lifespan=gateway.running,
     )
@@ -428,6 +455,8 @@ def build_app(gateway: Gateway) -> Starlette:
 def cmd_gateway(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per probe would drown the log
+    host = args.host or config.gateway.host  # gateway.host itself was checked with the config
+    refuse_open_listener(host, config.token() is not None, "--host", GATEWAY_TOKEN_FIX)
     urls = args.upstream or config.engine_urls()
     gateway = Gateway(
         urls,
@@ -441,7 +470,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     server = AnnouncingServer(
         uvicorn.Config(
             build_app(gateway),
-            host=args.host or config.gateway.host,
+            host=host,
             port=config.gateway.port if args.port is None else args.port,
             log_config=None,
             access_log=False,

@@ -1,21 +1,28 @@
 """The HA loop (policy): every cycle decides from one snapshot and returns one sentence.
 
-A cycle takes the first of these that applies:
+For each failover group, a cycle takes the first of these that applies:
 
 1. a primary that failed (exited, or failed ``failure_threshold`` health checks in a row): fail
    over; two live primaries in a group: fence all but one;
-2. one queued REST intent (switchover, failover, drain, promote, add, delete, cache restart);
-3. a daemon or the gateway that is down: (re)start it in the background, with tenacity backoff;
-4. engine slots that are absent, exited, hung or never got ready: fence and (re)start them, once
+2. one queued REST intent for the group (switchover, failover, drain, promote, add, delete, cache
+   restart);
+3. engine slots that are absent, exited, hung or never got ready: fence and (re)start them, once
    their group's daemon serves;
-5. a group without a primary: promote its best ready standby.
+4. no primary: promote the best ready standby.
+
+The decision's action runs in the background, one at a time per group (``GroupExecutor``): while a
+group's action runs, the loop says so and leaves that group alone, but keeps deciding for the
+others, so a long drain in one group never delays a failover in another. A failed action holds its
+group back with exponential backoff (REST intents excepted: each is one request). Daemons and the
+gateway are (re)started by their own background keepers, with tenacity backoff.
 
 Otherwise the sentence is "no action: ...". The loop logs a sentence when it differs from the
 previous one. It sleeps ``health.interval_ms`` between cycles unless woken: by a supervised
-process exiting (pidfd, immediate), by a health verdict changing, or by a REST intent. REST
-handlers never act: they queue an intent and wait for the loop's answer, so mutations are
-serialised and never interleave with a failover. Failover fences the old primary (SIGKILL, wait
-for its exit) before promoting, so two engines never answer 200 on ``/primary`` at once.
+process exiting (pidfd, immediate), by a health verdict changing, by a REST intent, or by an action
+finishing. REST handlers never act: they queue an intent and wait for the loop's answer, so the
+mutations of a group are serialised and never interleave with its failover. Failover fences the
+old primary (SIGKILL, wait for its exit) before promoting, so two engines never answer 200 on
+``/primary`` at once.
 """
 
 from __future__ import annotations
@@ -25,22 +32,25 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from hotweights.controller.cluster import Cluster, MemberView, ServiceFailed, Snapshot
 from hotweights.controller.engineapi import EngineApi, EngineUnreachable
 from hotweights.controller.events import EventLog
+from hotweights.controller.executor import BACKOFF, GroupExecutor, Outcome, backoff_s
 from hotweights.controller.health import checks_failed, not_ready_within, process_exited
 from hotweights.controller.metrics import ControllerMetrics
 from hotweights.controller.supervisor import FENCE_TIMEOUT_S
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
+
+from hotweights.contract import Endpoint, Role
 
 log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 120.0  # an engine that is not ready this long after its start is killed and restarted
-BACKOFF = wait_exponential(multiplier=0.5, max=30)  # restarts of things that keep failing
 SERVICE_PROBE_S = 1.0  # how often a serving daemon or gateway must answer its probe
 SERVICE_HUNG_PROBES = 5  # probes in a row it may leave unanswered before it is killed and respawned
 STOP_TIMEOUT_S = 15.0  # how long stop() lets a cycle in progress finish
@@ -69,18 +79,22 @@ class Unavailable(Refused):
 @dataclass
 class Intent:
     action: str
+    group: int
     params: dict[str, Any]
     future: asyncio.Future
 
 
+@dataclass
+class SlotRestarts:
+    """Backoff of an engine slot whose engines exit before ever being ready."""
+
+    failures: int = 0  # such exits in a row
+    next_start_at: float = 0.0  # time.monotonic()
+    seen_exit_at: float | None = None  # the exit already accounted for
+
+
 def _ms(seconds: float) -> float:
     return round(seconds * 1000, 1)
-
-
-def _backoff_s(attempt: int) -> float:
-    state = RetryCallState(None, None, (), {})
-    state.attempt_number = attempt
-    return BACKOFF(state)
 
 
 class Ha:
@@ -104,7 +118,18 @@ class Ha:
         self.check_timeout_s = health.timeout_ms / 1000
         self.drain_timeout_s = cluster.config.engine.drain_timeout_s
         self.is_failed = process_exited() | checks_failed(health.failure_threshold) | not_ready_within(START_TIMEOUT_S)
+        self.executor = GroupExecutor(self.wakeup)
         self.intents: deque[Intent] = deque()
+        self.actions: dict[str, Callable[..., Awaitable[tuple[str, dict[str, Any]]]]] = {
+            "switchover": self.do_switchover,
+            "failover": self.do_failover,
+            "drain": self.do_drain,
+            "promote": self.do_promote,
+            "add": self.do_add,
+            "delete": self.do_delete,
+            "restart_cache": self.do_restart_cache,
+        }
+        self.restarts: dict[str, SlotRestarts] = {}  # the start backoff of each engine slot
         self.heartbeat = time.monotonic()
         self.announced = False
         self.stopping = False
@@ -121,14 +146,14 @@ class Ha:
         self.task = asyncio.create_task(self.run(), name="ha-loop")
 
     async def stop(self) -> None:
-        """Let the cycle in progress finish (a failover half done is worse than a late exit), then stop."""
+        """Stop deciding; let the actions in progress finish (a failover half done is worse than a late
+        exit) for up to STOP_TIMEOUT_S, then cancel the rest and the services' keepers."""
         self.stopping = True
         self.wakeup()
         if self.task is not None:
-            try:
-                await asyncio.wait_for(self.task, STOP_TIMEOUT_S)
-            except TimeoutError:
-                log.warning("the HA cycle did not finish within %g s; cancelled it", STOP_TIMEOUT_S)
+            await self.task
+        for what in await self.executor.stop(STOP_TIMEOUT_S):
+            log.warning("cancelled %s: it did not finish within %g s of the stop", what, STOP_TIMEOUT_S)
         for intent in self.intents:
             if not intent.future.done():
                 intent.future.set_exception(Unavailable("the controller is shutting down"))
@@ -152,38 +177,52 @@ class Ha:
     async def run_cycle(self) -> str:
         snap = self.cluster.snapshot()
         self._export_gauges(snap)
+        sentences = [sentence] if (sentence := self.process_services(snap)) else []
         steps = (
-            self.process_failed_primaries,
+            self.process_failed_primary,
             self.process_intent,
-            self.process_services,
             self.process_members,
-            self.process_missing_primaries,
+            self.process_missing_primary,
         )
-        for step in steps:
-            if sentence := await step(snap):
-                return sentence
-        if not self.announced and self._is_complete(snap):
+        busy = False
+        for group in range(snap.groups):
+            if what := self.executor.busy(group):
+                sentences.append(f"group {group}: {what} in progress")
+                busy = True
+                continue
+            for step in steps:
+                if sentence := await step(snap, group):
+                    sentences.append(sentence)
+                    break
+            else:
+                if held := self.executor.backing_off(group):
+                    sentences.append(f"group {group}: {held}")
+        if sentences:
+            return "; ".join(sentences)
+        if not busy and not self.announced and self._is_complete(snap):
             self.announced = True
             self.on_ready(snap)
         return "no action: " + "; ".join(self._describe(snap, group) for group in range(snap.groups))
 
     # --- 1. failed primaries --------------------------------------------------------------------
 
-    async def process_failed_primaries(self, snap: Snapshot) -> str | None:
-        for group in range(snap.groups):
-            primaries = snap.primaries(group)
-            live = [p for p in primaries if p.alive]
-            if len(live) > 1:
-                return await self.resolve_split_brain(group, live)
-            if live:
-                if reason := self.is_failed(live[0]):
-                    return (await self.failover(snap, group, live[0], reason, "automatic"))[0]
-                for dead in primaries[1:]:  # a stale record: the live one serves, the dead one restarts as standby
-                    self.cluster.set_role(dead.id, "standby")
-            elif primaries:
-                old = primaries[0]
-                return (await self.failover(snap, group, old, self.is_failed(old) or "exited", "automatic"))[0]
-        return None
+    async def process_failed_primary(self, snap: Snapshot, group: int) -> str | None:
+        primaries = snap.primaries(group)
+        live = [p for p in primaries if p.alive]
+        if len(live) > 1:
+            return self.executor.run(group, f"resolving {len(live)} primaries", self.resolve_split_brain(group, live))
+        for dead in primaries[1:] if live else ():  # a stale record: the live one serves, the dead one restarts
+            self.cluster.set_role(dead.id, Role.STANDBY)
+        old = primaries[0] if primaries else None
+        reason = old and self.is_failed(old)
+        if old is None or not reason or self.executor.backing_off(group, "failover"):
+            return None
+        what = f"failing over from {old.id} ({reason})"
+        return self.executor.run(group, what, self._failover(snap, group, old, reason), kind="failover")
+
+    async def _failover(self, snap: Snapshot, group: int, old: MemberView, reason: str) -> Outcome:
+        sentence, details = await self.failover(snap, group, old, reason, "automatic")
+        return Outcome(sentence, details["ok"])
 
     async def failover(
         self,
@@ -246,7 +285,7 @@ class Ha:
             sentence += f"; {await self._restart_slot(snap, old.id)}"
         return sentence, details | {"ok": True, "new_primary": candidate.id, "message": sentence} | timings
 
-    async def resolve_split_brain(self, group: int, live: list[MemberView]) -> str:
+    async def resolve_split_brain(self, group: int, live: list[MemberView]) -> Outcome:
         """Keep the serving one that has run longest; fence the others (they restart as standbys)."""
         keep = max(live, key=lambda m: (m.is_serving_primary, m.age_s))
         fenced = [m.id for m in live if m is not keep]
@@ -254,7 +293,7 @@ class Ha:
             await self.cluster.fence(member_id)
         message = f"group {group} had {len(live)} primaries; kept {keep.id}, fenced {', '.join(fenced)}"
         self.events.record("split_brain", message, group=group, kept=keep.id, fenced=fenced)
-        return message
+        return Outcome(message)
 
     def best_standby(self, snap: Snapshot, group: int) -> MemberView | None:
         """A ready standby with the fewest failed checks; ties go to the lowest slot (snapshot order)."""
@@ -265,7 +304,7 @@ class Ha:
         """POST /promote, then confirm /primary answers 200; returns (done, ms, the engine's message)."""
         start = time.monotonic()
         try:
-            status, body = await self.engines.post(candidate.url, "/promote")
+            status, body = await self.engines.post(candidate.url, Endpoint.PROMOTE)
         except EngineUnreachable as exc:
             return False, _ms(time.monotonic() - start), await self._fence_unconfirmed(candidate, str(exc))
         message = str(body.get("message", ""))
@@ -274,7 +313,7 @@ class Ha:
         if not await self.engines.is_primary(candidate.url):
             failed = "promoted, but /primary does not answer 200"
             return False, _ms(time.monotonic() - start), await self._fence_unconfirmed(candidate, failed)
-        self.cluster.set_role(candidate.id, "primary")
+        self.cluster.set_role(candidate.id, Role.PRIMARY)
         promote_ms = _ms(time.monotonic() - start)
         self.events.record(
             "promote", f"promoted {candidate.id}: {message}", member=candidate.id, group=candidate.group,
@@ -297,11 +336,11 @@ class Ha:
     async def _resume(self, old: MemberView) -> str:
         """Undo a drain of ``old`` (a drained primary resumes serving); says what happened."""
         try:
-            status, body = await self._post(old, "/promote")
+            status, body = await self._post(old, Endpoint.PROMOTE)
         except Unavailable as exc:
             status, body = 0, {"message": str(exc)}
         if status == 200:
-            self.cluster.set_role(old.id, "primary")
+            self.cluster.set_role(old.id, Role.PRIMARY)
             return f"{old.id} resumed serving"
         return (
             f"{old.id} did not resume ({body.get('message')}) and may stay drained: "
@@ -319,35 +358,51 @@ class Ha:
     # --- 2. REST intents ------------------------------------------------------------------------
 
     async def request(self, action: str, timeout: float, **params: Any) -> dict[str, Any]:
-        """Queue an intent for the loop and wait for its outcome (raises Refused)."""
+        """Queue an intent for the loop and wait for its outcome (raises Refused: NotFound at once for an
+        unknown engine or group)."""
+        group = self._intent_group(self.cluster.snapshot(), params)
         future = asyncio.get_running_loop().create_future()
-        self.intents.append(Intent(action, params, future))
+        self.intents.append(Intent(action, group, params, future))
         self.wakeup()
         try:
             return await asyncio.wait_for(future, timeout)
         except TimeoutError:
             raise Unavailable(f"the controller did not finish {action} within {timeout:g} s; see GET /events") from None
 
-    async def process_intent(self, snap: Snapshot) -> str | None:
-        while self.intents:
-            intent = self.intents.popleft()
-            if intent.future.done():
-                continue  # the requester gave up before we got to it
-            try:
-                sentence, result = await getattr(self, f"do_{intent.action}")(snap, **intent.params)
-            except Refused as exc:
-                if not intent.future.done():
-                    intent.future.set_exception(exc)
-                return f"refused {intent.action}: {exc}"
-            except Exception as exc:
-                if not intent.future.done():
-                    intent.future.set_exception(exc)
-                raise
-            if not intent.future.done():
-                intent.future.set_result({"message": sentence} | result)
-            self.wakeup()
-            return sentence
+    def _intent_group(self, snap: Snapshot, params: dict[str, Any]) -> int:
+        """The group an intent acts on: its engine's (``engine_id``, ``candidate``), else ``group`` (default 0)."""
+        member_id = params.get("engine_id") or params.get("candidate")
+        if member_id is not None:
+            return self._member(snap, member_id).group
+        group = params.get("group")
+        group = 0 if group is None else group
+        self._check_group(snap, group)
+        return group
+
+    async def process_intent(self, snap: Snapshot, group: int) -> str | None:
+        """Start the group's oldest queued intent (one its requester still waits for) in the background."""
+        for intent in list(self.intents):
+            if intent.future.done():  # the requester gave up before we got to it
+                self.intents.remove(intent)
+            elif intent.group == group:
+                self.intents.remove(intent)
+                return self.executor.run(group, f"{intent.action} (requested)", self._carry_out(snap, intent))
         return None
+
+    async def _carry_out(self, snap: Snapshot, intent: Intent) -> Outcome:
+        try:
+            sentence, result = await self.actions[intent.action](snap, **intent.params)
+        except Refused as exc:
+            if not intent.future.done():
+                intent.future.set_exception(exc)
+            return Outcome(f"refused {intent.action}: {exc}")
+        except Exception as exc:
+            if not intent.future.done():
+                intent.future.set_exception(exc)
+            raise
+        if not intent.future.done():
+            intent.future.set_result({"message": sentence} | result)
+        return Outcome(sentence)
 
     def _member(self, snap: Snapshot, member_id: str) -> MemberView:
         member = snap.member(member_id)
@@ -390,7 +445,7 @@ class Ha:
             if new is None:
                 raise NotPossible(f"group {group} has no ready standby to switch over to")
         try:
-            status, body = await self._post(old, "/drain", {"timeout_s": self.drain_timeout_s})
+            status, body = await self._post(old, Endpoint.DRAIN, {"timeout_s": self.drain_timeout_s})
         except Unavailable as exc:  # it may have drained part way: undo that too
             raise Unavailable(f"{exc}; {await self._resume(old)}") from None
         drain_ms = _ms(time.monotonic() - start)
@@ -407,11 +462,11 @@ class Ha:
             raise Conflict(f"promoting {new.id} failed ({message}); {await self._resume(old)}")
         demote_start = time.monotonic()
         try:
-            status, body = await self._post(old, "/demote", {"timeout_s": self.drain_timeout_s})
+            status, body = await self._post(old, Endpoint.DEMOTE, {"timeout_s": self.drain_timeout_s})
         except Unavailable as exc:
             status, body = 0, {"message": str(exc)}
         if status == 200:
-            self.cluster.set_role(old.id, "standby")
+            self.cluster.set_role(old.id, Role.STANDBY)
         else:  # still a (drained) primary: fence it rather than keep two primaries around
             await self.cluster.fence(old.id)
         timings = {
@@ -444,7 +499,7 @@ class Ha:
     async def do_drain(self, snap: Snapshot, engine_id: str, timeout_s: float | None = None) -> tuple[str, dict]:
         member = self._member(snap, engine_id)
         status, body = await self._post(
-            member, "/drain", {"timeout_s": self.drain_timeout_s if timeout_s is None else timeout_s}
+            member, Endpoint.DRAIN, {"timeout_s": self.drain_timeout_s if timeout_s is None else timeout_s}
         )
         if status != 200:
             raise Conflict(f"{member.id} refused to drain: {body.get('message')}")
@@ -455,8 +510,8 @@ class Ha:
     async def do_promote(self, snap: Snapshot, engine_id: str) -> tuple[str, dict]:
         """A primary: resume (if drained); a standby: only when its group has no live primary."""
         member = self._member(snap, engine_id)
-        if member.role == "primary":
-            status, body = await self._post(member, "/promote")
+        if member.role == Role.PRIMARY:
+            status, body = await self._post(member, Endpoint.PROMOTE)
             if status != 200:
                 raise Conflict(f"{member.id} refused: {body.get('message')}")
             return f"{member.id}: {body.get('message')}", body
@@ -481,13 +536,14 @@ class Ha:
 
     async def do_delete(self, snap: Snapshot, engine_id: str) -> tuple[str, dict]:
         member = self._member(snap, engine_id)
-        if member.role == "primary" and member.alive:
+        if member.role == Role.PRIMARY and member.alive:
             raise Conflict(f"{member.id} is the primary of group {member.group}; switch over first")
         how = await self.cluster.stop_engine(member.id)
         process = self.cluster.members[member.id].process
         if process is not None and process.alive:  # forgetting the slot would leave it running unsupervised
             raise Unavailable(f"{member.id} (pid {process.pid}) {how}; its slot is kept")
         self.cluster.remove_engine(member.id)
+        self.restarts.pop(member.id, None)
         sentence = f"removed {member.id}: {how}"
         self.events.record("delete", sentence, member=member.id, group=member.group)
         return sentence, {"id": member.id}
@@ -497,7 +553,7 @@ class Ha:
         self._check_group(snap, group)
         service_id = snap.daemon(group).id
         how = await self.cluster.stop_service(service_id)
-        self._respawn(service_id)
+        self.cluster.respawn(service_id, partial(self.keep, service_id))
         sentence = f"restarting cache daemon {service_id}: old one {how}; engines keep serving"
         self.events.record("cache_restart", sentence, service=service_id, group=group)
         return sentence, {"service": service_id}
@@ -508,24 +564,26 @@ class Ha:
         except EngineUnreachable as exc:
             raise Unavailable(str(exc)) from None
 
-    # --- 3. daemons and the gateway --------------------------------------------------------------
+    # --- daemons and the gateway (every cycle; their keepers run in the background) ---------------
 
-    async def process_services(self, snap: Snapshot) -> str | None:
+    def process_services(self, snap: Snapshot) -> str | None:
         actions = []
         for view in snap.services:
             if view.serving and not view.restarting:
                 self._check_liveness(view.id)
                 continue
-            if view.restarting:
+            if view.restarting or self.stopping:
                 continue
             if view.pid is not None and not view.alive:
                 self.events.record("exit", f"{view.id} {view.exit_reason}", service=view.id, group=view.group)
                 actions.append(f"{view.id} {view.exit_reason}: respawning it")
+                if view.kind == "daemon":
+                    self.metrics.daemon_restarts.labels(str(view.group)).inc()
             elif view.alive:
                 actions.append(f"waiting for {view.id} (pid {view.pid}) to serve")
             else:
                 actions.append(f"starting {view.id}")
-            self._respawn(view.id)
+            self.cluster.respawn(view.id, partial(self.keep, view.id))
         return "; ".join(actions) if actions else None
 
     def _check_liveness(self, service_id: str) -> None:
@@ -552,14 +610,6 @@ class Ha:
                 return
         await asyncio.sleep(max(0.0, SERVICE_PROBE_S - (time.monotonic() - started)))
 
-    def _respawn(self, service_id: str) -> None:
-        service = self.cluster.services[service_id]
-        if service.process is not None and not service.process.alive:
-            service.restarts += 1
-            if service.kind == "daemon":
-                self.metrics.daemon_restarts.labels(str(service.group)).inc()
-        service.keeper = asyncio.create_task(self.keep(service_id), name=f"keep-{service_id}")
-
     async def keep(self, service_id: str) -> None:
         """(Re)start a service until it serves, backing off between failed attempts."""
         start = time.monotonic()
@@ -581,68 +631,81 @@ class Ha:
         )  # fmt: skip
         self.wakeup()
 
-    # --- 4. engine slots -----------------------------------------------------------------------
+    # --- 3. engine slots -----------------------------------------------------------------------
 
-    async def process_members(self, snap: Snapshot) -> str | None:
+    async def process_members(self, snap: Snapshot, group: int) -> str | None:
+        """Fence standbys that failed; (re)start absent or exited slots once the daemon serves, an engine
+        that exited before ever being ready only after its backoff."""
         now = time.monotonic()
-        actions = []
-        for view in snap.members:
-            member = self.cluster.members[view.id]
+        fence: list[tuple[MemberView, str]] = []
+        start: list[MemberView] = []
+        for view in snap.group(group):
+            restarts = self.restarts.setdefault(view.id, SlotRestarts())
             if view.alive:
                 if view.status == "healthy":
-                    member.start_failures = 0
-                elif view.role == "standby" and (reason := self.is_failed(view)):
-                    await self.cluster.fence(view.id)
-                    self.events.record("fence", f"standby {view.id} {reason}", member=view.id, group=view.group)
-                    actions.append(f"fenced standby {view.id} ({reason})")
+                    restarts.failures = 0
+                elif view.role == Role.STANDBY and (reason := self.is_failed(view)):
+                    fence.append((view, reason))
                 continue
-            if view.role == "primary":
+            if view.role == Role.PRIMARY:
                 continue  # a dead primary is failover's business (step 1)
-            if view.status == "exited" and member.next_start_at < view.exited_at:  # first look at this exit
+            if view.status == "exited" and restarts.seen_exit_at != view.exited_at:  # first look at this exit
+                restarts.seen_exit_at = view.exited_at
                 if not view.health.ever_ok:
-                    member.start_failures += 1
-                delay = _backoff_s(member.start_failures) if member.start_failures else 0.0
-                member.next_start_at = view.exited_at + delay
+                    restarts.failures += 1
+                delay = backoff_s(restarts.failures) if restarts.failures else 0.0
+                restarts.next_start_at = view.exited_at + delay
                 self.events.record(
                     "exit", f"standby {view.id} {view.exit_reason}; restarting in {delay:.1f} s",
                     member=view.id, group=view.group,
                 )  # fmt: skip
-            if not snap.daemon(view.group).serving or now < member.next_start_at:
-                continue
+            if snap.daemon(group).serving and now >= restarts.next_start_at:
+                start.append(view)
+        if (not fence and not start) or self.executor.backing_off(group, "members"):
+            return None
+        what = ", ".join([f"fencing standby {v.id} ({why})" for v, why in fence] + [f"starting {v.id}" for v in start])
+        return self.executor.run(group, what, self._tend(fence, start), kind="members")
+
+    async def _tend(self, fence: list[tuple[MemberView, str]], start: list[MemberView]) -> Outcome:
+        done, ok = [], True
+        for view, reason in fence:
+            if await self.cluster.fence(view.id):
+                self.events.record("fence", f"standby {view.id} {reason}", member=view.id, group=view.group)
+                done.append(f"fenced standby {view.id} ({reason})")
+            else:
+                done.append(f"standby {view.id} ({reason}) is still alive {FENCE_TIMEOUT_S:g} s after SIGKILL")
+                ok = False
+        for view in start:
             process = await self.cluster.start_engine(view.id)
             self.events.record("engine_start", f"started standby {view.id} (pid {process.pid})", member=view.id)
-            actions.append(f"started standby {view.id} (pid {process.pid})")
-        return "; ".join(actions) if actions else None
+            done.append(f"started standby {view.id} (pid {process.pid})")
+        return Outcome("; ".join(done), ok)
 
-    # --- 5. groups without a primary -------------------------------------------------------------
+    # --- 4. a group without a primary -------------------------------------------------------------
 
-    async def process_missing_primaries(self, snap: Snapshot) -> str | None:
-        sentences = []
-        for group in range(snap.groups):
-            if snap.primaries(group):
-                continue
-            unchecked = [m.id for m in snap.group(group) if m.alive and m.health.ok is None]
-            if unchecked:
-                sentences.append(f"group {group} has no known primary; waiting for the first checks of {unchecked}")
-                continue
-            candidate = self.best_standby(snap, group)
-            if candidate is None:
-                states = ", ".join(f"{m.id} {m.status}" for m in snap.group(group))
-                sentences.append(f"group {group} has no primary and no ready standby yet ({states})")
-                continue
-            # a primary our checks have not seen (yet): never add a second one
-            if serving := await self._answering_primary(snap, group):
-                sentences.append(f"group {group}: {serving} answer /primary 200; waiting for their health checks")
-                continue
-            promoted, promote_ms, message = await self.promote(candidate)
-            if promoted:
-                self.events.record("elect", f"group {group} had no primary: promoted {candidate.id}", group=group)
-                sentences.append(
-                    f"group {group} had no primary: promoted ready standby {candidate.id} in {promote_ms} ms"
-                )
-            else:
-                sentences.append(f"group {group} has no primary: promoting {candidate.id} failed ({message})")
-        return "; ".join(sentences) if sentences else None
+    async def process_missing_primary(self, snap: Snapshot, group: int) -> str | None:
+        if snap.primaries(group):
+            return None
+        unchecked = [m.id for m in snap.group(group) if m.alive and m.health.ok is None]
+        if unchecked:
+            return f"group {group} has no known primary; waiting for the first checks of {unchecked}"
+        candidate = self.best_standby(snap, group)
+        if candidate is None:
+            states = ", ".join(f"{m.id} {m.status}" for m in snap.group(group))
+            return f"group {group} has no primary and no ready standby yet ({states})"
+        if self.executor.backing_off(group, "elect"):
+            return None
+        return self.executor.run(group, f"electing {candidate.id}", self._elect(snap, group, candidate), kind="elect")
+
+    async def _elect(self, snap: Snapshot, group: int, candidate: MemberView) -> Outcome:
+        # a primary our checks have not seen (yet): never add a second one
+        if serving := await self._answering_primary(snap, group):
+            return Outcome(f"group {group}: {serving} answer /primary 200; waiting for their health checks", False)
+        promoted, promote_ms, message = await self.promote(candidate)
+        if not promoted:
+            return Outcome(f"group {group} has no primary: promoting {candidate.id} failed ({message})", False)
+        self.events.record("elect", f"group {group} had no primary: promoted {candidate.id}", group=group)
+        return Outcome(f"group {group} had no primary: promoted ready standby {candidate.id} in {promote_ms} ms")
 
     # --- reporting -----------------------------------------------------------------------------
 
@@ -662,7 +725,7 @@ class Ha:
         )
 
     def _export_gauges(self, snap: Snapshot) -> None:
-        counts = {"primary": 0, "standby": 0, "none": 0}
+        counts = {Role.PRIMARY: 0, Role.STANDBY: 0, "none": 0}
         for member in snap.members:
             counts[member.role if member.alive else "none"] += 1
         for role, count in counts.items():

@@ -20,6 +20,8 @@ from typing import Any, Protocol
 
 import httpx
 
+from hotweights.contract import Endpoint
+
 
 @dataclass
 class HealthRecord:
@@ -102,7 +104,7 @@ class HealthChecker:
     async def check(self, url: str, pid: int, record: HealthRecord) -> None:
         start = time.monotonic()
         try:
-            response = await self.client.get(f"{url}/health/ready", timeout=self.timeout_s)
+            response = await self.client.get(url + Endpoint.READY, timeout=self.timeout_s)
             record.status_code, record.error = response.status_code, None
             body = {}
             with contextlib.suppress(ValueError):
@@ -125,7 +127,7 @@ class HealthChecker:
         record.latency_ms, record.ok = round(latency * 1000, 3), ok
         if ok:
             record.consecutive_failures, record.failing_since, record.ever_ok = 0, None, True
-        else:
+        elif record.ever_ok:  # an engine that is starting refuses checks: not a failure yet
             record.consecutive_failures += 1
             record.failing_since = record.failing_since or start
 

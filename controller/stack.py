@@ -15,6 +15,7 @@ from hotweights.cache.paths import DaemonPaths
 from hotweights.cache.pipeline import LoadSpec
 from hotweights.controller.config import ClusterConfig, EngineSpec
 
+from hotweights.contract import Role
 from hotweights.dtypes import MODEL_DTYPES
 from hotweights.errors import ConfigError
 from hotweights.spawn import hotweights_command
@@ -67,6 +68,12 @@ class Layout:
     def events_file(self) -> Path:
         return self.state_dir / "events.jsonl"
 
+    @property
+    def markers(self) -> tuple[str, ...]:
+        """What the command lines of this stack's processes name: the state dir (daemon and engine
+        sockets), the config file (the gateway)."""
+        return (str(self.state_dir), *([str(self.config_path)] if self.config_path else []))
+
     def socket(self, group: int) -> Path:
         return self.state_dir / "run" / f"g{group}.sock"
 
@@ -88,7 +95,7 @@ class Layout:
         model, engine = self.config.model, self.config.engine
         command = hotweights_command("engine", "--model", str(self.model_dir))
         command += ["--device", spec.device, "--weight-cache", "client", "--socket", str(self.socket(spec.group))]
-        command += ["--port", str(spec.listen_port), "--role", "standby", "--engine-id", spec.id]
+        command += ["--port", str(spec.listen_port), "--role", Role.STANDBY, "--engine-id", spec.id]
         command += ["--kv-cache-tokens", str(engine.kv_cache_tokens), "--max-batch", str(engine.max_batch)]
         command += ["--drain-timeout", str(engine.drain_timeout_s)]
         if model.dtype:

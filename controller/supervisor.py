@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import select
@@ -22,10 +21,10 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from hotweights.errors import ConfigError
 from hotweights.pidlock import LockHeld, PidLock
+from hotweights.state import ProcessRecord
 
 log = logging.getLogger(__name__)
 
@@ -33,13 +32,7 @@ STOP_TIMEOUT_S = 10.0  # SIGTERM -> SIGKILL for a planned stop
 FENCE_TIMEOUT_S = 5.0  # SIGKILL -> exit; longer means the process is stuck in the kernel
 
 
-@dataclass(frozen=True)
-class Identity:
-    """What tells a live process from another one that reused its pid."""
-
-    pid: int
-    start_time: int  # /proc/<pid>/stat field 22: clock ticks after boot
-    command: tuple[str, ...]
+Identity = ProcessRecord  # what tells a live process from another one that reused its pid
 
 
 def read_identity(pid: int) -> Identity | None:
@@ -88,8 +81,8 @@ class Process:
     def alive(self) -> bool:
         return not self.exited.is_set()
 
-    def record(self) -> dict[str, Any]:
-        return {"pid": self.pid, "start_time": self.identity.start_time, "command": list(self.identity.command)}
+    def record(self) -> ProcessRecord:
+        return self.identity
 
 
 class Supervisor:
@@ -116,7 +109,7 @@ class Supervisor:
         log.debug("started %s (pid %d): %s", process_id, popen.pid, " ".join(command))
         return process
 
-    def adopt(self, process_id: str, record: dict[str, Any]) -> Process | None:
+    def adopt(self, process_id: str, record: ProcessRecord) -> Process | None:
         """Watch a process a previous controller started, if it is still that very process."""
         opened = open_pidfd(record)
         if opened is None:
@@ -176,43 +169,64 @@ async def _wait(process: Process, timeout: float) -> bool:
     return True
 
 
-def open_pidfd(record: dict[str, Any]) -> tuple[int, Identity] | None:
-    """A pidfd for the recorded process if it is alive and still the same process, else None.
+def open_pidfd(record: ProcessRecord) -> tuple[int, Identity] | None:
+    """A pidfd for the recorded process if it is alive and still the same process (same start time and
+    command line: after a reboot the pid may belong to another program), else None.
 
     The pidfd is opened first and the identity checked after, so the fd cannot point to a
     process that took over the pid between the check and the open."""
     try:
-        pid, start_time, command = int(record["pid"]), int(record["start_time"]), tuple(record["command"])
-        pidfd = os.pidfd_open(pid)
-    except (KeyError, TypeError, ValueError, ProcessLookupError):
+        pidfd = os.pidfd_open(record.pid)
+    except (ProcessLookupError, ValueError, OverflowError):
         return None
-    identity = read_identity(pid)
-    if identity is None or identity.start_time != start_time or identity.command != command:
+    identity = read_identity(record.pid)
+    if identity != record:
         os.close(pidfd)
         return None
     return pidfd, identity
 
 
-def stop_recorded(records: Iterable[dict[str, Any]], timeout: float = STOP_TIMEOUT_S) -> list[str]:
-    """Synchronous stop of recorded processes (``hotweights down``): SIGTERM all, wait, SIGKILL leftovers.
-
-    Returns one line per process that was still running."""
-    running = [(record, opened[0]) for record in records if (opened := open_pidfd(record)) is not None]
-    for _, fd in running:
+def stop_recorded(records: Iterable[tuple[str, ProcessRecord]], timeout: float = STOP_TIMEOUT_S) -> list[str]:
+    """Synchronous stop of recorded (id, process) pairs (``hotweights down``): SIGTERM all, wait, SIGKILL
+    leftovers. Returns one line per process that was still running."""
+    running = [(name, record, opened[0]) for name, record in records if (opened := open_pidfd(record)) is not None]
+    for _, _, fd in running:
         with contextlib.suppress(ProcessLookupError):
             signal.pidfd_send_signal(fd, signal.SIGTERM)
     deadline = time.monotonic() + timeout
     lines = []
-    for record, fd in running:
+    for name, record, fd in running:
         if _poll_exit(fd, deadline - time.monotonic()):
-            lines.append(f"{record.get('id', record['pid'])} (pid {record['pid']}) stopped")
+            lines.append(f"{name} (pid {record.pid}) stopped")
         else:
             with contextlib.suppress(ProcessLookupError):
                 signal.pidfd_send_signal(fd, signal.SIGKILL)
             how = f"killed after {timeout:g} s" if _poll_exit(fd, FENCE_TIMEOUT_S) else "still alive after SIGKILL"
-            lines.append(f"{record.get('id', record['pid'])} (pid {record['pid']}) {how}")
+            lines.append(f"{name} (pid {record.pid}) {how}")
         os.close(fd)
     return lines
+
+
+STACK_COMMANDS = ("engine", "cache", "gateway")  # what a controller starts (`hotweights <command> ...`)
+
+
+def stack_orphans(markers: Iterable[str]) -> list[tuple[str, ProcessRecord]]:
+    """Engines, daemons and gateways (not other hotweights commands) with an argument that is one of
+    ``markers`` or lies under it: a state dir holds its stack's daemon sockets, which its daemons and
+    engines name; a config path is named by its gateway. For a stack whose records are lost, each such
+    process is a leftover of it. Returns (a name, its identity) pairs for ``stop_recorded``."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        identity = read_identity(int(proc.name))
+        command = identity.command if identity else ()
+        subcommand = command[command.index("hotweights") + 1 : ][:1] if "hotweights" in command else []
+        if not subcommand or subcommand[0] not in STACK_COMMANDS:
+            continue
+        if any(arg == marker or arg.startswith(marker + "/") for arg in command for marker in markers):
+            found.append((f"leftover {subcommand[0]}", identity))
+    return found
 
 
 def listening_pids(port: int) -> set[int]:
@@ -268,40 +282,6 @@ def _poll_exit(pidfd: int, timeout: float) -> bool:
     poller = select.poll()
     poller.register(pidfd, select.POLLIN)
     return bool(poller.poll(max(0.0, timeout) * 1000))
-
-
-class StateFile:
-    """``state.json``, rewritten atomically (temp file + rename), so a crash never leaves half a file."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def load(self) -> dict[str, Any]:
-        try:
-            document = json.loads(self.path.read_text())
-        except FileNotFoundError:
-            return {}
-        except (OSError, ValueError) as exc:  # ValueError: bad JSON or bad UTF-8
-            raise ConfigError(
-                f"{self.path}: unreadable controller state ({exc}); move it away to start fresh"
-            ) from None
-        if not isinstance(document, dict):
-            raise ConfigError(
-                f"{self.path}: unreadable controller state (a JSON {type(document).__name__}, not an object); "
-                "move it away to start fresh"
-            )
-        return document
-
-    def save(self, document: dict[str, Any]) -> None:
-        """Write a temp file, fsync it, rename it over the old one: after a crash or a power loss the
-        file is the old document or the new one, never empty or half written."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".json.tmp")
-        with open(tmp, "w") as out:
-            out.write(json.dumps(document, indent=1))
-            out.flush()
-            os.fsync(out.fileno())
-        tmp.replace(self.path)
 
 
 class ControllerLock(PidLock):

@@ -25,12 +25,13 @@ from hotweights.cache.pipeline import add_load_spec_arguments, load_spec_from_ar
 from hotweights.standby.generate import load_tokenizer, stop_token_ids
 from hotweights.standby.metrics import EngineMetrics
 from hotweights.standby.model import KVCache, Transformer
-from hotweights.standby.roles import CANCEL_GRACE_S, Role, Roles
+from hotweights.standby.roles import CANCEL_GRACE_S, Roles
 from hotweights.standby.scheduler import Scheduler
 from hotweights.standby.server import EngineContext, build_app
 from hotweights.standby.serving import AnnouncingServer, run_until_signal
 from hotweights.standby.weights import add_weight_cache_arguments, load_model
 
+from hotweights.contract import Role, refuse_open_listener
 from hotweights.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,8 @@ def check_args(args: argparse.Namespace) -> None:
     for flag in ("drain_timeout", "shutdown_timeout"):
         if getattr(args, flag) < 0:
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= 0, found {getattr(args, flag)}")
+    fix = "pass --token-file so that role changes need it, or listen on 127.0.0.1"
+    refuse_open_listener(args.host, bool(args.token_file), "--host", fix)
 
 
 def cmd_engine(args: argparse.Namespace) -> int:

@@ -9,10 +9,12 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from hotweights.standby.roles import Role, Roles, State
+from hotweights.standby.roles import Roles
 from hotweights.standby.scheduler import Scheduler
 from hotweights.standby.weights import LoadedModel
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+
+from hotweights.contract import Role, State
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

@@ -319,10 +319,12 @@ def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generat
     """One token id from (V,) logits: argmax at temperature 0, else nucleus sampling."""
     if temperature == 0.0:
         return int(logits.argmax())
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    # In float64 and from the maximum down, so a tiny temperature saturates instead of giving inf - inf.
+    probs = torch.softmax((logits.double() - logits.max()) / temperature, dim=-1)
     sorted_probs, order = probs.sort(descending=True)
     # Keep the smallest prefix whose mass reaches top_p; the most likely token always stays.
     outside = sorted_probs.cumsum(-1) - sorted_probs >= top_p
+    outside[0] = False
     sorted_probs = sorted_probs.masked_fill(outside, 0.0)
     choice = torch.multinomial(sorted_probs / sorted_probs.sum(), 1, generator=generator)
     return int(order[choice])

@@ -18,23 +18,13 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import StrEnum
 
 from hotweights.standby.model import KVCache
 from hotweights.standby.scheduler import Scheduler
 
+from hotweights.contract import Role, State
+
 CANCEL_GRACE_S = 2.0  # after a drain deadline cancels requests, how long they get to unwind
-
-
-class Role(StrEnum):
-    PRIMARY = "primary"
-    STANDBY = "standby"
-
-
-class State(StrEnum):
-    READY = "ready"
-    DRAINING = "draining"
-    DRAINED = "drained"
 
 
 @dataclass(frozen=True)

@@ -9,17 +9,16 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from fastapi import Depends, FastAPI, Header, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from hotweights.standby.completions import CompletionRequest, CompletionRun, GenerationAborted
 from hotweights.standby.metrics import EngineMetrics, RequestCounter
-from hotweights.standby.roles import Outcome, Role, Roles
+from hotweights.standby.roles import Outcome, Roles
 from hotweights.standby.scheduler import Scheduler
 from hotweights.standby.weights import LoadedModel
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -28,9 +27,10 @@ from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 from tokenizers import Tokenizer
 
+from hotweights.contract import HEALTH_METHODS, UNAUTHORIZED, Endpoint, Role, bearer_check
+
 log = logging.getLogger(__name__)
 
-HEALTH_METHODS = ["GET", "HEAD", "OPTIONS"]  # HAProxy checks with OPTIONS, Kubernetes with GET
 STALL_S = 30.0  # an inference thread that has not gone round its loop for this long is not ready
 
 
@@ -80,7 +80,7 @@ class EngineContext:
 
 
 class RoleChangeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # strict: a bool is not a number
     timeout_s: float | None = Field(default=None, ge=0.0, le=86400.0)
 
 
@@ -102,38 +102,65 @@ def error(status: int, message: str, kind: str, param: str | None = None) -> JSO
     return JSONResponse({"error": {"message": message, "type": kind, "param": param}}, status_code=status)
 
 
-def build_app(ctx: EngineContext) -> FastAPI:
-    app = FastAPI(title="hotweights engine")
-    roles, metrics = ctx.roles, ctx.metrics
+STATUS_DESCRIPTIONS: dict[int, dict[str, object]] = {
+    400: {"description": "a bad body or field, named in `error.param`"},
+    404: {"description": "an unknown `model`"},
+    409: {"description": "refused in this role or state; `message` says why"},
+    500: {"description": "the generation failed"},
+    503: {"description": "not ready, not in that role, or not serving; the body says why"},
+} | UNAUTHORIZED
 
-    async def require_token(authorization: str | None = Header(default=None)) -> None:
-        """Role changes need ``Authorization: Bearer <token>`` when a token is configured."""
-        if ctx.token is None:
-            return
-        scheme, _, given = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), ctx.token.encode()):
-            raise HTTPException(401, "a valid bearer token is required", headers={"WWW-Authenticate": "Bearer"})
+
+def declare(*codes: int) -> dict[int | str, dict[str, object]]:
+    """OpenAPI ``responses`` for the status codes an endpoint answers besides its 200."""
+    return {code: STATUS_DESCRIPTIONS[code] for code in codes}
+
+
+HEALTH = declare(503)
+ROLE_CHANGE = declare(400, 401, 409)
+SERVING = declare(503)
+
+
+def without_422(app: FastAPI) -> None:
+    """The engine answers invalid input with 400 (OpenAI's shape), never FastAPI's 422: say so."""
+
+    def openapi() -> dict[str, object]:
+        if app.openapi_schema is None:
+            schema = FastAPI.openapi(app)
+            for operations in schema["paths"].values():
+                for operation in operations.values():
+                    operation["responses"].pop("422", None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
+def build_app(ctx: EngineContext) -> FastAPI:
+    app = FastAPI(title="hotweights engine", description="The engine contract: docs/engine-contract.md.")
+    roles, metrics = ctx.roles, ctx.metrics
+    require_token = Depends(bearer_check(ctx.token))
 
     def health(reason: str | None) -> JSONResponse:
         body = ctx.health() | ({"reason": reason} if reason else {})
         return JSONResponse(body, status_code=503 if reason else 200)
 
-    @app.api_route("/health/live", methods=HEALTH_METHODS)
+    @app.api_route(Endpoint.LIVE, methods=HEALTH_METHODS, responses=HEALTH)
     async def live() -> JSONResponse:
         """200 while the event loop answers and the inference thread runs; 503 once that thread died."""
         return health(None if ctx.scheduler.is_alive else "the inference thread has died")
 
-    @app.api_route("/health/ready", methods=HEALTH_METHODS)
+    @app.api_route(Endpoint.READY, methods=HEALTH_METHODS, responses=HEALTH)
     async def ready() -> JSONResponse:
         """200 when the weights are bound and warmed and the inference thread is responsive; else 503."""
         return health(ctx.readiness_refusal())
 
-    @app.api_route("/primary", methods=HEALTH_METHODS)
+    @app.api_route(Endpoint.PRIMARY, methods=HEALTH_METHODS, responses=HEALTH)
     async def primary() -> JSONResponse:
         """200 iff ready, role primary and not draining or drained (load balancers route on this); else 503."""
         return health(ctx.readiness_refusal() or roles.serving_refusal())
 
-    @app.api_route("/standby", methods=HEALTH_METHODS)
+    @app.api_route(Endpoint.STANDBY, methods=HEALTH_METHODS, responses=HEALTH)
     async def standby() -> JSONResponse:
         """200 iff ready and a warm standby (weights bound, no KV cache); else 503."""
         return health(ctx.readiness_refusal() or roles.standby_refusal())
@@ -149,7 +176,7 @@ def build_app(ctx: EngineContext) -> FastAPI:
         }
         return JSONResponse(body | outcome.details, status_code=200 if outcome.accepted else 409)
 
-    @app.post("/promote", dependencies=[Depends(require_token)])
+    @app.post(Endpoint.PROMOTE, dependencies=[require_token], responses=declare(401, 409))
     async def promote() -> JSONResponse:
         """standby -> primary: allocate the KV cache, then serve. Idempotent (a ready primary answers
         "already primary"); a drained primary resumes serving. The reply carries ``duration_ms``.
@@ -162,7 +189,7 @@ def build_app(ctx: EngineContext) -> FastAPI:
             metrics.promotion_duration.observe(float(outcome.details["duration_ms"]) / 1000)
         return role_change("promote", outcome)
 
-    @app.post("/drain", dependencies=[Depends(require_token)])
+    @app.post(Endpoint.DRAIN, dependencies=[require_token], responses=ROLE_CHANGE)
     async def drain(request: RoleChangeRequest | None = None) -> JSONResponse:
         """Stop taking requests at once (/primary turns 503 before anything else happens), let in-flight
         ones finish until ``timeout_s`` (default --drain-timeout), cancel the rest, report "drained".
@@ -171,7 +198,7 @@ def build_app(ctx: EngineContext) -> FastAPI:
         would not stop; 400 bad body."""
         return role_change("drain", await roles.drain(request.timeout_s if request else None))
 
-    @app.post("/demote", dependencies=[Depends(require_token)])
+    @app.post(Endpoint.DEMOTE, dependencies=[require_token], responses=ROLE_CHANGE)
     async def demote(request: RoleChangeRequest | None = None) -> JSONResponse:
         """primary -> standby: drain as /drain does, then release the KV cache. Idempotent.
 
@@ -179,7 +206,7 @@ def build_app(ctx: EngineContext) -> FastAPI:
         400 bad body."""
         return role_change("demote", await roles.demote(request.timeout_s if request else None))
 
-    @app.get("/v1/models")
+    @app.get(Endpoint.MODELS, responses=SERVING)
     async def models() -> JSONResponse:
         """200 the served model; 503 when not serving (standby, draining, drained)."""
         if reason := roles.serving_refusal():
@@ -187,7 +214,12 @@ def build_app(ctx: EngineContext) -> FastAPI:
         model = {"id": ctx.model_name, "object": "model", "created": ctx.created, "owned_by": "hotweights"}
         return JSONResponse({"object": "list", "data": [model]})
 
-    @app.post("/v1/completions", response_model=None)
+    @app.post(
+        Endpoint.COMPLETIONS,
+        response_model=None,
+        responses=declare(400, 404, 500, 503)
+        | {200: {"content": {"application/json": {}, "text/event-stream": {}}, "description": "the completion"}},
+    )
     async def completions(request: CompletionRequest) -> Response:
         """OpenAI completions; ``stream`` gives server-sent events ending in ``data: [DONE]``.
 
@@ -234,7 +266,7 @@ def build_app(ctx: EngineContext) -> FastAPI:
         finally:
             close()
 
-    @app.get("/metrics")
+    @app.get(Endpoint.METRICS, response_class=PlainTextResponse)
     async def prometheus() -> Response:
         """200 the engine's metrics in the Prometheus text format."""
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -252,6 +284,7 @@ def build_app(ctx: EngineContext) -> FastAPI:
         response.headers.update(exc.headers or {})
         return response
 
+    without_422(app)
     endpoints = frozenset(route.path for route in app.routes)
     app.add_middleware(RequestCounter, counter=metrics.requests, endpoints=endpoints)
     return app

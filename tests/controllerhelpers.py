@@ -18,22 +18,33 @@ import httpx
 from hotweights.chaos.splitbrain import SplitBrainDetector
 from hotweights.controller.commands import stop_everything
 from hotweights.controller.config import load_config
-from hotweights.controller.supervisor import StateFile
 
+from hotweights.contract import Endpoint
+from hotweights.errors import ConfigError
 from hotweights.ports import free_port, free_ports
 from hotweights.spawn import hotweights_command
+from hotweights.state import read_state
 from tests.cachehelpers import ENV, wait_until
 
 TOKEN = "controller-test-token"
 
 
 class ControllerStack:
-    """One group of ``engines`` engines; state dir and sockets in a short /tmp directory."""
+    """``groups`` groups of ``engines`` engines each; state dir and sockets in a short /tmp directory."""
 
-    def __init__(self, model: Path, engines: int = 3) -> None:
+    def __init__(
+        self,
+        model: Path,
+        engines: int = 3,
+        *,
+        groups: int = 1,
+        failure_threshold: int = 2,
+        drain_timeout_s: float = 5.0,
+    ) -> None:
         self.root = Path(tempfile.mkdtemp(prefix="hwc-", dir="/tmp"))
         self.port = free_port()
-        self.base_port = free_ports(engines + 2, consecutive=True)[0]
+        self.base_ports = [free_ports(engines + 2, consecutive=True)[0] for _ in range(groups)]
+        self.base_port = self.base_ports[0]
         token_file = self.root / "token"
         token_file.write_text(TOKEN + "\n")
         self.config_path = self.root / "cluster.toml"
@@ -41,10 +52,10 @@ class ControllerStack:
             f'[cluster]\nname = "test"\nport = {self.port}\nstate_dir = "{self.root / "state"}"\n'
             f'token_file = "{token_file}"\n\n'
             f'[model]\npath = "{model}"\n\n'
-            f"[[groups]]\nengines = {engines}\nbase_port = {self.base_port}\n\n"
-            "[engine]\nkv_cache_tokens = 256\nmax_batch = 2\ndrain_timeout_s = 5.0\n\n"
+            + "".join(f"[[groups]]\nengines = {engines}\nbase_port = {base}\n\n" for base in self.base_ports)
+            + f"[engine]\nkv_cache_tokens = 256\nmax_batch = 2\ndrain_timeout_s = {drain_timeout_s}\n\n"
             # a 500 ms timeout: two cores shared with the whole stack make 250 ms checks flaky in CI
-            "[health]\ninterval_ms = 100\ntimeout_ms = 500\nfailure_threshold = 2\n\n"
+            f"[health]\ninterval_ms = 100\ntimeout_ms = 500\nfailure_threshold = {failure_threshold}\n\n"
             f"[gateway]\nport = {free_port()}\n"
         )
         self.config = load_config(self.config_path)
@@ -82,24 +93,32 @@ class ControllerStack:
     def members(self) -> dict[str, dict[str, Any]]:
         return {m["id"]: m for m in self.cluster()["members"]}
 
-    def daemon(self) -> dict[str, Any]:
-        return next(s for s in self.cluster()["services"] if s["kind"] == "daemon")
+    def daemon(self, group: int = 0) -> dict[str, Any]:
+        return next(s for s in self.cluster()["services"] if s["kind"] == "daemon" and s["group"] == group)
 
-    def primary(self) -> dict[str, Any]:
-        (primary,) = [m for m in self.members().values() if m["role"] == "primary"]
-        return primary
+    def primary(self, group: int = 0, timeout: float = 30.0) -> dict[str, Any]:
+        """The group's one primary. A failover leaves a group without one for an instant (between the
+        fence and the promotion): wait that out rather than read it as a failure."""
+
+        def one() -> dict[str, Any] | None:
+            primaries = [m for m in self.members().values() if m["role"] == "primary" and m["group"] == group]
+            return primaries[0] if len(primaries) == 1 else None
+
+        return wait_until(one, timeout, f"one primary in group {group}", interval=0.05)
 
     def is_steady(self) -> bool:
-        """One serving primary, every other engine a healthy standby, the daemon serving."""
+        """One serving primary per group, every other engine a healthy standby, every daemon serving."""
         if self.controller is not None and self.controller.poll() is not None:
             raise RuntimeError(f"controller exited with {self.controller.returncode}:\n{self.logs()}")
-        members = self.members().values()
+        cluster = self.cluster()
+        members = cluster["members"]
         primaries = [m for m in members if m["role"] == "primary" and m["state"] == "ready"]
+        daemons = [s for s in cluster["services"] if s["kind"] == "daemon"]
         return (
-            len(primaries) == 1
+            sorted(m["group"] for m in primaries) == list(range(len(daemons)))
             and all(m["status"] == "healthy" for m in members)
-            and self.daemon()["serving"]
-            and self.engine_primary_status(primaries[0]["url"]) == 200
+            and all(d["serving"] for d in daemons)
+            and all(self.engine_primary_status(p["url"]) == 200 for p in primaries)
         )
 
     def wait_steady(self, timeout: float = 90.0) -> dict[str, dict[str, Any]]:
@@ -108,7 +127,7 @@ class ControllerStack:
 
     def engine_primary_status(self, url: str) -> int | None:
         try:
-            return httpx.get(url + "/primary", timeout=2.0).status_code
+            return httpx.get(url + Endpoint.PRIMARY, timeout=2.0).status_code
         except httpx.TransportError:
             return None
 
@@ -119,9 +138,7 @@ class ControllerStack:
         return self.log.read_text(errors="replace")[-tail:]
 
     def recorded_pids(self) -> list[int]:
-        state = StateFile(self.root / "state" / "state.json").load()
-        rows = [*state.get("members", {}).values(), *state.get("services", {}).values()]
-        return [row["process"]["pid"] for row in rows if row.get("process")]
+        return [process.pid for _, process in read_state(self.config.state_file).processes()]
 
     # --- teardown ---------------------------------------------------------------------------------
 
@@ -144,7 +161,10 @@ class ControllerStack:
                 self.kill_controller()
         with contextlib.suppress(Exception):
             stop_everything(self.config, timeout=5.0)
-        for pid in {*self.recorded_pids(), *self.pids_naming_root()}:
+        recorded = []
+        with contextlib.suppress(ConfigError):  # a test may have left a state file we cannot read
+            recorded = self.recorded_pids()
+        for pid in {*recorded, *self.pids_naming_root()}:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         self.client.close()

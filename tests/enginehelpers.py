@@ -14,6 +14,7 @@ from typing import Self
 
 import httpx
 
+from hotweights.contract import Endpoint
 from hotweights.ports import free_port
 from hotweights.spawn import hotweights_command
 from tests.cachehelpers import ENV
@@ -69,7 +70,7 @@ class EngineProcess(ChildService):
     """One ``hotweights engine``; with ``token``, role changes need it."""
 
     name = "engine"
-    ready_path = "/health/ready"
+    ready_path = Endpoint.READY
 
     def __init__(self, model: Path, *extra: str, token: str | None = None) -> None:
         self.port = free_port()
@@ -89,11 +90,11 @@ class EngineProcess(ChildService):
         return self.client.post(path, headers=self.auth(), **kwargs)
 
     def complete(self, **body: object) -> httpx.Response:
-        return self.client.post("/v1/completions", json=body)
+        return self.client.post(Endpoint.COMPLETIONS, json=body)
 
     def stream(self, **body: object) -> list[dict]:
         """The SSE chunks of a streamed completion (``[DONE]`` checked and dropped)."""
-        with self.client.stream("POST", "/v1/completions", json=body | {"stream": True}) as response:
+        with self.client.stream("POST", Endpoint.COMPLETIONS, json=body | {"stream": True}) as response:
             assert response.status_code == 200, response.read()
             lines = [line for line in response.iter_lines() if line]
         assert lines[-1] == "data: [DONE]"

@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from hotweights.contract import Endpoint
 from hotweights.ports import free_port
 from hotweights.spawn import hotweights_command
 from tests.enginehelpers import ChildService, EngineProcess
@@ -31,7 +32,7 @@ def primary_and_standby(model: Path) -> Iterator[list[EngineProcess]]:
 
 def roles(engines: list[EngineProcess]) -> tuple[EngineProcess, EngineProcess]:
     """(primary, standby) as the engines say now."""
-    primary = [e for e in engines if e.client.get("/primary").status_code == 200]
+    primary = [e for e in engines if e.client.get(Endpoint.PRIMARY).status_code == 200]
     assert len(primary) == 1, f"expected one primary, found {len(primary)}"
     return primary[0], next(e for e in engines if e is not primary[0])
 

@@ -28,9 +28,11 @@ from hotweights.controller.ha import Conflict, Ha
 from hotweights.controller.health import HealthChecker, HealthRecord
 from hotweights.controller.metrics import ControllerMetrics
 from hotweights.controller.stack import Layout
-from hotweights.controller.supervisor import Identity, StateFile, read_identity
+from hotweights.controller.supervisor import Identity, read_identity
 
+from hotweights.contract import Endpoint
 from hotweights.errors import ConfigError
+from hotweights.state import ClusterState, read_state, write_state
 from tests.controllerhelpers import ControllerStack, split_brain_watch, wait_until
 
 
@@ -54,7 +56,7 @@ def wait_new_primary(urls: list[str], old: str, timeout: float) -> tuple[str, fl
         while time.monotonic() - start < timeout:
             for url in urls:
                 with contextlib.suppress(httpx.TransportError):
-                    if url != old and client.get(url + "/primary").status_code == 200:
+                    if url != old and client.get(url + Endpoint.PRIMARY).status_code == 200:
                         return url, time.monotonic() - start
             time.sleep(0.001)
     raise TimeoutError(f"no engine but {old} answered 200 on /primary within {timeout:g} s")
@@ -172,7 +174,7 @@ def test_daemon_killed_engines_keep_serving(stack: ControllerStack) -> None:
         deadline = time.monotonic() + 60
         while not ((d := stack.daemon())["serving"] and d["pid"] != daemon["pid"]):
             assert time.monotonic() < deadline, "daemon not respawned"
-            response = engine.post("/v1/completions", json={"prompt": "hello", "max_tokens": 4})
+            response = engine.post(Endpoint.COMPLETIONS, json={"prompt": "hello", "max_tokens": 4})
             assert response.status_code == 200, response.text
             completions += 1
     assert completions > 0
@@ -186,7 +188,7 @@ def test_daemon_killed_engines_keep_serving(stack: ControllerStack) -> None:
         60,
         "a new standby attached to the respawned daemon",
     )
-    metrics = stack.client.get("/metrics").text
+    metrics = stack.client.get(Endpoint.METRICS).text
     assert 'hotweights_controller_daemon_restarts_total{group="0"}' in metrics
 
 
@@ -201,12 +203,14 @@ def test_hung_daemon_is_killed_and_respawned(stack: ControllerStack) -> None:
             deadline = time.monotonic() + 30
             while not ((d := stack.daemon())["serving"] and d["pid"] != daemon["pid"]):
                 assert time.monotonic() < deadline, "hung daemon not replaced"
-                assert engine.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+                assert engine.post(Endpoint.COMPLETIONS, json={"prompt": "hi", "max_tokens": 2}).status_code == 200
                 time.sleep(0.2)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(daemon["pid"], signal.SIGCONT)
     assert stack.events("hung") and read_identity(daemon["pid"]) is None
+    # it had been serving: its end is no failed start
+    assert not [e for e in stack.events("start_failed") if "before serving" in e["message"]]
 
 
 def test_controller_restart_adopts_running_engines(stack: ControllerStack) -> None:
@@ -245,7 +249,7 @@ def test_reads(stack: ControllerStack) -> None:
     assert {"id", "role", "state", "pid", "port", "device", "last_check", "consecutive_failures"} <= member.keys()
     assert stack.anonymous.get("/primary", params={"group": 5}).status_code == 404
     assert stack.anonymous.get("/docs").status_code == 200
-    metrics = stack.anonymous.get("/metrics").text
+    metrics = stack.anonymous.get(Endpoint.METRICS).text
     for name in (
         "hotweights_controller_failovers_total",
         "hotweights_controller_failover_duration_seconds",
@@ -290,6 +294,9 @@ def test_refusals(stack: ControllerStack) -> None:
         ("DELETE", "/engines/nope", None, 404),
         ("POST", "/cache/7/restart", None, 404),
         ("POST", "/engines", {"group": 4}, 404),
+        ("POST", "/engines", {"group": False}, 422),  # a bool is not group 0
+        ("POST", "/switchover", {"group": False}, 422),
+        ("POST", f"/engines/{standby}/drain", {"timeout_s": True}, 422),
     ]
     for method, path, body, status in cases:
         response = stack.client.request(method, path, json=body)
@@ -388,6 +395,21 @@ def test_health_check_survives_odd_replies_and_keeps_the_body_time() -> None:
     assert record.consecutive_failures == 3
 
 
+def test_a_starting_engine_counts_no_failed_checks() -> None:
+    """An engine that never answered yet is starting, not failing: /cluster shows no failure count for it."""
+    checker, client = _health_checker(lambda request: (_ for _ in ()).throw(httpx.ConnectError("refused")))
+    record = HealthRecord()
+
+    async def run() -> None:
+        async with client:
+            for _ in range(5):
+                await checker.check("http://engine", 7, record)
+
+    asyncio.run(run())
+    assert (record.ok, record.consecutive_failures, record.failing_since) == (False, 0, None)
+    assert "refused" in record.error
+
+
 def test_a_failed_check_does_not_undo_a_role_change() -> None:
     """The body a failed check keeps predates our last role change: it must not bring the old role back."""
     member = Member(EngineSpec("g0-e0", 0, "cpu", 8200))
@@ -400,13 +422,13 @@ def test_a_failed_check_does_not_undo_a_role_change() -> None:
 
 
 def test_state_file_that_is_not_an_object_is_refused(tmp_path: Path) -> None:
-    state = StateFile(tmp_path / "state.json")
+    path = tmp_path / "state.json"
     for raw in (b"[1, 2]", b"\xff\xfe{}"):
-        state.path.write_bytes(raw)
+        path.write_bytes(raw)
         with pytest.raises(ConfigError, match="unreadable controller state"):
-            state.load()
-    state.save({"members": {}})
-    assert state.load() == {"members": {}} and not state.path.with_suffix(".json.tmp").exists()
+            read_state(path)
+    write_state(path, ClusterState(members={}))
+    assert read_state(path) == ClusterState(members={}) and not path.with_suffix(".json.tmp").exists()
 
 
 def test_evict_orphans_skips_a_pid_that_went_away(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -458,7 +480,7 @@ def test_switchover_fences_an_unconfirmed_candidate_before_resuming_the_old_prim
     ha = Ha(FakeCluster(), Engines(), EventLog(tmp_path / "events.jsonl"), ControllerMetrics(), None, print)
     with pytest.raises(Conflict, match="promoting g0-e1 failed"):
         asyncio.run(ha.do_switchover(snap, candidate="g0-e1"))
-    resume = calls.index(("post", old.url, "/promote"))
+    resume = calls.index(("post", old.url, Endpoint.PROMOTE))
     assert ("fence", "g0-e1") in calls[:resume], calls
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 from pathlib import Path
 
@@ -47,5 +49,94 @@ def test_up_serves_through_the_gateway_and_down_stops_everything(tiny_model: Pat
         assert stack.controller.wait(timeout=30) == 0
         assert [pid for pid in pids if read_identity(pid)] == []  # gone (a zombie counts as gone)
         assert stack.recorded_pids() == []
+    finally:
+        stack.close()
+
+
+def _complete(stack: ControllerStack) -> httpx.Response:
+    gateway = f"http://127.0.0.1:{stack.config.gateway.port}"
+    return httpx.post(f"{gateway}/v1/completions", json={"prompt": "hello", "max_tokens": 4}, timeout=30)
+
+
+def _up_serves(stack: ControllerStack, ups: int) -> None:
+    """``ups`` ready summaries in the (appended) log, then a completion through the gateway."""
+    wait_until(lambda: stack.logs(10**8).count("is up") >= ups, 60, f"ready summary number {ups}", interval=0.1)
+    response = wait_until(lambda: (r := _complete(stack)).status_code == 200 and r, 30, "a completion")
+    assert response.json()["choices"][0]["text"] is not None
+
+
+def test_up_again_after_a_clean_stop(tiny_model: Path) -> None:
+    """up -> SIGINT -> up: the second start is a start-up (no failover loop) and serves within a minute."""
+    stack = ControllerStack(tiny_model, engines=2)
+    try:
+        stack.start_controller("up")
+        _up_serves(stack, 1)
+        stack.controller.send_signal(signal.SIGINT)
+        assert stack.controller.wait(timeout=60) == 0
+        assert stack.recorded_pids() == []
+        stack.start_controller("up")
+        _up_serves(stack, 2)
+        second = stack.logs(10**8).split("is up")[1]
+        assert "failing over" not in second and "report it as a BUG" not in second
+    finally:
+        stack.close()
+
+
+def test_up_again_after_the_whole_stack_was_sigkilled(tiny_model: Path) -> None:
+    """SIGKILL of the controller and every child at once leaves stale pids, sockets and locks behind."""
+    stack = ControllerStack(tiny_model, engines=2)
+    try:
+        stack.start_controller("up")
+        _up_serves(stack, 1)
+        pids = [stack.controller.pid, *stack.recorded_pids()]
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        stack.controller.wait(timeout=10)
+        wait_until(lambda: not any(read_identity(pid) for pid in pids), 10, "the stack to be gone")
+        assert list((stack.config.state_dir / "run").glob("*.sock")), "no socket left behind: a weaker test"
+        stack.start_controller("up")
+        _up_serves(stack, 2)
+    finally:
+        stack.close()
+
+
+def test_up_from_a_corrupt_state_file_stops_the_leftovers_and_starts_fresh(tiny_model: Path) -> None:
+    """The controller died, then state.json was damaged: the engines and daemon it left are found by their
+    command lines and stopped, the file is kept aside, and the stack starts fresh."""
+    stack = ControllerStack(tiny_model, engines=2)
+    try:
+        stack.start_controller()
+        stack.wait_steady()
+        leftovers = stack.recorded_pids()
+        stack.kill_controller()
+        stack.config.state_file.write_text('{"members": {"g0-e0": {"group": "zero"')
+        stack.start_controller("up")
+        _up_serves(stack, 1)
+        assert [pid for pid in leftovers if read_identity(pid)] == []
+        (aside,) = stack.config.state_dir.glob("state.json.corrupt-*")
+        assert aside.read_text().startswith('{"members"')
+        assert "unreadable controller state: not JSON" in stack.logs()
+    finally:
+        stack.close()
+
+
+def test_up_refuses_a_state_file_of_an_unknown_version(tiny_model: Path) -> None:
+    stack = ControllerStack(tiny_model, engines=2)
+    try:
+        stack.config.state_file.parent.mkdir(parents=True)
+        stack.config.state_file.write_text('{"version": 7}')
+        up = subprocess.run(
+            hotweights_command("up", "--config", str(stack.config_path)),
+            env=ENV,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert up.returncode == 2, up.stderr
+        assert up.stderr.strip().splitlines() == [
+            f"hotweights up: error: {stack.config.state_file}: controller state version 7, this hotweights reads "
+            "version 1; run the hotweights that wrote it, or move the file away to start fresh"
+        ]
+        assert stack.config.state_file.read_text() == '{"version": 7}'
     finally:
         stack.close()

@@ -16,16 +16,17 @@ import pytest
 from hotweights.cache.pipeline import LoadSpec
 from hotweights.standby.generate import load_tokenizer, stop_token_ids
 from hotweights.standby.model import generate
-from hotweights.standby.roles import Role, Roles
+from hotweights.standby.roles import Roles
 from hotweights.standby.scheduler import Finish, SamplingParams, Scheduler, Sequence
 from hotweights.standby.weights import load_model
 
+from hotweights.contract import Endpoint, Role
 from tests.cachehelpers import ProcessDaemon, wait_until
 from tests.enginehelpers import EngineProcess
 
 TOKEN = "test-token-1234"
 FLAGS = ("--kv-cache-tokens", "512", "--max-batch", "4")
-HEALTH_PATHS = ("/health/live", "/health/ready", "/primary", "/standby")
+HEALTH_PATHS = (Endpoint.LIVE, Endpoint.READY, Endpoint.PRIMARY, Endpoint.STANDBY)
 Reference = Callable[..., tuple[str, int]]
 
 
@@ -110,12 +111,12 @@ def test_off_mode_completions_equal_in_process_generate(
 def test_attached_completions_equal_in_process_generate(
     standby: EngineProcess, reference: Reference, sampling: dict
 ) -> None:
-    assert standby.client.get("/health/ready").json()["weight_cache"] == {"mode": "client", "source": "cache"}
-    assert standby.post("/promote").status_code == 200
+    assert standby.client.get(Endpoint.READY).json()["weight_cache"] == {"mode": "client", "source": "cache"}
+    assert standby.post(Endpoint.PROMOTE).status_code == 200
     try:
         check_equal_to_reference(standby, reference, sampling)
     finally:
-        assert standby.post("/demote").status_code == 200
+        assert standby.post(Endpoint.DEMOTE).status_code == 200
 
 
 def test_openai_client_completes(primary: EngineProcess, reference: Reference) -> None:
@@ -169,7 +170,7 @@ def test_unknown_model_is_404(primary: EngineProcess) -> None:
 
 
 def test_health_endpoints_answer_get_head_and_options(primary: EngineProcess) -> None:
-    expected = {"/health/live": 200, "/health/ready": 200, "/primary": 200, "/standby": 503}
+    expected = {Endpoint.LIVE: 200, Endpoint.READY: 200, Endpoint.PRIMARY: 200, Endpoint.STANDBY: 503}
     for path in HEALTH_PATHS:
         for method in ("GET", "HEAD", "OPTIONS"):
             response = primary.client.request(method, path)
@@ -188,9 +189,9 @@ def test_health_endpoints_answer_get_head_and_options(primary: EngineProcess) ->
 
 def test_metrics_are_exported(primary: EngineProcess) -> None:
     primary.complete(prompt="x", max_tokens=2)
-    text = primary.client.get("/metrics").text
+    text = primary.client.get(Endpoint.METRICS).text
     for name in (
-        'hotweights_engine_requests_total{endpoint="/v1/completions",status="200"}',
+        f'hotweights_engine_requests_total{{endpoint="{Endpoint.COMPLETIONS}",status="200"}}',
         "hotweights_engine_prompt_tokens_total",
         "hotweights_engine_completion_tokens_total",
         "hotweights_engine_request_duration_seconds_bucket",
@@ -207,34 +208,43 @@ def test_metrics_are_exported(primary: EngineProcess) -> None:
 
 def test_role_changes_need_the_token(primary: EngineProcess) -> None:
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
-        for path in ("/promote", "/drain", "/demote"):
+        for path in (Endpoint.PROMOTE, Endpoint.DRAIN, Endpoint.DEMOTE):
             response = primary.client.post(path, headers=headers)
             assert response.status_code == 401, (path, headers)
             assert response.headers["WWW-Authenticate"] == "Bearer"
-    response = primary.post("/promote")
+    response = primary.post(Endpoint.PROMOTE)
     assert response.status_code == 200
     assert (response.json()["changed"], response.json()["message"]) == (False, "already primary")
 
 
+def test_role_change_bodies_are_checked_strictly(primary: EngineProcess) -> None:
+    for body in ({"timeout_s": True}, {"timeout_s": -1}, {"timeout_s": "5"}, {"bogus": 1}):
+        for path in (Endpoint.DRAIN, Endpoint.DEMOTE):
+            response = primary.post(path, json=body)
+            assert response.status_code == 400, (path, body, response.text)
+            assert response.json()["error"]["type"] == "invalid_request_error"
+    assert primary.client.get(Endpoint.PRIMARY).status_code == 200  # nothing was drained
+
+
 def test_standby_never_serves(standby: EngineProcess) -> None:
-    for response in (standby.complete(prompt="x", max_tokens=2), standby.client.get("/v1/models")):
+    for response in (standby.complete(prompt="x", max_tokens=2), standby.client.get(Endpoint.MODELS)):
         assert response.status_code == 503
         error = response.json()["error"]
         assert error["type"] == "unavailable" and "standby" in error["message"]
-    assert standby.client.get("/primary").status_code == 503
-    health = standby.client.get("/standby")
+    assert standby.client.get(Endpoint.PRIMARY).status_code == 503
+    health = standby.client.get(Endpoint.STANDBY)
     assert health.status_code == 200
     assert (health.json()["role"], health.json()["kv_cache_bytes"]) == ("standby", 0)
 
 
 def test_promote_drain_demote(standby: EngineProcess) -> None:
-    promoted = standby.post("/promote").json()
+    promoted = standby.post(Endpoint.PROMOTE).json()
     assert (promoted["changed"], promoted["role"]) == (True, "primary")
     assert promoted["duration_ms"] > 0 and promoted["kv_cache_bytes"] > 0
-    assert standby.client.get("/primary").status_code == 200
-    assert standby.client.get("/standby").status_code == 503
-    assert standby.client.get("/health/ready").json()["kv_cache_bytes"] == promoted["kv_cache_bytes"]
-    assert standby.post("/promote").json()["message"] == "already primary"
+    assert standby.client.get(Endpoint.PRIMARY).status_code == 200
+    assert standby.client.get(Endpoint.STANDBY).status_code == 503
+    assert standby.client.get(Endpoint.READY).json()["kv_cache_bytes"] == promoted["kv_cache_bytes"]
+    assert standby.post(Endpoint.PROMOTE).json()["message"] == "already primary"
 
     drained: list[httpx.Response] = []
     body = {
@@ -244,13 +254,13 @@ def test_promote_drain_demote(standby: EngineProcess) -> None:
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    with standby.client.stream("POST", "/v1/completions", json=body) as response:
+    with standby.client.stream("POST", Endpoint.COMPLETIONS, json=body) as response:
         lines = response.iter_lines()
         assert next(lines).startswith("data: ")
-        drain = threading.Thread(target=lambda: drained.append(standby.post("/drain", json={"timeout_s": 60})))
+        drain = threading.Thread(target=lambda: drained.append(standby.post(Endpoint.DRAIN, json={"timeout_s": 60})))
         drain.start()
-        wait_until(lambda: standby.client.get("/primary").status_code == 503, timeout=5, what="/primary 503")
-        assert standby.client.get("/health/ready").json()["in_flight"] == 1, "the stream ended before the drain began"
+        wait_until(lambda: standby.client.get(Endpoint.PRIMARY).status_code == 503, timeout=5, what="/primary 503")
+        assert standby.client.get(Endpoint.READY).json()["in_flight"] == 1, "the stream ended before the drain began"
         assert standby.complete(prompt="x", max_tokens=2).status_code == 503
         rest = [line for line in lines if line]
     drain.join(timeout=30)
@@ -260,34 +270,34 @@ def test_promote_drain_demote(standby: EngineProcess) -> None:
     assert (drained[0].status_code, report["state"], report["drained"]) == (200, "drained", True)
     assert (report["finished"], report["cancelled"]) == (1, 0)
 
-    demoted = standby.post("/demote").json()
+    demoted = standby.post(Endpoint.DEMOTE).json()
     assert (demoted["role"], demoted["kv_cache_bytes_released"]) == ("standby", promoted["kv_cache_bytes"])
-    assert standby.client.get("/standby").json()["kv_cache_bytes"] == 0
-    assert standby.client.get("/primary").status_code == 503
-    assert standby.post("/demote").json()["message"] == "already standby"
+    assert standby.client.get(Endpoint.STANDBY).json()["kv_cache_bytes"] == 0
+    assert standby.client.get(Endpoint.PRIMARY).status_code == 503
+    assert standby.post(Endpoint.DEMOTE).json()["message"] == "already standby"
 
 
 def test_drain_deadline_cancels_what_is_left(standby: EngineProcess) -> None:
-    standby.post("/promote")
+    standby.post(Endpoint.PROMOTE)
     try:
         with standby.client.stream(
-            "POST", "/v1/completions", json={"prompt": "x", "max_tokens": 480, "stream": True}
+            "POST", Endpoint.COMPLETIONS, json={"prompt": "x", "max_tokens": 480, "stream": True}
         ) as r:
             lines = r.iter_lines()
             next(lines)
-            report = standby.post("/drain", json={"timeout_s": 0.05}).json()
+            report = standby.post(Endpoint.DRAIN, json={"timeout_s": 0.05}).json()
             rest = [line for line in lines if line]
         assert (report["drained"], report["cancelled"]) == (True, 1)
         assert '"error"' in rest[-1] and "[DONE]" not in rest[-1]
     finally:
-        assert standby.post("/demote").json()["role"] == "standby"
+        assert standby.post(Endpoint.DEMOTE).json()["role"] == "standby"
 
 
 def test_sigterm_lets_in_flight_requests_finish_and_exits_zero(tiny_model: Path) -> None:
     engine = EngineProcess(tiny_model, *FLAGS, "--shutdown-timeout", "30")
     with engine:
         with engine.client.stream(
-            "POST", "/v1/completions", json={"prompt": "x", "max_tokens": 300, "stream": True}
+            "POST", Endpoint.COMPLETIONS, json={"prompt": "x", "max_tokens": 300, "stream": True}
         ) as r:
             lines = r.iter_lines()
             next(lines)
@@ -304,7 +314,7 @@ def test_sigterm_past_the_shutdown_timeout_cancels_cleanly(tiny_model: Path) -> 
     engine = EngineProcess(tiny_model, *FLAGS, "--shutdown-timeout", "0.05")  # far shorter than the generation
     with engine:
         with engine.client.stream(
-            "POST", "/v1/completions", json={"prompt": "x", "max_tokens": 480, "stream": True}
+            "POST", Endpoint.COMPLETIONS, json={"prompt": "x", "max_tokens": 480, "stream": True}
         ) as r:
             lines = r.iter_lines()
             next(lines)

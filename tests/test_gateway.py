@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
 import json
 import threading
 import time
@@ -18,6 +19,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from hotweights.contract import Endpoint
 from hotweights.ports import free_port
 from tests.cachehelpers import wait_until
 from tests.enginehelpers import EngineProcess
@@ -47,7 +49,7 @@ def comparable(body: dict) -> dict:
 
 
 def stream(client: httpx.Client, body: dict) -> list[dict]:
-    with client.stream("POST", "/v1/completions", json=body | {"stream": True}) as response:
+    with client.stream("POST", Endpoint.COMPLETIONS, json=body | {"stream": True}) as response:
         assert response.status_code == 200, response.read()
         lines = [line for line in response.iter_lines() if line]
     assert lines[-1] == "data: [DONE]"
@@ -56,7 +58,7 @@ def stream(client: httpx.Client, body: dict) -> list[dict]:
 
 def metric(gateway: GatewayProcess, name: str) -> float:
     """The sum of a metric's samples over all labels."""
-    text = gateway.client.get("/metrics").text
+    text = gateway.client.get(Endpoint.METRICS).text
     return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
 
 
@@ -66,7 +68,7 @@ def test_completions_through_the_gateway_equal_the_engines_own(
 ) -> None:
     primary, _ = roles(engines)
     body = {"prompt": PROMPTS, "max_tokens": 16, **sampling}
-    proxied = gateway.client.post("/v1/completions", json=body)
+    proxied = gateway.client.post(Endpoint.COMPLETIONS, json=body)
     assert proxied.status_code == 200, proxied.text
     assert proxied.headers["x-hotweights-upstream"] == primary.url
     assert comparable(proxied.json()) == comparable(primary.complete(**body).json())
@@ -78,9 +80,9 @@ def test_errors_and_other_endpoints_pass_through_unretried(
 ) -> None:
     primary, _ = roles(engines)
     retries = metric(gateway, "hotweights_gateway_retries_total")
-    bad = gateway.client.post("/v1/completions", json={"prompt": "x", "max_tokens": -1})
+    bad = gateway.client.post(Endpoint.COMPLETIONS, json={"prompt": "x", "max_tokens": -1})
     assert (bad.status_code, bad.json()) == (400, primary.complete(prompt="x", max_tokens=-1).json())
-    assert gateway.client.get("/v1/models").json() == primary.client.get("/v1/models").json()
+    assert gateway.client.get(Endpoint.MODELS).json() == primary.client.get(Endpoint.MODELS).json()
     assert metric(gateway, "hotweights_gateway_retries_total") == retries
 
 
@@ -90,7 +92,7 @@ def test_health_and_metrics_describe_the_upstreams(engines: list[EngineProcess],
     assert health["primaries"] == [primary.url]
     assert {u["url"]: u["primary_status"] for u in health["upstreams"]} == {primary.url: 200, standby.url: 503}
     assert (health["held"], health["queue_limit"], health["hold_timeout_s"]) == (0, 256, 10.0)
-    text = gateway.client.get("/metrics").text
+    text = gateway.client.get(Endpoint.METRICS).text
     for name in (
         'hotweights_gateway_requests_total{status="200"}',
         "hotweights_gateway_retries_total",
@@ -101,15 +103,71 @@ def test_health_and_metrics_describe_the_upstreams(engines: list[EngineProcess],
         assert name in text, name
 
 
+def engine_requests(engines: list[EngineProcess]) -> float:
+    """Requests the engines answered, besides the gateway's probes and these scrapes."""
+    total = 0.0
+    for engine in engines:
+        for family in text_string_to_metric_families(engine.client.get(Endpoint.METRICS).text):
+            total += sum(
+                s.value
+                for s in family.samples
+                if s.name == "hotweights_engine_requests_total"
+                and s.labels["endpoint"] not in (Endpoint.PRIMARY, Endpoint.METRICS)
+            )
+    return total
+
+
+def raw_request(gateway: GatewayProcess, method: str, path: str) -> int:
+    """Send ``path`` byte for byte (httpx would normalize it); the status."""
+    connection = http.client.HTTPConnection("127.0.0.1", gateway.port, timeout=30)
+    try:
+        connection.request(method, path, body=b"{}", headers={"Content-Type": "application/json"})
+        return connection.getresponse().status
+    finally:
+        connection.close()
+
+
+HOSTILE_PATHS = [
+    "/v1/../demote",
+    "/v1/%2e%2e/demote",
+    "/v1/%2E%2E/demote",
+    "/v1/.%2e/demote",
+    "/v1/..%2fdemote",
+    "/v1/x/../../demote",
+    "/v1/%2fdemote",
+    "/v1/%5c..%5cdemote",
+    "/v1/./models",
+    "/v1//models",
+    "/v1/models/",
+    "/v1/models/..",
+    "/v1/models%2f",
+    "/v1/models%00",
+    "/v1/",
+]
+
+
+def test_only_normalized_v1_paths_reach_the_engines(engines: list[EngineProcess], gateway: GatewayProcess) -> None:
+    """The engines have no token here: a traversal that reached /demote would demote the primary."""
+    primary, _ = roles(engines)
+    before = engine_requests(engines)
+    for path in HOSTILE_PATHS:
+        for method in ("POST", "GET"):
+            assert raw_request(gateway, method, path) == 404, (method, path)
+    assert engine_requests(engines) == before, "a hostile path reached an engine"
+    assert roles(engines)[0] is primary
+    assert raw_request(gateway, "GET", Endpoint.MODELS) == 200  # the same client, a plain path: forwarded
+    assert engine_requests(engines) == before + 1
+
+
 def test_request_is_held_while_no_engine_is_primary(engines: list[EngineProcess], gateway: GatewayProcess) -> None:
     primary, standby = roles(engines)
-    assert primary.post("/demote").status_code == 200
+    assert primary.post(Endpoint.DEMOTE).status_code == 200
     gateway.wait_health(lambda h: not h["primaries"], what="no primary")
     with ThreadPoolExecutor(1) as pool:
         request = pool.submit(httpx.post, f"{gateway.url}/v1/completions", json={"prompt": "x"}, timeout=30)
         gateway.wait_health(lambda h: h["held"] == 1, what="the request held")
         time.sleep(0.2)  # a failover in progress
-        assert standby.post("/promote").status_code == 200
+        assert standby.post(Endpoint.PROMOTE).status_code == 200
         promoted = time.monotonic()
         response = request.result(timeout=30)
         print(f"held request answered {(time.monotonic() - promoted) * 1000:.0f} ms after the promotion")
@@ -127,7 +185,7 @@ def test_hold_deadline_and_queue_overflow_answer_503_with_the_reason(tmp_path: P
         started = time.monotonic()
         held = pool.submit(httpx.post, f"{gateway.url}/v1/completions", json={"prompt": "x"}, timeout=30)
         gateway.wait_health(lambda h: h["held"] == 1, what="the request held")
-        overflow = gateway.client.post("/v1/completions", json={"prompt": "x"})
+        overflow = gateway.client.post(Endpoint.COMPLETIONS, json={"prompt": "x"})
         assert overflow.status_code == 503
         assert "already held (queue_limit)" in overflow.json()["error"]["message"]
         response = held.result(timeout=30)
@@ -187,7 +245,7 @@ class Load:
 
     def one(self, stream: bool) -> str:
         body = {"prompt": "load", "max_tokens": 8, "stream": stream}
-        with self.client.stream("POST", "/v1/completions", json=body) as response:
+        with self.client.stream("POST", Endpoint.COMPLETIONS, json=body) as response:
             text = response.read().decode()
         if response.status_code != 200:
             return f"{response.status_code}: {text}"
@@ -213,21 +271,21 @@ def test_failovers_under_load_show_no_client_errors(engines: list[EngineProcess]
     primary, standby = roles(engines)
     with Load(gateway.url).running() as load:
         time.sleep(0.3)
-        assert primary.post("/demote").status_code == 200
-        assert standby.post("/promote").status_code == 200
+        assert primary.post(Endpoint.DEMOTE).status_code == 200
+        assert standby.post(Endpoint.PROMOTE).status_code == 200
         time.sleep(0.3)
         # A stream under way when its engine dies cannot be hidden (checked below): plain requests only now.
         load.streams = False
         count = len(load.latencies)
         wait_until(lambda: len(load.latencies) >= count + 2, timeout=10, what="a streamed request to finish")
-        with gateway.client.stream("POST", "/v1/completions", json=LONG_STREAM) as cut:
+        with gateway.client.stream("POST", Endpoint.COMPLETIONS, json=LONG_STREAM) as cut:
             lines = (line for line in cut.iter_lines() if line)
             assert next(lines).startswith("data: {")
             standby.process.kill()
             standby.process.wait()
             rest = list(lines)
         time.sleep(0.2)  # a controller's detection and fencing
-        assert primary.post("/promote").status_code == 200
+        assert primary.post(Endpoint.PROMOTE).status_code == 200
         time.sleep(0.3)
     retries = metric(gateway, "hotweights_gateway_retries_total")
     print(

@@ -16,6 +16,7 @@ import pytest
 from hotweights.controller.config import load_config
 
 from hotweights.cli import main
+from hotweights.contract import Endpoint
 from hotweights.ports import free_port
 from tests.enginehelpers import ChildService, EngineProcess
 from tests.gatewayhelpers import primary_and_standby, roles, write_cluster
@@ -56,7 +57,7 @@ class HAProxyProcess(ChildService):
     def served_by(self) -> str | None:
         """The server that answered GET /v1/models with 200, or None."""
         with contextlib.suppress(httpx.TransportError):
-            response = self.client.get("/v1/models")
+            response = self.client.get(Endpoint.MODELS)
             if response.status_code == 200:
                 return response.headers["x-hotweights-server"]
         return None
@@ -99,7 +100,7 @@ def test_generated_configs_are_valid(tmp_path: Path) -> None:
         assert result.returncode == 0, result.stdout + result.stderr
     text = (tmp_path / "stats.cfg").read_text()
     for line in (
-        "http-check send meth OPTIONS uri /primary ver HTTP/1.1 hdr Host localhost",
+        f"http-check send meth OPTIONS uri {Endpoint.PRIMARY} ver HTTP/1.1 hdr Host localhost",
         "http-check expect status 200",
         "inter 50ms fastinter 50ms downinter 50ms fall 2 rise 1\n",
         "listen stats",
@@ -120,12 +121,12 @@ def test_routes_to_the_primary_and_follows_a_flip(engines: list[EngineProcess], 
         primary, standby = roles(engines)
         haproxy.converge(names[primary.url], timeout=10.0)
         body = {"prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0}
-        proxied = haproxy.client.post("/v1/completions", json=body)
+        proxied = haproxy.client.post(Endpoint.COMPLETIONS, json=body)
         assert proxied.headers["x-hotweights-server"] == names[primary.url]
         assert proxied.json()["choices"] == primary.complete(**body).json()["choices"]
 
-        assert primary.post("/demote").status_code == 200
-        assert standby.post("/promote").status_code == 200
+        assert primary.post(Endpoint.DEMOTE).status_code == 200
+        assert standby.post(Endpoint.PROMOTE).status_code == 200
         routed, marked, failed = haproxy.converge(names[standby.url], timeout=CONVERGE_S)
         print(
             f"HAProxy routed to the new primary {routed * 1000:.0f} ms after the promotion and marked it the only "

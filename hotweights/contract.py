@@ -1,0 +1,93 @@
+"""The engine contract in code: roles, states, endpoint paths, the bearer-token check, open binds.
+
+``docs/engine-contract.md`` describes the contract; every server that speaks it (the engine, the
+controller, the gateway) and every client (the controller's checks, HAProxy's config, the drills,
+the tests) takes its words from here, so renaming an endpoint is a change to one line.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import secrets
+from collections.abc import Awaitable, Callable
+from enum import StrEnum
+
+from fastapi import HTTPException, Security
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from hotweights.errors import ConfigError
+
+
+class Role(StrEnum):
+    """Who an engine is: the one that serves, or a warm standby (weights bound, no KV cache)."""
+
+    PRIMARY = "primary"
+    STANDBY = "standby"
+
+
+class State(StrEnum):
+    """What a primary is doing; a standby is always ready."""
+
+    READY = "ready"
+    DRAINING = "draining"
+    DRAINED = "drained"
+
+
+class Endpoint(StrEnum):
+    """Every path of the contract. Health endpoints answer GET, HEAD and OPTIONS; role changes POST."""
+
+    LIVE = "/health/live"
+    READY = "/health/ready"
+    PRIMARY = "/primary"  # load balancers route on this: 200 only on the serving primary
+    STANDBY = "/standby"
+    PROMOTE = "/promote"
+    DRAIN = "/drain"
+    DEMOTE = "/demote"
+    METRICS = "/metrics"  # Prometheus text format (also the controller's and the gateway's)
+    MODELS = "/v1/models"
+    COMPLETIONS = "/v1/completions"
+
+
+SERVING_PREFIX = "/v1/"  # what a load balancer or the gateway forwards to the primary, and nothing else
+HEALTH_METHODS = ("GET", "HEAD", "OPTIONS")  # HAProxy checks with OPTIONS, Kubernetes with GET
+
+BEARER = HTTPBearer(
+    auto_error=False,  # the check below answers 401 itself, the same way whatever the header holds
+    scheme_name="bearer",
+    description="`Authorization: Bearer <token>`; required by mutations only when the server has a token",
+)
+CREDENTIALS = Security(BEARER)
+UNAUTHORIZED = {401: {"description": "a bearer token is required and was missing or wrong (WWW-Authenticate: Bearer)"}}
+
+
+def bearer_check(token: str | None) -> Callable[..., Awaitable[None]]:
+    """A FastAPI dependency for mutations: with ``token`` set, the request needs
+    ``Authorization: Bearer <token>`` (compared in constant time), else it is refused with 401 and
+    ``WWW-Authenticate: Bearer``; with ``token`` None everything passes. Depending on it declares
+    the bearer security scheme in the OpenAPI document."""
+
+    async def require_token(credentials: HTTPAuthorizationCredentials | None = CREDENTIALS) -> None:
+        if token is None:
+            return
+        given = credentials.credentials if credentials else ""
+        if not secrets.compare_digest(given.encode(), token.encode()):
+            raise HTTPException(401, "a valid bearer token is required", headers={"WWW-Authenticate": "Bearer"})
+
+    return require_token
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` only listens to this machine ("localhost", 127.0.0.0/8, ::1); a name or "" is not."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def refuse_open_listener(host: str, has_token: bool, setting: str, fix: str) -> None:
+    """The one rule for every server: a listener on a non-loopback address needs a token. Raises
+    ConfigError naming ``setting`` (where the address came from) and ``fix`` when it has none."""
+    if not has_token and not is_loopback(host):
+        raise ConfigError(f"{setting} {host!r} is not loopback and no bearer token is set: {fix}")
