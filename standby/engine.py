@@ -25,7 +25,7 @@ from hotweights.cache.pipeline import add_load_spec_arguments, load_spec_from_ar
 from hotweights.standby.generate import load_tokenizer, stop_token_ids
 from hotweights.standby.metrics import EngineMetrics
 from hotweights.standby.model import KVCache, Transformer
-from hotweights.standby.roles import CANCEL_GRACE_S, Roles
+from hotweights.standby.roles import CANCEL_GRACE_S, KvCapacity, Roles
 from hotweights.standby.scheduler import Scheduler
 from hotweights.standby.server import EngineContext, build_app
 from hotweights.standby.serving import AnnouncingServer, run_until_signal
@@ -121,7 +121,7 @@ def cmd_engine(args: argparse.Namespace) -> int:
     role = Role(args.role)
     if role is Role.PRIMARY:
         scheduler.attach_kv(allocate_kv())
-    roles = Roles(role, scheduler, allocate_kv, args.drain_timeout)
+    roles = Roles(role, KvCapacity(scheduler, allocate_kv), args.drain_timeout)
     engine_id = args.engine_id or f"{socket.gethostname()}-{os.getpid()}"
     metrics = EngineMetrics()
     metrics.bind(roles, scheduler, loaded, engine_id)

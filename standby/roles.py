@@ -1,10 +1,12 @@
 """Who this engine is (primary or standby) and what it is doing (ready, draining, drained).
 
 Policy lives here: when ``/primary``, ``/standby`` and ``/v1`` say yes, and which role changes
-are allowed. The mechanisms it drives (allocating and releasing the KV cache, cancelling
-sequences) belong to the scheduler. Checks return None or a reason; every role change returns an
-``Outcome`` whose message is one sentence saying what happened and why. All methods run on the
-event loop; the role-change lock serialises promote, drain and demote.
+are allowed. The mechanisms it drives belong to a ``Capacity``: the reference engine's
+(``KvCapacity``) allocates and releases the KV cache and cancels sequences on the scheduler; the
+agent's (``hotweights.standby.agent``) cancels the requests it passes to a vLLM or SGLang engine.
+Checks return None or a reason; every role change returns an ``Outcome`` whose message is one
+sentence saying what happened and why. All methods run on the event loop; the role-change lock
+serialises promote, drain and demote.
 
     standby --promote--> primary/ready --drain--> primary/draining --> primary/drained
        ^                      ^                                             |  |
@@ -18,6 +20,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from hotweights.standby.model import KVCache
 from hotweights.standby.scheduler import Scheduler
@@ -37,16 +40,45 @@ class Outcome:
     details: dict[str, object] = field(default_factory=dict)
 
 
+class Capacity(Protocol):
+    """What a role change does beneath the roles. ``acquire`` and ``release`` block (they run in a
+    thread) and return the reply's details and a phrase for its message; ``release`` raises
+    RuntimeError when requests would not unwind within ``grace_s``."""
+
+    def acquire(self) -> tuple[dict[str, object], str]: ...
+
+    def release(self, grace_s: float) -> tuple[dict[str, object], str]: ...
+
+    def cancel_all(self) -> object: ...
+
+
+@dataclass
+class KvCapacity:
+    """The reference engine's: a primary holds a KV cache, a standby none."""
+
+    scheduler: Scheduler
+    allocate_kv: Callable[[], KVCache]
+
+    def acquire(self) -> tuple[dict[str, object], str]:
+        kv = self.allocate_kv()
+        self.scheduler.attach_kv(kv)
+        return {"kv_cache_bytes": kv.nbytes}, f"{kv.nbytes} bytes of KV cache"
+
+    def release(self, grace_s: float) -> tuple[dict[str, object], str]:
+        freed = self.scheduler.release_kv(grace_s)
+        return {"kv_cache_bytes_released": freed}, f"released {freed} bytes of KV cache"
+
+    def cancel_all(self) -> object:
+        return self.scheduler.cancel_all()
+
+
 class Roles:
-    def __init__(
-        self, role: Role, scheduler: Scheduler, allocate_kv: Callable[[], KVCache], drain_timeout_s: float
-    ) -> None:
+    def __init__(self, role: Role, capacity: Capacity, drain_timeout_s: float) -> None:
         self.role = role
         self.state = State.READY
         self.in_flight = 0  # admitted /v1 requests not yet answered
-        self.scheduler = scheduler
+        self.capacity = capacity
         self.drain_timeout_s = drain_timeout_s
-        self._allocate_kv = allocate_kv
         self._idle = asyncio.Event()  # set while in_flight == 0
         self._idle.set()
         self._lock = asyncio.Lock()
@@ -89,16 +121,10 @@ class Roles:
                     self.state = State.READY
                     return Outcome(True, True, "resumed serving: this primary was drained", _ms(start))
                 return Outcome(True, False, "already primary", _ms(start))
-            kv = await asyncio.to_thread(self._allocate_kv)
-            self.scheduler.attach_kv(kv)
+            acquired, phrase = await asyncio.to_thread(self.capacity.acquire)
             self.role, self.state = Role.PRIMARY, State.READY
-            details = _ms(start) | {"kv_cache_bytes": kv.nbytes}
-            return Outcome(
-                True,
-                True,
-                f"promoted to primary in {details['duration_ms']} ms, {kv.nbytes} bytes of KV cache",
-                details,
-            )
+            details = _ms(start) | acquired
+            return Outcome(True, True, f"promoted to primary in {details['duration_ms']} ms, {phrase}", details)
 
     async def drain(self, timeout_s: float | None = None) -> Outcome:
         """Stop taking requests now; let in-flight ones finish until the deadline, then cancel them."""
@@ -117,14 +143,12 @@ class Roles:
             if not drained.accepted:
                 return drained
             try:
-                freed = await asyncio.to_thread(self.scheduler.release_kv, CANCEL_GRACE_S)
+                released, phrase = await asyncio.to_thread(self.capacity.release, CANCEL_GRACE_S)
             except RuntimeError as exc:  # sequences that would not unwind: still a drained primary
                 return Outcome(False, False, f"the KV cache was not released: {exc}", drained.details | _ms(start))
             self.role, self.state = Role.STANDBY, State.READY
-            details = drained.details | _ms(start) | {"kv_cache_bytes_released": freed}
-            return Outcome(
-                True, True, f"demoted to standby: {drained.message}; released {freed} bytes of KV cache", details
-            )
+            details = drained.details | _ms(start) | released
+            return Outcome(True, True, f"demoted to standby: {drained.message}; {phrase}", details)
 
     def _start_draining(self) -> None:
         """From this instant /primary and /v1 refuse (no await before it, so no request slips in)."""
@@ -144,7 +168,7 @@ class Roles:
         cancelled = 0
         if not await _wait(self._idle, timeout_s):
             cancelled = self.in_flight
-            self.scheduler.cancel_all()
+            self.capacity.cancel_all()
             await _wait(self._idle, CANCEL_GRACE_S)
         details = _ms(start) | {
             "drained": self.in_flight == 0,

@@ -16,7 +16,7 @@ import pytest
 from hotweights.cache.pipeline import LoadSpec
 from hotweights.standby.generate import load_tokenizer, stop_token_ids
 from hotweights.standby.model import generate
-from hotweights.standby.roles import Roles
+from hotweights.standby.roles import KvCapacity, Roles
 from hotweights.standby.scheduler import Finish, SamplingParams, Scheduler, Sequence
 from hotweights.standby.weights import load_model
 
@@ -344,7 +344,7 @@ def test_a_role_change_queued_behind_a_resume_stops_serving_at_once() -> None:
     on the role-change lock: once the demote runs, /primary and /v1 refuse while it drains."""
 
     async def scenario() -> None:
-        roles = Roles(Role.PRIMARY, FakeScheduler(), lambda: None, drain_timeout_s=10)
+        roles = Roles(Role.PRIMARY, KvCapacity(FakeScheduler(), lambda: None), drain_timeout_s=10)
         roles.admit()
         drain = asyncio.create_task(roles.drain())
         await asyncio.sleep(0.01)
@@ -370,7 +370,7 @@ def test_demote_during_a_promote_is_not_already_standby() -> None:
             allocated.wait(5)
             return type("KV", (), {"nbytes": 8})()
 
-        roles = Roles(Role.STANDBY, FakeScheduler(), allocate, drain_timeout_s=10)
+        roles = Roles(Role.STANDBY, KvCapacity(FakeScheduler(), allocate), drain_timeout_s=10)
         promote = asyncio.create_task(roles.promote())
         await asyncio.sleep(0.01)
         demote = asyncio.create_task(roles.demote())
