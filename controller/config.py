@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from hotweights.contract import refuse_open_listener
+from hotweights.contract import read_token, refuse_open_listener
 from hotweights.dtypes import MODEL_DTYPES
 from hotweights.errors import ConfigError
 from hotweights.paths import hotweights_home
@@ -175,14 +175,7 @@ class ClusterConfig:
         """The bearer token from ``token_file`` (None when unset)."""
         if not self.cluster.token_file:
             return None
-        path = Path(self.cluster.token_file).expanduser()
-        try:
-            token = path.read_text().strip()
-        except OSError as exc:
-            raise ConfigError(f"{self.source}: cluster.token_file {path}: {exc.strerror}") from None
-        if not token:
-            raise ConfigError(f"{self.source}: cluster.token_file {path} is empty")
-        return token
+        return read_token(Path(self.cluster.token_file), f"{self.source}: cluster.token_file")
 
 
 SECTIONS = {

@@ -31,7 +31,6 @@ import contextlib
 import itertools
 import json
 import logging
-import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -44,35 +43,18 @@ from hotweights.standby.serving import AnnouncingServer, run_until_signal
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
 
-from hotweights.contract import SERVING_PREFIX, Endpoint, refuse_open_listener
+from hotweights.contract import NOT_NORMALIZED, SERVING_PREFIX, Endpoint, forwardable_path, refuse_open_listener
 from hotweights.errors import ConfigError
+from hotweights.proxying import HOP_BY_HOP, ProxiedStream
 from hotweights.state import read_state
 
 log = logging.getLogger(__name__)
 
-SEGMENT = re.compile(r"[A-Za-z0-9_~-][A-Za-z0-9._~-]*")  # unreserved characters, not led by a dot
-NOT_NORMALIZED = f"only {SERVING_PREFIX}... paths of plain segments are forwarded: no '.', '..', '//' or % escapes"
 STATE_POLL_S = 1.0  # how often the controller's state file is re-read for engines added at runtime
 
-# Per-connection headers (RFC 9110 section 7.6.1) and those httpx recomputes; never forwarded.
-HOP_BY_HOP = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-        "host",
-        "content-length",
-    }
-)
 HOLD_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 KEEPALIVE_S = 2.0  # below uvicorn's 5 s, so a pooled connection is never reused as the engine closes it
 
@@ -234,31 +216,6 @@ class UpstreamFailed(Exception):
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
         self.kind = kind
-
-
-class ProxiedStream(StreamingResponse):
-    """Relays an upstream response and closes it however the relay ends (done, failed, client gone),
-    so an abandoned generation is cancelled on the engine too."""
-
-    def __init__(self, content: AsyncIterator[bytes], status: int, headers: dict[str, str], upstream: httpx.Response):
-        super().__init__(content, status_code=status, headers=headers)
-        self.upstream = upstream
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.upstream.aclose()
-
-
-def forwardable_path(raw_path: bytes) -> str | None:
-    """The path to forward when ``raw_path`` (undecoded, without the query) is a normalized ``/v1/...``
-    path; else None."""
-    path = raw_path.decode("ascii", errors="replace")
-    if not path.startswith(SERVING_PREFIX):
-        return None
-    segments = path.removeprefix(SERVING_PREFIX).split("/")
-    return path if all(SEGMENT.fullmatch(segment) for segment in segments) else None
 
 
 def not_found(message: str) -> JSONResponse:

@@ -8,9 +8,11 @@ the tests) takes its words from here, so renaming an endpoint is a change to one
 from __future__ import annotations
 
 import ipaddress
+import re
 import secrets
 from collections.abc import Awaitable, Callable
 from enum import StrEnum
+from pathlib import Path
 
 from fastapi import HTTPException, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -91,3 +93,28 @@ def refuse_open_listener(host: str, has_token: bool, setting: str, fix: str) -> 
     ConfigError naming ``setting`` (where the address came from) and ``fix`` when it has none."""
     if not has_token and not is_loopback(host):
         raise ConfigError(f"{setting} {host!r} is not loopback and no bearer token is set: {fix}")
+
+
+SEGMENT = re.compile(r"[A-Za-z0-9_~-][A-Za-z0-9._~-]*")  # unreserved characters, not led by a dot
+NOT_NORMALIZED = f"only {SERVING_PREFIX}... paths of plain segments are forwarded: no '.', '..', '//' or % escapes"
+
+
+def forwardable_path(raw_path: bytes) -> str | None:
+    """The path to forward when ``raw_path`` (undecoded, without the query) is a normalized ``/v1/...``
+    path; else None."""
+    path = raw_path.decode("ascii", errors="replace")
+    if not path.startswith(SERVING_PREFIX):
+        return None
+    segments = path.removeprefix(SERVING_PREFIX).split("/")
+    return path if all(SEGMENT.fullmatch(segment) for segment in segments) else None
+
+
+def read_token(path: Path, setting: str) -> str:
+    """The bearer token in ``path``, stripped; ConfigError naming ``setting`` if unreadable or empty."""
+    try:
+        token = Path(path).expanduser().read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"{setting} {path}: {exc.strerror}") from None
+    if not token:
+        raise ConfigError(f"{setting} {path} is empty; put the bearer token in it")
+    return token

@@ -31,7 +31,7 @@ from hotweights.standby.server import EngineContext, build_app
 from hotweights.standby.serving import AnnouncingServer, run_until_signal
 from hotweights.standby.weights import add_weight_cache_arguments, load_model
 
-from hotweights.contract import Role, refuse_open_listener
+from hotweights.contract import Role, read_token, refuse_open_listener
 from hotweights.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -48,16 +48,6 @@ def warm_up(model: Transformer) -> float:
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)
     return time.perf_counter() - start
-
-
-def read_token(path: str) -> str:
-    try:
-        token = Path(path).read_text().strip()
-    except OSError as exc:
-        raise ConfigError(f"--token-file {path}: {exc.strerror}") from exc
-    if not token:
-        raise ConfigError(f"--token-file {path} is empty; put the bearer token in it")
-    return token
 
 
 class EngineServer(AnnouncingServer):
@@ -101,7 +91,7 @@ def check_args(args: argparse.Namespace) -> None:
 
 def cmd_engine(args: argparse.Namespace) -> int:
     check_args(args)
-    token = read_token(args.token_file) if args.token_file else None
+    token = read_token(Path(args.token_file), "--token-file") if args.token_file else None
     loaded = load_model(
         model_dir_from_args(args),
         load_spec_from_args(args),

@@ -1,0 +1,44 @@
+"""Relaying HTTP to an engine: what the gateway and the agent share.
+
+Hop-by-hop headers are never forwarded; a relayed response closes its upstream however the relay
+ends (done, failed, client gone), so an abandoned generation is cancelled on the engine too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import httpx
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+# Per-connection headers (RFC 9110 section 7.6.1) and those httpx recomputes; never forwarded.
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+    }
+)
+
+
+class ProxiedStream(StreamingResponse):
+    """Relays an upstream response and closes it however the relay ends (done, failed, client gone),
+    so an abandoned generation is cancelled on the engine too."""
+
+    def __init__(self, content: AsyncIterator[bytes], status: int, headers: dict[str, str], upstream: httpx.Response):
+        super().__init__(content, status_code=status, headers=headers)
+        self.upstream = upstream
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.upstream.aclose()
