@@ -20,6 +20,7 @@ COMMANDS: tuple[str, ...] = (
     "hotweights.cache.cli",
     "hotweights.standby.generate",
     "hotweights.standby.engine",
+    "hotweights.standby.agent",
     "hotweights.controller.gateway",
     "hotweights.controller.haproxy",
     "hotweights.controller.commands",

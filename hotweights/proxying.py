@@ -6,7 +6,7 @@ ends (done, failed, client gone), so an abandoned generation is cancelled on the
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import httpx
 from starlette.responses import StreamingResponse
@@ -31,14 +31,24 @@ HOP_BY_HOP = frozenset(
 
 class ProxiedStream(StreamingResponse):
     """Relays an upstream response and closes it however the relay ends (done, failed, client gone),
-    so an abandoned generation is cancelled on the engine too."""
+    so an abandoned generation is cancelled on the engine too; then awaits ``on_close``, if given."""
 
-    def __init__(self, content: AsyncIterator[bytes], status: int, headers: dict[str, str], upstream: httpx.Response):
+    def __init__(
+        self,
+        content: AsyncIterator[bytes],
+        status: int,
+        headers: dict[str, str],
+        upstream: httpx.Response,
+        on_close: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
         super().__init__(content, status_code=status, headers=headers)
         self.upstream = upstream
+        self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             await self.upstream.aclose()
+            if self.on_close is not None:
+                await self.on_close()

@@ -114,7 +114,8 @@ def cmd_engine(args: argparse.Namespace) -> int:
     roles = Roles(role, KvCapacity(scheduler, allocate_kv), args.drain_timeout)
     engine_id = args.engine_id or f"{socket.gethostname()}-{os.getpid()}"
     metrics = EngineMetrics()
-    metrics.bind(roles, scheduler, loaded, engine_id)
+    info = {"engine_id": engine_id, "mode": loaded.mode, "source": loaded.source}
+    metrics.bind(roles, lambda: scheduler.kv_cache_bytes, info | {"fingerprint": loaded.fingerprint.digest()})
     ctx = EngineContext(
         engine_id=engine_id,
         model_name=loaded.checkpoint.path.name,

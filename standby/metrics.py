@@ -10,8 +10,6 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from hotweights.standby.roles import Roles
-from hotweights.standby.scheduler import Scheduler
-from hotweights.standby.weights import LoadedModel
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from hotweights.contract import Role, State
@@ -58,22 +56,15 @@ class EngineMetrics:
         self.kv_cache_bytes = Gauge("hotweights_engine_kv_cache_bytes", "bytes of KV cache held", registry=r)
         self.weight_cache = Info("hotweights_engine_weight_cache", "where the weights came from", registry=r)
 
-    def bind(self, roles: Roles, scheduler: Scheduler, loaded: LoadedModel, engine_id: str) -> None:
-        """Read live state at scrape time from its owners."""
+    def bind(self, roles: Roles, kv_cache_bytes: Callable[[], int], weight_cache: dict[str, str]) -> None:
+        """Read live state at scrape time from its owners; ``weight_cache`` labels where the weights came from."""
         for role in Role:
             self.role.labels(role.value).set_function(lambda role=role: float(roles.role is role))
         for state in State:
             self.state.labels(state.value).set_function(lambda state=state: float(roles.state is state))
         self.in_flight.set_function(lambda: roles.in_flight)
-        self.kv_cache_bytes.set_function(lambda: scheduler.kv_cache_bytes)
-        self.weight_cache.info(
-            {
-                "engine_id": engine_id,
-                "mode": loaded.mode,
-                "source": loaded.source,
-                "fingerprint": loaded.fingerprint.digest(),
-            }
-        )
+        self.kv_cache_bytes.set_function(kv_cache_bytes)
+        self.weight_cache.info(weight_cache)
 
 
 class RequestCounter:

@@ -1,0 +1,409 @@
+"""``hotweights agent``: the engine contract beside a vLLM or SGLang server (Patroni's model).
+
+The agent starts the engine as its child (through ``hotweights agent-guard``, which kills the engine's
+whole process group when the agent dies, however it dies), keeps the role and state the engine
+does not have, serves the contract's health endpoints and role changes, and passes ``/v1/*`` through
+to the engine while it is the primary (503 with the reason and ``Retry-After`` otherwise; streams
+relayed unbuffered). Ready = the engine's own health endpoint plus one one-token completion. A drain
+stops admitting, waits for the requests the agent passed on (and reports the engine's own running
+count from its metrics), then cancels the rest at the deadline by closing them.
+
+The engine command names the engine's port as ``{port}``; the agent picks a free loopback port for
+it. When the engine exits the agent logs its exit and its last log lines and exits with code 1, so
+its supervisor sees the slot end at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from hotweights.standby.contract_routes import SERVING, add_contract_routes, error, finish_app
+from hotweights.standby.metrics import EngineMetrics
+from hotweights.standby.roles import Roles
+from hotweights.standby.serving import AnnouncingServer, bind_port, run_until_signal
+
+from hotweights.contract import NOT_NORMALIZED, Endpoint, Role, forwardable_path, read_token, refuse_open_listener
+from hotweights.errors import ConfigError
+from hotweights.ports import free_port
+from hotweights.proxying import HOP_BY_HOP, ProxiedStream
+from hotweights.spawn import hotweights_command
+
+log = logging.getLogger(__name__)
+
+PORT_PLACEHOLDER = "{port}"
+PROBE_INTERVAL_S = 1.0
+PROBE_TIMEOUT_S = 2.0
+LIVE_FAILURES = 3  # probes in a row the engine may miss before /health/live turns 503
+LOG_TAIL_LINES = 15
+RETRY_AFTER_S = "1"
+PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class EngineKind:
+    """How the agent talks to one kind of engine."""
+
+    name: str
+    health: str  # the engine's own health endpoint
+    running_metric: str  # its Prometheus gauge of requests being generated
+
+
+KINDS = {
+    "vllm": EngineKind("vllm", "/health", "vllm:num_requests_running"),
+    "sglang": EngineKind("sglang", "/health", "sglang:num_running_reqs"),
+}
+
+
+class PassThrough:
+    """The ``Capacity`` of an engine the agent fronts: its KV cache is allocated when it starts and
+    stays (vLLM's sleep mode is refused on CPU), so a role change only opens or closes the gate; a drain
+    deadline closes the relayed requests, which cancels them on the engine."""
+
+    def __init__(self) -> None:
+        self.relayed: set[httpx.Response] = set()
+
+    def acquire(self) -> tuple[dict[str, object], str]:
+        return {}, "the engine's KV cache stays allocated"
+
+    def release(self, grace_s: float) -> tuple[dict[str, object], str]:
+        return {}, "the engine keeps its KV cache"
+
+    def cancel_all(self) -> int:
+        for response in list(self.relayed):
+            asyncio.get_running_loop().create_task(response.aclose())
+        return len(self.relayed)
+
+
+@dataclass
+class EngineChild:
+    """The engine (under its guard), its log file, and how it ended."""
+
+    process: subprocess.Popen
+    log_path: Path
+    port: int
+    started: float = field(default_factory=time.monotonic)
+
+    def tail(self) -> str:
+        """The engine log's last lines, one string (for errors and events)."""
+        try:
+            with self.log_path.open(errors="replace") as lines:
+                return " | ".join(line.rstrip() for line in deque(lines, LOG_TAIL_LINES) if line.strip())
+        except OSError:
+            return "(no log)"
+
+    def exit_text(self) -> str:
+        code = self.process.returncode
+        how = f"signal {-code}" if code is not None and code < 0 else f"code {code}"
+        lived = time.monotonic() - self.started
+        return f"the engine exited with {how} after {lived:.1f} s; last log lines: {self.tail()}"
+
+
+@dataclass
+class AgentContext:
+    """What the contract routes read, and the agent's view of its engine."""
+
+    engine_id: str
+    kind: EngineKind
+    child: EngineChild
+    roles: Roles
+    metrics: EngineMetrics
+    token: str | None
+    capacity: PassThrough
+    model: str | None = None  # the served model id, once ready
+    ready: bool = False
+    missed: int = 0  # health probes in a row the engine did not answer with 200
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def upstream(self) -> str:
+        return f"http://127.0.0.1:{self.child.port}"
+
+    def health(self) -> dict[str, object]:
+        return {
+            "engine_id": self.engine_id,
+            "role": self.roles.role,
+            "state": self.roles.state,
+            "model": self.model,
+            "engine": {"kind": self.kind.name, "pid": self.child.process.pid, "port": self.child.port},
+            "uptime_s": round(time.monotonic() - self.started, 3),
+            "in_flight": self.roles.in_flight,
+            "pid": os.getpid(),
+        }
+
+    def liveness_refusal(self) -> str | None:
+        if self.child.process.poll() is not None:
+            return self.child.exit_text()
+        if self.missed >= LIVE_FAILURES:
+            return f"the engine has not answered {self.kind.health} for {self.missed} probes"
+        return None
+
+    def readiness_refusal(self) -> str | None:
+        if refusal := self.liveness_refusal():
+            return refusal
+        if not self.ready:
+            return f"the engine is starting ({time.monotonic() - self.child.started:.0f} s)"
+        return None if self.missed == 0 else f"the engine missed its last health probe ({self.missed} in a row)"
+
+
+def engine_command(command: list[str], port: int) -> list[str]:
+    """The engine's argv with ``{port}`` replaced; ConfigError when it does not name its port."""
+    if not any(PORT_PLACEHOLDER in arg for arg in command):
+        raise ConfigError(f"the engine command must take its port as {PORT_PLACEHOLDER} (e.g. --port {{port}})")
+    return [arg.replace(PORT_PLACEHOLDER, str(port)) for arg in command]
+
+
+def start_engine(command: list[str], log_dir: Path, engine_id: str) -> EngineChild:
+    """The guard (and through it the engine) as our child; the engine's output goes to a log file."""
+    port = free_port()
+    log_path = log_dir / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', engine_id)}.engine.log"
+    argv = hotweights_command("agent-guard", "--parent", str(os.getpid()), "--", *engine_command(command, port))
+    with log_path.open("ab") as out:
+        process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
+    log.info("engine starting (pid %d via guard, port %d), log %s", process.pid, port, log_path)
+    return EngineChild(process, log_path, port)
+
+
+async def wait_ready(ctx: AgentContext, client: httpx.AsyncClient, timeout_s: float) -> None:
+    """Until the engine's health answers 200 and one one-token completion succeeds; ConfigError at the
+    deadline or when the engine exits, naming its last log lines."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if ctx.child.process.poll() is not None:
+            raise ConfigError(f"{ctx.engine_id}: {ctx.child.exit_text()}")
+        if time.monotonic() > deadline:
+            raise ConfigError(
+                f"{ctx.engine_id}: the engine did not become ready on port {ctx.child.port} within {timeout_s:g} s "
+                f"(does its command listen on {PORT_PLACEHOLDER}?); last log lines: {ctx.child.tail()}"
+            )
+        with contextlib.suppress(httpx.HTTPError):
+            if (await client.get(ctx.kind.health)).status_code == 200:
+                ctx.model = (await client.get(Endpoint.MODELS)).json()["data"][0]["id"]
+                probe = {"model": ctx.model, "prompt": "hello", "max_tokens": 1, "temperature": 0}
+                if (await client.post(Endpoint.COMPLETIONS, json=probe)).status_code == 200:
+                    return
+        await asyncio.sleep(0.2)
+
+
+async def probe_forever(ctx: AgentContext, client: httpx.AsyncClient) -> None:
+    """The engine's health once a second: ``missed`` counts the probes in a row without a 200."""
+    while True:
+        try:
+            ok = (await client.get(ctx.kind.health, timeout=PROBE_TIMEOUT_S)).status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        ctx.missed = 0 if ok else ctx.missed + 1
+        await asyncio.sleep(PROBE_INTERVAL_S)
+
+
+async def engine_running(ctx: AgentContext, client: httpx.AsyncClient) -> float | None:
+    """The engine's own count of running requests, from its metrics (None if unreadable)."""
+    try:
+        text = (await client.get(Endpoint.METRICS, timeout=PROBE_TIMEOUT_S)).text
+    except httpx.HTTPError:
+        return None
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(ctx.kind.running_metric)]
+    return sum(values) if values else None
+
+
+def build_agent_app(ctx: AgentContext, client: httpx.AsyncClient) -> FastAPI:
+    app = FastAPI(title="hotweights agent", description="The engine contract for a vLLM or SGLang engine.")
+    add_contract_routes(app, ctx)
+    roles = ctx.roles
+
+    not_found = {404: {"description": "not a normalized /v1 path"}}
+
+    @app.api_route("/v1/{rest:path}", methods=["GET", "POST"], response_model=None, responses=SERVING | not_found)
+    async def relay(request: Request, rest: str) -> Response:
+        """The engine's OpenAI API, relayed while this agent fronts the ready primary; 503 (with the
+        reason and ``Retry-After``) otherwise; 404 for a path that is not a normalized ``/v1/...``."""
+        path = forwardable_path(request.scope.get("raw_path") or b"")
+        if path is None:
+            return error(404, NOT_NORMALIZED, "not_found_error")
+        if reason := roles.serving_refusal() or ctx.readiness_refusal():
+            response = error(503, reason, "unavailable")
+            response.headers["Retry-After"] = RETRY_AFTER_S
+            return response
+        return await send(ctx, client, request, path)
+
+    return finish_app(app, ctx.metrics)
+
+
+async def send(ctx: AgentContext, client: httpx.AsyncClient, request: Request, path: str) -> Response:
+    """Relay one admitted request; the roles count it until its response is closed."""
+    headers = [(k, v) for k, v in request.headers.items() if k not in HOP_BY_HOP]
+    query = f"?{request.url.query}" if request.url.query else ""
+    outgoing = client.build_request(request.method, path + query, headers=headers, content=await request.body())
+    ctx.roles.admit()
+    try:
+        upstream = await client.send(outgoing, stream=True)
+    except httpx.HTTPError as exc:
+        ctx.roles.release()
+        return error(502, f"the engine failed: {type(exc).__name__} {exc}".strip(), "upstream_error")
+    ctx.capacity.relayed.add(upstream)
+
+    async def closed() -> None:
+        ctx.capacity.relayed.discard(upstream)
+        ctx.roles.release()
+
+    reply_headers = {k: v for k, v in upstream.headers.items() if k not in HOP_BY_HOP}
+    return ProxiedStream(upstream.aiter_raw(), upstream.status_code, reply_headers, upstream, on_close=closed)
+
+
+class AgentServer(AnnouncingServer):
+    """uvicorn that also runs the agent's background work: readiness, probes, and the engine's end."""
+
+    def __init__(self, config: uvicorn.Config, ctx: AgentContext, client: httpx.AsyncClient, ready_s: float) -> None:
+        super().__init__(config, {"engine_id": ctx.engine_id, "role": ctx.roles.role.value, "kind": ctx.kind.name})
+        self.ctx, self.client, self.ready_s = ctx, client, ready_s
+        self.failure: str | None = None
+
+    async def main_loop(self) -> None:
+        tasks = [asyncio.create_task(self.become_ready()), asyncio.create_task(self.watch_engine())]
+        try:
+            await super().main_loop()
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def become_ready(self) -> None:
+        try:
+            await wait_ready(self.ctx, self.client, self.ready_s)
+        except ConfigError as exc:
+            self.stop(str(exc))
+            return
+        self.ctx.ready = True
+        log.info("engine ready in %.1f s (model %s)", time.monotonic() - self.ctx.child.started, self.ctx.model)
+        await probe_forever(self.ctx, self.client)
+
+    async def watch_engine(self) -> None:
+        await asyncio.to_thread(self.ctx.child.process.wait)
+        self.stop(f"{self.ctx.engine_id}: {self.ctx.child.exit_text()}")
+
+    def stop(self, failure: str) -> None:
+        if not self.should_exit:
+            log.error("%s", failure)
+            self.failure = failure
+            self.should_exit = True
+
+
+def stop_engine(child: EngineChild, timeout_s: float) -> None:
+    """SIGTERM to the guard (it stops the engine's group), SIGKILL after ``timeout_s``."""
+    if child.process.poll() is None:
+        child.process.terminate()
+        try:
+            child.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            child.process.kill()
+            child.process.wait()
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    token = read_token(Path(args.token_file), "--token-file") if args.token_file else None
+    refuse_open_listener(args.host, token is not None, "--host", "pass --token-file or listen on 127.0.0.1")
+    args.command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not args.command:
+        raise ConfigError("no engine command: give it after --, e.g. -- python -m vllm.entrypoints.openai.api_server")
+    engine_command(args.command, 0)  # its port placeholder, before anything starts
+    sock = bind_port(args.host, args.port)
+    engine_id = args.engine_id or f"{socket.gethostname()}-{os.getpid()}"
+    capacity = PassThrough()
+    roles = Roles(Role(args.role), capacity, args.drain_timeout)
+    child = start_engine(args.command, Path(args.log_dir), engine_id)
+    metrics = EngineMetrics()
+    metrics.bind(roles, lambda: 0, {"engine_id": engine_id, "mode": "agent", "source": args.kind})
+    ctx = AgentContext(engine_id, KINDS[args.kind], child, roles, metrics, token, capacity)
+    client = httpx.AsyncClient(base_url=ctx.upstream, timeout=httpx.Timeout(None, connect=5.0))
+    config = uvicorn.Config(
+        build_agent_app(ctx, client), host=args.host, log_config=None, access_log=False, lifespan="off"
+    )
+    server = AgentServer(config, ctx, client, args.ready_timeout)
+    try:
+        stopped_by = run_until_signal(server, sock)
+    finally:
+        stop_engine(child, args.shutdown_timeout)
+    if server.failure:
+        print(f"hotweights agent: error: {server.failure}", file=sys.stderr)
+        return 1
+    log.info("stopped%s", f" on {stopped_by}" if stopped_by else "")
+    return 0
+
+
+# --- the guard -----------------------------------------------------------------------------------
+
+
+def cmd_guard(args: argparse.Namespace) -> int:
+    """Run the engine in a process group of its own; kill that group when the agent dies (SIGKILL at
+    once: the agent's death is a fence) or asks us to stop (SIGTERM, then SIGKILL after the grace)."""
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGUSR1)
+    if os.getppid() != args.parent:  # the agent died before the line above
+        return 1
+    engine = subprocess.Popen(command, process_group=0)
+
+    def kill_group(sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(engine.pid, sig)
+
+    signal.signal(signal.SIGUSR1, lambda *_: kill_group(signal.SIGKILL))
+    signal.signal(signal.SIGALRM, lambda *_: kill_group(signal.SIGKILL))
+
+    def terminate(*_: object) -> None:
+        kill_group(signal.SIGTERM)
+        signal.alarm(args.grace)
+
+    signal.signal(signal.SIGTERM, terminate)
+    signal.signal(signal.SIGINT, terminate)
+    code = engine.wait()
+    kill_group(signal.SIGKILL)  # whatever the engine left behind in its group
+    return code if code >= 0 else 128 - code
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "agent",
+        help="serve the engine contract for a vLLM or SGLang engine that runs as its child",
+        description="Start the engine command (after --; it must take its port as {port}) as a child, serve "
+        "the engine contract (health endpoints, promote/drain/demote, /metrics) and pass /v1/* through "
+        "while primary. The engine dies with the agent. Prints a JSON ready line to stdout once listening.",
+    )
+    p.add_argument("--kind", choices=sorted(KINDS), default="vllm", help="the engine's kind (default vllm)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8200, help="port to listen on (default 8200)")
+    p.add_argument("--role", choices=[r.value for r in Role], default="standby", help="starting role (default standby)")
+    p.add_argument("--engine-id", help="name in health replies and logs (default HOST-PID)")
+    p.add_argument("--token-file", help="file holding the bearer token that promote/drain/demote require")
+    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds a drain waits (default 30)")
+    p.add_argument("--ready-timeout", type=float, default=900.0, help="seconds the engine gets to be ready (900)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds the engine gets to stop (30)")
+    p.add_argument("--log-dir", default=".", help="where the engine's log goes (default: here)")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- the engine command, with {port}")
+    p.set_defaults(func=cmd_agent)
+
+    g = subparsers.add_parser(
+        "agent-guard",
+        help="(started by the agent) run an engine and kill its process group when the agent dies",
+        description="Run the command in its own process group; SIGTERM stops the group (SIGKILL after "
+        "--grace s); the death of the parent (--parent) kills it at once.",
+    )
+    g.add_argument("--parent", type=int, required=True, help="the agent's pid")
+    g.add_argument("--grace", type=int, default=10, help="seconds between SIGTERM and SIGKILL (default 10)")
+    g.add_argument("command", nargs=argparse.REMAINDER, help="-- the engine command")
+    g.set_defaults(func=cmd_guard)
