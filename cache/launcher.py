@@ -25,9 +25,11 @@ log = logging.getLogger(__name__)
 POLL_S = 0.05
 
 
-def daemon_command(model_dir: Path, spec: LoadSpec, paths: DaemonPaths, backend: str | None = None) -> list[str]:
-    """The ``hotweights cache serve`` command line for this spec."""
-    command = hotweights_command("cache", "serve", "--model", str(model_dir))
+def daemon_command(
+    model_dir: Path, spec: LoadSpec, paths: DaemonPaths, backend: str | None = None, python: str | None = None
+) -> list[str]:
+    """The ``hotweights cache serve`` command line for this spec (run by ``python``, default ours)."""
+    command = hotweights_command("cache", "serve", "--model", str(model_dir), python=python)
     command += ["--device", spec.device, "--tp-size", str(spec.tp_size), "--tp-rank", str(spec.tp_rank)]
     command += ["--socket", str(paths.socket)]
     if spec.dtype is not None:

@@ -102,6 +102,7 @@ class MemberView:
     exit_reason: str | None
     exited_at: float | None
     age_s: float
+    start_timeout_s: float  # its group's: not ready this long after its start means failed
     health: HealthRecord
 
     @property
@@ -310,6 +311,7 @@ class Cluster:
             exit_reason=process.exit_reason if process else None,
             exited_at=process.exited_at if process else None,
             age_s=now - member.started_at,
+            start_timeout_s=self.layout.config.groups[member.spec.group].start_timeout(),
             health=replace(health),
         )
 
@@ -322,7 +324,8 @@ class Cluster:
         member = self.members[member_id]
         for message in await asyncio.to_thread(evict_orphans, member.spec.listen_port, member_id):
             log.warning("%s", message)
-        process = self.supervisor.spawn(member_id, self.layout.engine_command(member.spec))
+        command, env = self.layout.engine_command(member.spec), self.layout.environment(member.spec.group)
+        process = self.supervisor.spawn(member_id, command, env)
         self._attach(member, process)
         self.set_role(member_id, Role.STANDBY)
         return process
@@ -398,7 +401,8 @@ class Cluster:
             command = (
                 self.layout.daemon_command(service.group) if service.kind == "daemon" else self.layout.gateway_command()
             )
-            service.process = self.supervisor.spawn(service.id, command)
+            env = self.layout.environment(service.group) if service.kind == "daemon" else None
+            service.process = self.supervisor.spawn(service.id, command, env)
             self.save()
         process = service.process
         deadline = time.monotonic() + SERVICE_START_TIMEOUT_S

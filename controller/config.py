@@ -7,6 +7,7 @@ expected and what was found; nothing starts until the whole file is valid. ``EXA
 
 from __future__ import annotations
 
+import os
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -38,6 +39,11 @@ base_port = 8200              # engine i answers on base_port + i (health checks
 listen_base_port = 0          # engines listen here; clients use base_port; set when a proxy sits in front of
                               # each engine, e.g. the chaos drill's fault proxy (0: same as base_port)
 backend = ""                  # arena backend; default per device
+engine = "reference"          # reference (hotweights engine) | vllm (a vLLM server behind `hotweights agent`)
+engine_python = ""            # vllm: the Python that has vLLM and hotweights (its daemon runs there too)
+engine_args = []              # vllm: more arguments for its server, e.g. ["--max-model-len", "512"]
+engine_env = {}               # vllm: environment of its daemon and servers, e.g. {VLLM_CPU_KVCACHE_SPACE = "1"}
+start_timeout_s = 0.0         # an engine not ready this long after its start is restarted (0: 120, vllm 600)
 
 [engine]
 kv_cache_tokens = 4096
@@ -59,6 +65,10 @@ hold_timeout_s = 10.0         # how long a held request waits for a primary
 # Why an exposed gateway needs the cluster's token: it forwards only /v1, and the engines behind it then
 # refuse role changes without the token, whatever a client manages to send.
 GATEWAY_TOKEN_FIX = "set cluster.token_file so that the engines behind the gateway need it for role changes"
+
+
+REFERENCE, VLLM = "reference", "vllm"
+START_TIMEOUTS_S = {REFERENCE: 120.0, VLLM: 600.0}
 
 
 @dataclass(frozen=True)
@@ -84,6 +94,15 @@ class GroupSection:
     base_port: int = 8200
     listen_base_port: int = 0  # 0: engines listen on their client ports (base_port + i)
     backend: str = ""
+    engine: str = REFERENCE
+    engine_python: str = ""
+    engine_args: tuple[str, ...] = ()
+    engine_env: dict[str, str] = field(default_factory=dict)
+    start_timeout_s: float = 0.0
+
+    def start_timeout(self) -> float:
+        """How long an engine of this group may take to become ready (vLLM compiles and profiles first)."""
+        return self.start_timeout_s or START_TIMEOUTS_S[self.engine]
 
 
 @dataclass(frozen=True)
@@ -225,15 +244,42 @@ def _section(cls: type, raw: object, name: str, source: str) -> Any:
         raise ConfigError(f"{source}: [{name}] unknown key(s) {sorted(unknown)}; expected {sorted(known)}")
     values = {}
     for key, value in raw.items():
-        expected = {"int": int, "float": float, "str": str}[known[key].type]
-        if expected is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        if type(value) is not expected:
-            raise ConfigError(
-                f"{source}: {name}.{key} must be {expected.__name__}, found {type(value).__name__} {value!r}"
-            )
-        values[key] = value
+        values[key] = _typed(value, known[key].type, f"{source}: {name}.{key}")
     return cls(**values)
+
+
+def _typed(value: object, kind: str, where: str) -> object:
+    """``value`` as the field type ``kind`` names (an int is a float too); ConfigError naming ``where``."""
+    if kind == "tuple[str, ...]":
+        if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+            raise ConfigError(f"{where} must be a list of strings, found {value!r}")
+        return tuple(value)
+    if kind == "dict[str, str]":
+        if not isinstance(value, dict) or not all(isinstance(item, str) for item in value.values()):
+            raise ConfigError(f"{where} must be a table of strings, found {value!r}")
+        return dict(value)
+    expected = {"int": int, "float": float, "str": str}[kind]
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if type(value) is not expected:
+        raise ConfigError(f"{where} must be {expected.__name__}, found {type(value).__name__} {value!r}")
+    return value
+
+
+def _check_engine(group: GroupSection, where: str) -> None:
+    """The engine kind of a group, and what a vLLM group needs."""
+    if group.engine not in START_TIMEOUTS_S:
+        raise ConfigError(f"{where}.engine must be one of {sorted(START_TIMEOUTS_S)}, found {group.engine!r}")
+    if group.start_timeout_s < 0:
+        raise ConfigError(f"{where}.start_timeout_s must be >= 0 (0: the default), found {group.start_timeout_s}")
+    if group.engine == REFERENCE:
+        if group.engine_python or group.engine_args or group.engine_env:
+            raise ConfigError(f'{where}: engine_python, engine_args and engine_env need engine = "vllm"')
+        return
+    if not group.engine_python:
+        raise ConfigError(f'{where}.engine_python is required with engine = "vllm" (a Python with vLLM and hotweights)')
+    if not os.access(group.engine_python, os.X_OK):
+        raise ConfigError(f"{where}.engine_python {group.engine_python!r} is not an executable file")
 
 
 def validate(config: ClusterConfig) -> None:
@@ -265,6 +311,7 @@ def validate(config: ClusterConfig) -> None:
             raise ConfigError(f"{src}: groups[{i}].engines must be >= 1, found {group.engines}")
         if not (group.device == "cpu" or group.device.startswith("cuda:")):
             raise ConfigError(f"{src}: groups[{i}].device must be cpu or cuda:N, found {group.device!r}")
+        _check_engine(group, f"{src}: groups[{i}]")
         if group.listen_base_port < 0:
             found = group.listen_base_port
             raise ConfigError(f"{src}: groups[{i}].listen_base_port must be >= 0 (0: base_port), found {found}")

@@ -50,7 +50,6 @@ from hotweights.contract import Endpoint, Role
 
 log = logging.getLogger(__name__)
 
-START_TIMEOUT_S = 120.0  # an engine that is not ready this long after its start is killed and restarted
 SERVICE_PROBE_S = 1.0  # how often a serving daemon or gateway must answer its probe
 SERVICE_HUNG_PROBES = 5  # probes in a row it may leave unanswered before it is killed and respawned
 STOP_TIMEOUT_S = 15.0  # how long stop() lets a cycle in progress finish
@@ -117,7 +116,7 @@ class Ha:
         self.interval_s = health.interval_ms / 1000
         self.check_timeout_s = health.timeout_ms / 1000
         self.drain_timeout_s = cluster.config.engine.drain_timeout_s
-        self.is_failed = process_exited() | checks_failed(health.failure_threshold) | not_ready_within(START_TIMEOUT_S)
+        self.is_failed = process_exited() | checks_failed(health.failure_threshold) | not_ready_within()
         self.executor = GroupExecutor(self.wakeup)
         self.intents: deque[Intent] = deque()
         self.actions: dict[str, Callable[..., Awaitable[tuple[str, dict[str, Any]]]]] = {

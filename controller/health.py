@@ -137,6 +137,7 @@ class Observed(Protocol):
     exit_reason: str | None
     health: HealthRecord
     age_s: float  # seconds since its process started
+    start_timeout_s: float  # how long it may take to become ready
 
 
 class Policy:
@@ -176,10 +177,9 @@ class checks_failed(Policy):
 
 
 class not_ready_within(Policy):
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
+    """A member that has never been healthy ``start_timeout_s`` after its start."""
 
     def __call__(self, member: Observed) -> str | None:
-        if not member.health.ever_ok and member.age_s > self.seconds:
-            return f"not ready {self.seconds:g} s after it started ({member.health.error})"
+        if not member.health.ever_ok and member.age_s > member.start_timeout_s:
+            return f"not ready {member.start_timeout_s:g} s after it started ({member.health.error})"
         return None

@@ -6,6 +6,8 @@ engines of its group the same path, so engines and daemon agree without recomput
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,10 +15,13 @@ from hotweights.cache.launcher import daemon_command
 from hotweights.cache.makemodel import ensure_default_model
 from hotweights.cache.paths import DaemonPaths
 from hotweights.cache.pipeline import LoadSpec
-from hotweights.controller.config import ClusterConfig, EngineSpec
+from hotweights.cache.vllm_format import VLLM_FORMAT
+from hotweights.controller.config import REFERENCE, VLLM, ClusterConfig, EngineSpec
+from hotweights.standby.agent import KINDS, PORT_PLACEHOLDER
+from hotweights.standby.vllm_loader import LOAD_FORMAT
 
 from hotweights.contract import Role
-from hotweights.dtypes import MODEL_DTYPES
+from hotweights.dtypes import MODEL_DTYPES, config_name
 from hotweights.errors import ConfigError
 from hotweights.spawn import hotweights_command
 
@@ -86,12 +91,24 @@ class Layout:
         )
 
     def daemon_command(self, group: int) -> list[str]:
-        backend = self.config.groups[group].backend or None
-        return daemon_command(self.model_dir, self.load_spec(group), DaemonPaths(self.socket(group)), backend)
+        """The group's cache daemon; a vLLM group's runs vLLM's loader with vLLM's Python."""
+        config = self.config.groups[group]
+        paths, backend = DaemonPaths(self.socket(group)), config.backend or None
+        if config.engine == REFERENCE:
+            return daemon_command(self.model_dir, self.load_spec(group), paths, backend)
+        command = daemon_command(self.model_dir, self.load_spec(group), paths, backend, python=config.engine_python)
+        return [*command, "--format", VLLM_FORMAT]
+
+    def environment(self, group: int) -> dict[str, str] | None:
+        """The environment of the group's daemon and engines: ours plus ``engine_env`` (None: ours)."""
+        extra = self.config.groups[group].engine_env
+        return {**os.environ, **extra} if extra else None
 
     def engine_command(self, spec: EngineSpec) -> list[str]:
         """Every engine starts as a standby; the controller promotes one, so no start races a live primary.
         It listens on ``spec.listen_port``; clients keep using ``spec.port`` (a proxy may sit in between)."""
+        if self.config.groups[spec.group].engine == VLLM:
+            return self.vllm_agent_command(spec)
         model, engine = self.config.model, self.config.engine
         command = hotweights_command("engine", "--model", str(self.model_dir))
         command += ["--device", spec.device, "--weight-cache", "client", "--socket", str(self.socket(spec.group))]
@@ -105,6 +122,21 @@ class Layout:
         if self.config.cluster.token_file:
             command += ["--token-file", str(Path(self.config.cluster.token_file).expanduser().resolve())]
         return command
+
+    def vllm_agent_command(self, spec: EngineSpec) -> list[str]:
+        """``hotweights agent`` in front of a vLLM server that maps its weights from the group's daemon."""
+        group, model = self.config.groups[spec.group], self.config.model
+        command = hotweights_command("agent", "--kind", VLLM, "--port", str(spec.listen_port), "--role", Role.STANDBY)
+        command += ["--engine-id", spec.id, "--drain-timeout", str(self.config.engine.drain_timeout_s)]
+        command += ["--ready-timeout", str(group.start_timeout()), "--log-dir", str(self.log_dir)]
+        if self.config.cluster.token_file:
+            command += ["--token-file", str(Path(self.config.cluster.token_file).expanduser().resolve())]
+        loader = json.dumps({"socket": str(self.socket(spec.group))})
+        command += ["--", group.engine_python, "-m", KINDS[VLLM].server_module, "--model", str(self.model_dir)]
+        command += ["--host", "127.0.0.1", "--port", PORT_PLACEHOLDER]
+        command += ["--load-format", LOAD_FORMAT, "--model-loader-extra-config", loader]
+        command += ["--dtype", config_name(MODEL_DTYPES[model.dtype])] if model.dtype else []
+        return [*command, *group.engine_args]
 
     def gateway_command(self) -> list[str]:
         command = hotweights_command("gateway")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 
 
-def hotweights_command(*args: str) -> list[str]:
-    """The argv that runs ``hotweights ARGS...`` with this interpreter."""
-    return [sys.executable, "-m", "hotweights", *args]
+def hotweights_command(*args: str, python: str | None = None) -> list[str]:
+    """The argv that runs ``hotweights ARGS...`` with this interpreter, or with ``python`` (another
+    environment that has hotweights installed, e.g. vLLM's)."""
+    return [python or sys.executable, "-m", "hotweights", *args]

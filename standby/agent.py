@@ -62,13 +62,14 @@ class EngineKind:
     """How the agent talks to one kind of engine."""
 
     name: str
+    server_module: str  # python -m this serves the OpenAI API
     health: str  # the engine's own health endpoint
     running_metric: str  # its Prometheus gauge of requests being generated
 
 
 KINDS = {
-    "vllm": EngineKind("vllm", "/health", "vllm:num_requests_running"),
-    "sglang": EngineKind("sglang", "/health", "sglang:num_running_reqs"),
+    "vllm": EngineKind("vllm", "vllm.entrypoints.openai.api_server", "/health", "vllm:num_requests_running"),
+    "sglang": EngineKind("sglang", "sglang.launch_server", "/health", "sglang:num_running_reqs"),
 }
 
 
