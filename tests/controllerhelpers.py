@@ -40,7 +40,9 @@ class ControllerStack:
         groups: int = 1,
         failure_threshold: int = 2,
         drain_timeout_s: float = 5.0,
+        group_extra: str = "",
     ) -> None:
+        """``group_extra``: more keys for every ``[[groups]]`` table (e.g. a vLLM group's)."""
         self.root = Path(tempfile.mkdtemp(prefix="hwc-", dir="/tmp"))
         self.port = free_port()
         self.base_ports = [free_ports(engines + 2, consecutive=True)[0] for _ in range(groups)]
@@ -52,7 +54,9 @@ class ControllerStack:
             f'[cluster]\nname = "test"\nport = {self.port}\nstate_dir = "{self.root / "state"}"\n'
             f'token_file = "{token_file}"\n\n'
             f'[model]\npath = "{model}"\n\n'
-            + "".join(f"[[groups]]\nengines = {engines}\nbase_port = {base}\n\n" for base in self.base_ports)
+            + "".join(
+                f"[[groups]]\nengines = {engines}\nbase_port = {base}\n{group_extra}\n" for base in self.base_ports
+            )
             + f"[engine]\nkv_cache_tokens = 256\nmax_batch = 2\ndrain_timeout_s = {drain_timeout_s}\n\n"
             # a 500 ms timeout: two cores shared with the whole stack make 250 ms checks flaky in CI
             f"[health]\ninterval_ms = 100\ntimeout_ms = 500\nfailure_threshold = {failure_threshold}\n\n"
@@ -166,6 +170,8 @@ class ControllerStack:
             recorded = self.recorded_pids()
         for pid in {*recorded, *self.pids_naming_root()}:
             with contextlib.suppress(ProcessLookupError):
+                if os.getpgid(pid) == pid:  # a group leader (an engine behind an agent): its children too
+                    os.killpg(pid, signal.SIGKILL)
                 os.kill(pid, signal.SIGKILL)
         self.client.close()
         self.anonymous.close()

