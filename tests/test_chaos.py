@@ -144,13 +144,12 @@ def test_load_generator_records_correct_completions(tiny_model: Path) -> None:
     assert all(r.end >= r.start for r in load.records)
 
 
-def test_drill_every_scenario_once_through_the_gateway(tmp_path: Path) -> None:
+def test_drill_every_scenario_once_through_the_gateway(tmp_path: Path, default_model: Path) -> None:
     """CI's drill: one round of every scenario on the tiny model; exit 0 means no split brain, no wrong
     output, no leak, every scenario's promise kept and no client-visible error through the gateway."""
-    env = {**ENV, "HOTWEIGHTS_HOME": str(tmp_path / "home")}
     report = tmp_path / "report"
     command = hotweights_command("drill", "--rps", "10", "--report", str(report))
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=280)
+    result = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=280)
     assert result.returncode == 0, result.stderr[-4000:]
     document = json.loads((report / "report.json").read_text())
     ran = {r["scenario"] for r in document["rounds"] if "skipped" not in r}
