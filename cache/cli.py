@@ -37,7 +37,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _sockets(args: argparse.Namespace) -> list[Path]:
-    """--socket, else the socket --model and the spec flags derive, else every socket in the runtime dir."""
+    """--socket, else the socket --model and the spec flags derive, else every socket in the runtime dir:
+    stand-alone daemons' own and the links that daemons serving elsewhere (a running stack's) publish there
+    (``paths.publish``)."""
     if args.socket:
         return [Path(args.socket)]
     if args.model:

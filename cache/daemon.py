@@ -1,7 +1,8 @@
 """The weight cache daemon: run the load pipeline once into one arena, then serve attach requests.
 
 Lifecycle: take the lock -> load into the arena -> hash it -> bind the socket (0600, in a 0700
-directory) -> write the ready marker -> serve until SIGTERM/SIGINT -> remove socket and marker.
+directory) -> write the ready marker -> publish the socket in the runtime dir if it lives elsewhere
+(``paths.publish``) -> serve until SIGTERM/SIGINT -> remove link, socket and marker.
 Each client gets its own thread and a deadline for every request, so a silent or malformed
 client costs its own connection and nothing else. An attached engine keeps its connection open
 (that is how ``status`` counts clients); the engine keeps working if the daemon dies, because the
@@ -21,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,7 +31,7 @@ from hotweights.cache.backends import get_backend
 from hotweights.cache.backends.base import ExportedArena
 from hotweights.cache.checkpoint import Checkpoint
 from hotweights.cache.fingerprint import Fingerprint, compute_fingerprint
-from hotweights.cache.paths import DaemonPaths, ensure_private_dir
+from hotweights.cache.paths import DaemonPaths, ensure_private_dir, publish, unpublish
 from hotweights.cache.pipeline import LoadSpec, check_spec, iter_processed, processed_config, processed_dtype
 from hotweights.cache.protocol import (
     PROTOCOL_VERSION,
@@ -119,6 +121,7 @@ class CacheDaemon:
         self._should_exit = threading.Event()
         self._lock = PidLock(paths.lock)
         self._listener: socket.socket | None = None
+        self._published: Path | None = None  # our link in the runtime dir, if we made one
         self._handlers: dict[str, Callable[[dict[str, Any]], tuple[dict[str, Any], list[int]]]] = {
             "hello": self.handle_hello,
             "attach": self.handle_attach,
@@ -135,6 +138,7 @@ class CacheDaemon:
             self.load()
             self._bind()
             self._write_ready()
+            self._published = publish(self.paths, self.source.device, self.fingerprint.digest())
             log.info(
                 "serving %d tensors (%.2f GB, %s) on %s; fingerprint %s",
                 len(self.manifest["tensors"]),
@@ -252,6 +256,7 @@ class CacheDaemon:
             threading.Thread(target=self._serve_connection, args=(conn,), daemon=True).start()
 
     def _cleanup(self) -> None:
+        unpublish(self._published, self.paths.socket)
         if self._listener is not None:
             self._listener.close()
         for path in (self.paths.ready, self.paths.socket):

@@ -223,7 +223,7 @@ def _train_tokenizer(vocab_size: int) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    corpus = resources.files("cache").joinpath("corpus.txt").read_text(encoding="utf-8")
+    corpus = resources.files("hotweights.cache").joinpath("corpus.txt").read_text(encoding="utf-8")
     tokenizer.train_from_iterator(corpus.splitlines(), trainer=trainer)
     bos = tokenizer.token_to_id(BOS_TOKEN)
     # Like Llama 3: encode() prepends <|begin_of_text|>; decode() drops it again.

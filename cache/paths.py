@@ -1,13 +1,23 @@
-"""Where a daemon's socket, ready marker, lock and log live.
+"""Where a daemon's socket, ready marker, lock and log live, and how clients find it.
 
 The default socket name is derived from the device identity (the GPU's UUID on CUDA) and the
 fingerprint digest, so two models or configs on one device get two daemons and an engine that
 computes its own fingerprint can never reach a daemon serving something else.
+
+One discovery rule: every serving daemon answers under its default name in the runtime dir. A daemon
+started with ``--socket`` elsewhere (a stack's ``state_dir/run/g<N>.sock``) publishes a symlink there to
+its socket while it serves (``publish``), so ``hotweights cache status``/``verify`` (which list the runtime
+dir) and ``--weight-cache client`` without ``--socket`` (which computes the default name) find stand-alone
+daemons and the daemons of running stacks alike. A name already held by a live daemon is left alone: one
+daemon per device and fingerprint is published.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import socket
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +26,8 @@ import torch
 
 from hotweights.errors import ConfigError
 from hotweights.paths import runtime_dir
+
+log = logging.getLogger(__name__)
 
 
 def ensure_private_dir(path: Path, *, shared: bool = False) -> Path:
@@ -71,3 +83,44 @@ def default_paths(device: torch.device, fingerprint_digest: str) -> DaemonPaths:
 
 def paths_for(socket_path: str | Path | None, device: torch.device, fingerprint_digest: str) -> DaemonPaths:
     return DaemonPaths(Path(socket_path)) if socket_path else default_paths(device, fingerprint_digest)
+
+
+def _answers(path: Path) -> bool:
+    """Something accepts connections on the Unix socket ``path`` (through a symlink too)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(str(path))
+        except OSError:
+            return False
+    return True
+
+
+def publish(paths: DaemonPaths, device: torch.device, fingerprint_digest: str) -> Path | None:
+    """Link the default name in the runtime dir to ``paths.socket`` (a serving daemon's) and return the link;
+    None when the socket is in the runtime dir already (listed as it is) or another daemon's socket or live
+    link holds the name. A symlink left by a killed daemon is replaced; a failure is logged, never raised:
+    the daemon serves on its own socket all the same."""
+    link = default_paths(device, fingerprint_digest).socket
+    if paths.socket.parent.resolve() == link.parent.resolve():
+        return None
+    try:
+        ensure_private_dir(link.parent)
+        if link.is_symlink() and not _answers(link):
+            link.unlink(missing_ok=True)
+        os.symlink(paths.socket.resolve(), link)
+    except FileExistsError:
+        log.info("not published as %s: another daemon holds that name", link)
+        return None
+    except (ConfigError, OSError) as exc:
+        log.warning("not published as %s (cache status will not list this daemon): %s", link, exc)
+        return None
+    log.info("published as %s", link)
+    return link
+
+
+def unpublish(link: Path | None, target: Path) -> None:
+    """Remove ``link`` if it still points at ``target`` (another daemon may have taken the name since)."""
+    with contextlib.suppress(OSError):
+        if link is not None and Path(os.readlink(link)) == target.resolve():
+            link.unlink()

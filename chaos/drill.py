@@ -161,8 +161,8 @@ async def drill(args: argparse.Namespace, stack: DrillStack) -> int:
                 until_next = d.results[i + 1].started_at if i + 1 < len(d.results) else float("inf")
                 apply_requests(result, load.records, until_next)
             failures = [f"{r.scenario}#{r.index + 1}: {f}" for r in d.results for f in r.failures(judge)]
-            write_report(Path(args.report), args, d.results, load.records, detector.sweeps, began)
-            print(f"report: {args.report}/summary.md", file=sys.stderr)
+            summary = write_report(Path(args.report), args, d.results, load.records, detector.sweeps, began)
+            print(f"report: {summary}", file=sys.stderr)
             for line in failures:
                 print(f"FAIL {line}", file=sys.stderr)
             if stop.is_set():

@@ -2,13 +2,15 @@
 
 The JSON keeps one small object per round, never per-request data, so a 100-round report stays a few
 tens of kilobytes. The timeline is drawn from the request records while they are still in memory.
-matplotlib is imported only here, and only when the report is written.
+matplotlib (the ``drill`` extra) is imported only here, and only when the report is written; without it
+the report is complete but for the picture, and ``summary.md`` says how to get it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import platform
 import shlex
 import sys
@@ -21,6 +23,10 @@ from hotweights.chaos.measure import MEASURES, RoundResult
 from hotweights.chaos.scenarios import SCENARIOS
 
 from hotweights.stats import percentile
+
+log = logging.getLogger(__name__)
+
+NO_TIMELINE = "the timeline picture needs matplotlib: `pip install 'hotweights[drill]'`, then run the drill again"
 
 
 def stats(values: Sequence[float]) -> dict[str, float] | None:
@@ -64,7 +70,9 @@ def write_report(
     records: Sequence[RequestRecord],
     sweeps: int,
     began: float,
-) -> None:
+) -> Path:
+    """Write ``report.json``, ``timeline.png`` (when matplotlib is importable) and ``summary.md``; return the
+    summary's path."""
     out.mkdir(parents=True, exist_ok=True)
     judge = args.lb == "gateway"
     command = "hotweights " + shlex.join(sys.argv[sys.argv.index("drill") :] if "drill" in sys.argv else ["drill"])
@@ -80,8 +88,9 @@ def write_report(
     }
     document = meta | {"summary": summary, "rounds": [_compact(r, began) for r in results]}
     (out / "report.json").write_text(dump(document))
-    (out / "summary.md").write_text(render_markdown(meta, summary, results, judge))
-    draw_timeline(out / "timeline.png", results, records, began)
+    timeline = draw_timeline(out / "timeline.png", results, records, began)
+    (out / "summary.md").write_text(render_markdown(meta, summary, results, judge, timeline))
+    return out / "summary.md"
 
 
 def dump(document: dict[str, Any]) -> str:
@@ -121,7 +130,10 @@ def _fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.0f}"
 
 
-def render_markdown(meta: dict[str, Any], summary: dict[str, Any], results: Sequence[RoundResult], judge: bool) -> str:
+def render_markdown(
+    meta: dict[str, Any], summary: dict[str, Any], results: Sequence[RoundResult], judge: bool, timeline: Path | None
+) -> str:
+    """The summary; it shows ``timeline`` (a file next to it), or says how to get one when it is None."""
     t = summary["totals"]
     lines = [
         "# Chaos drill report",
@@ -169,19 +181,25 @@ def render_markdown(meta: dict[str, Any], summary: dict[str, Any], results: Sequ
     if failed:
         lines += ["", "## Failed rounds", ""]
         lines += [f"- {r.scenario} #{r.index + 1}: {'; '.join(f)}" for r, f in failed]
-    lines += ["", "![timeline](timeline.png)", ""]
+    lines.append("")
+    lines.append(f"![timeline]({timeline.name})" if timeline else NO_TIMELINE)
+    lines.append("")
     return "\n".join(lines)
 
 
-def draw_timeline(path: Path, results: Sequence[RoundResult], records: Sequence[RequestRecord], began: float) -> None:
-    """Latency of every request over time (failures in red), with fault, detection and promotion markers."""
+def draw_timeline(
+    path: Path, results: Sequence[RoundResult], records: Sequence[RequestRecord], began: float
+) -> Path | None:
+    """Latency of every request over time (failures in red), each round shaded and labelled with its scenario,
+    with fault, detection and promotion markers; ``path``, or None (and a warning) without matplotlib."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise SystemExit("the drill's timeline needs matplotlib: pip install 'hotweights[drill]'") from None
+        log.warning("no timeline.png: %s", NO_TIMELINE)
+        return None
     fig, ax = plt.subplots(figsize=(max(12, len(results) * 0.25), 5), dpi=100)
     ok = [r for r in records if r.ok]
     bad = [r for r in records if not r.ok]
@@ -190,17 +208,42 @@ def draw_timeline(path: Path, results: Sequence[RoundResult], records: Sequence[
         [r.start - began for r in bad], [(r.end - r.start) * 1000 for r in bad], s=10, c="tab:red", marker="x",
         label="failed",
     )  # fmt: skip
-    markers = (("fault_at", "tab:red", "fault"), ("detected_at", "tab:orange", "detected"),
-               ("promoted_at", "tab:green", "promoted"))  # fmt: skip
-    for attr, color, label in markers:
-        times = [getattr(r, attr) - began for r in results if getattr(r, attr)]
-        for i, t in enumerate(times):
-            ax.axvline(t, color=color, lw=0.6, alpha=0.7, label=label if i == 0 else None)
     ax.set_yscale("log")
+    label_rounds(ax, results, began)
+    mark_events(ax, results, began)
     ax.set_xlabel("seconds since the drill began")
     ax.set_ylabel("request latency (ms)")
     ax.set_title(f"{len(results)} rounds, {len(records)} requests, {len(bad)} failed")
-    ax.legend(loc="upper right", fontsize=8)
+    ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+    return path
+
+
+def label_rounds(ax: Any, results: Sequence[RoundResult], began: float) -> None:
+    """Shade every other round and name each one's scenario at its start, along the top."""
+    top = ax.get_xaxis_transform()  # x in data, y in axes fractions
+    for i, r in enumerate(results):
+        start, end = r.started_at - began, (r.ended_at or r.started_at) - began
+        if i % 2:
+            ax.axvspan(start, end, color="0.93", zorder=0)
+        ax.text(start, 0.99, f" {r.scenario} #{r.index + 1}", transform=top, rotation=90, va="top", fontsize=6)
+
+
+# Fault, detection and promotion come within milliseconds of each other in a kill round: on a drill's time
+# axis their lines coincide, so each kind also gets its own line style and a glyph at its own height.
+MARKERS = (
+    ("fault_at", "tab:red", "-", "v", 0.06, "fault"),
+    ("detected_at", "tab:orange", "--", "D", 0.11, "detected"),
+    ("promoted_at", "tab:green", ":", "^", 0.16, "promoted"),
+)
+
+
+def mark_events(ax: Any, results: Sequence[RoundResult], began: float) -> None:
+    bottom = ax.get_xaxis_transform()
+    for attr, color, style, glyph, height, label in MARKERS:
+        times = [getattr(r, attr) - began for r in results if getattr(r, attr)]
+        for t in times:
+            ax.axvline(t, color=color, ls=style, lw=0.8, alpha=0.8)
+        ax.scatter(times, [height] * len(times), transform=bottom, color=color, marker=glyph, s=18, label=label)

@@ -39,7 +39,7 @@ from pathlib import Path
 import httpx
 import uvicorn
 from hotweights.controller.config import GATEWAY_TOKEN_FIX, load_config
-from hotweights.standby.serving import AnnouncingServer, run_until_signal
+from hotweights.standby.serving import AnnouncingServer, bind_port, run_until_signal
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -411,9 +411,10 @@ def build_app(gateway: Gateway) -> Starlette:
 
 def cmd_gateway(args: argparse.Namespace) -> int:
     config = load_config(args.config)
+    host, port = args.host or config.gateway.host, config.gateway.port if args.port is None else args.port
+    refuse_open_listener(host, config.token() is not None, "--host", GATEWAY_TOKEN_FIX)  # gateway.host: by load_config
+    sock = bind_port(host, port)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per probe would drown the log
-    host = args.host or config.gateway.host  # gateway.host itself was checked with the config
-    refuse_open_listener(host, config.token() is not None, "--host", GATEWAY_TOKEN_FIX)
     urls = args.upstream or config.engine_urls()
     gateway = Gateway(
         urls,
@@ -428,13 +429,13 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         uvicorn.Config(
             build_app(gateway),
             host=host,
-            port=config.gateway.port if args.port is None else args.port,
+            port=port,
             log_config=None,
             access_log=False,
             timeout_graceful_shutdown=args.shutdown_timeout,
         )
     )
-    stopped_by = run_until_signal(server)
+    stopped_by = run_until_signal(server, sock)
     log.info("stopped%s", f" on {stopped_by}" if stopped_by else "")
     return 0
 

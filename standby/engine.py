@@ -1,9 +1,9 @@
 """``hotweights engine``: serve a model over HTTP as the primary or as a warm standby.
 
-Start-up order: load or attach the weights, warm up, allocate the KV cache (primary only; a
-standby allocates it when promoted), start the inference thread, listen, and only then print one
-``{"event": "ready", ...}`` line to stdout. Logs go to stderr. On SIGTERM or SIGINT: stop
-listening, let in-flight requests finish for up to --shutdown-timeout, cancel the rest, stop the
+Start-up order: bind the port (a taken one ends it at once, exit code 2), load or attach the weights, warm
+up, allocate the KV cache (primary only; a standby allocates it when promoted), start the inference thread,
+listen, and only then print one ``{"event": "ready", ...}`` line to stdout. Logs go to stderr. On SIGTERM or
+SIGINT: stop listening, let in-flight requests finish for up to --shutdown-timeout, cancel the rest, stop the
 inference thread, exit 0. The HTTP contract is ``docs/engine-contract.md``.
 """
 
@@ -28,13 +28,15 @@ from hotweights.standby.model import KVCache, Transformer
 from hotweights.standby.roles import CANCEL_GRACE_S, KvCapacity, Roles
 from hotweights.standby.scheduler import Scheduler
 from hotweights.standby.server import EngineContext, build_app
-from hotweights.standby.serving import AnnouncingServer, run_until_signal
+from hotweights.standby.serving import AnnouncingServer, bind_port, run_until_signal
 from hotweights.standby.weights import add_weight_cache_arguments, load_model
 
 from hotweights.contract import Role, read_token, refuse_open_listener
 from hotweights.errors import ConfigError
 
 log = logging.getLogger(__name__)
+
+DEFAULT_PORT = 8200  # a cluster's first engine's (controller base_port); the gateway's is 8000
 
 
 def warm_up(model: Transformer) -> float:
@@ -92,6 +94,7 @@ def check_args(args: argparse.Namespace) -> None:
 def cmd_engine(args: argparse.Namespace) -> int:
     check_args(args)
     token = read_token(Path(args.token_file), "--token-file") if args.token_file else None
+    sock = bind_port(args.host, args.port)
     loaded = load_model(
         model_dir_from_args(args),
         load_spec_from_args(args),
@@ -142,7 +145,7 @@ def cmd_engine(args: argparse.Namespace) -> int:
 
     scheduler.start()
     try:
-        stopped_by = run_until_signal(server)
+        stopped_by = run_until_signal(server, sock)
     finally:
         scheduler.stop(args.shutdown_timeout + 5)
     log.info("stopped%s", f" on {stopped_by}" if stopped_by else "")
@@ -159,7 +162,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_load_spec_arguments(p, with_rank=False)
     add_weight_cache_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default 8000)")
+    p.add_argument(
+        "--port", type=int, default=DEFAULT_PORT, help=f"port to listen on; 0 picks a free one (default {DEFAULT_PORT})"
+    )
     p.add_argument("--role", choices=[r.value for r in Role], default="primary", help="starting role (default primary)")
     p.add_argument("--token-file", help="file holding the bearer token that promote/drain/demote require")
     p.add_argument("--kv-cache-tokens", type=int, default=4096, help="KV cache tokens per sequence slot (default 4096)")

@@ -23,7 +23,9 @@ from hotweights.cache.pipeline import LoadSpec
 from hotweights.spawn import hotweights_command
 
 REPO = Path(__file__).resolve().parent.parent
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+# The live environment (not a copy): tests/conftest.py gives every test its own HOTWEIGHTS_HOME and runtime
+# dir there, and the children a test starts with ``env=ENV`` must see this test's, not the first one's.
+ENV = os.environ
 
 
 def wait_until(predicate: Any, timeout: float = 60.0, what: str = "condition", interval: float = 0.02) -> Any:

@@ -1,18 +1,74 @@
-"""Shared fixtures: real checkpoints on disk, written once per test session."""
+"""Shared fixtures: real checkpoints on disk, written once per test session, and a world of its own for
+every test.
+
+Every test runs with ``HOTWEIGHTS_HOME`` and ``HOTWEIGHTS_RUNTIME_DIR`` set to fresh directories of its own
+(in ``os.environ``, so the hotweights processes it starts inherit them): nothing a user ran before (a
+``hotweights up`` under ``~/.cache/hotweights``, daemons in the runtime dir) changes an outcome. The
+directories are short ones in /tmp, because the sockets under them must fit in 108 bytes.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-from hotweights.cache.makemodel import PRESETS, write_checkpoint
+from hotweights.cache.makemodel import DEFAULT_MODEL_NAME, PRESETS, ensure_default_model, write_checkpoint
 
 # Tests spawn many torch processes on small machines; one thread each keeps them from thrashing.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ["OMP_NUM_THREADS"] = "1"
 torch.set_num_threads(1)
+
+
+@contextlib.contextmanager
+def world(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A fresh HOTWEIGHTS_HOME (``<world>/home``) and runtime dir (``<world>/run``), removed at the end."""
+    path = Path(tempfile.mkdtemp(prefix="hw-", dir="/tmp"))
+    monkeypatch.setenv("HOTWEIGHTS_HOME", str(path / "home"))
+    monkeypatch.setenv("HOTWEIGHTS_RUNTIME_DIR", str(path / "run"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_world() -> Iterator[Path]:
+    """The world of session- and module-scoped fixtures (set up before any test's own)."""
+    with pytest.MonkeyPatch.context() as patch, world(patch) as path:
+        yield path
+
+
+@pytest.fixture(autouse=True)
+def own_world(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """This test's world."""
+    with world(monkeypatch) as path:
+        yield path
+
+
+@pytest.fixture(scope="session")
+def shared_default_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The embedded default model, generated once per session (outside any test's home)."""
+    home = tmp_path_factory.mktemp("default-home")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HOTWEIGHTS_HOME", str(home))
+        return ensure_default_model()
+
+
+@pytest.fixture
+def default_model(own_world: Path, shared_default_model: Path) -> Path:
+    """This test's home with the default model already in place (a link to the session's copy), so
+    ``hotweights up`` and the drill without a model path start without generating it again."""
+    models = own_world / "home" / "models"
+    models.mkdir(parents=True)
+    (models / DEFAULT_MODEL_NAME).symlink_to(shared_default_model)
+    return models / DEFAULT_MODEL_NAME
 
 
 def make_checkpoint(out: Path, *, quant: str | None = None, tie: bool = False, seed: int = 0, **fields) -> Path:

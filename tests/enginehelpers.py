@@ -6,9 +6,11 @@ import contextlib
 import json
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Self
 
@@ -18,6 +20,30 @@ from hotweights.contract import Endpoint
 from hotweights.ports import free_port
 from hotweights.spawn import hotweights_command
 from tests.cachehelpers import ENV
+
+
+@contextlib.contextmanager
+def taken_port() -> Iterator[int]:
+    """A loopback port that a real socket of this test listens on while the block runs."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        yield holder.getsockname()[1]
+
+
+def in_use(port: int) -> str:
+    return f"127.0.0.1:{port} is in use by another process: stop it or choose another port"
+
+
+def refusal_on_taken_port(*command: str) -> tuple[int, str]:
+    """Run the hotweights ``command`` with ``--port`` set to a taken port; return that port and its stderr
+    once it has exited 2 (a 30 s limit: a refusal must come before anything slow)."""
+    with taken_port() as port:
+        result = subprocess.run(
+            hotweights_command(*command, "--port", str(port)), capture_output=True, text=True, timeout=30
+        )
+    assert result.returncode == 2, result.stderr
+    return port, result.stderr
 
 
 class ChildService:

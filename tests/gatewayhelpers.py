@@ -39,12 +39,13 @@ def roles(engines: list[EngineProcess]) -> tuple[EngineProcess, EngineProcess]:
 
 def write_cluster(path: Path, ports: list[int], **gateway: object) -> Path:
     """A cluster TOML with one group per engine port (the helpers pick each engine's port, so they are
-    not consecutive) and fast health timings; ``gateway`` overrides the [gateway] keys."""
+    not consecutive), a state dir of its own next to it (the gateway follows the state file there: the default
+    one is a real cluster's) and fast health timings; ``gateway`` overrides the [gateway] keys."""
     groups = "".join(f'[[groups]]\ndevice = "cpu"\nengines = 1\nbase_port = {port}\n\n' for port in ports)
     section = {"host": "127.0.0.1", "port": free_port()} | gateway
     lines = "".join(f"{key} = {value!r}\n".replace("'", '"') for key, value in section.items())
     path.write_text(
-        f"[cluster]\nport = {free_port()}\n\n{groups}"
+        f'[cluster]\nport = {free_port()}\nstate_dir = "{path.parent / "state"}"\n\n{groups}'
         "[health]\ninterval_ms = 50\ntimeout_ms = 250\nfailure_threshold = 2\n\n"
         f"[gateway]\n{lines}"
     )

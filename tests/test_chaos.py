@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from hotweights.chaos.load import LoadGenerator, reference_completion
+import pytest
+from hotweights.chaos.load import LoadGenerator, RequestRecord, reference_completion
+from hotweights.chaos.measure import RoundResult
 from hotweights.chaos.proxy import DelayProxy
+from hotweights.chaos.report import draw_timeline, label_rounds, mark_events, write_report
 from hotweights.chaos.scenarios import SCENARIOS
 from hotweights.chaos.splitbrain import SplitBrainDetector
 
@@ -144,13 +149,12 @@ def test_load_generator_records_correct_completions(tiny_model: Path) -> None:
     assert all(r.end >= r.start for r in load.records)
 
 
-def test_drill_every_scenario_once_through_the_gateway(tmp_path: Path) -> None:
+def test_drill_every_scenario_once_through_the_gateway(tmp_path: Path, default_model: Path) -> None:
     """CI's drill: one round of every scenario on the tiny model; exit 0 means no split brain, no wrong
     output, no leak, every scenario's promise kept and no client-visible error through the gateway."""
-    env = {**ENV, "HOTWEIGHTS_HOME": str(tmp_path / "home")}
     report = tmp_path / "report"
     command = hotweights_command("drill", "--rps", "10", "--report", str(report))
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=280)
+    result = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=280)
     assert result.returncode == 0, result.stderr[-4000:]
     document = json.loads((report / "report.json").read_text())
     ran = {r["scenario"] for r in document["rounds"] if "skipped" not in r}
@@ -158,3 +162,51 @@ def test_drill_every_scenario_once_through_the_gateway(tmp_path: Path) -> None:
     assert document["totals"]["split_brain"] == 0
     assert (report / "timeline.png").stat().st_size > 10_000
     assert "| kill-primary | 1 |" in (report / "summary.md").read_text()
+
+
+def two_kill_rounds() -> tuple[float, list[RoundResult], list[RequestRecord]]:
+    """Two kill rounds whose fault, detection and promotion come within milliseconds, and their requests."""
+    began = time.time()
+    results = [
+        RoundResult("kill-primary", i, began + 10 * i, ended_at=began + 10 * i + 8, fault_at=began + 10 * i + 2,
+                    detected_at=began + 10 * i + 2.01, promoted_at=began + 10 * i + 2.02, requests=2)
+        for i in range(2)
+    ]  # fmt: skip
+    records = [RequestRecord(began + t, began + t + 0.05, 200, "", True) for t in (1.0, 3.0, 11.0, 13.0)]
+    return began, results, records
+
+
+def test_the_report_without_matplotlib_is_complete_and_says_how_to_get_the_picture(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    began, results, records = two_kill_rounds()
+    args = argparse.Namespace(lb="gateway", rps=10.0)
+    summary = write_report(tmp_path / "out/", args, results, records, 3, began)
+    assert summary == tmp_path / "out" / "summary.md"  # one slash: printed as the drill's last line
+    assert sorted(p.name for p in summary.parent.iterdir()) == ["report.json", "summary.md"]
+    text = summary.read_text()
+    assert "| kill-primary | 2 |" in text
+    assert "timeline.png" not in text and "pip install 'hotweights[drill]'" in text
+    assert "pip install 'hotweights[drill]'" in caplog.text
+    assert json.loads((summary.parent / "report.json").read_text())["rounds"][1]["scenario"] == "kill-primary"
+
+
+def test_the_timeline_names_each_round_and_tells_coinciding_markers_apart(tmp_path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    began, results, records = two_kill_rounds()
+    assert draw_timeline(tmp_path / "t.png", results, records, began) == tmp_path / "t.png"
+    assert (tmp_path / "t.png").stat().st_size > 10_000
+    fig, ax = plt.subplots()
+    try:
+        label_rounds(ax, results, began)
+        mark_events(ax, results, began)
+        assert [t.get_text().strip() for t in ax.texts] == ["kill-primary #1", "kill-primary #2"]
+        styles = {line.get_linestyle() for line in ax.lines}
+        heights = {
+            tuple(c.get_offsets()[:, 1]) for c in ax.collections if c.get_label() in ("fault", "detected", "promoted")
+        }
+        assert len(styles) == 3 and len(heights) == 3  # three kinds, each its own line style and glyph height
+    finally:
+        plt.close(fig)

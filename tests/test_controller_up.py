@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -11,7 +12,7 @@ import httpx
 from hotweights.controller.supervisor import read_identity
 
 from hotweights.spawn import hotweights_command
-from tests.cachehelpers import ENV
+from tests.cachehelpers import ENV, ProcessDaemon
 from tests.controllerhelpers import ControllerStack, wait_until
 
 
@@ -138,5 +139,40 @@ def test_up_refuses_a_state_file_of_an_unknown_version(tiny_model: Path) -> None
             "version 1; run the hotweights that wrote it, or move the file away to start fresh"
         ]
         assert stack.config.state_file.read_text() == '{"version": 7}'
+    finally:
+        stack.close()
+
+
+def run_hotweights(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(hotweights_command(*args), env=ENV, capture_output=True, text=True, timeout=120)
+
+
+def test_cache_commands_find_a_running_stacks_daemon_and_a_stand_alone_one(tiny_model: Path, own_world: Path) -> None:
+    """One discovery rule: the stack's daemon (socket under its state dir) publishes itself in the runtime dir,
+    so ``cache status``, ``cache verify`` and ``generate --weight-cache client`` find it without --socket, next
+    to a stand-alone daemon; once the stack is down its name is gone."""
+    stack = ControllerStack(tiny_model, engines=1)
+    try:
+        stack.start_controller("up")
+        stack.wait_steady()
+        stack_socket = stack.root / "state" / "run" / "g0.sock"
+        with ProcessDaemon(tiny_model, own_world / "run" / "alone.sock", "--dtype", "bf16") as alone:
+            status = run_hotweights("cache", "status", "--json")
+            assert status.returncode == 0, status.stderr
+            assert sorted(s["socket"] for s in json.loads(status.stdout)) == sorted(
+                [str(stack_socket), str(alone.paths.socket)]
+            )
+            assert alone.kill(signal.SIGTERM) == 0
+        verify = run_hotweights("cache", "verify")
+        assert verify.returncode == 0 and verify.stdout.startswith("OK: content hash"), verify.stderr
+        prompt = ("--model", str(tiny_model), "--prompt", "The weather", "--max-tokens", "8")
+        attached = run_hotweights("generate", *prompt, "--weight-cache", "client")
+        assert attached.returncode == 0, attached.stderr
+        assert "attached" in attached.stderr
+        assert attached.stdout == run_hotweights("generate", *prompt).stdout
+        down = run_hotweights("down", "--config", str(stack.config_path))
+        assert down.returncode == 0, down.stderr
+        stack.controller.wait(timeout=30)
+        assert list((own_world / "run").glob("*.sock")) == []
     finally:
         stack.close()

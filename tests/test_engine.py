@@ -14,15 +14,17 @@ import httpx
 import openai
 import pytest
 from hotweights.cache.pipeline import LoadSpec
+from hotweights.controller.config import GatewaySection
 from hotweights.standby.generate import load_tokenizer, stop_token_ids
 from hotweights.standby.model import generate
 from hotweights.standby.roles import KvCapacity, Roles
 from hotweights.standby.scheduler import Finish, SamplingParams, Scheduler, Sequence
 from hotweights.standby.weights import load_model
 
+from hotweights.cli import build_parser
 from hotweights.contract import Endpoint, Role
 from tests.cachehelpers import ProcessDaemon, wait_until
-from tests.enginehelpers import EngineProcess
+from tests.enginehelpers import EngineProcess, in_use, refusal_on_taken_port
 
 TOKEN = "test-token-1234"
 FLAGS = ("--kv-cache-tokens", "512", "--max-batch", "4")
@@ -291,6 +293,18 @@ def test_drain_deadline_cancels_what_is_left(standby: EngineProcess) -> None:
         assert '"error"' in rest[-1] and "[DONE]" not in rest[-1]
     finally:
         assert standby.post(Endpoint.DEMOTE).json()["role"] == "standby"
+
+
+def test_a_taken_port_is_one_line_before_anything_loads(tiny_model: Path) -> None:
+    """Exit 2 and nothing on stderr but the refusal: the weights' load (which logs) never started."""
+    port, stderr = refusal_on_taken_port("engine", "--model", str(tiny_model))
+    assert stderr.splitlines() == [f"hotweights engine: error: {in_use(port)}"]
+
+
+def test_the_engine_default_port_is_not_the_gateways() -> None:
+    engine_port = build_parser().parse_args(["engine"]).port
+    gateway_port = GatewaySection().port
+    assert (engine_port, gateway_port) == (8200, 8000)
 
 
 def test_sigterm_lets_in_flight_requests_finish_and_exits_zero(tiny_model: Path) -> None:

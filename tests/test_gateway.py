@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from hotweights.contract import Endpoint
 from hotweights.ports import free_port
 from tests.cachehelpers import wait_until
-from tests.enginehelpers import EngineProcess
+from tests.enginehelpers import EngineProcess, in_use, refusal_on_taken_port
 from tests.gatewayhelpers import GatewayProcess, primary_and_standby, roles, write_cluster
 
 PROMPTS = ["The quick brown fox", "Once upon a time"]
@@ -173,6 +173,12 @@ def test_request_is_held_while_no_engine_is_primary(engines: list[EngineProcess]
         print(f"held request answered {(time.monotonic() - promoted) * 1000:.0f} ms after the promotion")
     assert response.status_code == 200, response.text
     assert response.headers["x-hotweights-upstream"] == standby.url
+
+
+def test_a_taken_port_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    config = write_cluster(tmp_path / "cluster.toml", [free_port()])
+    port, stderr = refusal_on_taken_port("gateway", "--config", str(config))
+    assert stderr.splitlines() == [f"hotweights gateway: error: {in_use(port)}"]
 
 
 def test_hold_deadline_and_queue_overflow_answer_503_with_the_reason(tmp_path: Path) -> None:
