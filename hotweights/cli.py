@@ -14,36 +14,44 @@ from importlib import import_module
 
 from hotweights.errors import HotweightsError
 
-# Modules whose add_parser registers a subcommand, in the order --help lists them.
-COMMANDS: tuple[str, ...] = (
-    "hotweights.cache.makemodel",
-    "hotweights.cache.cli",
-    "hotweights.standby.generate",
-    "hotweights.standby.engine",
-    "hotweights.standby.agent",
-    "hotweights.controller.gateway",
-    "hotweights.controller.haproxy",
-    "hotweights.controller.commands",
-    "hotweights.chaos.drill",
-    "hotweights.chaos.proxy",
-)
+# Subcommand -> the module whose add_parser registers it, in the order --help lists them. Only the chosen
+# subcommand's module is imported, so a light one (agent-guard, down) starts without torch.
+COMMANDS: dict[str, str] = {
+    "make-model": "hotweights.cache.makemodel",
+    "cache": "hotweights.cache.cli",
+    "generate": "hotweights.standby.generate",
+    "engine": "hotweights.standby.engine",
+    "agent": "hotweights.standby.agent",
+    "agent-guard": "hotweights.guard",
+    "gateway": "hotweights.controller.gateway",
+    "haproxy-config": "hotweights.controller.haproxy",
+    "controller": "hotweights.controller.commands",
+    "up": "hotweights.controller.commands",
+    "down": "hotweights.controller.commands",
+    "drill": "hotweights.chaos.drill",
+    "drill-proxy": "hotweights.chaos.proxy",
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser with every subcommand, or only ``command``'s module's when it names one."""
     parser = argparse.ArgumentParser(
         prog="hotweights",
         description="Weight cache daemon and hot-standby failover for LLM inference engines.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in COMMANDS:
+    modules = [COMMANDS[command]] if command in COMMANDS else COMMANDS.values()
+    for module in dict.fromkeys(modules):
         add_parser: Callable[[argparse._SubParsersAction], None] = import_module(module).add_parser
         add_parser(subparsers)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    chosen = next((arg for arg in argv if not arg.startswith("-")), None)
+    args = build_parser(chosen).parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

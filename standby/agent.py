@@ -18,11 +18,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import logging
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -54,7 +52,6 @@ PROBE_TIMEOUT_S = 2.0
 LIVE_FAILURES = 3  # probes in a row the engine may miss before /health/live turns 503
 LOG_TAIL_LINES = 15
 RETRY_AFTER_S = "1"
-PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -76,10 +73,15 @@ KINDS = {
 class PassThrough:
     """The ``Capacity`` of an engine the agent fronts: its KV cache is allocated when it starts and
     stays (vLLM's sleep mode is refused on CPU), so a role change only opens or closes the gate; a drain
-    deadline closes the relayed requests, which cancels them on the engine."""
+    deadline closes the relayed requests, which cancels them on the engine. A finished drain reports
+    the engine's own count of running requests, from its metrics, beside the agent's."""
 
-    def __init__(self) -> None:
+    def __init__(self, kind: EngineKind, client: httpx.AsyncClient) -> None:
+        self.kind, self.client = kind, client
         self.relayed: set[httpx.Response] = set()
+
+    async def drained(self) -> dict[str, object]:
+        return {"engine_running": await engine_running(self.kind, self.client)}
 
     def acquire(self) -> tuple[dict[str, object], str]:
         return {}, "the engine's KV cache stays allocated"
@@ -132,10 +134,6 @@ class AgentContext:
     ready: bool = False
     missed: int = 0  # health probes in a row the engine did not answer with 200
     started: float = field(default_factory=time.monotonic)
-
-    @property
-    def upstream(self) -> str:
-        return f"http://127.0.0.1:{self.child.port}"
 
     def health(self) -> dict[str, object]:
         return {
@@ -214,13 +212,13 @@ async def probe_forever(ctx: AgentContext, client: httpx.AsyncClient) -> None:
         await asyncio.sleep(PROBE_INTERVAL_S)
 
 
-async def engine_running(ctx: AgentContext, client: httpx.AsyncClient) -> float | None:
+async def engine_running(kind: EngineKind, client: httpx.AsyncClient) -> float | None:
     """The engine's own count of running requests, from its metrics (None if unreadable)."""
     try:
         text = (await client.get(Endpoint.METRICS, timeout=PROBE_TIMEOUT_S)).text
     except httpx.HTTPError:
         return None
-    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(ctx.kind.running_metric)]
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(kind.running_metric)]
     return sum(values) if values else None
 
 
@@ -295,7 +293,17 @@ class AgentServer(AnnouncingServer):
         await probe_forever(self.ctx, self.client)
 
     async def watch_engine(self) -> None:
-        await asyncio.to_thread(self.ctx.child.process.wait)
+        """The engine's end, the instant it happens (a pidfd turns readable), without a thread."""
+        process, ended = self.ctx.child.process, asyncio.Event()
+        pidfd = os.pidfd_open(process.pid)
+        loop = asyncio.get_running_loop()
+        loop.add_reader(pidfd, ended.set)
+        try:
+            await ended.wait()
+        finally:
+            loop.remove_reader(pidfd)
+            os.close(pidfd)
+        process.wait()
         self.stop(f"{self.ctx.engine_id}: {self.ctx.child.exit_text()}")
 
     def stop(self, failure: str) -> None:
@@ -319,19 +327,20 @@ def stop_engine(child: EngineChild, timeout_s: float) -> None:
 def cmd_agent(args: argparse.Namespace) -> int:
     token = read_token(Path(args.token_file), "--token-file") if args.token_file else None
     refuse_open_listener(args.host, token is not None, "--host", "pass --token-file or listen on 127.0.0.1")
-    args.command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    if not args.command:
+    command = args.engine_command[1:] if args.engine_command[:1] == ["--"] else args.engine_command
+    if not command:
         raise ConfigError("no engine command: give it after --, e.g. -- python -m vllm.entrypoints.openai.api_server")
-    engine_command(args.command, 0)  # its port placeholder, before anything starts
+    engine_command(command, 0)  # its port placeholder, before anything starts
     sock = bind_port(args.host, args.port)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per probe would drown the log
     engine_id = args.engine_id or f"{socket.gethostname()}-{os.getpid()}"
-    capacity = PassThrough()
+    child = start_engine(command, Path(args.log_dir), engine_id)
+    client = httpx.AsyncClient(base_url=f"http://127.0.0.1:{child.port}", timeout=httpx.Timeout(None, connect=5.0))
+    capacity = PassThrough(KINDS[args.kind], client)
     roles = Roles(Role(args.role), capacity, args.drain_timeout)
-    child = start_engine(args.command, Path(args.log_dir), engine_id)
     metrics = EngineMetrics()
     metrics.bind(roles, lambda: 0, {"engine_id": engine_id, "mode": "agent", "source": args.kind})
     ctx = AgentContext(engine_id, KINDS[args.kind], child, roles, metrics, token, capacity)
-    client = httpx.AsyncClient(base_url=ctx.upstream, timeout=httpx.Timeout(None, connect=5.0))
     config = uvicorn.Config(
         build_agent_app(ctx, client), host=args.host, log_config=None, access_log=False, lifespan="off"
     )
@@ -345,36 +354,6 @@ def cmd_agent(args: argparse.Namespace) -> int:
         return 1
     log.info("stopped%s", f" on {stopped_by}" if stopped_by else "")
     return 0
-
-
-# --- the guard -----------------------------------------------------------------------------------
-
-
-def cmd_guard(args: argparse.Namespace) -> int:
-    """Run the engine in a process group of its own; kill that group when the agent dies (SIGKILL at
-    once: the agent's death is a fence) or asks us to stop (SIGTERM, then SIGKILL after the grace)."""
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGUSR1)
-    if os.getppid() != args.parent:  # the agent died before the line above
-        return 1
-    engine = subprocess.Popen(command, process_group=0)
-
-    def kill_group(sig: int) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(engine.pid, sig)
-
-    signal.signal(signal.SIGUSR1, lambda *_: kill_group(signal.SIGKILL))
-    signal.signal(signal.SIGALRM, lambda *_: kill_group(signal.SIGKILL))
-
-    def terminate(*_: object) -> None:
-        kill_group(signal.SIGTERM)
-        signal.alarm(args.grace)
-
-    signal.signal(signal.SIGTERM, terminate)
-    signal.signal(signal.SIGINT, terminate)
-    code = engine.wait()
-    kill_group(signal.SIGKILL)  # whatever the engine left behind in its group
-    return code if code >= 0 else 128 - code
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -395,16 +374,5 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ready-timeout", type=float, default=900.0, help="seconds the engine gets to be ready (900)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds the engine gets to stop (30)")
     p.add_argument("--log-dir", default=".", help="where the engine's log goes (default: here)")
-    p.add_argument("command", nargs=argparse.REMAINDER, help="-- the engine command, with {port}")
+    p.add_argument("engine_command", nargs=argparse.REMAINDER, help="-- the engine command, with {port}")
     p.set_defaults(func=cmd_agent)
-
-    g = subparsers.add_parser(
-        "agent-guard",
-        help="(started by the agent) run an engine and kill its process group when the agent dies",
-        description="Run the command in its own process group; SIGTERM stops the group (SIGKILL after "
-        "--grace s); the death of the parent (--parent) kills it at once.",
-    )
-    g.add_argument("--parent", type=int, required=True, help="the agent's pid")
-    g.add_argument("--grace", type=int, default=10, help="seconds between SIGTERM and SIGKILL (default 10)")
-    g.add_argument("command", nargs=argparse.REMAINDER, help="-- the engine command")
-    g.set_defaults(func=cmd_guard)

@@ -51,6 +51,10 @@ class Capacity(Protocol):
 
     def cancel_all(self) -> object: ...
 
+    async def drained(self) -> dict[str, object]:
+        """Details a finished drain adds to its reply (e.g. the engine's own count of running requests)."""
+        ...
+
 
 @dataclass
 class KvCapacity:
@@ -70,6 +74,9 @@ class KvCapacity:
 
     def cancel_all(self) -> object:
         return self.scheduler.cancel_all()
+
+    async def drained(self) -> dict[str, object]:
+        return {}
 
 
 class Roles:
@@ -179,6 +186,7 @@ class Roles:
         if self.in_flight:
             return Outcome(False, False, f"{self.in_flight} request(s) did not stop after being cancelled", details)
         self.state = State.DRAINED
+        details |= await self.capacity.drained()
         message = f"drained in {details['duration_ms']} ms: {waiting - cancelled} request(s) finished"
         if cancelled:
             message += f", {cancelled} cancelled at the {timeout_s:g} s deadline"

@@ -100,6 +100,9 @@ def sharing_report(model: nn.Module, attachment: Attachment) -> dict[str, Any]:
 
 
 def _loader_class() -> type:
+    from vllm.logger import init_logger
+
+    vllm_log = init_logger(__name__)  # vLLM's processes log through vLLM's handlers, not ours
     from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
     from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
@@ -137,7 +140,7 @@ def _loader_class() -> type:
                 with weights_already_processed():
                     process_weights_after_loading(model, model_config, device)
             report = sharing_report(model, attachment)
-            log.info(
+            vllm_log.info(
                 "hotweights: mapped %d tensors in %.1f ms; %d shared (%d bytes), %d copied (%d bytes)",
                 len(attachment.tensors),
                 attachment.seconds * 1000,

@@ -1,0 +1,91 @@
+"""``hotweights agent`` with real child processes: what it does when its engine misbehaves or it dies.
+
+The vLLM happy paths are in tests/test_vllm.py; these use small real programs as the engine, so they
+run everywhere and in seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+
+from hotweights.contract import Endpoint
+from hotweights.ports import free_port
+from hotweights.spawn import hotweights_command
+from tests.cachehelpers import ENV, wait_until
+
+
+def agent(tmp_path: Path, *engine: str, ready_timeout: float = 60.0) -> subprocess.Popen:
+    port = free_port()
+    command = hotweights_command("agent", "--port", str(port), "--engine-id", "g0-e1", "--log-dir", str(tmp_path))
+    command += ["--ready-timeout", str(ready_timeout), "--", *engine]
+    process = subprocess.Popen(command, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process.port = port  # type: ignore[attr-defined]
+    return process
+
+
+def test_an_engine_that_exits_at_once_ends_the_agent_with_its_exit_and_log(tmp_path: Path) -> None:
+    process = agent(tmp_path, "sh", "-c", "echo cannot load the model >&2; exit 3", "{port}")
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 1
+    (line,) = [line for line in stderr.splitlines() if line.startswith("hotweights agent: error:")]
+    assert "g0-e1" in line and "exited with code 3" in line and "cannot load the model" in line
+
+
+def test_an_engine_that_never_becomes_healthy_is_reported_after_the_ready_timeout(tmp_path: Path) -> None:
+    """A real HTTP server that has no /health: the agent gives up at --ready-timeout, naming the port."""
+    process = agent(tmp_path, sys.executable, "-m", "http.server", "--bind", "127.0.0.1", "{port}", ready_timeout=3)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 1
+    assert "did not become ready on port" in stderr and "within 3 s" in stderr
+
+
+def test_an_engine_command_without_its_port_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    process = agent(tmp_path, "sleep", "1000")
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 2
+    assert stderr.strip().splitlines() == [
+        "hotweights agent: error: the engine command must take its port as {port} (e.g. --port {port})"
+    ]
+
+
+def engine_pid(port: int) -> int:
+    return httpx.get(f"http://127.0.0.1:{port}{Endpoint.LIVE}", timeout=5).json()["engine"]["pid"]
+
+
+def test_a_sigkilled_agent_takes_its_engine_and_the_engines_children_with_it(tmp_path: Path) -> None:
+    marker = tmp_path / "children"
+    script = f"sleep 1000 & echo $! > {marker}; wait"
+    process = agent(tmp_path, "sh", "-c", script, "{port}")
+    try:
+        port = process.port  # type: ignore[attr-defined]
+        engine = wait_until(lambda: engine_pid(port), 60, "the agent's health page")
+        child = int(wait_until(lambda: marker.exists() and marker.read_text().strip(), 30, "the engine's child"))
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait(10)
+        wait_until(lambda: not _alive(engine) and not _alive(child), 10, "the engine and its child gone")
+    finally:
+        process.kill()
+
+
+def test_an_engine_killed_under_the_agent_ends_the_agent(tmp_path: Path) -> None:
+    process = agent(tmp_path, "sleep", "1000 {port}")
+    port = process.port  # type: ignore[attr-defined]
+    engine = wait_until(lambda: engine_pid(port), 60, "the agent's health page")
+    os.kill(engine, signal.SIGKILL)
+    _, stderr = process.communicate(timeout=30)
+    assert process.returncode == 1
+    assert "exited with signal 9" in stderr
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state not in ("Z", "X")
