@@ -31,11 +31,12 @@ import torch
 from hotweights.cache import fp8
 from hotweights.cache.pipeline import DTYPES
 from hotweights.standby.model import ModelConfig
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from tqdm import tqdm
 
-from hotweights.errors import ConfigError
+from hotweights.errors import CheckpointError, ConfigError
 
 BOS_TOKEN = "<|begin_of_text|>"
 EOS_TOKEN = "<|end_of_text|>"
@@ -250,7 +251,10 @@ def write_weights(
             for spec in shard:
                 tensors.update(output_tensors(spec, dtype=dtype, quant=quant, seed=seed, device=device))
                 bar.update(spec_nbytes(spec, dtype, quant))
-            save_file(tensors, out / name, metadata={"format": "pt"})
+            try:
+                save_file(tensors, out / name, metadata={"format": "pt"})
+            except SafetensorError as exc:  # how the Rust writer reports ENOSPC, EFBIG, EIO
+                raise OSError(f"{name}: {exc}") from None
             weight_map.update(dict.fromkeys(tensors, name))
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     write_json(out / INDEX_FILE, index)
@@ -267,7 +271,7 @@ def _train_tokenizer(vocab_size: int) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    corpus = resources.files("cache").joinpath("corpus.txt").read_text(encoding="utf-8")
+    corpus = resources.files("hotweights.cache").joinpath("corpus.txt").read_text(encoding="utf-8")
     tokenizer.train_from_iterator(corpus.splitlines(), trainer=trainer)
     bos = tokenizer.token_to_id(BOS_TOKEN)
     # Like Llama 3: encode() prepends <|begin_of_text|>; decode() drops it again.
@@ -287,7 +291,7 @@ def write_tokenizer(out: Path, config: ModelConfig) -> tuple[int, int]:
     """Write tokenizer.json and tokenizer_config.json; return (bos_id, eos_id)."""
     text = tokenizer_json(min(config.vocab_size, MAX_TOKENIZER_VOCAB))
     tokenizer = Tokenizer.from_str(text)
-    (out / "tokenizer.json").write_text(text, encoding="utf-8")
+    write_text(out / "tokenizer.json", text)
     write_json(
         out / "tokenizer_config.json",
         {
@@ -330,7 +334,15 @@ def hf_config(config: ModelConfig, *, dtype: torch.dtype, quant: str | None, bos
 
 
 def write_json(path: Path, data: dict) -> None:
-    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    write_text(path, json.dumps(data, indent=2) + "\n")
+
+
+def write_text(path: Path, text: str) -> None:
+    """``path.write_text`` whose OSError names the file (a failed write() alone carries no filename)."""
+    try:
+        path.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror, str(path)) from None
 
 
 def is_nonempty_dir(path: Path) -> bool:
@@ -381,7 +393,8 @@ def write_checkpoint(
 
     Everything is written into a hidden temporary directory beside ``out_dir`` and renamed into
     place at the end, so an interrupted run never leaves a half checkpoint at ``out_dir``. Raises
-    ``ConfigError`` for a bad shape, or when ``out_dir`` is non-empty and ``overwrite`` is false.
+    ``ConfigError`` for a bad shape, or when ``out_dir`` is non-empty and ``overwrite`` is false;
+    ``CheckpointError`` when a write fails (disk full, file too large), after removing the partial files.
     Values depend on (seed, tensor name, device): CPU and CUDA generators draw different numbers.
     """
     validate_config(config, dtype, quant)
@@ -411,6 +424,10 @@ def write_checkpoint(
         )
         apply_umask(tmp)
         move_into_place(tmp, out_dir, overwrite=overwrite)
+    except OSError as exc:  # disk full, file too large, I/O error: one line, nothing left behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        written = f"{Path(exc.filename).name}: {exc.strerror}" if exc.filename else str(exc)
+        raise CheckpointError(f"cannot write the checkpoint {out_dir} ({written}); nothing was left behind") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
