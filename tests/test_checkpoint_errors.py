@@ -223,3 +223,18 @@ def test_index_entry_outside_the_checkpoint_is_refused(ckpt: Path, tiny_model: P
     message = str(refused.value)
     assert "model.safetensors.index.json" in message and "'model.norm.weight'" in message
     assert escape in message and "outside the checkpoint directory" in message
+
+
+@pytest.mark.parametrize("content", ['{"x": 1}', "not json", "[]"])
+def test_unreadable_tokenizer_is_one_line(ckpt: Path, content: str) -> None:
+    (ckpt / "tokenizer.json").write_text(content)
+    result = subprocess.run(
+        hotweights_command("generate", "--model", str(ckpt), "--prompt", "hi", "--max-tokens", "1"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert f"{ckpt / 'tokenizer.json'}: not a tokenizer" in result.stderr
+    assert len([line for line in result.stderr.splitlines() if "error" in line.lower()]) == 1, result.stderr
