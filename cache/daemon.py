@@ -298,16 +298,17 @@ class CacheDaemon:
         return client
 
     def _cleanup(self) -> None:
+        """Close and remove what we made; a path we never bound (maybe someone else's) is left alone."""
         if self._listener is not None:
             self._listener.close()
-        for path in (self.paths.ready, self.paths.socket):
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
+            for path in (self.paths.ready, self.paths.socket):
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
         if self.arena is not None:
             self.arena.close()
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
-        log.info("stopped; socket and ready marker removed")
+        log.info("stopped; socket and ready marker removed" if self._listener is not None else "stopped")
 
     # -- one connection ----------------------------------------------------------------------
 

@@ -414,8 +414,10 @@ def _limit_file_size(limit: int):
         ((), 100_000, r"model-00001-of-00001\.safetensors"),  # the 3.4 MB shard
         # 62 shards of < 5 KB and a 45 KB index: the index is the write that fails
         (
-            ("--vocab", "300", "--hidden", "8", "--heads", "1", "--kv-heads", "1", "--head-dim", "8")
-            + ("--intermediate", "8", "--layers", "60", "--shard-size", "1KB"),
+            (
+                *("--vocab", "300", "--hidden", "8", "--heads", "1", "--kv-heads", "1", "--head-dim", "8"),
+                *("--intermediate", "8", "--layers", "60", "--shard-size", "1KB"),
+            ),
             20_000,
             r"model\.safetensors\.index\.json",
         ),
