@@ -136,4 +136,3 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         if name == "status":
             sub.add_argument("--json", action="store_true", help="machine-readable output")
         sub.set_defaults(func=func)
-

@@ -7,7 +7,7 @@ parse JSON and nothing more. Every request has an ``op``; every reply has ``ok``
 
 Requests                                   Replies (ok=true)
   {"op": "hello", "version": 1}              {"version", "pid", "fingerprint_digest"}
-  {"op": "attach", "fingerprint": {...}}     {"manifest": {...}, "handle": {...}} + fds
+  {"op": "attach", "fingerprint": {...}}     {"version", "manifest": {...}, "handle": {...}} + fds
   {"op": "status"}                           {"status": {...}}
 Refusals (ok=false) carry ``error`` in ERROR_CODES; an attach refused for a fingerprint mismatch
 lists ``differences``: [[field, daemon's value, engine's value], ...]. ``ok`` is exactly true or false

@@ -457,3 +457,15 @@ def test_a_stale_socket_is_replaced(tiny_model: Path, sock: Path) -> None:
         dead.bind(str(sock))  # bound, never listening: what a SIGKILLed daemon leaves behind
     with ProcessDaemon(tiny_model, sock):
         assert hello(sock)["ok"]
+
+
+def test_the_daemon_takes_only_its_exact_protocol_version(tiny_model: Path, sock: Path) -> None:
+    """1.0 and true compare equal to 1 in Python; on the wire they are other versions."""
+    from hotweights.cache.client import request
+
+    fingerprint = fingerprint_of(tiny_model).to_json()
+    with ThreadDaemon(tiny_model, sock):
+        for version in (1.0, True, "1"):
+            for op in ("hello", "attach"):
+                reply = request(sock, {"op": op, "version": version, "fingerprint": fingerprint})
+                assert reply["error"] == "version_mismatch", (op, version, reply)
