@@ -97,7 +97,7 @@ def synthetic_source(config: ModelConfig, device: torch.device) -> ArenaSource:
         for name, (shape, dtype) in specs.items():
             yield name, torch.randn(shape, generator=gen, device=device, dtype=dtype)
 
-    return ArenaSource(synthetic_fingerprint(config, device), specs, tensors, device)
+    return ArenaSource(synthetic_fingerprint(config, device), lambda: specs, tensors, device)
 
 
 def serve(args: argparse.Namespace) -> None:

@@ -174,6 +174,41 @@ def check_roundtrip(name: str, device: torch.device, nbytes: int, seed: int) -> 
         arena.close()
 
 
+def _write_child(name: str, index: int, conn: Connection, sock: socket.socket) -> None:
+    """Spawned: import what we are sent and try to overwrite it; report whether the kernel ran clean."""
+    try:
+        device = cuda_ready(index)
+        handle, fds = _recv_arena(conn, sock)
+        arena = get_backend(name).import_arena(handle, fds, device)
+        conn.send({"read_only": getattr(arena, "read_only", None)})
+        arena.tensor.fill_(0)
+        torch.cuda.synchronize()
+        conn.send({"wrote": True})
+    except Exception as exc:  # an illegal-address error poisons this context: report and leave
+        conn.send({"wrote": False, "refusal": str(exc)[:300]})
+
+
+def check_write_refused(name: str, device: torch.device) -> dict[str, Any]:
+    """A child imports the parent's arena and writes zeros over it: do the parent's bytes survive?"""
+    arena = get_backend(name).allocate(2 * MiB, device)
+    try:
+        fill(arena.tensor, seed=3)
+        before = digest(arena.tensor)
+        with _spawn(_write_child, name, device.index) as (proc, conn, sock):
+            handle, fds = arena.export()
+            _send_arena(conn, sock, handle, fds)
+            read_only = _recv(conn)["read_only"]
+            try:
+                outcome = _recv(conn)
+            except (EOFError, TimeoutError):
+                outcome = {"wrote": False, "refusal": "the child died or hung while writing"}
+            proc.join(timeout=TIMEOUT_S)
+        unchanged = digest(arena.tensor) == before
+        return {"read_only": read_only, **outcome, "unchanged": unchanged, "ok": unchanged and not outcome["wrote"]}
+    finally:
+        arena.close()
+
+
 def check_import_time(name: str, device: torch.device) -> dict[str, Any]:
     """A 1 GiB arena: same bytes in the child, and mapped within IMPORT_LIMIT_MS?"""
     res = check_roundtrip(name, device, 1 << 30, seed=2)

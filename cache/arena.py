@@ -2,12 +2,15 @@
 
 One allocation means one handle to open, so attaching costs the same for 1 GB and for 100 GB;
 the per-tensor work on the engine side is only making views. The manifest (name -> dtype, shape,
-offset, nbytes) travels as JSON; the content hash lets ``cache verify`` prove the bytes unchanged.
+offset, nbytes) travels as JSON; the content hash (SHA-256) lets ``cache verify`` prove the bytes unchanged.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -15,8 +18,7 @@ import torch
 from hotweights.dtypes import ARENA_DTYPES
 
 ALIGNMENT = 256  # bytes; enough for vectorised CPU and CUDA kernels
-HASH_CHUNK_WORDS = 1 << 17  # 1 MiB of int64 words per hashed row
-HASH_BATCH_ROWS = 64  # rows hashed per step: bounds the temporary to 64 MiB
+DIGEST_CHUNK_BYTES = 64 << 20  # hashed in parallel, one chunk per thread
 
 
 
@@ -33,18 +35,46 @@ class TensorEntry:
 
     @classmethod
     def from_json(cls, row: object, arena_nbytes: int) -> TensorEntry:
-        """Strict parse of one manifest row; a bad row raises ValueError naming it."""
+        """Strict parse of one manifest row; a bad row raises ValueError naming it. Checked: a name,
+        a dtype of ``ARENA_DTYPES``, non-negative int dims, an aligned int offset, nbytes == numel * itemsize,
+        and the bytes inside ``arena_nbytes``."""
         try:
             name, dtype, shape, offset, nbytes = row  # type: ignore[misc]
-            entry = cls(str(name), str(dtype), tuple(int(d) for d in shape), int(offset), int(nbytes))
+            entry = cls(name, dtype, tuple(shape), offset, nbytes)
         except (TypeError, ValueError):
-            raise ValueError(f"malformed manifest row {row!r}") from None
+            raise ValueError(f"malformed manifest row {str(row)[:200]}") from None
+        if not isinstance(name, str) or not all(_is_count(v) for v in (*entry.shape, offset, nbytes)):
+            raise ValueError(f"manifest row {str(row)[:200]}: name must be a string, dims/offset/nbytes ints >= 0")
         if entry.dtype not in ARENA_DTYPES:
-            raise ValueError(f"manifest tensor {entry.name!r} has unknown dtype {entry.dtype!r}")
+            raise ValueError(f"manifest tensor {name!r} has unknown dtype {entry.dtype!r}")
         expected = math.prod(entry.shape) * ARENA_DTYPES[entry.dtype].itemsize
-        if entry.nbytes != expected or entry.offset < 0 or entry.offset + entry.nbytes > arena_nbytes:
-            raise ValueError(f"manifest tensor {entry.name!r} does not fit the arena ({entry})")
+        if entry.nbytes != expected:
+            raise ValueError(f"manifest tensor {name!r}: nbytes {nbytes} but shape and dtype need {expected}")
+        if offset % ALIGNMENT:
+            raise ValueError(f"manifest tensor {name!r}: offset {offset} is not a multiple of {ALIGNMENT}")
+        if offset + nbytes > arena_nbytes:
+            end = offset + nbytes
+            raise ValueError(f"manifest tensor {name!r}: bytes {offset}..{end} overrun the {arena_nbytes}-byte arena")
         return entry
+
+
+def _is_count(value: object) -> bool:
+    return type(value) is int and value >= 0
+
+
+def check_disjoint(entries: list[TensorEntry]) -> None:
+    """ValueError naming the first two tensors whose bytes overlap (or share a name)."""
+    names = set()
+    previous: TensorEntry | None = None
+    for entry in sorted(entries, key=lambda e: (e.offset, e.nbytes)):
+        if entry.name in names:
+            raise ValueError(f"manifest names tensor {entry.name!r} twice")
+        names.add(entry.name)
+        if entry.nbytes == 0:
+            continue
+        if previous is not None and entry.offset < previous.offset + previous.nbytes:
+            raise ValueError(f"manifest tensors {previous.name!r} and {entry.name!r} overlap at byte {entry.offset}")
+        previous = entry
 
 
 def plan_layout(specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> tuple[list[TensorEntry], int]:
@@ -90,28 +120,19 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def content_hash(arena: torch.Tensor, nbytes: int) -> str:
-    """A position-weighted sum mod 2**64 of the arena's first ``nbytes`` (rounded to whole words).
-
-    Runs where the arena lives (GB/s on a GPU). Any change to one word changes the sum: every
-    weight is odd, so a nonzero difference times it is nonzero mod 2**64; weights differ by
-    position, so swapped blocks are caught too. For corruption detection, not for adversaries.
+    """SHA-256 of the arena's first ``nbytes``, hashed as 64 MiB chunks in parallel threads: the hex
+    SHA-256 of (``nbytes``, the chunk size, every chunk's SHA-256). Cryptographic, so no change to the
+    bytes, by accident or on purpose, can keep the digest. A CUDA arena is copied to the host one chunk
+    per thread at a time; hashing runs at about the host's SHA-256 speed times its cores (docs/operations.md).
     """
-    words_n = -(-nbytes // 8)
-    padded = words_n * 8
-    if padded > arena.numel():
+    if not 0 <= nbytes <= arena.numel():
         raise ValueError(f"cannot hash {nbytes} bytes of a {arena.numel()}-byte arena")
-    words = arena[:padded].view(torch.int64)
-    gen = torch.Generator().manual_seed(0x5EED)
-    weights = (torch.randint(0, 2**62, (HASH_CHUNK_WORDS,), generator=gen) * 2 + 1).to(arena.device)
-    total = torch.zeros((), dtype=torch.int64, device=arena.device)
-    full_rows = words_n // HASH_CHUNK_WORDS
-    rows = words[: full_rows * HASH_CHUNK_WORDS].view(full_rows, HASH_CHUNK_WORDS)
-    for start in range(0, full_rows, HASH_BATCH_ROWS):
-        batch = rows[start : start + HASH_BATCH_ROWS]
-        row_sums = (batch * weights).sum(dim=1)
-        positions = torch.arange(start, start + batch.shape[0], device=arena.device) * 2 + 1
-        total += (row_sums * positions).sum()
-    tail = words[full_rows * HASH_CHUNK_WORDS :]
-    if tail.numel():
-        total += (tail * weights[: tail.numel()]).sum() * (2 * full_rows + 1)
-    return f"{int(total.item()) & 0xFFFFFFFFFFFFFFFF:016x}"
+
+    def chunk_digest(start: int) -> bytes:
+        piece = arena[start : min(start + DIGEST_CHUNK_BYTES, nbytes)]
+        return hashlib.sha256(piece.cpu().numpy()).digest()  # hashlib releases the GIL
+
+    starts = range(0, nbytes, DIGEST_CHUNK_BYTES)
+    with ThreadPoolExecutor(max_workers=max(1, min(len(starts), os.cpu_count() or 1))) as pool:
+        digests = b"".join(pool.map(chunk_digest, starts))
+    return hashlib.sha256(f"{nbytes}:{DIGEST_CHUNK_BYTES}:".encode() + digests).hexdigest()

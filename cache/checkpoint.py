@@ -11,7 +11,7 @@ import json
 import math
 import struct
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
@@ -193,9 +193,9 @@ def _read_headers(path: Path) -> dict[str, TensorInfo]:
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"{index_path}: 'weight_map' is missing or empty")
         by_file: dict[str, list[str]] = {}
-        placed = {name: str(file) for name, file in weight_map.items()}
-        for name, file in weight_map.items():
-            by_file.setdefault(str(file), []).append(name)
+        placed = {name: _shard_name(index_path, name, file) for name, file in weight_map.items()}
+        for name, file in placed.items():
+            by_file.setdefault(file, []).append(name)
     elif (path / SINGLE_FILE).exists():
         by_file, placed = {SINGLE_FILE: []}, {}
     else:
@@ -213,6 +213,20 @@ def _read_headers(path: Path) -> dict[str, TensorInfo]:
         # The index decides: a stale copy of a tensor in another shard must not win by file order.
         tensors.update({name: info for name, info in header.items() if placed.get(name, file_name) == file_name})
     return tensors
+
+
+def _shard_name(index_path: Path, tensor: str, file: object) -> str:
+    """A weight_map entry must name a file inside the checkpoint: a relative path without ``..``.
+    (Symlinks inside the directory are followed, as in a Hugging Face cache snapshot.)"""
+    if not isinstance(file, str) or not file:
+        raise CheckpointError(f"{index_path}: weight_map entry {tensor!r} must be a file name, found {file!r}")
+    parts = PurePosixPath(file).parts
+    if PurePosixPath(file).is_absolute() or ".." in parts:
+        raise CheckpointError(
+            f"{index_path}: weight_map entry {tensor!r} -> {file!r} points outside the checkpoint directory; "
+            "shards must be named relative to it, without '..'"
+        )
+    return file
 
 
 def read_safetensors_header(file: Path) -> dict[str, TensorInfo]:

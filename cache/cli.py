@@ -10,10 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hotweights.cache import arena as arena_layout
 from hotweights.cache.backends import BACKENDS, default_backend_name
 from hotweights.cache.checkpoint import read_checkpoint
-from hotweights.cache.client import DaemonUnavailable, attach, request
+from hotweights.cache.client import AttachRefused, DaemonUnavailable, attach, request
 from hotweights.cache.daemon import pipeline_source, serve
 from hotweights.cache.fingerprint import Fingerprint, compute_fingerprint
 from hotweights.cache.paths import paths_for
@@ -65,7 +64,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     for path in sockets:
         try:
             statuses.append(_status(path))
-        except DaemonUnavailable as exc:
+        except (DaemonUnavailable, AttachRefused) as exc:
             failures += 1
             statuses.append({"socket": str(path), "error": str(exc)})
     if args.json:
@@ -93,7 +92,7 @@ def _format_status(status: dict[str, Any]) -> str:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    """Map the arena as an engine would and recompute its content hash there."""
+    """Map the arena as an engine would (with every attach check) and recompute its SHA-256 there."""
     sockets = _sockets(args)
     if len(sockets) != 1:
         raise ConfigError(f"verify needs exactly one daemon, found {len(sockets)}: pass --socket or --model")
@@ -105,7 +104,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     attachment = attach(sockets[0], fingerprint, status["device"])
     try:
-        actual = arena_layout.content_hash(attachment.arena.tensor, attachment.manifest["used_bytes"])
+        actual = attachment.verify()
     finally:
         attachment.close()
     expected = attachment.manifest["content_hash"]
@@ -149,4 +148,3 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         if name == "status":
             sub.add_argument("--json", action="store_true", help="machine-readable output")
         sub.set_defaults(func=func)
-

@@ -1,13 +1,24 @@
 """The engine's side of the weight cache: attach to a daemon's arena and get zero-copy views.
 
+An engine believes a daemon only after checking, before it maps a byte (docs/operations.md, "Trust
+model"): the socket and its directory are owned by a trusted uid (ours or root) and nobody else can
+write the directory; the peer's SO_PEERCRED uid is trusted; the reply is well-typed (``ok`` a bool,
+``version`` our int); the manifest's fingerprint equals ours field by field; every manifest row fits
+(known dtype, non-negative dims, aligned offset, nbytes == numel * itemsize, inside the arena, no
+overlaps); the handle's size equals the manifest's; the backend checks the fd itself (cpu-shm: a
+memfd with the shrink, grow, write and seal seals, of exactly that size). Every exchange has one
+whole-reply deadline.
+
 What happens when the cache cannot be used is the caller's choice (``standby.weights``):
 
-| situation                          | raised here          | engine with --weight-cache-fallback disk |
-| ---------------------------------- | -------------------- | ---------------------------------------- |
-| no daemon on the socket            | DaemonUnavailable    | loads from disk, warns loudly            |
-| daemon serves another fingerprint  | AttachRefused        | loads from disk, warns loudly            |
-| daemon speaks another protocol     | AttachRefused        | loads from disk, warns loudly            |
-| malformed reply, bad manifest      | DaemonUnavailable    | loads from disk, warns loudly            |
+| situation                                         | raised here       | with --weight-cache-fallback disk |
+| ------------------------------------------------- | ----------------- | --------------------------------- |
+| no daemon on the socket, no reply by the deadline | DaemonUnavailable | loads from disk, warns loudly     |
+| malformed reply (``ok`` not a bool, bad frame)    | DaemonUnavailable | loads from disk, warns loudly     |
+| untrusted socket, directory or peer uid           | AttachRefused     | loads from disk, warns loudly     |
+| another fingerprint (daemon's or manifest's)      | AttachRefused     | loads from disk, warns loudly     |
+| another protocol version                          | AttachRefused     | loads from disk, warns loudly     |
+| bad manifest, wrong fd type, size or seals        | AttachRefused     | loads from disk, warns loudly     |
 
 The attach connection stays open for the engine's life, so the daemon can list its clients. If the
 daemon dies, the mapping stays valid (the kernel or driver refcounts the memory) and nothing here
@@ -17,7 +28,10 @@ reacts: an engine must never kill itself because its daemon went away.
 from __future__ import annotations
 
 import os
+import re
 import socket
+import stat
+import struct
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,14 +39,24 @@ from typing import Any
 
 import torch
 from hotweights.cache import arena as arena_layout
+from hotweights.cache.arena import TensorEntry
 from hotweights.cache.backends import get_backend
 from hotweights.cache.backends.base import BackendUnavailable, ImportedArena
-from hotweights.cache.fingerprint import Fingerprint
-from hotweights.cache.protocol import MAX_FDS, PROTOCOL_VERSION, ProtocolError, recv_message, send_message
+from hotweights.cache.fingerprint import Fingerprint, describe_differences
+from hotweights.cache.protocol import (
+    MAX_FDS,
+    PROTOCOL_VERSION,
+    ProtocolError,
+    check_version,
+    recv_message,
+    reply_ok,
+    send_message,
+)
 
 from hotweights.errors import HotweightsError
 
-CONNECT_TIMEOUT_S = 10.0
+CONNECT_TIMEOUT_S = 10.0  # one deadline for connect, request and the whole reply
+HEX_DIGEST = re.compile(r"[0-9a-f]{64}")
 
 
 class DaemonUnavailable(HotweightsError):
@@ -40,7 +64,8 @@ class DaemonUnavailable(HotweightsError):
 
 
 class AttachRefused(HotweightsError):
-    """The daemon refused: ``differences`` lists (field, daemon's value, engine's value)."""
+    """The daemon refused, or we refuse the daemon: ``differences`` lists (field, daemon's value,
+    engine's value) when fingerprints differ."""
 
     def __init__(self, message: str, differences: list[tuple[str, Any, Any]] | None = None) -> None:
         super().__init__(message)
@@ -61,6 +86,10 @@ class Attachment:
     def content_hash(self) -> str:
         return self.manifest["content_hash"]
 
+    def verify(self) -> str:
+        """Recompute the content hash of the mapped bytes (a full read: about 1 s per GB per core)."""
+        return arena_layout.content_hash(self.arena.tensor, self.manifest["used_bytes"])
+
     def close(self) -> None:
         """Drop the views, unmap, and hang up (the daemon then stops listing us)."""
         self.tensors.clear()
@@ -70,37 +99,93 @@ class Attachment:
             self._conn = None
 
 
-def connect(socket_path: str | Path, timeout: float = CONNECT_TIMEOUT_S) -> socket.socket:
+def trusted_daemon_uids() -> frozenset[int]:
+    """Whose daemons an engine believes: its own uid's, and root's (root can read our memory anyway)."""
+    return frozenset({os.getuid(), 0})
+
+
+def check_socket_path(socket_path: Path, trusted: frozenset[int]) -> None:
+    """AttachRefused unless ``socket_path`` is a socket owned by a trusted uid, in a directory owned by
+    a trusted uid that no one else can write to (else someone could replace the socket)."""
+    try:
+        info = os.lstat(socket_path)
+        folder = os.stat(socket_path.parent)
+    except OSError as exc:
+        raise DaemonUnavailable(f"no weight cache daemon answers on {socket_path}: {exc.strerror}") from None
+    if not stat.S_ISSOCK(info.st_mode):
+        raise AttachRefused(f"{socket_path} is not a socket: no weight cache daemon serves there")
+    if info.st_uid not in trusted:
+        raise AttachRefused(f"socket {socket_path} is owned by uid {info.st_uid}; engines trust uids {sorted(trusted)}")
+    mode = stat.S_IMODE(folder.st_mode)
+    if folder.st_uid not in trusted or mode & 0o022:
+        raise AttachRefused(
+            f"socket directory {socket_path.parent} (uid {folder.st_uid}, mode {mode:o}) must be owned by uid "
+            f"{sorted(trusted)} and not writable by group or others, or anyone could replace the socket"
+        )
+
+
+def connect(
+    socket_path: str | Path, timeout: float = CONNECT_TIMEOUT_S, trusted: frozenset[int] | None = None
+) -> socket.socket:
+    """A connection to a daemon we trust (socket, directory and peer uid checked; AttachRefused if not)."""
+    socket_path = Path(socket_path)
+    trusted = trusted_daemon_uids() if trusted is None else trusted
+    check_socket_path(socket_path, trusted)
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     conn.settimeout(timeout)
     try:
         conn.connect(str(socket_path))
+        pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
     except OSError as exc:
         conn.close()
         raise DaemonUnavailable(f"no weight cache daemon answers on {socket_path}: {exc.strerror or exc}") from None
+    if uid not in trusted:
+        conn.close()
+        raise AttachRefused(
+            f"the process serving {socket_path} (pid {pid}) runs as uid {uid}; engines trust uids {sorted(trusted)}"
+        )
     return conn
 
 
-def call(conn: socket.socket, request: dict[str, Any], max_fds: int = 0) -> tuple[dict[str, Any], list[int]]:
-    """One request, one reply; daemon-side refusals are returned, transport failures raised."""
+def call(
+    conn: socket.socket, request: dict[str, Any], max_fds: int = 0, deadline: float | None = None
+) -> tuple[dict[str, Any], list[int]]:
+    """One request, one whole reply before ``deadline`` (default: the socket's timeout from now).
+    Daemon-side refusals are returned (``ok`` is then exactly False); transport failures raised."""
+    if deadline is None:
+        deadline = time.monotonic() + (conn.gettimeout() or CONNECT_TIMEOUT_S)
+    op = request.get("op")
     try:
-        send_message(conn, request)
-        return recv_message(conn, max_fds=max_fds)
+        send_message(conn, request, deadline=deadline)
+        reply, fds = recv_message(conn, max_fds=max_fds, deadline=deadline)
+    except TimeoutError:
+        raise DaemonUnavailable(f"weight cache daemon sent no whole reply to {op!r} in time") from None
     except (ProtocolError, OSError) as exc:
-        raise DaemonUnavailable(f"weight cache daemon stopped answering during {request.get('op')!r}: {exc}") from None
+        raise DaemonUnavailable(f"weight cache daemon stopped answering during {op!r}: {exc}") from None
+    try:
+        reply_ok(reply)
+    except ProtocolError as exc:
+        _close_all(fds)
+        raise DaemonUnavailable(f"weight cache daemon sent a malformed reply to {op!r}: {exc}") from None
+    return reply, fds
 
 
 def request(socket_path: str | Path, message: dict[str, Any], timeout: float = CONNECT_TIMEOUT_S) -> dict[str, Any]:
-    """A one-shot request (hello, status) on a fresh connection."""
+    """A one-shot request (hello, status) on a fresh connection, ``timeout`` for all of it."""
+    deadline = time.monotonic() + timeout
     with connect(socket_path, timeout) as conn:
-        reply, _ = call(conn, message)
+        reply, _ = call(conn, message, deadline=deadline)
     return reply
 
 
 def hello(socket_path: str | Path, timeout: float = CONNECT_TIMEOUT_S) -> dict[str, Any]:
     reply = request(socket_path, {"op": "hello", "version": PROTOCOL_VERSION}, timeout)
-    if not reply.get("ok"):
+    if not reply["ok"]:
         raise AttachRefused(f"daemon on {socket_path}: {reply.get('message')}")
+    try:
+        check_version(reply)
+    except ProtocolError as exc:
+        raise AttachRefused(f"daemon on {socket_path}: {exc}") from None
     return reply
 
 
@@ -110,24 +195,25 @@ def attach(
     device: torch.device | str,
     timeout: float = CONNECT_TIMEOUT_S,
 ) -> Attachment:
-    """Attach to the arena on ``socket_path`` if the daemon's fingerprint equals ``expected``."""
+    """Attach to the arena on ``socket_path`` if the daemon and its manifest pass every check."""
     start = time.perf_counter()
+    deadline = time.monotonic() + timeout
     device = torch.device(device)
     conn = connect(socket_path, timeout)
     try:
-        reply, fds = call(
-            conn, {"op": "attach", "version": PROTOCOL_VERSION, "fingerprint": expected.to_json()}, max_fds=MAX_FDS
-        )
-        if not reply.get("ok"):
-            differences = [tuple(d) for d in reply.get("differences", [])]
-            raise AttachRefused(f"daemon on {socket_path}: {reply.get('message')}", differences)
-        imported = _import(reply, fds, device)
+        request = {"op": "attach", "version": PROTOCOL_VERSION, "fingerprint": expected.to_json()}
+        reply, fds = call(conn, request, max_fds=MAX_FDS, deadline=deadline)
         try:
-            entries = _entries(reply["manifest"], imported.nbytes)
+            entries = _checked_entries(reply, expected, socket_path)
+        except BaseException:
+            _close_all(fds)
+            raise
+        imported = _import(reply, fds, device, socket_path)
+        try:
             tensors = arena_layout.views(imported.tensor, entries)
-        except (KeyError, TypeError, ValueError) as exc:
+        except BaseException:
             imported.close()
-            raise DaemonUnavailable(f"daemon on {socket_path} sent a bad manifest: {exc}") from None
+            raise
     except BaseException:
         conn.close()
         raise
@@ -135,23 +221,75 @@ def attach(
     return Attachment(tensors, reply["manifest"], imported, time.perf_counter() - start, conn)
 
 
-def _import(reply: dict[str, Any], fds: list[int], device: torch.device) -> ImportedArena:
-    handle = reply.get("handle")
+def _checked_entries(reply: dict[str, Any], expected: Fingerprint, socket_path: str | Path) -> list[TensorEntry]:
+    """The manifest's rows, once the reply passed every check that needs no mapping."""
+    if not reply["ok"]:
+        differences = reply.get("differences")
+        rows = (
+            [tuple(d) for d in differences if isinstance(d, list) and len(d) == 3]
+            if isinstance(differences, list)
+            else []
+        )
+        raise AttachRefused(f"daemon on {socket_path}: {reply.get('message')}", rows)
+    try:
+        check_version(reply)
+        manifest = reply.get("manifest")
+        if not isinstance(manifest, dict):
+            raise ValueError("the attach reply has no manifest")
+        served = Fingerprint.from_json(manifest.get("fingerprint"))
+    except (ProtocolError, ValueError) as exc:
+        raise AttachRefused(f"daemon on {socket_path}: {exc}") from None
+    differences = served.differences(expected)
+    if differences:
+        raise AttachRefused(
+            f"daemon on {socket_path} serves another model or config: {describe_differences(differences)}", differences
+        )
+    try:
+        return _manifest_entries(manifest, reply.get("handle"))
+    except ValueError as exc:
+        raise AttachRefused(f"daemon on {socket_path} sent a manifest that does not hold together: {exc}") from None
+
+
+def _manifest_entries(manifest: dict[str, Any], handle: object) -> list[TensorEntry]:
+    """Strict: sizes, alignment, digest format, the handle's size and every row (ValueError naming the fault)."""
+    arena_bytes, used = manifest.get("arena_bytes"), manifest.get("used_bytes")
+    if not (type(arena_bytes) is int and type(used) is int and 0 < used <= arena_bytes):
+        raise ValueError(f"used_bytes {used!r} and arena_bytes {arena_bytes!r} must be ints, 0 < used <= arena")
+    if manifest.get("alignment") != arena_layout.ALIGNMENT:
+        raise ValueError(f"alignment {manifest.get('alignment')!r}, expected {arena_layout.ALIGNMENT}")
+    content = manifest.get("content_hash")
+    if not isinstance(content, str) or not HEX_DIGEST.fullmatch(content):
+        raise ValueError(f"content_hash {str(content)[:80]!r} is not a SHA-256 hex digest")
     if not isinstance(handle, dict) or not isinstance(handle.get("backend"), str):
-        for fd in fds:
-            os.close(fd)
-        raise DaemonUnavailable("daemon sent an attach reply without a backend handle")
+        raise ValueError("the attach reply has no backend handle")
+    if handle.get("backend") != manifest.get("backend") or type(handle.get("nbytes")) is not int:
+        raise ValueError(f"handle {handle.get('backend')!r} does not match the manifest's {manifest.get('backend')!r}")
+    if handle["nbytes"] != arena_bytes:
+        raise ValueError(f"the handle maps {handle['nbytes']} bytes, the manifest says {arena_bytes}")
+    rows = manifest.get("tensors")
+    if not isinstance(rows, list):
+        raise ValueError("'tensors' must be a list of rows")
+    entries = [TensorEntry.from_json(row, used) for row in rows]
+    arena_layout.check_disjoint(entries)
+    return entries
+
+
+def _import(reply: dict[str, Any], fds: list[int], device: torch.device, socket_path: str | Path) -> ImportedArena:
+    """Map the arena (takes ownership of ``fds``); the backend checks the fd's type, size and seals."""
+    name = reply["handle"]["backend"]
     try:
-        backend = get_backend(handle["backend"])
+        backend = get_backend(name)
     except BackendUnavailable as exc:  # import_arena never took ownership of the fds
-        for fd in fds:
-            os.close(fd)
-        raise DaemonUnavailable(f"cannot map the {handle['backend']} arena here: {exc}") from None
+        _close_all(fds)
+        raise DaemonUnavailable(f"cannot map the {name} arena here: {exc}") from None
     try:
-        return backend.import_arena(handle, fds, device)
-    except (BackendUnavailable, ValueError) as exc:
-        raise DaemonUnavailable(f"cannot map the {handle['backend']} arena here: {exc}") from None
+        return backend.import_arena(reply["handle"], fds, device)
+    except BackendUnavailable as exc:
+        raise DaemonUnavailable(f"cannot map the {name} arena here: {exc}") from None
+    except ValueError as exc:
+        raise AttachRefused(f"daemon on {socket_path} sent an arena we refuse to map: {exc}") from None
 
 
-def _entries(manifest: dict[str, Any], arena_nbytes: int) -> list[arena_layout.TensorEntry]:
-    return [arena_layout.TensorEntry.from_json(row, arena_nbytes) for row in manifest["tensors"]]
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)

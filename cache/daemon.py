@@ -1,12 +1,15 @@
 """The weight cache daemon: run the load pipeline once into one arena, then serve attach requests.
 
-Lifecycle: take the lock -> load into the arena -> hash it -> bind the socket (0600, in a 0700
-directory) -> write the ready marker -> publish the socket in the runtime dir if it lives elsewhere
-(``paths.publish``) -> serve until SIGTERM/SIGINT -> remove link, socket and marker.
-Each client gets its own thread and a deadline for every request, so a silent or malformed
-client costs its own connection and nothing else. An attached engine keeps its connection open
-(that is how ``status`` counts clients); the engine keeps working if the daemon dies, because the
-kernel or driver holds the memory until the last mapping goes.
+Lifecycle: take the lock -> check the socket path (refuse a directory, a file, a live listener)
+-> load into the arena -> hash it -> bind the socket (0600, in a 0700 directory) -> write the ready
+marker -> publish the socket in the runtime dir if it lives elsewhere (``paths.publish``) -> serve
+until SIGTERM/SIGINT -> remove link, socket and marker.
+Each client gets its own thread and one deadline for each whole request, so a silent, trickling or
+malformed client costs its own connection and nothing else. At most ``max_connections`` are open at
+once: past that, the connection waiting longest for a request is shed to make room (attached
+engines are never shed). An attached engine keeps its connection open (that is how ``status``
+counts clients); the engine keeps working if the daemon dies, because the kernel or driver holds
+the memory until the last mapping goes.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import logging
 import os
 import signal
 import socket
+import stat
 import struct
 import threading
 import time
@@ -30,7 +34,7 @@ from hotweights.cache import arena as arena_layout
 from hotweights.cache.backends import get_backend
 from hotweights.cache.backends.base import ExportedArena
 from hotweights.cache.checkpoint import Checkpoint
-from hotweights.cache.fingerprint import Fingerprint, compute_fingerprint
+from hotweights.cache.fingerprint import Fingerprint, compute_fingerprint, describe_differences
 from hotweights.cache.paths import DaemonPaths, ensure_private_dir, publish, unpublish
 from hotweights.cache.pipeline import LoadSpec, check_spec, iter_processed, processed_config, processed_dtype
 from hotweights.cache.protocol import (
@@ -38,6 +42,7 @@ from hotweights.cache.protocol import (
     PeerClosed,
     ProtocolError,
     error_reply,
+    is_our_version,
     recv_message,
     send_message,
 )
@@ -49,7 +54,8 @@ from hotweights.pidlock import LockHeld, PidLock
 
 log = logging.getLogger(__name__)
 
-REQUEST_TIMEOUT_S = 10.0
+REQUEST_TIMEOUT_S = 10.0  # for each whole request from a client that has not attached
+MAX_CONNECTIONS = 128  # open connections (attached engines included); one thread each
 MAX_SOCKET_PATH = 107  # sun_path is 108 bytes including the NUL
 
 
@@ -58,10 +64,10 @@ class ArenaSource:
     """What a daemon serves: its fingerprint, the tensors' layout, and how to produce them."""
 
     fingerprint: Fingerprint
-    specs: dict[str, tuple[tuple[int, ...], torch.dtype]]
+    specs: Callable[[], dict[str, tuple[tuple[int, ...], torch.dtype]]]  # may do the slow part: called by load
     tensors: Callable[[], Iterator[tuple[str, torch.Tensor]]]
     device: torch.device
-    aliases: dict[str, str] = field(default_factory=dict)  # tied names: alias -> the canonical tensor's name
+    aliases: Callable[[], dict[str, str]] = dict  # tied names: alias -> the canonical tensor's name
 
 
 def pipeline_source(checkpoint: Checkpoint, spec: LoadSpec) -> ArenaSource:
@@ -71,7 +77,7 @@ def pipeline_source(checkpoint: Checkpoint, spec: LoadSpec) -> ArenaSource:
     specs = processed_tensors(config, processed_dtype(checkpoint, spec), spec.tp_size)
     return ArenaSource(
         fingerprint=compute_fingerprint(checkpoint, spec),
-        specs=specs,
+        specs=lambda: specs,
         tensors=lambda: iter_processed(checkpoint, spec, progress=True),
         device=torch.device(spec.device),
     )
@@ -81,6 +87,7 @@ def pipeline_source(checkpoint: Checkpoint, spec: LoadSpec) -> ArenaSource:
 class Client:
     pid: int
     uid: int
+    conn: socket.socket = field(repr=False)
     connected_at: float = field(default_factory=time.time)
     attached: bool = False
 
@@ -104,6 +111,7 @@ class CacheDaemon:
         backend: str,
         allowed_uids: frozenset[int],
         request_timeout: float = REQUEST_TIMEOUT_S,
+        max_connections: int = MAX_CONNECTIONS,
     ) -> None:
         if len(os.fsencode(paths.socket)) > MAX_SOCKET_PATH:
             raise ConfigError(f"socket path {paths.socket} is longer than {MAX_SOCKET_PATH} bytes")
@@ -112,6 +120,7 @@ class CacheDaemon:
         self.backend = get_backend(backend)
         self.allowed_uids = allowed_uids
         self.request_timeout = request_timeout
+        self.max_connections = max_connections
         self.fingerprint = source.fingerprint
         self.started_at = time.time()
         self.arena: ExportedArena | None = None
@@ -135,6 +144,7 @@ class CacheDaemon:
         ensure_private_dir(self.paths.socket.parent, shared=self.admits_other_uids)
         self._take_lock()
         try:
+            check_socket_path_free(self.paths.socket)  # before the (slow) load, not after it
             self.load()
             self._bind()
             self._write_ready()
@@ -161,7 +171,7 @@ class CacheDaemon:
     def load(self) -> None:
         """Run the pipeline once, copying each processed tensor into its place in the arena."""
         start = time.perf_counter()
-        entries, nbytes = arena_layout.plan_layout(self.source.specs)
+        entries, nbytes = arena_layout.plan_layout(self.source.specs())
         device = self.source.device
         self.arena = self.backend.allocate(nbytes, device)
         if device.type == "cuda":
@@ -196,7 +206,7 @@ class CacheDaemon:
             "device": str(device),
             "backend": self.backend.name,
             "tensors": [entry.to_json() for entry in entries],
-            "aliases": self.source.aliases,
+            "aliases": self.source.aliases(),
         }
         log.info(
             "loaded %d tensors in %.2f s, hashed in %.2f s (%s)",
@@ -216,7 +226,9 @@ class CacheDaemon:
             ) from None
 
     def _bind(self) -> None:
-        """We hold the lock, so a leftover socket or marker is stale: remove and bind fresh."""
+        """We hold the lock, so a leftover socket nobody listens on, or a marker, is stale: remove and
+        bind fresh. Anything else at the socket path is refused (``check_socket_path_free``)."""
+        check_socket_path_free(self.paths.socket)
         for stale in (self.paths.socket, self.paths.ready):
             with contextlib.suppress(FileNotFoundError):
                 stale.unlink()
@@ -253,44 +265,75 @@ class CacheDaemon:
                 log.warning("accept on %s failed: %s", self.paths.socket, exc)
                 self._should_exit.wait(0.1)
                 continue
-            threading.Thread(target=self._serve_connection, args=(conn,), daemon=True).start()
+            client = self._admit(conn)
+            if client is not None:
+                threading.Thread(target=self._serve_connection, args=(client,), daemon=True).start()
+
+    def _admit(self, conn: socket.socket) -> Client | None:
+        """Register ``conn``; at the cap, shed the connection that has waited longest for a request (or,
+        when every slot is an attached engine, refuse this one). None when ``conn`` is not served."""
+        pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        client = Client(pid=pid, uid=uid, conn=conn)
+        with self._clients_lock:
+            if len(self.clients) >= self.max_connections:
+                waiting = [c for c in self.clients.values() if not c.attached]
+                if not waiting:
+                    log.warning("refused pid %d: all %d connections are attached engines", pid, self.max_connections)
+                    self._reply(conn, error_reply("busy", f"all {self.max_connections} connections are in use"))
+                    conn.close()
+                    return None
+                slowest = min(waiting, key=lambda c: c.connected_at)
+                log.warning(
+                    "%d connections open: shedding pid %d, waiting %.1f s",
+                    len(self.clients),
+                    slowest.pid,
+                    time.time() - slowest.connected_at,
+                )
+                del self.clients[id(slowest.conn)]
+                with contextlib.suppress(OSError):
+                    slowest.conn.shutdown(socket.SHUT_RDWR)  # its thread sees EOF and ends
+            self.clients[id(conn)] = client
+        return client
 
     def _cleanup(self) -> None:
+        """Close and remove what we made; a path we never bound (maybe someone else's) is left alone."""
         unpublish(self._published, self.paths.socket)
         if self._listener is not None:
             self._listener.close()
-        for path in (self.paths.ready, self.paths.socket):
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
+            for path in (self.paths.ready, self.paths.socket):
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
         if self.arena is not None:
             self.arena.close()
         self._lock.release()
-        log.info("stopped; socket and ready marker removed")
+        log.info("stopped; socket and ready marker removed" if self._listener is not None else "stopped")
 
     # -- one connection ----------------------------------------------------------------------
 
-    def _serve_connection(self, conn: socket.socket) -> None:
-        with conn:
-            pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-            if uid not in self.allowed_uids:
-                log.warning("refused connection from pid %d: uid %d is not allowed", pid, uid)
-                self._reply(conn, error_reply("forbidden", f"uid {uid} may not use this cache"))
-                return
-            key = id(conn)
+    def _serve_connection(self, client: Client) -> None:
+        conn = client.conn
+        try:
+            with conn:
+                if client.uid not in self.allowed_uids:
+                    log.warning("refused connection from pid %d: uid %d is not allowed", client.pid, client.uid)
+                    with contextlib.suppress(ProtocolError, OSError):  # read its request, so it sees our reply
+                        recv_message(conn, deadline=time.monotonic() + self.request_timeout)
+                    self._reply(conn, error_reply("forbidden", f"uid {client.uid} may not use this cache"))
+                    return
+                self._converse(conn, client)
+        finally:
             with self._clients_lock:
-                self.clients[key] = Client(pid=pid, uid=uid)
-            try:
-                self._converse(conn, self.clients[key])
-            finally:
-                with self._clients_lock:
-                    self.clients.pop(key, None)
+                if self.clients.get(id(conn)) is client:
+                    del self.clients[id(conn)]
 
     def _converse(self, conn: socket.socket, client: Client) -> None:
-        """Answer requests until the peer leaves or errs. Attached peers have no deadline."""
+        """Answer requests until the peer leaves or errs. Each whole request has a deadline, except
+        that an attached engine may stay silent for its whole life."""
         while not self._should_exit.is_set():
-            conn.settimeout(None if client.attached else self.request_timeout)
+            conn.settimeout(None)
+            deadline = None if client.attached else time.monotonic() + self.request_timeout
             try:
-                request, _ = recv_message(conn, max_fds=0)
+                request, _ = recv_message(conn, max_fds=0, deadline=deadline)
             except PeerClosed:
                 return
             except TimeoutError:
@@ -319,8 +362,7 @@ class CacheDaemon:
 
     def _reply(self, conn: socket.socket, reply: dict[str, Any], fds: list[int] | None = None) -> bool:
         try:
-            conn.settimeout(self.request_timeout)
-            send_message(conn, reply, fds or [])
+            send_message(conn, reply, fds or [], deadline=time.monotonic() + self.request_timeout)
             return True
         except OSError as exc:
             log.debug("could not reply: %s", exc)
@@ -329,7 +371,7 @@ class CacheDaemon:
     # -- requests ----------------------------------------------------------------------------
 
     def handle_hello(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
-        if request.get("version") != PROTOCOL_VERSION:
+        if not is_our_version(request.get("version")):
             return _version_mismatch(request), []
         return {
             "ok": True,
@@ -339,7 +381,7 @@ class CacheDaemon:
         }, []
 
     def handle_attach(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
-        if request.get("version") != PROTOCOL_VERSION:
+        if not is_our_version(request.get("version")):
             return _version_mismatch(request), []
         try:
             expected = Fingerprint.from_json(request.get("fingerprint"))
@@ -347,17 +389,14 @@ class CacheDaemon:
             return error_reply("bad_message", f"attach: {exc}"), []
         differences = self.fingerprint.differences(expected)
         if differences:
-            listed = "; ".join(
-                f"{name}: daemon has {ours!r}, engine expects {theirs!r}" for name, ours, theirs in differences
-            )
             return error_reply(
                 "fingerprint_mismatch",
-                f"refusing attach: fingerprint differs in {len(differences)} field(s): {listed}",
+                f"refusing attach: {describe_differences(differences)}",
                 differences=[list(d) for d in differences],
             ), []
         assert self.arena is not None
         handle, fds = self.arena.export()
-        return {"ok": True, "manifest": self.manifest, "handle": handle}, fds
+        return {"ok": True, "version": PROTOCOL_VERSION, "manifest": self.manifest, "handle": handle}, fds
 
     def handle_status(self, _request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         with self._clients_lock:
@@ -385,6 +424,37 @@ class CacheDaemon:
             "clients": clients,
         }
         return {"ok": True, "status": status}, []
+
+
+def check_socket_path_free(path: Path) -> None:
+    """ConfigError unless ``path`` is absent or a stale socket (one nobody listens on): a directory, a
+    regular file or a symlink is never deleted, and a live listener is never replaced."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(info.st_mode):
+        kind = "a directory" if stat.S_ISDIR(info.st_mode) else "a symlink" if stat.S_ISLNK(info.st_mode) else "a file"
+        raise ConfigError(f"{path} is {kind}, not a socket; hotweights will not remove it: move it or pass --socket")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    probe.settimeout(1.0)
+    with probe:
+        try:
+            probe.connect(str(path))
+        except (ConnectionRefusedError, FileNotFoundError):
+            return  # stale: its listener is gone
+        except OSError as exc:
+            raise ConfigError(f"cannot tell whether {path} is in use ({exc.strerror}): pass another --socket") from None
+        pid, uid, _gid = struct.unpack("3i", probe.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    owner = f"pid {pid}, uid {uid}, {_command(pid)}"
+    raise ConfigError(f"{path} is in use by another process ({owner}): stop it or pass --socket")
+
+
+def _command(pid: int) -> str:
+    try:
+        return repr(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip())
+    except OSError:
+        return "command unknown"
 
 
 def _version_mismatch(request: dict[str, Any]) -> dict[str, Any]:

@@ -75,6 +75,12 @@ class Fingerprint:
         ]
 
 
+def describe_differences(differences: list[tuple[str, object, object]]) -> str:
+    """The operator's sentence for ``daemon_fingerprint.differences(engine_fingerprint)``."""
+    listed = "; ".join(f"{name}: daemon has {ours!r}, engine expects {theirs!r}" for name, ours, theirs in differences)
+    return f"fingerprint differs in {len(differences)} field(s): {listed}"
+
+
 def compute_fingerprint(checkpoint: Checkpoint, spec: LoadSpec) -> Fingerprint:
     """What an engine expects, and what the daemon serves, for this checkpoint and spec."""
     config = processed_config(checkpoint, spec)

@@ -27,12 +27,13 @@ from importlib import resources
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from tqdm import tqdm
 
 from hotweights.dtypes import MODEL_DTYPES, config_name
-from hotweights.errors import ConfigError
+from hotweights.errors import CheckpointError, ConfigError
 from hotweights.layout import ModelConfig, TensorSpec, checkpoint_tensors
 from hotweights.paths import hotweights_home
 from hotweights.quant import FP8_BLOCK, FP8_DTYPE, QUANT_CONFIG, QUANT_METHODS, SCALE_SUFFIX, quantize, scale_shape
@@ -206,7 +207,10 @@ def write_weights(
             for spec in shard:
                 tensors.update(output_tensors(spec, dtype=dtype, quant=quant, seed=seed, device=device))
                 bar.update(spec_nbytes(spec, dtype, quant))
-            save_file(tensors, out / name, metadata={"format": "pt"})
+            try:
+                save_file(tensors, out / name, metadata={"format": "pt"})
+            except SafetensorError as exc:  # how the Rust writer reports ENOSPC, EFBIG, EIO
+                raise OSError(f"{name}: {exc}") from None
             weight_map.update(dict.fromkeys(tensors, name))
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     write_json(out / INDEX_FILE, index)
@@ -243,7 +247,7 @@ def write_tokenizer(out: Path, config: ModelConfig) -> tuple[int, int]:
     """Write tokenizer.json and tokenizer_config.json; return (bos_id, eos_id)."""
     text = tokenizer_json(min(config.vocab_size, MAX_TOKENIZER_VOCAB))
     tokenizer = Tokenizer.from_str(text)
-    (out / "tokenizer.json").write_text(text, encoding="utf-8")
+    write_text(out / "tokenizer.json", text)
     write_json(
         out / "tokenizer_config.json",
         {
@@ -286,7 +290,15 @@ def hf_config(config: ModelConfig, *, dtype: torch.dtype, quant: str | None, bos
 
 
 def write_json(path: Path, data: dict) -> None:
-    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    write_text(path, json.dumps(data, indent=2) + "\n")
+
+
+def write_text(path: Path, text: str) -> None:
+    """``path.write_text`` whose OSError names the file (a failed write() alone carries no filename)."""
+    try:
+        path.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror, str(path)) from None
 
 
 def is_nonempty_dir(path: Path) -> bool:
@@ -337,7 +349,8 @@ def write_checkpoint(
 
     Everything is written into a hidden temporary directory beside ``out_dir`` and renamed into
     place at the end, so an interrupted run never leaves a half checkpoint at ``out_dir``. Raises
-    ``ConfigError`` for a bad shape, or when ``out_dir`` is non-empty and ``overwrite`` is false.
+    ``ConfigError`` for a bad shape, or when ``out_dir`` is non-empty and ``overwrite`` is false;
+    ``CheckpointError`` when a write fails (disk full, file too large), after removing the partial files.
     Values depend on (seed, tensor name, device): CPU and CUDA generators draw different numbers.
     """
     validate_config(config, dtype, quant)
@@ -367,6 +380,10 @@ def write_checkpoint(
         )
         apply_umask(tmp)
         move_into_place(tmp, out_dir, overwrite=overwrite)
+    except OSError as exc:  # disk full, file too large, I/O error: one line, nothing left behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        written = f"{Path(exc.filename).name}: {exc.strerror}" if exc.filename else str(exc)
+        raise CheckpointError(f"cannot write the checkpoint {out_dir} ({written}); nothing was left behind") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

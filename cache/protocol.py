@@ -7,10 +7,13 @@ parse JSON and nothing more. Every request has an ``op``; every reply has ``ok``
 
 Requests                                   Replies (ok=true)
   {"op": "hello", "version": 1}              {"version", "pid", "fingerprint_digest"}
-  {"op": "attach", "fingerprint": {...}}     {"manifest": {...}, "handle": {...}} + fds
+  {"op": "attach", "fingerprint": {...}}     {"version", "manifest": {...}, "handle": {...}} + fds
   {"op": "status"}                           {"status": {...}}
 Refusals (ok=false) carry ``error`` in ERROR_CODES; an attach refused for a fingerprint mismatch
-lists ``differences``: [[field, daemon's value, engine's value], ...].
+lists ``differences``: [[field, daemon's value, engine's value], ...]. ``ok`` is exactly true or false
+and ``version`` exactly the int PROTOCOL_VERSION (``reply_ok``, ``check_version``); anything else is a
+ProtocolError. Sending or receiving one whole message has one deadline (``deadline``, a
+``time.monotonic()`` instant), so a peer that trickles a byte at a time cannot stretch it.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import json
 import os
 import socket
 import struct
+import time
 from typing import Any
 
 PROTOCOL_VERSION = 1
@@ -32,6 +36,7 @@ ERROR_CODES = (
     "fingerprint_mismatch",
     "forbidden",  # peer uid not allowed
     "not_ready",
+    "busy",  # every connection slot is held by an attached engine
 )
 
 
@@ -50,22 +55,34 @@ def encode(message: dict[str, Any]) -> bytes:
     return HEADER.pack(len(body)) + body
 
 
-def send_message(sock: socket.socket, message: dict[str, Any], fds: list[int] | tuple[int, ...] = ()) -> None:
+def send_message(
+    sock: socket.socket,
+    message: dict[str, Any],
+    fds: list[int] | tuple[int, ...] = (),
+    deadline: float | None = None,
+) -> None:
+    """Send one frame (with ``fds``); TimeoutError once ``deadline`` passes."""
     frame = encode(message)
+    _arm(sock, deadline)
     sent = socket.send_fds(sock, [frame], list(fds)) if fds else sock.send(frame)
     if sent < len(frame):
-        sock.sendall(frame[sent:])
+        _arm(sock, deadline)
+        sock.sendall(frame[sent:])  # sendall's timeout bounds the whole call
 
 
-def recv_message(sock: socket.socket, max_fds: int = 0) -> tuple[dict[str, Any], list[int]]:
-    """Read one frame; fds beyond ``max_fds`` (and all fds, on error) are closed, never leaked."""
+def recv_message(
+    sock: socket.socket, max_fds: int = 0, deadline: float | None = None
+) -> tuple[dict[str, Any], list[int]]:
+    """Read one frame; fds beyond ``max_fds`` (and all fds, on error) are closed, never leaked.
+    With ``deadline``, the whole frame must arrive before it (TimeoutError otherwise); without,
+    the socket's own timeout applies to each read."""
     fds: list[int] = []
     try:
-        header = _recv_exactly(sock, HEADER.size, fds, max_fds, first=True)
+        header = _recv_exactly(sock, HEADER.size, fds, max_fds, deadline, first=True)
         (length,) = HEADER.unpack(header)
         if length > MAX_MESSAGE_BYTES:
             raise ProtocolError(f"frame of {length} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")
-        body = _recv_exactly(sock, length, fds, max_fds, first=False)
+        body = _recv_exactly(sock, length, fds, max_fds, deadline, first=False)
         try:
             message = json.loads(body)
         except (ValueError, RecursionError) as exc:  # also a >4300-digit int, or nesting too deep
@@ -79,9 +96,22 @@ def recv_message(sock: socket.socket, max_fds: int = 0) -> tuple[dict[str, Any],
         raise
 
 
-def _recv_exactly(sock: socket.socket, n: int, fds: list[int], max_fds: int, *, first: bool) -> bytes:
+def _arm(sock: socket.socket, deadline: float | None) -> None:
+    """Give the next socket call what is left of ``deadline``; TimeoutError if nothing is."""
+    if deadline is None:
+        return
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the message deadline passed")
+    sock.settimeout(left)
+
+
+def _recv_exactly(
+    sock: socket.socket, n: int, fds: list[int], max_fds: int, deadline: float | None, *, first: bool
+) -> bytes:
     chunks, received = [], 0
     while received < n:
+        _arm(sock, deadline)
         if first and received == 0:
             data, new_fds, _flags, _addr = socket.recv_fds(sock, n, MAX_FDS)
             fds.extend(new_fds)
@@ -96,6 +126,26 @@ def _recv_exactly(sock: socket.socket, n: int, fds: list[int], max_fds: int, *, 
         chunks.append(data)
         received += len(data)
     return b"".join(chunks)
+
+
+def reply_ok(reply: dict[str, Any]) -> bool:
+    """The reply's ``ok``, which must be the JSON literal true or false."""
+    ok = reply.get("ok")
+    if type(ok) is not bool:
+        raise ProtocolError(f"reply field 'ok' must be true or false, found {ok!r}")
+    return ok
+
+
+def is_our_version(value: object) -> bool:
+    """Exactly the int PROTOCOL_VERSION: 1.0 and true compare equal to 1 in Python, and are refused."""
+    return type(value) is int and value == PROTOCOL_VERSION
+
+
+def check_version(reply: dict[str, Any]) -> None:
+    """ProtocolError unless the reply's ``version`` is exactly the int PROTOCOL_VERSION (not 1.0, not true)."""
+    version = reply.get("version")
+    if not is_our_version(version):
+        raise ProtocolError(f"peer speaks protocol version {version!r}, we speak {PROTOCOL_VERSION}")
 
 
 def error_reply(code: str, message: str, **extra: Any) -> dict[str, Any]:

@@ -14,10 +14,10 @@ architectures, never share an arena.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import sys
-from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -129,7 +129,7 @@ def engine_config(model_dir: Path, spec: LoadSpec) -> Any:
     return args.create_engine_config()
 
 
-def load_vllm_model(model_dir: Path, spec: LoadSpec) -> tuple[Any, torch.nn.Module]:
+def load_vllm_model(vllm_config: Any, spec: LoadSpec) -> torch.nn.Module:
     """vLLM's loader, once, in this process: build, load, post-process (no CPU packing)."""
     from vllm.config import set_current_vllm_config
     from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
@@ -140,7 +140,6 @@ def load_vllm_model(model_dir: Path, spec: LoadSpec) -> tuple[Any, torch.nn.Modu
 
     if spec.tp_size != 1:
         raise ConfigError("--format vllm: tensor parallelism is not supported yet (use --tp-size 1)")
-    vllm_config = engine_config(model_dir, spec)
     init_distributed_environment(
         world_size=1,
         rank=0,
@@ -159,24 +158,26 @@ def load_vllm_model(model_dir: Path, spec: LoadSpec) -> tuple[Any, torch.nn.Modu
             loader.load_weights(model, model_config)
             skip_cpu_packing(model)
             process_weights_after_loading(model, model_config, device)
-    return vllm_config, model.eval()
+    return model.eval()
 
 
 def vllm_source(model_dir: Path, spec: LoadSpec) -> ArenaSource:
-    """The daemon's ``ArenaSource`` for ``--format vllm``."""
+    """The daemon's ``ArenaSource`` for ``--format vllm``: the fingerprint now (vLLM's config), the
+    model when the daemon loads (after its socket-path checks)."""
     vllm_version()
-    vllm_config, model = load_vllm_model(model_dir, spec)
-    tensors, aliases = export_tensors(model)
+    vllm_config = engine_config(model_dir, spec)
     device = torch.device(spec.device)
-    log.info("vLLM built %d tensors (%d tied names) for %s", len(tensors), len(aliases), model_dir)
 
-    def produce() -> Iterator[tuple[str, torch.Tensor]]:
-        yield from tensors.items()
+    @functools.cache
+    def exported() -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        tensors, aliases = export_tensors(load_vllm_model(vllm_config, spec))
+        log.info("vLLM built %d tensors (%d tied names) for %s", len(tensors), len(aliases), model_dir)
+        return tensors, aliases
 
     return ArenaSource(
         fingerprint=vllm_fingerprint(vllm_config.model_config, spec.tp_size, spec.tp_rank, device),
-        specs={name: (tuple(t.shape), t.dtype) for name, t in tensors.items()},
-        tensors=produce,
+        specs=lambda: {name: (tuple(t.shape), t.dtype) for name, t in exported()[0].items()},
+        tensors=lambda: iter(exported()[0].items()),
         device=device,
-        aliases=aliases,
+        aliases=lambda: exported()[1],
     )

@@ -32,7 +32,10 @@ def load_tokenizer(model_dir: Path) -> Tokenizer:
     path = model_dir / "tokenizer.json"
     if not path.is_file():
         raise CheckpointError(f"{path} is missing: the checkpoint has no tokenizer")
-    return Tokenizer.from_file(str(path))
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # the tokenizers library raises a bare Exception for any bad file
+        raise CheckpointError(f"{path}: not a tokenizer the tokenizers library can read ({exc})") from None
 
 
 def stop_token_ids(model_dir: Path) -> tuple[int, ...]:

@@ -61,7 +61,12 @@ def bind_arena(model: nn.Module, attachment: Attachment) -> None:
     (tied names: one object)."""
     modules = dict(model.named_modules(remove_duplicate=False))
     bound: dict[str, torch.Tensor] = {}
-    names = {**{n: n for n in attachment.tensors}, **attachment.manifest.get("aliases", {})}
+    aliases = attachment.manifest.get("aliases", {})
+    if not isinstance(aliases, dict) or not all(
+        isinstance(alias, str) and canonical in attachment.tensors for alias, canonical in aliases.items()
+    ):
+        raise ConfigError("the daemon's manifest names tied tensors that it does not hold")
+    names = {**{n: n for n in attachment.tensors}, **aliases}
     for name, canonical in names.items():
         module_name, _, leaf = name.rpartition(".")
         module = modules.get(module_name)

@@ -414,7 +414,7 @@ def test_unknown_backend_in_attach_reply_closes_the_fds() -> None:
     read_end, write_end = os.pipe()
     try:
         with pytest.raises(DaemonUnavailable, match="cannot map the nope arena"):
-            _import({"handle": {"backend": "nope"}}, [read_end], torch.device("cpu"))
+            _import({"handle": {"backend": "nope"}}, [read_end], torch.device("cpu"), "d.sock")
         with pytest.raises(OSError):
             os.fstat(read_end)
     finally:

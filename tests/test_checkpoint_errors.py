@@ -208,3 +208,33 @@ def test_header_entry_with_mistyped_offsets(ckpt: Path) -> None:
     shard.write_bytes(struct.pack("<Q", len(blob)) + blob + data[8 + length :])
     with pytest.raises(CheckpointError, match=rf"{shard.name}: corrupt header entry for tensor '{name}'"):
         read_checkpoint(ckpt)
+
+
+@pytest.mark.parametrize("escape", ["../../../../etc/passwd", "sub/../../other/model.safetensors", "absolute"])
+def test_index_entry_outside_the_checkpoint_is_refused(ckpt: Path, tiny_model: Path, escape: str) -> None:
+    """An absolute path to another checkpoint's (valid) shard, or any '..', would be read from outside."""
+    if escape == "absolute":
+        escape = str(first_shard(tiny_model))
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.norm.weight"] = escape
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError) as refused:
+        read_checkpoint(ckpt)
+    message = str(refused.value)
+    assert "model.safetensors.index.json" in message and "'model.norm.weight'" in message
+    assert escape in message and "outside the checkpoint directory" in message
+
+
+@pytest.mark.parametrize("content", ['{"x": 1}', "not json", "[]"])
+def test_unreadable_tokenizer_is_one_line(ckpt: Path, content: str) -> None:
+    (ckpt / "tokenizer.json").write_text(content)
+    result = subprocess.run(
+        hotweights_command("generate", "--model", str(ckpt), "--prompt", "hi", "--max-tokens", "1"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert f"{ckpt / 'tokenizer.json'}: not a tokenizer" in result.stderr
+    assert len([line for line in result.stderr.splitlines() if "error" in line.lower()]) == 1, result.stderr

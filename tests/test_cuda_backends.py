@@ -22,6 +22,7 @@ from bench.gpu_backends_check import (
     check_import_time,
     check_roundtrip,
     check_sigkill,
+    check_write_refused,
     check_wrong_device,
     cuda_ready,
     digest,
@@ -129,3 +130,13 @@ def test_cuda_vmm_unmaps_only_after_the_last_view(device: torch.device) -> None:
     del view
     gc.collect()
     assert arena.unmapped
+
+
+def test_cuda_vmm_importers_cannot_write_the_arena(device: torch.device) -> None:
+    """The driver maps the arena PROT_READ into engines: a kernel writing it fails, the bytes stay.
+    (cuda-ipc cannot give this guarantee: its handle maps read-write; see docs/operations.md.)"""
+    _backend("cuda-vmm")
+    res = check_write_refused("cuda-vmm", device)
+    assert res["read_only"] is True, "the driver did not grant a read-only mapping"
+    assert res["unchanged"], f"an importer overwrote the arena: {res}"
+    assert res["ok"], res

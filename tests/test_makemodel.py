@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import resource
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -19,6 +22,7 @@ from hotweights import quant
 from hotweights.cli import main
 from hotweights.errors import ConfigError
 from hotweights.layout import ModelConfig, checkpoint_tensors
+from hotweights.spawn import hotweights_command
 
 TINY = PRESETS["tiny"]
 # Dims that are not multiples of 128 and heads != kv heads, so shapes and FP8 padding are exercised.
@@ -398,3 +402,39 @@ def test_greedy_generation_is_not_degenerate(tiny: Path) -> None:
 def test_permissions_follow_umask(tiny: Path) -> None:
     assert tiny.stat().st_mode & 0o777 == 0o777 & ~current_umask()
     assert {p.stat().st_mode & 0o777 for p in tiny.iterdir()} == {0o666 & ~current_umask()}
+
+
+def _limit_file_size(limit: int):
+    """A real write failure: RLIMIT_FSIZE makes write() fail with EFBIG (Python ignores SIGXFSZ)."""
+    return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+
+@pytest.mark.parametrize(
+    ("flags", "limit", "failing"),
+    [
+        ((), 100_000, r"model-00001-of-00001\.safetensors"),  # the 3.4 MB shard
+        # 62 shards of < 5 KB and a 45 KB index: the index is the write that fails
+        (
+            (
+                *("--vocab", "300", "--hidden", "8", "--heads", "1", "--kv-heads", "1", "--head-dim", "8"),
+                *("--intermediate", "8", "--layers", "60", "--shard-size", "1KB"),
+            ),
+            20_000,
+            r"model\.safetensors\.index\.json",
+        ),
+    ],
+)
+def test_write_failure_is_one_line_and_leaves_nothing(tmp_path: Path, flags: tuple, limit: int, failing: str) -> None:
+    out = tmp_path / "m"
+    result = subprocess.run(
+        hotweights_command("make-model", str(out), "--quiet", *flags),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=_limit_file_size(limit),
+    )
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert re.search(rf"cannot write the checkpoint {re.escape(str(out))} \({failing}: .*File too large", result.stderr)
+    assert list(tmp_path.iterdir()) == [], "a partial checkpoint was left behind"

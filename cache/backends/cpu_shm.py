@@ -1,9 +1,12 @@
 """cpu-shm: the arena is a sealed memfd; engines get a read-only fd and map it read-only.
 
 This is real zero-copy shared memory (the kernel refcounts the pages, so an engine's mapping
-outlives the daemon) and the backend CI exercises. The memfd is sealed against shrinking and
-growing, so no process can pull pages from under the others; engines receive a descriptor
-reopened read-only, so they cannot write even if they tried.
+outlives the daemon) and the backend CI exercises. Once the daemon has mapped it, the memfd is
+sealed against shrinking and growing (no process can pull pages from under the others, so no
+SIGBUS), against writing (F_SEAL_FUTURE_WRITE: write, pwrite, fallocate and every new writable
+shared mapping fail with EPERM, even through a read-write reopen of /proc/<pid>/fd/N; only the
+daemon's own mapping, made before the seal, can still write) and against changing the seals.
+An engine maps only a memfd that carries all four seals and exactly the size the manifest names.
 """
 
 from __future__ import annotations
@@ -19,6 +22,14 @@ import torch
 from hotweights.cache.backends.base import ArenaBackend, ExportedArena, ImportedArena
 
 PAGE = mmap.PAGESIZE
+F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)  # Linux >= 5.1; Python 3.11 lacks the name
+ARENA_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL
+SEAL_NAMES = {
+    fcntl.F_SEAL_SHRINK: "shrink",
+    fcntl.F_SEAL_GROW: "grow",
+    F_SEAL_FUTURE_WRITE: "future-write",
+    fcntl.F_SEAL_SEAL: "seal",
+}
 
 
 def _frombuffer(buffer: mmap.mmap, nbytes: int) -> torch.Tensor:
@@ -33,8 +44,8 @@ class CpuShmExported(ExportedArena):
         self.nbytes = -(-max(nbytes, 1) // PAGE) * PAGE
         self._fd = os.memfd_create("hotweights-arena", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         os.ftruncate(self._fd, self.nbytes)
-        fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
         self._map = mmap.mmap(self._fd, self.nbytes, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, ARENA_SEALS)  # after our mapping: it alone stays writable
         self.tensor = _frombuffer(self._map, self.nbytes)
         self._readonly_fd = os.open(f"/proc/self/fd/{self._fd}", os.O_RDONLY | os.O_CLOEXEC)
 
@@ -52,12 +63,26 @@ class CpuShmExported(ExportedArena):
         self._fd = -1
 
 
+def check_arena_fd(fd: int, nbytes: int) -> None:
+    """ValueError unless ``fd`` is a memfd of exactly ``nbytes`` carrying every seal in ARENA_SEALS:
+    anything else (a regular file, an unsealed memfd) could shrink under our mapping (SIGBUS on the
+    next read) or change under it."""
+    target = os.readlink(f"/proc/self/fd/{fd}")
+    if not target.startswith("/memfd:"):
+        raise ValueError(f"cpu-shm arena fd is {target!r}, not a memfd")
+    seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    missing = [name for bit, name in SEAL_NAMES.items() if not seals & bit]
+    if missing:
+        raise ValueError(f"cpu-shm arena memfd lacks the {', '.join(missing)} seal(s)")
+    size = os.fstat(fd).st_size
+    if size != nbytes:
+        raise ValueError(f"cpu-shm arena memfd holds {size} bytes, the handle says {nbytes}")
+
+
 class CpuShmImported(ImportedArena):
     def __init__(self, fd: int, nbytes: int) -> None:
         try:
-            size = os.fstat(fd).st_size
-            if size < nbytes:
-                raise ValueError(f"cpu-shm arena fd holds {size} bytes, the handle claims {nbytes}")
+            check_arena_fd(fd, nbytes)
             self._map = mmap.mmap(fd, nbytes, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
@@ -86,7 +111,7 @@ class CpuShmBackend(ArenaBackend):
                 os.close(fd)
             raise ValueError(f"cpu-shm expects exactly 1 fd, received {len(fds)}")
         nbytes = handle.get("nbytes")
-        if not isinstance(nbytes, int) or nbytes <= 0:
+        if type(nbytes) is not int or nbytes <= 0:
             os.close(fds[0])
             raise ValueError(f"cpu-shm handle has bad nbytes {nbytes!r}")
         return CpuShmImported(fds[0], nbytes)
