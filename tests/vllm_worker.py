@@ -18,11 +18,11 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     model, load_format = sys.argv[1], sys.argv[2]
-    extra = json.loads(sys.argv[3]) if len(sys.argv) > 3 else None
+    extra = {"model_loader_extra_config": json.loads(sys.argv[3])} if len(sys.argv) > 3 else {}
     llm = LLM(
         model=model,
         load_format=load_format,
-        model_loader_extra_config=extra,
+        **extra,
         enforce_eager=True,
         max_model_len=256,
         dtype="bfloat16",
