@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -88,6 +89,13 @@ def wait_new_primary(urls: list[str], old: str, timeout: float) -> tuple[str, fl
             "[[groups]]\nlisten_base_port = 9000\n[[groups]]\nbase_port = 8300\nlisten_base_port = 9002\n",
             "engine g1-e0 listen port 9002, which collides with engine g0-e2 listen port (groups[0].listen_base_port)",
         ),
+        ("[[groups]]\nengine = 'sglang'\n", "groups[0].engine must be one of ['reference', 'vllm'], found 'sglang'"),
+        ("[[groups]]\nengine = 'vllm'\n", "groups[0].engine_python is required with engine = \"vllm\""),
+        ("[[groups]]\nengine = 'vllm'\nengine_python = '/nonexistent/python'\n", "is not an executable file"),
+        ("[[groups]]\nengine_args = ['--x']\n", 'engine_python, engine_args and engine_env need engine = "vllm"'),
+        ("[[groups]]\nengine_args = '--x'\n", "groups[0].engine_args must be a list of strings, found '--x'"),
+        ("[[groups]]\nengine_env = {A = 1}\n", "groups[0].engine_env must be a table of strings, found {'A': 1}"),
+        ("[[groups]]\nstart_timeout_s = -1\n", "groups[0].start_timeout_s must be >= 0"),
     ],
 )
 def test_config_errors_name_file_and_key(tmp_path: Path, text: str, expected: str) -> None:
@@ -96,6 +104,28 @@ def test_config_errors_name_file_and_key(tmp_path: Path, text: str, expected: st
     with pytest.raises(ConfigError) as caught:
         load_config(path)
     assert str(path) in str(caught.value) and expected in str(caught.value)
+
+
+def test_a_vllm_group_runs_its_daemon_and_agents_with_vllms_python(tmp_path: Path, tiny_model: Path) -> None:
+    """The command lines the controller would start for a vLLM group (nothing is started here)."""
+    path = tmp_path / "cluster.toml"
+    python = sys.executable  # any executable file will do for the config; these are only command lines
+    path.write_text(
+        f'[model]\npath = "{tiny_model}"\n[[groups]]\nengines = 2\nengine = "vllm"\nengine_python = "{python}"\n'
+        'engine_args = ["--max-model-len", "256"]\nengine_env = { VLLM_CPU_KVCACHE_SPACE = "1" }\n'
+    )
+    layout = Layout.create(load_config(path), path)
+    daemon = layout.daemon_command(0)
+    assert daemon[:4] == [python, "-m", "hotweights", "cache"] and daemon[-2:] == ["--format", "vllm"]
+    agent = layout.engine_command(layout.config.engines()[1])
+    separator = agent.index("--")
+    assert agent[separator : separator + 3] == ["--", python, "-m"] and "agent" in agent[:separator]
+    engine = agent[separator + 1 :]
+    assert engine[engine.index("--port") + 1] == "{port}" and engine[-2:] == ["--max-model-len", "256"]
+    socket = json.loads(engine[engine.index("--model-loader-extra-config") + 1])["socket"]
+    assert socket == str(layout.socket(0)) and engine[engine.index("--load-format") + 1] == "hotweights"
+    assert layout.environment(0)["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert layout.config.groups[0].start_timeout() == 600.0
 
 
 def test_listen_base_port_moves_only_the_engines_listening_socket(tmp_path: Path, tiny_model: Path) -> None:
