@@ -36,10 +36,9 @@ from hotweights.cache.fingerprint import ARENA_FORMAT_VERSION, REFERENCE_LAYOUT,
 from hotweights.cache.makemodel import write_checkpoint
 from hotweights.cache.paths import DaemonPaths
 from hotweights.cache.pipeline import LoadSpec, load_processed
+from hotweights.layout import ModelConfig
 from hotweights.standby.model import TensorParallel
 from hotweights.standby.weights import bind, build_meta_model, expected_tensors
-
-from hotweights.layout import ModelConfig
 
 DTYPE = torch.bfloat16
 

@@ -45,9 +45,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
 from hotweights.chaos.clusterview import ClusterView
 from hotweights.chaos.stack import free_ports
-
 from hotweights.spawn import hotweights_command
 from hotweights.stats import percentile
 

@@ -34,6 +34,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
+
 from hotweights.cache.backends import get_backend
 from hotweights.cache.backends.base import BackendUnavailable, ExportedArena
 

@@ -24,7 +24,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from hotweights.cache.checkpoint import read_checkpoint
 from hotweights.cache.makemodel import PRESETS, write_checkpoint
 from hotweights.cache.pipeline import LoadSpec, load_processed
-
 from hotweights.quant import QUANT_METHODS
 
 

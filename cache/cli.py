@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from hotweights.cache.backends import BACKENDS, default_backend_name
 from hotweights.cache.checkpoint import read_checkpoint
 from hotweights.cache.client import AttachRefused, DaemonUnavailable, attach, request
@@ -18,7 +19,6 @@ from hotweights.cache.fingerprint import Fingerprint, compute_fingerprint
 from hotweights.cache.paths import paths_for
 from hotweights.cache.pipeline import add_load_spec_arguments, load_spec_from_args, model_dir_from_args
 from hotweights.cache.vllm_format import FORMATS, VLLM_FORMAT, vllm_source
-
 from hotweights.errors import ConfigError
 from hotweights.paths import runtime_dir
 

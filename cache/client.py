@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from hotweights.cache import arena as arena_layout
 from hotweights.cache.arena import TensorEntry
 from hotweights.cache.backends import get_backend
@@ -52,7 +53,6 @@ from hotweights.cache.protocol import (
     reply_ok,
     send_message,
 )
-
 from hotweights.errors import HotweightsError
 
 CONNECT_TIMEOUT_S = 10.0  # one deadline for connect, request and the whole reply

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from hotweights.cache import arena as arena_layout
 from hotweights.cache.backends import get_backend
 from hotweights.cache.backends.base import ExportedArena
@@ -46,7 +47,6 @@ from hotweights.cache.protocol import (
     recv_message,
     send_message,
 )
-
 from hotweights.dtypes import ARENA_DTYPES
 from hotweights.errors import BindingError, ConfigError, HotweightsError
 from hotweights.layout import processed_tensors

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
+
 from hotweights.cache.checkpoint import INDEX_FILE, Checkpoint
 from hotweights.cache.pipeline import LoadSpec, processed_config, processed_dtype
 

@@ -15,7 +15,6 @@ from pathlib import Path
 from hotweights.cache.client import AttachRefused, DaemonUnavailable, hello
 from hotweights.cache.paths import DaemonPaths, ensure_private_dir
 from hotweights.cache.pipeline import LoadSpec
-
 from hotweights.dtypes import short_name
 from hotweights.pidlock import is_held
 from hotweights.spawn import hotweights_command

@@ -15,12 +15,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from hotweights.cache.checkpoint import Checkpoint, read_checkpoint
-from hotweights.cache.makemodel import ensure_default_model
 from safetensors import safe_open
 from tqdm import tqdm
 
 from hotweights import quant
+from hotweights.cache.checkpoint import Checkpoint, read_checkpoint
+from hotweights.cache.makemodel import ensure_default_model
 from hotweights.dtypes import MODEL_DTYPES
 from hotweights.errors import CheckpointError, ConfigError
 from hotweights.layout import ModelConfig

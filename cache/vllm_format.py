@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from hotweights.cache.daemon import ArenaSource
 from hotweights.cache.fingerprint import (
     ARENA_FORMAT_VERSION,
@@ -33,7 +34,6 @@ from hotweights.cache.fingerprint import (
     weights_index_hash,
 )
 from hotweights.cache.pipeline import LoadSpec
-
 from hotweights.dtypes import config_name
 from hotweights.errors import ConfigError
 from hotweights.ports import free_port

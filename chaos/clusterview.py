@@ -13,8 +13,8 @@ from datetime import datetime
 from typing import Any
 
 import httpx
-from hotweights.chaos.faults import Target
 
+from hotweights.chaos.faults import Target
 from hotweights.contract import Role, State
 
 

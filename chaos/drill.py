@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
 from hotweights.chaos import memory
 from hotweights.chaos.clusterview import ControlApi, lb_retries
 from hotweights.chaos.load import LoadGenerator, reference_completion
@@ -35,7 +36,6 @@ from hotweights.chaos.report import write_report
 from hotweights.chaos.scenarios import SCENARIOS, Round, Scenario
 from hotweights.chaos.splitbrain import SplitBrainDetector
 from hotweights.chaos.stack import DrillStack
-
 from hotweights.errors import ConfigError, HotweightsError
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,6 @@ from typing import Any
 from hotweights.chaos.load import RequestRecord
 from hotweights.chaos.measure import MEASURES, RoundResult
 from hotweights.chaos.scenarios import SCENARIOS
-
 from hotweights.stats import percentile
 
 log = logging.getLogger(__name__)

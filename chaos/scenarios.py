@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 from hotweights.chaos.faults import Target, is_alive, netem_unavailable, send
-
 from hotweights.contract import State
 
 if TYPE_CHECKING:

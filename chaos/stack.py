@@ -21,7 +21,6 @@ from pathlib import Path
 from hotweights.chaos.faults import Target
 from hotweights.chaos.memory import stack_pids
 from hotweights.controller.config import ClusterConfig, load_config
-
 from hotweights.errors import ConfigError
 from hotweights.ports import free_ports
 from hotweights.spawn import hotweights_command

@@ -16,14 +16,14 @@ import time
 
 from fastapi import Depends, FastAPI, Query
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from hotweights.controller.cluster import Cluster
-from hotweights.controller.events import EventLog
-from hotweights.controller.ha import Conflict, Ha, NotFound, NotPossible, Refused, Unavailable
-from hotweights.controller.metrics import ControllerMetrics
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
 from hotweights.contract import UNAUTHORIZED, Endpoint, bearer_check
+from hotweights.controller.cluster import Cluster
+from hotweights.controller.events import EventLog
+from hotweights.controller.ha import Conflict, Ha, NotFound, NotPossible, Refused, Unavailable
+from hotweights.controller.metrics import ControllerMetrics
 
 STATUS = {NotFound: 404, NotPossible: 412, Conflict: 409, Unavailable: 503}
 INTENT_TIMEOUT_S = 30.0  # plus the drain timeout for actions that drain

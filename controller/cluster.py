@@ -19,7 +19,9 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import httpx
+
 from hotweights.cache.client import AttachRefused, DaemonUnavailable, hello
+from hotweights.contract import Role, State
 from hotweights.controller.config import EngineSpec
 from hotweights.controller.health import HealthChecker, HealthRecord
 from hotweights.controller.stack import Layout
@@ -31,8 +33,6 @@ from hotweights.controller.supervisor import (
     stack_orphans,
     stop_recorded,
 )
-
-from hotweights.contract import Role, State
 from hotweights.state import (
     ClusterState,
     MemberRecord,

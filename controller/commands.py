@@ -28,6 +28,8 @@ from pathlib import Path
 
 import httpx
 import uvicorn
+
+from hotweights.contract import Role
 from hotweights.controller.api import build_app
 from hotweights.controller.cluster import Cluster, Snapshot
 from hotweights.controller.config import ClusterConfig, load_config
@@ -38,8 +40,6 @@ from hotweights.controller.health import HealthChecker
 from hotweights.controller.metrics import ControllerMetrics
 from hotweights.controller.stack import Layout
 from hotweights.controller.supervisor import STOP_TIMEOUT_S, ControllerLock, stack_orphans, stop_recorded
-
-from hotweights.contract import Role
 from hotweights.errors import ConfigError
 from hotweights.state import StateCorrupt, read_state, write_state
 

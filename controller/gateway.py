@@ -38,8 +38,6 @@ from pathlib import Path
 
 import httpx
 import uvicorn
-from hotweights.controller.config import GATEWAY_TOKEN_FIX, load_config
-from hotweights.standby.serving import AnnouncingServer, bind_port, run_until_signal
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -47,8 +45,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from hotweights.contract import NOT_NORMALIZED, SERVING_PREFIX, Endpoint, forwardable_path, refuse_open_listener
+from hotweights.controller.config import GATEWAY_TOKEN_FIX, load_config
 from hotweights.errors import ConfigError
 from hotweights.proxying import HOP_BY_HOP, ProxiedStream
+from hotweights.standby.serving import AnnouncingServer, bind_port, run_until_signal
 from hotweights.state import read_state
 
 log = logging.getLogger(__name__)

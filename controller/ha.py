@@ -37,6 +37,9 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
+
+from hotweights.contract import Endpoint, Role
 from hotweights.controller.cluster import Cluster, MemberView, ServiceFailed, Snapshot
 from hotweights.controller.engineapi import EngineApi, EngineUnreachable
 from hotweights.controller.events import EventLog
@@ -44,9 +47,6 @@ from hotweights.controller.executor import BACKOFF, GroupExecutor, Outcome, back
 from hotweights.controller.health import checks_failed, not_ready_within, process_exited
 from hotweights.controller.metrics import ControllerMetrics
 from hotweights.controller.supervisor import FENCE_TIMEOUT_S
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
-
-from hotweights.contract import Endpoint, Role
 
 log = logging.getLogger(__name__)
 

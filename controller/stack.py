@@ -16,14 +16,13 @@ from hotweights.cache.makemodel import ensure_default_model
 from hotweights.cache.paths import DaemonPaths
 from hotweights.cache.pipeline import LoadSpec
 from hotweights.cache.vllm_format import VLLM_FORMAT
-from hotweights.controller.config import REFERENCE, VLLM, ClusterConfig, EngineSpec
-from hotweights.standby.agent import KINDS, PORT_PLACEHOLDER
-from hotweights.standby.vllm_loader import LOAD_FORMAT
-
 from hotweights.contract import Role
+from hotweights.controller.config import REFERENCE, VLLM, ClusterConfig, EngineSpec
 from hotweights.dtypes import MODEL_DTYPES, config_name
 from hotweights.errors import ConfigError
 from hotweights.spawn import hotweights_command
+from hotweights.standby.agent import KINDS, PORT_PLACEHOLDER
+from hotweights.standby.vllm_loader import LOAD_FORMAT
 
 MAX_SOCKET_PATH = 107  # sun_path is 108 bytes including the NUL
 

@@ -33,16 +33,16 @@ import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
-from hotweights.standby.contract_routes import SERVING, add_contract_routes, error, finish_app
-from hotweights.standby.metrics import EngineMetrics
-from hotweights.standby.roles import Roles
-from hotweights.standby.serving import AnnouncingServer, bind_port, run_until_signal
 
 from hotweights.contract import NOT_NORMALIZED, Endpoint, Role, forwardable_path, read_token, refuse_open_listener
 from hotweights.errors import ConfigError
 from hotweights.ports import free_port
 from hotweights.proxying import HOP_BY_HOP, ProxiedStream
 from hotweights.spawn import hotweights_command
+from hotweights.standby.contract_routes import SERVING, add_contract_routes, error, finish_app
+from hotweights.standby.metrics import EngineMetrics
+from hotweights.standby.roles import Roles
+from hotweights.standby.serving import AnnouncingServer, bind_port, run_until_signal
 
 log = logging.getLogger(__name__)
 

@@ -14,10 +14,11 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from hotweights.standby.generate import TextStream
-from hotweights.standby.scheduler import Event, Finish, SamplingParams, Scheduler, Sequence
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from tokenizers import Tokenizer
+
+from hotweights.standby.generate import TextStream
+from hotweights.standby.scheduler import Event, Finish, SamplingParams, Scheduler, Sequence
 
 
 class StreamOptions(BaseModel):

@@ -15,13 +15,13 @@ from typing import Protocol
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from hotweights.standby.metrics import EngineMetrics, RequestCounter
-from hotweights.standby.roles import Outcome, Roles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from hotweights.contract import HEALTH_METHODS, UNAUTHORIZED, Endpoint, Role, bearer_check
+from hotweights.standby.metrics import EngineMetrics, RequestCounter
+from hotweights.standby.roles import Outcome, Roles
 
 log = logging.getLogger(__name__)
 

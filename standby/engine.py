@@ -21,7 +21,10 @@ from pathlib import Path
 
 import torch
 import uvicorn
+
 from hotweights.cache.pipeline import add_load_spec_arguments, load_spec_from_args, model_dir_from_args
+from hotweights.contract import Role, read_token, refuse_open_listener
+from hotweights.errors import ConfigError
 from hotweights.standby.generate import load_tokenizer, stop_token_ids
 from hotweights.standby.metrics import EngineMetrics
 from hotweights.standby.model import KVCache, Transformer
@@ -30,9 +33,6 @@ from hotweights.standby.scheduler import Scheduler
 from hotweights.standby.server import EngineContext, build_app
 from hotweights.standby.serving import AnnouncingServer, bind_port, run_until_signal
 from hotweights.standby.weights import add_weight_cache_arguments, load_model
-
-from hotweights.contract import Role, read_token, refuse_open_listener
-from hotweights.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -18,14 +18,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from hotweights.cache.checkpoint import read_checkpoint
-from hotweights.cache.pipeline import add_load_spec_arguments, load_spec_from_args, model_dir_from_args
-from hotweights.standby.model import Transformer, generate
-from hotweights.standby.weights import add_weight_cache_arguments, load_model
 from tokenizers import Tokenizer
 
+from hotweights.cache.checkpoint import read_checkpoint
+from hotweights.cache.pipeline import add_load_spec_arguments, load_spec_from_args, model_dir_from_args
 from hotweights.errors import CheckpointError, ConfigError
 from hotweights.ports import free_port
+from hotweights.standby.model import Transformer, generate
+from hotweights.standby.weights import add_weight_cache_arguments, load_model
 
 
 def load_tokenizer(model_dir: Path) -> Tokenizer:

@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from hotweights.standby.roles import Roles
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from hotweights.contract import Role, State
+from hotweights.standby.roles import Roles
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

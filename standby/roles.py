@@ -22,10 +22,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from hotweights.contract import Role, State
 from hotweights.standby.model import KVCache
 from hotweights.standby.scheduler import Scheduler
-
-from hotweights.contract import Role, State
 
 CANCEL_GRACE_S = 2.0  # after a drain deadline cancels requests, how long they get to unwind
 

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
 from hotweights.standby.model import KVCache, Transformer, sample_token
 
 log = logging.getLogger(__name__)

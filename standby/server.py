@@ -15,16 +15,16 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+from tokenizers import Tokenizer
+
+from hotweights.contract import Endpoint
 from hotweights.standby.completions import CompletionRequest, CompletionRun, GenerationAborted
 from hotweights.standby.contract_routes import SERVING, add_contract_routes, declare, error, finish_app
 from hotweights.standby.metrics import EngineMetrics
 from hotweights.standby.roles import Roles
 from hotweights.standby.scheduler import Scheduler
 from hotweights.standby.weights import LoadedModel
-from starlette.types import Receive, Scope, Send
-from tokenizers import Tokenizer
-
-from hotweights.contract import Endpoint
 
 log = logging.getLogger(__name__)
 

@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hotweights.cache.client import Attachment, attach, request
-from hotweights.cache.vllm_format import skip_cpu_packing, vllm_fingerprint
 from torch import nn
 
+from hotweights.cache.client import Attachment, attach, request
+from hotweights.cache.vllm_format import skip_cpu_packing, vllm_fingerprint
 from hotweights.errors import ConfigError
 
 log = logging.getLogger(__name__)

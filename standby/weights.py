@@ -15,17 +15,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
+
 from hotweights.cache.checkpoint import Checkpoint, read_checkpoint
 from hotweights.cache.client import Attachment, AttachRefused, DaemonUnavailable, attach
 from hotweights.cache.fingerprint import Fingerprint, compute_fingerprint
 from hotweights.cache.launcher import ensure_daemon
 from hotweights.cache.paths import paths_for
 from hotweights.cache.pipeline import LoadSpec, check_spec, load_processed, processed_config, processed_dtype
-from hotweights.standby.model import TensorParallel, Transformer
-from torch import nn
-
 from hotweights.errors import BindingError, ConfigError, HotweightsError
 from hotweights.layout import ModelConfig
+from hotweights.standby.model import TensorParallel, Transformer
 
 log = logging.getLogger(__name__)
 

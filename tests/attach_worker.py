@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import torch
+
 from hotweights.cache.pipeline import LoadSpec
 from hotweights.standby.generate import load_tokenizer
 from hotweights.standby.model import generate

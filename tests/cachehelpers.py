@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
 from hotweights.cache.checkpoint import read_checkpoint
 from hotweights.cache.daemon import CacheDaemon, pipeline_source
 from hotweights.cache.fingerprint import compute_fingerprint
 from hotweights.cache.paths import DaemonPaths
 from hotweights.cache.pipeline import LoadSpec
-
 from hotweights.spawn import hotweights_command
 
 REPO = Path(__file__).resolve().parent.parent

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from hotweights.cache.makemodel import DEFAULT_MODEL_NAME, PRESETS, ensure_default_model, write_checkpoint
 
 # Tests spawn many torch processes on small machines; one thread each keeps them from thrashing.

@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
 from hotweights.chaos.splitbrain import SplitBrainDetector
+from hotweights.contract import Endpoint
 from hotweights.controller.commands import stop_everything
 from hotweights.controller.config import load_config
-
-from hotweights.contract import Endpoint
 from hotweights.errors import ConfigError
 from hotweights.ports import free_port, free_ports
 from hotweights.spawn import hotweights_command

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from hotweights.cache.pipeline import LoadSpec, load_processed
 from hotweights.standby.generate import load_tokenizer
 from hotweights.standby.model import generate
 from hotweights.standby.weights import load_model
-
 from tests.attach_worker import PROMPT, tensor_digest
 from tests.cachehelpers import Engine, ProcessDaemon, ThreadDaemon
 

@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from hotweights.cache.client import AttachRefused, DaemonUnavailable, attach, hello, request
 from hotweights.cache.fingerprint import Fingerprint
 from hotweights.cache.pipeline import LoadSpec, load_processed
 from hotweights.cache.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, recv_message, send_message
-from hotweights.standby.weights import load_model
-
 from hotweights.errors import ConfigError
+from hotweights.standby.weights import load_model
 from tests.cachehelpers import ENV, Engine, ProcessDaemon, ThreadDaemon, fingerprint_of, wait_until
 from tests.conftest import make_checkpoint
 
@@ -424,7 +424,6 @@ def test_unknown_backend_in_attach_reply_closes_the_fds() -> None:
 def test_bad_tp_request_is_a_config_error_in_daemon_and_client(tiny_model: Path, sock: Path) -> None:
     from hotweights.cache.checkpoint import read_checkpoint
     from hotweights.cache.daemon import pipeline_source
-
     from hotweights.errors import ConfigError
 
     checkpoint = read_checkpoint(tiny_model)
@@ -440,7 +439,6 @@ def test_daemon_refuses_a_tensor_that_does_not_fit_its_slot(tiny_model: Path, so
     from hotweights.cache.checkpoint import read_checkpoint
     from hotweights.cache.daemon import CacheDaemon, pipeline_source
     from hotweights.cache.paths import DaemonPaths
-
     from hotweights.errors import BindingError
 
     source = pipeline_source(read_checkpoint(tiny_model), LoadSpec())

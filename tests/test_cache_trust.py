@@ -21,13 +21,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from hotweights.cache import arena as arena_layout
 from hotweights.cache.checkpoint import read_checkpoint
 from hotweights.cache.client import AttachRefused, DaemonUnavailable, attach, hello
 from hotweights.cache.daemon import pipeline_source
 from hotweights.cache.pipeline import LoadSpec
 from hotweights.cache.protocol import PROTOCOL_VERSION, recv_message, send_message
-
 from hotweights.spawn import hotweights_command
 from tests.cachehelpers import ENV, ProcessDaemon, ThreadDaemon, fingerprint_of, wait_until
 

@@ -15,13 +15,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+
 from hotweights.chaos.load import LoadGenerator, RequestRecord, reference_completion
 from hotweights.chaos.measure import RoundResult
 from hotweights.chaos.proxy import DelayProxy
 from hotweights.chaos.report import draw_timeline, label_rounds, mark_events, write_report
 from hotweights.chaos.scenarios import SCENARIOS
 from hotweights.chaos.splitbrain import SplitBrainDetector
-
 from hotweights.spawn import hotweights_command
 from tests.cachehelpers import ENV
 from tests.enginehelpers import EngineProcess

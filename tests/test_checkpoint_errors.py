@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from hotweights.cache.checkpoint import read_checkpoint
 
+from hotweights.cache.checkpoint import read_checkpoint
 from hotweights.errors import CheckpointError
 from hotweights.spawn import hotweights_command
 
@@ -181,8 +181,9 @@ def test_llama_variant_the_model_does_not_implement_is_refused(ckpt: Path, field
 
 
 def test_index_decides_where_a_duplicated_tensor_is_read_from(ckpt: Path) -> None:
-    from hotweights.cache.pipeline import LoadSpec, load_processed
     from safetensors.torch import load_file, save_file
+
+    from hotweights.cache.pipeline import LoadSpec, load_processed
 
     weight_map = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
     last = list(dict.fromkeys(weight_map.values()))[-1]

@@ -21,6 +21,8 @@ from typing import Any
 
 import httpx
 import pytest
+
+from hotweights.contract import Endpoint
 from hotweights.controller import supervisor
 from hotweights.controller.cluster import Cluster, Member, MemberView, Snapshot
 from hotweights.controller.config import EngineSpec, load_config
@@ -30,8 +32,6 @@ from hotweights.controller.health import HealthChecker, HealthRecord
 from hotweights.controller.metrics import ControllerMetrics
 from hotweights.controller.stack import Layout
 from hotweights.controller.supervisor import Identity, read_identity
-
-from hotweights.contract import Endpoint
 from hotweights.errors import ConfigError
 from hotweights.state import ClusterState, read_state, write_state
 from tests.controllerhelpers import ControllerStack, split_brain_watch, wait_until

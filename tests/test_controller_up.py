@@ -9,8 +9,8 @@ import subprocess
 from pathlib import Path
 
 import httpx
-from hotweights.controller.supervisor import read_identity
 
+from hotweights.controller.supervisor import read_identity
 from hotweights.spawn import hotweights_command
 from tests.cachehelpers import ENV, ProcessDaemon
 from tests.controllerhelpers import ControllerStack, wait_until

@@ -13,8 +13,6 @@ import os
 
 import pytest
 import torch
-from hotweights.cache.backends import get_backend
-from hotweights.cache.backends.base import ArenaBackend
 
 from bench.gpu_backends_check import (
     IMPORT_LIMIT_MS,
@@ -28,6 +26,8 @@ from bench.gpu_backends_check import (
     digest,
     fill,
 )
+from hotweights.cache.backends import get_backend
+from hotweights.cache.backends.base import ArenaBackend
 
 pytestmark = [
     pytest.mark.cuda,

@@ -13,16 +13,16 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+
 from hotweights.cache.pipeline import LoadSpec
+from hotweights.cli import build_parser
+from hotweights.contract import Endpoint, Role
 from hotweights.controller.config import GatewaySection
 from hotweights.standby.generate import load_tokenizer, stop_token_ids
 from hotweights.standby.model import generate
 from hotweights.standby.roles import KvCapacity, Roles
 from hotweights.standby.scheduler import Finish, SamplingParams, Scheduler, Sequence
 from hotweights.standby.weights import load_model
-
-from hotweights.cli import build_parser
-from hotweights.contract import Endpoint, Role
 from tests.cachehelpers import ProcessDaemon, wait_until
 from tests.enginehelpers import EngineProcess, in_use, refusal_on_taken_port
 

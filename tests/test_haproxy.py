@@ -13,10 +13,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from hotweights.controller.config import load_config
 
 from hotweights.cli import main
 from hotweights.contract import Endpoint
+from hotweights.controller.config import load_config
 from hotweights.ports import free_port
 from tests.enginehelpers import ChildService, EngineProcess
 from tests.gatewayhelpers import primary_and_standby, roles, write_cluster

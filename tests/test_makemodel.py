@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from hotweights.cache import makemodel
-from hotweights.cache.makemodel import PRESETS, write_checkpoint
 from safetensors import safe_open
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 from hotweights import quant
+from hotweights.cache import makemodel
+from hotweights.cache.makemodel import PRESETS, write_checkpoint
 from hotweights.cli import main
 from hotweights.errors import ConfigError
 from hotweights.layout import ModelConfig, checkpoint_tensors

@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from hotweights.standby.model import Fp8BlockLinear, KVCache, TensorParallel, Transformer, generate
 
 from hotweights import quant
 from hotweights.layout import ModelConfig, processed_tensors
+from hotweights.standby.model import Fp8BlockLinear, KVCache, TensorParallel, Transformer, generate
 
 CONFIG = ModelConfig(
     vocab_size=128,

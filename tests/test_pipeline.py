@@ -7,15 +7,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from hotweights.cache.checkpoint import read_checkpoint
-from hotweights.cache.pipeline import LoadSpec, load_processed, processed_config
-from hotweights.standby.model import TensorParallel
-from hotweights.standby.weights import bind, build_meta_model, build_model, expected_tensors, load_from_disk
 
 from hotweights import quant
+from hotweights.cache.checkpoint import read_checkpoint
+from hotweights.cache.pipeline import LoadSpec, load_processed, processed_config
 from hotweights.errors import BindingError, ConfigError
 from hotweights.layout import ModelConfig
 from hotweights.spawn import hotweights_command
+from hotweights.standby.model import TensorParallel
+from hotweights.standby.weights import bind, build_meta_model, build_model, expected_tensors, load_from_disk
 from tests.conftest import make_checkpoint
 
 

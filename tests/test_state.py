@@ -7,9 +7,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from hotweights.controller.events import EventLog
 from hotweights.controller.supervisor import open_pidfd, read_identity
-
 from hotweights.state import (
     STATE_VERSION,
     ClusterState,

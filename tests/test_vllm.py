@@ -16,9 +16,9 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from hotweights.cache.makemodel import PRESETS, write_checkpoint
 from openai import OpenAI
 
+from hotweights.cache.makemodel import PRESETS, write_checkpoint
 from hotweights.contract import Endpoint
 from hotweights.spawn import hotweights_command
 from tests.cachehelpers import ENV, wait_until

@@ -5,6 +5,7 @@ from __future__ import annotations
 from importlib import import_module
 
 import torch
+
 from hotweights.cache.backends.base import ArenaBackend, BackendUnavailable
 
 BACKENDS = {

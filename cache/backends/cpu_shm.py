@@ -19,6 +19,7 @@ import warnings
 from typing import Any
 
 import torch
+
 from hotweights.cache.backends.base import ArenaBackend, ExportedArena, ImportedArena
 
 PAGE = mmap.PAGESIZE

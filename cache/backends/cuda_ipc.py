@@ -26,6 +26,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
+
 from hotweights.cache.backends.base import (
     ArenaBackend,
     ExportedArena,
@@ -33,7 +35,6 @@ from hotweights.cache.backends.base import (
     importing_device,
     require_cuda,
 )
-from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 NAME = "cuda-ipc"
 

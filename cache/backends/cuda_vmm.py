@@ -30,6 +30,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+
 from hotweights.cache.backends.base import (
     ArenaBackend,
     BackendUnavailable,
