@@ -21,6 +21,7 @@ import contextlib
 import logging
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -99,10 +100,26 @@ class PassThrough:
 class EngineChild:
     """The engine (under its guard), its log file, and how it ended."""
 
-    process: subprocess.Popen
+    process: subprocess.Popen  # the guard; the engine is its one child and leads its own process group
     log_path: Path
     port: int
     started: float = field(default_factory=time.monotonic)
+    _engine_pid: int | None = None
+
+    @property
+    def engine_pid(self) -> int | None:
+        """The engine's own pid (the guard's child), once it runs."""
+        if self._engine_pid is None:
+            children = Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children")
+            with contextlib.suppress(OSError, ValueError):
+                self._engine_pid = int(children.read_text().split()[0])
+        return self._engine_pid
+
+    def kill_group(self) -> None:
+        """SIGKILL whatever is left of the engine's process group (when the guard could not: it died)."""
+        if self.engine_pid is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.engine_pid, signal.SIGKILL)
 
     def tail(self) -> str:
         """The engine log's last lines, one string (for errors and events)."""
@@ -113,8 +130,12 @@ class EngineChild:
             return "(no log)"
 
     def exit_text(self) -> str:
+        """How the engine ended: the guard exits with the engine's code, or 128 + the signal that ended it."""
         code = self.process.returncode
-        how = f"signal {-code}" if code is not None and code < 0 else f"code {code}"
+        if code is not None and code < 0:
+            how = f"signal {-code} (to its guard)"
+        else:
+            how = f"signal {code - 128}" if code is not None and code > 128 else f"code {code}"
         lived = time.monotonic() - self.started
         return f"the engine exited with {how} after {lived:.1f} s; last log lines: {self.tail()}"
 
@@ -141,7 +162,7 @@ class AgentContext:
             "role": self.roles.role,
             "state": self.roles.state,
             "model": self.model,
-            "engine": {"kind": self.kind.name, "pid": self.child.process.pid, "port": self.child.port},
+            "engine": {"kind": self.kind.name, "pid": self.child.engine_pid, "port": self.child.port},
             "uptime_s": round(time.monotonic() - self.started, 3),
             "in_flight": self.roles.in_flight,
             "pid": os.getpid(),
@@ -187,6 +208,7 @@ async def wait_ready(ctx: AgentContext, client: httpx.AsyncClient, timeout_s: fl
     while True:
         if ctx.child.process.poll() is not None:
             raise ConfigError(f"{ctx.engine_id}: {ctx.child.exit_text()}")
+        ctx.child.engine_pid  # noqa: B018 - learn it now, while the guard lives, for kill_group
         if time.monotonic() > deadline:
             raise ConfigError(
                 f"{ctx.engine_id}: the engine did not become ready on port {ctx.child.port} within {timeout_s:g} s "
@@ -314,7 +336,8 @@ class AgentServer(AnnouncingServer):
 
 
 def stop_engine(child: EngineChild, timeout_s: float) -> None:
-    """SIGTERM to the guard (it stops the engine's group), SIGKILL after ``timeout_s``."""
+    """SIGTERM to the guard (it stops the engine's group), SIGKILL after ``timeout_s``; then whatever
+    is left of the group, should the guard have died before the engine."""
     if child.process.poll() is None:
         child.process.terminate()
         try:
@@ -322,6 +345,7 @@ def stop_engine(child: EngineChild, timeout_s: float) -> None:
         except subprocess.TimeoutExpired:
             child.process.kill()
             child.process.wait()
+    child.kill_group()
 
 
 def cmd_agent(args: argparse.Namespace) -> int:

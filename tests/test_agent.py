@@ -74,7 +74,7 @@ def test_a_sigkilled_agent_takes_its_engine_and_the_engines_children_with_it(tmp
 
 
 def test_an_engine_killed_under_the_agent_ends_the_agent(tmp_path: Path) -> None:
-    process = agent(tmp_path, "sleep", "1000 {port}")
+    process = agent(tmp_path, "sh", "-c", "exec sleep 1000", "{port}")
     port = process.port  # type: ignore[attr-defined]
     engine = wait_until(lambda: engine_pid(port), 60, "the agent's health page")
     os.kill(engine, signal.SIGKILL)
