@@ -272,6 +272,7 @@ def vllm_failover(args: argparse.Namespace) -> int:
         startup = {fmt: startup_s(args.vllm_python, model, fmt, socket) for fmt in ("hotweights", "auto")}
         print(json.dumps({"startup_s": startup}), flush=True)
         command = hotweights_command("drill", "kill-primary", "--attach-running", "--config", str(stack.config))
+        command += ["--recovery-timeout", "900"]
         return drill_result(args, command, {"engine": "vllm", "device": "cpu", "startup_s": startup})
     finally:
         stack.close()

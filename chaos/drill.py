@@ -41,7 +41,6 @@ from hotweights.errors import ConfigError, HotweightsError
 log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 180.0  # the first start may generate the tiny model and load it from disk
-RECOVERY_TIMEOUT_S = 60.0
 DISTURBED_WAIT_S = 1.0  # how long to wait for the controller to notice before judging "whole again"
 PRE_FAULT_S = 0.3  # load before the fault, so there is a last success to measure from
 POST_RECOVERY_S = 0.5  # load after recovery, so the first successes after the fault are in
@@ -54,6 +53,7 @@ class Drill:
     detector: SplitBrainDetector
     load: LoadGenerator
     metrics_client: httpx.AsyncClient
+    recovery_timeout_s: float  # how long the cluster may take to be whole again (a new standby included)
     results: list[RoundResult] = field(default_factory=list)
 
     async def run_round(self, scenario: Scenario, index: int) -> RoundResult:
@@ -61,7 +61,7 @@ class Drill:
         if reason := scenario.skip_reason(self.stack):
             result.skipped = reason
             return result
-        if missing := await self.api.wait_complete(RECOVERY_TIMEOUT_S):
+        if missing := await self.api.wait_complete(self.recovery_timeout_s):
             result.problem = f"the cluster was not whole before the round: {missing}"
             return result
         view = await self.api.cluster()
@@ -78,7 +78,7 @@ class Drill:
             except RuntimeError as exc:  # the process to hurt was not there
                 r.problem = str(exc)
             await self.wait_disturbed()
-            missing = await self.api.wait_complete(RECOVERY_TIMEOUT_S)
+            missing = await self.api.wait_complete(self.recovery_timeout_s)
             result.recovered_at = time.time()
             await asyncio.sleep(POST_RECOVERY_S)
         finally:
@@ -88,7 +88,7 @@ class Drill:
         result.fault_at = r.fault_at or None
         result.problem = (
             r.problem
-            or (missing and f"not whole {RECOVERY_TIMEOUT_S:g} s after the fault: {missing}")
+            or (missing and f"not whole {self.recovery_timeout_s:g} s after the fault: {missing}")
             or (after_view and scenario.verify(r, after_view))
             or None
         )
@@ -146,7 +146,7 @@ async def drill(args: argparse.Namespace, stack: DrillStack) -> int:
             reference = await until(stop, reference_completion(client, stack.lb_url))
             load = LoadGenerator(stack.lb_url, args.rps, reference)
             detector = SplitBrainDetector(stack.direct_urls())
-            d = Drill(stack, api, detector, load, client)
+            d = Drill(stack, api, detector, load, client, args.recovery_timeout)
             began = time.time()
             async with detector.running(), load.running():
                 for index, scenario in enumerate(rounds):
@@ -239,6 +239,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--lb", choices=["gateway", "haproxy"], default="gateway", help="load balancer (default gateway)")
     p.add_argument("--rounds", type=int, help="rounds in all, cycling through the scenarios (default: one each)")
     p.add_argument("--rps", type=float, default=10.0, help="client requests per second (default 10)")
+    p.add_argument(
+        "--recovery-timeout",
+        type=float,
+        default=60.0,
+        help="seconds the cluster may take to be whole again after a fault, its new standby ready (default 60; "
+        "vLLM standbys start in minutes on CPU)",
+    )
     p.add_argument("--report", required=True, metavar="DIR", help="where report.json, summary.md, timeline.png go")
     p.add_argument("--workdir", help="keep the drill's stack (config, state, logs) here (default: a temp dir, removed)")
     p.set_defaults(func=cmd_drill)
