@@ -104,16 +104,16 @@ def trusted_daemon_uids() -> frozenset[int]:
     return frozenset({os.getuid(), 0})
 
 
-def check_socket_path(socket_path: Path, trusted: frozenset[int]) -> None:
+def check_socket_path(socket_path: Path, trusted: frozenset[int], *, follow: bool = True) -> None:
     """AttachRefused unless ``socket_path`` is a socket owned by a trusted uid, in a directory owned by
-    a trusted uid that no one else can write to (else someone could replace the socket)."""
+    a trusted uid that no one else can write to (else someone could replace the socket). A symbolic
+    link (the name a daemon publishes in the runtime dir, ``cache.paths.publish``) must pass the same
+    checks itself, and so must the socket it names (one link, no chains)."""
     try:
         info = os.lstat(socket_path)
         folder = os.stat(socket_path.parent)
     except OSError as exc:
         raise DaemonUnavailable(f"no weight cache daemon answers on {socket_path}: {exc.strerror}") from None
-    if not stat.S_ISSOCK(info.st_mode):
-        raise AttachRefused(f"{socket_path} is not a socket: no weight cache daemon serves there")
     if info.st_uid not in trusted:
         raise AttachRefused(f"socket {socket_path} is owned by uid {info.st_uid}; engines trust uids {sorted(trusted)}")
     mode = stat.S_IMODE(folder.st_mode)
@@ -122,6 +122,10 @@ def check_socket_path(socket_path: Path, trusted: frozenset[int]) -> None:
             f"socket directory {socket_path.parent} (uid {folder.st_uid}, mode {mode:o}) must be owned by uid "
             f"{sorted(trusted)} and not writable by group or others, or anyone could replace the socket"
         )
+    if stat.S_ISLNK(info.st_mode) and follow:
+        check_socket_path(socket_path.parent / os.readlink(socket_path), trusted, follow=False)
+    elif not stat.S_ISSOCK(info.st_mode):
+        raise AttachRefused(f"{socket_path} is not a socket: no weight cache daemon serves there")
 
 
 def connect(

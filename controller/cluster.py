@@ -22,7 +22,7 @@ import httpx
 
 from hotweights.cache.client import AttachRefused, DaemonUnavailable, hello
 from hotweights.contract import Role, State
-from hotweights.controller.config import EngineSpec
+from hotweights.controller.config import REFERENCE, START_TIMEOUTS_S, EngineSpec
 from hotweights.controller.health import HealthChecker, HealthRecord
 from hotweights.controller.stack import Layout
 from hotweights.controller.supervisor import (
@@ -63,6 +63,7 @@ class Member:
     process: Process | None = None
     health: HealthRecord = field(default_factory=HealthRecord)
     started_at: float = 0.0  # time.monotonic()
+    start_timeout_s: float = START_TIMEOUTS_S[REFERENCE]  # its group's: how long it may take to be ready
 
     def current_role(self) -> str:
         """The engine's word when its latest reply postdates our last role change, else ours. By
@@ -199,7 +200,7 @@ class Cluster:
             elif member_id not in specs and row.process:
                 log.warning("%s (pid %s) is no longer in the config: left alone", member_id, row.process.pid)
         for spec in specs.values():
-            self.members[spec.id] = Member(spec)
+            self.members[spec.id] = Member(spec, start_timeout_s=self.config.groups[spec.group].start_timeout())
         for group in range(len(self.config.groups)):
             self.services[f"g{group}-cache"] = Service(f"g{group}-cache", "daemon", group)
         if with_gateway or "gateway" in state.services:
@@ -311,7 +312,7 @@ class Cluster:
             exit_reason=process.exit_reason if process else None,
             exited_at=process.exited_at if process else None,
             age_s=now - member.started_at,
-            start_timeout_s=self.layout.config.groups[member.spec.group].start_timeout(),
+            start_timeout_s=member.start_timeout_s,
             health=replace(health),
         )
 
@@ -372,7 +373,8 @@ class Cluster:
         port = spec_group.base_port + index
         while port in taken or not _port_is_free(port):
             port += 1
-        member = Member(EngineSpec(f"g{group}-e{index}", group, spec_group.device, port))
+        spec = EngineSpec(f"g{group}-e{index}", group, spec_group.device, port)
+        member = Member(spec, start_timeout_s=spec_group.start_timeout())
         self.members[member.spec.id] = member
         self.save()
         return member
