@@ -99,16 +99,19 @@ def _answers(path: Path) -> bool:
 def publish(paths: DaemonPaths, device: torch.device, fingerprint_digest: str) -> Path | None:
     """Link the default name in the runtime dir to ``paths.socket`` (a serving daemon's) and return the link;
     None when the socket is in the runtime dir already (listed as it is) or another daemon's socket or live
-    link holds the name. A symlink left by a killed daemon is replaced; a failure is logged, never raised:
-    the daemon serves on its own socket all the same."""
+    link holds the name. A link a killed daemon left is kept if it names our socket, else replaced. A failure
+    is logged, never raised: the daemon serves on its own socket all the same."""
     link = default_paths(device, fingerprint_digest).socket
     if paths.socket.parent.resolve() == link.parent.resolve():
         return None
+    target = paths.socket.resolve()
     try:
         ensure_private_dir(link.parent)
+        if link.is_symlink() and Path(os.readlink(link)) == target:
+            return link  # a predecessor on our socket made it
         if link.is_symlink() and not _answers(link):
             link.unlink(missing_ok=True)
-        os.symlink(paths.socket.resolve(), link)
+        os.symlink(target, link)
     except FileExistsError:
         log.info("not published as %s: another daemon holds that name", link)
         return None
