@@ -112,7 +112,7 @@ class EngineChild:
         """The engine's own pid (the guard's child), once it runs."""
         if self._engine_pid is None:
             children = Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children")
-            with contextlib.suppress(OSError, ValueError):
+            with contextlib.suppress(OSError, ValueError, IndexError):  # IndexError: not forked yet
                 self._engine_pid = int(children.read_text().split()[0])
         return self._engine_pid
 
