@@ -276,9 +276,11 @@ async def send(ctx: AgentContext, client: httpx.AsyncClient, request: Request, p
     ctx.roles.admit()
     try:
         upstream = await client.send(outgoing, stream=True)
-    except httpx.HTTPError as exc:
+    except httpx.HTTPError as exc:  # nothing was answered: a gateway may send it to the next primary
         ctx.roles.release()
-        return error(502, f"the engine failed: {type(exc).__name__} {exc}".strip(), "upstream_error")
+        response = error(503, f"the engine did not answer: {type(exc).__name__} {exc}".strip(), "unavailable")
+        response.headers["Retry-After"] = RETRY_AFTER_S
+        return response
     ctx.capacity.relayed.add(upstream)
 
     async def closed() -> None:
