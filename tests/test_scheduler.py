@@ -77,7 +77,7 @@ def run(model: Transformer, max_batch: int, params: list[SamplingParams]) -> tup
 
 def test_batched_greedy_equals_one_at_a_time(model: Transformer) -> None:
     stop = next(iter(generate(model, PROMPTS[3], 20)))  # PROMPTS[3]'s first token ends it at once
-    params = [SamplingParams(n, stop_ids=frozenset({stop}) if i == 3 else frozenset()) for i, n in enumerate(MAX_TOKENS)]
+    params = [SamplingParams(n, stop_ids=frozenset({stop} if i == 3 else ())) for i, n in enumerate(MAX_TOKENS)]
     batched, sizes = run(model, 3, params)
     alone, alone_sizes = run(model, 1, params)
     assert set(alone_sizes) == {1} and max(sizes) == 3
