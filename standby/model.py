@@ -15,11 +15,13 @@ any chunk): attention is ``F.scaled_dot_product_attention`` with cuDNN's backend
 on CUDA cuDNN builds a plan for every new KV length (~57 ms each on an H200, see
 ``../shared/facts/gpu_attention.md``); a chunk at position 0 is causal with no mask, so it stays
 on flash attention. ``decode`` runs one token per row, each row at its own position (continuous
-batching): keys and values are scattered into each row's slot at its position, and attention reads
-a fixed number of KV positions (``kv_len``) with each row's length applied as a mask, written out as
-two batched matmuls over the grouped heads, so its shapes depend only on the batch size and
-``kv_len``, never on where the sequences are. That is what lets a scheduler warm every shape up
-front and capture the step as a CUDA graph.
+batching): keys and values are written into each row's slot at its position (``index_put_`` with
+index tensors, which neither syncs nor depends on the values), and attention reads a fixed number
+of KV positions (``kv_len``) with each row's length as a boolean mask; the q heads that share a kv
+head stand in for the query positions, so grouped-query attention needs no copy of the keys (on
+CUDA the masked call runs on the memory-efficient kernel). Its shapes depend only on the batch size
+and ``kv_len``, never on where the sequences are, which is what lets a scheduler warm every shape
+up front and capture the step as a CUDA graph.
 """
 
 from __future__ import annotations
@@ -189,25 +191,26 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        positions: torch.Tensor,
-        bias: torch.Tensor,
+        at: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        mask: torch.Tensor,
         cache_k: torch.Tensor,
         cache_v: torch.Tensor,
     ) -> torch.Tensor:
-        """One token per row: x (B, H) at ``positions`` (B,); cos/sin (B, 1, hd); ``bias`` (B, 1, 1, L)
-        is 0 where a row may attend and -inf elsewhere; cache_k/v are the rows' slots (B, nkv, S, hd).
-        Writes each row's k and v at its position, attends over the first L positions, returns (B, H)."""
+        """One token per row: x (B, H); cos/sin (B, 1, hd); ``at`` indexes each row's (row, kv head,
+        position) in its slot, broadcasting to (B, nkv); ``mask`` (B, 1, 1, L) is True where a row may
+        attend; cache_k/v are the rows' slots (B, nkv, S, hd). Writes each row's k and v at its
+        position, attends over the first L positions, returns (B, H)."""
         B, hd, nkv = x.shape[0], self.head_dim, self.n_kv_head
         q, k, v = self.qkv_proj(x).split([self.n_head * hd, nkv * hd, nkv * hd], -1)
         q = apply_rope(q.view(B, self.n_head, hd), cos, sin)  # (B, nh, hd)
         k = apply_rope(k.view(B, nkv, hd), cos, sin)  # (B, nkv, hd)
-        at = positions.view(B, 1, 1, 1).expand(B, nkv, 1, hd)  # a scatter, not indexing: capturable
-        cache_k.scatter_(2, at, k.view(B, nkv, 1, hd))
-        cache_v.scatter_(2, at, v.view(B, nkv, 1, hd))
-        L = bias.shape[-1]
-        q = q.view(B, nkv, self.n_head // nkv, hd)  # q head i reads kv head i // group
-        scores = torch.matmul(q, cache_k[:, :, :L].transpose(-1, -2)).float() * hd**-0.5 + bias  # (B, nkv, g, L)
-        y = torch.matmul(scores.softmax(-1).to(x.dtype), cache_v[:, :, :L])  # (B, nkv, g, hd)
+        cache_k.index_put_(at, k)
+        cache_v.index_put_(at, v.view(B, nkv, hd))
+        L = mask.shape[-1]
+        # The group of q heads that share a kv head stand in for the query positions: (B, nkv, g, hd).
+        q = q.view(B, nkv, self.n_head // nkv, hd)
+        with sdpa_kernel(SDPA_BACKENDS):
+            y = F.scaled_dot_product_attention(q, cache_k[:, :, :L], cache_v[:, :, :L], attn_mask=mask)
         return _all_reduce(self.o_proj(y.reshape(B, self.n_head * hd)), self.tp)
 
 
@@ -381,11 +384,12 @@ class Transformer(nn.Module):
         Shapes depend only on B and ``kv_len``, and nothing here syncs, so the call can be captured
         in a CUDA graph.
         """
-        B = tokens.shape[0]
+        B, device = tokens.shape[0], tokens.device
         cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta, self.dtype)
-        keep = torch.arange(kv_len, device=tokens.device) <= positions[:, None]  # (B, L)
-        bias = torch.zeros(keep.shape, device=tokens.device).masked_fill_(~keep, float("-inf"))
-        attention = (cos[:, None], sin[:, None], positions, bias[:, None, None])
+        heads = torch.arange(self.layers[0].self_attn.n_kv_head, device=device)
+        at = (torch.arange(B, device=device)[:, None], heads[None, :], positions[:, None])  # (B, nkv) when broadcast
+        mask = torch.arange(kv_len, device=device) <= positions[:, None]  # (B, L)
+        attention = (cos[:, None], sin[:, None], at, mask[:, None, None])
         x = self.embed_tokens(tokens)  # (B, H)
         for i, layer in enumerate(self.layers):
             x = layer.decode(x, *attention, cache.k[i, :B], cache.v[i, :B])
