@@ -54,11 +54,13 @@ class Collected:
             self.tokens.append(event)
 
 
-def run(model: Transformer, max_batch: int, params: list[SamplingParams]) -> tuple[list[Collected], list[int]]:
+def run(
+    model: Transformer, max_batch: int, params: list[SamplingParams], graphs: bool = False
+) -> tuple[list[Collected], list[int]]:
     """Submit every prompt before starting a scheduler with ``max_batch`` slots; each sequence's events, and
     the batch sizes of the decode steps."""
     kv = KVCache.allocate(model.config, model.tp, max_batch, 128, model.device, model.dtype)
-    decoder = RecordingDecoder(model, kv)
+    decoder = RecordingDecoder(model, kv, graphs)
     decoder.warm_up()
     decoder.batch_sizes.clear()
     scheduler = Scheduler()
