@@ -386,7 +386,7 @@ class Transformer(nn.Module):
         """
         B, device = tokens.shape[0], tokens.device
         cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta, self.dtype)
-        heads = torch.arange(self.layers[0].self_attn.n_kv_head, device=device)
+        heads = torch.arange(self.config.num_key_value_heads // self.tp.size, device=device)  # this rank's
         at = (torch.arange(B, device=device)[:, None], heads[None, :], positions[:, None])  # (B, nkv) when broadcast
         mask = torch.arange(kv_len, device=device) <= positions[:, None]  # (B, L)
         attention = (cos[:, None], sin[:, None], at, mask[:, None, None])
