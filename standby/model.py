@@ -250,7 +250,7 @@ class Block(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, start_pos, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def decode(self, x: torch.Tensor, *attention: torch.Tensor) -> torch.Tensor:
+    def decode(self, x: torch.Tensor, *attention: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
         """One token per row, x (B, H); ``attention`` as for ``Attention.decode``."""
         x = x + self.self_attn.decode(self.input_layernorm(x), *attention)
         return x + self.mlp(self.post_attention_layernorm(x))
