@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hotweights.cache.pipeline import LoadSpec
-from hotweights.standby.decoder import Decoder
+from hotweights.standby.decoder import Decoder, bucket
 from hotweights.standby.model import KVCache, Transformer, generate
 from hotweights.standby.scheduler import Finish, SamplingParams, Scheduler, Sequence
 from hotweights.standby.weights import load_model
@@ -22,14 +22,23 @@ MAX_TOKENS = [12, 30, 5, 20, 26, 9]
 
 
 class RecordingDecoder(Decoder):
-    """A real decoder that also records the batch size of every decode step."""
+    """A real decoder that also records the shape of every prefill and decode step it runs."""
 
     def __init__(self, *args: object) -> None:
         super().__init__(*args)
-        self.batch_sizes: list[int] = []
+        self.prefills: list[int] = []  # padded prompt lengths
+        self.decodes: list[tuple[int, int]] = []  # (batch size, KV length)
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        return [n for n, _ in self.decodes]
+
+    def prefill(self, slot: int, prompt_ids: list[int]) -> torch.Tensor:
+        self.prefills.append(bucket(self.prefill_lengths, len(prompt_ids)))
+        return super().prefill(slot, prompt_ids)
 
     def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
-        self.batch_sizes.append(len(tokens))
+        self.decodes.append((len(tokens), bucket(self.kv_lengths, max(positions) + 1)))
         return super().decode(tokens, positions)
 
 
@@ -58,11 +67,13 @@ def run(
     model: Transformer, max_batch: int, params: list[SamplingParams], graphs: bool = False
 ) -> tuple[list[Collected], list[int]]:
     """Submit every prompt before starting a scheduler with ``max_batch`` slots; each sequence's events, and
-    the batch sizes of the decode steps."""
+    the batch sizes of the decode steps. Every shape serving ran must be one warm-up ran first."""
     kv = KVCache.allocate(model.config, model.tp, max_batch, 128, model.device, model.dtype)
     decoder = RecordingDecoder(model, kv, graphs)
     decoder.warm_up()
-    decoder.batch_sizes.clear()
+    warmed = (set(decoder.prefills), set(decoder.decodes))
+    decoder.prefills.clear()
+    decoder.decodes.clear()
     scheduler = Scheduler()
     scheduler.attach_kv(decoder)
     sinks = [Collected() for _ in PROMPTS]
@@ -74,6 +85,7 @@ def run(
             assert sink.done.wait(60), "a sequence never finished"
     finally:
         scheduler.stop(10)
+    assert set(decoder.prefills) <= warmed[0] and set(decoder.decodes) <= warmed[1], "a shape warm-up missed"
     return sinks, decoder.batch_sizes
 
 
