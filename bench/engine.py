@@ -1,14 +1,22 @@
 """Measure a real ``hotweights engine`` process: promote time, health latency under load, tokens/s.
 
     python bench/engine.py [--device cpu|cuda:N] [--model DIR] [--cycles 50] [--gen-tokens 1000]
+                           [--max-batch 4] [--no-cuda-graphs]
 
 Starts one engine as a standby (the embedded tiny model unless --model), then:
+- the standby's KV cache and CUDA graph bytes (its extra device memory beyond weights and context);
+- promotes it and times its first request (``--first-tokens`` greedy tokens) against the median of
+  five more of the same request: ``first_after_promote_ratio``;
 - promote/demote ``--cycles`` times: p50/max of the promote reply's ``duration_ms`` and of the
   wall time of the POST as the client sees it;
 - GET /primary as fast as one client can while a ``--gen-tokens`` generation runs: p50/p99/max;
-- tokens/s of one greedy sequence, and of --max-batch sequences at once.
+- tokens/s of one greedy sequence (``tokens_per_s_batch1``, and ``ms_per_token_batch1`` after its
+  first token), and of --max-batch sequences at once (``tokens_per_s_batched``); ``batch_gain`` is
+  their ratio.
 Prints a table to stderr; the last stdout line is one JSON object with the numbers and targets
-(promote <= 50 ms on CPU, <= 20 ms on CUDA; p99 health <= 10 ms). The engine is killed at the end.
+(promote <= 50 ms on CPU, <= 20 ms on CUDA; p99 health <= 10 ms; batch_gain >= 2.0 on CPU, >= 3.5
+on CUDA; first_after_promote_ratio <= 1.5 on CPU, <= 1.2 on CUDA; on CUDA ms_per_token_batch1 <= 11,
+the target for the xl preset). The engine is killed at the end.
 """
 
 from __future__ import annotations
@@ -32,12 +40,19 @@ from hotweights.stats import percentile
 
 REPO = Path(__file__).resolve().parents[1]
 HEALTH_TARGET_MS = 10.0
+# name -> (target on CPU, target on CUDA, whether the measure must be at least the target); None: no target
+TARGETS = {
+    "batch_gain": (2.0, 3.5, True),
+    "first_after_promote_ratio": (1.5, 1.2, False),
+    "ms_per_token_batch1": (None, 11.0, False),
+}
 
 
 def start_engine(args: argparse.Namespace, port: int, log: Path) -> subprocess.Popen:
     command = hotweights_command("engine", "--role", Role.STANDBY, "--port", str(port))
     command += ["--device", args.device, "--max-batch", str(args.max_batch)]
     command += ["--kv-cache-tokens", str(args.kv_cache_tokens)] + (["--model", args.model] if args.model else [])
+    command += [] if args.cuda_graphs else ["--no-cuda-graphs"]
     with log.open("w") as out:
         return subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=out)
 
@@ -80,6 +95,44 @@ def complete(client: httpx.Client, max_tokens: int, prompt: str = "The quick bro
     return reply.json()["usage"]["completion_tokens"]
 
 
+def measure_first_after_promote(client: httpx.Client, tokens: int) -> dict[str, float]:
+    """Promote the fresh standby, then the same greedy request six times: the first one's latency over
+    the median of the other five."""
+    client.post(Endpoint.PROMOTE).raise_for_status()
+    latencies = []
+    for _ in range(6):
+        start = time.perf_counter()
+        complete(client, tokens)
+        latencies.append((time.perf_counter() - start) * 1000)
+    steady = percentile(latencies[1:], 50)
+    client.post(Endpoint.DEMOTE).raise_for_status()
+    return {
+        "first_after_promote_ms": round(latencies[0], 3),
+        "steady_ms": round(steady, 3),
+        "first_after_promote_ratio": round(latencies[0] / steady, 3),
+    }
+
+
+def measure_batch1(url: str, gen_tokens: int) -> dict[str, float]:
+    """One greedy streamed sequence: tokens/s overall, and ms per token after the first piece arrived."""
+    body = {"prompt": "Story 0:", "max_tokens": gen_tokens, "temperature": 0, "stream": True}
+    body["stream_options"] = {"include_usage": True}
+    start = time.perf_counter()
+    first = None
+    with httpx.Client(base_url=url) as client, client.stream("POST", Endpoint.COMPLETIONS, json=body, timeout=600) as r:
+        r.raise_for_status()
+        chunks = (json.loads(line.removeprefix("data: ")) for line in r.iter_lines() if line.startswith("data: {"))
+        for chunk in chunks:
+            if first is None and chunk["choices"]:
+                first = time.perf_counter()
+            tokens = chunk.get("usage", {}).get("completion_tokens", 0)
+    end = time.perf_counter()
+    return {
+        "tokens_per_s_batch1": round(tokens / (end - start), 1),
+        "ms_per_token_batch1": round((end - first) * 1000 / max(tokens - 1, 1), 3),
+    }
+
+
 def measure_health_under_load(client: httpx.Client, url: str, gen_tokens: int) -> dict[str, float]:
     done = threading.Event()
     worker = threading.Thread(target=lambda: (complete(httpx.Client(base_url=url), gen_tokens), done.set()))
@@ -116,7 +169,12 @@ def main() -> int:
     parser.add_argument("--gen-tokens", type=int, default=1000, help="tokens per generation (default 1000)")
     parser.add_argument("--max-batch", type=int, default=4)
     parser.add_argument("--kv-cache-tokens", type=int, default=4096)
+    parser.add_argument("--first-tokens", type=int, default=32, help="tokens of the first-after-promote request")
+    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True)
     args = parser.parse_args()
+    for flag in ("cycles", "gen_tokens", "max_batch", "first_tokens"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1, found {getattr(args, flag)}")
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -125,26 +183,36 @@ def main() -> int:
     try:
         with httpx.Client(base_url=url, timeout=60) as client:
             wait_ready(client, process, log)
-            results = {"device": args.device, "model": client.get(Endpoint.READY).json()["model"]}
+            health = client.get(Endpoint.READY).json()
+            results = {"device": args.device, "model": health["model"], "cuda_graphs": args.cuda_graphs}
+            results["standby_kv_cache_bytes"] = health["kv_cache_bytes"]
+            results["standby_cuda_graph_bytes"] = health["cuda_graph_bytes"]
+            results |= measure_first_after_promote(client, args.first_tokens)
             results |= measure_promote(client, args.cycles)
             client.post(Endpoint.PROMOTE).raise_for_status()
             results["kv_cache_bytes"] = client.get(Endpoint.PRIMARY).json()["kv_cache_bytes"]
             results |= measure_health_under_load(client, url, args.gen_tokens)
+            results |= measure_batch1(url, args.gen_tokens)
             results["tokens_per_s"] = measure_throughput(url, args.gen_tokens, 1)
-            results[f"tokens_per_s_{args.max_batch}_concurrent"] = measure_throughput(
-                url, args.gen_tokens, args.max_batch
-            )
+            batched = measure_throughput(url, args.gen_tokens, args.max_batch)
+            results[f"tokens_per_s_{args.max_batch}_concurrent"] = results["tokens_per_s_batched"] = batched
+            results["batch_gain"] = round(batched / results["tokens_per_s"], 3)
     finally:
         process.kill()
         process.wait(timeout=30)
         log.unlink(missing_ok=True)
 
-    promote_target = 20.0 if args.device.startswith("cuda") else 50.0
+    cuda = args.device.startswith("cuda")
+    promote_target = 20.0 if cuda else 50.0
     results["targets"] = {"promote_ms": promote_target, "health_p99_ms": HEALTH_TARGET_MS}
     results["met"] = {
         "promote_ms": results["promote_ms_max"] <= promote_target,
         "health_p99_ms": results["health_p99_ms"] <= HEALTH_TARGET_MS,
     }
+    for name, (on_cpu, on_cuda, at_least) in TARGETS.items():
+        if (target := on_cuda if cuda else on_cpu) is not None:
+            results["targets"][name] = target
+            results["met"][name] = results[name] >= target if at_least else results[name] <= target
     width = max(map(len, results))
     for key, value in results.items():
         print(f"{key:<{width}}  {value}", file=sys.stderr)

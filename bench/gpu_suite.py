@@ -1,6 +1,9 @@
 """Every GPU check of the weight cache in one run on the lent H200 (CI has no GPU).
 
-    python bench/gpu_suite.py --out DIR [--workdir /tmp/hw-gpu] [--skip STEP ...]
+    python bench/gpu_suite.py --out DIR [--workdir /tmp/hw-gpu] [--skip STEP ...] [--only STEP ...]
+
+A name given to --only or --skip also selects every step named NAME_*: ``--only engine`` runs the
+engine section (engine_tests, engine_tiny, engine_medium, engine_xl, engine_xl_nographs).
 
 Steps, each a subprocess with its own time limit, so one failure or hang cannot sink the rest:
   tests     pytest of the CUDA-only tests (backends; daemon end to end with cuda-vmm and cuda-ipc,
@@ -12,7 +15,13 @@ Steps, each a subprocess with its own time limit, so one failure or hang cannot 
             next to the off-mode load of the xl checkpoint
   attach_xl   a daemon serving the xl checkpoint from disk: off-mode load vs attach of the same weights
   engines   bench/gpu_engines.py on xl: memory of 1 primary + 3 standbys, daemon SIGKILL while serving
-  engine    bench/engine.py on the GPU: promote time, health latency under load, tokens/s
+  engine_tests  pytest of tests/test_engine_cuda.py: decode CUDA graphs against eager steps, batched
+            greedy against generate(), a standby reserving its KV cache and graphs
+  engine_tiny   bench/engine.py on the GPU (tiny model): promote time, health latency under load, tokens/s
+  engine_medium, engine_xl  bench/engine.py on the medium and xl presets (written to --workdir if
+            missing): batch-1 ms/token, batch_gain, first_after_promote_ratio, the standby's KV and
+            CUDA graph bytes
+  engine_xl_nographs  the same on xl with --no-cuda-graphs: the standby's memory without graphs
   attach_ipc  the attach benchmark again with the cuda-ipc backend
   drill     hotweights drill kill-primary hang-primary (medium model, cuda-vmm, 5 req/s; report in DIR/drill)
 Results go to DIR/gpu_suite.json and every step's output to DIR/steps.log; the last stdout line
@@ -22,6 +31,7 @@ is one JSON object. Exits 1 if any step failed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -41,19 +51,26 @@ def steps(workdir: Path, out: Path) -> dict[str, tuple[list[str], int]]:
     hw = f"{shlex.quote(sys.executable)} -m hotweights"
     bench = f"{shlex.quote(sys.executable)} bench"
     synthetic = "--device cuda:0 --source synthetic --sizes-gb 1,10,80"
+    pytest = f"{shlex.quote(sys.executable)} -m pytest -q -m cuda -p no:cacheprovider"
+    engine_bench = f"{bench}/engine.py --device cuda:0 --cycles 20 --gen-tokens 256 --max-batch 4"
+
+    def make(preset: str, path: str) -> str:
+        """Write the preset's checkpoint unless an earlier step did."""
+        return f"(test -f {path}/config.json || {hw} make-model {path} --preset {preset} --device cuda --force --quiet)"
+
     commands = {
-        "tests": (
-            f"{shlex.quote(sys.executable)} -m pytest -q -m cuda -p no:cacheprovider tests/test_cuda_backends.py "
-            "tests/test_cache_cuda.py",
-            240,
-        ),
+        "tests": (f"{pytest} tests/test_cuda_backends.py tests/test_cache_cuda.py", 240),
         "backends": (f"{bench}/gpu_backends_check.py", 180),
         "checkpoint": (f"{hw} make-model {xl} --preset xl --device cuda --force --quiet", 300),
         "load": (f"{bench}/load.py --model {xl} --device cuda:0", 240),
         "attach": (f"{bench}/attach.py {synthetic} --repeats 10 --load-model {xl}", 400),
         "attach_xl": (f"{bench}/attach.py --device cuda:0 --models {xl} --repeats 10", 240),
         "engines": (f"{bench}/gpu_engines.py --model {xl} --device cuda:0 --standbys 3", 420),
-        "engine": (f"{bench}/engine.py --device cuda:0 --cycles 50 --gen-tokens 500", 180),
+        "engine_tests": (f"{pytest} tests/test_engine_cuda.py", 240),
+        "engine_tiny": (f"{bench}/engine.py --device cuda:0 --cycles 50 --gen-tokens 500", 180),
+        "engine_medium": (f"{make('medium', medium)} && {engine_bench} --model {medium}", 240),
+        "engine_xl": (f"{make('xl', xl)} && {engine_bench} --model {xl}", 420),
+        "engine_xl_nographs": (f"{make('xl', xl)} && {engine_bench} --model {xl} --no-cuda-graphs", 300),
         # The drill's model is one the reference engine (batch-1 decode steps) serves at the drill's load.
         "drill": (
             f"{hw} make-model {medium} --preset medium --device cuda --force --quiet && {hw} drill "
@@ -66,7 +83,8 @@ def steps(workdir: Path, out: Path) -> dict[str, tuple[list[str], int]]:
 
 
 def run_step(command: list[str], env: dict[str, str], limit: int) -> tuple[int, str, str]:
-    """(exit code, stdout, stderr); past ``limit`` the step's whole process group is killed (rc 124)."""
+    """(exit code, stdout, stderr); past ``limit`` the step's whole process group is killed (rc 124).
+    Whatever the step left running in its group (an engine, a daemon) is killed when it ends."""
     step = subprocess.Popen(
         command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
@@ -77,6 +95,14 @@ def run_step(command: list[str], env: dict[str, str], limit: int) -> tuple[int, 
         os.killpg(step.pid, signal.SIGKILL)
         stdout, stderr = step.communicate()
         return 124, stdout, stderr
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(step.pid, signal.SIGKILL)
+
+
+def selected(name: str, names: list[str]) -> bool:
+    """Whether ``names`` (of --only or --skip) names this step or a section it belongs to (``NAME_*``)."""
+    return any(name == n or name.startswith(f"{n}_") for n in names)
 
 
 def last_json(text: str) -> object:
@@ -101,11 +127,11 @@ def main() -> int:
     results: dict[str, dict] = {}
     try:
         for name, (command, limit) in steps(args.workdir, args.out).items():
-            if name in args.skip or (args.only and name not in args.only):
+            if selected(name, args.skip) or (args.only and not selected(name, args.only)):
                 continue
             start = time.perf_counter()
             rc, stdout, stderr = run_step(command, env, limit)
-            if name == "tests" and rc == 0 and "skipped" in stdout:
+            if name.endswith("tests") and rc == 0 and "skipped" in stdout:
                 rc = 3  # on the GPU every CUDA test must run
             seconds = round(time.perf_counter() - start, 1)
             with (args.out / "steps.log").open("a") as log:  # one file: the device returns at most 8

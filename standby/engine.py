@@ -1,10 +1,15 @@
 """``hotweights engine``: serve a model over HTTP as the primary or as a warm standby.
 
 Start-up order: bind the port (a taken one ends it at once, exit code 2), load or attach the weights, warm
-up, allocate the KV cache (primary only; a standby allocates it when promoted), start the inference thread,
-listen, and only then print one ``{"event": "ready", ...}`` line to stdout. Logs go to stderr. On SIGTERM or
-SIGINT: stop listening, let in-flight requests finish for up to --shutdown-timeout, cancel the rest, stop the
-inference thread, exit 0. The HTTP contract is ``docs/engine-contract.md``.
+up every shape serving uses (``standby.decoder``), start the inference thread, listen, and only then print one
+``{"event": "ready", ...}`` line to stdout. Logs go to stderr. On SIGTERM or SIGINT: stop listening, let
+in-flight requests finish for up to --shutdown-timeout, cancel the rest, stop the inference thread, exit 0.
+The HTTP contract is ``docs/engine-contract.md``.
+
+Where the KV cache lives: on CUDA with --cuda-graphs (the default there) it is allocated at start-up by
+every engine, standby included, and the decode step is captured as a CUDA graph per batch size against it;
+promote then only attaches it. Otherwise warm-up runs through a scratch KV cache of the real shape, which
+a standby frees again, and promote allocates the KV cache (its time counted in the promote's).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import uvicorn
 from hotweights.cache.pipeline import add_load_spec_arguments, load_spec_from_args, model_dir_from_args
 from hotweights.contract import Role, read_token, refuse_open_listener
 from hotweights.errors import ConfigError
+from hotweights.standby.decoder import Decoder
 from hotweights.standby.generate import load_tokenizer, stop_token_ids
 from hotweights.standby.metrics import EngineMetrics
 from hotweights.standby.model import KVCache, Transformer
@@ -39,17 +45,36 @@ log = logging.getLogger(__name__)
 DEFAULT_PORT = 8200  # a cluster's first engine's (controller base_port); the gateway's is 8000
 
 
-def warm_up(model: Transformer) -> float:
-    """One prefill and one decode step through a throwaway KV cache, so the first request does not
-    pay for lazy initialisation; returns the seconds it took. Nothing stays allocated."""
+def new_decoder(model: Transformer, max_batch: int, kv_tokens: int, graphs: bool = False) -> Decoder:
+    """A decoder with a fresh, zeroed KV cache of ``max_batch`` slots of ``kv_tokens`` positions."""
+    kv = KVCache.allocate(model.config, model.tp, max_batch, kv_tokens, model.device, model.dtype)
+    return Decoder(model, kv, graphs)
+
+
+def warm_up(model: Transformer, max_batch: int, kv_tokens: int, graphs: bool, keep: bool) -> Decoder | None:
+    """Warm up every shape serving uses on a decoder of the real KV layout (``Decoder.warm_up``).
+    With ``graphs`` the decoder, its KV cache and its CUDA graphs are returned to be kept for the
+    engine's life; otherwise it is returned only when ``keep`` (a primary serves from it), and a
+    freed one's device memory goes back to the driver, so a standby holds no KV cache."""
     start = time.perf_counter()
-    cache = KVCache.allocate(model.config, model.tp, 1, 8, model.device, model.dtype)
-    ids = torch.zeros((1, 4), dtype=torch.long, device=model.device)
-    model(ids, 0, cache)
-    model(ids[:, :1], 4, cache)
-    if model.device.type == "cuda":
-        torch.cuda.synchronize(model.device)
-    return time.perf_counter() - start
+    decoder = new_decoder(model, max_batch, kv_tokens, graphs)
+    decoder.warm_up()
+    log.info(
+        "warmed up in %.3f s: prefill at %d lengths up to %d, decode at batch 1..%d and %d KV length(s)%s",
+        time.perf_counter() - start,
+        len(decoder.prefill_lengths),
+        decoder.kv.max_tokens,
+        decoder.batch,
+        len(decoder.kv_lengths),
+        f", CUDA graphs {decoder.graph_bytes} bytes" if graphs else "",
+    )
+    if graphs or keep:
+        return decoder
+    device = decoder.model.device
+    del decoder
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return None
 
 
 class EngineServer(AnnouncingServer):
@@ -105,20 +130,20 @@ def cmd_engine(args: argparse.Namespace) -> int:
     )
     model = loaded.model
     log.info("weights from %s (--weight-cache %s) in %.3f s", loaded.source, loaded.mode, loaded.seconds)
-    log.info("warmed up in %.3f s", warm_up(model))
 
-    scheduler = Scheduler(model, args.max_batch)
-    allocate_kv = functools.partial(
-        KVCache.allocate, model.config, model.tp, args.max_batch, args.kv_cache_tokens, model.device, model.dtype
-    )
     role = Role(args.role)
-    if role is Role.PRIMARY:
-        scheduler.attach_kv(allocate_kv())
-    roles = Roles(role, KvCapacity(scheduler, allocate_kv), args.drain_timeout)
+    graphs = args.cuda_graphs and model.device.type == "cuda"
+    warmed = warm_up(model, args.max_batch, args.kv_cache_tokens, graphs, keep=role is Role.PRIMARY)
+    scheduler = Scheduler()
+    allocate = functools.partial(new_decoder, model, args.max_batch, args.kv_cache_tokens)
+    capacity = KvCapacity(scheduler, allocate, reserved=warmed if graphs else None)
+    if warmed is not None and role is Role.PRIMARY:
+        scheduler.attach_kv(warmed)
+    roles = Roles(role, capacity, args.drain_timeout)
     engine_id = args.engine_id or f"{socket.gethostname()}-{os.getpid()}"
     metrics = EngineMetrics()
     info = {"engine_id": engine_id, "mode": loaded.mode, "source": loaded.source}
-    metrics.bind(roles, lambda: scheduler.kv_cache_bytes, info | {"fingerprint": loaded.fingerprint.digest()})
+    metrics.bind(roles, capacity.held_bytes, info | {"fingerprint": loaded.fingerprint.digest()})
     ctx = EngineContext(
         engine_id=engine_id,
         model_name=loaded.checkpoint.path.name,
@@ -130,6 +155,8 @@ def cmd_engine(args: argparse.Namespace) -> int:
         roles=roles,
         metrics=metrics,
         token=token,
+        kv_cache_bytes=capacity.held_bytes,
+        cuda_graph_bytes=warmed.graph_bytes if graphs else 0,
     )
     config = uvicorn.Config(
         build_app(ctx),
@@ -141,6 +168,7 @@ def cmd_engine(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=args.shutdown_timeout + CANCEL_GRACE_S,
     )
     ready = {"engine_id": engine_id, "role": role.value, "fingerprint": ctx.fingerprint}
+    ready |= {"kv_cache_bytes": capacity.held_bytes(), "cuda_graph_bytes": ctx.cuda_graph_bytes}
     server = EngineServer(config, ready, scheduler.cancel_all, args.shutdown_timeout)
 
     scheduler.start()
@@ -169,6 +197,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--token-file", help="file holding the bearer token that promote/drain/demote require")
     p.add_argument("--kv-cache-tokens", type=int, default=4096, help="KV cache tokens per sequence slot (default 4096)")
     p.add_argument("--max-batch", type=int, default=4, help="sequences generated concurrently (default 4)")
+    p.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="on CUDA, capture the decode step per batch size as a CUDA graph at start-up; the KV cache is "
+        "then allocated at start-up by standbys too (default on; no effect on CPU)",
+    )
     p.add_argument("--engine-id", help="name in health replies and metrics (default HOST-PID)")
     p.add_argument(
         "--drain-timeout", type=float, default=30.0, help="seconds a drain waits before cancelling (default 30)"

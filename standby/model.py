@@ -9,6 +9,19 @@ Scope: inference only (no gradients, no dropout), batch-first, plain RoPE withou
 Megatron-style tensor parallelism over ``torch.distributed``: q/k/v, gate/up and the vocabulary are
 split by rows, ``o_proj`` and ``down_proj`` by columns. Parameter names and per-rank shapes are the
 table in ``docs/architecture.md``. The model holds parameters only, no buffers.
+
+Two entry points. ``forward`` runs T tokens of every row from one start position (a prefill, or
+any chunk): attention is ``F.scaled_dot_product_attention`` with cuDNN's backend excluded, because
+on CUDA cuDNN builds a plan for every new KV length (~57 ms each on an H200, see
+``../shared/facts/gpu_attention.md``); a chunk at position 0 is causal with no mask, so it stays
+on flash attention. ``decode`` runs one token per row, each row at its own position (continuous
+batching): keys and values are written into each row's slot at its position (``index_put_`` with
+index tensors, which neither syncs nor depends on the values), and attention reads a fixed number
+of KV positions (``kv_len``) with each row's length as a boolean mask; the q heads that share a kv
+head stand in for the query positions, so grouped-query attention needs no copy of the keys (on
+CUDA the masked call runs on the memory-efficient kernel). Its shapes depend only on the batch size
+and ``kv_len``, never on where the sequences are, which is what lets a scheduler warm every shape
+up front and capture the step as a CUDA graph.
 """
 
 from __future__ import annotations
@@ -21,10 +34,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from hotweights import quant
 from hotweights.layout import ModelConfig, check_tensor_parallel
 from hotweights.quant import dequantize, scale_shape
+
+# Every SDPA backend but cuDNN's (module docstring): these take any length without a per-shape plan.
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass(frozen=True)
@@ -109,16 +126,18 @@ class RMSNorm(nn.Module):
 def rope_tables(
     positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin, each (T, hd), for the given positions. Computed per call (no buffers to bind),
-    in float32 so large positions keep their precision, then cast like Hugging Face Llama does."""
+    """cos and sin, each (*positions.shape, hd), for the given positions. Computed per call (no
+    buffers to bind), in float32 so large positions keep their precision, then cast like Hugging
+    Face Llama does."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim))
-    freqs = positions.float()[:, None] * inv_freq[None, :]  # (T, hd/2)
-    angles = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
+    freqs = positions.float()[..., None] * inv_freq  # (..., hd/2)
+    angles = torch.cat((freqs, freqs), dim=-1)  # (..., hd)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (B, n, T, hd) by position, "rotate-half" convention: pairs are (i, i + hd/2)."""
+    """Rotate (..., hd) by position, "rotate-half" convention: pairs are (i, i + hd/2); cos and sin
+    broadcast against x."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
@@ -151,24 +170,48 @@ class Attention(nn.Module):
         k = apply_rope(k.view(B, T, self.n_kv_head, hd).transpose(1, 2), cos, sin)  # (B, nkv, T, hd)
         v = v.view(B, T, self.n_kv_head, hd).transpose(1, 2)  # (B, nkv, T, hd)
 
-        if kv_cache is None:
-            mask, causal = None, True
-        else:
-            # Write this chunk, then attend over everything so far: (B, nkv, start_pos + T, hd).
+        mask = None  # from position 0 the chunk attends causally to itself only
+        if kv_cache is not None:
             end = start_pos + T
             cache_k, cache_v = kv_cache
             cache_k[:, :, start_pos:end] = k
             cache_v[:, :, start_pos:end] = v
-            k, v = cache_k[:, :, :end], cache_v[:, :, :end]
-            query_pos = torch.arange(start_pos, end, device=x.device)[:, None]
-            mask = query_pos >= torch.arange(end, device=x.device)[None, :]  # (T, end), True = attend
-            causal = False
+            if start_pos > 0:  # attend over everything so far: (B, nkv, start_pos + T, hd)
+                k, v = cache_k[:, :, :end], cache_v[:, :, :end]
+                query_pos = torch.arange(start_pos, end, device=x.device)[:, None]
+                mask = query_pos >= torch.arange(end, device=x.device)[None, :]  # (T, end), True = attend
 
-        group = self.n_head // self.n_kv_head  # q head i reads kv head i // group
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, nh, S, hd)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)  # (B, nh, T, hd)
-        y = y.transpose(1, 2).reshape(B, T, self.n_head * hd)
+        with sdpa_kernel(SDPA_BACKENDS):  # q head i reads kv head i // (nh / nkv)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+        y = y.transpose(1, 2).reshape(B, T, self.n_head * hd)  # from (B, nh, T, hd)
         return _all_reduce(self.o_proj(y), self.tp)
+
+    def decode(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        at: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        mask: torch.Tensor,
+        cache_k: torch.Tensor,
+        cache_v: torch.Tensor,
+    ) -> torch.Tensor:
+        """One token per row: x (B, H); cos/sin (B, 1, hd); ``at`` indexes each row's (row, kv head,
+        position) in its slot, broadcasting to (B, nkv); ``mask`` (B, 1, 1, L) is True where a row may
+        attend; cache_k/v are the rows' slots (B, nkv, S, hd). Writes each row's k and v at its
+        position, attends over the first L positions, returns (B, H)."""
+        B, hd, nkv = x.shape[0], self.head_dim, self.n_kv_head
+        q, k, v = self.qkv_proj(x).split([self.n_head * hd, nkv * hd, nkv * hd], -1)
+        q = apply_rope(q.view(B, self.n_head, hd), cos, sin)  # (B, nh, hd)
+        k = apply_rope(k.view(B, nkv, hd), cos, sin)  # (B, nkv, hd)
+        cache_k.index_put_(at, k)
+        cache_v.index_put_(at, v.view(B, nkv, hd))
+        L = mask.shape[-1]
+        # The group of q heads that share a kv head stand in for the query positions: (B, nkv, g, hd).
+        q = q.view(B, nkv, self.n_head // nkv, hd)
+        with sdpa_kernel(SDPA_BACKENDS):
+            y = F.scaled_dot_product_attention(q, cache_k[:, :, :L], cache_v[:, :, :L], attn_mask=mask)
+        return _all_reduce(self.o_proj(y.reshape(B, self.n_head * hd)), self.tp)
 
 
 class MLP(nn.Module):
@@ -205,6 +248,11 @@ class Block(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, start_pos, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def decode(self, x: torch.Tensor, *attention: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """One token per row, x (B, H); ``attention`` as for ``Attention.decode``."""
+        x = x + self.self_attn.decode(self.input_layernorm(x), *attention)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -266,6 +314,10 @@ class KVCache:
     def batch(self) -> int:
         return self.k.shape[1]
 
+    def slot(self, index: int) -> KVCache:
+        """A batch-1 view of one row, sharing its memory."""
+        return KVCache(self.k[:, index : index + 1], self.v[:, index : index + 1])
+
 
 class Transformer(nn.Module):
     """The decoder. Parameters are uninitialised; build under ``torch.device("meta")`` and bind."""
@@ -298,6 +350,11 @@ class Transformer(nn.Module):
         Without a cache the T tokens attend only to each other (causally). With one, their k/v are
         written at [start_pos, start_pos+T) and they attend to every cached position before them.
         """
+        return self.logits(self.hidden(input_ids, start_pos, cache))
+
+    @torch.inference_mode()
+    def hidden(self, input_ids: torch.Tensor, start_pos: int = 0, cache: KVCache | None = None) -> torch.Tensor:
+        """``forward`` up to the final norm: (B, T, H); ``logits`` of the rows wanted finishes it."""
         B, T = input_ids.shape
         if cache is not None:
             if start_pos + T > cache.max_tokens:
@@ -310,9 +367,33 @@ class Transformer(nn.Module):
         x = self.embed_tokens(input_ids)  # (B, T, H)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, start_pos, None if cache is None else (cache.k[i], cache.v[i]))
-        x = self.norm(x)
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Float32 logits (..., V) over the full vocabulary from final hidden states (..., H)."""
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight  # (V/tp, H)
-        return _all_gather_last(F.linear(x, head).float(), self.tp)  # (B, T, V)
+        return _all_gather_last(F.linear(x, head).float(), self.tp)
+
+    @torch.inference_mode()
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, kv_len: int) -> torch.Tensor:
+        """Float32 logits (B, V): row b feeds ``tokens[b]`` at ``positions[b]`` into row b of the cache.
+
+        Rows are the cache's first B (B <= cache.batch); each attends to its positions 0 .. positions[b],
+        which must be < ``kv_len`` <= cache.max_tokens (not checked: that would sync the device).
+        Shapes depend only on B and ``kv_len``, and nothing here syncs, so the call can be captured
+        in a CUDA graph.
+        """
+        B, device = tokens.shape[0], tokens.device
+        cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta, self.dtype)
+        heads = torch.arange(self.config.num_key_value_heads // self.tp.size, device=device)  # this rank's
+        at = (torch.arange(B, device=device)[:, None], heads[None, :], positions[:, None])  # (B, nkv) when broadcast
+        mask = torch.arange(kv_len, device=device) <= positions[:, None]  # (B, L)
+        attention = (cos[:, None], sin[:, None], at, mask[:, None, None])
+        x = self.embed_tokens(tokens)  # (B, H)
+        for i, layer in enumerate(self.layers):
+            x = layer.decode(x, *attention, cache.k[i, :B], cache.v[i, :B])
+        return self.logits(self.norm(x))
 
 
 def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
@@ -352,7 +433,8 @@ def generate(
 ) -> Iterator[int]:
     """Yield up to ``max_new_tokens`` new token ids, one per decode step.
 
-    The prompt is prefilled in one forward; each later token is one forward over the KV cache. The
+    The prompt is prefilled in one forward; each later token is one ``decode`` step (batch 1, the KV
+    positions so far) over the KV cache. The
     stop token, if one is sampled, ends the stream and is not yielded. Generation also ends, early,
     when the next position would not fit in the cache or ``max_position_embeddings``. Arguments are
     checked here, before the first ``next()``. With tensor parallelism every rank must call this with
@@ -396,7 +478,7 @@ def _decode(
     if max_new_tokens == 0:
         return
     ids = torch.tensor([prompt_ids], dtype=torch.long, device=model.device)  # (1, T)
-    logits = model(ids, 0, cache)[0, -1]
+    logits = model.logits(model.hidden(ids, 0, cache)[0, -1])
     pos = len(prompt_ids)  # where the next fed token goes
     for step in range(max_new_tokens):
         token = sample_token(logits, temperature, top_p, generator)
@@ -405,5 +487,6 @@ def _decode(
         yield token
         if step + 1 == max_new_tokens or pos >= limit:
             return
-        logits = model(torch.tensor([[token]], dtype=torch.long, device=model.device), pos, cache)[0, -1]
+        fed = torch.tensor([[token], [pos]], dtype=torch.long, device=model.device)  # token, position
+        logits = model.decode(fed[0], fed[1], cache, pos + 1)[0]
         pos += 1

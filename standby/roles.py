@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from hotweights.contract import Role, State
-from hotweights.standby.model import KVCache
+from hotweights.standby.decoder import Decoder
 from hotweights.standby.scheduler import Scheduler
 
 CANCEL_GRACE_S = 2.0  # after a drain deadline cancels requests, how long they get to unwind
@@ -57,19 +57,34 @@ class Capacity(Protocol):
 
 @dataclass
 class KvCapacity:
-    """The reference engine's: a primary holds a KV cache, a standby none."""
+    """The reference engine's: a primary holds a KV cache, a standby none, unless ``reserved``.
+
+    ``allocate`` builds a decoder with a fresh KV cache (promote allocates it, and its time counts
+    in the promote's). A ``reserved`` decoder (CUDA graphs point at its memory) is kept for the
+    engine's life instead: promote attaches it and demote detaches it, allocating and freeing
+    nothing.
+    """
 
     scheduler: Scheduler
-    allocate_kv: Callable[[], KVCache]
+    allocate: Callable[[], Decoder]
+    reserved: Decoder | None = None
 
     def acquire(self) -> tuple[dict[str, object], str]:
-        kv = self.allocate_kv()
-        self.scheduler.attach_kv(kv)
-        return {"kv_cache_bytes": kv.nbytes}, f"{kv.nbytes} bytes of KV cache"
+        decoder = self.reserved or self.allocate()
+        self.scheduler.attach_kv(decoder)
+        phrase = "reserved at start-up" if self.reserved else "allocated"
+        return {"kv_cache_bytes": decoder.nbytes}, f"{decoder.nbytes} bytes of KV cache {phrase}"
 
     def release(self, grace_s: float) -> tuple[dict[str, object], str]:
-        freed = self.scheduler.release_kv(grace_s)
+        decoder = self.scheduler.release_kv(grace_s)
+        if decoder is not None and decoder is self.reserved:
+            return {"kv_cache_bytes_released": 0}, f"kept {decoder.nbytes} bytes of KV cache reserved"
+        freed = 0 if decoder is None else decoder.nbytes
         return {"kv_cache_bytes_released": freed}, f"released {freed} bytes of KV cache"
+
+    def held_bytes(self) -> int:
+        """KV cache bytes this engine holds: the reserved cache, else the attached one."""
+        return self.reserved.nbytes if self.reserved else self.scheduler.kv_cache_bytes
 
     def cancel_all(self) -> object:
         return self.scheduler.cancel_all()

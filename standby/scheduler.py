@@ -1,10 +1,15 @@
-"""The inference thread: one worker owns the model and interleaves every active sequence.
+"""The inference thread: one worker owns the model and steps every active sequence at once.
 
 The HTTP loop never runs model compute. Sequences are submitted here; the worker keeps up to
-``max_batch`` of them active, each in its own slot of one KV cache, and gives each one decode
-step per round, so concurrent streams progress together (round-robin over batch-1 forwards, not
-batched kernels). Every step is the same computation as ``standby.model.generate``, so a
-sequence yields exactly the tokens ``generate`` would for the same prompt, seed and temperature.
+``max_batch`` of them active, each in its own slot of one KV cache (continuous batching). A new
+sequence is prefilled alone as soon as a slot is free; then every round samples one token for
+each active sequence from its pending logits and runs ONE batched decode step
+(``Decoder.decode``) over slots 0 .. n-1, where n is one past the highest slot in use: slots are
+handed out lowest first, and a free slot below n rides along as a dummy row (token 0 at position
+0 of its own, unused slot). Each sequence keeps its own sampling generator, and the computation
+is ``standby.model.generate``'s (prefill, then one decode step per token, with the same sampling
+function), so a sequence yields the tokens ``generate`` yields for the same prompt, seed and
+temperature, up to the rounding differences of batched kernels (tests compare them exactly).
 
 Events reach the caller through its sink, called on the worker thread: token ids as they are
 sampled, then one ``Finish``. A standby has no KV cache attached, and a sequence that reaches the
@@ -24,7 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hotweights.standby.model import KVCache, Transformer, sample_token
+from hotweights.standby.decoder import Decoder
+from hotweights.standby.model import sample_token
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +68,9 @@ class Sequence:
         self.cancelled = False  # read by the worker between steps
         # Owned by the worker once submitted:
         self.slot: int | None = None
-        self.cache: KVCache | None = None  # a batch-1 view of the slot
         self.logits: torch.Tensor | None = None  # (V,) for the next token
         self.pos = 0  # where the next fed token goes
+        self.token = 0  # the last token sampled: the next one fed
         self.generated = 0
         self.generator: torch.Generator | None = None
 
@@ -73,18 +79,17 @@ class Sequence:
 
 
 class Scheduler:
-    """Owns the model on one worker thread; the KV cache is attached on promote, released on demote."""
+    """Owns the model on one worker thread; a ``Decoder`` (the KV cache and the shapes to run it at) is
+    attached on promote, released on demote."""
 
-    def __init__(self, model: Transformer, max_batch: int) -> None:
-        self.model = model
-        self.max_batch = max_batch
+    def __init__(self) -> None:
         self.heartbeat = time.monotonic()  # last time the worker went round its loop
         self._inbox: queue.Queue[Sequence | None] = queue.Queue()  # None only wakes the worker
         self._waiting: deque[Sequence] = deque()
         self._active: list[Sequence] = []
-        self._lock = threading.Condition()  # guards _kv, _free_slots and _live
-        self._kv: KVCache | None = None
-        self._free_slots: list[int] = []
+        self._lock = threading.Condition()  # guards _decoder, _free_slots and _live
+        self._decoder: Decoder | None = None
+        self._free_slots: set[int] = set()
         self._live: set[Sequence] = set()  # submitted and not yet finished
         self._closed = False  # the worker has ended: a submitted sequence would never be answered
         self._stopping = threading.Event()
@@ -127,27 +132,26 @@ class Scheduler:
         self._inbox.put(None)
         return len(live)
 
-    def attach_kv(self, kv: KVCache) -> None:
+    def attach_kv(self, decoder: Decoder) -> None:
         with self._lock:
-            if self._kv is not None:
+            if self._decoder is not None:
                 raise RuntimeError("a KV cache is already attached")
-            self._kv = kv
-            self._free_slots = list(range(kv.batch))
+            self._decoder = decoder
+            self._free_slots = set(range(decoder.batch))
 
-    def release_kv(self, timeout_s: float) -> int:
-        """Detach the KV cache once no sequence uses it (waiting up to ``timeout_s`` for cancelled
-        ones to unwind); returns the bytes released. Raises RuntimeError if sequences remain."""
+    def release_kv(self, timeout_s: float) -> Decoder | None:
+        """Detach the decoder once no sequence uses its KV cache (waiting up to ``timeout_s`` for
+        cancelled ones to unwind) and return it. Raises RuntimeError if sequences remain."""
         with self._lock:
             if not self._lock.wait_for(lambda: not self._live, timeout_s):
                 raise RuntimeError(f"{len(self._live)} sequence(s) still use the KV cache")
-            freed = 0 if self._kv is None else self._kv.nbytes
-            self._kv, self._free_slots = None, []
-        return freed
+            decoder, self._decoder, self._free_slots = self._decoder, None, set()
+        return decoder
 
     @property
     def kv_cache_bytes(self) -> int:
-        kv = self._kv
-        return 0 if kv is None else kv.nbytes
+        decoder = self._decoder
+        return 0 if decoder is None else decoder.nbytes
 
     # --- the worker ----------------------------------------------------------------------------
 
@@ -157,8 +161,7 @@ class Scheduler:
                 self.heartbeat = time.monotonic()
                 self._collect(block=not self._active)
                 self._admit()
-                for seq in list(self._active):
-                    self._step(seq)
+                self._step()
         except Exception:
             log.exception("inference thread crashed; this is a bug, please report it")
             raise
@@ -187,37 +190,47 @@ class Scheduler:
             self._retire(seq, Finish("cancelled"))
         while self._waiting:
             with self._lock:
-                kv = self._kv
-                if kv is not None and not self._free_slots:
+                decoder = self._decoder
+                if decoder is not None and not self._free_slots:
                     return
-                slot = self._free_slots.pop() if kv is not None else None
+                slot = min(self._free_slots) if decoder is not None else None
+                self._free_slots.discard(slot)
             seq = self._waiting.popleft()
-            if slot is None:
+            if decoder is None:
                 self._retire(seq, Finish("error", "no KV cache is attached: this engine is a standby"))
                 continue
             seq.slot = slot
-            seq.cache = KVCache(kv.k[:, slot : slot + 1], kv.v[:, slot : slot + 1])
             self._active.append(seq)
-            self._guarded(seq, self._prefill)
+            try:
+                self._prefill(decoder, seq)
+            except Exception as exc:
+                self._fail(seq, exc)
 
-    def _prefill(self, seq: Sequence) -> None:
+    def _prefill(self, decoder: Decoder, seq: Sequence) -> None:
         params = seq.params
         seed = params.seed
         if seed is None:
             seed = secrets.randbits(62) if params.temperature > 0 else 0
-        seq.generator = torch.Generator(device=self.model.device).manual_seed(seed)
-        ids = torch.tensor([seq.prompt_ids], dtype=torch.long, device=self.model.device)  # (1, T)
-        seq.logits = self.model(ids, 0, seq.cache)[0, -1]
+        seq.generator = torch.Generator(device=decoder.model.device).manual_seed(seed)
+        seq.logits = decoder.prefill(seq.slot, seq.prompt_ids)
         seq.pos = len(seq.prompt_ids)
 
-    def _step(self, seq: Sequence) -> None:
-        if seq.cancelled:
-            self._retire(seq, Finish("cancelled"))
-        elif seq.logits is not None:  # None: its prefill failed and it is already retired
-            self._guarded(seq, self._decode)
+    def _step(self) -> None:
+        """One token for every active sequence, then one batched decode step for those that go on."""
+        for seq in list(self._active):
+            if seq.cancelled:
+                self._retire(seq, Finish("cancelled"))
+            else:
+                self._emit(seq)
+        if self._active:
+            try:
+                self._decode_all(self._decoder)
+            except Exception as exc:  # the step is shared: every sequence in it fails
+                for seq in list(self._active):
+                    self._fail(seq, exc)
 
-    def _decode(self, seq: Sequence) -> None:
-        """Sample one token from the pending logits, hand it over, and compute the next logits."""
+    def _emit(self, seq: Sequence) -> None:
+        """Sample one token from the pending logits and hand it over, or retire the sequence."""
         params = seq.params
         token = sample_token(seq.logits, params.temperature, params.top_p, seq.generator)
         if token in params.stop_ids:
@@ -225,28 +238,33 @@ class Scheduler:
             return
         seq.sink(token)
         seq.generated += 1
+        seq.token = token
         if seq.generated == params.max_tokens:
             self._retire(seq, Finish("length"))
-            return
-        ids = torch.tensor([[token]], dtype=torch.long, device=self.model.device)
-        seq.logits = self.model(ids, seq.pos, seq.cache)[0, -1]
-        seq.pos += 1
 
-    def _guarded(self, seq: Sequence, work: Callable[[Sequence], None]) -> None:
-        """A failing sequence ends with an error; the others carry on."""
-        try:
-            work(seq)
-        except Exception as exc:
-            log.exception("sequence failed")
-            self._retire(seq, Finish("error", f"{type(exc).__name__}: {exc}"))
+    def _decode_all(self, decoder: Decoder) -> None:
+        """Feed every active sequence its last token at its position; rows are slots 0 .. n-1."""
+        n = 1 + max(seq.slot for seq in self._active)
+        tokens, positions = [0] * n, [0] * n  # a free slot's row: token 0 at its own position 0
+        for seq in self._active:
+            tokens[seq.slot], positions[seq.slot] = seq.token, seq.pos
+        logits = decoder.decode(tokens, positions)  # (n, V)
+        for seq in self._active:
+            seq.logits = logits[seq.slot]
+            seq.pos += 1
+
+    def _fail(self, seq: Sequence, exc: Exception) -> None:
+        """A failed sequence ends with an error; the others carry on."""
+        log.error("sequence failed", exc_info=exc)
+        self._retire(seq, Finish("error", f"{type(exc).__name__}: {exc}"))
 
     def _retire(self, seq: Sequence, finish: Finish) -> None:
         if seq in self._active:
             self._active.remove(seq)
-        seq.cache = seq.logits = None
+        seq.logits = None
         with self._lock:
-            if seq.slot is not None and self._kv is not None:
-                self._free_slots.append(seq.slot)
+            if seq.slot is not None and self._decoder is not None:
+                self._free_slots.add(seq.slot)
             seq.slot = None
             self._live.discard(seq)
             self._lock.notify_all()

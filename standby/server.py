@@ -45,6 +45,8 @@ class EngineContext:
     roles: Roles
     metrics: EngineMetrics
     token: str | None  # bearer token for role changes; None: no auth
+    kv_cache_bytes: Callable[[], int]  # KV cache bytes held now (attached, or reserved for CUDA graphs)
+    cuda_graph_bytes: int  # device memory the decode CUDA graphs hold; 0 without graphs
     fingerprint: str = field(init=False)  # the weights' digest, computed once
     started: float = field(default_factory=time.monotonic)
     created: int = field(default_factory=lambda: int(time.time()))
@@ -74,7 +76,8 @@ class EngineContext:
             "weight_cache": {"mode": self.loaded.mode, "source": self.loaded.source},
             "uptime_s": round(time.monotonic() - self.started, 3),
             "in_flight": self.roles.in_flight,
-            "kv_cache_bytes": self.scheduler.kv_cache_bytes,
+            "kv_cache_bytes": self.kv_cache_bytes(),
+            "cuda_graph_bytes": self.cuda_graph_bytes,
             "pid": os.getpid(),
         }
 

@@ -349,8 +349,8 @@ class FakeScheduler:
     def attach_kv(self, kv: object) -> None:
         pass
 
-    def release_kv(self, timeout_s: float) -> int:
-        return 1
+    def release_kv(self, timeout_s: float) -> None:
+        return None
 
 
 def test_a_role_change_queued_behind_a_resume_stops_serving_at_once() -> None:
@@ -400,7 +400,7 @@ def test_demote_during_a_promote_is_not_already_standby() -> None:
 def test_a_sequence_submitted_after_the_worker_ended_is_answered() -> None:
     """Once the inference thread has ended (stopped or crashed), a submitted sequence gets an error Finish
     at once instead of waiting forever for a worker that will never collect it."""
-    scheduler = Scheduler(None, max_batch=1)  # type: ignore[arg-type]  # no sequence ever reaches the model
+    scheduler = Scheduler()  # no decoder: no sequence ever reaches a model
     scheduler.start()
     scheduler.stop(5)
     events: list[object] = []

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from hotweights import quant
 from hotweights.layout import ModelConfig, processed_tensors
+from hotweights.standby.decoder import Decoder, length_buckets
 from hotweights.standby.model import Fp8BlockLinear, KVCache, TensorParallel, Transformer, generate
 
 CONFIG = ModelConfig(
@@ -197,6 +198,38 @@ def test_kv_cache_decoding_matches_full_forward() -> None:
         model(ids[:, :5], 12, cache)
 
 
+def test_batched_decode_matches_full_forward_per_row() -> None:
+    """Three rows at different positions in one decode step, over more KV positions than any row uses:
+    each row's logits are its own sequence's, as a full forward computes them."""
+    model = build(CONFIG, random_weights(CONFIG))
+    g = torch.Generator().manual_seed(6)
+    seqs = [torch.randint(0, CONFIG.vocab_size, (n,), generator=g) for n in (3, 9, 6)]
+    cache = KVCache.allocate(CONFIG, TensorParallel(), 4, 32, "cpu", torch.float32)
+    for slot, ids in enumerate(seqs):
+        model(ids[None, :-1], 0, cache.slot(slot))
+    tokens = torch.stack([ids[-1] for ids in seqs])
+    positions = torch.tensor([len(ids) - 1 for ids in seqs])
+    logits = model.decode(tokens, positions, cache, kv_len=16)
+    assert logits.shape == (3, CONFIG.vocab_size)
+    for row, ids in enumerate(seqs):
+        torch.testing.assert_close(logits[row], model(ids[None])[0, -1], rtol=1e-4, atol=1e-4)
+
+
+def test_padded_prefill_matches_unpadded() -> None:
+    """The decoder pads a prompt to a bucket length; the prompt's logits and keys are the unpadded ones."""
+    assert length_buckets(100) == [16, 32, 64, 100] and length_buckets(16) == [16]
+    model = build(CONFIG, random_weights(CONFIG))
+    decoder = Decoder(model, KVCache.allocate(CONFIG, TensorParallel(), 2, 40, "cpu", torch.float32))
+    prompt = list(range(20, 37))  # 17 tokens: padded to 32
+    logits = decoder.prefill(1, prompt)
+    torch.testing.assert_close(logits, model(torch.tensor([prompt]))[0, -1], rtol=1e-4, atol=1e-4)
+    reference = KVCache.allocate(CONFIG, TensorParallel(), 1, 40, "cpu", torch.float32)
+    model(torch.tensor([prompt]), 0, reference)
+    torch.testing.assert_close(decoder.kv.k[:, 1, :, :17], reference.k[:, 0, :, :17], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="41 tokens exceed the KV slot's 40"):
+        decoder.prefill(0, [1] * 41)
+
+
 def test_fp8_block_linear_matches_blockwise_formula() -> None:
     g = torch.Generator().manual_seed(3)
     layer = Fp8BlockLinear(in_features=300, out_features=200)
@@ -287,6 +320,16 @@ def test_indivisible_tensor_parallel_is_rejected(changes: dict, tp: int, field: 
     assert str(getattr(config, field)) in str(info.value)
 
 
+def batched_step(model: Transformer, tp: TensorParallel) -> torch.Tensor:
+    """Prefill three prompts of different lengths into slots 0, 1 and 3 and run one decode step over
+    slots 0..3 (slot 2 a dummy row): the (4, V) logits."""
+    cache = KVCache.allocate(model.config, tp, 4, 32, "cpu", torch.float32)
+    decoder = Decoder(model, cache)
+    for slot, prompt in ((0, [4, 8, 15]), (1, [16, 23, 42, 7, 1]), (3, [9])):
+        decoder.prefill(slot, prompt)
+    return decoder.decode([5, 6, 0, 7], [3, 5, 0, 1])
+
+
 def _tp_worker(rank: int, workdir: str, results: mp.Queue) -> None:
     """One TP=2 rank: shard the saved TP=1 weights, run forward and generate, send back the outputs."""
     import torch.distributed as dist
@@ -303,6 +346,7 @@ def _tp_worker(rank: int, workdir: str, results: mp.Queue) -> None:
                 list(generate(model, [4, 8, 15], 6)),
                 list(generate(model, [4, 8, 15], 6, temperature=1.0, seed=3)),
                 list(generate(model, [4, 8, 15], 6, temperature=1.0)),  # seed agreed across ranks
+                batched_step(model, tp).numpy(),
             )
         results.put((rank, out))
     finally:
@@ -342,8 +386,10 @@ def test_tensor_parallel_two_ranks_match_single_rank() -> None:
         expected = model(ids)
         greedy = list(generate(model, [4, 8, 15], 6))
         seeded = list(generate(model, [4, 8, 15], 6, temperature=1.0, seed=3))
+        step = batched_step(model, TensorParallel())
         for rank in (0, 1):
-            logits, rank_greedy, rank_seeded, _ = outputs[rank][key]
+            logits, rank_greedy, rank_seeded, _, rank_step = outputs[rank][key]
             torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(torch.from_numpy(rank_step), step, rtol=1e-4, atol=1e-4)
             assert rank_greedy == greedy and rank_seeded == seeded
         assert outputs[0][key][3] == outputs[1][key][3]

@@ -1,0 +1,146 @@
+"""The shapes the scheduler runs the model at, warmed up before an engine serves; CUDA graphs of decode.
+
+A ``Decoder`` owns one KV cache (``batch`` slots of ``max_tokens`` positions) and runs two things on
+it for the scheduler:
+
+- ``prefill(slot, prompt_ids)``: the prompt, padded to the next length of ``prefill_lengths``
+  (powers of two from 16, ending with ``max_tokens``), written into one slot. Padding sits after
+  the prompt, so causal attention keeps it out of the prompt's logits; its keys and values are
+  overwritten by the decode steps that follow, and masked until then.
+- ``decode(tokens, positions)``: one step for slots 0 .. n-1 at once (``Transformer.decode``), each
+  at its own position, attending over the next length of ``kv_lengths`` that holds every row.
+
+So the shapes serving uses form a small fixed set, and ``warm_up`` runs every one of them (and the
+sampling path) before the engine reports ready: later requests find every kernel, allocator block
+and library plan already made. With ``graphs`` (CUDA only) the KV length is always ``max_tokens`` and
+the decode step at each batch size 1 .. ``batch`` is captured as a CUDA graph during warm-up; a
+replay copies the step's tokens and positions into the graph's own input buffer first and returns
+a copy of its output, so it never reads a previous step's inputs nor hands out a buffer the next
+replay overwrites. Graphs point at this cache's memory, which is why a graphed ``Decoder`` is kept
+for the engine's whole life (reserved at start-up, standby included) rather than allocated on
+promote.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+
+import torch
+
+from hotweights.standby.model import KVCache, Transformer, sample_token
+
+log = logging.getLogger(__name__)
+
+MIN_LENGTH = 16  # the shortest prefill and KV length
+
+
+def length_buckets(max_tokens: int) -> list[int]:
+    """Powers of two from MIN_LENGTH below ``max_tokens``, then ``max_tokens`` itself."""
+    lengths = []
+    length = MIN_LENGTH
+    while length < max_tokens:
+        lengths.append(length)
+        length *= 2
+    return [*lengths, max_tokens]
+
+
+def bucket(lengths: list[int], n: int) -> int:
+    """The smallest of the sorted ``lengths`` that is >= n; ValueError when none is."""
+    i = bisect.bisect_left(lengths, n)
+    if i == len(lengths):
+        raise ValueError(f"{n} tokens exceed the KV slot's {lengths[-1]}")
+    return lengths[i]
+
+
+class DecodeGraph:
+    """One decode step at a fixed batch size and KV length, captured as a CUDA graph."""
+
+    def __init__(self, model: Transformer, kv: KVCache, batch: int, kv_len: int, pool: object) -> None:
+        self.inputs = torch.zeros((2, batch), dtype=torch.long, device=model.device)  # tokens, positions
+        # Capture needs the step run once outside it (lazy initialisation), on a side stream.
+        side = torch.cuda.Stream(model.device)
+        side.wait_stream(torch.cuda.current_stream(model.device))
+        with torch.cuda.stream(side):
+            model.decode(self.inputs[0], self.inputs[1], kv, kv_len)
+        torch.cuda.current_stream(model.device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.logits = model.decode(self.inputs[0], self.inputs[1], kv, kv_len)  # (batch, V), static
+
+    def run(self, inputs: torch.Tensor) -> torch.Tensor:
+        """(batch, V) logits for ``inputs`` (2, batch): every input written before the replay, the
+        output copied after it."""
+        self.inputs.copy_(inputs)
+        self.graph.replay()
+        return self.logits.clone()
+
+
+class Decoder:
+    """The model and one KV cache, run at the fixed shapes the module docstring lists. One thread only."""
+
+    def __init__(self, model: Transformer, kv: KVCache, graphs: bool = False) -> None:
+        if graphs and model.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, not {model.device}")
+        self.model = model
+        self.kv = kv
+        self.graphs_enabled = graphs
+        self.prefill_lengths = length_buckets(kv.max_tokens)
+        self.kv_lengths = [kv.max_tokens] if graphs else self.prefill_lengths
+        self.graph_bytes = 0  # device memory the captured graphs hold
+        self._graphs: dict[int, DecodeGraph] = {}  # batch size -> its captured step
+
+    @property
+    def batch(self) -> int:
+        return self.kv.batch
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.nbytes
+
+    def prefill(self, slot: int, prompt_ids: list[int]) -> torch.Tensor:
+        """Write the prompt into KV slot ``slot`` from position 0; (V,) float32 logits for the next token."""
+        n = len(prompt_ids)
+        ids = torch.zeros((1, bucket(self.prefill_lengths, n)), dtype=torch.long)
+        ids[0, :n] = torch.tensor(prompt_ids, dtype=torch.long)
+        hidden = self.model.hidden(ids.to(self.model.device), 0, self.kv.slot(slot))
+        return self.model.logits(hidden[0, n - 1])
+
+    def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
+        """(n, V) float32 logits: slot b is fed ``tokens[b]`` at ``positions[b]``, for b < n <= batch."""
+        inputs = torch.tensor([tokens, positions], dtype=torch.long)
+        graph = self._graphs.get(len(tokens))
+        if graph is not None:
+            return graph.run(inputs)
+        inputs = inputs.to(self.model.device)
+        return self.model.decode(inputs[0], inputs[1], self.kv, bucket(self.kv_lengths, max(positions) + 1))
+
+    def warm_up(self) -> None:
+        """Run every shape serving uses (module docstring) and the sampling path once; with graphs,
+        capture the decode step at every batch size. Leaves finite garbage in the KV cache, which
+        serving overwrites before it reads (reads beyond a sequence's length are masked)."""
+        device = self.model.device
+        for length in self.prefill_lengths:
+            logits = self.prefill(0, [0] * length)
+        for n in range(1, self.batch + 1):
+            for kv_len in self.kv_lengths:
+                logits = self.decode([0] * n, [kv_len - 1] * n)
+        sample_token(logits[0], 1.0, 0.9, torch.Generator(device=device).manual_seed(0))
+        sample_token(logits[0], 0.0, 1.0, torch.Generator(device=device))
+        if self.graphs_enabled:
+            self._capture()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def _capture(self) -> None:
+        """A graph per batch size, sharing one memory pool; ``graph_bytes`` is what they added."""
+        device = self.model.device
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_reserved(device)
+        pool = torch.cuda.graph_pool_handle()
+        for n in range(1, self.batch + 1):
+            self._graphs[n] = DecodeGraph(self.model, self.kv, n, self.kv.max_tokens, pool)
+            self._graphs[n].run(torch.zeros((2, n), dtype=torch.long))  # a first replay, as serving's would be
+        torch.cuda.synchronize(device)
+        self.graph_bytes = torch.cuda.memory_reserved(device) - before
+        log.info("captured decode CUDA graphs for batch 1..%d: %d bytes", self.batch, self.graph_bytes)

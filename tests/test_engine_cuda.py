@@ -1,0 +1,81 @@
+"""The reference engine's decode on a real GPU: CUDA graphs against eager decode, batching against
+``generate``, and an engine process that reserves its KV cache and graphs at start-up (skipped
+without CUDA; ``bench/gpu_suite.py`` runs it on the H200)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from hotweights.cache.pipeline import LoadSpec
+from hotweights.contract import Endpoint
+from hotweights.standby.decoder import Decoder
+from hotweights.standby.generate import load_tokenizer
+from hotweights.standby.model import KVCache, Transformer, generate
+from hotweights.standby.scheduler import SamplingParams
+from hotweights.standby.weights import load_model
+from tests.enginehelpers import EngineProcess
+from tests.test_scheduler import MAX_TOKENS, PROMPTS, run
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+DEVICE = "cuda:0"
+TOKEN = "cuda-test-token"
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model: Path) -> Transformer:
+    return load_model(tiny_model, LoadSpec(device=DEVICE)).model
+
+
+def decoder(model: Transformer, graphs: bool) -> Decoder:
+    kv = KVCache.allocate(model.config, model.tp, 3, 64, model.device, model.dtype)
+    made = Decoder(model, kv, graphs)
+    made.warm_up()
+    return made
+
+
+def test_graph_replays_equal_eager_steps_and_never_hand_out_a_reused_buffer(model: Transformer) -> None:
+    graphed, eager = decoder(model, graphs=True), decoder(model, graphs=False)
+    assert graphed.graph_bytes > 0 and eager.graph_bytes == 0
+    for d in (graphed, eager):
+        for slot, prompt in enumerate(PROMPTS[:3]):
+            d.prefill(slot, prompt)
+    steps = [([11, 12, 13], [3, 21, 1]), ([14], [4]), ([15, 16], [5, 22]), ([17, 18, 19], [6, 23, 2])]
+    outputs = [graphed.decode(*step) for step in steps]
+    for step, out in zip(steps, outputs, strict=True):
+        # Still each step's own values after the later replays: a copy, not the graph's output buffer.
+        torch.testing.assert_close(out, eager.decode(*step), rtol=1e-4, atol=1e-4)
+
+
+def test_batched_greedy_with_graphs_equals_generate(model: Transformer) -> None:
+    params = [SamplingParams(n) for n in MAX_TOKENS]
+    batched, sizes = run(model, 3, params, graphs=True)
+    assert max(sizes) == 3
+    for prompt, p, b in zip(PROMPTS, params, batched, strict=True):
+        assert b.tokens == list(generate(model, prompt, p.max_tokens))
+
+
+def test_a_standby_reserves_its_kv_cache_and_graphs_and_promote_allocates_nothing(
+    tiny_model: Path, model: Transformer
+) -> None:
+    flags = ("--device", DEVICE, "--kv-cache-tokens", "256", "--max-batch", "4", "--role", "standby")
+    with EngineProcess(tiny_model, *flags, token=TOKEN) as engine:
+        health = engine.client.get(Endpoint.STANDBY).json()
+        assert health["kv_cache_bytes"] > 0 and health["cuda_graph_bytes"] > 0
+        promoted = engine.post(Endpoint.PROMOTE).json()
+        assert promoted["kv_cache_bytes"] == health["kv_cache_bytes"]
+        assert "reserved at start-up" in promoted["message"]
+        prompt = "The quick brown fox"
+        body = engine.complete(prompt=prompt, max_tokens=24, temperature=0).json()
+        tokenizer = load_tokenizer(tiny_model)
+        expected = tokenizer.decode(list(generate(model, tokenizer.encode(prompt).ids, 24)))
+        assert body["choices"][0]["text"] == expected
+        demoted = engine.post(Endpoint.DEMOTE).json()
+        assert (demoted["role"], demoted["kv_cache_bytes_released"]) == ("standby", 0)
+        assert engine.client.get(Endpoint.STANDBY).json()["kv_cache_bytes"] == health["kv_cache_bytes"]
+    with EngineProcess(tiny_model, *flags, "--no-cuda-graphs", token=TOKEN) as engine:
+        health = engine.client.get(Endpoint.STANDBY).json()
+        assert (health["kv_cache_bytes"], health["cuda_graph_bytes"]) == (0, 0)
+        assert engine.post(Endpoint.PROMOTE).json()["kv_cache_bytes"] > 0

@@ -1,0 +1,111 @@
+"""The inference thread in process, on the tiny checkpoint: batched decode against one sequence at a time."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from hotweights.cache.pipeline import LoadSpec
+from hotweights.standby.decoder import Decoder, bucket
+from hotweights.standby.model import KVCache, Transformer, generate
+from hotweights.standby.scheduler import Finish, SamplingParams, Scheduler, Sequence
+from hotweights.standby.weights import load_model
+
+# Prompts of different lengths (so different prefill buckets), and token budgets that end them at
+# different steps: with 3 slots, the fourth and later sequences join as earlier ones leave, and a
+# sequence leaving slot 0 or 1 leaves a dummy row below the others.
+PROMPTS = [[5, 9, 13], list(range(40, 61)), [7], list(range(100, 109)), [3, 1, 4, 1, 5], list(range(200, 240))]
+MAX_TOKENS = [12, 30, 5, 20, 26, 9]
+
+
+class RecordingDecoder(Decoder):
+    """A real decoder that also records the shape of every prefill and decode step it runs."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)
+        self.prefills: list[int] = []  # padded prompt lengths
+        self.decodes: list[tuple[int, int]] = []  # (batch size, KV length)
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        return [n for n, _ in self.decodes]
+
+    def prefill(self, slot: int, prompt_ids: list[int]) -> torch.Tensor:
+        self.prefills.append(bucket(self.prefill_lengths, len(prompt_ids)))
+        return super().prefill(slot, prompt_ids)
+
+    def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
+        self.decodes.append((len(tokens), bucket(self.kv_lengths, max(positions) + 1)))
+        return super().decode(tokens, positions)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model: Path) -> Transformer:
+    return load_model(tiny_model, LoadSpec()).model
+
+
+class Collected:
+    """One sequence's events, and an event set when its Finish arrives."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.finish: Finish | None = None
+        self.done = threading.Event()
+
+    def __call__(self, event: int | Finish) -> None:
+        if isinstance(event, Finish):
+            self.finish = event
+            self.done.set()
+        else:
+            self.tokens.append(event)
+
+
+def run(
+    model: Transformer, max_batch: int, params: list[SamplingParams], graphs: bool = False
+) -> tuple[list[Collected], list[int]]:
+    """Submit every prompt before starting a scheduler with ``max_batch`` slots; each sequence's events, and
+    the batch sizes of the decode steps. Every shape serving ran must be one warm-up ran first."""
+    kv = KVCache.allocate(model.config, model.tp, max_batch, 128, model.device, model.dtype)
+    decoder = RecordingDecoder(model, kv, graphs)
+    decoder.warm_up()
+    warmed = (set(decoder.prefills), set(decoder.decodes))
+    decoder.prefills.clear()
+    decoder.decodes.clear()
+    scheduler = Scheduler()
+    scheduler.attach_kv(decoder)
+    sinks = [Collected() for _ in PROMPTS]
+    for prompt, p, sink in zip(PROMPTS, params, sinks, strict=True):
+        scheduler.submit(Sequence(prompt, p, sink))  # all queued before the worker starts: no race
+    scheduler.start()
+    try:
+        for sink in sinks:
+            assert sink.done.wait(60), "a sequence never finished"
+    finally:
+        scheduler.stop(10)
+    assert set(decoder.prefills) <= warmed[0] and set(decoder.decodes) <= warmed[1], "a shape warm-up missed"
+    return sinks, decoder.batch_sizes
+
+
+def test_batched_greedy_equals_one_at_a_time(model: Transformer) -> None:
+    stop = next(iter(generate(model, PROMPTS[3], 20)))  # PROMPTS[3]'s first token ends it at once
+    params = [SamplingParams(n, stop_ids=frozenset({stop} if i == 3 else ())) for i, n in enumerate(MAX_TOKENS)]
+    batched, sizes = run(model, 3, params)
+    alone, alone_sizes = run(model, 1, params)
+    assert set(alone_sizes) == {1} and max(sizes) == 3
+    assert len(sizes) < sum(len(s.tokens) for s in batched) / 2, "decode steps were not shared"
+    for prompt, p, b, a in zip(PROMPTS, params, batched, alone, strict=True):
+        expected = list(generate(model, prompt, p.max_tokens, stop_ids=p.stop_ids))
+        assert b.tokens == a.tokens == expected
+        assert b.finish == a.finish == Finish("stop" if len(expected) < p.max_tokens else "length")
+    assert batched[3].tokens == [] and batched[3].finish == Finish("stop")
+
+
+def test_batched_seeded_sampling_equals_generate(model: Transformer) -> None:
+    """Each sequence keeps its own generator: batching does not change which random numbers it draws."""
+    params = [SamplingParams(n, temperature=0.9, top_p=0.95, seed=i) for i, n in enumerate(MAX_TOKENS)]
+    batched, _ = run(model, 3, params)
+    for prompt, p, b in zip(PROMPTS, params, batched, strict=True):
+        assert b.tokens == list(generate(model, prompt, p.max_tokens, temperature=0.9, top_p=0.95, seed=p.seed))
