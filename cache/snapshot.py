@@ -66,11 +66,11 @@ def write_snapshot(out: Path, manifest: dict[str, Any], arena: torch.Tensor) -> 
 
 
 def _header(manifest: dict[str, Any]) -> dict[str, Any]:
-    fingerprint = Fingerprint.from_json(manifest["fingerprint"])
+    fingerprint = Fingerprint(**manifest["fingerprint"])
     return {
         "format": FORMAT_VERSION,
-        "torch_version": torch.__version__,
-        "fingerprint": fingerprint.to_json(),
+        "torch_version": str(torch.__version__),
+        "fingerprint": manifest["fingerprint"],
         "fingerprint_digest": fingerprint.digest(),
         "manifest": manifest,
         "data_bytes": manifest["used_bytes"],
