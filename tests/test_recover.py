@@ -9,6 +9,7 @@ generate afterwards is still the text of the original weights.
 from __future__ import annotations
 
 import fcntl
+import importlib.util
 import json
 import logging
 import mmap
@@ -25,6 +26,7 @@ import pytest
 import torch
 
 from hotweights.cache.backends import get_backend
+from hotweights.cache.backends.base import BackendUnavailable
 from hotweights.cache.backends.cpu_shm import ARENA_SEALS
 from hotweights.cache.checkpoint import read_checkpoint
 from hotweights.cache.client import request
@@ -33,7 +35,7 @@ from hotweights.cache.fingerprint import compute_fingerprint
 from hotweights.cache.handover import HandoverOffer, offer_path
 from hotweights.cache.paths import DaemonPaths
 from hotweights.cache.pipeline import LoadSpec
-from hotweights.cache.recovery import SourceRefused
+from hotweights.cache.recovery import SourceRefused, SourceSkipped, readopt
 from hotweights.cache.snapshot import LENGTH, MAGIC, load_snapshot, write_snapshot
 from hotweights.contract import Endpoint
 from hotweights.spawn import hotweights_command
@@ -357,3 +359,49 @@ def test_controller_respawn_readopts_under_load_and_a_new_engine_generates_the_s
     assert response.status_code == 200, response.text
     stack.wait_steady()
     assert complete(stack.members()[standby["id"]]["url"]) == before
+
+
+# --- what cuda-ipc cannot do, and cuda-vmm on a GPU -----------------------------------------------
+
+
+def test_cuda_ipc_says_it_cannot_be_readopted(model: Path, sock: Path) -> None:
+    backend = get_backend("cuda-ipc")
+    fd = memfd(bytes(mmap.PAGESIZE))
+    with pytest.raises(BackendUnavailable, match="cuda-ipc arenas cannot be re-adopted"):
+        backend.adopt({"backend": "cuda-ipc", "nbytes": mmap.PAGESIZE}, fd, torch.device("cpu"))
+    with pytest.raises(OSError):
+        os.fstat(fd)  # adopt took the fd and closed it
+    with pytest.raises(SourceSkipped, match="cuda-ipc arenas cannot be re-adopted"):
+        readopt(DaemonPaths(sock).record, fingerprint_of(model), backend, torch.device("cpu"), frozenset({0}))
+
+
+cuda_vmm = pytest.mark.skipif(
+    not torch.cuda.is_available() or importlib.util.find_spec("cuda.bindings") is None,
+    reason="needs a CUDA device and cuda-bindings",
+)
+
+
+@pytest.mark.cuda
+@cuda_vmm
+def test_cuda_vmm_daemon_readopts_from_an_engine_and_verifies_by_hash(model: Path, sock: Path) -> None:
+    spec = LoadSpec(device="cuda:0")
+    with ThreadDaemon(model, sock, spec, backend="cuda-vmm"):
+        engine = Engine(model, sock, device="cuda:0")
+    # the first daemon is gone (its handle released, its fd closed): the engine's kept fd holds the memory
+    with engine:
+        before = engine.ask("generate")["tokens"]
+        corrupt_weights(model)
+        with ThreadDaemon(model, sock, spec, backend="cuda-vmm", fill_from=("readopt",)) as daemon:
+            assert daemon.fill_report["source"] == "readopt"
+            assert "verified by content hash" in daemon.fill_report["detail"]
+            with Engine(model, sock, device="cuda:0") as newcomer:
+                assert newcomer.ask("generate")["tokens"] == before
+
+
+@pytest.mark.cuda
+@cuda_vmm
+def test_cuda_vmm_refuses_an_fd_that_is_not_an_allocation() -> None:
+    backend = get_backend("cuda-vmm")
+    handle = {"backend": "cuda-vmm", "nbytes": 2 << 20, "device_index": 0, "device_uuid": None}
+    with pytest.raises(ValueError, match="not a CUDA allocation"):
+        backend.adopt(handle, memfd(bytes(2 << 20)), torch.device("cuda:0"))
