@@ -29,7 +29,7 @@ def _source(args: argparse.Namespace) -> ArenaSource:
     spec = load_spec_from_args(args)
     if args.format == VLLM_FORMAT:
         return vllm_source(Path(model_dir_from_args(args)).resolve(), spec)
-    return pipeline_source(read_checkpoint(model_dir_from_args(args)), spec)
+    return pipeline_source(Path(model_dir_from_args(args)), spec)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -76,7 +76,7 @@ def _sockets(args: argparse.Namespace) -> list[Path]:
     if args.socket:
         return [Path(args.socket)]
     if args.model:
-        checkpoint = read_checkpoint(args.model)
+        checkpoint = read_checkpoint(args.model, headers=False)
         spec = load_spec_from_args(args)
         digest = compute_fingerprint(checkpoint, spec).digest()
         return [paths_for(None, torch.device(spec.device), digest).socket]

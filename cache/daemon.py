@@ -34,7 +34,7 @@ import torch
 from hotweights.cache import arena as arena_layout
 from hotweights.cache.backends import get_backend
 from hotweights.cache.backends.base import ArenaBackend, ExportedArena
-from hotweights.cache.checkpoint import Checkpoint
+from hotweights.cache.checkpoint import Checkpoint, read_checkpoint
 from hotweights.cache.fingerprint import Fingerprint, compute_fingerprint, describe_differences
 from hotweights.cache.paths import DaemonPaths, ensure_private_dir, publish, unpublish
 from hotweights.cache.pipeline import LoadSpec, check_spec, iter_processed, processed_config, processed_dtype
@@ -73,15 +73,19 @@ class ArenaSource:
     aliases: Callable[[], dict[str, str]] = dict  # tied names: alias -> the canonical tensor's name
 
 
-def pipeline_source(checkpoint: Checkpoint, spec: LoadSpec) -> ArenaSource:
-    """The normal source: the load pipeline's output for ``checkpoint`` and ``spec``."""
-    check_spec(checkpoint, spec)  # a ConfigError naming the flag, before the model is built
-    config = processed_config(checkpoint, spec)
-    specs = processed_tensors(config, processed_dtype(checkpoint, spec), spec.tp_size)
+def pipeline_source(checkpoint: Checkpoint | Path, spec: LoadSpec) -> ArenaSource:
+    """The normal source: the load pipeline's output for ``checkpoint`` and ``spec``. A directory is read in two
+    steps: its JSON files now (the fingerprint, the spec's checks), its safetensors headers only once the arena
+    is filled from the disk, so a daemon that re-adopts or restores a snapshot opens no shard."""
+    known = checkpoint if isinstance(checkpoint, Checkpoint) else read_checkpoint(checkpoint, headers=False)
+    check_spec(known, spec)  # a ConfigError naming the flag, before the model is built
+    config = processed_config(known, spec)
+    specs = processed_tensors(config, processed_dtype(known, spec), spec.tp_size)
+    full = (lambda: known) if isinstance(checkpoint, Checkpoint) else (lambda: read_checkpoint(known.path))
     return ArenaSource(
-        fingerprint=compute_fingerprint(checkpoint, spec),
+        fingerprint=compute_fingerprint(known, spec),
         specs=lambda: specs,
-        tensors=lambda: iter_processed(checkpoint, spec, progress=True),
+        tensors=lambda: iter_processed(full(), spec, progress=True),
         device=torch.device(spec.device),
     )
 
