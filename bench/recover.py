@@ -89,7 +89,7 @@ class Daemon:
         with open(self.log, "wb") as out:
             self.process = subprocess.Popen(command, stdout=out, stderr=out)
         self._wait_serving()
-        self.read_bytes = _io(self.process.pid)["read_bytes"]
+        self.read_bytes = proc_io(self.process.pid)["read_bytes"]
         self.fill: dict[str, Any] = request(socket_path, {"op": "status"})["status"]["fill"]
 
     def _wait_serving(self) -> None:
@@ -111,7 +111,8 @@ class Daemon:
         self.process.wait()
 
 
-def _io(pid: int) -> dict[str, int]:
+def proc_io(pid: int) -> dict[str, int]:
+    """/proc/<pid>/io as numbers: ``read_bytes`` is what the process made the kernel fetch from storage."""
     rows = Path(f"/proc/{pid}/io").read_text().splitlines()
     return {key: int(value) for key, value in (row.split(": ") for row in rows)}
 

@@ -25,6 +25,7 @@ import httpx
 import pytest
 import torch
 
+from bench.recover import evict, proc_io
 from hotweights.cache.backends import get_backend
 from hotweights.cache.backends.base import BackendUnavailable
 from hotweights.cache.backends.cpu_shm import ARENA_SEALS
@@ -76,7 +77,9 @@ def test_readopted_daemon_serves_the_same_arena_without_the_checkpoint(model: Pa
         assert status(sock)["fill"]["source"] == "disk"
         first.kill()
         corrupt_weights(model)
+        evict(sorted(model.glob("*.safetensors")))
         with ProcessDaemon(model, sock) as second:
+            assert proc_io(second.process.pid)["read_bytes"] == 0  # not a byte of the checkpoint, its headers included
             fill = status(sock)["fill"]
             assert fill["source"] == "readopt", fill
             assert "verified by identity" in fill["detail"] and f"pid {engine.process.pid}" in fill["detail"]
