@@ -154,5 +154,10 @@ def content_hash(arena: torch.Tensor, nbytes: int) -> str:
 
     starts = range(0, nbytes, DIGEST_CHUNK_BYTES)
     with ThreadPoolExecutor(max_workers=max(1, min(len(starts), os.cpu_count() or 1))) as pool:
-        digests = b"".join(pool.map(chunk_digest, starts))
-    return hashlib.sha256(f"{nbytes}:{DIGEST_CHUNK_BYTES}:".encode() + digests).hexdigest()
+        return combine_digests(nbytes, list(pool.map(chunk_digest, starts)))
+
+
+def combine_digests(nbytes: int, chunk_digests: list[bytes]) -> str:
+    """The content hash of ``nbytes`` from the SHA-256 of each DIGEST_CHUNK_BYTES chunk, in order (for a
+    reader that hashes chunks as they arrive)."""
+    return hashlib.sha256(f"{nbytes}:{DIGEST_CHUNK_BYTES}:".encode() + b"".join(chunk_digests)).hexdigest()

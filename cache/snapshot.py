@@ -13,10 +13,14 @@ a stale, truncated or corrupt snapshot is refused with the reason and nothing of
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import struct
 import time
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +37,7 @@ FORMAT_VERSION = 1
 LENGTH = struct.Struct(">Q")
 DATA_ALIGNMENT = 4096
 MAX_HEADER_BYTES = 64 << 20
-CHUNK_BYTES = 64 << 20
+CHUNK_BYTES = 64 << 20  # one write while a snapshot is written
 
 
 class SnapshotError(HotweightsError):
@@ -158,9 +162,8 @@ def load_snapshot(path: Path, fingerprint: Fingerprint, backend: ArenaBackend, d
     start = time.perf_counter()
     arena = backend.allocate(used, device)
     try:
-        _read_into(path, header["data_offset"], used, arena.tensor)
+        digest = _read_into(path, header["data_offset"], used, arena.tensor)
         read_s = time.perf_counter() - start
-        digest = arena_layout.content_hash(arena.tensor, used)
         if digest != manifest["content_hash"]:
             raise SourceRefused(f"snapshot {path} is corrupt: its data hashes to {digest}, the header says "
                                 f"{manifest['content_hash']}")  # fmt: skip
@@ -171,22 +174,46 @@ def load_snapshot(path: Path, fingerprint: Fingerprint, backend: ArenaBackend, d
     return Filled(arena, served, f"from {path}: {used / 1e9:.3f} GB read at {used / 1e9 / read_s:.2f} GB/s")
 
 
-def _read_into(path: Path, offset: int, nbytes: int, arena: torch.Tensor) -> None:
-    """Read ``nbytes`` at ``offset`` into ``arena`` in large reads: straight into host memory, or through one
-    pinned buffer onto a device."""
+def _read_into(path: Path, offset: int, nbytes: int, arena: torch.Tensor) -> str:
+    """Read ``nbytes`` at ``offset`` into ``arena`` in DIGEST_CHUNK_BYTES reads (straight into host memory, or
+    through a pinned buffer onto a device), hashing each chunk on a thread while the next one is read;
+    returns the content hash of what was read."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_SEQUENTIAL)
-        if arena.device.type == "cpu":
-            _pread_all(fd, memoryview(arena.numpy())[:nbytes], offset, path)
-            return
-        staging = torch.empty(min(CHUNK_BYTES, nbytes), dtype=torch.uint8, pin_memory=True)
-        for start in range(0, nbytes, CHUNK_BYTES):
-            n = min(CHUNK_BYTES, nbytes - start)
-            _pread_all(fd, memoryview(staging.numpy())[:n], offset + start, path)
-            arena[start : start + n].copy_(staging[:n])
+        workers = max(1, os.cpu_count() or 1)
+        done: list[bytes] = []
+        pending: deque[Future[bytes]] = deque()
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            for chunk in _chunks(fd, offset, nbytes, arena, path):
+                if len(pending) > workers:  # bounds the chunks (pinned buffers on CUDA) waiting for a hash
+                    done.append(pending.popleft().result())
+                pending.append(pool.submit(_chunk_digest, chunk))
+            done += [digest.result() for digest in pending]
+        return arena_layout.combine_digests(nbytes, done)
     finally:
         os.close(fd)
+
+
+def _chunks(fd: int, offset: int, nbytes: int, arena: torch.Tensor, path: Path) -> Iterator[memoryview]:
+    """Read the data chunk by chunk into ``arena`` and yield each chunk's bytes on the host."""
+    step = arena_layout.DIGEST_CHUNK_BYTES
+    if arena.device.type == "cpu":
+        target = memoryview(arena.numpy())
+        for start in range(0, nbytes, step):
+            chunk = target[start : min(start + step, nbytes)]
+            _pread_all(fd, chunk, offset + start, path)
+            yield chunk
+        return
+    for start in range(0, nbytes, step):  # a fresh pinned buffer per chunk: the hash thread may still read the last
+        staging = torch.empty(min(step, nbytes - start), dtype=torch.uint8, pin_memory=True)
+        _pread_all(fd, memoryview(staging.numpy()), offset + start, path)
+        arena[start : start + staging.numel()].copy_(staging)
+        yield memoryview(staging.numpy())
+
+
+def _chunk_digest(chunk: memoryview) -> bytes:
+    return hashlib.sha256(chunk).digest()  # hashlib releases the GIL
 
 
 def _pread_all(fd: int, buffer: memoryview, offset: int, path: Path) -> None:
