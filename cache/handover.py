@@ -153,7 +153,10 @@ def ask(path: Path, fingerprint: Fingerprint, trusted: frozenset[int]) -> tuple[
     """(engine pid, handle, fd) from the engine offering on ``path``. StaleOffer when no one listens there;
     HandoverRefused when the socket, the peer or the reply is not what a trusted engine of ``fingerprint``
     sends. The fd is the caller's to close; nothing about it is checked here."""
-    info = os.lstat(path)
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        raise StaleOffer(f"{path} is gone") from None
     if not stat.S_ISSOCK(info.st_mode) or info.st_uid not in trusted:
         raise HandoverRefused(f"{path} is not a socket of a trusted uid (uid {info.st_uid}): ignored")
     deadline = time.monotonic() + HANDOVER_TIMEOUT_S
@@ -161,9 +164,11 @@ def ask(path: Path, fingerprint: Fingerprint, trusted: frozenset[int]) -> tuple[
         conn.settimeout(HANDOVER_TIMEOUT_S)
         try:
             conn.connect(str(path))
+            pid, uid = peer_uid(conn)
         except (ConnectionRefusedError, FileNotFoundError):
             raise StaleOffer(f"no engine listens on {path} any more") from None
-        pid, uid = peer_uid(conn)
+        except OSError as exc:
+            raise HandoverRefused(f"cannot reach the engine offering on {path}: {exc}") from None
         if uid not in trusted:
             raise HandoverRefused(f"engine pid {pid} on {path} runs as uid {uid}, not one we trust")
         try:

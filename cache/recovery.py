@@ -140,7 +140,7 @@ def _adopt_from(
         )
     try:
         arena = backend.adopt(expected, fd, device)
-    except (ValueError, BackendUnavailable) as exc:
+    except (ValueError, OSError, BackendUnavailable) as exc:
         raise HandoverRefused(f"engine pid {pid} handed an fd that is not the recorded arena: {exc}") from None
     try:
         how = _verified_content(arena, record, pid)
