@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -19,7 +20,7 @@ from hotweights.dtypes import ARENA_DTYPES
 
 ALIGNMENT = 256  # bytes; enough for vectorised CPU and CUDA kernels
 DIGEST_CHUNK_BYTES = 64 << 20  # hashed in parallel, one chunk per thread
-
+HEX_DIGEST = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,25 @@ def check_disjoint(entries: list[TensorEntry]) -> None:
         if previous is not None and entry.offset < previous.offset + previous.nbytes:
             raise ValueError(f"manifest tensors {previous.name!r} and {entry.name!r} overlap at byte {entry.offset}")
         previous = entry
+
+
+def manifest_entries(manifest: dict) -> list[TensorEntry]:
+    """A manifest's rows, checked strictly: sizes (0 < used_bytes <= arena_bytes), alignment, the content hash's
+    format, and every row (``TensorEntry.from_json``, ``check_disjoint``). ValueError naming the fault."""
+    arena_bytes, used = manifest.get("arena_bytes"), manifest.get("used_bytes")
+    if not (type(arena_bytes) is int and type(used) is int and 0 < used <= arena_bytes):
+        raise ValueError(f"used_bytes {used!r} and arena_bytes {arena_bytes!r} must be ints, 0 < used <= arena")
+    if manifest.get("alignment") != ALIGNMENT:
+        raise ValueError(f"alignment {manifest.get('alignment')!r}, expected {ALIGNMENT}")
+    content = manifest.get("content_hash")
+    if not isinstance(content, str) or not HEX_DIGEST.fullmatch(content):
+        raise ValueError(f"content_hash {str(content)[:80]!r} is not a SHA-256 hex digest")
+    rows = manifest.get("tensors")
+    if not isinstance(rows, list):
+        raise ValueError("'tensors' must be a list of rows")
+    entries = [TensorEntry.from_json(row, used) for row in rows]
+    check_disjoint(entries)
+    return entries
 
 
 def plan_layout(specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> tuple[list[TensorEntry], int]:
@@ -134,5 +154,10 @@ def content_hash(arena: torch.Tensor, nbytes: int) -> str:
 
     starts = range(0, nbytes, DIGEST_CHUNK_BYTES)
     with ThreadPoolExecutor(max_workers=max(1, min(len(starts), os.cpu_count() or 1))) as pool:
-        digests = b"".join(pool.map(chunk_digest, starts))
-    return hashlib.sha256(f"{nbytes}:{DIGEST_CHUNK_BYTES}:".encode() + digests).hexdigest()
+        return combine_digests(nbytes, list(pool.map(chunk_digest, starts)))
+
+
+def combine_digests(nbytes: int, chunk_digests: list[bytes]) -> str:
+    """The content hash of ``nbytes`` from the SHA-256 of each DIGEST_CHUNK_BYTES chunk, in order (for a
+    reader that hashes chunks as they arrive)."""
+    return hashlib.sha256(f"{nbytes}:{DIGEST_CHUNK_BYTES}:".encode() + b"".join(chunk_digests)).hexdigest()

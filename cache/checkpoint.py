@@ -27,7 +27,6 @@ SINGLE_FILE = "model.safetensors"
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 
 
-
 @dataclass(frozen=True)
 class TensorInfo:
     """A tensor as its safetensors header describes it."""
@@ -44,29 +43,31 @@ class Checkpoint:
     path: Path
     config: ModelConfig
     dtype: torch.dtype
-    tensors: dict[str, TensorInfo]
+    tensors: dict[str, TensorInfo]  # empty when read with ``headers=False``
     config_json: dict[str, Any]
-
-    @property
-    def files(self) -> list[Path]:
-        return sorted({info.file for info in self.tensors.values()})
+    files: tuple[Path, ...]  # the shards, sorted
 
     @property
     def nbytes(self) -> int:
         return sum(info.dtype.itemsize * math.prod(info.shape) for info in self.tensors.values())
 
 
-def read_checkpoint(model_dir: str | Path) -> Checkpoint:
-    """Validate ``model_dir`` from its JSON files and safetensors headers; raise CheckpointError."""
+def read_checkpoint(model_dir: str | Path, *, headers: bool = True) -> Checkpoint:
+    """Validate ``model_dir`` from its JSON files and safetensors headers; raise CheckpointError. With
+    ``headers=False`` no shard is opened (``tensors`` stays empty): the config, the index and the shards'
+    existence are checked, which is all the fingerprint needs (a daemon that re-adopts reads no shard)."""
     path = Path(model_dir).expanduser()
     if not path.is_dir():
         raise CheckpointError(f"model directory {path} does not exist or is not a directory")
     path = path.resolve()
     config_json = _read_json(path / "config.json")
     config, dtype = parse_config(config_json, path / "config.json")
-    tensors = _read_headers(path)
-    _check_expected_tensors(config, tensors)
-    return Checkpoint(path=path, config=config, dtype=dtype, tensors=tensors, config_json=config_json)
+    shards = _weight_map(path)
+    tensors = _read_headers(path, shards) if headers else {}
+    if headers:
+        _check_expected_tensors(config, tensors)
+    files = tuple(sorted(path / name for name in shards.by_file))
+    return Checkpoint(path=path, config=config, dtype=dtype, tensors=tensors, config_json=config_json, files=files)
 
 
 def parse_config(raw: dict[str, Any], source: Path) -> tuple[ModelConfig, torch.dtype]:
@@ -185,7 +186,17 @@ def _check_expected_tensors(config: ModelConfig, tensors: dict[str, TensorInfo])
             )
 
 
-def _read_headers(path: Path) -> dict[str, TensorInfo]:
+@dataclass(frozen=True)
+class _Shards:
+    """What the index says: the tensors each shard holds, and the shard each tensor is placed in."""
+
+    index_path: Path
+    by_file: dict[str, list[str]]
+    placed: dict[str, str]
+
+
+def _weight_map(path: Path) -> _Shards:
+    """The index's weight map (or the single-file layout), every shard checked to exist; no shard opened."""
     index_path = path / INDEX_FILE
     if index_path.exists():
         index = _read_json(index_path)
@@ -200,17 +211,21 @@ def _read_headers(path: Path) -> dict[str, TensorInfo]:
         by_file, placed = {SINGLE_FILE: []}, {}
     else:
         raise CheckpointError(f"{path}: neither {INDEX_FILE} nor {SINGLE_FILE} found")
-
-    tensors: dict[str, TensorInfo] = {}
-    for file_name, indexed_names in by_file.items():
-        file = path / file_name
-        if not file.is_file():
+    for file_name in by_file:
+        if not (path / file_name).is_file():
             raise CheckpointError(f"{index_path.name} names {file_name}, which does not exist in {path}")
-        header = read_safetensors_header(file)
+    return _Shards(index_path, by_file, placed)
+
+
+def _read_headers(path: Path, shards: _Shards) -> dict[str, TensorInfo]:
+    tensors: dict[str, TensorInfo] = {}
+    for file_name, indexed_names in shards.by_file.items():
+        header = read_safetensors_header(path / file_name)
         for name in indexed_names:
             if name not in header:
-                raise CheckpointError(f"{index_path.name} places tensor {name!r} in {file_name}, which lacks it")
+                raise CheckpointError(f"{shards.index_path.name} places tensor {name!r} in {file_name}, which lacks it")
         # The index decides: a stale copy of a tensor in another shard must not win by file order.
+        placed = shards.placed
         tensors.update({name: info for name, info in header.items() if placed.get(name, file_name) == file_name})
     return tensors
 

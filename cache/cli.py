@@ -1,4 +1,4 @@
-"""``hotweights cache serve|status|verify``: run and inspect weight cache daemons."""
+"""``hotweights cache serve|snapshot|status|verify``: run, snapshot and inspect weight cache daemons."""
 
 from __future__ import annotations
 
@@ -11,27 +11,61 @@ from typing import Any
 
 import torch
 
-from hotweights.cache.backends import BACKENDS, default_backend_name
+from hotweights.cache.backends import BACKENDS, default_backend_name, get_backend
 from hotweights.cache.checkpoint import read_checkpoint
 from hotweights.cache.client import AttachRefused, DaemonUnavailable, attach, request
-from hotweights.cache.daemon import pipeline_source, serve
+from hotweights.cache.daemon import FILL_SOURCES, ArenaSource, load_arena, pipeline_source, serve
 from hotweights.cache.fingerprint import Fingerprint, compute_fingerprint
 from hotweights.cache.paths import paths_for
 from hotweights.cache.pipeline import add_load_spec_arguments, load_spec_from_args, model_dir_from_args
+from hotweights.cache.snapshot import write_snapshot
 from hotweights.cache.vllm_format import FORMATS, VLLM_FORMAT, vllm_source
 from hotweights.errors import ConfigError
 from hotweights.paths import runtime_dir
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
+def _source(args: argparse.Namespace) -> ArenaSource:
+    """What ``--model``, ``--format`` and the load flags describe."""
     spec = load_spec_from_args(args)
     if args.format == VLLM_FORMAT:
-        source = vllm_source(Path(model_dir_from_args(args)).resolve(), spec)
-    else:
-        source = pipeline_source(read_checkpoint(model_dir_from_args(args)), spec)
+        return vllm_source(Path(model_dir_from_args(args)).resolve(), spec)
+    return pipeline_source(Path(model_dir_from_args(args)), spec)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    source = _source(args)
     paths = paths_for(args.socket, source.device, source.fingerprint.digest())
     uids = frozenset([os.getuid(), *args.allow_uid])
-    serve(source, paths, backend=args.backend or default_backend_name(source.device), allowed_uids=uids)
+    backend = args.backend or default_backend_name(source.device)
+    snapshot = Path(args.snapshot) if args.snapshot else None
+    serve(source, paths, backend=backend, allowed_uids=uids, fill_from=args.fill_from, snapshot=snapshot)
+    return 0
+
+
+def fill_order(text: str) -> tuple[str, ...]:
+    """``--fill-from``: a comma-separated, non-empty subset of FILL_SOURCES, in the order to try them."""
+    order = tuple(part.strip() for part in text.split(","))
+    unknown = [part for part in order if part not in FILL_SOURCES]
+    if unknown or not order or len(set(order)) != len(order):
+        raise argparse.ArgumentTypeError(f"expected distinct sources out of {','.join(FILL_SOURCES)}, found {text!r}")
+    return order
+
+
+def cmd_snapshot(args: argparse.Namespace) -> int:
+    """Run the load pipeline into an arena and write it, with its manifest, to OUT."""
+    source = _source(args)
+    start = time.perf_counter()
+    filled = load_arena(source, get_backend(args.backend or default_backend_name(source.device)))
+    try:
+        size = write_snapshot(Path(args.out), filled.manifest, filled.arena.tensor)
+    finally:
+        filled.arena.close()
+    manifest = filled.manifest
+    print(
+        f"wrote {args.out}: {len(manifest['tensors'])} tensors, {size / 1e9:.3f} GB in "
+        f"{time.perf_counter() - start:.1f} s; fingerprint {source.fingerprint.digest()}, "
+        f"content hash {manifest['content_hash']}"
+    )
     return 0
 
 
@@ -42,7 +76,7 @@ def _sockets(args: argparse.Namespace) -> list[Path]:
     if args.socket:
         return [Path(args.socket)]
     if args.model:
-        checkpoint = read_checkpoint(args.model)
+        checkpoint = read_checkpoint(args.model, headers=False)
         spec = load_spec_from_args(args)
         digest = compute_fingerprint(checkpoint, spec).digest()
         return [paths_for(None, torch.device(spec.device), digest).socket]
@@ -114,6 +148,16 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _add_format_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="reference",
+        help="whose processed layout the arena holds: hotweights' reference engine (default), or vLLM's "
+        "(runs vLLM's loader; needs vLLM in this Python; engines use --load-format hotweights)",
+    )
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("cache", help="run and inspect weight cache daemons")
     commands = p.add_subparsers(dest="cache_command", required=True, metavar="COMMAND")
@@ -126,17 +170,32 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_load_spec_arguments(serve_p)
     serve_p.add_argument("--socket", help="socket path (default: derived from device identity and fingerprint)")
     serve_p.add_argument("--backend", choices=sorted(BACKENDS), help="default: cuda-vmm on CUDA, cpu-shm on CPU")
-    serve_p.add_argument(
-        "--format",
-        choices=FORMATS,
-        default="reference",
-        help="whose processed layout the arena holds: hotweights' reference engine (default), or vLLM's "
-        "(runs vLLM's loader; needs vLLM in this Python; engines use --load-format hotweights)",
-    )
+    _add_format_argument(serve_p)
     serve_p.add_argument(
         "--allow-uid", type=int, action="append", default=[], help="another uid allowed to attach (repeatable)"
     )
+    serve_p.add_argument("--snapshot", help="a processed snapshot (hotweights cache snapshot) to fill the arena from")
+    serve_p.add_argument(
+        "--fill-from",
+        type=fill_order,
+        default=FILL_SOURCES,
+        metavar="SOURCES",
+        help="where to fill the arena from, first that passes its checks: readopt (the arena a live engine "
+        "kept), snapshot (--snapshot), disk (the checkpoint) (default: readopt,snapshot,disk)",
+    )
     serve_p.set_defaults(func=cmd_serve)
+
+    snapshot_p = commands.add_parser(
+        "snapshot",
+        help="write the processed arena (after TP split, fusion, quantization) to a file",
+        description="Run the load pipeline once and write the processed arena, its manifest, fingerprint and "
+        "content hash to OUT (atomically), for `hotweights cache serve --snapshot OUT`.",
+    )
+    add_load_spec_arguments(snapshot_p)
+    _add_format_argument(snapshot_p)
+    snapshot_p.add_argument("--backend", choices=sorted(BACKENDS), help="default: cuda-vmm on CUDA, cpu-shm on CPU")
+    snapshot_p.add_argument("out", metavar="OUT", help="the snapshot file to write")
+    snapshot_p.set_defaults(func=cmd_snapshot)
 
     for name, func, text in (
         ("status", cmd_status, "show fingerprint, bytes, tensors, backend, pid, uptime, clients"),

@@ -27,8 +27,9 @@ reacts: an engine must never kill itself because its daemon went away.
 
 from __future__ import annotations
 
+import fcntl
+import logging
 import os
-import re
 import socket
 import stat
 import struct
@@ -44,6 +45,7 @@ from hotweights.cache.arena import TensorEntry
 from hotweights.cache.backends import get_backend
 from hotweights.cache.backends.base import BackendUnavailable, ImportedArena
 from hotweights.cache.fingerprint import Fingerprint, describe_differences
+from hotweights.cache.handover import HandoverOffer, offer_path
 from hotweights.cache.protocol import (
     MAX_FDS,
     PROTOCOL_VERSION,
@@ -55,8 +57,9 @@ from hotweights.cache.protocol import (
 )
 from hotweights.errors import HotweightsError
 
+log = logging.getLogger(__name__)
+
 CONNECT_TIMEOUT_S = 10.0  # one deadline for connect, request and the whole reply
-HEX_DIGEST = re.compile(r"[0-9a-f]{64}")
 
 
 class DaemonUnavailable(HotweightsError):
@@ -81,6 +84,7 @@ class Attachment:
     arena: ImportedArena
     seconds: float
     _conn: socket.socket | None = field(default=None, repr=False)
+    handover: HandoverOffer | None = field(default=None, repr=False)  # offers the arena to a successor daemon
 
     @property
     def content_hash(self) -> str:
@@ -91,7 +95,10 @@ class Attachment:
         return arena_layout.content_hash(self.arena.tensor, self.manifest["used_bytes"])
 
     def close(self) -> None:
-        """Drop the views, unmap, and hang up (the daemon then stops listing us)."""
+        """Stop offering the arena, drop the views, unmap, and hang up (the daemon then stops listing us)."""
+        if self.handover is not None:
+            self.handover.close()
+            self.handover = None
         self.tensors.clear()
         self.arena.close()
         if self._conn is not None:
@@ -198,17 +205,22 @@ def attach(
     expected: Fingerprint,
     device: torch.device | str,
     timeout: float = CONNECT_TIMEOUT_S,
+    *,
+    offer_handover: bool = False,
 ) -> Attachment:
-    """Attach to the arena on ``socket_path`` if the daemon and its manifest pass every check."""
+    """Attach to the arena on ``socket_path`` if the daemon and its manifest pass every check. With
+    ``offer_handover``, keep the arena fd and offer it to a daemon that replaces this one (``cache.handover``)."""
     start = time.perf_counter()
     deadline = time.monotonic() + timeout
     device = torch.device(device)
     conn = connect(socket_path, timeout)
+    kept = -1
     try:
         request = {"op": "attach", "version": PROTOCOL_VERSION, "fingerprint": expected.to_json()}
         reply, fds = call(conn, request, max_fds=MAX_FDS, deadline=deadline)
         try:
             entries = _checked_entries(reply, expected, socket_path)
+            kept = _keep_for_handover(reply["handle"], fds) if offer_handover else -1
         except BaseException:
             _close_all(fds)
             raise
@@ -220,9 +232,34 @@ def attach(
             raise
     except BaseException:
         conn.close()
+        if kept >= 0:
+            os.close(kept)
         raise
     conn.settimeout(None)
-    return Attachment(tensors, reply["manifest"], imported, time.perf_counter() - start, conn)
+    offer = _offer(Path(socket_path), expected, reply["handle"], kept) if kept >= 0 else None
+    return Attachment(tensors, reply["manifest"], imported, time.perf_counter() - start, conn, offer)
+
+
+def _keep_for_handover(handle: dict[str, Any], fds: list[int]) -> int:
+    """A duplicate of the arena fd when its backend can be re-adopted from one, else -1."""
+    try:
+        adoptable = get_backend(handle["backend"]).adoptable
+    except BackendUnavailable:
+        return -1  # _import says why
+    if not adoptable:
+        log.info("%s arenas cannot be re-adopted from an engine: a new daemon will load again", handle["backend"])
+        return -1
+    return fcntl.fcntl(fds[0], fcntl.F_DUPFD_CLOEXEC, 0) if len(fds) == 1 else -1
+
+
+def _offer(socket_path: Path, expected: Fingerprint, handle: dict[str, Any], fd: int) -> HandoverOffer | None:
+    """Offer the kept ``fd`` (owned from now on) beside the daemon's socket; None, with a warning, where we cannot."""
+    try:
+        return HandoverOffer(offer_path(socket_path, expected.digest()), expected, handle, fd, trusted_daemon_uids())
+    except OSError as exc:
+        os.close(fd)
+        log.warning("this engine cannot offer its arena for re-adoption (a new daemon will load again): %s", exc)
+        return None
 
 
 def _checked_entries(reply: dict[str, Any], expected: Fingerprint, socket_path: str | Path) -> list[TensorEntry]:
@@ -255,26 +292,14 @@ def _checked_entries(reply: dict[str, Any], expected: Fingerprint, socket_path: 
 
 
 def _manifest_entries(manifest: dict[str, Any], handle: object) -> list[TensorEntry]:
-    """Strict: sizes, alignment, digest format, the handle's size and every row (ValueError naming the fault)."""
-    arena_bytes, used = manifest.get("arena_bytes"), manifest.get("used_bytes")
-    if not (type(arena_bytes) is int and type(used) is int and 0 < used <= arena_bytes):
-        raise ValueError(f"used_bytes {used!r} and arena_bytes {arena_bytes!r} must be ints, 0 < used <= arena")
-    if manifest.get("alignment") != arena_layout.ALIGNMENT:
-        raise ValueError(f"alignment {manifest.get('alignment')!r}, expected {arena_layout.ALIGNMENT}")
-    content = manifest.get("content_hash")
-    if not isinstance(content, str) or not HEX_DIGEST.fullmatch(content):
-        raise ValueError(f"content_hash {str(content)[:80]!r} is not a SHA-256 hex digest")
+    """Strict: the manifest (``arena.manifest_entries``), the handle's backend and size; ValueError names the fault."""
+    entries = arena_layout.manifest_entries(manifest)
     if not isinstance(handle, dict) or not isinstance(handle.get("backend"), str):
         raise ValueError("the attach reply has no backend handle")
     if handle.get("backend") != manifest.get("backend") or type(handle.get("nbytes")) is not int:
         raise ValueError(f"handle {handle.get('backend')!r} does not match the manifest's {manifest.get('backend')!r}")
-    if handle["nbytes"] != arena_bytes:
-        raise ValueError(f"the handle maps {handle['nbytes']} bytes, the manifest says {arena_bytes}")
-    rows = manifest.get("tensors")
-    if not isinstance(rows, list):
-        raise ValueError("'tensors' must be a list of rows")
-    entries = [TensorEntry.from_json(row, used) for row in rows]
-    arena_layout.check_disjoint(entries)
+    if handle["nbytes"] != manifest["arena_bytes"]:
+        raise ValueError(f"the handle maps {handle['nbytes']} bytes, the manifest says {manifest['arena_bytes']}")
     return entries
 
 

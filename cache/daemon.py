@@ -33,8 +33,8 @@ import torch
 
 from hotweights.cache import arena as arena_layout
 from hotweights.cache.backends import get_backend
-from hotweights.cache.backends.base import ExportedArena
-from hotweights.cache.checkpoint import Checkpoint
+from hotweights.cache.backends.base import ArenaBackend, ExportedArena
+from hotweights.cache.checkpoint import Checkpoint, read_checkpoint
 from hotweights.cache.fingerprint import Fingerprint, compute_fingerprint, describe_differences
 from hotweights.cache.paths import DaemonPaths, ensure_private_dir, publish, unpublish
 from hotweights.cache.pipeline import LoadSpec, check_spec, iter_processed, processed_config, processed_dtype
@@ -47,6 +47,8 @@ from hotweights.cache.protocol import (
     recv_message,
     send_message,
 )
+from hotweights.cache.recovery import Filled, SourceRefused, SourceSkipped, readopt, write_record
+from hotweights.cache.snapshot import load_snapshot
 from hotweights.dtypes import ARENA_DTYPES
 from hotweights.errors import BindingError, ConfigError, HotweightsError
 from hotweights.layout import processed_tensors
@@ -57,6 +59,7 @@ log = logging.getLogger(__name__)
 REQUEST_TIMEOUT_S = 10.0  # for each whole request from a client that has not attached
 MAX_CONNECTIONS = 128  # open connections (attached engines included); one thread each
 MAX_SOCKET_PATH = 107  # sun_path is 108 bytes including the NUL
+FILL_SOURCES = ("readopt", "snapshot", "disk")  # the order a daemon tries them in, unless told otherwise
 
 
 @dataclass(frozen=True)
@@ -70,17 +73,88 @@ class ArenaSource:
     aliases: Callable[[], dict[str, str]] = dict  # tied names: alias -> the canonical tensor's name
 
 
-def pipeline_source(checkpoint: Checkpoint, spec: LoadSpec) -> ArenaSource:
-    """The normal source: the load pipeline's output for ``checkpoint`` and ``spec``."""
-    check_spec(checkpoint, spec)  # a ConfigError naming the flag, before the model is built
-    config = processed_config(checkpoint, spec)
-    specs = processed_tensors(config, processed_dtype(checkpoint, spec), spec.tp_size)
+def pipeline_source(checkpoint: Checkpoint | Path, spec: LoadSpec) -> ArenaSource:
+    """The normal source: the load pipeline's output for ``checkpoint`` and ``spec``. A directory is read in two
+    steps: its JSON files now (the fingerprint, the spec's checks), its safetensors headers only once the arena
+    is filled from the disk, so a daemon that re-adopts or restores a snapshot opens no shard."""
+    known = checkpoint if isinstance(checkpoint, Checkpoint) else read_checkpoint(checkpoint, headers=False)
+    check_spec(known, spec)  # a ConfigError naming the flag, before the model is built
+    config = processed_config(known, spec)
+    specs = processed_tensors(config, processed_dtype(known, spec), spec.tp_size)
+    full = (lambda: known) if isinstance(checkpoint, Checkpoint) else (lambda: read_checkpoint(known.path))
     return ArenaSource(
-        fingerprint=compute_fingerprint(checkpoint, spec),
+        fingerprint=compute_fingerprint(known, spec),
         specs=lambda: specs,
-        tensors=lambda: iter_processed(checkpoint, spec, progress=True),
+        tensors=lambda: iter_processed(full(), spec, progress=True),
         device=torch.device(spec.device),
     )
+
+
+def load_arena(source: ArenaSource, backend: ArenaBackend, stopping: Callable[[], bool] = bool) -> Filled:
+    """Run ``source`` once, copying each processed tensor into its place in a new arena, and hash it.
+    Interrupted as soon as ``stopping()`` is true; BindingError for a tensor that does not fit its slot."""
+    start = time.perf_counter()
+    entries, nbytes = arena_layout.plan_layout(source.specs())
+    device = source.device
+    arena = backend.allocate(nbytes, device)
+    try:
+        _copy_tensors(source, arena, {entry.name: entry for entry in entries}, stopping)
+        loaded = time.perf_counter()
+        content_hash = arena_layout.content_hash(arena.tensor, nbytes)
+    except BaseException:
+        arena.close()
+        raise
+    manifest = {
+        "format": source.fingerprint.arena_format,
+        "alignment": arena_layout.ALIGNMENT,
+        "fingerprint": source.fingerprint.to_json(),
+        "content_hash": content_hash,
+        "used_bytes": nbytes,
+        "arena_bytes": arena.nbytes,
+        "device": str(device),
+        "backend": backend.name,
+        "tensors": [entry.to_json() for entry in entries],
+        "aliases": source.aliases(),
+    }
+    hashed = time.perf_counter() - loaded
+    detail = f"{len(entries)} tensors from the checkpoint in {loaded - start:.2f} s, hashed in {hashed:.2f} s"
+    return Filled(arena, manifest, detail)
+
+
+def _copy_tensors(
+    source: ArenaSource,
+    arena: ExportedArena,
+    by_name: dict[str, arena_layout.TensorEntry],
+    stopping: Callable[[], bool],
+) -> None:
+    """Copy every tensor ``source`` produces into its slot; each one exactly once, with its slot's shape and dtype."""
+    if source.device.type == "cuda":
+        arena.tensor.zero_()  # padding between tensors is hashed: make it deterministic
+    filled: set[str] = set()
+    for name, tensor in source.tensors():
+        if stopping():
+            raise Interrupted("stopped by a signal while loading")
+        entry = by_name.get(name)
+        if entry is None or tensor.shape != entry.shape or tensor.dtype != ARENA_DTYPES[entry.dtype]:
+            # copy_ would broadcast or cast silently, and engines would compute with the result
+            expected = f"{list(entry.shape)} {entry.dtype}" if entry else "no such tensor"
+            raise BindingError(
+                f"pipeline produced {name!r} as {list(tensor.shape)} {tensor.dtype}, the arena expects {expected}"
+            )
+        arena_layout.view(arena.tensor, entry).copy_(tensor)
+        filled.add(name)
+    if filled != by_name.keys():
+        raise RuntimeError(f"pipeline did not produce {sorted(by_name.keys() - filled)[:3]}")
+    if source.device.type == "cuda":
+        torch.cuda.synchronize(source.device)
+
+
+def disk_read_bytes() -> int:
+    """Bytes this process has made the kernel fetch from storage so far (``read_bytes`` of /proc/self/io)."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    return 0
 
 
 @dataclass
@@ -100,6 +174,10 @@ class Interrupted(HotweightsError):
     """SIGTERM or SIGINT arrived before the daemon was serving."""
 
 
+class NoSource(ConfigError):
+    """Every fill source the daemon was allowed refused (e.g. ``--fill-from snapshot`` and a stale snapshot)."""
+
+
 class CacheDaemon:
     """Owns one arena for one source and serves it on one socket."""
 
@@ -112,6 +190,8 @@ class CacheDaemon:
         allowed_uids: frozenset[int],
         request_timeout: float = REQUEST_TIMEOUT_S,
         max_connections: int = MAX_CONNECTIONS,
+        fill_from: tuple[str, ...] = FILL_SOURCES,
+        snapshot: Path | None = None,
     ) -> None:
         if len(os.fsencode(paths.socket)) > MAX_SOCKET_PATH:
             raise ConfigError(f"socket path {paths.socket} is longer than {MAX_SOCKET_PATH} bytes")
@@ -125,6 +205,14 @@ class CacheDaemon:
         self.started_at = time.time()
         self.arena: ExportedArena | None = None
         self.manifest: dict[str, Any] = {}
+        self.fill_from = fill_from
+        self.snapshot = snapshot
+        self.fill_report: dict[str, Any] = {}
+        self._fillers: dict[str, Callable[[], Filled]] = {
+            "readopt": self._readopt,
+            "snapshot": self._fill_from_snapshot,
+            "disk": self.load,
+        }
         self.clients: dict[int, Client] = {}
         self._clients_lock = threading.Lock()
         self._should_exit = threading.Event()
@@ -145,7 +233,7 @@ class CacheDaemon:
         self._take_lock()
         try:
             check_socket_path_free(self.paths.socket)  # before the (slow) load, not after it
-            self.load()
+            self.fill()
             self._bind()
             self._write_ready()
             self._published = publish(self.paths, self.source.device, self.fingerprint.digest())
@@ -168,53 +256,53 @@ class CacheDaemon:
     def request_exit(self, *_: object) -> None:
         self._should_exit.set()
 
-    def load(self) -> None:
-        """Run the pipeline once, copying each processed tensor into its place in the arena."""
-        start = time.perf_counter()
-        entries, nbytes = arena_layout.plan_layout(self.source.specs())
-        device = self.source.device
-        self.arena = self.backend.allocate(nbytes, device)
-        if device.type == "cuda":
-            self.arena.tensor.zero_()  # padding between tensors is hashed: make it deterministic
-        by_name = {entry.name: entry for entry in entries}
-        filled: set[str] = set()
-        for name, tensor in self.source.tensors():
-            if self._should_exit.is_set():
-                raise Interrupted("stopped by a signal while loading")
-            entry = by_name.get(name)
-            if entry is None or tensor.shape != entry.shape or tensor.dtype != ARENA_DTYPES[entry.dtype]:
-                # copy_ would broadcast or cast silently, and engines would compute with the result
-                expected = f"{list(entry.shape)} {entry.dtype}" if entry else "no such tensor"
-                raise BindingError(
-                    f"pipeline produced {name!r} as {list(tensor.shape)} {tensor.dtype}, the arena expects {expected}"
-                )
-            arena_layout.view(self.arena.tensor, entry).copy_(tensor)
-            filled.add(name)
-        if filled != by_name.keys():
-            raise RuntimeError(f"pipeline did not produce {sorted(by_name.keys() - filled)[:3]}")
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        loaded = time.perf_counter()
-        content_hash = arena_layout.content_hash(self.arena.tensor, nbytes)
-        self.manifest = {
-            "format": self.fingerprint.arena_format,
-            "alignment": arena_layout.ALIGNMENT,
-            "fingerprint": self.fingerprint.to_json(),
-            "content_hash": content_hash,
-            "used_bytes": nbytes,
-            "arena_bytes": self.arena.nbytes,
-            "device": str(device),
-            "backend": self.backend.name,
-            "tensors": [entry.to_json() for entry in entries],
-            "aliases": self.source.aliases(),
+    def fill(self) -> None:
+        """Fill the arena from the first source of ``fill_from`` that passes its checks: re-adoption from a live
+        engine, a processed snapshot, the checkpoint. ``fill_report`` (in ``status``) says which and how long;
+        NoSource when none could."""
+        passed_over = []
+        read_before = disk_read_bytes()
+        for name in self.fill_from:
+            start = time.perf_counter()
+            try:
+                filled = self._fillers[name]()
+            except SourceRefused as exc:
+                skipped = isinstance(exc, SourceSkipped)
+                log.log(logging.INFO if skipped else logging.WARNING, "not filled from %s: %s", name, exc)
+                passed_over.append(f"{name}: {exc}")
+                continue
+            self._serve_filled(name, filled, time.perf_counter() - start, disk_read_bytes() - read_before, passed_over)
+            return
+        raise NoSource(f"nothing to serve, every source in {list(self.fill_from)} refused: {'; '.join(passed_over)}")
+
+    def _serve_filled(self, name: str, filled: Filled, seconds: float, read: int, passed_over: list[str]) -> None:
+        """Adopt ``filled`` as the arena and record it for a successor (a failure to record only costs that)."""
+        self.arena, self.manifest = filled.arena, filled.manifest
+        self.fill_report = {
+            "source": name,
+            "seconds": round(seconds, 4),
+            "disk_read_bytes": read,
+            "detail": filled.detail,
+            "passed_over": passed_over,
         }
-        log.info(
-            "loaded %d tensors in %.2f s, hashed in %.2f s (%s)",
-            len(entries),
-            loaded - start,
-            time.perf_counter() - loaded,
-            content_hash,
-        )
+        log.info("filled from %s in %.1f ms, %d bytes read from disk: %s", name, seconds * 1e3, read, filled.detail)
+        if self.backend.adoptable:
+            try:
+                write_record(self.paths.record, self.manifest, self.arena)
+            except OSError as exc:
+                log.warning("cannot record the arena in %s (a successor will load again): %s", self.paths.record, exc)
+
+    def _readopt(self) -> Filled:
+        return readopt(self.paths.record, self.fingerprint, self.backend, self.source.device, self.allowed_uids)
+
+    def _fill_from_snapshot(self) -> Filled:
+        if self.snapshot is None:
+            raise SourceSkipped("no --snapshot given")
+        return load_snapshot(self.snapshot, self.fingerprint, self.backend, self.source.device)
+
+    def load(self) -> Filled:
+        """Run the load pipeline (the checkpoint's bytes from disk) into a new arena."""
+        return load_arena(self.source, self.backend, self._should_exit.is_set)
 
     def _take_lock(self) -> None:
         try:
@@ -421,6 +509,7 @@ class CacheDaemon:
             "tensors": len(self.manifest["tensors"]),
             "content_hash": self.manifest["content_hash"],
             "uptime_s": round(time.time() - self.started_at, 3),
+            "fill": self.fill_report,
             "clients": clients,
         }
         return {"ok": True, "status": status}, []
@@ -463,9 +552,11 @@ def _version_mismatch(request: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-def serve(source: ArenaSource, paths: DaemonPaths, *, backend: str, allowed_uids: frozenset[int]) -> None:
-    """Run a daemon for ``source`` in this process until SIGTERM or SIGINT."""
-    daemon = CacheDaemon(source, paths, backend=backend, allowed_uids=allowed_uids)
+def serve(
+    source: ArenaSource, paths: DaemonPaths, *, backend: str, allowed_uids: frozenset[int], **options: Any
+) -> None:
+    """Run a daemon for ``source`` in this process until SIGTERM or SIGINT; ``options``: CacheDaemon's."""
+    daemon = CacheDaemon(source, paths, backend=backend, allowed_uids=allowed_uids, **options)
     previous = {sig: signal.signal(sig, daemon.request_exit) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         daemon.run()

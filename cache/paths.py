@@ -72,6 +72,11 @@ class DaemonPaths:
         return self.socket.with_suffix(".lock")
 
     @property
+    def record(self) -> Path:
+        """The serving daemon's record of its arena, kept after it dies so a successor can re-adopt it."""
+        return self.socket.with_suffix(".arena.json")
+
+    @property
     def log(self) -> Path:
         """Where ``--weight-cache daemon`` sends a detached daemon's output."""
         return self.socket.with_suffix(".log")

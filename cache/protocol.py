@@ -9,6 +9,9 @@ Requests                                   Replies (ok=true)
   {"op": "hello", "version": 1}              {"version", "pid", "fingerprint_digest"}
   {"op": "attach", "fingerprint": {...}}     {"version", "manifest": {...}, "handle": {...}} + fds
   {"op": "status"}                           {"status": {...}}
+The same frames carry re-adoption's one request, from a new daemon to an engine's own socket
+(``cache.handover``): {"op": "handover", "version": 1, "fingerprint": {...}} -> {"version", "fingerprint",
+"handle"} + the arena fd the engine kept.
 Refusals (ok=false) carry ``error`` in ERROR_CODES; an attach refused for a fingerprint mismatch
 lists ``differences``: [[field, daemon's value, engine's value], ...]. ``ok`` is exactly true or false
 and ``version`` exactly the int PROTOCOL_VERSION (``reply_ok``, ``check_version``); anything else is a

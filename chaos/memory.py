@@ -2,9 +2,9 @@
 
 - stack processes: every process whose command line names the stack's config or state dir (a fenced engine
   that did not die, or a duplicate, is a leak even before it holds much memory);
-- weight arenas: distinct memfd files those processes map (cpu-shm). A respawned daemon loads a new
-  arena while engines attached to the old one keep it mapped until they are replaced, so a round that
-  respawned the daemon may add one arena;
+- weight arenas: distinct memfd files those processes map (cpu-shm). A respawned daemon re-adopts the
+  arena from a live engine; one that cannot loads a new arena while engines attached to the old one keep
+  it mapped until they are replaced, so a round that respawned the daemon may add one arena;
 - /dev/shm usage (host-wide, reported only: other programs use it too);
 - on CUDA, device memory in use (``nvidia-smi``), judged with a tolerance.
 """

@@ -175,7 +175,7 @@ class KillStandby(Scenario):
 
 class KillDaemon(Scenario):
     name = "kill-daemon"
-    measures = "SIGKILL the cache daemon: engines keep serving from the arena; respawn reloads from disk"
+    measures = "SIGKILL the cache daemon: engines keep serving from the arena; the respawn re-adopts it from one"
     respawns_daemon = True
 
     async def inject(self, r: Round) -> None:

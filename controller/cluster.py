@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from hotweights.cache.client import AttachRefused, DaemonUnavailable, hello
+from hotweights.cache.client import AttachRefused, DaemonUnavailable, hello, request
 from hotweights.contract import Role, State
 from hotweights.controller.config import REFERENCE, START_TIMEOUTS_S, EngineSpec
 from hotweights.controller.health import HealthChecker, HealthRecord
@@ -417,6 +417,17 @@ class Cluster:
                 raise ServiceFailed(f"{service.id} did not serve within {SERVICE_START_TIMEOUT_S:g} s; killed it")
             await asyncio.sleep(PROBE_INTERVAL_S)
         service.serving = True
+
+    async def fill_report(self, service_id: str) -> dict[str, Any]:
+        """How a serving daemon filled its arena (``fill`` of its status: source, seconds, detail); {} when it
+        does not say (it died meanwhile, or predates the report)."""
+        socket_path = self.layout.socket(self.services[service_id].group)
+        try:
+            reply = await asyncio.to_thread(request, socket_path, {"op": "status"}, PROBE_TIMEOUT_S)
+        except (DaemonUnavailable, AttachRefused):
+            return {}
+        fill = reply.get("status", {}).get("fill") if reply.get("ok") else None
+        return fill if isinstance(fill, dict) else {}
 
     async def stop_service(self, service_id: str) -> str:
         service = self.services[service_id]

@@ -44,6 +44,9 @@ engine_python = ""            # vllm: the Python that has vLLM and hotweights (i
 engine_args = []              # vllm: more arguments for its server, e.g. ["--max-model-len", "512"]
 engine_env = {}               # vllm: environment of its daemon and servers, e.g. {VLLM_CPU_KVCACHE_SPACE = "1"}
 start_timeout_s = 0.0         # an engine not ready this long after its start is restarted (0: 120, vllm 600)
+snapshot = ""                 # a processed snapshot (`hotweights cache snapshot`) the daemon fills from when no
+                              # live engine hands its arena back, before reading the checkpoint; relative to
+                              # this file ("": none). A stale or corrupt one is refused, never served.
 
 [engine]
 kv_cache_tokens = 4096
@@ -99,6 +102,7 @@ class GroupSection:
     engine_args: tuple[str, ...] = ()
     engine_env: dict[str, str] = field(default_factory=dict)
     start_timeout_s: float = 0.0
+    snapshot: str = ""  # a processed snapshot the daemon tries after re-adoption, before the checkpoint
 
     def start_timeout(self) -> float:
         """How long an engine of this group may take to become ready (vLLM compiles and profiles first)."""

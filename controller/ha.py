@@ -96,6 +96,13 @@ def _ms(seconds: float) -> float:
     return round(seconds * 1000, 1)
 
 
+def _filled(fill: dict[str, Any]) -> str:
+    """'; filled from <source> in <ms> ms (<detail>)' for a daemon's fill report, '' without one."""
+    if not fill:
+        return ""
+    return f"; filled from {fill.get('source')} in {_ms(fill.get('seconds', 0.0))} ms ({fill.get('detail')})"
+
+
 class Ha:
     def __init__(
         self,
@@ -548,7 +555,8 @@ class Ha:
         return sentence, {"id": member.id}
 
     async def do_restart_cache(self, snap: Snapshot, group: int) -> tuple[str, dict]:
-        """Stop the daemon gracefully and respawn it (reloading from disk); engines keep their mappings."""
+        """Stop the daemon gracefully and respawn it (re-adopting the arena from an engine, else a snapshot, else
+        the disk); engines keep their mappings."""
         self._check_group(snap, group)
         service_id = snap.daemon(group).id
         how = await self.cluster.stop_service(service_id)
@@ -623,10 +631,13 @@ class Ha:
             with attempt:
                 await self.cluster.start_service(service_id)
         service = self.cluster.services[service_id]
-        message = f"{service_id} (pid {service.process.pid}) serving after {_ms(time.monotonic() - start)} ms"
+        duration_ms = _ms(time.monotonic() - start)
+        fill = await self.cluster.fill_report(service_id) if service.kind == "daemon" else {}
+        message = f"{service_id} (pid {service.process.pid}) serving after {duration_ms} ms{_filled(fill)}"
         self.events.record(
             "respawn" if service.restarts else "start", message, service=service_id, group=service.group,
-            duration_ms=_ms(time.monotonic() - start), attempts=retrying.statistics.get("attempt_number", 1),
+            duration_ms=duration_ms, attempts=retrying.statistics.get("attempt_number", 1),
+            **({"fill_source": fill.get("source"), "fill_ms": _ms(fill.get("seconds", 0.0))} if fill else {}),
         )  # fmt: skip
         self.wakeup()
 

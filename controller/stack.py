@@ -90,13 +90,22 @@ class Layout:
         )
 
     def daemon_command(self, group: int) -> list[str]:
-        """The group's cache daemon; a vLLM group's runs vLLM's loader with vLLM's Python."""
+        """The group's cache daemon; a vLLM group's runs vLLM's loader with vLLM's Python. Every start tries
+        re-adoption from a live engine, then the group's ``snapshot`` (if any), then the checkpoint."""
         config = self.config.groups[group]
         paths, backend = DaemonPaths(self.socket(group)), config.backend or None
+        snapshot = ["--snapshot", str(self.snapshot(group))] if config.snapshot else []
         if config.engine == REFERENCE:
-            return daemon_command(self.model_dir, self.load_spec(group), paths, backend)
+            return [*daemon_command(self.model_dir, self.load_spec(group), paths, backend), *snapshot]
         command = daemon_command(self.model_dir, self.load_spec(group), paths, backend, python=config.engine_python)
-        return [*command, "--format", VLLM_FORMAT]
+        return [*command, "--format", VLLM_FORMAT, *snapshot]
+
+    def snapshot(self, group: int) -> Path:
+        """The group's ``snapshot`` path; a relative one is relative to the config file."""
+        path = Path(self.config.groups[group].snapshot).expanduser()
+        if not path.is_absolute() and self.config_path is not None:
+            path = self.config_path.parent / path
+        return path
 
     def environment(self, group: int) -> dict[str, str] | None:
         """The environment of the group's daemon and engines: ours plus ``engine_env`` (None: ours)."""

@@ -135,7 +135,8 @@ def _loader_class() -> type:
         def load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> nn.Module:
             device = torch.device(vllm_config.device_config.device)
             tp = (get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank())
-            attachment = attach(self.socket, vllm_fingerprint(model_config, *tp, device), str(device))
+            fingerprint = vllm_fingerprint(model_config, *tp, device)
+            attachment = attach(self.socket, fingerprint, str(device), offer_handover=True)
             with set_default_torch_dtype(model_config.dtype):
                 with torch.device("meta"):
                     model = initialize_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)

@@ -158,7 +158,7 @@ def load_model(
         try:
             if weight_cache == "daemon":
                 ensure_daemon(checkpoint.path, spec, paths, timeout=daemon_timeout)
-            attachment = attach(paths.socket, fingerprint, spec.device)
+            attachment = attach(paths.socket, fingerprint, spec.device, offer_handover=True)
         except (DaemonUnavailable, AttachRefused) as exc:
             if fallback != "disk":
                 raise _with_hint(exc, checkpoint, spec) from None

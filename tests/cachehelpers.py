@@ -52,9 +52,16 @@ class ThreadDaemon:
 
     def __enter__(self) -> CacheDaemon:
         self.thread.start()
-        wait_until(lambda: self.paths.ready.exists() or not self.thread.is_alive(), what="daemon ready")
+        wait_until(lambda: self.serving() or not self.thread.is_alive(), what="daemon ready")
         assert self.thread.is_alive(), "daemon thread died during load"
         return self.daemon
+
+    def serving(self) -> bool:
+        """The ready marker is ours (a SIGKILLed predecessor leaves a stale one behind)."""
+        try:
+            return json.loads(self.paths.ready.read_text())["pid"] == os.getpid()
+        except (FileNotFoundError, json.JSONDecodeError):
+            return False
 
     def __exit__(self, *exc: object) -> None:
         self.daemon.request_exit()

@@ -9,6 +9,7 @@ the exporter dies, until the importer closes it.
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -34,6 +35,11 @@ class ExportedArena(ABC):
     def close(self) -> None:
         """Drop the daemon's reference. Engines that imported keep their mappings valid."""
 
+    def identity(self) -> dict[str, int | str] | None:
+        """What names this very allocation to the kernel (cpu-shm: the memfd's inode and the boot), so a
+        successor daemon can tell the arena it recorded from any other; None where nothing does."""
+        return None
+
 
 class ImportedArena(ABC):
     """An engine's side: a read-mostly view of the daemon's arena. Engines never write to it."""
@@ -47,9 +53,11 @@ class ImportedArena(ABC):
 
 
 class ArenaBackend(ABC):
-    """A way to share one allocation between processes. ``name`` goes on the wire."""
+    """A way to share one allocation between processes. ``name`` goes on the wire. ``adoptable``: an
+    engine's fd is enough to serve the arena again after its daemon died (``adopt``)."""
 
     name: str
+    adoptable: bool = False
 
     @abstractmethod
     def allocate(self, nbytes: int, device: torch.device) -> ExportedArena:
@@ -61,6 +69,14 @@ class ArenaBackend(ABC):
         """Map an arena exported by ``ExportedArena.export`` in another process. Takes ownership of
         ``fds`` (closes them when done with them). Raises BackendUnavailable or ValueError for a
         handle this backend cannot read."""
+
+    def adopt(self, handle: dict[str, Any], fd: int, device: torch.device) -> ExportedArena:
+        """Serve again an arena a dead daemon exported as ``handle``, from the fd an engine kept (re-adoption).
+        Takes ownership of ``fd``. Raises ValueError for an fd of the wrong type, size or seals, and
+        BackendUnavailable where the backend cannot adopt at all (this default: cuda-ipc, whose
+        cudaIpcMemHandle cannot be shared again once its exporter is gone)."""
+        os.close(fd)
+        raise BackendUnavailable(f"{self.name} arenas cannot be re-adopted: their handle dies with the daemon")
 
 
 def require_cuda(backend: str, device: torch.device) -> int:

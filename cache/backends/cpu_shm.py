@@ -16,6 +16,7 @@ import fcntl
 import mmap
 import os
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -53,6 +54,9 @@ class CpuShmExported(ExportedArena):
     def export(self) -> tuple[dict[str, Any], list[int]]:
         return {"backend": "cpu-shm", "nbytes": self.nbytes}, [self._readonly_fd]
 
+    def identity(self) -> dict[str, int | str]:
+        return memfd_identity(self._fd)
+
     def close(self) -> None:
         if self._fd < 0:
             return
@@ -80,6 +84,40 @@ def check_arena_fd(fd: int, nbytes: int) -> None:
         raise ValueError(f"cpu-shm arena memfd holds {size} bytes, the handle says {nbytes}")
 
 
+def memfd_identity(fd: int) -> dict[str, int | str]:
+    """The memfd's device and inode, and this boot's id (inode numbers start over after a reboot)."""
+    info = os.fstat(fd)
+    boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    return {"dev": info.st_dev, "ino": info.st_ino, "boot_id": boot_id}
+
+
+class CpuShmAdopted(ExportedArena):
+    """An arena a dead daemon made, served again from the read-only fd an engine kept. Read-only here too:
+    the only writable mapping died with the daemon that filled it, and the seals forbid a new one."""
+
+    def __init__(self, fd: int, nbytes: int) -> None:
+        check_arena_fd(fd, nbytes)
+        self._fd = fd
+        self.nbytes = nbytes
+        self._map = mmap.mmap(fd, nbytes, prot=mmap.PROT_READ)
+        self.tensor = _frombuffer(self._map, nbytes)
+
+    def export(self) -> tuple[dict[str, Any], list[int]]:
+        return {"backend": "cpu-shm", "nbytes": self.nbytes}, [self._fd]
+
+    def identity(self) -> dict[str, int | str]:
+        return memfd_identity(self._fd)
+
+    def close(self) -> None:
+        if self._fd < 0:
+            return
+        del self.tensor
+        with contextlib.suppress(BufferError):  # views still alive here; the mapping goes with them
+            self._map.close()
+        os.close(self._fd)
+        self._fd = -1
+
+
 class CpuShmImported(ImportedArena):
     def __init__(self, fd: int, nbytes: int) -> None:
         try:
@@ -100,6 +138,7 @@ class CpuShmImported(ImportedArena):
 
 class CpuShmBackend(ArenaBackend):
     name = "cpu-shm"
+    adoptable = True
 
     def allocate(self, nbytes: int, device: torch.device) -> ExportedArena:
         if device.type != "cpu":
@@ -116,3 +155,13 @@ class CpuShmBackend(ArenaBackend):
             os.close(fds[0])
             raise ValueError(f"cpu-shm handle has bad nbytes {nbytes!r}")
         return CpuShmImported(fds[0], nbytes)
+
+    def adopt(self, handle: dict[str, Any], fd: int, device: torch.device) -> ExportedArena:
+        """ValueError (``fd`` closed) unless ``fd`` is a memfd of ``handle``'s size carrying every arena seal."""
+        try:
+            if device.type != "cpu":
+                raise ValueError(f"cpu-shm holds arenas in host memory, not on {device}")
+            return CpuShmAdopted(fd, handle["nbytes"])
+        except BaseException:
+            os.close(fd)
+            raise

@@ -268,6 +268,28 @@ class VmmExportedArena(_MappedArena, ExportedArena):
         self._drop()
 
 
+class VmmAdoptedArena(_MappedArena, ExportedArena):
+    """An arena a dead daemon exported, served again from the fd an engine kept (facts/vmm_readopt.md): an
+    imported handle cannot be exported again, but that fd can be handed on as it is."""
+
+    def __init__(self, mapping: _Mapping, fd: int, handle: dict[str, Any]) -> None:
+        self._adopt(mapping)
+        self._fd: int | None = fd
+        self._handle_description = dict(handle)
+
+    def export(self) -> tuple[dict[str, Any], list[int]]:
+        if self._fd is None:
+            raise RuntimeError(f"{NAME}: export() after close()")
+        return dict(self._handle_description), [self._fd]
+
+    def close(self) -> None:
+        """Close the kept fd; the mapping goes with the last view. Engines keep theirs."""
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
+        self._drop()
+
+
 class VmmImportedArena(_MappedArena, ImportedArena):
     """An engine's mapping of the daemon's arena. ``read_only`` says whether the driver granted PROT_READ
     (if not, the mapping is read-write and engines must simply not write)."""
@@ -311,6 +333,7 @@ class CudaVmmBackend(ArenaBackend):
     """cuMemCreate + POSIX fd export: the default CUDA backend."""
 
     name = NAME
+    adoptable = True
 
     def allocate(self, nbytes: int, device: torch.device) -> VmmExportedArena:
         if nbytes <= 0:
@@ -347,6 +370,46 @@ class CudaVmmBackend(ArenaBackend):
                 return VmmImportedArena(mapping, read_only)
         finally:
             _close_fds(owned)
+
+    def adopt(self, handle: dict[str, Any], fd: int, device: torch.device) -> VmmAdoptedArena:
+        """Import the engine's fd, check it is a POSIX-fd allocation on this device, map ``handle``'s size
+        (the driver refuses a smaller allocation) read-only, and keep the fd to export it again."""
+        owned = [fd]
+        try:
+            index, size = _parse_handle(handle, owned, device)
+            drv = _driver()
+            fd_type = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+            with _on_device(drv, index):
+                alloc = _checked_import(drv, fd, fd_type)
+                try:
+                    _check_allocation(drv, alloc, index, fd_type)
+                    mapping, _ = _map(drv, index, alloc, size, read_only=True)
+                except RuntimeError as exc:
+                    raise ValueError(f"{NAME}: the engine's allocation cannot be mapped as the arena: {exc}") from None
+                finally:
+                    drv.cuMemRelease(alloc)  # the mapping (if any) keeps the memory alive
+            owned.clear()
+            return VmmAdoptedArena(mapping, fd, handle)
+        finally:
+            _close_fds(owned)
+
+
+def _checked_import(drv: Any, fd: int, fd_type: Any) -> Any:
+    """The allocation behind ``fd``; ValueError when the driver does not take it for one of ours."""
+    try:
+        return _check(drv.cuMemImportFromShareableHandle(fd, fd_type), "cuMemImportFromShareableHandle")
+    except RuntimeError as exc:
+        raise ValueError(f"{NAME}: the engine's fd is not a CUDA allocation: {exc}") from None
+
+
+def _check_allocation(drv: Any, alloc: Any, index: int, fd_type: Any) -> None:
+    """ValueError unless ``alloc`` is pinned device memory on ``index`` exportable as a POSIX fd."""
+    prop = _check(drv.cuMemGetAllocationPropertiesFromHandle(alloc), "cuMemGetAllocationPropertiesFromHandle")
+    if int(prop.location.id) != index or not int(prop.requestedHandleTypes) & int(fd_type):
+        raise ValueError(
+            f"{NAME}: the engine's allocation lives on device {int(prop.location.id)} with handle types "
+            f"{int(prop.requestedHandleTypes)}; the arena is on cuda:{index} with POSIX fd handles"
+        )
 
 
 def _close_fds(fds: list[int]) -> None:

@@ -1,0 +1,180 @@
+"""A daemon's recovery: re-adoption from a live engine vs a processed snapshot vs the checkpoint on disk.
+
+    python bench/recover.py --device cpu                   # writes the 'medium' preset (~1.7 GB) to a temp dir
+    python bench/recover.py --device cuda:0 --model DIR
+
+Real processes: a daemon (``hotweights cache serve``) fills from the disk; this process attaches as an engine
+does (keeping and offering its arena fd); then the daemon is SIGKILLed and a new one started, once re-adopting
+(``--fill-from readopt``) and once from a snapshot written from the arena (``--fill-from snapshot``). Before
+every fill the checkpoint's and the snapshot's pages are dropped from the page cache (POSIX_FADV_DONTNEED), so
+their bytes come from the disk. Times are the daemons' own fill reports (a disk fill includes hashing the
+arena, as a respawn does); ``disk_bytes_read_on_readopt`` is ``read_bytes`` of /proc/<daemon>/io once the
+re-adopting daemon serves. The bound: the disk's sequential read of the checkpoint measured in this run (one
+thread, 64 MiB reads, cold), and on CUDA the pinned host-to-device rate. The last stdout line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from hotweights.cache.checkpoint import read_checkpoint
+from hotweights.cache.client import attach, request
+from hotweights.cache.fingerprint import compute_fingerprint
+from hotweights.cache.makemodel import PRESETS, write_checkpoint
+from hotweights.cache.paths import DaemonPaths
+from hotweights.cache.pipeline import LoadSpec
+from hotweights.cache.snapshot import write_snapshot
+from hotweights.spawn import hotweights_command
+
+READ_BYTES = 64 << 20
+START_TIMEOUT_S = 600.0
+
+
+def evict(paths: list[Path]) -> None:
+    """Drop the files' clean pages from the page cache, so the next read of them goes to the disk."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def sequential_read_gbps(paths: list[Path]) -> float:
+    """The disk's cold sequential read rate over ``paths``: one thread, 64 MiB reads."""
+    evict(paths)
+    buffer = bytearray(READ_BYTES)
+    total, start = 0, time.perf_counter()
+    for path in paths:
+        with open(path, "rb", buffering=0) as source:
+            while n := source.readinto(buffer):
+                total += n
+    return total / 1e9 / (time.perf_counter() - start)
+
+
+def pinned_h2d_gbps(device: torch.device, nbytes: int = 1 << 30) -> float:
+    """Host-to-device copy rate from pinned memory (the bound of a snapshot or disk fill on CUDA)."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    target = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    target.copy_(host)
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    target.copy_(host)
+    torch.cuda.synchronize(device)
+    return nbytes / 1e9 / (time.perf_counter() - start)
+
+
+class Daemon:
+    """``hotweights cache serve`` on ``socket``, filled from ``fill_from``; ``fill`` is its own report."""
+
+    def __init__(self, model: Path, device: str, socket_path: Path, fill_from: str, *extra: str) -> None:
+        command = hotweights_command("cache", "serve", "--model", str(model), "--device", device)
+        command += ["--socket", str(socket_path), "--fill-from", fill_from, *extra]
+        self.paths = DaemonPaths(socket_path)
+        self.log = socket_path.with_suffix(f".{fill_from}.log")
+        with open(self.log, "wb") as out:
+            self.process = subprocess.Popen(command, stdout=out, stderr=out)
+        self._wait_serving()
+        self.read_bytes = proc_io(self.process.pid)["read_bytes"]
+        self.fill: dict[str, Any] = request(socket_path, {"op": "status"})["status"]["fill"]
+
+    def _wait_serving(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self._ready():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.process.kill()
+                raise SystemExit(f"daemon did not serve; see {self.log}:\n{self.log.read_text()[-2000:]}")
+            time.sleep(0.01)
+
+    def _ready(self) -> bool:
+        try:
+            return json.loads(self.paths.ready.read_text())["pid"] == self.process.pid
+        except (FileNotFoundError, ValueError):
+            return False
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+
+def proc_io(pid: int) -> dict[str, int]:
+    """/proc/<pid>/io as numbers: ``read_bytes`` is what the process made the kernel fetch from storage."""
+    rows = Path(f"/proc/{pid}/io").read_text().splitlines()
+    return {key: int(value) for key, value in (row.split(": ") for row in rows)}
+
+
+def run(model: Path, device: str, workdir: Path) -> dict[str, Any]:
+    """The three fills, one after the other, against one attached engine (this process)."""
+    checkpoint = read_checkpoint(model)
+    shards = sorted(checkpoint.files)
+    checkpoint_bytes = sum(path.stat().st_size for path in shards)
+    socket_path = workdir / "run" / "d.sock"
+    socket_path.parent.mkdir(mode=0o700)
+    result: dict[str, Any] = {"device": device, "model": str(model), "checkpoint_bytes": checkpoint_bytes}
+    result["disk_seq_read_gbps"] = round(sequential_read_gbps(shards), 3)
+    if device.startswith("cuda"):
+        result["pinned_h2d_gbps"] = round(pinned_h2d_gbps(torch.device(device)), 2)
+
+    evict(shards)
+    first = Daemon(model, device, socket_path, "disk")
+    result["disk_load_s"] = round(first.fill["seconds"], 3)
+    result["disk_gbps"] = round(checkpoint_bytes / 1e9 / first.fill["seconds"], 3)
+    engine = attach(socket_path, compute_fingerprint(checkpoint, LoadSpec(device=device)), device, offer_handover=True)
+    arena_bytes = engine.manifest["used_bytes"]
+    snapshot = workdir / "arena.snap"
+    write_snapshot(snapshot, engine.manifest, engine.arena.tensor)
+    first.kill()
+
+    evict(shards)
+    readopted = Daemon(model, device, socket_path, "readopt")
+    result["readopt_ms"] = round(readopted.fill["seconds"] * 1e3, 2)
+    result["readopt_detail"] = readopted.fill["detail"]
+    result["disk_bytes_read_on_readopt"] = readopted.read_bytes
+    readopted.kill()
+
+    evict([snapshot, *shards])
+    restored = Daemon(model, device, socket_path, "snapshot", "--snapshot", str(snapshot))
+    result["snapshot_load_s"] = round(restored.fill["seconds"], 3)
+    result["snapshot_gbps"] = round(arena_bytes / 1e9 / restored.fill["seconds"], 3)
+    restored.kill()
+    engine.close()
+    result["arena_bytes"] = arena_bytes
+    result["readopt_speedup_vs_disk"] = round(first.fill["seconds"] / readopted.fill["seconds"], 1)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda:N")
+    parser.add_argument("--model", type=Path, help="checkpoint directory (default: the medium preset, made here)")
+    args = parser.parse_args()
+    workdir = Path(tempfile.mkdtemp(prefix="hw-recover-", dir="/tmp"))
+    os.environ["HOTWEIGHTS_RUNTIME_DIR"] = str(workdir / "rt")  # the daemons' published links die with workdir
+    try:
+        model = args.model
+        if model is None:
+            model = write_checkpoint(workdir / "medium", PRESETS["medium"], progress=False)
+        result = run(model.resolve(), args.device, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    for key, value in result.items():
+        print(f"{key}: {value}", file=sys.stderr)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,225 @@
+"""Processed snapshots: the arena's bytes after the whole pipeline (TP split, fusion, quantization) in one file.
+
+Layout: MAGIC (8 bytes) | header length (8 bytes, big-endian) | header (JSON) | zeros up to DATA_ALIGNMENT |
+the arena's ``used_bytes``. The header holds the format version, the torch version, the fingerprint (and its
+digest) and the manifest, whose ``content_hash`` is the SHA-256 of the data (``arena.content_hash``).
+
+Writing goes to a temporary file beside the target, fsync'ed, then renamed over it: a reader finds a whole
+snapshot or none, and a failure (a full disk) removes the temporary file and says so in one line.
+Reading checks everything that needs no data first (magic, header, format, the fingerprint field by field,
+the manifest's rows, the file's size), then reads the data straight into the arena and checks its SHA-256:
+a stale, truncated or corrupt snapshot is refused with the reason and nothing of it is served.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import time
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hotweights.cache import arena as arena_layout
+from hotweights.cache.backends.base import ArenaBackend
+from hotweights.cache.fingerprint import Fingerprint
+from hotweights.cache.recovery import Filled, SourceRefused
+from hotweights.errors import HotweightsError
+
+MAGIC = b"HWSNAP\r\n"
+FORMAT_VERSION = 1
+LENGTH = struct.Struct(">Q")
+DATA_ALIGNMENT = 4096
+MAX_HEADER_BYTES = 64 << 20
+CHUNK_BYTES = 64 << 20  # one write while a snapshot is written
+
+
+class SnapshotError(HotweightsError):
+    """A snapshot could not be written; the message names the file and the reason."""
+
+
+def write_snapshot(out: Path, manifest: dict[str, Any], arena: torch.Tensor) -> int:
+    """Write ``arena``'s used bytes and ``manifest`` to ``out`` atomically; returns the file's size.
+    SnapshotError (the temporary file removed, ``out`` untouched) when the file system refuses."""
+    used = manifest["used_bytes"]
+    prefix = _prefix(_header(manifest))
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    written = 0
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        with open(fd, "wb") as sink:
+            sink.write(prefix)
+            for start in range(0, used, CHUNK_BYTES):
+                written += sink.write(arena[start : min(start + CHUNK_BYTES, used)].cpu().numpy())
+            sink.flush()
+            os.fsync(sink.fileno())
+        tmp.replace(out)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise SnapshotError(
+            f"cannot write snapshot {out}: {exc.strerror or exc} after {written} of {used} data bytes; "
+            "nothing was left behind"
+        ) from None
+    return len(prefix) + used
+
+
+def _header(manifest: dict[str, Any]) -> dict[str, Any]:
+    fingerprint = Fingerprint(**manifest["fingerprint"])
+    return {
+        "format": FORMAT_VERSION,
+        "torch_version": str(torch.__version__),
+        "fingerprint": manifest["fingerprint"],
+        "fingerprint_digest": fingerprint.digest(),
+        "manifest": manifest,
+        "data_bytes": manifest["used_bytes"],
+    }
+
+
+def _prefix(header: dict[str, Any]) -> bytes:
+    """MAGIC, the header's length, the header and the zeros that align the data (its offset is in the header)."""
+    body = b""
+    offset = 0
+    while True:  # the offset is part of the header, so its own digits can move the data: settle it
+        body = json.dumps(header | {"data_offset": offset}, separators=(",", ":")).encode()
+        aligned = -(-(len(MAGIC) + LENGTH.size + len(body)) // DATA_ALIGNMENT) * DATA_ALIGNMENT
+        if aligned == offset:
+            break
+        offset = aligned
+    head = MAGIC + LENGTH.pack(len(body)) + body
+    return head + bytes(offset - len(head))
+
+
+def read_header(path: Path) -> dict[str, Any]:
+    """The header of the snapshot at ``path``; SourceRefused naming the fault (not a snapshot, truncated, bad JSON)."""
+    try:
+        with open(path, "rb") as source:
+            magic = source.read(len(MAGIC))
+            if magic != MAGIC:
+                raise SourceRefused(f"snapshot {path} is not a hotweights snapshot (starts {magic!r})")
+            (length,) = LENGTH.unpack(source.read(LENGTH.size).rjust(LENGTH.size, b"\0"))
+            if length > MAX_HEADER_BYTES:
+                raise SourceRefused(f"snapshot {path}: header of {length} bytes is over {MAX_HEADER_BYTES}")
+            body = source.read(length)
+    except FileNotFoundError:
+        raise SourceRefused(f"snapshot {path} does not exist") from None
+    except OSError as exc:
+        raise SourceRefused(f"snapshot {path} cannot be read: {exc.strerror or exc}") from None
+    if len(body) != length:
+        raise SourceRefused(f"snapshot {path} is truncated: header of {length} bytes, {len(body)} present")
+    try:
+        header = json.loads(body)
+    except ValueError as exc:
+        raise SourceRefused(f"snapshot {path}: header is not JSON: {str(exc)[:200]}") from None
+    return header
+
+
+def check_snapshot(path: Path, fingerprint: Fingerprint) -> dict[str, Any]:
+    """The header of a snapshot that can fill an arena of ``fingerprint`` as far as can be told without
+    reading the data; SourceRefused naming the field, what was expected and what was found."""
+    header = read_header(path)
+    if not isinstance(header, dict) or header.get("format") != FORMAT_VERSION:
+        found = header.get("format") if isinstance(header, dict) else header
+        raise SourceRefused(f"snapshot {path}: format {found!r}, expected {FORMAT_VERSION}")
+    try:
+        made_for = Fingerprint.from_json(header.get("fingerprint"))
+        manifest = header.get("manifest")
+        if not isinstance(manifest, dict):
+            raise ValueError("no manifest")
+        arena_layout.manifest_entries(manifest)
+    except ValueError as exc:
+        raise SourceRefused(f"snapshot {path}: corrupt header: {exc}") from None
+    differences = fingerprint.differences(made_for)
+    if differences:
+        listed = "; ".join(f"{name}: snapshot has {theirs!r}, expected {ours!r}" for name, ours, theirs in differences)
+        raise SourceRefused(f"snapshot {path} is stale (made for another model, config or build): {listed}")
+    if manifest.get("fingerprint") != header["fingerprint"] or header.get("data_bytes") != manifest["used_bytes"]:
+        raise SourceRefused(f"snapshot {path}: corrupt header: fingerprint or data size disagree with the manifest")
+    _check_size(path, header)
+    return header
+
+
+def _check_size(path: Path, header: dict[str, Any]) -> None:
+    offset, data = header.get("data_offset"), header["data_bytes"]
+    if type(offset) is not int or offset % DATA_ALIGNMENT or offset <= 0:
+        raise SourceRefused(f"snapshot {path}: corrupt header: data_offset {offset!r}")
+    size = path.stat().st_size
+    if size != offset + data:
+        what = "truncated" if size < offset + data else "longer than its header says"
+        raise SourceRefused(f"snapshot {path} is {what}: {size} bytes, expected {offset + data}")
+
+
+def load_snapshot(path: Path, fingerprint: Fingerprint, backend: ArenaBackend, device: torch.device) -> Filled:
+    """A new arena filled from the snapshot at ``path`` (every check of ``check_snapshot``, then the data's
+    SHA-256 against the header's); SourceRefused naming the fault."""
+    header = check_snapshot(path, fingerprint)
+    manifest, used = header["manifest"], header["data_bytes"]
+    start = time.perf_counter()
+    arena = backend.allocate(used, device)
+    try:
+        digest = _read_into(path, header["data_offset"], used, arena.tensor)
+        read_s = time.perf_counter() - start
+        if digest != manifest["content_hash"]:
+            raise SourceRefused(f"snapshot {path} is corrupt: its data hashes to {digest}, the header says "
+                                f"{manifest['content_hash']}")  # fmt: skip
+    except BaseException:
+        arena.close()
+        raise
+    served = manifest | {"arena_bytes": arena.nbytes, "backend": backend.name, "device": str(device)}
+    return Filled(arena, served, f"from {path}: {used / 1e9:.3f} GB read at {used / 1e9 / read_s:.2f} GB/s")
+
+
+def _read_into(path: Path, offset: int, nbytes: int, arena: torch.Tensor) -> str:
+    """Read ``nbytes`` at ``offset`` into ``arena`` in DIGEST_CHUNK_BYTES reads (straight into host memory, or
+    through a pinned buffer onto a device), hashing each chunk on a thread while the next one is read;
+    returns the content hash of what was read."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_SEQUENTIAL)
+        workers = max(1, os.cpu_count() or 1)
+        done: list[bytes] = []
+        pending: deque[Future[bytes]] = deque()
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            for chunk in _chunks(fd, offset, nbytes, arena, path):
+                if len(pending) > workers:  # bounds the chunks (pinned buffers on CUDA) waiting for a hash
+                    done.append(pending.popleft().result())
+                pending.append(pool.submit(_chunk_digest, chunk))
+            done += [digest.result() for digest in pending]
+        return arena_layout.combine_digests(nbytes, done)
+    finally:
+        os.close(fd)
+
+
+def _chunks(fd: int, offset: int, nbytes: int, arena: torch.Tensor, path: Path) -> Iterator[memoryview]:
+    """Read the data chunk by chunk into ``arena`` and yield each chunk's bytes on the host."""
+    step = arena_layout.DIGEST_CHUNK_BYTES
+    if arena.device.type == "cpu":
+        target = memoryview(arena.numpy())
+        for start in range(0, nbytes, step):
+            chunk = target[start : min(start + step, nbytes)]
+            _pread_all(fd, chunk, offset + start, path)
+            yield chunk
+        return
+    for start in range(0, nbytes, step):  # a fresh pinned buffer per chunk: the hash thread may still read the last
+        staging = torch.empty(min(step, nbytes - start), dtype=torch.uint8, pin_memory=True)
+        _pread_all(fd, memoryview(staging.numpy()), offset + start, path)
+        arena[start : start + staging.numel()].copy_(staging)
+        yield memoryview(staging.numpy())
+
+
+def _chunk_digest(chunk: memoryview) -> bytes:
+    return hashlib.sha256(chunk).digest()  # hashlib releases the GIL
+
+
+def _pread_all(fd: int, buffer: memoryview, offset: int, path: Path) -> None:
+    done = 0
+    while done < len(buffer):
+        n = os.preadv(fd, [buffer[done : done + CHUNK_BYTES]], offset + done)
+        if n == 0:
+            raise SourceRefused(f"snapshot {path} is truncated at byte {offset + done}")
+        done += n
