@@ -118,7 +118,7 @@ def readopt(
             refusals.append(str(exc))
     if not refusals:
         raise SourceSkipped(f"no live engine offers the arena in {record_path.parent}")
-    raise SourceRefused(f"no engine's offer passed ({len(refusals)} refused)")
+    raise SourceRefused(f"no engine's offer passed ({len(refusals)} refused: {'; '.join(refusals)})")
 
 
 def _adopt_from(

@@ -135,12 +135,18 @@ class Decoder:
     def _capture(self) -> None:
         """A graph per batch size, sharing one memory pool; ``graph_bytes`` is what they added."""
         device = self.model.device
-        torch.cuda.synchronize(device)
-        before = torch.cuda.memory_reserved(device)
+        before = _reserved_in_use(device)
         pool = torch.cuda.graph_pool_handle()
         for n in range(1, self.batch + 1):
             self._graphs[n] = DecodeGraph(self.model, self.kv, n, self.kv.max_tokens, pool)
             self._graphs[n].run(torch.zeros((2, n), dtype=torch.long))  # a first replay, as serving's would be
-        torch.cuda.synchronize(device)
-        self.graph_bytes = torch.cuda.memory_reserved(device) - before
+        self.graph_bytes = _reserved_in_use(device) - before
         log.info("captured decode CUDA graphs for batch 1..%d: %d bytes", self.batch, self.graph_bytes)
+
+
+def _reserved_in_use(device: torch.device) -> int:
+    """Device memory torch's allocator holds for live tensors and graph pools, once its unused cached
+    blocks (e.g. warm-up's scratch) are returned to the driver."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved(device)
