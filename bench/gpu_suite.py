@@ -23,7 +23,8 @@ Steps, each a subprocess with its own time limit, so one failure or hang cannot 
             CUDA graph bytes
   engine_xl_nographs  the same on xl with --no-cuda-graphs: the standby's memory without graphs
   attach_ipc  the attach benchmark again with the cuda-ipc backend
-  drill     hotweights drill kill-primary hang-primary (medium model, cuda-vmm, 5 req/s; report in DIR/drill)
+  drill_medium, drill_xl  hotweights drill kill-primary hang-primary through the gateway, cuda-vmm, 8 rounds:
+            medium at 20 requests/s, xl at 10 (reports in DIR/drill-medium, DIR/drill-xl)
 Results go to DIR/gpu_suite.json and every step's output to DIR/steps.log; the last stdout line
 is one JSON object. Exits 1 if any step failed.
 """
@@ -47,12 +48,18 @@ REPO = Path(__file__).resolve().parent.parent
 
 def steps(workdir: Path, out: Path) -> dict[str, tuple[list[str], int]]:
     """name -> (command, time limit in s), in the order they run."""
-    xl, medium, drill = (shlex.quote(str(p)) for p in (workdir / "xl", workdir / "medium", out / "drill"))
+    xl, medium = (shlex.quote(str(p)) for p in (workdir / "xl", workdir / "medium"))
     hw = f"{shlex.quote(sys.executable)} -m hotweights"
     bench = f"{shlex.quote(sys.executable)} bench"
     synthetic = "--device cuda:0 --source synthetic --sizes-gb 1,10,80"
     pytest = f"{shlex.quote(sys.executable)} -m pytest -q -m cuda -p no:cacheprovider"
     engine_bench = f"{bench}/engine.py --device cuda:0 --cycles 20 --gen-tokens 256 --max-batch 4"
+
+    def drill_at(name: str, path: str, rps: int) -> str:
+        """kill-primary and hang-primary through the gateway, cuda-vmm, report in DIR/drill-NAME."""
+        report = shlex.quote(str(out / f"drill-{name}"))
+        scenarios = "kill-primary hang-primary --rounds 8"
+        return f"{hw} drill {scenarios} --model {path} --device cuda:0 --rps {rps} --report {report}"
 
     def make(preset: str, path: str) -> str:
         """Write the preset's checkpoint unless an earlier step did."""
@@ -71,12 +78,9 @@ def steps(workdir: Path, out: Path) -> dict[str, tuple[list[str], int]]:
         "engine_medium": (f"{make('medium', medium)} && {engine_bench} --model {medium}", 240),
         "engine_xl": (f"{make('xl', xl)} && {engine_bench} --model {xl}", 420),
         "engine_xl_nographs": (f"{make('xl', xl)} && {engine_bench} --model {xl} --no-cuda-graphs", 300),
-        # The drill's model is one the reference engine (batch-1 decode steps) serves at the drill's load.
-        "drill": (
-            f"{hw} make-model {medium} --preset medium --device cuda --force --quiet && {hw} drill "
-            f"kill-primary hang-primary --model {medium} --device cuda:0 --rounds 8 --rps 5 --report {drill}",
-            300,
-        ),
+        # Issue 14's loads: medium at 20 requests/s, xl at 10 (batched decode serves them).
+        "drill_medium": (f"{make('medium', medium)} && {drill_at('medium', medium, 20)}", 300),
+        "drill_xl": (f"{make('xl', xl)} && {drill_at('xl', xl, 10)}", 420),
         "attach_ipc": (f"{bench}/attach.py {synthetic} --repeats 5 --backend cuda-ipc", 300),
     }
     return {name: (["bash", "-c", command], limit) for name, (command, limit) in commands.items()}
