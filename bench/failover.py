@@ -26,7 +26,7 @@ groups fail over independently; N: one after another).
 both mapping the tiny model from a ``--format vllm`` daemon, vLLM from ``--vllm-python``), drills
 ``kill-primary`` against it through the load balancer (same last-line keys), and adds ``startup_s``:
 engine start to ready for ``--load-format hotweights`` against vLLM's default loader, measured one
-after the other in the same run.
+after the other in the same run (null where that engine never got ready).
 """
 
 from __future__ import annotations
@@ -279,8 +279,9 @@ def vllm_failover(args: argparse.Namespace) -> int:
         shutil.rmtree(model.parent, ignore_errors=True)
 
 
-def startup_s(python: str, model: Path, load_format: str, socket: Path) -> float:
-    """Seconds from starting ``hotweights agent`` with a vLLM server to the agent's /health/ready 200."""
+def startup_s(python: str, model: Path, load_format: str, socket: Path) -> float | None:
+    """Seconds from starting ``hotweights agent`` with a vLLM server to the agent's /health/ready 200;
+    None (and the agent's error on stderr) when the engine never got ready."""
     port = free_ports(1)[0]
     engine = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1"]
     engine += ["--port", "{port}", "--load-format", load_format, *VLLM_ARGS]
@@ -297,7 +298,8 @@ def startup_s(python: str, model: Path, load_format: str, socket: Path) -> float
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
-        raise RuntimeError(f"the {load_format} agent exited with {agent.returncode}")
+        print(f"--load-format {load_format}: the agent exited with {agent.returncode}", file=sys.stderr)
+        return None
     finally:
         agent.terminate()
         agent.wait(60)
