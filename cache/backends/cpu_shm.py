@@ -41,7 +41,32 @@ def _frombuffer(buffer: mmap.mmap, nbytes: int) -> torch.Tensor:
         return torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes)
 
 
-class CpuShmExported(ExportedArena):
+class _MemfdArena(ExportedArena):
+    """What both cpu-shm arenas do with the read-only memfd they hand out (``_fd``) and the fds they own."""
+
+    _fd: int  # the read-only fd engines get
+    _owned: tuple[int, ...]  # (``_fd``,) until closed
+    _map: mmap.mmap
+    nbytes: int
+
+    def export(self) -> tuple[dict[str, Any], list[int]]:
+        return {"backend": "cpu-shm", "nbytes": self.nbytes}, [self._fd]
+
+    def identity(self) -> dict[str, int | str]:
+        return memfd_identity(self._fd)
+
+    def close(self) -> None:
+        if not self._owned:
+            return
+        del self.tensor
+        with contextlib.suppress(BufferError):  # views still alive here; the mapping goes with them
+            self._map.close()
+        for fd in self._owned:
+            os.close(fd)
+        self._owned = ()
+
+
+class CpuShmExported(_MemfdArena):
     def __init__(self, nbytes: int) -> None:
         self.nbytes = -(-max(nbytes, 1) // PAGE) * PAGE
         self._fd = os.memfd_create("hotweights-arena", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
@@ -49,23 +74,9 @@ class CpuShmExported(ExportedArena):
         self._map = mmap.mmap(self._fd, self.nbytes, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, ARENA_SEALS)  # after our mapping: it alone stays writable
         self.tensor = _frombuffer(self._map, self.nbytes)
-        self._readonly_fd = os.open(f"/proc/self/fd/{self._fd}", os.O_RDONLY | os.O_CLOEXEC)
-
-    def export(self) -> tuple[dict[str, Any], list[int]]:
-        return {"backend": "cpu-shm", "nbytes": self.nbytes}, [self._readonly_fd]
-
-    def identity(self) -> dict[str, int | str]:
-        return memfd_identity(self._fd)
-
-    def close(self) -> None:
-        if self._fd < 0:
-            return
-        del self.tensor
-        with contextlib.suppress(BufferError):  # views still alive here; the mapping goes with them
-            self._map.close()
-        os.close(self._readonly_fd)
-        os.close(self._fd)
-        self._fd = -1
+        writable, self._fd = self._fd, os.open(f"/proc/self/fd/{self._fd}", os.O_RDONLY | os.O_CLOEXEC)
+        os.close(writable)  # our mapping keeps the memory; engines and identity() use the read-only fd
+        self._owned = (self._fd,)
 
 
 def check_arena_fd(fd: int, nbytes: int) -> None:
@@ -91,31 +102,16 @@ def memfd_identity(fd: int) -> dict[str, int | str]:
     return {"dev": info.st_dev, "ino": info.st_ino, "boot_id": boot_id}
 
 
-class CpuShmAdopted(ExportedArena):
+class CpuShmAdopted(_MemfdArena):
     """An arena a dead daemon made, served again from the read-only fd an engine kept. Read-only here too:
     the only writable mapping died with the daemon that filled it, and the seals forbid a new one."""
 
     def __init__(self, fd: int, nbytes: int) -> None:
         check_arena_fd(fd, nbytes)
-        self._fd = fd
+        self._fd, self._owned = fd, (fd,)
         self.nbytes = nbytes
         self._map = mmap.mmap(fd, nbytes, prot=mmap.PROT_READ)
         self.tensor = _frombuffer(self._map, nbytes)
-
-    def export(self) -> tuple[dict[str, Any], list[int]]:
-        return {"backend": "cpu-shm", "nbytes": self.nbytes}, [self._fd]
-
-    def identity(self) -> dict[str, int | str]:
-        return memfd_identity(self._fd)
-
-    def close(self) -> None:
-        if self._fd < 0:
-            return
-        del self.tensor
-        with contextlib.suppress(BufferError):  # views still alive here; the mapping goes with them
-            self._map.close()
-        os.close(self._fd)
-        self._fd = -1
 
 
 class CpuShmImported(ImportedArena):
