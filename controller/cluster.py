@@ -21,8 +21,9 @@ from typing import Any
 import httpx
 
 from hotweights.cache.client import AttachRefused, DaemonUnavailable, hello
-from hotweights.contract import Role, State
+from hotweights.contract import Endpoint, Role, State
 from hotweights.controller.config import REFERENCE, START_TIMEOUTS_S, EngineSpec
+from hotweights.controller.gateway import BACKLOG as GATEWAY_BACKLOG
 from hotweights.controller.health import HealthChecker, HealthRecord
 from hotweights.controller.stack import Layout
 from hotweights.controller.supervisor import (
@@ -33,6 +34,7 @@ from hotweights.controller.supervisor import (
     stack_orphans,
     stop_recorded,
 )
+from hotweights.standby.serving import PortUnavailable, bind_port
 from hotweights.state import (
     ClusterState,
     MemberRecord,
@@ -181,6 +183,8 @@ class Cluster:
         self.members: dict[str, Member] = {}
         self.services: dict[str, Service] = {}
         self.removed: set[str] = set()  # configured engines deleted through the API
+        self.listener: socket.socket | None = None  # the gateway's port, held for its workers
+        self.pushes: set[asyncio.Task] = set()  # wakes sent to gateway workers
 
     # --- load and persist ---------------------------------------------------------------------
 
@@ -203,8 +207,10 @@ class Cluster:
             self.members[spec.id] = Member(spec, start_timeout_s=self.config.groups[spec.group].start_timeout())
         for group in range(len(self.config.groups)):
             self.services[f"g{group}-cache"] = Service(f"g{group}-cache", "daemon", group)
-        if with_gateway or "gateway" in state.services:
-            self.services["gateway"] = Service("gateway", "gateway")
+        recorded_gateways = [name for name, row in state.services.items() if row.kind == "gateway"]
+        if with_gateway or recorded_gateways:
+            for worker_id in dict.fromkeys([*self.config.gateway.worker_ids(), *recorded_gateways]):
+                self.services[worker_id] = Service(worker_id, "gateway")
         adopted = []
         for member in self.members.values():
             row = state.members.get(member.spec.id)
@@ -220,8 +226,9 @@ class Cluster:
             if row and row.process and (process := self.supervisor.adopt(service.id, row.process)):
                 service.process = process
                 adopted.append(f"{service.id} (pid {process.pid})")
-        if "gateway" in self.services and not with_gateway and self.services["gateway"].process is None:
-            del self.services["gateway"]  # a dead gateway from an earlier `up`: not ours to restart
+        for service in list(self.services.values()):
+            if service.kind == "gateway" and not with_gateway and service.process is None:
+                del self.services[service.id]  # a dead gateway worker from an earlier `up`: not ours to restart
         self.save()
         return adopted + notes
 
@@ -400,11 +407,13 @@ class Cluster:
         if spawned:
             if service.process is not None:
                 service.restarts += 1
-            command = (
-                self.layout.daemon_command(service.group) if service.kind == "daemon" else self.layout.gateway_command()
-            )
-            env = self.layout.environment(service.group) if service.kind == "daemon" else None
-            service.process = self.supervisor.spawn(service.id, command, env)
+            if service.kind == "daemon":
+                command, env = self.layout.daemon_command(service.group), self.layout.environment(service.group)
+                service.process = self.supervisor.spawn(service.id, command, env)
+            else:
+                fd = self.gateway_listener().fileno()
+                command = self.layout.gateway_command(service.id, fd)
+                service.process = self.supervisor.spawn(service.id, command, pass_fds=(fd,))
             self.save()
         process = service.process
         deadline = time.monotonic() + SERVICE_START_TIMEOUT_S
@@ -417,6 +426,46 @@ class Cluster:
                 raise ServiceFailed(f"{service.id} did not serve within {SERVICE_START_TIMEOUT_S:g} s; killed it")
             await asyncio.sleep(PROBE_INTERVAL_S)
         service.serving = True
+
+    def gateway_listener(self) -> socket.socket:
+        """The gateway's listening socket: bound and listening from the first worker's start until the
+        controller stops, and inherited by every worker. While no worker accepts (one respawning), the
+        kernel queues connections instead of refusing them. SO_REUSEPORT lets a restarted controller bind
+        beside the workers an earlier one started (they keep its socket). Raises ServiceFailed."""
+        if self.listener is None:
+            gateway = self.config.gateway
+            try:
+                sock = bind_port(gateway.host, gateway.port, reuse_port=True)
+            except PortUnavailable as exc:
+                raise ServiceFailed(f"the gateway's port: {exc}") from None
+            sock.listen(GATEWAY_BACKLOG)
+            self.listener = sock
+        return self.listener
+
+    def close_gateway_listener(self) -> None:
+        """Our copy only: workers that still run keep serving on theirs."""
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
+
+    def wake_gateways(self) -> None:
+        """Tell every serving gateway worker to probe the engines now (a role just changed), in the
+        background; a worker that misses it finds out at its next probe anyway."""
+        for service in self.services.values():
+            if service.kind == "gateway" and service.serving:
+                task = asyncio.create_task(self._wake(service), name=f"wake-{service.id}")
+                self.pushes.add(task)
+                task.add_done_callback(self.pushes.discard)
+
+    async def _wake(self, service: Service) -> None:
+        with contextlib.suppress(httpx.HTTPError):
+            async with self._worker_client(service) as client:
+                await client.post(Endpoint.GATEWAY_WAKE, timeout=PROBE_TIMEOUT_S)
+
+    def _worker_client(self, service: Service) -> httpx.AsyncClient:
+        """A client for one gateway worker, over its own Unix socket."""
+        transport = httpx.AsyncHTTPTransport(uds=str(self.layout.gateway_probe_socket(service.id)))
+        return httpx.AsyncClient(transport=transport, base_url="http://gateway", trust_env=False)
 
     async def stop_service(self, service_id: str) -> str:
         service = self.services[service_id]
@@ -447,10 +496,11 @@ class Cluster:
             except (DaemonUnavailable, AttachRefused):
                 return False
             return True
-        # An HTTP answer, not a TCP connect: the kernel accepts connections for a stopped process too.
-        url = f"http://{self.config.gateway.host}:{self.config.gateway.port}/gateway/health"
+        # This worker's own socket, not the shared port (any worker answers there), and an HTTP answer,
+        # not a connect: the kernel accepts connections for a stopped process too.
         try:
-            return (await self.checker.client.get(url, timeout=PROBE_TIMEOUT_S)).status_code == 200
+            async with self._worker_client(service) as client:
+                return (await client.get(Endpoint.GATEWAY_HEALTH, timeout=PROBE_TIMEOUT_S)).status_code == 200
         except httpx.HTTPError:
             return False
 
@@ -472,9 +522,10 @@ class Cluster:
             if service.keeper:
                 service.keeper.cancel()
         await self.checker.close()
-        lines = []
-        if "gateway" in self.services:
-            lines.append(f"gateway: {await self.stop_service('gateway')}")
+        gateways = [s.id for s in self.services.values() if s.kind == "gateway"]
+        results = await asyncio.gather(*(self.stop_service(service_id) for service_id in gateways))
+        lines = [f"{service_id}: {how}" for service_id, how in zip(gateways, results, strict=True)]
+        self.close_gateway_listener()
         engines = [m for m in self.members.values() if m.process and m.process.alive]
         results = await asyncio.gather(*(self.supervisor.stop(m.process, timeout) for m in engines))
         lines += [f"{m.spec.id}: {how}" for m, how in zip(engines, results, strict=True)]
@@ -491,6 +542,7 @@ class Cluster:
                 service.keeper.cancel()
         await self.checker.close()
         self.save()
+        self.close_gateway_listener()
         for process in list(self.supervisor.processes.values()):
             self.supervisor.forget(process)
 

@@ -60,6 +60,7 @@ host = "127.0.0.1"
 port = 8000
 queue_limit = 256             # requests held while no primary answers
 hold_timeout_s = 10.0         # how long a held request waits for a primary
+workers = 2                   # gateway processes sharing one listening socket the controller holds
 """
 
 # Why an exposed gateway needs the cluster's token: it forwards only /v1, and the engines behind it then
@@ -67,6 +68,7 @@ hold_timeout_s = 10.0         # how long a held request waits for a primary
 GATEWAY_TOKEN_FIX = "set cluster.token_file so that the engines behind the gateway need it for role changes"
 
 
+MAX_GATEWAY_WORKERS = 16
 REFERENCE, VLLM = "reference", "vllm"
 START_TIMEOUTS_S = {REFERENCE: 120.0, VLLM: 600.0}
 
@@ -125,6 +127,12 @@ class GatewaySection:
     port: int = 8000
     queue_limit: int = 256
     hold_timeout_s: float = 10.0
+    workers: int = 2  # one killed, the others accept at once; the socket queues while none runs
+
+    def worker_ids(self) -> list[str]:
+        """The gateway workers' service ids: ``gateway`` (the one a single-worker gateway always had),
+        then ``gateway-1`` and on."""
+        return ["gateway", *(f"gateway-{i}" for i in range(1, self.workers))]
 
 
 @dataclass(frozen=True)
@@ -301,6 +309,8 @@ def validate(config: ClusterConfig) -> None:
         ("gateway.hold_timeout_s", config.gateway.hold_timeout_s),
     ]:
         positive(where, value)
+    if not 1 <= config.gateway.workers <= MAX_GATEWAY_WORKERS:
+        raise ConfigError(f"{src}: gateway.workers must be 1..{MAX_GATEWAY_WORKERS}, found {config.gateway.workers}")
     if config.model.dtype not in ("", *MODEL_DTYPES):
         raise ConfigError(f"{src}: model.dtype must be one of {', '.join(MODEL_DTYPES)}, found {config.model.dtype!r}")
     if config.model.quantize not in ("", *QUANT_METHODS):

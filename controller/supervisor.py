@@ -93,13 +93,21 @@ class Supervisor:
         self.on_exit = on_exit
         self.processes: dict[str, Process] = {}
 
-    def spawn(self, process_id: str, command: list[str], env: dict[str, str] | None = None) -> Process:
+    def spawn(
+        self, process_id: str, command: list[str], env: dict[str, str] | None = None, pass_fds: tuple[int, ...] = ()
+    ) -> Process:
         """Start ``command`` in a new session (it outlives us), output appended to its log; ``env``: its
-        environment (None: ours)."""
+        environment (None: ours); ``pass_fds``: our fds it inherits under the same numbers."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_dir / f"{process_id}.log", "ab") as out:
             popen = subprocess.Popen(
-                command, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True, env=env
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=out,
+                start_new_session=True,
+                env=env,
+                pass_fds=pass_fds,
             )
         pidfd = os.pidfd_open(popen.pid)  # our unreaped child: pid and /proc entry stay until we reap it
         # The command as we exec'd it, not /proc/<pid>/cmdline: Popen can return while the kernel is still
