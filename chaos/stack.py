@@ -1,6 +1,6 @@
 """The stack a drill runs against: one it starts (and always tears down) or one already running.
 
-An own stack lives in a fresh directory: its cluster.toml (free ports, fast health timings, small KV
+An own stack lives in a fresh directory: its cluster.toml (free ports, the default health timings, small KV
 cache), its state dir, and every log. It runs ``hotweights up`` in its own session; a killed
 controller is replaced by ``hotweights controller``, which re-adopts the running processes. With
 fault proxies, its cluster.toml sets ``listen_base_port``: engines listen on private ports and a proxy
@@ -48,11 +48,6 @@ base_port = {base_port}
 kv_cache_tokens = 256
 max_batch = 4
 drain_timeout_s = 5.0
-
-[health]
-interval_ms = 100
-timeout_ms = 250
-failure_threshold = 2
 
 [gateway]
 port = {gateway_port}

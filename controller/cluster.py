@@ -30,6 +30,7 @@ from hotweights.controller.supervisor import (
     Process,
     Supervisor,
     evict_orphans,
+    listening_pids,
     read_identity,
     stack_orphans,
     stop_recorded,
@@ -104,6 +105,7 @@ class MemberView:
     alive: bool
     exit_reason: str | None
     exited_at: float | None
+    exiting_at: float | None  # a watched primary: when every thread was seen exiting (it is not reaped yet)
     age_s: float
     start_timeout_s: float  # its group's: not ready this long after its start means failed
     health: HealthRecord
@@ -217,6 +219,7 @@ class Cluster:
             if row and row.process and (process := self.supervisor.adopt(member.spec.id, row.process)):
                 self._attach(member, process)
                 member.role = row.role
+                self.supervisor.watch_exiting(process, member.role == Role.PRIMARY)
                 # A primary served before we started: judge it by failed checks at once, not by the start-up
                 # allowance a fresh engine gets, or an adopted hung primary would hold its group for minutes.
                 member.health.ever_ok = member.role == Role.PRIMARY
@@ -301,6 +304,8 @@ class Cluster:
             status = "absent"
         elif not alive:
             status = "exited"
+        elif process.exiting_at is not None:
+            status = "exiting"
         elif health.ok:
             status = "healthy"
         else:
@@ -318,6 +323,7 @@ class Cluster:
             alive=alive,
             exit_reason=process.exit_reason if process else None,
             exited_at=process.exited_at if process else None,
+            exiting_at=process.exiting_at if process else None,
             age_s=now - member.started_at,
             start_timeout_s=member.start_timeout_s,
             health=replace(health),
@@ -330,6 +336,8 @@ class Cluster:
         orphan of this slot that a previous controller left listening on its port (off the event loop:
         that waits for the orphan's exit)."""
         member = self.members[member_id]
+        if member.process is not None and member.process.alive:  # fenced as exiting: its port frees at its exit
+            await self.supervisor.fence(member.process)
         for message in await asyncio.to_thread(evict_orphans, member.spec.listen_port, member_id):
             log.warning("%s", message)
         command, env = self.layout.engine_command(member.spec), self.layout.environment(member.spec.group)
@@ -343,14 +351,16 @@ class Cluster:
         member.started_at = time.monotonic()
         member.health = self.checker.track(member.spec.id, member.spec.url, process.pid)
 
-    async def fence(self, member_id: str) -> bool:
-        """SIGKILL the slot's engine and wait for its exit; False if it would not die. An orphan of the
-        slot that we do not supervise (left by an earlier controller) is evicted too."""
+    async def fence(self, member_id: str, *, until_exit: bool = True) -> bool:
+        """SIGKILL the slot's engine and wait for its exit (``until_exit`` False: until it is gone, see
+        ``Supervisor.fence``); False if it would not die. An orphan of the slot that we do not supervise
+        (left by an earlier controller) is evicted too."""
         member = self.members[member_id]
         self.checker.untrack(member_id)
-        for message in await asyncio.to_thread(evict_orphans, member.spec.listen_port, member_id):
+        ours = member.process.pid if member.process else None
+        for message in await asyncio.to_thread(evict_orphans, member.spec.listen_port, member_id, ours=ours):
             log.warning("%s", message)
-        fenced = member.process is None or await self.supervisor.fence(member.process)
+        fenced = member.process is None or await self.supervisor.fence(member.process, until_exit=until_exit)
         if fenced:
             self.set_role(member_id, Role.STANDBY)  # if it comes back, it comes back as a standby
         return fenced
@@ -363,9 +373,18 @@ class Cluster:
         return how
 
     def set_role(self, member_id: str, role: str) -> None:
+        """Record our role change; a primary's process is watched for the first sign of its exit."""
         member = self.members[member_id]
         member.role, member.role_set_at = role, time.monotonic()
+        if member.process is not None:
+            self.supervisor.watch_exiting(member.process, role == Role.PRIMARY)
         self.save()
+
+    async def others_listen(self, member_id: str) -> bool:
+        """Whether a process other than the slot's own listens on its port (read from /proc)."""
+        member = self.members[member_id]
+        ours = member.process.pid if member.process else None
+        return bool(await asyncio.to_thread(lambda: listening_pids(member.spec.listen_port) - {ours}))
 
     def add_engine(self, group: int) -> Member:
         """A new standby slot in ``group``: next index, next port that nothing uses or listens on."""
@@ -510,7 +529,8 @@ class Cluster:
     # --- exits and shutdown ---------------------------------------------------------------------
 
     def handle_exit(self, process: Process) -> None:
-        """Runs on the event loop the instant a watched process ends: wake the HA loop."""
+        """Runs on the event loop the instant a watched process ends (or a primary is seen exiting): wake
+        the HA loop."""
         service = self.services.get(process.id)
         if service is not None and service.process is process:
             service.serving = False

@@ -468,7 +468,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     urls = args.upstream or config.engine_urls()
     gateway = Gateway(
         urls,
-        interval_s=config.health.interval_ms / 1000,
+        interval_s=config.gateway.probe_interval_ms / 1000,
         timeout_s=config.health.timeout_ms / 1000,
         queue_limit=config.gateway.queue_limit,
         hold_s=config.gateway.hold_timeout_s,

@@ -1,8 +1,10 @@
 """Engine health checks and the small policies that judge them.
 
 Healthy means "answered ``GET /health/ready`` with 200 within the timeout", not "the process
-exists": a SIGSTOPped primary is alive and fails every check. Each engine process gets its own
-check task, so one hung engine never delays the checks of the others. The reply body (role,
+exists": a SIGSTOPped primary is alive and fails every check. A failed check is repeated at once (not
+after the interval) until the failure threshold, so a hang is judged in about threshold x timeout.
+Each engine process gets its own check task, so one hung engine never delays the checks of the
+others. The reply body (role,
 state, pid) is kept: the engines, not the controller, are the truth about who is primary.
 
 Policies are tenacity-style callables over one observed member: None when all is well, else the
@@ -94,12 +96,15 @@ class HealthChecker:
                 await task
 
     async def _watch(self, url: str, pid: int, record: HealthRecord) -> None:
+        """Check every ``interval_s``; after a failed check, check again at once until ``threshold``
+        failures are reached, so a hung engine is judged in about ``threshold x timeout_s``."""
         while True:
             was_ok = record.ok
             await self.check(url, pid, record)
             if record.ok != was_ok or record.consecutive_failures == self.threshold:
                 self.on_change()
-            await asyncio.sleep(self.interval_s)
+            if not 0 < record.consecutive_failures < self.threshold:
+                await asyncio.sleep(self.interval_s)
 
     async def check(self, url: str, pid: int, record: HealthRecord) -> None:
         start = time.monotonic()
@@ -135,6 +140,7 @@ class HealthChecker:
 class Observed(Protocol):
     alive: bool
     exit_reason: str | None
+    exiting_at: float | None  # every thread seen exiting, not reaped yet (a watched primary)
     health: HealthRecord
     age_s: float  # seconds since its process started
     start_timeout_s: float  # how long it may take to become ready
@@ -159,8 +165,12 @@ class first_reason(Policy):  # lower case, like the tenacity combinators it imit
 
 
 class process_exited(Policy):
+    """Exited, or (a watched primary) every thread has begun to exit: either way it never answers again."""
+
     def __call__(self, member: Observed) -> str | None:
-        return None if member.alive else member.exit_reason or "exited"
+        if not member.alive:
+            return member.exit_reason or "exited"
+        return "is exiting (every thread has begun to exit)" if member.exiting_at is not None else None
 
 
 class checks_failed(Policy):

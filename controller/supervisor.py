@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 10.0  # SIGTERM -> SIGKILL for a planned stop
 FENCE_TIMEOUT_S = 5.0  # SIGKILL -> exit; longer means the process is stuck in the kernel
+EXITING_POLL_S = 0.01  # how often the processes watched for an early exit (primaries) are read from /proc
+PF_EXITING = 0x4  # a task flag (include/linux/sched.h): it has entered do_exit() and never runs user code again
 
 
 Identity = ProcessRecord  # what tells a live process from another one that reused its pid
@@ -46,6 +48,37 @@ def read_identity(pid: int) -> Identity | None:
     if fields[0] in ("Z", "X"):
         return None
     return Identity(pid, int(fields[19]), tuple(raw_command.decode(errors="replace").split("\0")[:-1]))
+
+
+def _task_flags(stat_path: Path) -> int | None:
+    """The flags field of a /proc ``stat`` file; None when the task is gone."""
+    try:
+        stat = stat_path.read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return int(stat[stat.rindex(")") + 2 :].split()[6])
+
+
+def _is_gone_or_exiting(stat_path: Path) -> bool:
+    flags = _task_flags(stat_path)
+    return flags is None or bool(flags & PF_EXITING)
+
+
+def is_exiting(pid: int) -> bool:
+    """Whether every thread of ``pid`` has begun to exit (PF_EXITING, or already gone): then none can run
+    user code again, so the process will never answer another request, whatever it held open. Cheap
+    when it is not (one read of the main thread's flags). The threads are listed again after their flags
+    are read: a thread started meanwhile makes it False (every thread read as exiting can start none)."""
+    flags = _task_flags(Path(f"/proc/{pid}/stat"))
+    if flags is None or not flags & PF_EXITING:
+        return False
+    tasks = Path(f"/proc/{pid}/task")
+    try:
+        before = set(os.listdir(tasks))
+        exiting = all(_is_gone_or_exiting(tasks / tid / "stat") for tid in before)
+        return exiting and set(os.listdir(tasks)) <= before
+    except FileNotFoundError:
+        return False  # reaped: the pidfd reports the exit
 
 
 def _start_time(pid: int) -> int:
@@ -72,6 +105,8 @@ class Process:
     exited: asyncio.Event = field(default_factory=asyncio.Event)
     exit_reason: str | None = None
     exited_at: float | None = None  # time.monotonic()
+    exiting_at: float | None = None  # when every thread was seen exiting (watched processes only)
+    gone: asyncio.Event = field(default_factory=asyncio.Event)  # exiting seen, or exited: it never answers again
 
     @property
     def pid(self) -> int:
@@ -89,9 +124,12 @@ class Supervisor:
     """Owns the pidfds; ``on_exit`` runs on the event loop right after a watched process ends."""
 
     def __init__(self, log_dir: Path, on_exit: Callable[[Process], None]) -> None:
+        """``on_exit`` also runs when a process watched for an early exit is seen exiting (``exiting_at``)."""
         self.log_dir = log_dir
         self.on_exit = on_exit
         self.processes: dict[str, Process] = {}
+        self.early: set[Process] = set()  # watched for the first sign of their exit
+        self.early_watch: asyncio.Task | None = None
 
     def spawn(
         self, process_id: str, command: list[str], env: dict[str, str] | None = None, pass_fds: tuple[int, ...] = ()
@@ -127,12 +165,41 @@ class Supervisor:
         self._watch(process)
         return process
 
-    async def fence(self, process: Process, timeout: float = FENCE_TIMEOUT_S) -> bool:
-        """SIGKILL and wait for the exit (works on a SIGSTOPped process too); False if it outlived ``timeout``."""
+    def watch_exiting(self, process: Process, watch: bool = True) -> None:
+        """Watch ``process`` (or stop) for the first sign of its exit, every EXITING_POLL_S.
+
+        The pidfd fires only once the kernel has torn the process down: its address space first (tens of
+        ms per GB mapped; a CUDA context's mappings and driver state take longer), then its files. The
+        task flags show PF_EXITING within a few ms of a SIGKILL. Once every thread shows it (``is_exiting``)
+        the process can never run user code again, so it is as good as fenced for a failover, though its
+        memory may still be being released: ``exiting_at`` is set, ``gone`` fires and ``on_exit`` runs."""
+        if not watch or not process.alive:
+            self.early.discard(process)
+            return
+        self.early.add(process)
+        if self.early_watch is None or self.early_watch.done():
+            self.early_watch = asyncio.create_task(self._watch_early(), name="watch-exiting")
+
+    async def _watch_early(self) -> None:
+        while self.early:
+            for process in list(self.early):
+                if process.alive and is_exiting(process.pid):
+                    process.exiting_at = time.monotonic()
+                    process.gone.set()
+                    log.debug("%s (pid %d): every thread is exiting", process.id, process.pid)
+                    self.on_exit(process)
+                if not process.alive or process.exiting_at is not None:
+                    self.early.discard(process)
+            await asyncio.sleep(EXITING_POLL_S)
+
+    async def fence(self, process: Process, timeout: float = FENCE_TIMEOUT_S, *, until_exit: bool = True) -> bool:
+        """SIGKILL and wait for the exit (works on a SIGSTOPped process too); False if it outlived ``timeout``.
+        ``until_exit`` False: wait only until it is ``gone`` (for a process watched with ``watch_exiting``,
+        every thread exiting; it can never answer again, but its port and memory are freed a little later)."""
         if process.alive:
             with contextlib.suppress(ProcessLookupError):
                 signal.pidfd_send_signal(process.pidfd, signal.SIGKILL)
-        return await _wait(process, timeout)
+        return await _wait(process, timeout, process.exited if until_exit else process.gone)
 
     async def stop(self, process: Process, timeout: float = STOP_TIMEOUT_S) -> str:
         """SIGTERM, then SIGKILL after ``timeout``; returns how it ended."""
@@ -165,14 +232,17 @@ class Supervisor:
         process.exit_reason = exit_reason(process.popen.poll() if process.popen else None)
         process.exited_at = time.monotonic()
         process.exited.set()
+        process.gone.set()
+        self.early.discard(process)
         if self.processes.get(process.id) is process:
             del self.processes[process.id]
         self.on_exit(process)
 
 
-async def _wait(process: Process, timeout: float) -> bool:
+async def _wait(process: Process, timeout: float, event: asyncio.Event | None = None) -> bool:
+    """Whether ``event`` (default: the exit) is set within ``timeout``."""
     try:
-        await asyncio.wait_for(process.exited.wait(), timeout)
+        await asyncio.wait_for((event or process.exited).wait(), timeout)
     except TimeoutError:
         return False
     return True
@@ -256,12 +326,13 @@ def listening_pids(port: int) -> set[int]:
     return pids
 
 
-def evict_orphans(port: int, engine_id: str, timeout: float = STOP_TIMEOUT_S) -> list[str]:
+def evict_orphans(port: int, engine_id: str, timeout: float = STOP_TIMEOUT_S, ours: int | None = None) -> list[str]:
     """SIGKILL engines of this slot left behind by an earlier controller (same --engine-id, still
     listening on the slot's port) and wait for them to go. An orphan that kept its role could
-    answer 200 on /primary beside the new primary. Other holders of the port are left alone."""
+    answer 200 on /primary beside the new primary. Other holders of the port, and ``ours`` (the slot's
+    own process, which the caller fences), are left alone."""
     evicted = []
-    for pid in sorted(listening_pids(port)):
+    for pid in sorted(listening_pids(port) - {ours}):
         try:
             pidfd = os.pidfd_open(pid)  # first, then the identity: the fd cannot follow the pid to a newcomer
         except ProcessLookupError:
