@@ -431,6 +431,7 @@ class Cluster:
                 service.process = self.supervisor.spawn(service.id, command, env)
             else:
                 fd = self.gateway_listener().fileno()
+                self.layout.gateway_probe_socket(service.id).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
                 command = self.layout.gateway_command(service.id, fd)
                 service.process = self.supervisor.spawn(service.id, command, pass_fds=(fd,))
             self.save()

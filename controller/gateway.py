@@ -446,12 +446,16 @@ def inherited_listener(fd: int) -> socket.socket:
 
 def probe_listener(path: Path) -> socket.socket:
     """A Unix socket at ``path`` (owner-only) where the supervisor reaches this one worker; a socket left
-    there by a killed predecessor is replaced."""
-    path.unlink(missing_ok=True)
+    there by a killed predecessor is replaced. ConfigError when it cannot be made there."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old_umask = os.umask(0o177)
     try:
+        if path.is_socket():
+            path.unlink()
         sock.bind(str(path))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"--probe-socket {path}: {exc.strerror}; give a socket path in a directory of ours") from None
     finally:
         os.umask(old_umask)
     sock.listen(SUPERVISOR_BACKLOG)

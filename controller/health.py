@@ -2,7 +2,8 @@
 
 Healthy means "answered ``GET /health/ready`` with 200 within the timeout", not "the process
 exists": a SIGSTOPped primary is alive and fails every check. A failed check is repeated at once (not
-after the interval) until the failure threshold, so a hang is judged in about threshold x timeout.
+after the interval) until the failure threshold, so a hang is judged in about threshold x timeout. A
+timeout that fired late because the controller itself was starved of CPU is not counted either way.
 Each engine process gets its own check task, so one hung engine never delays the checks of the
 others. The reply body (role,
 state, pid) is kept: the engines, not the controller, are the truth about who is primary.
@@ -23,6 +24,10 @@ from typing import Any, Protocol
 import httpx
 
 from hotweights.contract import Endpoint
+
+# A check that timed out counts only if this controller woke up on time for its deadline: later than this
+# fraction of the timeout, our own event loop was starved (a saturated CPU), which says nothing of the engine.
+STALL_FRACTION = 0.5
 
 
 @dataclass
@@ -108,6 +113,7 @@ class HealthChecker:
 
     async def check(self, url: str, pid: int, record: HealthRecord) -> None:
         start = time.monotonic()
+        ok: bool | None
         try:
             response = await self.client.get(url + Endpoint.READY, timeout=self.timeout_s)
             record.status_code, record.error = response.status_code, None
@@ -124,9 +130,15 @@ class HealthChecker:
                     record.error = body.get("reason", f"status {response.status_code}")
         except httpx.TimeoutException:
             ok, record.status_code, record.error = False, None, f"no answer within {self.timeout_s * 1000:g} ms"
+            if (stalled := time.monotonic() - start - self.timeout_s) > self.timeout_s * STALL_FRACTION:
+                record.error += f", but this controller was itself {stalled * 1000:.0f} ms late: not counted"
+                ok = None
         except httpx.HTTPError as exc:  # any other failure: a check that raised would end this engine's checks
             ok, record.status_code, record.error = False, None, f"{type(exc).__name__}: {exc}"
         latency = time.monotonic() - start
+        if ok is None:  # we could not wait on time (a starved CPU): the engine is neither judged ok nor failed
+            record.latency_ms = round(latency * 1000, 3)
+            return
         self.observe_latency(latency)
         record.checked_at, record.sent_at = time.time(), start
         record.latency_ms, record.ok = round(latency * 1000, 3), ok

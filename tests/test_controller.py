@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -439,6 +440,27 @@ def test_a_starting_engine_counts_no_failed_checks() -> None:
     asyncio.run(run())
     assert (record.ok, record.consecutive_failures, record.failing_since) == (False, 0, None)
     assert "refused" in record.error
+
+
+def test_a_timeout_counts_only_when_the_controller_waited_on_time() -> None:
+    """An engine that never answers (a socket nobody accepts on: the kernel queues the connection) fails a
+    check; the same timeout firing late because this controller's own loop was starved (a saturated CPU,
+    played here by blocking the loop) is not counted either way."""
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        record = HealthRecord(ever_ok=True)
+
+        async def run() -> None:
+            async with httpx.AsyncClient() as client:
+                checker = HealthChecker(client, 0.01, 0.1, 2, lambda: None, lambda _: None)
+                await checker.check(url, 7, record)
+                assert (record.ok, record.consecutive_failures) == (False, 1)
+                asyncio.get_running_loop().call_later(0.05, time.sleep, 0.2)  # the loop stalls past the deadline
+                await checker.check(url, 7, record)
+
+        asyncio.run(run())
+    assert (record.ok, record.consecutive_failures) == (False, 1)
+    assert "ms late: not counted" in record.error
 
 
 def test_a_failed_check_does_not_undo_a_role_change() -> None:
