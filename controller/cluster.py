@@ -384,7 +384,7 @@ class Cluster:
         """Whether a process other than the slot's own listens on its port (read from /proc)."""
         member = self.members[member_id]
         ours = member.process.pid if member.process else None
-        return bool(await asyncio.to_thread(lambda: listening_pids(member.spec.listen_port) - {ours}))
+        return bool(await asyncio.to_thread(lambda: listening_pids(member.spec.listen_port, ours) - {ours}))
 
     def add_engine(self, group: int) -> Member:
         """A new standby slot in ``group``: next index, next port that nothing uses or listens on."""

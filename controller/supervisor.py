@@ -308,8 +308,13 @@ def stack_orphans(markers: Iterable[str]) -> list[tuple[str, ProcessRecord]]:
     return found
 
 
-def listening_pids(port: int) -> set[int]:
-    """Pids holding a TCP socket that listens on ``port`` (IPv4 or IPv6), read from /proc."""
+def listening_pids(port: int, owner: int | None = None) -> set[int]:
+    """Pids holding a TCP socket that listens on ``port`` (IPv4 or IPv6), read from /proc.
+
+    With ``owner`` (a process we started): when every such socket is one ``owner`` holds, only it and
+    its descendants (which may have inherited them) are looked at, not every fd on the host (hundreds of
+    ms on a busy one). Another process can hold the very same socket only if one of them handed it over
+    on purpose (SCM_RIGHTS, pidfd_getfd), which engines do not do."""
     inodes = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         with contextlib.suppress(OSError):
@@ -317,13 +322,37 @@ def listening_pids(port: int) -> set[int]:
                 fields = line.split()
                 if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
                     inodes.add(f"socket:[{fields[9]}]")
-    pids = set()
-    if inodes:
-        for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+    if not inodes:
+        return set()
+    if owner is not None and inodes <= _fd_targets(owner):
+        return {pid for pid in {owner, *_descendants(owner)} if _fd_targets(pid) & inodes}
+    pids = (int(proc.name) for proc in Path("/proc").iterdir() if proc.name.isdigit())
+    return {pid for pid in pids if _fd_targets(pid) & inodes}
+
+
+def _fd_targets(pid: int) -> set[str]:
+    """What each open fd of a process points to (``socket:[inode]`` for sockets); empty once it is gone."""
+    targets = set()
+    with contextlib.suppress(OSError):
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
             with contextlib.suppress(OSError):
-                if any(os.readlink(fd) in inodes for fd in fd_dir.iterdir()):
-                    pids.add(int(fd_dir.parent.name))
-    return pids
+                targets.add(os.readlink(fd))
+    return targets
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every live descendant of ``pid`` (from each thread's /proc children list)."""
+    found: set[int] = set()
+    parents = [pid]
+    while parents:
+        parent = parents.pop()
+        for children in Path(f"/proc/{parent}/task").glob("*/children"):
+            with contextlib.suppress(OSError):
+                for child in map(int, children.read_text().split()):
+                    if child not in found:
+                        found.add(child)
+                        parents.append(child)
+    return found
 
 
 def evict_orphans(port: int, engine_id: str, timeout: float = STOP_TIMEOUT_S, ours: int | None = None) -> list[str]:
@@ -332,7 +361,7 @@ def evict_orphans(port: int, engine_id: str, timeout: float = STOP_TIMEOUT_S, ou
     answer 200 on /primary beside the new primary. Other holders of the port, and ``ours`` (the slot's
     own process, which the caller fences), are left alone."""
     evicted = []
-    for pid in sorted(listening_pids(port) - {ours}):
+    for pid in sorted(listening_pids(port, ours) - {ours}):
         try:
             pidfd = os.pidfd_open(pid)  # first, then the identity: the fd cannot follow the pid to a newcomer
         except ProcessLookupError:

@@ -527,10 +527,37 @@ def test_a_watched_process_is_gone_once_every_thread_exits_before_it_is_reaped(t
     assert seen == [("holder", True), ("holder", False)]  # exiting (not reaped yet), then exited
 
 
+# Listens on a port, then forks a child that inherits the socket; both say so and wait.
+FORKING_LISTENER = """
+import os, socket, sys, time
+sock = socket.create_server(("127.0.0.1", 0))
+if os.fork() == 0:
+    print("child", os.getpid(), flush=True)
+else:
+    print("port", sock.getsockname()[1], flush=True)
+time.sleep(600)
+"""
+
+
+def test_listening_pids_of_an_owner_finds_the_children_that_inherited_its_socket() -> None:
+    """The quick path (only the owner and its descendants are read) finds what a scan of every process finds."""
+    command = [sys.executable, "-c", FORKING_LISTENER]
+    owner = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        said = dict(owner.stdout.readline().split() for _ in range(2))
+        port, child = int(said["port"]), int(said["child"])
+        assert supervisor.listening_pids(port, owner.pid) == {owner.pid, child} == supervisor.listening_pids(port)
+        assert supervisor.listening_pids(port, os.getpid()) == {owner.pid, child}  # not ours: the full scan
+    finally:
+        os.killpg(owner.pid, signal.SIGKILL)  # its own session and group: the owner and its child
+        owner.wait(timeout=10)
+        owner.stdout.close()
+
+
 def test_evict_orphans_skips_a_pid_that_went_away(monkeypatch: pytest.MonkeyPatch) -> None:
     gone = subprocess.Popen(["true"])
     gone.wait()
-    monkeypatch.setattr(supervisor, "listening_pids", lambda port: {gone.pid})
+    monkeypatch.setattr(supervisor, "listening_pids", lambda port, owner=None: {gone.pid})
     monkeypatch.setattr(
         supervisor, "read_identity", lambda pid: Identity(pid, 1, ("python", "engine", "--engine-id", "g0-e0"))
     )
