@@ -30,7 +30,7 @@ from hotweights.controller.supervisor import (
     Process,
     Supervisor,
     evict_orphans,
-    listening_pids,
+    inheritors,
     read_identity,
     stack_orphans,
     stop_recorded,
@@ -352,14 +352,16 @@ class Cluster:
         member.health = self.checker.track(member.spec.id, member.spec.url, process.pid)
 
     async def fence(self, member_id: str, *, until_exit: bool = True) -> bool:
-        """SIGKILL the slot's engine and wait for its exit (``until_exit`` False: until it is gone, see
-        ``Supervisor.fence``); False if it would not die. An orphan of the slot that we do not supervise
-        (left by an earlier controller) is evicted too."""
+        """SIGKILL the slot's engine and wait for its exit; False if it would not die. An orphan of the
+        slot that we do not supervise (left by an earlier controller) is evicted too. ``until_exit``
+        False: wait only until it is gone (see ``Supervisor.fence``); no orphan can listen on the port
+        it still holds, and the slot's next start evicts any before it binds."""
         member = self.members[member_id]
         self.checker.untrack(member_id)
-        ours = member.process.pid if member.process else None
-        for message in await asyncio.to_thread(evict_orphans, member.spec.listen_port, member_id, ours=ours):
-            log.warning("%s", message)
+        if until_exit:
+            ours = member.process.pid if member.process else None
+            for message in await asyncio.to_thread(evict_orphans, member.spec.listen_port, member_id, ours=ours):
+                log.warning("%s", message)
         fenced = member.process is None or await self.supervisor.fence(member.process, until_exit=until_exit)
         if fenced:
             self.set_role(member_id, Role.STANDBY)  # if it comes back, it comes back as a standby
@@ -381,10 +383,11 @@ class Cluster:
         self.save()
 
     async def others_listen(self, member_id: str) -> bool:
-        """Whether a process other than the slot's own listens on its port (read from /proc)."""
+        """While the slot's process still holds its port (exiting): whether another process could answer
+        there, i.e. one that inherited the socket (read from /proc)."""
         member = self.members[member_id]
-        ours = member.process.pid if member.process else None
-        return bool(await asyncio.to_thread(lambda: listening_pids(member.spec.listen_port, ours) - {ours}))
+        assert member.process is not None, "only asked while the slot's process holds its port"
+        return bool(await asyncio.to_thread(inheritors, member.spec.listen_port, member.process.pid))
 
     def add_engine(self, group: int) -> Member:
         """A new standby slot in ``group``: next index, next port that nothing uses or listens on."""

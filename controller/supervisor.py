@@ -215,6 +215,7 @@ class Supervisor:
 
     def forget(self, process: Process) -> None:
         """Stop watching without touching the process (controller shutdown that leaves it running)."""
+        self.early.discard(process)
         if process.alive:
             asyncio.get_running_loop().remove_reader(process.pidfd)
             os.close(process.pidfd)
@@ -315,6 +316,25 @@ def listening_pids(port: int, owner: int | None = None) -> set[int]:
     its descendants (which may have inherited them) are looked at, not every fd on the host (hundreds of
     ms on a busy one). Another process can hold the very same socket only if one of them handed it over
     on purpose (SCM_RIGHTS, pidfd_getfd), which engines do not do."""
+    inodes = _listening_inodes(port)
+    if not inodes:
+        return set()
+    if owner is not None and inodes <= _fd_targets(owner):
+        return {pid for pid in {owner, *_descendants(owner)} if _fd_targets(pid) & inodes}
+    pids = (int(proc.name) for proc in Path("/proc").iterdir() if proc.name.isdigit())
+    return {pid for pid in pids if _fd_targets(pid) & inodes}
+
+
+def inheritors(port: int, pid: int) -> set[int]:
+    """Descendants of ``pid`` holding a socket that listens on ``port``. While ``pid`` (an engine: it binds
+    without SO_REUSEPORT) still holds its port, even as it exits, no other socket can listen there, so
+    these are the only other processes that could answer on it."""
+    inodes = _listening_inodes(port)
+    return {child for child in _descendants(pid) if _fd_targets(child) & inodes} if inodes else set()
+
+
+def _listening_inodes(port: int) -> set[str]:
+    """``socket:[inode]`` of every TCP socket listening on ``port`` (IPv4 or IPv6)."""
     inodes = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         with contextlib.suppress(OSError):
@@ -322,12 +342,7 @@ def listening_pids(port: int, owner: int | None = None) -> set[int]:
                 fields = line.split()
                 if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
                     inodes.add(f"socket:[{fields[9]}]")
-    if not inodes:
-        return set()
-    if owner is not None and inodes <= _fd_targets(owner):
-        return {pid for pid in {owner, *_descendants(owner)} if _fd_targets(pid) & inodes}
-    pids = (int(proc.name) for proc in Path("/proc").iterdir() if proc.name.isdigit())
-    return {pid for pid in pids if _fd_targets(pid) & inodes}
+    return inodes
 
 
 def _fd_targets(pid: int) -> set[str]:

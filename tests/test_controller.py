@@ -527,19 +527,18 @@ def test_a_watched_process_is_gone_once_every_thread_exits_before_it_is_reaped(t
     assert seen == [("holder", True), ("holder", False)]  # exiting (not reaped yet), then exited
 
 
-# Listens on a port, then forks a child that inherits the socket; both say so and wait.
+# Listens on a port, then forks a child that inherits the socket; both say so (one write each: the two
+# share the pipe) and wait.
 FORKING_LISTENER = """
-import os, socket, sys, time
+import os, socket, time
 sock = socket.create_server(("127.0.0.1", 0))
-if os.fork() == 0:
-    print("child", os.getpid(), flush=True)
-else:
-    print("port", sock.getsockname()[1], flush=True)
+said = f"child {os.getpid()}" if os.fork() == 0 else f"port {sock.getsockname()[1]}"
+os.write(1, f"{said}\\n".encode())
 time.sleep(600)
 """
 
 
-def test_listening_pids_of_an_owner_finds_the_children_that_inherited_its_socket() -> None:
+def test_listening_pids_and_inheritors_of_an_owner_find_the_children_that_inherited_its_socket() -> None:
     """The quick path (only the owner and its descendants are read) finds what a scan of every process finds."""
     command = [sys.executable, "-c", FORKING_LISTENER]
     owner = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, start_new_session=True)
@@ -548,6 +547,7 @@ def test_listening_pids_of_an_owner_finds_the_children_that_inherited_its_socket
         port, child = int(said["port"]), int(said["child"])
         assert supervisor.listening_pids(port, owner.pid) == {owner.pid, child} == supervisor.listening_pids(port)
         assert supervisor.listening_pids(port, os.getpid()) == {owner.pid, child}  # not ours: the full scan
+        assert supervisor.inheritors(port, owner.pid) == {child}
     finally:
         os.killpg(owner.pid, signal.SIGKILL)  # its own session and group: the owner and its child
         owner.wait(timeout=10)
