@@ -51,9 +51,9 @@ max_batch = 4
 drain_timeout_s = 30.0
 
 [health]
-interval_ms = 50              # between health checks of each engine; a failed check is repeated at once
+interval_ms = 100             # between health checks of each engine; a failed check is repeated at once
 timeout_ms = 200              # a check unanswered this long fails
-failure_threshold = 2         # failed checks in a row that make a primary failed: a hang is fenced in ~0.45 s
+failure_threshold = 2         # failed checks in a row that make a primary failed: a hang is fenced in ~0.5 s
 
 [gateway]
 host = "127.0.0.1"
@@ -61,7 +61,7 @@ port = 8000
 queue_limit = 256             # requests held while no primary answers
 hold_timeout_s = 10.0         # how long a held request waits for a primary
 workers = 2                   # gateway processes sharing one listening socket the controller holds
-probe_interval_ms = 100       # how often each worker asks every engine GET /primary (the controller also
+probe_interval_ms = 200       # how often each worker asks every engine GET /primary (the controller also
                               # pushes a probe at once after each role change)
 """
 
@@ -118,7 +118,7 @@ class EngineSection:
 
 @dataclass(frozen=True)
 class HealthSection:
-    interval_ms: int = 50
+    interval_ms: int = 100
     timeout_ms: int = 200
     failure_threshold: int = 2
 
@@ -130,7 +130,7 @@ class GatewaySection:
     queue_limit: int = 256
     hold_timeout_s: float = 10.0
     workers: int = 2  # one killed, the others accept at once; the socket queues while none runs
-    probe_interval_ms: int = 100
+    probe_interval_ms: int = 200  # with 2 workers, the probes one worker sent every 100 ms
 
     def worker_ids(self) -> list[str]:
         """The gateway workers' service ids: ``gateway`` (the one a single-worker gateway always had),
