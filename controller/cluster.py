@@ -187,6 +187,7 @@ class Cluster:
         self.removed: set[str] = set()  # configured engines deleted through the API
         self.listener: socket.socket | None = None  # the gateway's port, held for its workers
         self.pushes: set[asyncio.Task] = set()  # wakes sent to gateway workers
+        self.worker_clients: dict[str, httpx.AsyncClient] = {}  # per gateway worker, over its Unix socket
 
     # --- load and persist ---------------------------------------------------------------------
 
@@ -482,13 +483,23 @@ class Cluster:
 
     async def _wake(self, service: Service) -> None:
         with contextlib.suppress(httpx.HTTPError):
-            async with self._worker_client(service) as client:
-                await client.post(Endpoint.GATEWAY_WAKE, timeout=PROBE_TIMEOUT_S)
+            await self._worker_client(service).post(Endpoint.GATEWAY_WAKE, timeout=PROBE_TIMEOUT_S)
 
     def _worker_client(self, service: Service) -> httpx.AsyncClient:
-        """A client for one gateway worker, over its own Unix socket."""
-        transport = httpx.AsyncHTTPTransport(uds=str(self.layout.gateway_probe_socket(service.id)))
-        return httpx.AsyncClient(transport=transport, base_url="http://gateway", trust_env=False)
+        """The client for one gateway worker, over its own Unix socket: made once (making one costs tens
+        of ms of CPU, on the event loop), with no pooled connection (a respawned worker is a new socket)."""
+        client = self.worker_clients.get(service.id)
+        if client is None:
+            path = str(self.layout.gateway_probe_socket(service.id))
+            transport = httpx.AsyncHTTPTransport(uds=path, limits=httpx.Limits(max_keepalive_connections=0))
+            client = httpx.AsyncClient(transport=transport, base_url="http://gateway", trust_env=False)
+            self.worker_clients[service.id] = client
+        return client
+
+    async def close_worker_clients(self) -> None:
+        for client in self.worker_clients.values():
+            await client.aclose()
+        self.worker_clients.clear()
 
     async def stop_service(self, service_id: str) -> str:
         service = self.services[service_id]
@@ -522,8 +533,8 @@ class Cluster:
         # This worker's own socket, not the shared port (any worker answers there), and an HTTP answer,
         # not a connect: the kernel accepts connections for a stopped process too.
         try:
-            async with self._worker_client(service) as client:
-                return (await client.get(Endpoint.GATEWAY_HEALTH, timeout=PROBE_TIMEOUT_S)).status_code == 200
+            response = await self._worker_client(service).get(Endpoint.GATEWAY_HEALTH, timeout=PROBE_TIMEOUT_S)
+            return response.status_code == 200
         except httpx.HTTPError:
             return False
 
@@ -550,6 +561,7 @@ class Cluster:
         results = await asyncio.gather(*(self.stop_service(service_id) for service_id in gateways))
         lines = [f"{service_id}: {how}" for service_id, how in zip(gateways, results, strict=True)]
         self.close_gateway_listener()
+        await self.close_worker_clients()
         engines = [m for m in self.members.values() if m.process and m.process.alive]
         results = await asyncio.gather(*(self.supervisor.stop(m.process, timeout) for m in engines))
         lines += [f"{m.spec.id}: {how}" for m, how in zip(engines, results, strict=True)]
@@ -567,6 +579,7 @@ class Cluster:
         await self.checker.close()
         self.save()
         self.close_gateway_listener()
+        await self.close_worker_clients()
         for process in list(self.supervisor.processes.values()):
             self.supervisor.forget(process)
 

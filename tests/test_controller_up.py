@@ -7,10 +7,12 @@ import os
 import signal
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import httpx
 
+from hotweights.contract import Endpoint
 from hotweights.controller.supervisor import read_identity
 from hotweights.spawn import hotweights_command
 from tests.cachehelpers import ENV, ProcessDaemon
@@ -133,6 +135,38 @@ def test_a_gateway_crash_refuses_no_connection(tiny_model: Path) -> None:
             clients.wait_successes(5)
         assert clients.refused == []
         assert len(clients.failed) <= 3 * SteadyClients.THREADS, clients.failed  # three kills, one request each
+    finally:
+        stack.close()
+
+
+def _worker_primaries(stack: ControllerStack) -> dict[str, list[str]]:
+    """Each gateway worker's primaries, asked on its own Unix socket (the shared port reaches either)."""
+    found = {}
+    for path in sorted((stack.config.state_dir / "run").glob("gateway*.sock")):
+        with httpx.Client(transport=httpx.HTTPTransport(uds=str(path)), base_url="http://gateway") as worker:
+            found[path.stem] = worker.get(Endpoint.GATEWAY_HEALTH).json()["primaries"]
+    return found
+
+
+def test_gateway_workers_learn_a_new_primary_by_push_not_by_their_poll(tiny_model: Path) -> None:
+    """Workers that poll only every minute learn the primary a switchover made within seconds: the
+    controller tells each of them to probe at once after a role change."""
+    stack = ControllerStack(tiny_model, engines=2, gateway_extra="probe_interval_ms = 60000\n")
+    try:
+        stack.start_controller("up")
+        wait_until(lambda: "is up" in stack.logs(), 90, "the ready summary", interval=0.1)
+        old = stack.primary()["url"]
+        wait_until(lambda: _worker_primaries(stack) == {"gateway": [old], "gateway-1": [old]}, 30, "both workers")
+        switched = stack.client.post("/switchover", json={})
+        assert switched.status_code == 200, switched.text
+        new = stack.primary()["url"]
+        assert new != old
+        started = time.monotonic()
+        wait_until(lambda: _worker_primaries(stack) == {"gateway": [new], "gateway-1": [new]}, 5, "the push")
+        print(
+            f"\nboth gateway workers routed to the new primary {(time.monotonic() - started) * 1000:.0f} ms after "
+            "the switchover answered"
+        )
     finally:
         stack.close()
 
