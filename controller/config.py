@@ -60,7 +60,7 @@ host = "127.0.0.1"
 port = 8000
 queue_limit = 256             # requests held while no primary answers
 hold_timeout_s = 10.0         # how long a held request waits for a primary
-workers = 2                   # gateway processes sharing one listening socket the controller holds
+workers = 2                   # gateway processes sharing one listening socket the controller holds (1..16)
 probe_interval_ms = 200       # how often each worker asks every engine GET /primary (the controller also
                               # pushes a probe at once after each role change)
 """

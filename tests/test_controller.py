@@ -567,7 +567,8 @@ def test_evict_orphans_skips_a_pid_that_went_away(monkeypatch: pytest.MonkeyPatc
 def _view(member_id: str, role: str, port: int) -> MemberView:
     return MemberView(
         id=member_id, group=0, port=port, device="cpu", url=f"http://127.0.0.1:{port}", role=role, state="ready",
-        status="healthy", pid=1, alive=True, exit_reason=None, exited_at=None, age_s=10.0, start_timeout_s=120.0,
+        status="healthy", pid=1, alive=True, exit_reason=None, exited_at=None, exiting_at=None, age_s=10.0,
+        start_timeout_s=120.0,
         health=HealthRecord(ok=True, ever_ok=True),
     )  # fmt: skip
 
