@@ -5,8 +5,8 @@ exists": a SIGSTOPped primary is alive and fails every check. A failed check is 
 after the interval) until the failure threshold, so a hang is judged in about threshold x timeout. A
 timeout that fired late because the controller itself was starved of CPU is not counted either way.
 Each engine process gets its own check task, so one hung engine never delays the checks of the
-others. The reply body (role,
-state, pid) is kept: the engines, not the controller, are the truth about who is primary.
+others. The reply body (role, state, pid) is kept: the engines, not the controller, are the truth
+about who is primary.
 
 Policies are tenacity-style callables over one observed member: None when all is well, else the
 reason, and ``a | b`` gives the first reason found.

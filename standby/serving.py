@@ -75,9 +75,9 @@ def is_listening(sock: socket.socket) -> bool:
 
 
 def run_until_signal(server: uvicorn.Server, *sockets: socket.socket) -> str | None:
-    """Listen on each of ``sockets`` (from ``bind_port``; one already listening, handed over by a
-    supervisor, keeps its backlog) and run ``server`` on them; return the name of the signal it stopped
-    for (None if it stopped by itself). Raises PortUnavailable if another process bound the same port
+    """Listen on each TCP socket of ``sockets`` (from ``bind_port``; one a supervisor handed over already
+    listens) and run ``server`` on them all; return the name of the signal it stopped for (None if it
+    stopped by itself). Raises PortUnavailable if another process bound the same port
     meanwhile and listened first.
 
     uvicorn restores the handlers it found and re-raises the signal it caught once it has shut down

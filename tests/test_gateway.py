@@ -222,8 +222,7 @@ def test_an_fd_that_is_not_a_listening_socket_is_one_line_and_exit_2(tmp_path: P
         )
     assert result.returncode == 2, result.stderr
     assert result.stderr.splitlines() == [
-        f"hotweights gateway: error: --fd {fd}: not a listening TCP socket; pass the fd of one "
-        "bound and listening"
+        f"hotweights gateway: error: --fd {fd}: not a listening TCP socket; pass the fd of one bound and listening"
     ]
 
 
