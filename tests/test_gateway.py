@@ -170,7 +170,6 @@ def test_request_is_held_while_no_engine_is_primary(engines: list[EngineProcess]
     with ThreadPoolExecutor(1) as pool:
         request = pool.submit(httpx.post, f"{gateway.url}/v1/completions", json={"prompt": "x"}, timeout=30)
         gateway.wait_health(lambda h: h["held"] == 1, what="the request held")
-        time.sleep(0.2)  # a failover in progress
         assert standby.post(Endpoint.PROMOTE).status_code == 200
         promoted = time.monotonic()
         response = request.result(timeout=30)
@@ -315,36 +314,39 @@ class Load:
             self.client.close()
 
 
+def served_more(load: Load, n: int) -> None:
+    """Wait until the load has completed ``n`` more requests (its progress, not a time, marks each phase)."""
+    count = len(load.latencies)
+    wait_until(lambda: len(load.latencies) >= count + n, timeout=60, what=f"{n} more requests served")
+
+
 def test_failovers_under_load_show_no_client_errors(engines: list[EngineProcess], gateway: GatewayProcess) -> None:
     """A planned flip (demote, then promote), then a crash (kill -9, then promote as a controller would):
     every request of a sequential load through the gateway succeeds (streamed ones too, until the crash),
     and a stream cut by the crash ends with an error event. Kills an engine."""
     primary, standby = roles(engines)
     with Load(gateway.url).running() as load:
-        time.sleep(0.3)
+        served_more(load, 5)
         assert primary.post(Endpoint.DEMOTE).status_code == 200
         assert standby.post(Endpoint.PROMOTE).status_code == 200
-        time.sleep(0.3)
+        served_more(load, 5)
         # A stream under way when its engine dies cannot be hidden (checked below): plain requests only now.
         load.streams = False
-        count = len(load.latencies)
-        wait_until(lambda: len(load.latencies) >= count + 2, timeout=10, what="a streamed request to finish")
+        served_more(load, 2)  # a streamed request in flight has finished
         with gateway.client.stream("POST", Endpoint.COMPLETIONS, json=LONG_STREAM) as cut:
             lines = (line for line in cut.iter_lines() if line)
             assert next(lines).startswith("data: {")
             standby.process.kill()
             standby.process.wait()
             rest = list(lines)
-        time.sleep(0.2)  # a controller's detection and fencing
-        assert primary.post(Endpoint.PROMOTE).status_code == 200
-        time.sleep(0.3)
+        assert primary.post(Endpoint.PROMOTE).status_code == 200  # as a controller would, once it fenced
+        served_more(load, 5)
     retries = metric(gateway, "hotweights_gateway_retries_total")
     print(
         f"{len(load.latencies)} requests, {len(load.failures)} client-visible errors, {retries:.0f} retries, "
         f"longest request {max(load.latencies) * 1000:.0f} ms"
     )
     assert load.failures == []
-    assert len(load.latencies) > 20
     assert retries >= 1  # the crash was hidden by a retry, not missed
     # The stream already under way cannot be retried: it ends with an error event and no [DONE].
     assert "data: [DONE]" not in rest
