@@ -37,6 +37,7 @@ class RoundResult:
     outage_ms: float | None = None
     requests: int = 0
     failed: int = 0
+    refused: int = 0  # of the failed: no connection at all (the load balancer's port refused it)
     retried: int | None = None  # the gateway's re-sent requests; None for another load balancer
     wrong: int = 0
     split_brain: int = 0
@@ -89,6 +90,7 @@ def apply_requests(result: RoundResult, records: Sequence[RequestRecord], until:
     result.requests = len(mine)
     bad = [r for r in mine if not r.ok]
     result.failed = len(bad)
+    result.refused = sum(r.status is None and r.error.startswith("ConnectError") for r in bad)
     result.wrong = sum(r.correct is False for r in mine)
     result.errors = [f"{r.status}: {r.error}" for r in bad[:3]]
     if result.fault_at is None:

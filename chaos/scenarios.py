@@ -111,7 +111,7 @@ class TermPrimary(SignalPrimary):
 
 class HangPrimary(Scenario):
     name = "hang-primary"
-    measures = "SIGSTOP the primary: health-check detection (interval x threshold), fence of a stopped process"
+    measures = "SIGSTOP the primary: health-check detection (threshold x timeout), fence of a stopped process"
 
     async def inject(self, r: Round) -> None:
         r.hit(r.primary(), signal.SIGSTOP)
@@ -230,7 +230,10 @@ class KillController(Scenario):
 
 class KillLoadBalancer(Scenario):
     name = "kill-gateway"
-    measures = "SIGKILL the load balancer: clients see errors until it is back (gateway: the controller restarts it)"
+    measures = (
+        "SIGKILL the load balancer (gateway: one worker; its peers keep accepting on the socket the controller "
+        "holds, which restarts it): only requests in flight on it may fail"
+    )
     client_errors_expected = True
 
     async def inject(self, r: Round) -> None:

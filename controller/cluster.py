@@ -21,18 +21,21 @@ from typing import Any
 import httpx
 
 from hotweights.cache.client import AttachRefused, DaemonUnavailable, hello, request
-from hotweights.contract import Role, State
+from hotweights.contract import Endpoint, Role, State
 from hotweights.controller.config import REFERENCE, START_TIMEOUTS_S, EngineSpec
+from hotweights.controller.gateway import BACKLOG as GATEWAY_BACKLOG
 from hotweights.controller.health import HealthChecker, HealthRecord
 from hotweights.controller.stack import Layout
 from hotweights.controller.supervisor import (
     Process,
     Supervisor,
     evict_orphans,
+    inheritors,
     read_identity,
     stack_orphans,
     stop_recorded,
 )
+from hotweights.standby.serving import PortUnavailable, bind_port
 from hotweights.state import (
     ClusterState,
     MemberRecord,
@@ -102,6 +105,7 @@ class MemberView:
     alive: bool
     exit_reason: str | None
     exited_at: float | None
+    exiting_at: float | None  # a watched primary: when every thread was seen exiting (it is not reaped yet)
     age_s: float
     start_timeout_s: float  # its group's: not ready this long after its start means failed
     health: HealthRecord
@@ -181,6 +185,9 @@ class Cluster:
         self.members: dict[str, Member] = {}
         self.services: dict[str, Service] = {}
         self.removed: set[str] = set()  # configured engines deleted through the API
+        self.listener: socket.socket | None = None  # the gateway's port, held for its workers
+        self.pushes: set[asyncio.Task] = set()  # wakes sent to gateway workers
+        self.worker_clients: dict[str, httpx.AsyncClient] = {}  # per gateway worker, over its Unix socket
 
     # --- load and persist ---------------------------------------------------------------------
 
@@ -203,14 +210,17 @@ class Cluster:
             self.members[spec.id] = Member(spec, start_timeout_s=self.config.groups[spec.group].start_timeout())
         for group in range(len(self.config.groups)):
             self.services[f"g{group}-cache"] = Service(f"g{group}-cache", "daemon", group)
-        if with_gateway or "gateway" in state.services:
-            self.services["gateway"] = Service("gateway", "gateway")
+        recorded_gateways = [name for name, row in state.services.items() if row.kind == "gateway"]
+        if with_gateway or recorded_gateways:
+            for worker_id in dict.fromkeys([*self.config.gateway.worker_ids(), *recorded_gateways]):
+                self.services[worker_id] = Service(worker_id, "gateway")
         adopted = []
         for member in self.members.values():
             row = state.members.get(member.spec.id)
             if row and row.process and (process := self.supervisor.adopt(member.spec.id, row.process)):
                 self._attach(member, process)
                 member.role = row.role
+                self.supervisor.watch_exiting(process, member.role == Role.PRIMARY)
                 # A primary served before we started: judge it by failed checks at once, not by the start-up
                 # allowance a fresh engine gets, or an adopted hung primary would hold its group for minutes.
                 member.health.ever_ok = member.role == Role.PRIMARY
@@ -220,8 +230,9 @@ class Cluster:
             if row and row.process and (process := self.supervisor.adopt(service.id, row.process)):
                 service.process = process
                 adopted.append(f"{service.id} (pid {process.pid})")
-        if "gateway" in self.services and not with_gateway and self.services["gateway"].process is None:
-            del self.services["gateway"]  # a dead gateway from an earlier `up`: not ours to restart
+        for service in list(self.services.values()):
+            if service.kind == "gateway" and not with_gateway and service.process is None:
+                del self.services[service.id]  # a dead gateway worker from an earlier `up`: not ours to restart
         self.save()
         return adopted + notes
 
@@ -294,6 +305,8 @@ class Cluster:
             status = "absent"
         elif not alive:
             status = "exited"
+        elif process.exiting_at is not None:
+            status = "exiting"
         elif health.ok:
             status = "healthy"
         else:
@@ -311,6 +324,7 @@ class Cluster:
             alive=alive,
             exit_reason=process.exit_reason if process else None,
             exited_at=process.exited_at if process else None,
+            exiting_at=process.exiting_at if process else None,
             age_s=now - member.started_at,
             start_timeout_s=member.start_timeout_s,
             health=replace(health),
@@ -323,6 +337,8 @@ class Cluster:
         orphan of this slot that a previous controller left listening on its port (off the event loop:
         that waits for the orphan's exit)."""
         member = self.members[member_id]
+        if member.process is not None and member.process.alive:  # fenced as exiting: its port frees at its exit
+            await self.supervisor.fence(member.process)
         for message in await asyncio.to_thread(evict_orphans, member.spec.listen_port, member_id):
             log.warning("%s", message)
         command, env = self.layout.engine_command(member.spec), self.layout.environment(member.spec.group)
@@ -336,14 +352,18 @@ class Cluster:
         member.started_at = time.monotonic()
         member.health = self.checker.track(member.spec.id, member.spec.url, process.pid)
 
-    async def fence(self, member_id: str) -> bool:
+    async def fence(self, member_id: str, *, until_exit: bool = True) -> bool:
         """SIGKILL the slot's engine and wait for its exit; False if it would not die. An orphan of the
-        slot that we do not supervise (left by an earlier controller) is evicted too."""
+        slot that we do not supervise (left by an earlier controller) is evicted too. ``until_exit``
+        False: wait only until it is gone (see ``Supervisor.fence``); no orphan can listen on the port
+        it still holds, and the slot's next start evicts any before it binds."""
         member = self.members[member_id]
         self.checker.untrack(member_id)
-        for message in await asyncio.to_thread(evict_orphans, member.spec.listen_port, member_id):
-            log.warning("%s", message)
-        fenced = member.process is None or await self.supervisor.fence(member.process)
+        if until_exit:
+            ours = member.process.pid if member.process else None
+            for message in await asyncio.to_thread(evict_orphans, member.spec.listen_port, member_id, ours=ours):
+                log.warning("%s", message)
+        fenced = member.process is None or await self.supervisor.fence(member.process, until_exit=until_exit)
         if fenced:
             self.set_role(member_id, Role.STANDBY)  # if it comes back, it comes back as a standby
         return fenced
@@ -356,9 +376,19 @@ class Cluster:
         return how
 
     def set_role(self, member_id: str, role: str) -> None:
+        """Record our role change; a primary's process is watched for the first sign of its exit."""
         member = self.members[member_id]
         member.role, member.role_set_at = role, time.monotonic()
+        if member.process is not None:
+            self.supervisor.watch_exiting(member.process, role == Role.PRIMARY)
         self.save()
+
+    async def others_listen(self, member_id: str) -> bool:
+        """While the slot's process still holds its port (exiting): whether another process could answer
+        there, i.e. one that inherited the socket (read from /proc)."""
+        member = self.members[member_id]
+        assert member.process is not None, "only asked while the slot's process holds its port"
+        return bool(await asyncio.to_thread(inheritors, member.spec.listen_port, member.process.pid))
 
     def add_engine(self, group: int) -> Member:
         """A new standby slot in ``group``: next index, next port that nothing uses or listens on."""
@@ -400,11 +430,14 @@ class Cluster:
         if spawned:
             if service.process is not None:
                 service.restarts += 1
-            command = (
-                self.layout.daemon_command(service.group) if service.kind == "daemon" else self.layout.gateway_command()
-            )
-            env = self.layout.environment(service.group) if service.kind == "daemon" else None
-            service.process = self.supervisor.spawn(service.id, command, env)
+            if service.kind == "daemon":
+                command, env = self.layout.daemon_command(service.group), self.layout.environment(service.group)
+                service.process = self.supervisor.spawn(service.id, command, env)
+            else:
+                fd = self.gateway_listener().fileno()
+                self.layout.gateway_probe_socket(service.id).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+                command = self.layout.gateway_command(service.id, fd)
+                service.process = self.supervisor.spawn(service.id, command, pass_fds=(fd,))
             self.save()
         process = service.process
         deadline = time.monotonic() + SERVICE_START_TIMEOUT_S
@@ -428,6 +461,56 @@ class Cluster:
             return {}
         fill = reply.get("status", {}).get("fill") if reply.get("ok") else None
         return fill if isinstance(fill, dict) else {}
+
+    def gateway_listener(self) -> socket.socket:
+        """The gateway's listening socket: bound and listening from the first worker's start until the
+        controller stops, and inherited by every worker. While no worker accepts (one respawning), the
+        kernel queues connections instead of refusing them. SO_REUSEPORT lets a restarted controller bind
+        beside the workers an earlier one started (they keep its socket). Raises ServiceFailed."""
+        if self.listener is None:
+            gateway = self.config.gateway
+            try:
+                sock = bind_port(gateway.host, gateway.port, reuse_port=True)
+            except PortUnavailable as exc:
+                raise ServiceFailed(f"the gateway's port: {exc}") from None
+            sock.listen(GATEWAY_BACKLOG)
+            self.listener = sock
+        return self.listener
+
+    def close_gateway_listener(self) -> None:
+        """Our copy only: workers that still run keep serving on theirs."""
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
+
+    def wake_gateways(self) -> None:
+        """Tell every serving gateway worker to probe the engines now (a role just changed), in the
+        background; a worker that misses it finds out at its next probe anyway."""
+        for service in self.services.values():
+            if service.kind == "gateway" and service.serving:
+                task = asyncio.create_task(self._wake(service), name=f"wake-{service.id}")
+                self.pushes.add(task)
+                task.add_done_callback(self.pushes.discard)
+
+    async def _wake(self, service: Service) -> None:
+        with contextlib.suppress(httpx.HTTPError):
+            await self._worker_client(service).post(Endpoint.GATEWAY_WAKE, timeout=PROBE_TIMEOUT_S)
+
+    def _worker_client(self, service: Service) -> httpx.AsyncClient:
+        """The client for one gateway worker, over its own Unix socket: made once (making one costs tens
+        of ms of CPU, on the event loop), with no pooled connection (a respawned worker is a new socket)."""
+        client = self.worker_clients.get(service.id)
+        if client is None:
+            path = str(self.layout.gateway_probe_socket(service.id))
+            transport = httpx.AsyncHTTPTransport(uds=path, limits=httpx.Limits(max_keepalive_connections=0))
+            client = httpx.AsyncClient(transport=transport, base_url="http://gateway", trust_env=False)
+            self.worker_clients[service.id] = client
+        return client
+
+    async def close_worker_clients(self) -> None:
+        for client in self.worker_clients.values():
+            await client.aclose()
+        self.worker_clients.clear()
 
     async def stop_service(self, service_id: str) -> str:
         service = self.services[service_id]
@@ -458,10 +541,11 @@ class Cluster:
             except (DaemonUnavailable, AttachRefused):
                 return False
             return True
-        # An HTTP answer, not a TCP connect: the kernel accepts connections for a stopped process too.
-        url = f"http://{self.config.gateway.host}:{self.config.gateway.port}/gateway/health"
+        # This worker's own socket, not the shared port (any worker answers there), and an HTTP answer,
+        # not a connect: the kernel accepts connections for a stopped process too.
         try:
-            return (await self.checker.client.get(url, timeout=PROBE_TIMEOUT_S)).status_code == 200
+            response = await self._worker_client(service).get(Endpoint.GATEWAY_HEALTH, timeout=PROBE_TIMEOUT_S)
+            return response.status_code == 200
         except httpx.HTTPError:
             return False
 
@@ -471,7 +555,8 @@ class Cluster:
     # --- exits and shutdown ---------------------------------------------------------------------
 
     def handle_exit(self, process: Process) -> None:
-        """Runs on the event loop the instant a watched process ends: wake the HA loop."""
+        """Runs on the event loop the instant a watched process ends (or a primary is seen exiting): wake
+        the HA loop."""
         service = self.services.get(process.id)
         if service is not None and service.process is process:
             service.serving = False
@@ -483,9 +568,11 @@ class Cluster:
             if service.keeper:
                 service.keeper.cancel()
         await self.checker.close()
-        lines = []
-        if "gateway" in self.services:
-            lines.append(f"gateway: {await self.stop_service('gateway')}")
+        gateways = [s.id for s in self.services.values() if s.kind == "gateway"]
+        results = await asyncio.gather(*(self.stop_service(service_id) for service_id in gateways))
+        lines = [f"{service_id}: {how}" for service_id, how in zip(gateways, results, strict=True)]
+        self.close_gateway_listener()
+        await self.close_worker_clients()
         engines = [m for m in self.members.values() if m.process and m.process.alive]
         results = await asyncio.gather(*(self.supervisor.stop(m.process, timeout) for m in engines))
         lines += [f"{m.spec.id}: {how}" for m, how in zip(engines, results, strict=True)]
@@ -502,6 +589,8 @@ class Cluster:
                 service.keeper.cancel()
         await self.checker.close()
         self.save()
+        self.close_gateway_listener()
+        await self.close_worker_clients()
         for process in list(self.supervisor.processes.values()):
             self.supervisor.forget(process)
 

@@ -54,15 +54,18 @@ max_batch = 4
 drain_timeout_s = 30.0
 
 [health]
-interval_ms = 100
-timeout_ms = 250
-failure_threshold = 2
+interval_ms = 100             # between health checks of each engine; a failed check is repeated at once
+timeout_ms = 200              # a check unanswered this long fails
+failure_threshold = 2         # failed checks in a row that make a primary failed: a hang is fenced in ~0.5 s
 
 [gateway]
 host = "127.0.0.1"
 port = 8000
 queue_limit = 256             # requests held while no primary answers
 hold_timeout_s = 10.0         # how long a held request waits for a primary
+workers = 2                   # gateway processes sharing one listening socket the controller holds (1..16)
+probe_interval_ms = 200       # how often each worker asks every engine GET /primary (the controller also
+                              # pushes a probe at once after each role change)
 """
 
 # Why an exposed gateway needs the cluster's token: it forwards only /v1, and the engines behind it then
@@ -70,6 +73,7 @@ hold_timeout_s = 10.0         # how long a held request waits for a primary
 GATEWAY_TOKEN_FIX = "set cluster.token_file so that the engines behind the gateway need it for role changes"
 
 
+MAX_GATEWAY_WORKERS = 16
 REFERENCE, VLLM = "reference", "vllm"
 START_TIMEOUTS_S = {REFERENCE: 120.0, VLLM: 600.0}
 
@@ -119,7 +123,7 @@ class EngineSection:
 @dataclass(frozen=True)
 class HealthSection:
     interval_ms: int = 100
-    timeout_ms: int = 250
+    timeout_ms: int = 200
     failure_threshold: int = 2
 
 
@@ -129,6 +133,13 @@ class GatewaySection:
     port: int = 8000
     queue_limit: int = 256
     hold_timeout_s: float = 10.0
+    workers: int = 2  # one killed, the others accept at once; the socket queues while none runs
+    probe_interval_ms: int = 200  # with 2 workers, the probes one worker sent every 100 ms
+
+    def worker_ids(self) -> list[str]:
+        """The gateway workers' service ids: ``gateway`` (the one a single-worker gateway always had),
+        then ``gateway-1`` and on."""
+        return ["gateway", *(f"gateway-{i}" for i in range(1, self.workers))]
 
 
 @dataclass(frozen=True)
@@ -303,8 +314,11 @@ def validate(config: ClusterConfig) -> None:
         ("engine.drain_timeout_s", config.engine.drain_timeout_s),
         ("gateway.queue_limit", config.gateway.queue_limit),
         ("gateway.hold_timeout_s", config.gateway.hold_timeout_s),
+        ("gateway.probe_interval_ms", config.gateway.probe_interval_ms),
     ]:
         positive(where, value)
+    if not 1 <= config.gateway.workers <= MAX_GATEWAY_WORKERS:
+        raise ConfigError(f"{src}: gateway.workers must be 1..{MAX_GATEWAY_WORKERS}, found {config.gateway.workers}")
     if config.model.dtype not in ("", *MODEL_DTYPES):
         raise ConfigError(f"{src}: model.dtype must be one of {', '.join(MODEL_DTYPES)}, found {config.model.dtype!r}")
     if config.model.quantize not in ("", *QUANT_METHODS):

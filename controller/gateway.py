@@ -31,6 +31,8 @@ import contextlib
 import itertools
 import json
 import logging
+import os
+import socket
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -48,12 +50,15 @@ from hotweights.contract import NOT_NORMALIZED, SERVING_PREFIX, Endpoint, forwar
 from hotweights.controller.config import GATEWAY_TOKEN_FIX, load_config
 from hotweights.errors import ConfigError
 from hotweights.proxying import HOP_BY_HOP, ProxiedStream
-from hotweights.standby.serving import AnnouncingServer, bind_port, run_until_signal
+from hotweights.standby.serving import AnnouncingServer, bind_port, is_listening, run_until_signal
 from hotweights.state import read_state
 
 log = logging.getLogger(__name__)
 
 STATE_POLL_S = 1.0  # how often the controller's state file is re-read for engines added at runtime
+
+BACKLOG = 4096  # connections the kernel queues while no worker accepts (one respawning); capped by somaxconn
+SUPERVISOR_BACKLOG = 16
 
 HOLD_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 KEEPALIVE_S = 2.0  # below uvicorn's 5 s, so a pooled connection is never reused as the engine closes it
@@ -117,8 +122,16 @@ class Discovery:
         """A proxied request failed there: stop routing to it until a probe says 200 again, and probe
         every upstream now (one of them may just have been promoted)."""
         self._mark(upstream, False, reason)
-        for other in self.upstreams:
-            other.wake.set()
+        self.wake_all()
+
+    def wake_all(self) -> None:
+        """Probe every upstream now instead of at its next interval (a role just changed somewhere)."""
+        for upstream in self.upstreams:
+            upstream.wake.set()
+
+    async def probe_all(self) -> None:
+        """One probe of every upstream, all at once: what a gateway knows before it accepts a request."""
+        await asyncio.gather(*(self._probe(upstream) for upstream in self.upstreams))
 
     async def run(self, state_file: Path | None = None) -> None:
         """Probe every upstream; with a controller state file, also pick up engines added at runtime."""
@@ -378,7 +391,10 @@ class Gateway:
 
     @contextlib.asynccontextmanager
     async def running(self, _: Starlette) -> AsyncIterator[None]:
-        """Probe while serving; on shutdown stop probing, then close both pools."""
+        """Probe every upstream once before serving (uvicorn accepts only after this returns, so a
+        gateway handed a listening socket routes its first request at once), keep probing while
+        serving; on shutdown stop probing, then close both pools."""
+        await self.discovery.probe_all()
         probing = asyncio.create_task(self.discovery.run(self.state_file))
         try:
             yield
@@ -398,10 +414,16 @@ def build_app(gateway: Gateway) -> Starlette:
     async def metrics(_: Request) -> Response:
         return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    async def wake(_: Request) -> Response:
+        """204: every upstream is probed now. Harmless to anyone: a wake during a probe adds one probe."""
+        gateway.discovery.wake_all()
+        return Response(status_code=204)
+
     methods = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
     return Starlette(
         routes=[
-            Route("/gateway/health", health, methods=["GET"]),
+            Route(Endpoint.GATEWAY_HEALTH, health, methods=["GET"]),
+            Route(Endpoint.GATEWAY_WAKE, wake, methods=["POST"]),
             Route(Endpoint.METRICS, metrics, methods=["GET"]),
             Route(SERVING_PREFIX + "{path:path}", gateway.proxy, methods=methods),
         ],
@@ -409,16 +431,48 @@ def build_app(gateway: Gateway) -> Starlette:
     )
 
 
+def inherited_listener(fd: int) -> socket.socket:
+    """The listening TCP socket a supervisor handed over as ``fd`` (``--fd``); ConfigError if it is not one."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError as exc:
+        raise ConfigError(f"--fd {fd}: not an open socket ({exc.strerror})") from None
+    is_tcp = sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM
+    if not (is_tcp and is_listening(sock)):
+        sock.detach()
+        raise ConfigError(f"--fd {fd}: not a listening TCP socket; pass the fd of one bound and listening")
+    return sock
+
+
+def probe_listener(path: Path) -> socket.socket:
+    """A Unix socket at ``path`` (owner-only) where the supervisor reaches this one worker; a socket left
+    there by a killed predecessor is replaced. ConfigError when it cannot be made there."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old_umask = os.umask(0o177)
+    try:
+        if path.is_socket():
+            path.unlink()
+        sock.bind(str(path))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"--probe-socket {path}: {exc.strerror}; give a socket path in a directory of ours") from None
+    finally:
+        os.umask(old_umask)
+    sock.listen(SUPERVISOR_BACKLOG)
+    return sock
+
+
 def cmd_gateway(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     host, port = args.host or config.gateway.host, config.gateway.port if args.port is None else args.port
     refuse_open_listener(host, config.token() is not None, "--host", GATEWAY_TOKEN_FIX)  # gateway.host: by load_config
-    sock = bind_port(host, port)
+    sock = bind_port(host, port) if args.fd is None else inherited_listener(args.fd)
+    sockets = [sock, *([probe_listener(Path(args.probe_socket))] if args.probe_socket else [])]
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per probe would drown the log
     urls = args.upstream or config.engine_urls()
     gateway = Gateway(
         urls,
-        interval_s=config.health.interval_ms / 1000,
+        interval_s=config.gateway.probe_interval_ms / 1000,
         timeout_s=config.health.timeout_ms / 1000,
         queue_limit=config.gateway.queue_limit,
         hold_s=config.gateway.hold_timeout_s,
@@ -432,10 +486,11 @@ def cmd_gateway(args: argparse.Namespace) -> int:
             port=port,
             log_config=None,
             access_log=False,
+            backlog=BACKLOG,
             timeout_graceful_shutdown=args.shutdown_timeout,
         )
     )
-    stopped_by = run_until_signal(server, sock)
+    stopped_by = run_until_signal(server, *sockets)
     log.info("stopped%s", f" on {stopped_by}" if stopped_by else "")
     return 0
 
@@ -451,6 +506,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--config", help="cluster TOML: engines, health timings, [gateway] (default: built-in defaults)")
     p.add_argument("--host", help="address to listen on (default gateway.host)")
     p.add_argument("--port", type=int, help="port to listen on; 0 picks a free one (default gateway.port)")
+    p.add_argument(
+        "--fd",
+        type=int,
+        help="serve on this inherited, already listening TCP socket instead of binding one (how the controller "
+        "starts its gateway workers: the socket outlives each of them, so a crash refuses no connection)",
+    )
+    p.add_argument("--probe-socket", help="also serve on this Unix socket, where a supervisor reaches this worker")
     p.add_argument(
         "--upstream",
         action="append",

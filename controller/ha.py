@@ -246,14 +246,15 @@ class Ha:
         now = time.monotonic()
         failed_at = now
         if old is not None and kind == "automatic":
-            failed_at = (old.exited_at if not old.alive else old.health.failing_since) or now
+            failed_at = (old.exited_at if not old.alive else old.exiting_at or old.health.failing_since) or now
         timings: dict[str, Any] = {"detect_ms": _ms(now - failed_at), "fence_ms": 0.0}
         details: dict[str, Any] = {"ok": False, "group": group, "kind": kind, "old_primary": old.id if old else None}
         prefix = f"failing over: primary {old.id} {reason}" if old else f"failing over in group {group}: {reason}"
         if old is not None:
             self.events.record("detect", f"primary {old.id} {reason}", member=old.id, group=group, **timings)
+            self.cluster.wake_gateways()  # they stop sending it requests before their next probe
             fence_start = time.monotonic()
-            if not await self.cluster.fence(old.id):
+            if not await self.cluster.fence(old.id, until_exit=False):
                 self.events.record("fence_failed", f"{old.id} still alive after SIGKILL", member=old.id, group=group)
                 sentence = (
                     f"not failing over: primary {old.id} {reason} but is still alive {FENCE_TIMEOUT_S:g} s after "
@@ -263,7 +264,7 @@ class Ha:
             timings["fence_ms"] = _ms(time.monotonic() - fence_start)
             self.events.record("fence", f"fenced {old.id} (pid {old.pid})", member=old.id, group=group, **timings)
             prefix += f"; fenced in {timings['fence_ms']} ms"
-            if await self.engines.is_primary(old.url, self.check_timeout_s):
+            if await self._stranger_answers(old):
                 self.events.record("stranger", f"{old.url} answers /primary 200 from a process we do not supervise")
                 stranger = f"{old.url} still answers /primary 200 (a process we do not supervise): stop it"
                 return f"{prefix}; not promoting another: {stranger}", details
@@ -320,6 +321,7 @@ class Ha:
             failed = "promoted, but /primary does not answer 200"
             return False, _ms(time.monotonic() - start), await self._fence_unconfirmed(candidate, failed)
         self.cluster.set_role(candidate.id, Role.PRIMARY)
+        self.cluster.wake_gateways()
         promote_ms = _ms(time.monotonic() - start)
         self.events.record(
             "promote", f"promoted {candidate.id}: {message}", member=candidate.id, group=candidate.group,
@@ -334,6 +336,15 @@ class Ha:
             self.events.record("fence", f"{candidate.id}: {failure}", member=candidate.id, group=candidate.group)
             return f"{failure}; fenced {candidate.id}"
         return f"{failure}; {candidate.id} is still alive after SIGKILL"
+
+    async def _stranger_answers(self, old: MemberView) -> bool:
+        """After ``old`` was fenced: does a process we do not supervise answer /primary on its port? While
+        ``old`` is still exiting it may hold the port, and a request there would wait for its exit:
+        then any other process listening on the port counts."""
+        process = self.cluster.members[old.id].process
+        if process is not None and process.alive:
+            return await self.cluster.others_listen(old.id)
+        return await self.engines.is_primary(old.url, self.check_timeout_s)
 
     async def _answering_primary(self, snap: Snapshot, group: int) -> list[str]:
         """Members of ``group`` (absent ones too: a stranger may hold a slot's port) answering /primary 200."""

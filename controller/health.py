@@ -1,9 +1,12 @@
 """Engine health checks and the small policies that judge them.
 
 Healthy means "answered ``GET /health/ready`` with 200 within the timeout", not "the process
-exists": a SIGSTOPped primary is alive and fails every check. Each engine process gets its own
-check task, so one hung engine never delays the checks of the others. The reply body (role,
-state, pid) is kept: the engines, not the controller, are the truth about who is primary.
+exists": a SIGSTOPped primary is alive and fails every check. A failed check is repeated at once (not
+after the interval) until the failure threshold, so a hang is judged in about threshold x timeout. A
+timeout that fired late because the controller itself was starved of CPU is not counted either way.
+Each engine process gets its own check task, so one hung engine never delays the checks of the
+others. The reply body (role, state, pid) is kept: the engines, not the controller, are the truth
+about who is primary.
 
 Policies are tenacity-style callables over one observed member: None when all is well, else the
 reason, and ``a | b`` gives the first reason found.
@@ -21,6 +24,10 @@ from typing import Any, Protocol
 import httpx
 
 from hotweights.contract import Endpoint
+
+# A check that timed out counts only if this controller woke up on time for its deadline: later than this
+# fraction of the timeout, our own event loop was starved (a saturated CPU), which says nothing of the engine.
+STALL_FRACTION = 0.5
 
 
 @dataclass
@@ -94,15 +101,19 @@ class HealthChecker:
                 await task
 
     async def _watch(self, url: str, pid: int, record: HealthRecord) -> None:
+        """Check every ``interval_s``; after a failed check, check again at once until ``threshold``
+        failures are reached, so a hung engine is judged in about ``threshold x timeout_s``."""
         while True:
             was_ok = record.ok
             await self.check(url, pid, record)
             if record.ok != was_ok or record.consecutive_failures == self.threshold:
                 self.on_change()
-            await asyncio.sleep(self.interval_s)
+            if not 0 < record.consecutive_failures < self.threshold:
+                await asyncio.sleep(self.interval_s)
 
     async def check(self, url: str, pid: int, record: HealthRecord) -> None:
         start = time.monotonic()
+        ok: bool | None
         try:
             response = await self.client.get(url + Endpoint.READY, timeout=self.timeout_s)
             record.status_code, record.error = response.status_code, None
@@ -119,9 +130,15 @@ class HealthChecker:
                     record.error = body.get("reason", f"status {response.status_code}")
         except httpx.TimeoutException:
             ok, record.status_code, record.error = False, None, f"no answer within {self.timeout_s * 1000:g} ms"
+            if (stalled := time.monotonic() - start - self.timeout_s) > self.timeout_s * STALL_FRACTION:
+                record.error += f", but this controller was itself {stalled * 1000:.0f} ms late: not counted"
+                ok = None
         except httpx.HTTPError as exc:  # any other failure: a check that raised would end this engine's checks
             ok, record.status_code, record.error = False, None, f"{type(exc).__name__}: {exc}"
         latency = time.monotonic() - start
+        if ok is None:  # we could not wait on time (a starved CPU): the engine is neither judged ok nor failed
+            record.latency_ms = round(latency * 1000, 3)
+            return
         self.observe_latency(latency)
         record.checked_at, record.sent_at = time.time(), start
         record.latency_ms, record.ok = round(latency * 1000, 3), ok
@@ -135,6 +152,7 @@ class HealthChecker:
 class Observed(Protocol):
     alive: bool
     exit_reason: str | None
+    exiting_at: float | None  # every thread seen exiting, not reaped yet (a watched primary)
     health: HealthRecord
     age_s: float  # seconds since its process started
     start_timeout_s: float  # how long it may take to become ready
@@ -159,8 +177,12 @@ class first_reason(Policy):  # lower case, like the tenacity combinators it imit
 
 
 class process_exited(Policy):
+    """Exited, or (a watched primary) every thread has begun to exit: either way it never answers again."""
+
     def __call__(self, member: Observed) -> str | None:
-        return None if member.alive else member.exit_reason or "exited"
+        if not member.alive:
+            return member.exit_reason or "exited"
+        return "is exiting (every thread has begun to exit)" if member.exiting_at is not None else None
 
 
 class checks_failed(Policy):

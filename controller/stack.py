@@ -44,10 +44,13 @@ class Layout:
         else:
             model_dir = ensure_default_model()
         layout = cls(config, config_path.resolve() if config_path else None, model_dir.resolve())
-        longest = layout.socket(len(config.groups) - 1)
+        longest = max(
+            (layout.socket(len(config.groups) - 1), layout.gateway_probe_socket(config.gateway.worker_ids()[-1])),
+            key=lambda path: len(str(path)),
+        )
         if len(str(longest)) > MAX_SOCKET_PATH:
             raise ConfigError(
-                f"{config.source}: cluster.state_dir gives a daemon socket path of {len(str(longest))} bytes "
+                f"{config.source}: cluster.state_dir gives a socket path of {len(str(longest))} bytes "
                 f"({longest}); Unix sockets allow {MAX_SOCKET_PATH}: choose a shorter state_dir"
             )
         return layout
@@ -146,6 +149,13 @@ class Layout:
         command += ["--dtype", config_name(MODEL_DTYPES[model.dtype])] if model.dtype else []
         return [*command, *group.engine_args]
 
-    def gateway_command(self) -> list[str]:
-        command = hotweights_command("gateway")
+    def gateway_probe_socket(self, worker_id: str) -> Path:
+        """Where the controller reaches one gateway worker (the shared port reaches any of them)."""
+        return self.state_dir / "run" / f"{worker_id}.sock"
+
+    def gateway_command(self, worker_id: str, fd: int) -> list[str]:
+        """A gateway worker serving on the controller's listening socket, inherited as ``fd``."""
+        command = hotweights_command(
+            "gateway", "--fd", str(fd), "--probe-socket", str(self.gateway_probe_socket(worker_id))
+        )
         return [*command, "--config", str(self.config_path)] if self.config_path else command

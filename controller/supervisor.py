@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 10.0  # SIGTERM -> SIGKILL for a planned stop
 FENCE_TIMEOUT_S = 5.0  # SIGKILL -> exit; longer means the process is stuck in the kernel
+EXITING_POLL_S = 0.01  # how often the processes watched for an early exit (primaries) are read from /proc
+PF_EXITING = 0x4  # a task flag (include/linux/sched.h): it has entered do_exit() and never runs user code again
 
 
 Identity = ProcessRecord  # what tells a live process from another one that reused its pid
@@ -46,6 +48,37 @@ def read_identity(pid: int) -> Identity | None:
     if fields[0] in ("Z", "X"):
         return None
     return Identity(pid, int(fields[19]), tuple(raw_command.decode(errors="replace").split("\0")[:-1]))
+
+
+def _task_flags(stat_path: Path) -> int | None:
+    """The flags field of a /proc ``stat`` file; None when the task is gone."""
+    try:
+        stat = stat_path.read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return int(stat[stat.rindex(")") + 2 :].split()[6])
+
+
+def _is_gone_or_exiting(stat_path: Path) -> bool:
+    flags = _task_flags(stat_path)
+    return flags is None or bool(flags & PF_EXITING)
+
+
+def is_exiting(pid: int) -> bool:
+    """Whether every thread of ``pid`` has begun to exit (PF_EXITING, or already gone): then none can run
+    user code again, so the process will never answer another request, whatever it held open. Cheap
+    when it is not (one read of the main thread's flags). The threads are listed again after their flags
+    are read: a thread started meanwhile makes it False (every thread read as exiting can start none)."""
+    flags = _task_flags(Path(f"/proc/{pid}/stat"))
+    if flags is None or not flags & PF_EXITING:
+        return False
+    tasks = Path(f"/proc/{pid}/task")
+    try:
+        before = set(os.listdir(tasks))
+        exiting = all(_is_gone_or_exiting(tasks / tid / "stat") for tid in before)
+        return exiting and set(os.listdir(tasks)) <= before
+    except FileNotFoundError:
+        return False  # reaped: the pidfd reports the exit
 
 
 def _start_time(pid: int) -> int:
@@ -72,6 +105,8 @@ class Process:
     exited: asyncio.Event = field(default_factory=asyncio.Event)
     exit_reason: str | None = None
     exited_at: float | None = None  # time.monotonic()
+    exiting_at: float | None = None  # when every thread was seen exiting (watched processes only)
+    gone: asyncio.Event = field(default_factory=asyncio.Event)  # exiting seen, or exited: it never answers again
 
     @property
     def pid(self) -> int:
@@ -89,17 +124,28 @@ class Supervisor:
     """Owns the pidfds; ``on_exit`` runs on the event loop right after a watched process ends."""
 
     def __init__(self, log_dir: Path, on_exit: Callable[[Process], None]) -> None:
+        """``on_exit`` also runs when a process watched for an early exit is seen exiting (``exiting_at``)."""
         self.log_dir = log_dir
         self.on_exit = on_exit
         self.processes: dict[str, Process] = {}
+        self.early: set[Process] = set()  # watched for the first sign of their exit
+        self.early_watch: asyncio.Task | None = None
 
-    def spawn(self, process_id: str, command: list[str], env: dict[str, str] | None = None) -> Process:
+    def spawn(
+        self, process_id: str, command: list[str], env: dict[str, str] | None = None, pass_fds: tuple[int, ...] = ()
+    ) -> Process:
         """Start ``command`` in a new session (it outlives us), output appended to its log; ``env``: its
-        environment (None: ours)."""
+        environment (None: ours); ``pass_fds``: our fds it inherits under the same numbers."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_dir / f"{process_id}.log", "ab") as out:
             popen = subprocess.Popen(
-                command, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True, env=env
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=out,
+                start_new_session=True,
+                env=env,
+                pass_fds=pass_fds,
             )
         pidfd = os.pidfd_open(popen.pid)  # our unreaped child: pid and /proc entry stay until we reap it
         # The command as we exec'd it, not /proc/<pid>/cmdline: Popen can return while the kernel is still
@@ -119,12 +165,41 @@ class Supervisor:
         self._watch(process)
         return process
 
-    async def fence(self, process: Process, timeout: float = FENCE_TIMEOUT_S) -> bool:
-        """SIGKILL and wait for the exit (works on a SIGSTOPped process too); False if it outlived ``timeout``."""
+    def watch_exiting(self, process: Process, watch: bool = True) -> None:
+        """Watch ``process`` (or stop) for the first sign of its exit, every EXITING_POLL_S.
+
+        The pidfd fires only once the kernel has torn the process down: its address space first (tens of
+        ms per GB mapped; a CUDA context's mappings and driver state take longer), then its files. The
+        task flags show PF_EXITING within a few ms of a SIGKILL. Once every thread shows it (``is_exiting``)
+        the process can never run user code again, so it is as good as fenced for a failover, though its
+        memory may still be being released: ``exiting_at`` is set, ``gone`` fires and ``on_exit`` runs."""
+        if not watch or not process.alive:
+            self.early.discard(process)
+            return
+        self.early.add(process)
+        if self.early_watch is None or self.early_watch.done():
+            self.early_watch = asyncio.create_task(self._watch_early(), name="watch-exiting")
+
+    async def _watch_early(self) -> None:
+        while self.early:
+            for process in list(self.early):
+                if process.alive and is_exiting(process.pid):
+                    process.exiting_at = time.monotonic()
+                    process.gone.set()
+                    log.debug("%s (pid %d): every thread is exiting", process.id, process.pid)
+                    self.on_exit(process)
+                if not process.alive or process.exiting_at is not None:
+                    self.early.discard(process)
+            await asyncio.sleep(EXITING_POLL_S)
+
+    async def fence(self, process: Process, timeout: float = FENCE_TIMEOUT_S, *, until_exit: bool = True) -> bool:
+        """SIGKILL and wait for the exit (works on a SIGSTOPped process too); False if it outlived ``timeout``.
+        ``until_exit`` False: wait only until it is ``gone`` (for a process watched with ``watch_exiting``,
+        every thread exiting; it can never answer again, but its port and memory are freed a little later)."""
         if process.alive:
             with contextlib.suppress(ProcessLookupError):
                 signal.pidfd_send_signal(process.pidfd, signal.SIGKILL)
-        return await _wait(process, timeout)
+        return await _wait(process, timeout, process.exited if until_exit else process.gone)
 
     async def stop(self, process: Process, timeout: float = STOP_TIMEOUT_S) -> str:
         """SIGTERM, then SIGKILL after ``timeout``; returns how it ended."""
@@ -140,6 +215,7 @@ class Supervisor:
 
     def forget(self, process: Process) -> None:
         """Stop watching without touching the process (controller shutdown that leaves it running)."""
+        self.early.discard(process)
         if process.alive:
             asyncio.get_running_loop().remove_reader(process.pidfd)
             os.close(process.pidfd)
@@ -157,14 +233,17 @@ class Supervisor:
         process.exit_reason = exit_reason(process.popen.poll() if process.popen else None)
         process.exited_at = time.monotonic()
         process.exited.set()
+        process.gone.set()
+        self.early.discard(process)
         if self.processes.get(process.id) is process:
             del self.processes[process.id]
         self.on_exit(process)
 
 
-async def _wait(process: Process, timeout: float) -> bool:
+async def _wait(process: Process, timeout: float, event: asyncio.Event | None = None) -> bool:
+    """Whether ``event`` (default: the exit) is set within ``timeout``."""
     try:
-        await asyncio.wait_for(process.exited.wait(), timeout)
+        await asyncio.wait_for((event or process.exited).wait(), timeout)
     except TimeoutError:
         return False
     return True
@@ -230,8 +309,32 @@ def stack_orphans(markers: Iterable[str]) -> list[tuple[str, ProcessRecord]]:
     return found
 
 
-def listening_pids(port: int) -> set[int]:
-    """Pids holding a TCP socket that listens on ``port`` (IPv4 or IPv6), read from /proc."""
+def listening_pids(port: int, owner: int | None = None) -> set[int]:
+    """Pids holding a TCP socket that listens on ``port`` (IPv4 or IPv6), read from /proc.
+
+    With ``owner`` (a process we started): when every such socket is one ``owner`` holds, only it and
+    its descendants (which may have inherited them) are looked at, not every fd on the host (hundreds of
+    ms on a busy one). Another process can hold the very same socket only if one of them handed it over
+    on purpose (SCM_RIGHTS, pidfd_getfd), which engines do not do."""
+    inodes = _listening_inodes(port)
+    if not inodes:
+        return set()
+    if owner is not None and inodes <= _fd_targets(owner):
+        return {pid for pid in {owner, *_descendants(owner)} if _fd_targets(pid) & inodes}
+    pids = (int(proc.name) for proc in Path("/proc").iterdir() if proc.name.isdigit())
+    return {pid for pid in pids if _fd_targets(pid) & inodes}
+
+
+def inheritors(port: int, pid: int) -> set[int]:
+    """Descendants of ``pid`` holding a socket that listens on ``port``. While ``pid`` (an engine: it binds
+    without SO_REUSEPORT) still holds its port, even as it exits, no other socket can listen there, so
+    these are the only other processes that could answer on it."""
+    inodes = _listening_inodes(port)
+    return {child for child in _descendants(pid) if _fd_targets(child) & inodes} if inodes else set()
+
+
+def _listening_inodes(port: int) -> set[str]:
+    """``socket:[inode]`` of every TCP socket listening on ``port`` (IPv4 or IPv6)."""
     inodes = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         with contextlib.suppress(OSError):
@@ -239,21 +342,41 @@ def listening_pids(port: int) -> set[int]:
                 fields = line.split()
                 if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
                     inodes.add(f"socket:[{fields[9]}]")
-    pids = set()
-    if inodes:
-        for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+    return inodes
+
+
+def _fd_targets(pid: int) -> set[str]:
+    """What each open fd of a process points to (``socket:[inode]`` for sockets); empty once it is gone."""
+    targets = set()
+    with contextlib.suppress(OSError):
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
             with contextlib.suppress(OSError):
-                if any(os.readlink(fd) in inodes for fd in fd_dir.iterdir()):
-                    pids.add(int(fd_dir.parent.name))
-    return pids
+                targets.add(os.readlink(fd))
+    return targets
 
 
-def evict_orphans(port: int, engine_id: str, timeout: float = STOP_TIMEOUT_S) -> list[str]:
+def _descendants(pid: int) -> set[int]:
+    """Every live descendant of ``pid`` (from each thread's /proc children list)."""
+    found: set[int] = set()
+    parents = [pid]
+    while parents:
+        parent = parents.pop()
+        for children in Path(f"/proc/{parent}/task").glob("*/children"):
+            with contextlib.suppress(OSError):
+                for child in map(int, children.read_text().split()):
+                    if child not in found:
+                        found.add(child)
+                        parents.append(child)
+    return found
+
+
+def evict_orphans(port: int, engine_id: str, timeout: float = STOP_TIMEOUT_S, ours: int | None = None) -> list[str]:
     """SIGKILL engines of this slot left behind by an earlier controller (same --engine-id, still
     listening on the slot's port) and wait for them to go. An orphan that kept its role could
-    answer 200 on /primary beside the new primary. Other holders of the port are left alone."""
+    answer 200 on /primary beside the new primary. Other holders of the port, and ``ours`` (the slot's
+    own process, which the caller fences), are left alone."""
     evicted = []
-    for pid in sorted(listening_pids(port)):
+    for pid in sorted(listening_pids(port, ours) - {ours}):
         try:
             pidfd = os.pidfd_open(pid)  # first, then the identity: the fd cannot follow the pid to a newcomer
         except ProcessLookupError:

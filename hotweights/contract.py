@@ -48,6 +48,8 @@ class Endpoint(StrEnum):
     METRICS = "/metrics"  # Prometheus text format (also the controller's and the gateway's)
     MODELS = "/v1/models"
     COMPLETIONS = "/v1/completions"
+    GATEWAY_HEALTH = "/gateway/health"  # the gateway's own view: upstreams, primaries, held requests
+    GATEWAY_WAKE = "/gateway/wake"  # POST: probe every upstream now (the controller's push after a role change)
 
 
 SERVING_PREFIX = "/v1/"  # what a load balancer or the gateway forwards to the primary, and nothing else

@@ -34,15 +34,19 @@ def _unavailable(host: str, port: int, exc: OSError) -> PortUnavailable:
     return PortUnavailable(f"cannot listen on {host}:{port}: {exc.strerror}")
 
 
-def bind_port(host: str, port: int) -> socket.socket:
+def bind_port(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
     """A TCP socket bound to ``host:port`` (``port`` 0: a free one), not yet listening: until
     ``run_until_signal`` listens on it, connections are refused rather than left waiting. SO_REUSEADDR, as
     uvicorn sets it, so a restart on the same port need not wait out TIME_WAIT; IPPROTO_TCP named, as
     getaddrinfo would, because asyncio sets TCP_NODELAY only on sockets that say so (without it every small
-    response waits out Nagle and delayed ACKs). Raises PortUnavailable."""
+    response waits out Nagle and delayed ACKs). ``reuse_port``: SO_REUSEPORT, so that another socket of
+    our uid with it set may bind the same port beside this one (the kernel spreads connections over
+    them). Raises PortUnavailable."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
     except OSError as exc:
@@ -66,18 +70,25 @@ class AnnouncingServer(uvicorn.Server):
             print(json.dumps({"event": "ready", "port": port, "pid": os.getpid()} | self.ready), flush=True)
 
 
-def run_until_signal(server: uvicorn.Server, sock: socket.socket) -> str | None:
-    """Listen on ``sock`` (from ``bind_port``) and run ``server`` on it; return the name of the signal it
-    stopped for (None if it stopped by itself). Raises PortUnavailable if another process bound the same
-    port meanwhile and listened first.
+def is_listening(sock: socket.socket) -> bool:
+    return bool(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))
+
+
+def run_until_signal(server: uvicorn.Server, *sockets: socket.socket) -> str | None:
+    """Listen on each TCP socket of ``sockets`` (from ``bind_port``; one a supervisor handed over already
+    listens) and run ``server`` on them all; return the name of the signal it stopped for (None if it
+    stopped by itself). Raises PortUnavailable if another process bound the same port
+    meanwhile and listened first.
 
     uvicorn restores the handlers it found and re-raises the signal it caught once it has shut down
     gracefully; handlers that only record the signal make that re-raise harmless."""
-    host, port = sock.getsockname()[:2]
-    try:
-        sock.listen(server.config.backlog)
-    except OSError as exc:
-        raise _unavailable(host, port, exc) from None
+    for sock in sockets:
+        if sock.family in (socket.AF_INET, socket.AF_INET6) and not is_listening(sock):
+            host, port = sock.getsockname()[:2]
+            try:
+                sock.listen(server.config.backlog)
+            except OSError as exc:
+                raise _unavailable(host, port, exc) from None
     caught: list[int] = []
 
     def record(sig: int, _: FrameType | None) -> None:
@@ -85,5 +96,5 @@ def run_until_signal(server: uvicorn.Server, sock: socket.socket) -> str | None:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, record)
-    server.run(sockets=[sock])
+    server.run(sockets=list(sockets))
     return signal.Signals(caught[0]).name if caught else None

@@ -53,9 +53,11 @@ class ChildService:
     name = "service"
     ready_path = "/"  # answers 200 once the service is ready
 
-    def __init__(self, command: list[str], base_url: str, *, env: dict[str, str] | None = ENV) -> None:
+    def __init__(
+        self, command: list[str], base_url: str, *, env: dict[str, str] | None = ENV, pass_fds: tuple[int, ...] = ()
+    ) -> None:
         self.log = tempfile.NamedTemporaryFile(prefix=f"{self.name}-", suffix=".log", delete=False)  # noqa: SIM115
-        self.process = subprocess.Popen(command, env=env, stdout=self.log, stderr=self.log)
+        self.process = subprocess.Popen(command, env=env, stdout=self.log, stderr=self.log, pass_fds=pass_fds)
         self.client = httpx.Client(base_url=base_url, timeout=30.0)
 
     def wait_ready(self, timeout: float = 60.0) -> Self:

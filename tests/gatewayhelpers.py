@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -56,16 +57,18 @@ class GatewayProcess(ChildService):
     """``hotweights gateway`` as a child process."""
 
     name = "gateway"
-    ready_path = "/gateway/health"
+    ready_path = Endpoint.GATEWAY_HEALTH
 
-    def __init__(self, config: Path, *extra: str) -> None:
-        self.port = free_port()
+    def __init__(self, config: Path, *extra: str, listener: socket.socket | None = None) -> None:
+        """``listener``: a listening socket of ours it serves on (``--fd``), instead of binding a port."""
+        self.port = listener.getsockname()[1] if listener else free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        command = hotweights_command("gateway", "--config", str(config), "--port", str(self.port))
-        super().__init__([*command, *extra], self.url)
+        command = hotweights_command("gateway", "--config", str(config))
+        command += ["--fd", str(listener.fileno())] if listener else ["--port", str(self.port)]
+        super().__init__([*command, *extra], self.url, pass_fds=(listener.fileno(),) if listener else ())
 
     def health(self) -> dict:
-        return self.client.get("/gateway/health").json()
+        return self.client.get(Endpoint.GATEWAY_HEALTH).json()
 
     def wait_health(self, predicate, timeout: float = 10.0, what: str = "gateway state") -> dict:
         deadline = time.monotonic() + timeout

@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -90,7 +91,7 @@ def wait_new_primary(urls: list[str], old: str, timeout: float) -> tuple[str, fl
             "engine g1-e0 listen port 9002, which collides with engine g0-e2 listen port (groups[0].listen_base_port)",
         ),
         ("[[groups]]\nengine = 'sglang'\n", "groups[0].engine must be one of ['reference', 'vllm'], found 'sglang'"),
-        ("[[groups]]\nengine = 'vllm'\n", "groups[0].engine_python is required with engine = \"vllm\""),
+        ("[[groups]]\nengine = 'vllm'\n", 'groups[0].engine_python is required with engine = "vllm"'),
         ("[[groups]]\nengine = 'vllm'\nengine_python = '/nonexistent/python'\n", "is not an executable file"),
         ("[[groups]]\nengine_args = ['--x']\n", 'engine_python, engine_args and engine_env need engine = "vllm"'),
         ("[[groups]]\nengine_args = '--x'\n", "groups[0].engine_args must be a list of strings, found '--x'"),
@@ -175,7 +176,8 @@ def test_kill_primary_fails_over_without_split_brain(stack: ControllerStack) -> 
     failover = stack.events("failover")[-1]
     assert failover["old"] == old["id"] and failover["mode"] == "automatic"
     assert {"detect_ms", "fence_ms", "promote_ms", "total_ms"} <= failover.keys()
-    assert "signal 9" in stack.events("detect")[-1]["message"]
+    detected = stack.events("detect")[-1]["message"]
+    assert "signal 9" in detected or "is exiting" in detected  # the pidfd, or every thread seen exiting first
 
 
 def test_hung_primary_detected_by_health_checks(stack: ControllerStack) -> None:
@@ -440,6 +442,27 @@ def test_a_starting_engine_counts_no_failed_checks() -> None:
     assert "refused" in record.error
 
 
+def test_a_timeout_counts_only_when_the_controller_waited_on_time() -> None:
+    """An engine that never answers (a socket nobody accepts on: the kernel queues the connection) fails a
+    check; the same timeout firing late because this controller's own loop was starved (a saturated CPU,
+    played here by blocking the loop) is not counted either way."""
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        record = HealthRecord(ever_ok=True)
+
+        async def run() -> None:
+            async with httpx.AsyncClient() as client:
+                checker = HealthChecker(client, 0.01, 0.1, 2, lambda: None, lambda _: None)
+                await checker.check(url, 7, record)
+                assert (record.ok, record.consecutive_failures) == (False, 1)
+                asyncio.get_running_loop().call_later(0.05, time.sleep, 0.2)  # the loop stalls past the deadline
+                await checker.check(url, 7, record)
+
+        asyncio.run(run())
+    assert (record.ok, record.consecutive_failures) == (False, 1)
+    assert "ms late: not counted" in record.error
+
+
 def test_a_failed_check_does_not_undo_a_role_change() -> None:
     """The body a failed check keeps predates our last role change: it must not bring the old role back."""
     member = Member(EngineSpec("g0-e0", 0, "cpu", 8200))
@@ -461,10 +484,80 @@ def test_state_file_that_is_not_an_object_is_refused(tmp_path: Path) -> None:
     assert read_state(path) == ClusterState(members={}) and not path.with_suffix(".json.tmp").exists()
 
 
+# A process that touches N MiB (so the kernel has an address space to tear down when it dies), says
+# "ready", then keeps starting and joining short-lived threads (threads exiting inside a live process).
+HOLDER = """
+import sys, threading
+memory = bytearray(int(sys.argv[1]) << 20)
+memory[::4096] = b"x" * len(range(0, len(memory), 4096))
+print("ready", flush=True)
+while True:
+    thread = threading.Thread(target=int)
+    thread.start()
+    thread.join()
+"""
+
+
+def test_a_watched_process_is_gone_once_every_thread_exits_before_it_is_reaped(tmp_path: Path) -> None:
+    """SIGKILL of a process holding 1.5 GiB: every thread shows PF_EXITING within milliseconds, while the
+    kernel takes tens of ms more to tear its memory down before the pidfd reports the exit. A live process
+    whose threads come and go, and a stopped one, are never taken for exiting."""
+    seen: list[tuple[str, bool]] = []
+
+    async def run() -> None:
+        watcher = supervisor.Supervisor(tmp_path, lambda p: seen.append((p.id, p.alive)))
+        holder = watcher.spawn("holder", [sys.executable, "-c", HOLDER, "1536"])
+        log = tmp_path / "holder.log"
+        await asyncio.to_thread(wait_until, lambda: "ready" in log.read_text(), 60, "the holder's memory")
+        assert not any(supervisor.is_exiting(holder.pid) for _ in range(300)), "a live process taken for exiting"
+        os.kill(holder.pid, signal.SIGSTOP)
+        assert not supervisor.is_exiting(holder.pid), "a stopped process taken for exiting"
+        os.kill(holder.pid, signal.SIGCONT)
+        watcher.watch_exiting(holder)
+        os.kill(holder.pid, signal.SIGKILL)
+        await asyncio.wait_for(holder.exited.wait(), 30)
+        assert holder.exiting_at is not None and holder.exited_at is not None
+        print(
+            f"\nSIGKILL of 1.5 GiB: every thread exiting {(holder.exited_at - holder.exiting_at) * 1000:.0f} ms "
+            "before the pidfd"
+        )
+        assert holder.exiting_at < holder.exited_at
+
+    asyncio.run(run())
+    assert seen == [("holder", True), ("holder", False)]  # exiting (not reaped yet), then exited
+
+
+# Listens on a port, then forks a child that inherits the socket; both say so (one write each: the two
+# share the pipe) and wait.
+FORKING_LISTENER = """
+import os, socket, time
+sock = socket.create_server(("127.0.0.1", 0))
+said = f"child {os.getpid()}" if os.fork() == 0 else f"port {sock.getsockname()[1]}"
+os.write(1, f"{said}\\n".encode())
+time.sleep(600)
+"""
+
+
+def test_listening_pids_and_inheritors_of_an_owner_find_the_children_that_inherited_its_socket() -> None:
+    """The quick path (only the owner and its descendants are read) finds what a scan of every process finds."""
+    command = [sys.executable, "-c", FORKING_LISTENER]
+    owner = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        said = dict(owner.stdout.readline().split() for _ in range(2))
+        port, child = int(said["port"]), int(said["child"])
+        assert supervisor.listening_pids(port, owner.pid) == {owner.pid, child} == supervisor.listening_pids(port)
+        assert supervisor.listening_pids(port, os.getpid()) == {owner.pid, child}  # not ours: the full scan
+        assert supervisor.inheritors(port, owner.pid) == {child}
+    finally:
+        os.killpg(owner.pid, signal.SIGKILL)  # its own session and group: the owner and its child
+        owner.wait(timeout=10)
+        owner.stdout.close()
+
+
 def test_evict_orphans_skips_a_pid_that_went_away(monkeypatch: pytest.MonkeyPatch) -> None:
     gone = subprocess.Popen(["true"])
     gone.wait()
-    monkeypatch.setattr(supervisor, "listening_pids", lambda port: {gone.pid})
+    monkeypatch.setattr(supervisor, "listening_pids", lambda port, owner=None: {gone.pid})
     monkeypatch.setattr(
         supervisor, "read_identity", lambda pid: Identity(pid, 1, ("python", "engine", "--engine-id", "g0-e0"))
     )
@@ -474,7 +567,8 @@ def test_evict_orphans_skips_a_pid_that_went_away(monkeypatch: pytest.MonkeyPatc
 def _view(member_id: str, role: str, port: int) -> MemberView:
     return MemberView(
         id=member_id, group=0, port=port, device="cpu", url=f"http://127.0.0.1:{port}", role=role, state="ready",
-        status="healthy", pid=1, alive=True, exit_reason=None, exited_at=None, age_s=10.0, start_timeout_s=120.0,
+        status="healthy", pid=1, alive=True, exit_reason=None, exited_at=None, exiting_at=None, age_s=10.0,
+        start_timeout_s=120.0,
         health=HealthRecord(ok=True, ever_ok=True),
     )  # fmt: skip
 

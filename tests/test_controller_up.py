@@ -6,10 +6,13 @@ import json
 import os
 import signal
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 import httpx
 
+from hotweights.contract import Endpoint
 from hotweights.controller.supervisor import read_identity
 from hotweights.spawn import hotweights_command
 from tests.cachehelpers import ENV, ProcessDaemon
@@ -38,7 +41,7 @@ def test_up_serves_through_the_gateway_and_down_stops_everything(tiny_model: Pat
         assert response.status_code == 200, response.text
         assert response.headers["x-hotweights-upstream"] == f"http://127.0.0.1:{new_port}"
         pids = stack.recorded_pids()
-        assert len(pids) == 5  # three engines, the daemon, the gateway
+        assert len(pids) == 6  # three engines, the daemon, two gateway workers
         down = subprocess.run(
             hotweights_command("down", "--config", str(stack.config_path)),
             env=ENV,
@@ -50,6 +53,120 @@ def test_up_serves_through_the_gateway_and_down_stops_everything(tiny_model: Pat
         assert stack.controller.wait(timeout=30) == 0
         assert [pid for pid in pids if read_identity(pid)] == []  # gone (a zombie counts as gone)
         assert stack.recorded_pids() == []
+    finally:
+        stack.close()
+
+
+class SteadyClients:
+    """``THREADS`` clients sending completions through the gateway back to back, each on a fresh connection
+    (so every request is a new connect), recording what each request ended with."""
+
+    THREADS = 3
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.stop = threading.Event()
+        self.ok = 0
+        self.refused: list[str] = []  # no connection: what a crash must never cause
+        self.failed: list[str] = []  # connected, then no complete 200
+        self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(self.THREADS)]
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                response = httpx.post(self.url, json={"prompt": "hello", "max_tokens": 4}, timeout=60)
+            except httpx.ConnectError as exc:
+                self.refused.append(repr(exc))
+            except httpx.TransportError as exc:
+                self.failed.append(repr(exc))
+            else:
+                if response.status_code == 200:
+                    self.ok += 1
+                else:
+                    self.failed.append(f"{response.status_code}: {response.text[:200]}")
+
+    def wait_successes(self, more: int) -> None:
+        target = self.ok + more
+        wait_until(lambda: self.ok >= target, 120, f"{more} more successful requests", interval=0.05)
+
+    def __enter__(self) -> SteadyClients:
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(timeout=90)
+
+
+def _gateway_workers(stack: ControllerStack) -> dict[str, dict]:
+    return {s["id"]: s for s in stack.cluster()["services"] if s["kind"] == "gateway"}
+
+
+def _respawned(stack: ControllerStack, killed: dict[str, int]) -> bool:
+    """Every killed worker (id -> its pid) runs again under a new pid and serves."""
+    workers = _gateway_workers(stack)
+    return all(workers[i]["pid"] not in (None, pid) and workers[i]["serving"] for i, pid in killed.items())
+
+
+def test_a_gateway_crash_refuses_no_connection(tiny_model: Path) -> None:
+    """The controller holds the gateway's listening socket and hands it to each worker it starts. SIGKILL of
+    one worker under steady load: its peer accepts every new connection at once. SIGKILL of both: new
+    connections wait in the kernel's queue until the respawned workers, on the same port, take them. No
+    connection is ever refused; only requests in flight on a killed worker may fail."""
+    stack = ControllerStack(tiny_model, engines=2)
+    try:
+        stack.start_controller("up")
+        wait_until(lambda: "is up" in stack.logs(), 90, "the ready summary", interval=0.1)
+        url = f"http://127.0.0.1:{stack.config.gateway.port}/v1/completions"
+        with SteadyClients(url) as clients:
+            clients.wait_successes(5)
+            first = {"gateway": _gateway_workers(stack)["gateway"]["pid"]}
+            os.kill(first["gateway"], signal.SIGKILL)
+            clients.wait_successes(5)  # while it is being respawned: its peer serves
+            wait_until(lambda: _respawned(stack, first), 60, "the killed worker respawned")
+            both = {worker_id: s["pid"] for worker_id, s in _gateway_workers(stack).items()}
+            assert len(both) == 2
+            for pid in both.values():
+                os.kill(pid, signal.SIGKILL)
+            clients.wait_successes(5)
+            wait_until(lambda: _respawned(stack, both), 60, "both workers respawned")
+            clients.wait_successes(5)
+        assert clients.refused == []
+        assert len(clients.failed) <= 3 * SteadyClients.THREADS, clients.failed  # three kills, one request each
+    finally:
+        stack.close()
+
+
+def _worker_primaries(stack: ControllerStack) -> dict[str, list[str]]:
+    """Each gateway worker's primaries, asked on its own Unix socket (the shared port reaches either)."""
+    found = {}
+    for path in sorted((stack.config.state_dir / "run").glob("gateway*.sock")):
+        with httpx.Client(transport=httpx.HTTPTransport(uds=str(path)), base_url="http://gateway") as worker:
+            found[path.stem] = worker.get(Endpoint.GATEWAY_HEALTH).json()["primaries"]
+    return found
+
+
+def test_gateway_workers_learn_a_new_primary_by_push_not_by_their_poll(tiny_model: Path) -> None:
+    """Workers that poll only every minute learn the primary a switchover made within seconds: the
+    controller tells each of them to probe at once after a role change."""
+    stack = ControllerStack(tiny_model, engines=2, gateway_extra="probe_interval_ms = 60000\n")
+    try:
+        stack.start_controller("up")
+        wait_until(lambda: "is up" in stack.logs(), 90, "the ready summary", interval=0.1)
+        old = stack.primary()["url"]
+        wait_until(lambda: _worker_primaries(stack) == {"gateway": [old], "gateway-1": [old]}, 30, "both workers")
+        switched = stack.client.post("/switchover", json={})
+        assert switched.status_code == 200, switched.text
+        new = stack.primary()["url"]
+        assert new != old
+        started = time.monotonic()
+        wait_until(lambda: _worker_primaries(stack) == {"gateway": [new], "gateway-1": [new]}, 5, "the push")
+        print(
+            f"\nboth gateway workers routed to the new primary {(time.monotonic() - started) * 1000:.0f} ms after "
+            "the switchover answered"
+        )
     finally:
         stack.close()
 
