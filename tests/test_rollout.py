@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -121,5 +123,37 @@ def test_a_rollout_is_refused_up_front_when_the_group_cannot_keep_serving(tiny_m
         assert cli.returncode == 2 and "412: group 0 has no ready standby" in cli.stderr, cli.stderr
         assert stack.members()["g0-e0"]["pid"] == pid and stack.events("rollout") == []
         assert stack.cluster()["rollouts"] == []
+    finally:
+        stack.close()
+
+
+def test_a_failed_step_aborts_the_rollout_and_the_group_keeps_serving(tiny_model: Path) -> None:
+    stack = ControllerStack(tiny_model, engines=2)
+    try:
+        stack.start_controller()
+        before = stack.wait_steady()
+        primary = stack.primary()
+        standby = next(m for m in before.values() if m["role"] == "standby")
+        cli = subprocess.Popen(
+            hotweights_command("rollout", "--config", str(stack.config_path)),
+            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        restarted = wait_until(
+            lambda: (pid := stack.members()[standby["id"]]["pid"]) not in (None, standby["pid"]) and pid,
+            60,
+            "the standby's restart",
+            interval=0.01,
+        )
+        os.kill(restarted, signal.SIGKILL)  # before it is ready: its start takes seconds
+        out, err = cli.communicate(timeout=120)
+        assert cli.returncode == 1, out + err
+        assert f"aborted at step 1 of 3 (restart {standby['id']})" in err and "keeps serving" in err, err
+        assert stack.primary()["pid"] == primary["pid"]
+        assert stack.engine_primary_status(primary["url"]) == 200
+        aborted = stack.events("rollout")[-1]
+        assert aborted["step"] == "aborted" and aborted["member"] == standby["id"], aborted
+        assert "aborted at step 1 of 3" in out  # printed as it happened, too
+        after = stack.wait_steady()  # the loop restarts the standby that did not come back
+        assert after[primary["id"]]["pid"] == primary["pid"] and stack.cluster()["rollouts"] == []
     finally:
         stack.close()
