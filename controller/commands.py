@@ -249,6 +249,7 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     controller did not answer), 2 refused up front (nothing restarted)."""
     config = load_config(args.config)
     body = {} if args.group is None else {"group": args.group}
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per poll would drown the steps
     try:
         with controller_client(config) as client, ThreadPoolExecutor(1) as pool:
             latest = client.get(Endpoint.EVENTS, params={"limit": 1}).json()["events"]
