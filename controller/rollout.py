@@ -120,6 +120,7 @@ class Rollout:
                 index=self.progress.step, of=len(self.progress.plan), total_ms=_ms(time.monotonic() - started),
             )  # fmt: skip
             raise StepFailed(message) from None
+        log.info("group %d: rollout %s: %s", self.progress.group, where, sentence)
         report = {"step": self.progress.plan[self.progress.step - 1], "member": member, "message": sentence} | timings
         self.steps.append(report)
         self.events.record(
