@@ -13,6 +13,8 @@ declares in ``responses`` every status code it answers, so the OpenAPI document 
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable
+from typing import Any
 
 from fastapi import Depends, FastAPI, Query
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -62,6 +64,11 @@ class DrainRequest(BaseModel):
     timeout_s: float | None = Field(default=None, ge=0, le=86400, description="default: engine.drain_timeout_s")
 
 
+class RolloutRequest(BaseModel):
+    model_config = STRICT
+    group: int | None = Field(default=None, ge=0, description="default: 0")
+
+
 class AddEngineRequest(BaseModel):
     model_config = STRICT
     group: int = Field(default=0, ge=0)
@@ -75,12 +82,15 @@ def build_app(ha: Ha, cluster: Cluster, events: EventLog, metrics: ControllerMet
     started = time.monotonic()
     drain_timeout_s = cluster.config.engine.drain_timeout_s
 
-    async def act(action: str, timeout: float, success: int = 200, **params: object) -> JSONResponse:
+    async def answer(outcome: Awaitable[dict[str, Any]], success: int = 200) -> JSONResponse:
         try:
-            result = await ha.request(action, timeout, **params)
+            result = await outcome
         except Refused as exc:
             return JSONResponse({"detail": str(exc)}, status_code=STATUS[type(exc)])
         return JSONResponse(result, status_code=success)
+
+    async def act(action: str, timeout: float, success: int = 200, **params: object) -> JSONResponse:
+        return await answer(ha.request(action, timeout, **params), success)
 
     mutation = [Depends(bearer_check(token))]
 
@@ -96,14 +106,15 @@ def build_app(ha: Ha, cluster: Cluster, events: EventLog, metrics: ControllerMet
 
     @app.get("/cluster")
     async def get_cluster() -> JSONResponse:
-        """200: every engine (id, role, state, status, pid, port, device, last check, consecutive failures)
-        and every daemon or gateway process."""
+        """200: every engine (id, role, state, status, pid, port, device, last check, consecutive failures),
+        every daemon or gateway process, and the rollouts queued or running (group, step i of n, started)."""
         snap = cluster.snapshot()
         return JSONResponse(
             {
                 "name": cluster.config.cluster.name,
                 "members": [m.to_json() for m in snap.members],
                 "services": [s.to_json() for s in snap.services],
+                "rollouts": [progress.to_json() for progress in ha.rollouts.values()],
             }
         )
 
@@ -137,6 +148,18 @@ def build_app(ha: Ha, cluster: Cluster, events: EventLog, metrics: ControllerMet
         # Its steps may take a drain, a promotion and a demotion (which drains again): wait for all of them.
         wait_s = 2 * drain_timeout_s + 2 * INTENT_TIMEOUT_S
         return await act("switchover", wait_s, group=request.group, candidate=request.candidate)
+
+    @app.post(Endpoint.ROLLOUT, dependencies=mutation, responses=declare(400, 401, 404, 409, 412, 503))
+    async def rollout(request: RolloutRequest | None = None) -> JSONResponse:
+        """Rolling restart of ``group``: each standby in turn (stopped gracefully, started with cluster.toml's
+        current engine settings, ready again), then a switchover to a restarted standby, then the old primary.
+
+        200 done (``steps``, each with its durations; ``changed``: the engine settings taken on); 401 token;
+        404 unknown group; 409 a rollout of the group is already running; 412 nothing restarted: no serving
+        primary, no ready standby, or cluster.toml is invalid or changes more than engine settings; 503 a step
+        failed and the rollout stopped there (the group keeps serving; ``detail`` names the step); 422 bad body."""
+        switchover_wait_s = 2 * drain_timeout_s + 2 * INTENT_TIMEOUT_S
+        return await answer(ha.rollout((request or RolloutRequest()).group, switchover_wait_s))
 
     @app.post("/failover", dependencies=mutation, responses=declare(400, 401, 404, 412, 503))
     async def failover(request: FailoverRequest) -> JSONResponse:
@@ -187,12 +210,12 @@ def build_app(ha: Ha, cluster: Cluster, events: EventLog, metrics: ControllerMet
         token; 404 unknown group; 503 the old daemon did not stop; 422 ``group`` is not an integer."""
         return await act("restart_cache", INTENT_TIMEOUT_S, success=202, group=group)
 
-    @app.get("/events")
+    @app.get(Endpoint.EVENTS)
     async def get_events(
         limit: int = Query(default=100, ge=1, le=1000), kind: str | None = Query(default=None)
     ) -> JSONResponse:
         """200: the most recent events (oldest first), optionally only one ``kind`` (detect, fence,
-        promote, failover, switchover, exit, respawn, ...), each with its durations in ``*_ms``."""
+        promote, failover, switchover, rollout, exit, respawn, ...), each with its durations in ``*_ms``."""
         return JSONResponse({"events": events.recent(limit, kind)})
 
     @app.get(Endpoint.METRICS, response_class=PlainTextResponse)

@@ -22,7 +22,7 @@ import httpx
 
 from hotweights.cache.client import AttachRefused, DaemonUnavailable, hello, request
 from hotweights.contract import Endpoint, Role, State
-from hotweights.controller.config import REFERENCE, START_TIMEOUTS_S, EngineSpec
+from hotweights.controller.config import REFERENCE, START_TIMEOUTS_S, ClusterConfig, EngineSpec
 from hotweights.controller.gateway import BACKLOG as GATEWAY_BACKLOG
 from hotweights.controller.health import HealthChecker, HealthRecord
 from hotweights.controller.stack import Layout
@@ -274,6 +274,14 @@ class Cluster:
             removed=tuple(sorted(self.removed)),
         )
         write_state(self.layout.state_file, state)
+
+    def reconfigure(self, config: ClusterConfig) -> None:
+        """Take ``config``'s engine settings (a rollout's: nothing else differs, see ``rollout_changes``):
+        every engine started from now on runs with them, and is given its group's new start timeout."""
+        self.layout = replace(self.layout, config=config)
+        self.config = config
+        for member in self.members.values():
+            member.start_timeout_s = config.groups[member.spec.group].start_timeout()
 
     # --- the snapshot --------------------------------------------------------------------------
 

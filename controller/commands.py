@@ -1,4 +1,5 @@
-"""``hotweights controller``, ``up`` and ``down``: run the controller, run the whole stack, stop it.
+"""``hotweights controller``, ``up``, ``down`` and ``rollout``: run the controller, run the whole stack, stop it,
+restart a group's engines one at a time through the running controller.
 
 What stops when (SIGTERM or Ctrl-C):
 
@@ -22,6 +23,8 @@ import signal
 import socket
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -29,7 +32,7 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-from hotweights.contract import Role
+from hotweights.contract import Endpoint, Role
 from hotweights.controller.api import build_app
 from hotweights.controller.cluster import Cluster, Snapshot
 from hotweights.controller.config import ClusterConfig, load_config
@@ -46,6 +49,7 @@ from hotweights.state import StateCorrupt, read_state, write_state
 log = logging.getLogger(__name__)
 
 CONTROLLER_STOP_TIMEOUT_S = 60.0  # `down` waits this long for a controller (an `up` tears its stack down first)
+FOLLOW_S = 0.5  # how often `rollout` asks for new events while the controller works
 
 
 class ApiServer(uvicorn.Server):
@@ -222,6 +226,53 @@ def cmd_down(args: argparse.Namespace) -> int:
     return 0
 
 
+def controller_client(config: ClusterConfig) -> httpx.Client:
+    """A client of the cluster's controller, with its bearer token when ``cluster.token_file`` is set; no
+    timeout (the controller bounds each action itself)."""
+    host = "127.0.0.1" if config.cluster.host in ("0.0.0.0", "::") else config.cluster.host
+    token = config.token()
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return httpx.Client(base_url=f"http://{host}:{config.cluster.port}", headers=headers, timeout=None, trust_env=False)
+
+
+def print_new_events(client: httpx.Client, after: int) -> int:
+    """Print the ``rollout`` events newer than sequence number ``after``; returns the newest one's."""
+    for event in client.get(Endpoint.EVENTS, params={"kind": "rollout"}).json()["events"]:
+        if event["seq"] > after:
+            print(f"{event['time']}  {event['message']}", flush=True)
+            after = event["seq"]
+    return after
+
+
+def cmd_rollout(args: argparse.Namespace) -> int:
+    """POST /rollout and print each step as the controller records it: 0 done, 1 the rollout failed (or the
+    controller did not answer), 2 refused up front (nothing restarted)."""
+    config = load_config(args.config)
+    body = {} if args.group is None else {"group": args.group}
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per poll would drown the steps
+    try:
+        with controller_client(config) as client, ThreadPoolExecutor(1) as pool:
+            latest = client.get(Endpoint.EVENTS, params={"limit": 1}).json()["events"]
+            seen = latest[-1]["seq"] if latest else 0
+            reply = pool.submit(client.post, Endpoint.ROLLOUT, json=body)
+            while True:
+                try:
+                    response = reply.result(timeout=FOLLOW_S)
+                    break
+                except FutureTimeout:
+                    seen = print_new_events(client, seen)
+            print_new_events(client, seen)
+    except httpx.HTTPError as exc:
+        print(f"hotweights rollout: the controller at {config.cluster.host}:{config.cluster.port} did not answer "
+              f"({exc}); is it running (`hotweights controller --config ...`)?", file=sys.stderr)  # fmt: skip
+        return 1
+    if response.status_code == 200:
+        print(response.json()["message"])
+        return 0
+    print(f"hotweights rollout: {response.status_code}: {response.json().get('detail')}", file=sys.stderr)
+    return 1 if response.status_code == 503 else 2
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "controller",
@@ -251,3 +302,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--config", help="cluster.toml (default: built-in defaults)")
     p.add_argument("--timeout", type=float, default=STOP_TIMEOUT_S, help="seconds before SIGKILL (default %(default)g)")
     p.set_defaults(func=cmd_down)
+
+    p = subparsers.add_parser(
+        "rollout",
+        help="restart a group's engines one at a time through the running controller (new engine settings too)",
+        description="Standbys first, then a switchover to a restarted standby, then the old primary; each step "
+        "waits until the engine is ready. Engine settings changed in cluster.toml are taken on. Exit 0 done, "
+        "1 a step failed (the group keeps serving), 2 refused (nothing restarted).",
+    )
+    p.add_argument("--config", help="cluster.toml (default: built-in defaults)")
+    p.add_argument("--group", type=int, help="the failover group (default 0)")
+    p.set_defaults(func=cmd_rollout)

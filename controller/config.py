@@ -221,6 +221,32 @@ SECTIONS = {
 }
 
 
+# What a rollout applies besides [engine]: the keys of a group that only its engines' command lines read.
+ROLLOUT_GROUP_KEYS = ("engine_args", "engine_env", "start_timeout_s")
+
+
+def rollout_changes(old: ClusterConfig, new: ClusterConfig) -> list[str]:
+    """The engine settings that differ from ``old`` in ``new`` (``engine.max_batch``, ``groups[0].engine_args``):
+    what a rolling restart applies. ConfigError naming every other key that differs: the daemons, the
+    gateway and the controller read those, so they take a controller restart, not a rollout."""
+    changed, other = [], []
+    pairs = [(name, getattr(old, name), getattr(new, name)) for name in SECTIONS]
+    if len(old.groups) != len(new.groups):
+        other.append(f"the number of [[groups]] ({len(old.groups)} -> {len(new.groups)})")
+    pairs += [(f"groups[{i}]", a, b) for i, (a, b) in enumerate(zip(old.groups, new.groups, strict=False))]
+    for name, before, after in pairs:
+        for f in fields(before):
+            if getattr(before, f.name) != getattr(after, f.name):
+                applied = name == "engine" or (name.startswith("groups[") and f.name in ROLLOUT_GROUP_KEYS)
+                (changed if applied else other).append(f"{name}.{f.name}")
+    if other:
+        raise ConfigError(
+            f"{new.source}: {', '.join(other)} changed; a rollout applies only [engine] and groups[].{{"
+            f"{','.join(ROLLOUT_GROUP_KEYS)}}}: restart the controller for the rest, or undo them"
+        )
+    return changed
+
+
 def load_config(path: str | Path | None) -> ClusterConfig:
     """Read and validate ``path``; None gives the defaults (the embedded tiny model on CPU)."""
     if path is None:

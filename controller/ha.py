@@ -5,7 +5,7 @@ For each failover group, a cycle takes the first of these that applies:
 1. a primary that failed (exited, or failed ``failure_threshold`` health checks in a row): fail
    over; two live primaries in a group: fence all but one;
 2. one queued REST intent for the group (switchover, failover, drain, promote, add, delete, cache
-   restart);
+   restart, rollout);
 3. engine slots that are absent, exited, hung or never got ready: fence and (re)start them, once
    their group's daemon serves;
 4. no primary: promote the best ready standby.
@@ -41,12 +41,15 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
 
 from hotweights.contract import Endpoint, Role
 from hotweights.controller.cluster import Cluster, MemberView, ServiceFailed, Snapshot
+from hotweights.controller.config import load_config, rollout_changes
 from hotweights.controller.engineapi import EngineApi, EngineUnreachable
 from hotweights.controller.events import EventLog
 from hotweights.controller.executor import BACKOFF, GroupExecutor, Outcome, backoff_s
 from hotweights.controller.health import checks_failed, not_ready_within, process_exited
 from hotweights.controller.metrics import ControllerMetrics
+from hotweights.controller.rollout import Rollout, RolloutProgress, StepFailed, rollout_wait_s
 from hotweights.controller.supervisor import FENCE_TIMEOUT_S
+from hotweights.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +137,9 @@ class Ha:
             "add": self.do_add,
             "delete": self.do_delete,
             "restart_cache": self.do_restart_cache,
+            "rollout": self.do_rollout,
         }
+        self.rollouts: dict[int, RolloutProgress] = {}  # per group: the rollout queued or running
         self.restarts: dict[str, SlotRestarts] = {}  # the start backoff of each engine slot
         self.heartbeat = time.monotonic()
         self.announced = False
@@ -575,6 +580,66 @@ class Ha:
         sentence = f"restarting cache daemon {service_id}: old one {how}; engines keep serving"
         self.events.record("cache_restart", sentence, service=service_id, group=group)
         return sentence, {"service": service_id}
+
+    async def rollout(self, group: int | None, switchover_wait_s: float) -> dict[str, Any]:
+        """POST /rollout: Conflict while a rollout of the group is queued or runs, else queued as an intent and
+        awaited for as long as restarting every engine of the group may take (NotFound: unknown group)."""
+        snap = self.cluster.snapshot()
+        group = 0 if group is None else group
+        self._check_group(snap, group)
+        if running := self.rollouts.get(group):
+            raise Conflict(f"a rollout of group {group} is already running ({running.describe()}); see GET /cluster")
+        progress = self.rollouts[group] = RolloutProgress(group)
+        try:
+            return await self.request("rollout", rollout_wait_s(snap.group(group), switchover_wait_s), group=group)
+        finally:
+            if not progress.started:  # withdrawn before it began; once begun, do_rollout ends it
+                self.rollouts.pop(group, None)
+
+    async def do_rollout(self, snap: Snapshot, group: int) -> tuple[str, dict[str, Any]]:
+        """Restart every engine of ``group`` one at a time with cluster.toml's current engine settings (see
+        ``controller.rollout``). NotPossible before anything restarts: no serving primary, no ready standby,
+        or a cluster.toml that is invalid or changes more than engine settings; Unavailable: a step failed."""
+        progress = self.rollouts.setdefault(group, RolloutProgress(group))
+        progress.started = True
+        try:
+            primary, changed = self._rollout_preconditions(snap, group)
+            standbys = [m for m in snap.group(group) if m.id != primary.id]
+            rollout = Rollout(self.cluster, self.events, progress, self.is_failed, partial(self._rollout_switch, group))
+            try:
+                sentence, steps = await rollout.run(primary, standbys)
+            except StepFailed as exc:
+                raise Unavailable(f"{exc}; the group keeps serving") from None
+        finally:
+            if self.rollouts.get(group) is progress:
+                del self.rollouts[group]
+        applied = f"; applied {', '.join(changed)}" if changed else ""
+        return sentence + applied, {"group": group, "steps": steps, "changed": changed}
+
+    def _rollout_preconditions(self, snap: Snapshot, group: int) -> tuple[MemberView, list[str]]:
+        """The serving primary and the engine settings that changed; cluster.toml's settings are taken on.
+        NotPossible (nothing restarted) when a precondition does not hold."""
+        try:
+            config = load_config(self.cluster.layout.config_path)
+            changed = rollout_changes(self.cluster.config, config)
+        except ConfigError as exc:
+            raise NotPossible(f"{exc}; nothing restarted") from None
+        primary = next((p for p in snap.primaries(group) if p.is_serving_primary), None)
+        if primary is None:
+            raise NotPossible(f"group {group} has no serving primary; nothing restarted")
+        if self.best_standby(snap, group) is None:
+            raise NotPossible(f"group {group} has no ready standby to switch over to; nothing restarted")
+        self.cluster.reconfigure(config)
+        self.drain_timeout_s = config.engine.drain_timeout_s
+        return primary, changed
+
+    async def _rollout_switch(self, group: int) -> str:
+        """A rollout's switchover (the planned one): the new primary's id, or StepFailed with the refusal."""
+        try:
+            _, result = await self.do_switchover(self.cluster.snapshot(), group)
+        except Refused as exc:
+            raise StepFailed(str(exc)) from None
+        return result["new_primary"]
 
     async def _post(self, member: MemberView, path: str, body: dict | None = None) -> tuple[int, dict[str, Any]]:
         try:

@@ -28,6 +28,7 @@ COMMANDS: dict[str, str] = {
     "controller": "hotweights.controller.commands",
     "up": "hotweights.controller.commands",
     "down": "hotweights.controller.commands",
+    "rollout": "hotweights.controller.commands",
     "drill": "hotweights.chaos.drill",
     "drill-proxy": "hotweights.chaos.proxy",
 }

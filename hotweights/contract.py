@@ -50,6 +50,8 @@ class Endpoint(StrEnum):
     COMPLETIONS = "/v1/completions"
     GATEWAY_HEALTH = "/gateway/health"  # the gateway's own view: upstreams, primaries, held requests
     GATEWAY_WAKE = "/gateway/wake"  # POST: probe every upstream now (the controller's push after a role change)
+    ROLLOUT = "/rollout"  # the controller's: POST restarts every engine of a group one at a time
+    EVENTS = "/events"  # the controller's timeline
 
 
 SERVING_PREFIX = "/v1/"  # what a load balancer or the gateway forwards to the primary, and nothing else

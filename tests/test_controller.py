@@ -300,6 +300,7 @@ def test_mutations_need_the_token(stack: ControllerStack) -> None:
         ("POST", "/engines"),
         ("DELETE", "/engines/g0-e0"),
         ("POST", "/cache/0/restart"),
+        ("POST", Endpoint.ROLLOUT),
     ]:
         response = stack.anonymous.request(method, path, json={})
         assert response.status_code == 401, (path, response.text)

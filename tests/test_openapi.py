@@ -99,6 +99,7 @@ def test_controller_document_declares_what_the_controller_answers(controller: Co
     assert declared(doc, "/switchover", "post") == {"200", "400", "401", "404", "409", "412", "422", "503"}
     assert declared(doc, "/engines", "post") == {"201", "400", "401", "404", "422", "503"}
     assert declared(doc, "/cache/{group}/restart", "post") == {"202", "401", "404", "422", "503"}
+    assert declared(doc, Endpoint.ROLLOUT, "post") == {"200", "400", "401", "404", "409", "412", "422", "503"}
 
 
 def test_fuzzing_the_engine_finds_no_server_error_or_undeclared_status(engine: EngineProcess, tmp_path: Path) -> None:
@@ -110,7 +111,9 @@ def test_fuzzing_the_engine_finds_no_server_error_or_undeclared_status(engine: E
 def test_fuzzing_the_controller_finds_no_server_error_or_undeclared_status(
     controller: ControllerStack, tmp_path: Path
 ) -> None:
-    # Authorized, but not POST /engines: every example would start one more engine process.
-    fuzz(controller.url, tmp_path, CONTROLLER_TOKEN, "--exclude-path", "/engines")
+    # Authorized, but not POST /engines nor POST /rollout: every example would start one more engine process,
+    # or restart them all.
+    excluded = ("--exclude-path", "/engines", "--exclude-path", Endpoint.ROLLOUT)
+    fuzz(controller.url, tmp_path, CONTROLLER_TOKEN, *excluded)
     fuzz(controller.url, tmp_path, None)  # every mutation answers 401 without the token
     controller.wait_steady()

@@ -1,0 +1,168 @@
+"""``hotweights rollout`` / ``POST /rollout``: every engine of a group restarted one at a time on a real
+stack, under load through the gateway, with new engine settings from cluster.toml; refusals up front."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import threading
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import httpx
+import pytest
+
+from hotweights.chaos.load import LoadGenerator, completion_body
+from hotweights.contract import Endpoint
+from hotweights.controller.config import EngineSection, GroupSection, load_config, rollout_changes
+from hotweights.errors import ConfigError
+from hotweights.spawn import hotweights_command
+from tests.cachehelpers import ENV
+from tests.controllerhelpers import ControllerStack, split_brain_watch, wait_until
+
+RPS = 10.0
+
+
+@contextlib.contextmanager
+def gateway_load(url: str, rps: float) -> Iterator[LoadGenerator]:
+    """chaos.load's open-loop load (``rps`` completions a second) through ``url``, on a thread of its own;
+    every answer is checked against the completion the cluster gave before."""
+    reference = wait_until(lambda: _completion(url), 60, "a first completion through the gateway")
+    load = LoadGenerator(url, rps, reference)
+    stop = threading.Event()
+
+    async def drive() -> None:
+        async with load.running():
+            await asyncio.to_thread(stop.wait)
+
+    thread = threading.Thread(target=asyncio.run, args=(drive(),), daemon=True)
+    thread.start()
+    try:
+        yield load
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+
+
+def _completion(url: str) -> str | None:
+    response = httpx.post(url + Endpoint.COMPLETIONS, json=completion_body(), timeout=30)
+    return response.json()["choices"][0]["text"] if response.status_code == 200 else None
+
+
+def _flag(pid: int, flag: str) -> str:
+    """The value of ``flag`` on process ``pid``'s command line."""
+    words = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    return words[words.index(flag) + 1]
+
+
+def test_rollout_changes_name_the_engine_settings_and_refuse_the_rest() -> None:
+    old = load_config(None)
+    new = replace(old, engine=EngineSection(max_batch=8), groups=(GroupSection(start_timeout_s=30.0),))
+    assert rollout_changes(old, new) == ["engine.max_batch", "groups[0].start_timeout_s"]
+    assert rollout_changes(old, old) == []
+    with pytest.raises(ConfigError, match=r"groups\[0\].base_port changed; a rollout applies only \[engine\]"):
+        rollout_changes(old, replace(old, groups=(GroupSection(base_port=9300),)))
+
+
+def test_a_rollout_under_load_restarts_every_engine_with_no_client_error(tiny_model: Path) -> None:
+    # Each restarted engine's start (torch import, attach, warm-up) takes a core for seconds; on two shared
+    # cores that can starve the primary past 2 checks of 500 ms, and a primary that fails its checks aborts
+    # the rollout (the loop must be free to fail over). Four in a row: 2 s unanswered.
+    stack = ControllerStack(tiny_model, failure_threshold=4)
+    try:
+        stack.start_controller("up")
+        before = stack.wait_steady()
+        gateway = f"http://127.0.0.1:{stack.config.gateway.port}"
+        stack.config_path.write_text(stack.config_path.read_text().replace("max_batch = 2", "max_batch = 3"))
+        urls = [m["url"] for m in before.values()]
+        with gateway_load(gateway, RPS) as load, split_brain_watch(urls) as detector:
+            cli = subprocess.Popen(
+                hotweights_command("rollout", "--config", str(stack.config_path)),
+                env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            )  # fmt: skip
+            running = wait_until(
+                lambda: cli.poll() is not None or [r for r in stack.cluster()["rollouts"] if r["step"]],
+                60,
+                "a running rollout",
+            )
+            assert running is not True, cli.communicate()
+            assert running[0]["group"] == 0 and running[0]["steps"] == 4 and running[0]["started"]
+            second = stack.client.post(Endpoint.ROLLOUT, json={})
+            out, err = cli.communicate(timeout=240)
+        assert second.status_code == 409 and "already running" in second.json()["detail"], second.text
+        assert cli.returncode == 0, out + err
+        assert "step 1 of 4 (restart" in out and "step 3 of 4 (switchover" in out and "rolled out group 0" in out
+        after = stack.wait_steady()
+        assert all(after[i]["pid"] != before[i]["pid"] for i in before), (before, after)
+        assert all(_flag(m["pid"], "--max-batch") == "3" for m in after.values())
+        failures = [r.error or r.status for r in load.records if not r.ok]
+        steps = [e for e in stack.events("rollout") if e["step"] in ("restart", "switchover")]
+        took = ", ".join(f"{e['step']} {e['member']} {e['total_ms']:.0f} ms" for e in steps)
+        print(f"\nrollout under {RPS:g} req/s: {len(load.records)} requests, {len(failures)} client errors ({took})")
+        assert failures == [] and len(load.records) > 50
+        assert detector.sweeps > 100 and detector.samples == [], f"split brain: {detector.samples}"
+        assert [e["index"] for e in steps] == [1, 2, 3, 4] and all(e["total_ms"] > 0 for e in steps)
+        assert stack.events("rollout")[-1]["step"] == "done"
+    finally:
+        stack.close()
+
+
+def test_a_rollout_is_refused_up_front_when_the_group_cannot_keep_serving(tiny_model: Path) -> None:
+    stack = ControllerStack(tiny_model, engines=1)
+    try:
+        stack.start_controller()
+        pid = stack.wait_steady()["g0-e0"]["pid"]
+        good = stack.config_path.read_text()
+        stack.config_path.write_text(good.replace("max_batch = 2", "max_batch = -1"))
+        response = stack.client.post(Endpoint.ROLLOUT, json={})
+        assert response.status_code == 412 and "engine.max_batch must be > 0" in response.json()["detail"]
+        stack.config_path.write_text(good)
+        response = stack.client.post(Endpoint.ROLLOUT, json={"group": 0})
+        assert response.status_code == 412 and "no ready standby" in response.json()["detail"], response.text
+        assert stack.client.post(Endpoint.ROLLOUT, json={"group": 3}).status_code == 404
+        assert stack.anonymous.post(Endpoint.ROLLOUT, json={}).status_code == 401
+        cli = subprocess.run(
+            hotweights_command("rollout", "--config", str(stack.config_path)),
+            env=ENV, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert cli.returncode == 2 and "412: group 0 has no ready standby" in cli.stderr, cli.stderr
+        assert stack.members()["g0-e0"]["pid"] == pid and stack.events("rollout") == []
+        assert stack.cluster()["rollouts"] == []
+    finally:
+        stack.close()
+
+
+def test_a_failed_step_aborts_the_rollout_and_the_group_keeps_serving(tiny_model: Path) -> None:
+    stack = ControllerStack(tiny_model, engines=2)
+    try:
+        stack.start_controller()
+        before = stack.wait_steady()
+        primary = stack.primary()
+        standby = next(m for m in before.values() if m["role"] == "standby")
+        cli = subprocess.Popen(
+            hotweights_command("rollout", "--config", str(stack.config_path)),
+            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        restarted = wait_until(
+            lambda: (pid := stack.members()[standby["id"]]["pid"]) not in (None, standby["pid"]) and pid,
+            60,
+            "the standby's restart",
+            interval=0.01,
+        )
+        os.kill(restarted, signal.SIGKILL)  # before it is ready: its start takes seconds
+        out, err = cli.communicate(timeout=120)
+        assert cli.returncode == 1, out + err
+        assert f"aborted at step 1 of 3 (restart {standby['id']})" in err and "keeps serving" in err, err
+        assert stack.primary()["pid"] == primary["pid"]
+        assert stack.engine_primary_status(primary["url"]) == 200
+        aborted = stack.events("rollout")[-1]
+        assert aborted["step"] == "aborted" and aborted["member"] == standby["id"], aborted
+        assert "aborted at step 1 of 3" in out  # printed as it happened, too
+        after = stack.wait_steady()  # the loop restarts the standby that did not come back
+        assert after[primary["id"]]["pid"] == primary["pid"] and stack.cluster()["rollouts"] == []
+    finally:
+        stack.close()
