@@ -12,7 +12,7 @@ import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
@@ -25,6 +25,8 @@ from hotweights.ports import free_port, free_ports
 from hotweights.spawn import hotweights_command
 from hotweights.state import read_state
 from tests.cachehelpers import ENV, wait_until
+
+T = TypeVar("T")
 
 TOKEN = "controller-test-token"
 
@@ -181,19 +183,24 @@ class ControllerStack:
 
 
 @contextlib.contextmanager
-def split_brain_watch(urls: list[str]) -> Iterator[SplitBrainDetector]:
-    """chaos.splitbrain's detector (every engine's /primary every 10 ms) on a thread of its own."""
-    detector = SplitBrainDetector(urls)
+def running_on_a_thread(worker: T, join_timeout_s: float) -> Iterator[T]:
+    """``async with worker.running()`` (a chaos load or detector) on an event loop of its own thread, for
+    the ``with`` block's duration."""
     stop = threading.Event()
 
-    async def sweep() -> None:
-        async with detector.running():
+    async def run() -> None:
+        async with worker.running():  # type: ignore[attr-defined]
             await asyncio.to_thread(stop.wait)
 
-    thread = threading.Thread(target=asyncio.run, args=(sweep(),), daemon=True)
+    thread = threading.Thread(target=asyncio.run, args=(run(),), daemon=True)
     thread.start()
     try:
-        yield detector
+        yield worker
     finally:
         stop.set()
-        thread.join(timeout=10)
+        thread.join(timeout=join_timeout_s)
+
+
+def split_brain_watch(urls: list[str]) -> contextlib.AbstractContextManager[SplitBrainDetector]:
+    """chaos.splitbrain's detector (every engine's /primary every 10 ms) on a thread of its own."""
+    return running_on_a_thread(SplitBrainDetector(urls), 10)

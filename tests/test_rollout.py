@@ -3,13 +3,10 @@ stack, under load through the gateway, with new engine settings from cluster.tom
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import signal
 import subprocess
-import threading
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -22,30 +19,16 @@ from hotweights.controller.config import EngineSection, GroupSection, load_confi
 from hotweights.errors import ConfigError
 from hotweights.spawn import hotweights_command
 from tests.cachehelpers import ENV
-from tests.controllerhelpers import ControllerStack, split_brain_watch, wait_until
+from tests.controllerhelpers import ControllerStack, running_on_a_thread, split_brain_watch, wait_until
 
 RPS = 10.0
 
 
-@contextlib.contextmanager
-def gateway_load(url: str, rps: float) -> Iterator[LoadGenerator]:
+def gateway_load(url: str, rps: float) -> contextlib.AbstractContextManager[LoadGenerator]:
     """chaos.load's open-loop load (``rps`` completions a second) through ``url``, on a thread of its own;
     every answer is checked against the completion the cluster gave before."""
     reference = wait_until(lambda: _completion(url), 60, "a first completion through the gateway")
-    load = LoadGenerator(url, rps, reference)
-    stop = threading.Event()
-
-    async def drive() -> None:
-        async with load.running():
-            await asyncio.to_thread(stop.wait)
-
-    thread = threading.Thread(target=asyncio.run, args=(drive(),), daemon=True)
-    thread.start()
-    try:
-        yield load
-    finally:
-        stop.set()
-        thread.join(timeout=60)
+    return running_on_a_thread(LoadGenerator(url, rps, reference), 60)
 
 
 def _completion(url: str) -> str | None:
