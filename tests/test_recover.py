@@ -201,9 +201,8 @@ def snapshot(model: Path, own_world: Path) -> Path:
 def test_snapshot_round_trip_serves_the_same_arena_without_the_checkpoint(
     model: Path, sock: Path, snapshot: Path
 ) -> None:
-    with ThreadDaemon(model, sock) as daemon:
+    with ThreadDaemon(model, sock) as daemon, Engine(model, sock) as engine:
         expected = daemon.manifest["content_hash"]
-    with Engine(model, sock.with_name("disk.sock"), mode="daemon") as engine:
         before = engine.ask("generate")["tokens"]
     corrupt_weights(model)
     with ThreadDaemon(model, sock, fill_from=("snapshot",), snapshot=snapshot) as daemon:
