@@ -490,8 +490,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
             timeout_graceful_shutdown=args.shutdown_timeout,
         )
     )
-    stopped_by = run_until_signal(server, *sockets)
-    log.info("stopped%s", f" on {stopped_by}" if stopped_by else "")
+    run_until_signal(server, *sockets)
     return 0
 
 

@@ -377,13 +377,12 @@ def cmd_agent(args: argparse.Namespace) -> int:
     )
     server = AgentServer(config, ctx, client, args.ready_timeout)
     try:
-        stopped_by = run_until_signal(server, sock)
+        run_until_signal(server, sock)
     finally:
         stop_engine(child, args.shutdown_timeout)
     if server.failure:
         print(f"hotweights agent: error: {server.failure}", file=sys.stderr)
         return 1
-    log.info("stopped%s", f" on {stopped_by}" if stopped_by else "")
     return 0
 
 

@@ -173,10 +173,9 @@ def cmd_engine(args: argparse.Namespace) -> int:
 
     scheduler.start()
     try:
-        stopped_by = run_until_signal(server, sock)
+        run_until_signal(server, sock)
     finally:
         scheduler.stop(args.shutdown_timeout + 5)
-    log.info("stopped%s", f" on {stopped_by}" if stopped_by else "")
     return 0
 
 

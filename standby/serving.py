@@ -77,7 +77,7 @@ def is_listening(sock: socket.socket) -> bool:
 def run_until_signal(server: uvicorn.Server, *sockets: socket.socket) -> str | None:
     """Listen on each TCP socket of ``sockets`` (from ``bind_port``; one a supervisor handed over already
     listens) and run ``server`` on them all; return the name of the signal it stopped for (None if it
-    stopped by itself). Raises PortUnavailable if another process bound the same port
+    stopped by itself), after logging it. Raises PortUnavailable if another process bound the same port
     meanwhile and listened first.
 
     uvicorn restores the handlers it found and re-raises the signal it caught once it has shut down
@@ -97,4 +97,6 @@ def run_until_signal(server: uvicorn.Server, *sockets: socket.socket) -> str | N
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, record)
     server.run(sockets=list(sockets))
-    return signal.Signals(caught[0]).name if caught else None
+    stopped_by = signal.Signals(caught[0]).name if caught else None
+    log.info("stopped%s", f" on {stopped_by}" if stopped_by else "")
+    return stopped_by
