@@ -22,14 +22,19 @@ import os
 import socket
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import uvicorn
 
-from hotweights.cache.pipeline import add_load_spec_arguments, load_spec_from_args, model_dir_from_args
+from hotweights.cache.checkpoint import read_checkpoint
+from hotweights.cache.pipeline import add_load_spec_arguments, check_spec, load_spec_from_args, model_dir_from_args
 from hotweights.contract import Role, read_token, refuse_open_listener
-from hotweights.errors import ConfigError
+from hotweights.errors import ConfigError, HotweightsError
+from hotweights.ports import free_port
+from hotweights.standby import tpgroup
 from hotweights.standby.decoder import Decoder
 from hotweights.standby.generate import load_tokenizer, stop_token_ids
 from hotweights.standby.metrics import EngineMetrics
@@ -38,7 +43,7 @@ from hotweights.standby.roles import CANCEL_GRACE_S, KvCapacity, Roles
 from hotweights.standby.scheduler import Scheduler
 from hotweights.standby.server import EngineContext, build_app
 from hotweights.standby.serving import AnnouncingServer, bind_port, run_until_signal
-from hotweights.standby.weights import add_weight_cache_arguments, load_model
+from hotweights.standby.weights import LoadedModel, add_weight_cache_arguments, load_model
 
 log = logging.getLogger(__name__)
 
@@ -51,13 +56,16 @@ def new_decoder(model: Transformer, max_batch: int, kv_tokens: int, graphs: bool
     return Decoder(model, kv, graphs)
 
 
-def warm_up(model: Transformer, max_batch: int, kv_tokens: int, graphs: bool, keep: bool) -> Decoder | None:
-    """Warm up every shape serving uses on a decoder of the real KV layout (``Decoder.warm_up``).
-    With ``graphs`` the decoder, its KV cache and its CUDA graphs are returned to be kept for the
-    engine's life; otherwise it is returned only when ``keep`` (a primary serves from it), and a
-    freed one's device memory goes back to the driver, so a standby holds no KV cache."""
+def warm_up(
+    allocate: Callable[[], Decoder], graphs: bool, keep: bool, free: Callable[[], object] = lambda: None
+) -> Decoder | None:
+    """Warm up every shape serving uses on a decoder of the real KV layout from ``allocate``
+    (``Decoder.warm_up``). With ``graphs`` the decoder, its KV cache and its CUDA graphs are returned to
+    be kept for the engine's life; otherwise it is returned only when ``keep`` (a primary serves from
+    it), and a freed one's device memory goes back to the driver (``free`` then drops it on the other
+    ranks of a tensor-parallel group), so a standby holds no KV cache."""
     start = time.perf_counter()
-    decoder = new_decoder(model, max_batch, kv_tokens, graphs)
+    decoder = allocate()
     decoder.warm_up()
     log.info(
         "warmed up in %.3f s: prefill at %d lengths up to %d, decode at batch 1..%d and %d KV length(s)%s",
@@ -72,6 +80,7 @@ def warm_up(model: Transformer, max_batch: int, kv_tokens: int, graphs: bool, ke
         return decoder
     device = decoder.model.device
     del decoder
+    free()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return None
@@ -103,8 +112,8 @@ class EngineServer(AnnouncingServer):
 
 
 def check_args(args: argparse.Namespace) -> None:
-    if args.tp_size != 1:
-        raise ConfigError(f"the engine serves one rank: --tp-size must be 1, found {args.tp_size}")
+    if args.tp_size < 1:
+        raise ConfigError(f"--tp-size must be >= 1, found {args.tp_size}")
     if args.kv_cache_tokens < 2:
         raise ConfigError(f"--kv-cache-tokens must be >= 2, found {args.kv_cache_tokens}")
     if args.max_batch < 1:
@@ -116,31 +125,96 @@ def check_args(args: argparse.Namespace) -> None:
     refuse_open_listener(args.host, bool(args.token_file), "--host", fix)
 
 
+def load_rank(args: argparse.Namespace, rank: int, group: str) -> LoadedModel:
+    """Load or attach rank ``rank``'s weights (its device, its daemon); errors of a group name it and the rank."""
+    try:
+        spec = load_spec_from_args(args, tp_rank=rank)
+        spec = replace(spec, device=tpgroup.rank_device(args.device, args.tp_size, rank))
+        return load_model(
+            model_dir_from_args(args),
+            spec,
+            weight_cache=args.weight_cache,
+            socket_path=tpgroup.rank_socket(args.socket, rank),
+            fallback=args.weight_cache_fallback,
+            group=dist.group.WORLD if args.tp_size > 1 else None,
+            daemon_timeout=args.weight_cache_timeout,
+        )
+    except HotweightsError as exc:
+        raise tpgroup.in_group(exc, group, rank) if args.tp_size > 1 else exc from None
+
+
+def start_followers(args: argparse.Namespace, group: str) -> tuple[tpgroup.Followers, tpgroup.Channel]:
+    """Rank 0 of a group: check what can be checked once, start ranks 1..N-1 and join them."""
+    try:
+        tpgroup.check_group(args.tp_size, args.device, args.socket)
+        args.model = str(model_dir_from_args(args))
+        check_spec(read_checkpoint(args.model), load_spec_from_args(args))
+    except HotweightsError as exc:
+        raise tpgroup.in_group(exc, group, 0) from None
+    port = free_port()
+    commands = [tpgroup.follower_command(args, group, rank, port) for rank in range(1, args.tp_size)]
+    followers = tpgroup.Followers(commands, group)
+    tpgroup.init_group(args.tp_size, 0, port, tpgroup.rank_device(args.device, args.tp_size, 0))
+    return followers, tpgroup.Channel()
+
+
+def run_follower(args: argparse.Namespace) -> int:
+    """Ranks 1..N-1 of a group: attach, then run rank 0's commands until it stops them or dies."""
+    tpgroup.die_with_leader(args.tp_leader)
+    try:
+        device = tpgroup.rank_device(args.device, args.tp_size, args.tp_rank)
+    except HotweightsError as exc:
+        raise tpgroup.in_group(exc, args.engine_id, args.tp_rank) from None
+    tpgroup.init_group(args.tp_size, args.tp_rank, args.tp_port, device)
+    try:
+        channel = tpgroup.Channel()
+        model = load_rank(args, args.tp_rank, args.engine_id).model
+        tpgroup.follow(channel, functools.partial(new_decoder, model, args.max_batch, args.kv_cache_tokens))
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
 def cmd_engine(args: argparse.Namespace) -> int:
     check_args(args)
+    if args.tp_rank > 0:
+        return run_follower(args)
     token = read_token(Path(args.token_file), "--token-file") if args.token_file else None
     sock = bind_port(args.host, args.port)
-    loaded = load_model(
-        model_dir_from_args(args),
-        load_spec_from_args(args),
-        weight_cache=args.weight_cache,
-        socket_path=args.socket,
-        fallback=args.weight_cache_fallback,
-        daemon_timeout=args.weight_cache_timeout,
-    )
+    engine_id = args.engine_id or f"{socket.gethostname()}-{os.getpid()}"
+    followers, channel = start_followers(args, engine_id) if args.tp_size > 1 else (None, None)
+    try:
+        return serve(args, sock, engine_id, token, channel)
+    finally:
+        if followers is not None:
+            followers.stop(channel)
+            dist.destroy_process_group()
+
+
+def serve(
+    args: argparse.Namespace, sock: socket.socket, engine_id: str, token: str | None, channel: tpgroup.Channel | None
+) -> int:
+    """Rank 0 (the only rank without --tp-size): load or attach, warm up, serve until a signal."""
+    loaded = load_rank(args, 0, engine_id)
     model = loaded.model
     log.info("weights from %s (--weight-cache %s) in %.3f s", loaded.source, loaded.mode, loaded.seconds)
 
     role = Role(args.role)
     graphs = args.cuda_graphs and model.device.type == "cuda"
-    warmed = warm_up(model, args.max_batch, args.kv_cache_tokens, graphs, keep=role is Role.PRIMARY)
+    make = functools.partial(new_decoder, model, args.max_batch, args.kv_cache_tokens)
     scheduler = Scheduler()
-    allocate = functools.partial(new_decoder, model, args.max_batch, args.kv_cache_tokens)
-    capacity = KvCapacity(scheduler, allocate, reserved=warmed if graphs else None)
+    if channel is None:
+        warmed = warm_up(functools.partial(make, graphs), graphs, keep=role is Role.PRIMARY)
+        capacity = KvCapacity(scheduler, make, reserved=warmed if graphs else None)
+    else:
+        allocate = tpgroup.group_allocator(channel, functools.partial(make, graphs), graphs)
+        free = functools.partial(channel.send, tpgroup.Op.FREE)
+        warmed = warm_up(allocate, graphs, keep=role is Role.PRIMARY, free=free)
+        allocate = tpgroup.group_allocator(channel, make, False)
+        capacity = tpgroup.GroupKvCapacity(scheduler, allocate, reserved=warmed if graphs else None, channel=channel)
     if warmed is not None and role is Role.PRIMARY:
         scheduler.attach_kv(warmed)
     roles = Roles(role, capacity, args.drain_timeout)
-    engine_id = args.engine_id or f"{socket.gethostname()}-{os.getpid()}"
     metrics = EngineMetrics()
     info = {"engine_id": engine_id, "mode": loaded.mode, "source": loaded.source}
     metrics.bind(roles, capacity.held_bytes, info | {"fingerprint": loaded.fingerprint.digest()})
@@ -167,7 +241,7 @@ def cmd_engine(args: argparse.Namespace) -> int:
         lifespan="off",
         timeout_graceful_shutdown=args.shutdown_timeout + CANCEL_GRACE_S,
     )
-    ready = {"engine_id": engine_id, "role": role.value, "fingerprint": ctx.fingerprint}
+    ready = {"engine_id": engine_id, "role": role.value, "fingerprint": ctx.fingerprint, "tp_size": args.tp_size}
     ready |= {"kv_cache_bytes": capacity.held_bytes(), "cuda_graph_bytes": ctx.cuda_graph_bytes}
     server = EngineServer(config, ready, scheduler.cancel_all, args.shutdown_timeout)
 
@@ -204,6 +278,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "then allocated at start-up by standbys too (default on; no effect on CPU)",
     )
     p.add_argument("--engine-id", help="name in health replies and metrics (default HOST-PID)")
+    # A follower rank of a tensor-parallel group (standby.tpgroup): set by rank 0 on the ranks it starts.
+    p.add_argument("--tp-rank", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--tp-port", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--tp-leader", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument(
         "--drain-timeout", type=float, default=30.0, help="seconds a drain waits before cancelling (default 30)"
     )

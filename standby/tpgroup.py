@@ -1,0 +1,301 @@
+"""Tensor-parallel engine groups: rank 0 serves and drives the steps, ranks 1..N-1 follow them.
+
+``hotweights engine --tp-size N`` is one engine made of N rank processes in one torch.distributed process
+group (gloo on CPU; NCCL on CUDA, rank r on ``cuda:r``). Rank 0 is the process that was started: it binds
+the port, starts ranks 1..N-1 as its children (``follower_command``), serves HTTP and runs the scheduler.
+Every rank attaches its own rank's arena (its own daemon, ``cache serve --tp-rank r``). The model's
+forward already all-reduces and all-gathers across the ranks; what the followers need from rank 0 is
+*which* forward to run, so every decoder call on rank 0 first broadcasts a command (``Op``) on a gloo
+group of its own, and each follower runs the same call on its own ``Decoder``:
+
+    header  int64[4]  (op, payload length, a, b)          one broadcast from rank 0
+    payload int64[n]  (prompt ids, or tokens + positions)  a second one, when n > 0
+
+Only rank 0 samples (the logits are all-gathered, so it has the whole vocabulary). A follower holds at
+most one decoder (KV cache) at a time, as rank 0 does: ``ALLOCATE`` replaces it, ``FREE`` drops it.
+
+The group lives and dies as one (nothing is left holding memory or a port):
+
+- A follower dies with rank 0: ``PR_SET_PDEATHSIG`` SIGKILL, set by the follower itself (and it exits at
+  once if rank 0 is already gone). Rank 0 starts followers from its main thread, because the kernel sends
+  that signal when the *thread* that forked the child ends.
+- Rank 0 dies with any follower: a thread per follower waits for its exit and ends rank 0 at once
+  (``os._exit``, no graceful stop: the group cannot compute any more), and a collective that fails during
+  a step ends it the same way, so no request is answered from a broken group; a load balancer or the
+  gateway sees a dead engine and re-sends the request elsewhere.
+- Followers ignore SIGINT and SIGTERM: rank 0 stops them (``STOP``) after its own graceful stop. All ranks
+  share rank 0's process group, so a supervisor's ``killpg`` reaches every rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from enum import IntEnum
+
+import torch
+import torch.distributed as dist
+
+from hotweights.errors import ConfigError, HotweightsError
+from hotweights.spawn import hotweights_command
+from hotweights.standby.decoder import Decoder, bucket
+from hotweights.standby.roles import KvCapacity
+
+log = logging.getLogger(__name__)
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+IDLE_LIMIT = timedelta(days=365)  # a follower waits this long for rank 0's next command (an idle engine)
+STOP_TIMEOUT_S = 10.0  # how long rank 0 waits for a stopped follower before it kills it
+SOCKET_RANK = "{rank}"  # --socket's placeholder for the rank, with --tp-size > 1
+
+
+class GroupError(HotweightsError):
+    """A tensor-parallel group cannot start: the message names the engine and the rank."""
+
+
+class Op(IntEnum):
+    ALLOCATE = 1  # a: 1 for CUDA graphs; a fresh KV cache, replacing the follower's current one
+    WARM_UP = 2
+    PREFILL = 3  # a: slot; payload: prompt ids
+    DECODE = 4  # payload: tokens then positions
+    FREE = 5  # drop the KV cache
+    STOP = 6
+
+
+# --- checks and names -----------------------------------------------------------------------------
+
+
+def rank_device(device: str, size: int, rank: int) -> str:
+    """The device of ``rank`` in a group of ``size`` given ``--device``: ``cpu`` for every rank, ``cuda``
+    (or ``cuda:r`` for rank r itself) gives rank r ``cuda:r``. Raises ConfigError for anything else."""
+    kind = torch.device(device)
+    if size == 1 or kind.type == "cpu":
+        return device
+    if kind.type != "cuda":
+        raise ConfigError(f"rank {rank}: --device {device}: a tensor-parallel group runs on cpu or cuda")
+    if kind.index is not None and kind.index != rank:
+        raise ConfigError(
+            f"rank {rank}: --device {device} is not this rank's GPU: rank r of a group of {size} runs on "
+            "cuda:r; pass --device cuda"
+        )
+    return f"cuda:{rank}"
+
+
+def check_group(size: int, device: str, socket_path: str | None) -> None:
+    """Refuse a group that cannot run here (rank 0, before it starts any follower)."""
+    rank_device(device, size, 0)
+    if torch.device(device).type == "cuda" and size > (found := torch.cuda.device_count()):
+        raise ConfigError(f"--tp-size {size} needs one GPU per rank, found {found} GPU(s)")
+    if socket_path and SOCKET_RANK not in socket_path:
+        raise ConfigError(
+            f"--socket {socket_path} names one daemon, but --tp-size {size} needs one per rank: put "
+            f"{SOCKET_RANK} in it (e.g. g0.r{SOCKET_RANK}.sock), or leave it unset"
+        )
+
+
+def rank_socket(socket_path: str | None, rank: int) -> str | None:
+    """Rank ``rank``'s daemon socket from a ``--socket`` with the ``{rank}`` placeholder."""
+    return socket_path.replace(SOCKET_RANK, str(rank)) if socket_path else None
+
+
+def in_group(exc: HotweightsError, group: str, rank: int) -> GroupError:
+    """``exc`` as one line that names the group and the rank."""
+    return GroupError(f"engine {group} rank {rank}: {exc}")
+
+
+# --- the command channel --------------------------------------------------------------------------
+
+
+class Channel:
+    """Rank 0's commands to the followers over a gloo group of their own (any backend's world). ``send``
+    may be called from any thread of rank 0: one command goes out whole before the next."""
+
+    def __init__(self) -> None:
+        self.group = dist.new_group(backend="gloo", timeout=IDLE_LIMIT)
+        self._lock = threading.Lock()
+
+    def send(self, op: Op, a: int = 0, payload: Sequence[int] = ()) -> None:
+        with self._lock:
+            dist.broadcast(torch.tensor([op, len(payload), a, 0], dtype=torch.long), 0, group=self.group)
+            if payload:
+                dist.broadcast(torch.tensor(payload, dtype=torch.long), 0, group=self.group)
+
+    def receive(self) -> tuple[Op, int, list[int]]:
+        """The next command: (op, a, payload). Blocks for as long as rank 0 sends nothing."""
+        header = torch.empty(4, dtype=torch.long)
+        dist.broadcast(header, 0, group=self.group)
+        op, n, a, _ = header.tolist()
+        payload = torch.empty(n, dtype=torch.long)
+        if n:
+            dist.broadcast(payload, 0, group=self.group)
+        return Op(op), a, payload.tolist()
+
+
+def group_broken(reason: str) -> None:
+    """End rank 0 at once: its group cannot compute any more (module docstring)."""
+    log.critical("tensor-parallel group broken, exiting: %s", reason)
+    logging.shutdown()
+    os._exit(1)
+
+
+class GroupDecoder:
+    """Rank 0's decoder: each call is broadcast to the followers, then run here; everything else is the
+    local ``Decoder``'s. A request the local decoder would refuse (too long) is refused before anything
+    is sent; a failure after it is a broken group."""
+
+    def __init__(self, local: Decoder, channel: Channel) -> None:
+        self.local = local
+        self.channel = channel
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.local, name)
+
+    def prefill(self, slot: int, prompt_ids: list[int]) -> torch.Tensor:
+        bucket(self.local.prefill_lengths, len(prompt_ids))
+        return self._run(Op.PREFILL, slot, prompt_ids, lambda: self.local.prefill(slot, prompt_ids))
+
+    def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
+        bucket(self.local.kv_lengths, max(positions) + 1)
+        return self._run(Op.DECODE, 0, [*tokens, *positions], lambda: self.local.decode(tokens, positions))
+
+    def warm_up(self) -> None:
+        self._run(Op.WARM_UP, 0, (), self.local.warm_up)
+
+    def _run(self, op: Op, a: int, payload: Sequence[int], call: Callable[[], object]) -> object:
+        try:
+            self.channel.send(op, a, payload)
+            return call()
+        except Exception as exc:
+            group_broken(f"{op.name}: {type(exc).__name__}: {exc}")
+            raise
+
+
+@dataclass
+class GroupKvCapacity(KvCapacity):
+    """``KvCapacity`` for rank 0: a released KV cache is dropped on every rank."""
+
+    channel: Channel | None = None
+
+    def release(self, grace_s: float) -> tuple[dict[str, object], str]:
+        reply = super().release(grace_s)
+        if self.reserved is None:
+            self.channel.send(Op.FREE)
+        return reply
+
+
+def group_allocator(channel: Channel, make: Callable[[], Decoder], graphs: bool) -> Callable[[], GroupDecoder]:
+    """Rank 0's decoder factory: every rank allocates its KV cache, then rank 0 wraps its own."""
+
+    def allocate() -> GroupDecoder:
+        channel.send(Op.ALLOCATE, int(graphs))
+        return GroupDecoder(make(), channel)
+
+    return allocate
+
+
+# --- rank 0: the followers ------------------------------------------------------------------------
+
+
+def follower_command(args: argparse.Namespace, group: str, rank: int, port: int) -> list[str]:
+    """The argv of follower ``rank``: the load, weight-cache and decoder flags rank 0 was given."""
+    command = hotweights_command(*(["-v"] if args.verbose else []), "engine", "--engine-id", group)
+    command += ["--tp-size", str(args.tp_size), "--tp-rank", str(rank), "--tp-port", str(port)]
+    command += ["--tp-leader", str(os.getpid()), "--device", args.device, "--weight-cache", args.weight_cache]
+    command += ["--weight-cache-timeout", str(args.weight_cache_timeout)]
+    command += ["--kv-cache-tokens", str(args.kv_cache_tokens), "--max-batch", str(args.max_batch)]
+    command += ["--cuda-graphs" if args.cuda_graphs else "--no-cuda-graphs"]
+    for flag in ("model", "dtype", "quantize", "socket", "weight_cache_fallback"):
+        if value := getattr(args, flag):
+            command += [f"--{flag.replace('_', '-')}", str(value)]
+    return command
+
+
+class Followers:
+    """Ranks 1..N-1 as rank 0's children, watched: one that exits unasked ends rank 0 (module docstring)."""
+
+    def __init__(self, commands: list[list[str]], group: str) -> None:
+        self.group = group
+        self.stopping = False
+        # stdout is rank 0's alone (its ready line); the followers log to the same stderr.
+        self.processes = [subprocess.Popen(command, stdout=subprocess.DEVNULL) for command in commands]
+        for rank, process in enumerate(self.processes, start=1):
+            threading.Thread(target=self._watch, args=(rank, process), name=f"rank-{rank}", daemon=True).start()
+
+    def _watch(self, rank: int, process: subprocess.Popen) -> None:
+        code = process.wait()
+        if self.stopping:
+            return
+        line = f"engine {self.group}: rank {rank} exited with code {code}; the whole group goes down"
+        print(f"hotweights engine: error: {line}", file=sys.stderr, flush=True)
+        logging.shutdown()
+        os._exit(2 if code == 2 else 1)
+
+    def stop(self, channel: Channel | None) -> None:
+        """Ask every follower to stop (when the channel is up), then wait, killing any that lingers."""
+        self.stopping = True
+        if channel is not None:
+            channel.send(Op.STOP)
+        for rank, process in enumerate(self.processes, start=1):
+            try:
+                process.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                log.error("rank %d did not stop within %.0f s; killing it", rank, STOP_TIMEOUT_S)
+                process.kill()
+                process.wait()
+
+
+def init_group(size: int, rank: int, port: int, device: str) -> None:
+    """Join the group's process group: NCCL on CUDA (this rank's GPU made current), else gloo."""
+    backend = "gloo"
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+
+
+# --- a follower -----------------------------------------------------------------------------------
+
+
+def die_with_leader(leader_pid: int) -> None:
+    """SIGKILL this process when rank 0 (its parent) ends; exit now if it already has."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != leader_pid:
+        log.error("rank 0 (pid %d) is gone before this rank started; exiting", leader_pid)
+        os._exit(1)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def follow(channel: Channel, make: Callable[[bool], Decoder]) -> None:
+    """Run rank 0's commands on this rank's decoder until ``STOP``. ``make(graphs)`` allocates a decoder.
+    Any failure raises: the follower then exits, which ends the group."""
+    decoder: Decoder | None = None
+    while True:
+        op, a, payload = channel.receive()
+        if op is Op.STOP:
+            return
+        if op is Op.ALLOCATE:
+            decoder = None
+            decoder = make(bool(a))
+        elif op is Op.FREE:
+            decoder = None
+        elif op is Op.WARM_UP:
+            decoder.warm_up()
+        elif op is Op.PREFILL:
+            decoder.prefill(a, payload)
+        elif op is Op.DECODE:
+            n = len(payload) // 2
+            decoder.decode(payload[:n], payload[n:])
+        if op in (Op.ALLOCATE, Op.FREE) and torch.cuda.is_available():
+            torch.cuda.empty_cache()
