@@ -140,7 +140,9 @@ def load_rank(args: argparse.Namespace, rank: int, group: str) -> LoadedModel:
             daemon_timeout=args.weight_cache_timeout,
         )
     except HotweightsError as exc:
-        raise tpgroup.in_group(exc, group, rank) if args.tp_size > 1 else exc from None
+        if args.tp_size == 1:
+            raise
+        raise tpgroup.in_group(exc, group, rank) from None
 
 
 def start_followers(args: argparse.Namespace, group: str) -> tuple[tpgroup.Followers, tpgroup.Channel]:
@@ -155,23 +157,23 @@ def start_followers(args: argparse.Namespace, group: str) -> tuple[tpgroup.Follo
     commands = [tpgroup.follower_command(args, group, rank, port) for rank in range(1, args.tp_size)]
     followers = tpgroup.Followers(commands, group)
     tpgroup.init_group(args.tp_size, 0, port, tpgroup.rank_device(args.device, args.tp_size, 0))
-    return followers, tpgroup.Channel()
+    return followers, tpgroup.Channel(followers.broken)
 
 
 def run_follower(args: argparse.Namespace) -> int:
-    """Ranks 1..N-1 of a group: attach, then run rank 0's commands until it stops them or dies."""
+    """Ranks 1..N-1 of a group: attach, then run rank 0's commands until it stops them or dies. Bad input
+    is one line and exit code 2 at once (the process group is not torn down first), so that rank 0, which
+    sees the connection close, finds the exit it names."""
     tpgroup.die_with_leader(args.tp_leader)
     try:
         device = tpgroup.rank_device(args.device, args.tp_size, args.tp_rank)
-    except HotweightsError as exc:
-        raise tpgroup.in_group(exc, args.engine_id, args.tp_rank) from None
-    tpgroup.init_group(args.tp_size, args.tp_rank, args.tp_port, device)
-    try:
+        tpgroup.init_group(args.tp_size, args.tp_rank, args.tp_port, device)
         channel = tpgroup.Channel()
         model = load_rank(args, args.tp_rank, args.engine_id).model
-        tpgroup.follow(channel, functools.partial(new_decoder, model, args.max_batch, args.kv_cache_tokens))
-    finally:
-        dist.destroy_process_group()
+    except HotweightsError as exc:
+        tpgroup.exit_refused(tpgroup.in_group(exc, args.engine_id, args.tp_rank))
+    tpgroup.follow(channel, functools.partial(new_decoder, model, args.max_batch, args.kv_cache_tokens))
+    dist.destroy_process_group()
     return 0
 
 
@@ -184,7 +186,8 @@ def cmd_engine(args: argparse.Namespace) -> int:
     engine_id = args.engine_id or f"{socket.gethostname()}-{os.getpid()}"
     followers, channel = start_followers(args, engine_id) if args.tp_size > 1 else (None, None)
     try:
-        return serve(args, sock, engine_id, token, channel)
+        ranks = (os.getpid(), *(followers.pids if followers else ()))
+        return serve(args, sock, engine_id, token, channel, ranks)
     finally:
         if followers is not None:
             followers.stop(channel)
@@ -192,9 +195,15 @@ def cmd_engine(args: argparse.Namespace) -> int:
 
 
 def serve(
-    args: argparse.Namespace, sock: socket.socket, engine_id: str, token: str | None, channel: tpgroup.Channel | None
+    args: argparse.Namespace,
+    sock: socket.socket,
+    engine_id: str,
+    token: str | None,
+    channel: tpgroup.Channel | None,
+    ranks: tuple[int, ...],
 ) -> int:
-    """Rank 0 (the only rank without --tp-size): load or attach, warm up, serve until a signal."""
+    """Rank 0 (the only rank without --tp-size): load or attach, warm up, serve until a signal. ``ranks``:
+    the pid of every rank of the group, rank 0's first."""
     loaded = load_rank(args, 0, engine_id)
     model = loaded.model
     log.info("weights from %s (--weight-cache %s) in %.3f s", loaded.source, loaded.mode, loaded.seconds)
@@ -231,6 +240,7 @@ def serve(
         token=token,
         kv_cache_bytes=capacity.held_bytes,
         cuda_graph_bytes=warmed.graph_bytes if graphs else 0,
+        rank_pids=ranks,
     )
     config = uvicorn.Config(
         build_app(ctx),
@@ -241,7 +251,7 @@ def serve(
         lifespan="off",
         timeout_graceful_shutdown=args.shutdown_timeout + CANCEL_GRACE_S,
     )
-    ready = {"engine_id": engine_id, "role": role.value, "fingerprint": ctx.fingerprint, "tp_size": args.tp_size}
+    ready = {"engine_id": engine_id, "role": role.value, "fingerprint": ctx.fingerprint, "rank_pids": list(ranks)}
     ready |= {"kv_cache_bytes": capacity.held_bytes(), "cuda_graph_bytes": ctx.cuda_graph_bytes}
     server = EngineServer(config, ready, scheduler.cancel_all, args.shutdown_timeout)
 

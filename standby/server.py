@@ -47,6 +47,7 @@ class EngineContext:
     token: str | None  # bearer token for role changes; None: no auth
     kv_cache_bytes: Callable[[], int]  # KV cache bytes held now (attached, or reserved for CUDA graphs)
     cuda_graph_bytes: int  # device memory the decode CUDA graphs hold; 0 without graphs
+    rank_pids: tuple[int, ...]  # every rank's pid, rank 0's (this process's) first; one without --tp-size
     fingerprint: str = field(init=False)  # the weights' digest, computed once
     started: float = field(default_factory=time.monotonic)
     created: int = field(default_factory=lambda: int(time.time()))
@@ -79,6 +80,7 @@ class EngineContext:
             "kv_cache_bytes": self.kv_cache_bytes(),
             "cuda_graph_bytes": self.cuda_graph_bytes,
             "pid": os.getpid(),
+            "rank_pids": list(self.rank_pids),
         }
 
 

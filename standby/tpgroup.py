@@ -30,6 +30,7 @@ The group lives and dies as one (nothing is left holding memory or a port):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import logging
 import os
@@ -37,10 +38,12 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import IntEnum
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -54,6 +57,7 @@ log = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 IDLE_LIMIT = timedelta(days=365)  # a follower waits this long for rank 0's next command (an idle engine)
+BROKEN_GRACE_S = 3.0  # how long a failed collective waits for the follower exit that likely caused it
 STOP_TIMEOUT_S = 10.0  # how long rank 0 waits for a stopped follower before it kills it
 SOCKET_RANK = "{rank}"  # --socket's placeholder for the rank, with --tp-size > 1
 
@@ -81,7 +85,7 @@ def rank_device(device: str, size: int, rank: int) -> str:
     if size == 1 or kind.type == "cpu":
         return device
     if kind.type != "cuda":
-        raise ConfigError(f"rank {rank}: --device {device}: a tensor-parallel group runs on cpu or cuda")
+        raise ConfigError(f"--device {device}: a tensor-parallel group runs on cpu or cuda")
     if kind.index is not None and kind.index != rank:
         raise ConfigError(
             f"rank {rank}: --device {device} is not this rank's GPU: rank r of a group of {size} runs on "
@@ -112,22 +116,34 @@ def in_group(exc: HotweightsError, group: str, rank: int) -> GroupError:
     return GroupError(f"engine {group} rank {rank}: {exc}")
 
 
+def exit_refused(exc: HotweightsError) -> NoReturn:
+    """A follower's bad input: the CLI's one line, then exit code 2 at once."""
+    print(f"hotweights engine: error: {exc}", file=sys.stderr, flush=True)
+    logging.shutdown()
+    os._exit(2)
+
+
 # --- the command channel --------------------------------------------------------------------------
 
 
 class Channel:
     """Rank 0's commands to the followers over a gloo group of their own (any backend's world). ``send``
-    may be called from any thread of rank 0: one command goes out whole before the next."""
+    may be called from any thread of rank 0: one command goes out whole before the next; a send that
+    fails calls ``broken`` (rank 0's), which ends the process. Followers pass no ``broken``."""
 
-    def __init__(self) -> None:
+    def __init__(self, broken: Callable[[str], NoReturn] | None = None) -> None:
         self.group = dist.new_group(backend="gloo", timeout=IDLE_LIMIT)
+        self.broken = broken
         self._lock = threading.Lock()
 
     def send(self, op: Op, a: int = 0, payload: Sequence[int] = ()) -> None:
         with self._lock:
-            dist.broadcast(torch.tensor([op, len(payload), a, 0], dtype=torch.long), 0, group=self.group)
-            if payload:
-                dist.broadcast(torch.tensor(payload, dtype=torch.long), 0, group=self.group)
+            try:
+                dist.broadcast(torch.tensor([op, len(payload), a, 0], dtype=torch.long), 0, group=self.group)
+                if payload:
+                    dist.broadcast(torch.tensor(payload, dtype=torch.long), 0, group=self.group)
+            except Exception as exc:
+                self.broken(f"sending {op.name}: {type(exc).__name__}: {exc}")
 
     def receive(self) -> tuple[Op, int, list[int]]:
         """The next command: (op, a, payload). Blocks for as long as rank 0 sends nothing."""
@@ -138,13 +154,6 @@ class Channel:
         if n:
             dist.broadcast(payload, 0, group=self.group)
         return Op(op), a, payload.tolist()
-
-
-def group_broken(reason: str) -> None:
-    """End rank 0 at once: its group cannot compute any more (module docstring)."""
-    log.critical("tensor-parallel group broken, exiting: %s", reason)
-    logging.shutdown()
-    os._exit(1)
 
 
 class GroupDecoder:
@@ -171,12 +180,11 @@ class GroupDecoder:
         self._run(Op.WARM_UP, 0, (), self.local.warm_up)
 
     def _run(self, op: Op, a: int, payload: Sequence[int], call: Callable[[], object]) -> object:
+        self.channel.send(op, a, payload)
         try:
-            self.channel.send(op, a, payload)
             return call()
-        except Exception as exc:
-            group_broken(f"{op.name}: {type(exc).__name__}: {exc}")
-            raise
+        except Exception as exc:  # the followers run the same call: every rank's step is lost
+            self.channel.broken(f"{op.name}: {type(exc).__name__}: {exc}")
 
 
 @dataclass
@@ -225,19 +233,38 @@ class Followers:
     def __init__(self, commands: list[list[str]], group: str) -> None:
         self.group = group
         self.stopping = False
+        self._ending = threading.Lock()
         # stdout is rank 0's alone (its ready line); the followers log to the same stderr.
         self.processes = [subprocess.Popen(command, stdout=subprocess.DEVNULL) for command in commands]
         for rank, process in enumerate(self.processes, start=1):
             threading.Thread(target=self._watch, args=(rank, process), name=f"rank-{rank}", daemon=True).start()
 
+    @property
+    def pids(self) -> tuple[int, ...]:
+        return tuple(process.pid for process in self.processes)
+
     def _watch(self, rank: int, process: subprocess.Popen) -> None:
         code = process.wait()
-        if self.stopping:
-            return
-        line = f"engine {self.group}: rank {rank} exited with code {code}; the whole group goes down"
-        print(f"hotweights engine: error: {line}", file=sys.stderr, flush=True)
+        if not self.stopping:
+            self._go_down(f"rank {rank} exited with code {code}", 2 if code == 2 else 1)
+
+    def broken(self, reason: str) -> NoReturn:
+        """End rank 0 because a collective or a command failed: name the follower that exited, if one did
+        within BROKEN_GRACE_S (its exit is the cause; the failure only its echo), else the failure."""
+        deadline = time.monotonic() + BROKEN_GRACE_S
+        for rank, process in enumerate(self.processes, start=1):
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                code = process.wait(max(0.0, deadline - time.monotonic()))
+                self._go_down(f"rank {rank} exited with code {code}", 2 if code == 2 else 1)
+        self._go_down(f"rank 0: {reason}", 1)
+
+    def _go_down(self, why: str, code: int) -> NoReturn:
+        """One line on stderr, then exit at once (whichever thread comes first; the others wait for it)."""
+        self._ending.acquire()
+        print(f"hotweights engine: error: engine {self.group}: {why}; the whole group goes down", file=sys.stderr)
+        sys.stderr.flush()
         logging.shutdown()
-        os._exit(2 if code == 2 else 1)
+        os._exit(code)
 
     def stop(self, channel: Channel | None) -> None:
         """Ask every follower to stop (when the channel is up), then wait, killing any that lingers."""

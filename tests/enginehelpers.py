@@ -10,15 +10,20 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Self
 
 import httpx
+import pytest
 
+from hotweights.cache.pipeline import LoadSpec
 from hotweights.contract import Endpoint
 from hotweights.ports import free_port
 from hotweights.spawn import hotweights_command
+from hotweights.standby.generate import load_tokenizer, stop_token_ids
+from hotweights.standby.model import generate
+from hotweights.standby.weights import load_model
 from tests.cachehelpers import ENV
 
 
@@ -139,3 +144,51 @@ class EngineProcess(ChildService):
     def close(self) -> None:
         super().close()
         shutil.rmtree(self.token_file.parent, ignore_errors=True)
+
+
+Reference = Callable[..., tuple[str, int]]
+
+SAMPLINGS = [
+    pytest.param({"temperature": 0.0}, id="greedy"),
+    pytest.param({"temperature": 0.9, "top_p": 0.9, "seed": 7}, id="seeded"),
+]
+
+
+def reference_completer(model_dir: Path) -> Reference:
+    """In-process ``generate()`` at TP=1: (text, completion tokens) for a prompt."""
+    model = load_model(model_dir, LoadSpec()).model
+    tokenizer = load_tokenizer(model_dir)
+    stop_ids = stop_token_ids(model_dir)
+
+    def complete(prompt: str, max_tokens: int, **sampling: object) -> tuple[str, int]:
+        ids = list(generate(model, tokenizer.encode(prompt).ids, max_tokens, stop_ids=stop_ids, **sampling))
+        return tokenizer.decode(ids), len(ids)
+
+    return complete
+
+
+def streamed(chunks: list[dict], n: int = 1) -> tuple[list[str], list[str | None]]:
+    texts, reasons = [""] * n, [None] * n
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            texts[choice["index"]] += choice["text"]
+            reasons[choice["index"]] = choice["finish_reason"] or reasons[choice["index"]]
+    return texts, reasons
+
+
+def check_equal_to_reference(engine: EngineProcess, reference: Reference, sampling: dict) -> None:
+    """Two prompts at once (one batched decode), whole and streamed, give the reference's texts."""
+    prompts = ["The quick brown fox", "Once upon a time"]
+    expected = [reference(p, 24, **sampling) for p in prompts]
+
+    body = engine.complete(prompt=prompts, max_tokens=24, **sampling)
+    assert body.status_code == 200, body.text
+    body = body.json()
+    assert [c["text"] for c in body["choices"]] == [text for text, _ in expected]
+    assert body["usage"]["completion_tokens"] == sum(n for _, n in expected)
+
+    chunks = engine.stream(prompt=prompts, max_tokens=24, stream_options={"include_usage": True}, **sampling)
+    texts, reasons = streamed(chunks, 2)
+    assert texts == [text for text, _ in expected]
+    assert reasons == [c["finish_reason"] for c in body["choices"]]
+    assert chunks[-1]["usage"] == body["usage"]

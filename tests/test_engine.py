@@ -7,29 +7,33 @@ import shutil
 import signal
 import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from hotweights.cache.pipeline import LoadSpec
 from hotweights.cli import build_parser
 from hotweights.contract import Endpoint, Role
 from hotweights.controller.config import GatewaySection
-from hotweights.standby.generate import load_tokenizer, stop_token_ids
-from hotweights.standby.model import generate
 from hotweights.standby.roles import KvCapacity, Roles
 from hotweights.standby.scheduler import Finish, SamplingParams, Scheduler, Sequence
-from hotweights.standby.weights import load_model
 from tests.cachehelpers import ProcessDaemon, wait_until
-from tests.enginehelpers import EngineProcess, in_use, refusal_on_taken_port
+from tests.enginehelpers import (
+    SAMPLINGS,
+    EngineProcess,
+    Reference,
+    check_equal_to_reference,
+    in_use,
+    reference_completer,
+    refusal_on_taken_port,
+    streamed,
+)
 
 TOKEN = "test-token-1234"
 FLAGS = ("--kv-cache-tokens", "512", "--max-batch", "4")
 HEALTH_PATHS = (Endpoint.LIVE, Endpoint.READY, Endpoint.PRIMARY, Endpoint.STANDBY)
-Reference = Callable[..., tuple[str, int]]
 
 
 @pytest.fixture(scope="module")
@@ -58,48 +62,7 @@ def standby(tiny_model: Path) -> Iterator[EngineProcess]:
 
 @pytest.fixture(scope="module")
 def reference(tiny_model: Path) -> Reference:
-    """In-process ``generate()``: (text, completion tokens) for a prompt."""
-    model = load_model(tiny_model, LoadSpec()).model
-    tokenizer = load_tokenizer(tiny_model)
-    stop_ids = stop_token_ids(tiny_model)
-
-    def complete(prompt: str, max_tokens: int, **sampling: object) -> tuple[str, int]:
-        ids = list(generate(model, tokenizer.encode(prompt).ids, max_tokens, stop_ids=stop_ids, **sampling))
-        return tokenizer.decode(ids), len(ids)
-
-    return complete
-
-
-def streamed(chunks: list[dict], n: int = 1) -> tuple[list[str], list[str | None]]:
-    texts, reasons = [""] * n, [None] * n
-    for chunk in chunks:
-        for choice in chunk["choices"]:
-            texts[choice["index"]] += choice["text"]
-            reasons[choice["index"]] = choice["finish_reason"] or reasons[choice["index"]]
-    return texts, reasons
-
-
-SAMPLINGS = [
-    pytest.param({"temperature": 0.0}, id="greedy"),
-    pytest.param({"temperature": 0.9, "top_p": 0.9, "seed": 7}, id="seeded"),
-]
-
-
-def check_equal_to_reference(engine: EngineProcess, reference: Reference, sampling: dict) -> None:
-    prompts = ["The quick brown fox", "Once upon a time"]
-    expected = [reference(p, 24, **sampling) for p in prompts]
-
-    body = engine.complete(prompt=prompts, max_tokens=24, **sampling)
-    assert body.status_code == 200, body.text
-    body = body.json()
-    assert [c["text"] for c in body["choices"]] == [text for text, _ in expected]
-    assert body["usage"]["completion_tokens"] == sum(n for _, n in expected)
-
-    chunks = engine.stream(prompt=prompts, max_tokens=24, stream_options={"include_usage": True}, **sampling)
-    texts, reasons = streamed(chunks, 2)
-    assert texts == [text for text, _ in expected]
-    assert reasons == [c["finish_reason"] for c in body["choices"]]
-    assert chunks[-1]["usage"] == body["usage"]
+    return reference_completer(tiny_model)
 
 
 @pytest.mark.parametrize("sampling", SAMPLINGS)
