@@ -88,7 +88,7 @@ def rank_device(device: str, size: int, rank: int) -> str:
         raise ConfigError(f"--device {device}: a tensor-parallel group runs on cpu or cuda")
     if kind.index is not None and kind.index != rank:
         raise ConfigError(
-            f"rank {rank}: --device {device} is not this rank's GPU: rank r of a group of {size} runs on "
+            f"--device {device} is not this rank's GPU: rank r of a group of {size} runs on "
             "cuda:r; pass --device cuda"
         )
     return f"cuda:{rank}"
