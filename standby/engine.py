@@ -186,8 +186,7 @@ def cmd_engine(args: argparse.Namespace) -> int:
     engine_id = args.engine_id or f"{socket.gethostname()}-{os.getpid()}"
     followers, channel = start_followers(args, engine_id) if args.tp_size > 1 else (None, None)
     try:
-        ranks = (os.getpid(), *(followers.pids if followers else ()))
-        return serve(args, sock, engine_id, token, channel, ranks)
+        return serve(args, sock, engine_id, token, channel, followers)
     finally:
         if followers is not None:
             followers.stop(channel)
@@ -200,10 +199,9 @@ def serve(
     engine_id: str,
     token: str | None,
     channel: tpgroup.Channel | None,
-    ranks: tuple[int, ...],
+    followers: tpgroup.Followers | None,
 ) -> int:
-    """Rank 0 (the only rank without --tp-size): load or attach, warm up, serve until a signal. ``ranks``:
-    the pid of every rank of the group, rank 0's first."""
+    """Rank 0 (the only rank without --tp-size): load or attach, warm up, serve until a signal."""
     loaded = load_rank(args, 0, engine_id)
     model = loaded.model
     log.info("weights from %s (--weight-cache %s) in %.3f s", loaded.source, loaded.mode, loaded.seconds)
@@ -240,7 +238,8 @@ def serve(
         token=token,
         kv_cache_bytes=capacity.held_bytes,
         cuda_graph_bytes=warmed.graph_bytes if graphs else 0,
-        rank_pids=ranks,
+        rank_pids=(os.getpid(), *(followers.pids if followers else ())),
+        group_refusal=functools.partial(followers.refusal, channel) if followers else lambda: None,
     )
     config = uvicorn.Config(
         build_app(ctx),
@@ -251,8 +250,9 @@ def serve(
         lifespan="off",
         timeout_graceful_shutdown=args.shutdown_timeout + CANCEL_GRACE_S,
     )
-    ready = {"engine_id": engine_id, "role": role.value, "fingerprint": ctx.fingerprint, "rank_pids": list(ranks)}
+    ready = {"engine_id": engine_id, "role": role.value, "fingerprint": ctx.fingerprint}
     ready |= {"kv_cache_bytes": capacity.held_bytes(), "cuda_graph_bytes": ctx.cuda_graph_bytes}
+    ready |= {"rank_pids": list(ctx.rank_pids)}
     server = EngineServer(config, ready, scheduler.cancel_all, args.shutdown_timeout)
 
     scheduler.start()

@@ -48,6 +48,7 @@ class EngineContext:
     kv_cache_bytes: Callable[[], int]  # KV cache bytes held now (attached, or reserved for CUDA graphs)
     cuda_graph_bytes: int  # device memory the decode CUDA graphs hold; 0 without graphs
     rank_pids: tuple[int, ...]  # every rank's pid, rank 0's (this process's) first; one without --tp-size
+    group_refusal: Callable[[], str | None]  # why the other ranks of a tensor-parallel group are not ready
     fingerprint: str = field(init=False)  # the weights' digest, computed once
     started: float = field(default_factory=time.monotonic)
     created: int = field(default_factory=lambda: int(time.time()))
@@ -65,7 +66,7 @@ class EngineContext:
         stalled = time.monotonic() - self.scheduler.heartbeat
         if stalled > STALL_S:
             return f"the inference thread has not gone round its loop for {stalled:.0f} s"
-        return None
+        return self.group_refusal()
 
     def health(self) -> dict[str, object]:
         return {

@@ -43,6 +43,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import IntEnum
+from pathlib import Path
 from typing import NoReturn
 
 import torch
@@ -59,6 +60,7 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 IDLE_LIMIT = timedelta(days=365)  # a follower waits this long for rank 0's next command (an idle engine)
 BROKEN_GRACE_S = 3.0  # how long a failed collective waits for the follower exit that likely caused it
 STOP_TIMEOUT_S = 10.0  # how long rank 0 waits for a stopped follower before it kills it
+STEP_STALL_S = 10.0  # a step of the group running this long means a rank hangs: rank 0 is then not ready
 SOCKET_RANK = "{rank}"  # --socket's placeholder for the rank, with --tp-size > 1
 
 
@@ -88,8 +90,7 @@ def rank_device(device: str, size: int, rank: int) -> str:
         raise ConfigError(f"--device {device}: a tensor-parallel group runs on cpu or cuda")
     if kind.index is not None and kind.index != rank:
         raise ConfigError(
-            f"--device {device} is not this rank's GPU: rank r of a group of {size} runs on "
-            "cuda:r; pass --device cuda"
+            f"--device {device} is not this rank's GPU: rank r of a group of {size} runs on cuda:r; pass --device cuda"
         )
     return f"cuda:{rank}"
 
@@ -134,6 +135,7 @@ class Channel:
     def __init__(self, broken: Callable[[str], NoReturn] | None = None) -> None:
         self.group = dist.new_group(backend="gloo", timeout=IDLE_LIMIT)
         self.broken = broken
+        self.step_since: float | None = None  # time.monotonic() when the step in progress was sent
         self._lock = threading.Lock()
 
     def send(self, op: Op, a: int = 0, payload: Sequence[int] = ()) -> None:
@@ -180,11 +182,14 @@ class GroupDecoder:
         self._run(Op.WARM_UP, 0, (), self.local.warm_up)
 
     def _run(self, op: Op, a: int, payload: Sequence[int], call: Callable[[], object]) -> object:
+        self.channel.step_since = time.monotonic()
         self.channel.send(op, a, payload)
         try:
             return call()
         except Exception as exc:  # the followers run the same call: every rank's step is lost
             self.channel.broken(f"{op.name}: {type(exc).__name__}: {exc}")
+        finally:
+            self.channel.step_since = None
 
 
 @dataclass
@@ -217,7 +222,8 @@ def follower_command(args: argparse.Namespace, group: str, rank: int, port: int)
     """The argv of follower ``rank``: the load, weight-cache and decoder flags rank 0 was given."""
     command = hotweights_command(*(["-v"] if args.verbose else []), "engine", "--engine-id", group)
     command += ["--tp-size", str(args.tp_size), "--tp-rank", str(rank), "--tp-port", str(port)]
-    command += ["--tp-leader", str(os.getpid()), "--device", args.device, "--weight-cache", args.weight_cache]
+    command += ["--tp-leader", str(os.getpid()), "--device", rank_device(args.device, args.tp_size, rank)]
+    command += ["--weight-cache", args.weight_cache]
     command += ["--weight-cache-timeout", str(args.weight_cache_timeout)]
     command += ["--kv-cache-tokens", str(args.kv_cache_tokens), "--max-batch", str(args.max_batch)]
     command += ["--cuda-graphs" if args.cuda_graphs else "--no-cuda-graphs"]
@@ -242,6 +248,17 @@ class Followers:
     @property
     def pids(self) -> tuple[int, ...]:
         return tuple(process.pid for process in self.processes)
+
+    def refusal(self, channel: Channel) -> str | None:
+        """Why rank 0 is not ready although its own thread runs: a follower is stopped (SIGSTOP; it cannot
+        join the next collective), or a step has waited on the ranks for STEP_STALL_S. None: all is well."""
+        for rank, process in enumerate(self.processes, start=1):
+            if _is_stopped(process.pid):
+                return f"rank {rank} (pid {process.pid}) of the tensor-parallel group is stopped"
+        since = channel.step_since
+        if since is not None and (waited := time.monotonic() - since) > STEP_STALL_S:
+            return f"a step of the tensor-parallel group has waited on its ranks for {waited:.0f} s"
+        return None
 
     def _watch(self, rank: int, process: subprocess.Popen) -> None:
         code = process.wait()
@@ -278,6 +295,15 @@ class Followers:
                 log.error("rank %d did not stop within %.0f s; killing it", rank, STOP_TIMEOUT_S)
                 process.kill()
                 process.wait()
+
+
+def _is_stopped(pid: int) -> bool:
+    """Whether ``pid`` is stopped by a signal or a tracer (state T or t in /proc); False once it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat[stat.rindex(")") + 2] in "Tt"
 
 
 def init_group(size: int, rank: int, port: int, device: str) -> None:

@@ -68,6 +68,14 @@ def test_a_standby_group_attaches_every_rank_and_serves_one_ranks_outputs_once_p
         assert len(ranks) == 2 and ranks[0] == engine.process.pid
         assert engine.complete(prompt="x", max_tokens=2).status_code == 503
 
+        os.kill(ranks[1], signal.SIGSTOP)  # a hung rank: rank 0 says so on its readiness page
+        try:
+            reply = wait_until(lambda: (r := engine.client.get(Endpoint.READY)).status_code == 503 and r, what="503")
+            assert f"rank 1 (pid {ranks[1]}) of the tensor-parallel group is stopped" in reply.json()["reason"]
+        finally:
+            os.kill(ranks[1], signal.SIGCONT)
+        wait_until(lambda: engine.client.get(Endpoint.READY).status_code == 200, what="ready again")
+
         promoted = engine.post(Endpoint.PROMOTE).json()
         assert (promoted["role"], promoted["kv_cache_bytes"] > 0) == ("primary", True)
         for sampling in SAMPLINGS:
