@@ -84,6 +84,7 @@ class Service:
     id: str
     kind: str  # "daemon" | "gateway"
     group: int | None = None
+    rank: int = 0  # a daemon's tensor-parallel rank
     process: Process | None = None
     serving: bool = False
     restarts: int = 0  # replacements of a process that had exited
@@ -141,6 +142,7 @@ class ServiceView:
     id: str
     kind: str
     group: int | None
+    rank: int
     pid: int | None
     alive: bool
     serving: bool
@@ -172,7 +174,12 @@ class Snapshot:
         return sorted((m for m in self.group(group) if m.role == Role.PRIMARY), key=lambda m: not m.alive)
 
     def daemon(self, group: int) -> ServiceView:
+        """The group's daemon (of rank 0, in a tensor-parallel group)."""
         return next(s for s in self.services if s.kind == "daemon" and s.group == group)
+
+    def daemons_serve(self, group: int) -> bool:
+        """Whether every daemon of the group (one per rank) serves: new engines can attach."""
+        return all(s.serving for s in self.services if s.kind == "daemon" and s.group == group)
 
 
 class Cluster:
@@ -208,8 +215,10 @@ class Cluster:
                 log.warning("%s (pid %s) is no longer in the config: left alone", member_id, row.process.pid)
         for spec in specs.values():
             self.members[spec.id] = Member(spec, start_timeout_s=self.config.groups[spec.group].start_timeout())
-        for group in range(len(self.config.groups)):
-            self.services[f"g{group}-cache"] = Service(f"g{group}-cache", "daemon", group)
+        for group, section in enumerate(self.config.groups):
+            for rank in range(section.tp_size):
+                service_id = daemon_id(group, rank)
+                self.services[service_id] = Service(service_id, "daemon", group, rank)
         recorded_gateways = [name for name, row in state.services.items() if row.kind == "gateway"]
         if with_gateway or recorded_gateways:
             for worker_id in dict.fromkeys([*self.config.gateway.worker_ids(), *recorded_gateways]):
@@ -294,6 +303,7 @@ class Cluster:
                 s.id,
                 s.kind,
                 s.group,
+                s.rank,
                 s.process.pid if s.process else None,
                 bool(s.process and s.process.alive),
                 s.serving,
@@ -347,6 +357,8 @@ class Cluster:
         member = self.members[member_id]
         if member.process is not None and member.process.alive:  # fenced as exiting: its port frees at its exit
             await self.supervisor.fence(member.process)
+        if member.process is not None and self._tensor_parallel(member):  # no rank of the old group is left
+            await self.supervisor.fence_session(member.process)
         for message in await asyncio.to_thread(evict_orphans, member.spec.listen_port, member_id):
             log.warning("%s", message)
         command, env = self.layout.engine_command(member.spec), self.layout.environment(member.spec.group)
@@ -372,9 +384,14 @@ class Cluster:
             for message in await asyncio.to_thread(evict_orphans, member.spec.listen_port, member_id, ours=ours):
                 log.warning("%s", message)
         fenced = member.process is None or await self.supervisor.fence(member.process, until_exit=until_exit)
+        if fenced and until_exit and member.process is not None and self._tensor_parallel(member):
+            fenced = await self.supervisor.fence_session(member.process)  # every rank, not only rank 0
         if fenced:
             self.set_role(member_id, Role.STANDBY)  # if it comes back, it comes back as a standby
         return fenced
+
+    def _tensor_parallel(self, member: Member) -> bool:
+        return self.config.groups[member.spec.group].tp_size > 1
 
     async def stop_engine(self, member_id: str) -> str:
         member = self.members[member_id]
@@ -439,7 +456,8 @@ class Cluster:
             if service.process is not None:
                 service.restarts += 1
             if service.kind == "daemon":
-                command, env = self.layout.daemon_command(service.group), self.layout.environment(service.group)
+                command = self.layout.daemon_command(service.group, service.rank)
+                env = self.layout.environment(service.group)
                 service.process = self.supervisor.spawn(service.id, command, env)
             else:
                 fd = self.gateway_listener().fileno()
@@ -462,7 +480,8 @@ class Cluster:
     async def fill_report(self, service_id: str) -> dict[str, Any]:
         """How a serving daemon filled its arena (``fill`` of its status: source, seconds, detail); {} when it
         does not say (it died meanwhile, or predates the report)."""
-        socket_path = self.layout.socket(self.services[service_id].group)
+        service = self.services[service_id]
+        socket_path = self.layout.socket(service.group, service.rank)
         try:
             reply = await asyncio.to_thread(request, socket_path, {"op": "status"}, PROBE_TIMEOUT_S)
         except (DaemonUnavailable, AttachRefused):
@@ -545,7 +564,7 @@ class Cluster:
     async def _probe(self, service: Service) -> bool:
         if service.kind == "daemon":
             try:
-                await asyncio.to_thread(hello, self.layout.socket(service.group), PROBE_TIMEOUT_S)
+                await asyncio.to_thread(hello, self.layout.socket(service.group, service.rank), PROBE_TIMEOUT_S)
             except (DaemonUnavailable, AttachRefused):
                 return False
             return True
@@ -601,6 +620,12 @@ class Cluster:
         await self.close_worker_clients()
         for process in list(self.supervisor.processes.values()):
             self.supervisor.forget(process)
+
+
+def daemon_id(group: int, rank: int) -> str:
+    """``g<group>-cache``: the daemon of a group, or of rank 0 of a tensor-parallel one; ``g<group>-cache-r<rank>``
+    for its other ranks."""
+    return f"g{group}-cache" + (f"-r{rank}" if rank else "")
 
 
 def _slot_order(member: Member) -> tuple[int, int]:

@@ -1,8 +1,9 @@
 """The cluster configuration (``cluster.toml``): one dataclass tree, validated on load.
 
-Every failover group is one device: a cache daemon on it and ``engines`` engines attached to that
-daemon, one primary and the rest warm standbys. Every error names the file, the key, what was
-expected and what was found; nothing starts until the whole file is valid. ``EXAMPLE_CONFIG`` documents every key.
+Every failover group is one device (or, with ``tp_size`` N, N devices): a cache daemon per device and
+``engines`` engines attached to the daemons, one primary and the rest warm standbys. Every error names
+the file, the key, what was expected and what was found; nothing starts until the whole file is valid.
+``EXAMPLE_CONFIG`` documents every key.
 """
 
 from __future__ import annotations
@@ -33,8 +34,10 @@ dtype = ""                    # bf16 | fp16 | fp32; default: the checkpoint's
 quantize = ""                 # "" or "fp8-block"
 
 [[groups]]
-device = "cpu"                # cpu or cuda:N
+device = "cpu"                # cpu or cuda:N (with tp_size > 1: cpu or cuda:0, rank r then runs on cuda:r)
 engines = 3                   # 1 primary + 2 standbys
+tp_size = 1                   # ranks per engine (tensor parallel): a daemon per rank, each engine a group of
+                              # tp_size rank processes, failed over as one (reference engine only)
 base_port = 8200              # engine i answers on base_port + i (health checks, gateway, HAProxy)
 listen_base_port = 0          # engines listen here; clients use base_port; set when a proxy sits in front of
                               # each engine, e.g. the chaos drill's fault proxy (0: same as base_port)
@@ -47,6 +50,7 @@ start_timeout_s = 0.0         # an engine not ready this long after its start is
 snapshot = ""                 # a processed snapshot (`hotweights cache snapshot`) the daemon fills from when no
                               # live engine hands its arena back, before reading the checkpoint; relative to
                               # this file ("": none). A stale or corrupt one is refused, never served.
+                              # With tp_size > 1, "{rank}" in it stands for each daemon's rank.
 
 [engine]
 kv_cache_tokens = 4096
@@ -98,6 +102,7 @@ class ModelSection:
 class GroupSection:
     device: str = "cpu"
     engines: int = 3
+    tp_size: int = 1  # ranks per engine: a daemon per rank, each engine a tensor-parallel group of rank processes
     base_port: int = 8200
     listen_base_port: int = 0  # 0: engines listen on their client ports (base_port + i)
     backend: str = ""
@@ -323,6 +328,23 @@ def _check_engine(group: GroupSection, where: str) -> None:
         raise ConfigError(f"{where}.engine_python {group.engine_python!r} is not an executable file")
 
 
+def _check_tp(group: GroupSection, where: str) -> None:
+    """A tensor-parallel group: reference engines, rank r on cuda:r (or every rank on cpu)."""
+    if group.tp_size < 1:
+        raise ConfigError(f"{where}.tp_size must be >= 1, found {group.tp_size}")
+    if group.tp_size == 1:
+        return
+    if group.engine != REFERENCE:
+        raise ConfigError(f'{where}.tp_size {group.tp_size} needs engine = "reference", found {group.engine!r}')
+    if group.device not in ("cpu", "cuda:0"):
+        raise ConfigError(
+            f"{where}.device must be cpu or cuda:0 with tp_size {group.tp_size} (rank r runs on cuda:r), "
+            f"found {group.device!r}"
+        )
+    if group.snapshot and "{rank}" not in group.snapshot:
+        raise ConfigError(f"{where}.snapshot must hold {{rank}} with tp_size {group.tp_size} (a snapshot per rank)")
+
+
 def validate(config: ClusterConfig) -> None:
     """Cross-field checks: positive timings, distinct ports, a token for non-loopback binds."""
     src = config.source
@@ -356,6 +378,7 @@ def validate(config: ClusterConfig) -> None:
         if not (group.device == "cpu" or group.device.startswith("cuda:")):
             raise ConfigError(f"{src}: groups[{i}].device must be cpu or cuda:N, found {group.device!r}")
         _check_engine(group, f"{src}: groups[{i}]")
+        _check_tp(group, f"{src}: groups[{i}]")
         if group.listen_base_port < 0:
             found = group.listen_base_port
             raise ConfigError(f"{src}: groups[{i}].listen_base_port must be >= 0 (0: base_port), found {found}")

@@ -371,8 +371,8 @@ class Ha:
 
     async def _restart_slot(self, snap: Snapshot, member_id: str) -> str:
         group = self.cluster.members[member_id].spec.group
-        if not snap.daemon(group).serving:
-            return f"{member_id} restarts once cache daemon g{group}-cache serves"
+        if not snap.daemons_serve(group):
+            return f"{member_id} restarts once the cache daemons of group {group} serve"
         process = await self.cluster.start_engine(member_id)
         self.events.record("engine_start", f"started standby {member_id} (pid {process.pid})", member=member_id)
         return f"started replacement standby {member_id} (pid {process.pid})"
@@ -745,7 +745,7 @@ class Ha:
                     "exit", f"standby {view.id} {view.exit_reason}; restarting in {delay:.1f} s",
                     member=view.id, group=view.group,
                 )  # fmt: skip
-            if snap.daemon(group).serving and now >= restarts.next_start_at:
+            if snap.daemons_serve(group) and now >= restarts.next_start_at:
                 start.append(view)
         if (not fence and not start) or self.executor.backing_off(group, "members"):
             return None

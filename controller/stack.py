@@ -22,6 +22,7 @@ from hotweights.dtypes import MODEL_DTYPES, config_name
 from hotweights.errors import ConfigError
 from hotweights.spawn import hotweights_command
 from hotweights.standby.agent import KINDS, PORT_PLACEHOLDER
+from hotweights.standby.tpgroup import SOCKET_RANK
 from hotweights.standby.vllm_loader import LOAD_FORMAT
 
 MAX_SOCKET_PATH = 107  # sun_path is 108 bytes including the NUL
@@ -81,31 +82,39 @@ class Layout:
         sockets), the config file (the gateway)."""
         return (str(self.state_dir), *([str(self.config_path)] if self.config_path else []))
 
-    def socket(self, group: int) -> Path:
-        return self.state_dir / "run" / f"g{group}.sock"
+    def socket(self, group: int, rank: int | str = 0) -> Path:
+        """The socket of the group's daemon of ``rank``; ``rank`` "{rank}" gives a tensor-parallel engine's
+        ``--socket`` template."""
+        if self.config.groups[group].tp_size == 1:
+            return self.state_dir / "run" / f"g{group}.sock"
+        return self.state_dir / "run" / f"g{group}.r{rank}.sock"
 
-    def load_spec(self, group: int) -> LoadSpec:
-        model = self.config.model
+    def load_spec(self, group: int, rank: int = 0) -> LoadSpec:
+        model, config = self.config.model, self.config.groups[group]
         return LoadSpec(
-            device=self.config.groups[group].device,
+            device=f"cuda:{rank}" if config.device.startswith("cuda") and config.tp_size > 1 else config.device,
             dtype=MODEL_DTYPES[model.dtype] if model.dtype else None,
+            tp_size=config.tp_size,
+            tp_rank=rank,
             quantize=model.quantize or None,
         )
 
-    def daemon_command(self, group: int) -> list[str]:
-        """The group's cache daemon; a vLLM group's runs vLLM's loader with vLLM's Python. Every start tries
-        re-adoption from a live engine, then the group's ``snapshot`` (if any), then the checkpoint."""
+    def daemon_command(self, group: int, rank: int = 0) -> list[str]:
+        """The group's cache daemon (of ``rank``, in a tensor-parallel group); a vLLM group's runs vLLM's loader
+        with vLLM's Python. Every start tries re-adoption from a live engine, then the group's ``snapshot`` (if
+        any), then the checkpoint."""
         config = self.config.groups[group]
-        paths, backend = DaemonPaths(self.socket(group)), config.backend or None
-        snapshot = ["--snapshot", str(self.snapshot(group))] if config.snapshot else []
+        paths, backend = DaemonPaths(self.socket(group, rank)), config.backend or None
+        snapshot = ["--snapshot", str(self.snapshot(group, rank))] if config.snapshot else []
         if config.engine == REFERENCE:
-            return [*daemon_command(self.model_dir, self.load_spec(group), paths, backend), *snapshot]
+            return [*daemon_command(self.model_dir, self.load_spec(group, rank), paths, backend), *snapshot]
         command = daemon_command(self.model_dir, self.load_spec(group), paths, backend, python=config.engine_python)
         return [*command, "--format", VLLM_FORMAT, *snapshot]
 
-    def snapshot(self, group: int) -> Path:
-        """The group's ``snapshot`` path; a relative one is relative to the config file."""
-        path = Path(self.config.groups[group].snapshot).expanduser()
+    def snapshot(self, group: int, rank: int = 0) -> Path:
+        """The group's ``snapshot`` path (its ``{rank}`` replaced by ``rank``); a relative one is relative to
+        the config file."""
+        path = Path(self.config.groups[group].snapshot.replace(SOCKET_RANK, str(rank))).expanduser()
         if not path.is_absolute() and self.config_path is not None:
             path = self.config_path.parent / path
         return path
@@ -120,9 +129,11 @@ class Layout:
         It listens on ``spec.listen_port``; clients keep using ``spec.port`` (a proxy may sit in between)."""
         if self.config.groups[spec.group].engine == VLLM:
             return self.vllm_agent_command(spec)
-        model, engine = self.config.model, self.config.engine
+        model, engine, tp_size = self.config.model, self.config.engine, self.config.groups[spec.group].tp_size
         command = hotweights_command("engine", "--model", str(self.model_dir))
-        command += ["--device", spec.device, "--weight-cache", "client", "--socket", str(self.socket(spec.group))]
+        command += ["--tp-size", str(tp_size)] if tp_size > 1 else []
+        sockets = self.socket(spec.group, SOCKET_RANK)
+        command += ["--device", spec.device, "--weight-cache", "client", "--socket", str(sockets)]
         command += ["--port", str(spec.listen_port), "--role", Role.STANDBY, "--engine-id", spec.id]
         command += ["--kv-cache-tokens", str(engine.kv_cache_tokens), "--max-batch", str(engine.max_batch)]
         command += ["--drain-timeout", str(engine.drain_timeout_s)]

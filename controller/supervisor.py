@@ -81,6 +81,35 @@ def is_exiting(pid: int) -> bool:
         return False  # reaped: the pidfd reports the exit
 
 
+def _session(pid: int) -> int | None:
+    """The session id of a live (not zombie) pid; None if it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return None if fields[0] in ("Z", "X") else int(fields[3])
+
+
+def session_members(sid: int) -> list[int]:
+    """The live processes of session ``sid``, read from /proc."""
+    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _session(int(p.name)) == sid]
+
+
+def _kill_in_session(pid: int, sid: int) -> None:
+    """SIGKILL ``pid`` through a pidfd, once that pidfd is known to name a process of session ``sid``."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        if _session(pid) == sid:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+    finally:
+        os.close(pidfd)
+
+
 def _start_time(pid: int) -> int:
     stat = Path(f"/proc/{pid}/stat").read_text()
     return int(stat[stat.rindex(")") + 2 :].split()[19])
@@ -213,6 +242,19 @@ class Supervisor:
             return f"still alive {FENCE_TIMEOUT_S:g} s after SIGKILL (it ignored SIGTERM for {timeout:g} s)"
         return f"killed after ignoring SIGTERM for {timeout:g} s"
 
+    async def fence_session(self, process: Process, timeout: float = FENCE_TIMEOUT_S) -> bool:
+        """SIGKILL every process left in the session ``process`` was started in (it led it: a tensor-parallel
+        engine's rank 0, whose ranks share it) and wait until none is left; False if one outlived ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while members := await asyncio.to_thread(session_members, process.pid):
+            for pid in members:
+                _kill_in_session(pid, process.pid)
+            if time.monotonic() > deadline:
+                log.error("session %d: pid(s) %s outlived SIGKILL by %.0f s", process.pid, members, timeout)
+                return False
+            await asyncio.sleep(EXITING_POLL_S)
+        return True
+
     def forget(self, process: Process) -> None:
         """Stop watching without touching the process (controller shutdown that leaves it running)."""
         self.early.discard(process)
@@ -301,7 +343,7 @@ def stack_orphans(markers: Iterable[str]) -> list[tuple[str, ProcessRecord]]:
             continue
         identity = read_identity(int(proc.name))
         command = identity.command if identity else ()
-        subcommand = command[command.index("hotweights") + 1 : ][:1] if "hotweights" in command else []
+        subcommand = command[command.index("hotweights") + 1 :][:1] if "hotweights" in command else []
         if not subcommand or subcommand[0] not in STACK_COMMANDS:
             continue
         if any(arg == marker or arg.startswith(marker + "/") for arg in command for marker in markers):

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 import httpx
 
+from hotweights.chaos.load import LoadGenerator, completion_body
 from hotweights.chaos.splitbrain import SplitBrainDetector
 from hotweights.contract import Endpoint
 from hotweights.controller.commands import stop_everything
@@ -121,9 +122,9 @@ class ControllerStack:
         cluster = self.cluster()
         members = cluster["members"]
         primaries = [m for m in members if m["role"] == "primary" and m["state"] == "ready"]
-        daemons = [s for s in cluster["services"] if s["kind"] == "daemon"]
+        daemons = [s for s in cluster["services"] if s["kind"] == "daemon"]  # one per group, or per rank
         return (
-            sorted(m["group"] for m in primaries) == list(range(len(daemons)))
+            sorted(m["group"] for m in primaries) == sorted({d["group"] for d in daemons})
             and all(m["status"] == "healthy" for m in members)
             and all(d["serving"] for d in daemons)
             and all(self.engine_primary_status(p["url"]) == 200 for p in primaries)
@@ -204,3 +205,15 @@ def running_on_a_thread(worker: T, join_timeout_s: float) -> Iterator[T]:
 def split_brain_watch(urls: list[str]) -> contextlib.AbstractContextManager[SplitBrainDetector]:
     """chaos.splitbrain's detector (every engine's /primary every 10 ms) on a thread of its own."""
     return running_on_a_thread(SplitBrainDetector(urls), 10)
+
+
+def gateway_load(url: str, rps: float) -> contextlib.AbstractContextManager[LoadGenerator]:
+    """chaos.load's open-loop load (``rps`` completions a second) through ``url``, on a thread of its own;
+    every answer is checked against the completion the cluster gave before."""
+    reference = wait_until(lambda: _completion(url), 60, "a first completion through the gateway")
+    return running_on_a_thread(LoadGenerator(url, rps, reference), 60)
+
+
+def _completion(url: str) -> str | None:
+    response = httpx.post(url + Endpoint.COMPLETIONS, json=completion_body(), timeout=30)
+    return response.json()["choices"][0]["text"] if response.status_code == 200 else None

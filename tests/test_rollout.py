@@ -3,37 +3,22 @@ stack, under load through the gateway, with new engine settings from cluster.tom
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
 from dataclasses import replace
 from pathlib import Path
 
-import httpx
 import pytest
 
-from hotweights.chaos.load import LoadGenerator, completion_body
 from hotweights.contract import Endpoint
 from hotweights.controller.config import EngineSection, GroupSection, load_config, rollout_changes
 from hotweights.errors import ConfigError
 from hotweights.spawn import hotweights_command
 from tests.cachehelpers import ENV
-from tests.controllerhelpers import ControllerStack, running_on_a_thread, split_brain_watch, wait_until
+from tests.controllerhelpers import ControllerStack, gateway_load, split_brain_watch, wait_until
 
 RPS = 10.0
-
-
-def gateway_load(url: str, rps: float) -> contextlib.AbstractContextManager[LoadGenerator]:
-    """chaos.load's open-loop load (``rps`` completions a second) through ``url``, on a thread of its own;
-    every answer is checked against the completion the cluster gave before."""
-    reference = wait_until(lambda: _completion(url), 60, "a first completion through the gateway")
-    return running_on_a_thread(LoadGenerator(url, rps, reference), 60)
-
-
-def _completion(url: str) -> str | None:
-    response = httpx.post(url + Endpoint.COMPLETIONS, json=completion_body(), timeout=30)
-    return response.json()["choices"][0]["text"] if response.status_code == 200 else None
 
 
 def _flag(pid: int, flag: str) -> str:
