@@ -218,7 +218,9 @@ def cmd_drill(args: argparse.Namespace) -> int:
             raise ConfigError("--config names a running stack: add --attach-running (the drill starts its own without)")
         else:
             needs_proxy = any(SCENARIOS[name].needs_proxy for name in args.scenarios or SCENARIOS)
-            stack = DrillStack.create(workdir, args.lb, proxied=needs_proxy, model=args.model or "", device=args.device)
+            stack = DrillStack.create(
+                workdir, args.lb, proxied=needs_proxy, model=args.model or "", device=args.device, tp_size=args.tp_size
+            )
         return asyncio.run(drill(args, stack))
 
 
@@ -236,6 +238,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--attach-running", action="store_true", help="drill the running stack of --config")
     p.add_argument("--model", help="own stack: checkpoint directory (default: the embedded tiny model)")
     p.add_argument("--device", default="cpu", help="own stack: cpu or cuda:N (default cpu)")
+    p.add_argument("--tp-size", type=int, default=1, help="own stack: ranks per engine, a daemon per rank (default 1)")
     p.add_argument("--lb", choices=["gateway", "haproxy"], default="gateway", help="load balancer (default gateway)")
     p.add_argument("--rounds", type=int, help="rounds in all, cycling through the scenarios (default: one each)")
     p.add_argument("--rps", type=float, default=10.0, help="client requests per second (default 10)")

@@ -15,8 +15,10 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
+import httpx
+
 from hotweights.chaos.faults import Target, is_alive, netem_unavailable, send
-from hotweights.contract import State
+from hotweights.contract import Endpoint, State
 
 if TYPE_CHECKING:
     from hotweights.chaos.clusterview import ClusterView, ControlApi
@@ -209,6 +211,56 @@ class KillDaemonThenPrimary(Scenario):
         r.hit(primary, signal.SIGKILL)
 
 
+class RankScenario(Scenario):
+    """A fault on the last rank of a tensor-parallel group (rank 0 is the engine itself: ``kill-primary``)."""
+
+    def skip_reason(self, stack: DrillStack) -> str | None:
+        return None if stack.config.groups[0].tp_size > 1 else "the stack's engines have one rank (tp_size = 1)"
+
+    async def primary_rank(self, r: Round) -> Target | None:
+        """The primary's last rank, from the rank pids its health page lists."""
+        primaries = r.view.primaries()
+        if not primaries:
+            return None
+        async with httpx.AsyncClient(timeout=2.0) as client:
+            ranks = (await client.get(primaries[0]["url"] + Endpoint.LIVE)).json()["rank_pids"]
+        return Target.of(primaries[0]["id"], ranks[-1])  # named as its group, whose events the controller records
+
+
+class KillRank(RankScenario):
+    name = "kill-rank"
+    measures = "SIGKILL the last rank of the primary group: its rank 0 exits at once; the group fails over as one"
+
+    async def inject(self, r: Round) -> None:
+        r.hit(await self.primary_rank(r), signal.SIGKILL)
+
+
+class HangRank(RankScenario):
+    name = "hang-rank"
+    measures = "SIGSTOP the last rank of the primary group: rank 0 reports it unready; every rank is fenced"
+
+    async def inject(self, r: Round) -> None:
+        r.hit(await self.primary_rank(r), signal.SIGSTOP)
+
+    async def settle(self, r: Round) -> None:
+        if not await wait_dead(r.targets[0]):
+            r.problem = "the stopped rank was not fenced with its group"
+
+    async def cleanup(self, r: Round) -> None:
+        for target in r.targets:
+            send(target, signal.SIGCONT)
+
+
+class KillRankDaemon(RankScenario):
+    name = "kill-rank-daemon"
+    measures = "SIGKILL the last rank's cache daemon: every engine keeps serving; the respawn re-adopts that rank"
+    respawns_daemon = True
+
+    async def inject(self, r: Round) -> None:
+        daemons = [s for s in r.view.services if s["kind"] == "daemon"]
+        r.hit(r.view.target(max(daemons, key=lambda s: s["rank"])["id"]), signal.SIGKILL)
+
+
 class KillController(Scenario):
     name = "kill-controller"
     measures = "SIGKILL the controller for 1 s: serving continues; the restarted controller re-adopts every process"
@@ -308,6 +360,9 @@ SCENARIOS: dict[str, type[Scenario]] = {
         KillDaemon,
         HangDaemon,
         KillDaemonThenPrimary,
+        KillRank,
+        HangRank,
+        KillRankDaemon,
         KillController,
         KillLoadBalancer,
         DoubleFailure,
@@ -315,3 +370,4 @@ SCENARIOS: dict[str, type[Scenario]] = {
         Switchover,
     )
 }
+RANK_SCENARIOS = frozenset(name for name, cls in SCENARIOS.items() if issubclass(cls, RankScenario))  # tp_size > 1

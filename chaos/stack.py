@@ -42,6 +42,7 @@ path = "{model}"
 [[groups]]
 device = "{device}"
 engines = {engines}
+tp_size = {tp_size}
 base_port = {base_port}
 {listen_base_port}
 [engine]
@@ -73,8 +74,11 @@ class DrillStack:
     haproxy: subprocess.Popen | None = None
 
     @classmethod
-    def create(cls, workdir: Path, lb: str, proxied: bool, model: str = "", device: str = "cpu") -> DrillStack:
-        """Write the config of a fresh stack in ``workdir`` (default: the embedded tiny model on CPU)."""
+    def create(
+        cls, workdir: Path, lb: str, proxied: bool, model: str = "", device: str = "cpu", tp_size: int = 1
+    ) -> DrillStack:
+        """Write the config of a fresh stack in ``workdir`` (default: the embedded tiny model on CPU; engines of
+        ``tp_size`` ranks, a daemon per rank)."""
         workdir.mkdir(parents=True, exist_ok=True)
         controller_port, gateway_port, lb_port = free_ports(3)
         ports = free_ports(2 * ENGINES if proxied else ENGINES, consecutive=True)  # public, then private
@@ -88,6 +92,7 @@ class DrillStack:
                 model=str(Path(model).resolve()) if model else "",
                 device=device,
                 engines=ENGINES,
+                tp_size=tp_size,
                 base_port=engine_ports[0],
                 listen_base_port=(
                     f"listen_base_port = {private_ports[0]}  # engines listen here; our fault proxies on base_port\n"
