@@ -20,6 +20,7 @@ import functools
 import logging
 import os
 import socket
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -43,6 +44,9 @@ from hotweights.standby.weights import add_weight_cache_arguments, load_model
 log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 8200  # a cluster's first engine's (controller base_port); the gateway's is 8000
+# How long a thread may keep the GIL while another waits for it (Python: 5 ms, a third of an xl decode
+# step): the inference thread gets it back this soon from the HTTP thread to launch its next step.
+GIL_SWITCH_S = 0.0005
 
 
 def new_decoder(model: Transformer, max_batch: int, kv_tokens: int, graphs: bool = False) -> Decoder:
@@ -60,12 +64,11 @@ def warm_up(model: Transformer, max_batch: int, kv_tokens: int, graphs: bool, ke
     decoder = new_decoder(model, max_batch, kv_tokens, graphs)
     decoder.warm_up()
     log.info(
-        "warmed up in %.3f s: prefill at %d lengths up to %d, decode at batch 1..%d and %d KV length(s)%s",
+        "warmed up in %.3f s: prefill and decode at %d lengths up to %d, decode at batch 1..%d%s",
         time.perf_counter() - start,
-        len(decoder.prefill_lengths),
+        len(decoder.lengths),
         decoder.kv.max_tokens,
         decoder.batch,
-        len(decoder.kv_lengths),
         f", CUDA graphs {decoder.graph_bytes} bytes" if graphs else "",
     )
     if graphs or keep:
@@ -171,6 +174,7 @@ def cmd_engine(args: argparse.Namespace) -> int:
     ready |= {"kv_cache_bytes": capacity.held_bytes(), "cuda_graph_bytes": ctx.cuda_graph_bytes}
     server = EngineServer(config, ready, scheduler.cancel_all, args.shutdown_timeout)
 
+    sys.setswitchinterval(GIL_SWITCH_S)
     scheduler.start()
     try:
         run_until_signal(server, sock)
