@@ -322,6 +322,8 @@ class Ha:
         message = str(body.get("message", ""))
         if status != 200:
             return False, _ms(time.monotonic() - start), f"{status}: {message}"
+        # Where a promotion's time goes: the POST as we saw it, the engine's own part of it, the confirmation.
+        parts = {"post_ms": _ms(time.monotonic() - start), "engine_ms": body.get("duration_ms")}
         if not await self.engines.is_primary(candidate.url):
             failed = "promoted, but /primary does not answer 200"
             return False, _ms(time.monotonic() - start), await self._fence_unconfirmed(candidate, failed)
@@ -330,7 +332,7 @@ class Ha:
         promote_ms = _ms(time.monotonic() - start)
         self.events.record(
             "promote", f"promoted {candidate.id}: {message}", member=candidate.id, group=candidate.group,
-            promote_ms=promote_ms,
+            promote_ms=promote_ms, **parts,
         )  # fmt: skip
         return True, promote_ms, message
 

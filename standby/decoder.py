@@ -3,22 +3,24 @@
 A ``Decoder`` owns one KV cache (``batch`` slots of ``max_tokens`` positions) and runs two things on
 it for the scheduler:
 
-- ``prefill(slot, prompt_ids)``: the prompt, padded to the next length of ``prefill_lengths``
+- ``prefill(slot, prompt_ids)``: the prompt, padded to the next length of ``lengths``
   (powers of two from 16, ending with ``max_tokens``), written into one slot. Padding sits after
   the prompt, so causal attention keeps it out of the prompt's logits; its keys and values are
   overwritten by the decode steps that follow, and masked until then.
 - ``decode(tokens, positions)``: one step for slots 0 .. n-1 at once (``Transformer.decode``), each
-  at its own position, attending over the next length of ``kv_lengths`` that holds every row.
+  at its own position, attending over the next length of ``lengths`` that holds every row.
 
 So the shapes serving uses form a small fixed set, and ``warm_up`` runs every one of them (and the
 sampling path) before the engine reports ready: later requests find every kernel, allocator block
-and library plan already made. With ``graphs`` (CUDA only) the KV length is always ``max_tokens`` and
-the decode step at each batch size 1 .. ``batch`` is captured as a CUDA graph during warm-up; a
-replay copies the step's tokens and positions into the graph's own input buffer first and returns
-a copy of its output, so it never reads a previous step's inputs nor hands out a buffer the next
-replay overwrites. Graphs point at this cache's memory, which is why a graphed ``Decoder`` is kept
-for the engine's whole life (reserved at start-up, standby included) rather than allocated on
-promote.
+and library plan already made. With ``graphs`` (CUDA only) the decode step at each batch size
+1 .. ``batch`` and each KV length is captured as a CUDA graph during warm-up, its elementwise steps
+fused (``standby.fused``); a replay copies the step's tokens and positions into the graph's own
+input buffer first and returns a copy of its output, so it never reads a previous step's inputs nor
+hands out a buffer the next replay overwrites. Graphs point at this cache's memory, which is why a
+graphed ``Decoder`` is kept for the engine's whole life (reserved at start-up, standby included)
+rather than allocated on promote. KV lengths stay bucketed with graphs too: attention over all
+``max_tokens`` positions at every step would cost an ``xl`` step 8 ms more at 4096 (measured on an
+H200, ``docs/benchmarks.md``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import logging
 
 import torch
 
+from hotweights.standby.fused import fusing
 from hotweights.standby.model import KVCache, Transformer, sample_token
 
 log = logging.getLogger(__name__)
@@ -53,27 +56,33 @@ def bucket(lengths: list[int], n: int) -> int:
     return lengths[i]
 
 
+def _step(model: Transformer, inputs: torch.Tensor, kv: KVCache, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step for ``inputs`` (2, B) (tokens, positions): (B, V) logits and each row's argmax."""
+    logits = model.decode(inputs[0], inputs[1], kv, kv_len)
+    return logits, logits.argmax(-1)
+
+
 class DecodeGraph:
-    """One decode step at a fixed batch size and KV length, captured as a CUDA graph."""
+    """One decode step (and its rows' argmax) at a fixed batch size and KV length, captured as a CUDA graph."""
 
     def __init__(self, model: Transformer, kv: KVCache, batch: int, kv_len: int, pool: object) -> None:
         self.inputs = torch.zeros((2, batch), dtype=torch.long, device=model.device)  # tokens, positions
         # Capture needs the step run once outside it (lazy initialisation), on a side stream.
         side = torch.cuda.Stream(model.device)
         side.wait_stream(torch.cuda.current_stream(model.device))
-        with torch.cuda.stream(side):
-            model.decode(self.inputs[0], self.inputs[1], kv, kv_len)
+        with torch.cuda.stream(side), fusing():
+            _step(model, self.inputs, kv, kv_len)  # compiles the fused steps for this shape
         torch.cuda.current_stream(model.device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.logits = model.decode(self.inputs[0], self.inputs[1], kv, kv_len)  # (batch, V), static
+        with torch.cuda.graph(self.graph, pool=pool), fusing():
+            self.logits, self.argmax = _step(model, self.inputs, kv, kv_len)  # (batch, V), (batch,): static
 
-    def run(self, inputs: torch.Tensor) -> torch.Tensor:
-        """(batch, V) logits for ``inputs`` (2, batch): every input written before the replay, the
-        output copied after it."""
+    def run(self, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(batch, V) logits and (batch,) argmax for ``inputs`` (2, batch): every input written before
+        the replay, the outputs copied after it."""
         self.inputs.copy_(inputs)
         self.graph.replay()
-        return self.logits.clone()
+        return self.logits.clone(), self.argmax.clone()
 
 
 class Decoder:
@@ -85,10 +94,11 @@ class Decoder:
         self.model = model
         self.kv = kv
         self.graphs_enabled = graphs
-        self.prefill_lengths = length_buckets(kv.max_tokens)
-        self.kv_lengths = [kv.max_tokens] if graphs else self.prefill_lengths
+        self.lengths = length_buckets(kv.max_tokens)  # of prefills and of the KV positions decode reads
         self.graph_bytes = 0  # device memory the captured graphs hold
-        self._graphs: dict[int, DecodeGraph] = {}  # batch size -> its captured step
+        self._graphs: dict[tuple[int, int], DecodeGraph] = {}  # (batch size, KV length) -> its captured step
+        pinned = model.device.type == "cuda"
+        self._host_argmax = torch.zeros(kv.batch, dtype=torch.long, pin_memory=pinned)  # a step's greedy tokens
 
     @property
     def batch(self) -> int:
@@ -101,30 +111,44 @@ class Decoder:
     def prefill(self, slot: int, prompt_ids: list[int]) -> torch.Tensor:
         """Write the prompt into KV slot ``slot`` from position 0; (V,) float32 logits for the next token."""
         n = len(prompt_ids)
-        ids = torch.zeros((1, bucket(self.prefill_lengths, n)), dtype=torch.long)
+        ids = torch.zeros((1, bucket(self.lengths, n)), dtype=torch.long)
         ids[0, :n] = torch.tensor(prompt_ids, dtype=torch.long)
         hidden = self.model.hidden(ids.to(self.model.device), 0, self.kv.slot(slot))
         return self.model.logits(hidden[0, n - 1])
 
-    def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
-        """(n, V) float32 logits: slot b is fed ``tokens[b]`` at ``positions[b]``, for b < n <= batch."""
+    def decode(self, tokens: list[int], positions: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """(n, V) float32 logits and each row's argmax (the greedy token): slot b is fed ``tokens[b]``
+        at ``positions[b]``, for b < n <= batch. Waits for the device without holding the GIL, so the
+        engine's HTTP thread runs meanwhile."""
         inputs = torch.tensor([tokens, positions], dtype=torch.long)
-        graph = self._graphs.get(len(tokens))
+        kv_len = bucket(self.lengths, max(positions) + 1)
+        graph = self._graphs.get((len(tokens), kv_len))
         if graph is not None:
-            return graph.run(inputs)
-        inputs = inputs.to(self.model.device)
-        return self.model.decode(inputs[0], inputs[1], self.kv, bucket(self.kv_lengths, max(positions) + 1))
+            logits, argmax = graph.run(inputs)
+        else:
+            logits, argmax = _step(self.model, inputs.to(self.model.device), self.kv, kv_len)
+        return logits, self._to_host(argmax)
+
+    def _to_host(self, argmax: torch.Tensor) -> list[int]:
+        if argmax.device.type != "cuda":
+            return argmax.tolist()
+        host = self._host_argmax[: argmax.shape[0]]
+        host.copy_(argmax, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        done.synchronize()  # releases the GIL, unlike .tolist()'s implicit wait
+        return host.tolist()
 
     def warm_up(self) -> None:
         """Run every shape serving uses (module docstring) and the sampling path once; with graphs,
         capture the decode step at every batch size. Leaves finite garbage in the KV cache, which
         serving overwrites before it reads (reads beyond a sequence's length are masked)."""
         device = self.model.device
-        for length in self.prefill_lengths:
+        for length in self.lengths:
             logits = self.prefill(0, [0] * length)
         for n in range(1, self.batch + 1):
-            for kv_len in self.kv_lengths:
-                logits = self.decode([0] * n, [kv_len - 1] * n)
+            for kv_len in self.lengths:
+                logits, _ = self.decode([0] * n, [kv_len - 1] * n)
         sample_token(logits[0], 1.0, 0.9, torch.Generator(device=device).manual_seed(0))
         sample_token(logits[0], 0.0, 1.0, torch.Generator(device=device))
         if self.graphs_enabled:
@@ -133,15 +157,19 @@ class Decoder:
             torch.cuda.synchronize(device)
 
     def _capture(self) -> None:
-        """A graph per batch size, sharing one memory pool; ``graph_bytes`` is what they added."""
+        """A graph per batch size and KV length, sharing one memory pool; ``graph_bytes`` is what they added."""
         device = self.model.device
         before = _reserved_in_use(device)
         pool = torch.cuda.graph_pool_handle()
         for n in range(1, self.batch + 1):
-            self._graphs[n] = DecodeGraph(self.model, self.kv, n, self.kv.max_tokens, pool)
-            self._graphs[n].run(torch.zeros((2, n), dtype=torch.long))  # a first replay, as serving's would be
+            for kv_len in self.lengths:
+                graph = self._graphs[n, kv_len] = DecodeGraph(self.model, self.kv, n, kv_len, pool)
+                graph.run(torch.zeros((2, n), dtype=torch.long))  # a first replay, as serving's would be
         self.graph_bytes = _reserved_in_use(device) - before
-        log.info("captured decode CUDA graphs for batch 1..%d: %d bytes", self.batch, self.graph_bytes)
+        log.info(
+            "captured %d decode CUDA graphs (batch 1..%d, KV lengths %s): %d bytes",
+            len(self._graphs), self.batch, self.lengths, self.graph_bytes,
+        )
 
 
 def _reserved_in_use(device: torch.device) -> int:

@@ -20,6 +20,7 @@ import functools
 import logging
 import os
 import socket
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -48,6 +49,9 @@ from hotweights.standby.weights import LoadedModel, add_weight_cache_arguments, 
 log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 8200  # a cluster's first engine's (controller base_port); the gateway's is 8000
+# How long a thread may keep the GIL while another waits for it (Python: 5 ms, a third of an xl decode
+# step): the inference thread gets it back this soon from the HTTP thread to launch its next step.
+GIL_SWITCH_S = 0.0005
 
 
 def new_decoder(model: Transformer, max_batch: int, kv_tokens: int, graphs: bool = False) -> Decoder:
@@ -68,12 +72,11 @@ def warm_up(
     decoder = allocate()
     decoder.warm_up()
     log.info(
-        "warmed up in %.3f s: prefill at %d lengths up to %d, decode at batch 1..%d and %d KV length(s)%s",
+        "warmed up in %.3f s: prefill and decode at %d lengths up to %d, decode at batch 1..%d%s",
         time.perf_counter() - start,
-        len(decoder.prefill_lengths),
+        len(decoder.lengths),
         decoder.kv.max_tokens,
         decoder.batch,
-        len(decoder.kv_lengths),
         f", CUDA graphs {decoder.graph_bytes} bytes" if graphs else "",
     )
     if graphs or keep:
@@ -255,6 +258,7 @@ def serve(
     ready |= {"rank_pids": list(ctx.rank_pids)}
     server = EngineServer(config, ready, scheduler.cancel_all, args.shutdown_timeout)
 
+    sys.setswitchinterval(GIL_SWITCH_S)
     scheduler.start()
     try:
         run_until_signal(server, sock)

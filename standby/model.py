@@ -17,7 +17,8 @@ on CUDA cuDNN builds a plan for every new KV length (~57 ms each on an H200, see
 on flash attention. ``decode`` runs one token per row, each row at its own position (continuous
 batching): keys and values are written into each row's slot at its position (``index_put_`` with
 index tensors, which neither syncs nor depends on the values), and attention reads a fixed number
-of KV positions (``kv_len``) with each row's length as a boolean mask; the q heads that share a kv
+of KV positions (``kv_len``) with each row's length as an additive mask (made once per step, so no
+layer converts a boolean one); the q heads that share a kv
 head stand in for the query positions, so grouped-query attention needs no copy of the keys (on
 CUDA the masked call runs on the memory-efficient kernel). Its shapes depend only on the batch size
 and ``kv_len``, never on where the sequences are, which is what lets a scheduler warm every shape
@@ -39,6 +40,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from hotweights import quant
 from hotweights.layout import ModelConfig, check_tensor_parallel
 from hotweights.quant import dequantize, scale_shape
+from hotweights.standby import fused
 
 # Every SDPA backend but cuDNN's (module docstring): these take any length without a per-shape plan.
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -118,9 +120,11 @@ class RMSNorm(nn.Module):
         self.weight = _empty(dim, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float()).to(x.dtype)
+        return fused.rms_norm(x, self.weight, self.eps)
+
+    def add(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual add before this norm, in the same kernel: (x + delta, self(x + delta))."""
+        return fused.add_rms_norm(x, delta, self.weight, self.eps)
 
 
 def rope_tables(
@@ -133,13 +137,6 @@ def rope_tables(
     freqs = positions.float()[..., None] * inv_freq  # (..., hd/2)
     angles = torch.cat((freqs, freqs), dim=-1)  # (..., hd)
     return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (..., hd) by position, "rotate-half" convention: pairs are (i, i + hd/2); cos and sin
-    broadcast against x."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 class Attention(nn.Module):
@@ -164,10 +161,10 @@ class Attention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> torch.Tensor:
         B, T, _ = x.shape
-        hd = self.head_dim
-        q, k, v = self.qkv_proj(x).split([self.n_head * hd, self.n_kv_head * hd, self.n_kv_head * hd], -1)
-        q = apply_rope(q.view(B, T, self.n_head, hd).transpose(1, 2), cos, sin)  # (B, nh, T, hd)
-        k = apply_rope(k.view(B, T, self.n_kv_head, hd).transpose(1, 2), cos, sin)  # (B, nkv, T, hd)
+        hd, nh = self.head_dim, self.n_head
+        qk, v = self.qkv_proj(x).split([(nh + self.n_kv_head) * hd, self.n_kv_head * hd], -1)
+        qk = fused.rope(qk.view(B, T, -1, hd), cos[:, None], sin[:, None])  # q and k heads: (B, T, nh + nkv, hd)
+        q, k = qk[:, :, :nh].transpose(1, 2), qk[:, :, nh:].transpose(1, 2)  # (B, nh, T, hd), (B, nkv, T, hd)
         v = v.view(B, T, self.n_kv_head, hd).transpose(1, 2)  # (B, nkv, T, hd)
 
         mask = None  # from position 0 the chunk attends causally to itself only
@@ -197,13 +194,13 @@ class Attention(nn.Module):
         cache_v: torch.Tensor,
     ) -> torch.Tensor:
         """One token per row: x (B, H); cos/sin (B, 1, hd); ``at`` indexes each row's (row, kv head,
-        position) in its slot, broadcasting to (B, nkv); ``mask`` (B, 1, 1, L) is True where a row may
-        attend; cache_k/v are the rows' slots (B, nkv, S, hd). Writes each row's k and v at its
+        position) in its slot, broadcasting to (B, nkv); ``mask`` (B, 1, 1, L) is 0 where a row may
+        attend and -inf elsewhere; cache_k/v are the rows' slots (B, nkv, S, hd). Writes each row's k and v at its
         position, attends over the first L positions, returns (B, H)."""
-        B, hd, nkv = x.shape[0], self.head_dim, self.n_kv_head
-        q, k, v = self.qkv_proj(x).split([self.n_head * hd, nkv * hd, nkv * hd], -1)
-        q = apply_rope(q.view(B, self.n_head, hd), cos, sin)  # (B, nh, hd)
-        k = apply_rope(k.view(B, nkv, hd), cos, sin)  # (B, nkv, hd)
+        B, hd, nh, nkv = x.shape[0], self.head_dim, self.n_head, self.n_kv_head
+        qk, v = self.qkv_proj(x).split([(nh + nkv) * hd, nkv * hd], -1)
+        qk = fused.rope(qk.view(B, nh + nkv, hd), cos, sin)  # q and k heads
+        q, k = qk[:, :nh], qk[:, nh:]  # (B, nh, hd), (B, nkv, hd)
         cache_k.index_put_(at, k)
         cache_v.index_put_(at, v.view(B, nkv, hd))
         L = mask.shape[-1]
@@ -225,12 +222,13 @@ class MLP(nn.Module):
         self.down_proj = _projection(inter, config.hidden_size, config, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # each (B, T, I/tp)
-        return _all_reduce(self.down_proj(F.silu(gate) * up), self.tp)
+        return _all_reduce(self.down_proj(fused.silu_mul(self.gate_up_proj(x))), self.tp)  # gate, up: (..., I/tp) each
 
 
 class Block(nn.Module):
-    """Pre-norm residual block."""
+    """Pre-norm residual block. It takes and returns the residual stream ``x`` with the output ``delta``
+    of the block before it not yet added (zeros for the first block), so that every residual add
+    runs in the same kernel as the norm after it; the caller adds the last block's ``delta``."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: TensorParallel) -> None:
         super().__init__()
@@ -246,14 +244,19 @@ class Block(nn.Module):
         sin: torch.Tensor,
         start_pos: int,
         kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, start_pos, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        delta: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x, h = self.input_layernorm.add(x, delta)
+        x, h = self.post_attention_layernorm.add(x, self.self_attn(h, cos, sin, start_pos, kv_cache))
+        return x, self.mlp(h)
 
-    def decode(self, x: torch.Tensor, *attention: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """One token per row, x (B, H); ``attention`` as for ``Attention.decode``."""
-        x = x + self.self_attn.decode(self.input_layernorm(x), *attention)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def decode(
+        self, x: torch.Tensor, delta: torch.Tensor, *attention: torch.Tensor | tuple[torch.Tensor, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token per row, x and delta (B, H); ``attention`` as for ``Attention.decode``."""
+        x, h = self.input_layernorm.add(x, delta)
+        x, h = self.post_attention_layernorm.add(x, self.self_attn.decode(h, *attention))
+        return x, self.mlp(h)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -365,9 +368,10 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta, self.dtype)
 
         x = self.embed_tokens(input_ids)  # (B, T, H)
+        delta = torch.zeros_like(x)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, start_pos, None if cache is None else (cache.k[i], cache.v[i]))
-        return self.norm(x)
+            x, delta = layer(x, cos, sin, start_pos, None if cache is None else (cache.k[i], cache.v[i]), delta)
+        return self.norm.add(x, delta)[1]
 
     @torch.inference_mode()
     def logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -388,12 +392,14 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta, self.dtype)
         heads = torch.arange(self.config.num_key_value_heads // self.tp.size, device=device)  # this rank's
         at = (torch.arange(B, device=device)[:, None], heads[None, :], positions[:, None])  # (B, nkv) when broadcast
-        mask = torch.arange(kv_len, device=device) <= positions[:, None]  # (B, L)
+        beyond = torch.arange(kv_len, device=device) > positions[:, None]  # (B, L)
+        mask = torch.zeros(beyond.shape, dtype=self.dtype, device=device).masked_fill_(beyond, float("-inf"))
         attention = (cos[:, None], sin[:, None], at, mask[:, None, None])
         x = self.embed_tokens(tokens)  # (B, H)
+        delta = torch.zeros_like(x)
         for i, layer in enumerate(self.layers):
-            x = layer.decode(x, *attention, cache.k[i, :B], cache.v[i, :B])
-        return self.logits(self.norm(x))
+            x, delta = layer.decode(x, delta, *attention, cache.k[i, :B], cache.v[i, :B])
+        return self.logits(self.norm.add(x, delta)[1])
 
 
 def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:

@@ -69,6 +69,7 @@ class Sequence:
         # Owned by the worker once submitted:
         self.slot: int | None = None
         self.logits: torch.Tensor | None = None  # (V,) for the next token
+        self.greedy: int | None = None  # the argmax of ``logits`` when the step computed it
         self.pos = 0  # where the next fed token goes
         self.token = 0  # the last token sampled: the next one fed
         self.generated = 0
@@ -212,7 +213,7 @@ class Scheduler:
         if seed is None:
             seed = secrets.randbits(62) if params.temperature > 0 else 0
         seq.generator = torch.Generator(device=decoder.model.device).manual_seed(seed)
-        seq.logits = decoder.prefill(seq.slot, seq.prompt_ids)
+        seq.logits, seq.greedy = decoder.prefill(seq.slot, seq.prompt_ids), None
         seq.pos = len(seq.prompt_ids)
 
     def _step(self) -> None:
@@ -232,7 +233,10 @@ class Scheduler:
     def _emit(self, seq: Sequence) -> None:
         """Sample one token from the pending logits and hand it over, or retire the sequence."""
         params = seq.params
-        token = sample_token(seq.logits, params.temperature, params.top_p, seq.generator)
+        if params.temperature == 0.0 and seq.greedy is not None:
+            token = seq.greedy  # what sample_token would return, computed with the step
+        else:
+            token = sample_token(seq.logits, params.temperature, params.top_p, seq.generator)
         if token in params.stop_ids:
             self._retire(seq, Finish("stop"))
             return
@@ -248,9 +252,9 @@ class Scheduler:
         tokens, positions = [0] * n, [0] * n  # a free slot's row: token 0 at its own position 0
         for seq in self._active:
             tokens[seq.slot], positions[seq.slot] = seq.token, seq.pos
-        logits = decoder.decode(tokens, positions)  # (n, V)
+        logits, greedy = decoder.decode(tokens, positions)  # (n, V), n argmaxes
         for seq in self._active:
-            seq.logits = logits[seq.slot]
+            seq.logits, seq.greedy = logits[seq.slot], greedy[seq.slot]
             seq.pos += 1
 
     def _fail(self, seq: Sequence, exc: Exception) -> None:
@@ -261,7 +265,7 @@ class Scheduler:
     def _retire(self, seq: Sequence, finish: Finish) -> None:
         if seq in self._active:
             self._active.remove(seq)
-        seq.logits = None
+        seq.logits = seq.greedy = None
         with self._lock:
             if seq.slot is not None and self._decoder is not None:
                 self._free_slots.add(seq.slot)

@@ -44,9 +44,11 @@ def test_graph_replays_equal_eager_steps_and_never_hand_out_a_reused_buffer(mode
             d.prefill(slot, prompt)
     steps = [([11, 12, 13], [3, 21, 1]), ([14], [4]), ([15, 16], [5, 22]), ([17, 18, 19], [6, 23, 2])]
     outputs = [graphed.decode(*step) for step in steps]
-    for step, out in zip(steps, outputs, strict=True):
+    for step, (logits, greedy) in zip(steps, outputs, strict=True):
         # Still each step's own values after the later replays: a copy, not the graph's output buffer.
-        torch.testing.assert_close(out, eager.decode(*step), rtol=1e-4, atol=1e-4)
+        expected, expected_greedy = eager.decode(*step)
+        torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+        assert greedy == logits.argmax(-1).tolist() == expected_greedy
 
 
 def test_batched_greedy_with_graphs_equals_generate(model: Transformer) -> None:

@@ -327,7 +327,7 @@ def batched_step(model: Transformer, tp: TensorParallel) -> torch.Tensor:
     decoder = Decoder(model, cache)
     for slot, prompt in ((0, [4, 8, 15]), (1, [16, 23, 42, 7, 1]), (3, [9])):
         decoder.prefill(slot, prompt)
-    return decoder.decode([5, 6, 0, 7], [3, 5, 0, 1])
+    return decoder.decode([5, 6, 0, 7], [3, 5, 0, 1])[0]
 
 
 def _tp_worker(rank: int, workdir: str, results: mp.Queue) -> None:

@@ -34,11 +34,11 @@ class RecordingDecoder(Decoder):
         return [n for n, _ in self.decodes]
 
     def prefill(self, slot: int, prompt_ids: list[int]) -> torch.Tensor:
-        self.prefills.append(bucket(self.prefill_lengths, len(prompt_ids)))
+        self.prefills.append(bucket(self.lengths, len(prompt_ids)))
         return super().prefill(slot, prompt_ids)
 
     def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
-        self.decodes.append((len(tokens), bucket(self.kv_lengths, max(positions) + 1)))
+        self.decodes.append((len(tokens), bucket(self.lengths, max(positions) + 1)))
         return super().decode(tokens, positions)
 
 
