@@ -171,11 +171,11 @@ class GroupDecoder:
         return getattr(self.local, name)
 
     def prefill(self, slot: int, prompt_ids: list[int]) -> torch.Tensor:
-        bucket(self.local.prefill_lengths, len(prompt_ids))
+        bucket(self.local.lengths, len(prompt_ids))
         return self._run(Op.PREFILL, slot, prompt_ids, lambda: self.local.prefill(slot, prompt_ids))
 
-    def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
-        bucket(self.local.kv_lengths, max(positions) + 1)
+    def decode(self, tokens: list[int], positions: list[int]) -> tuple[torch.Tensor, list[int]]:
+        bucket(self.local.lengths, max(positions) + 1)
         return self._run(Op.DECODE, 0, [*tokens, *positions], lambda: self.local.decode(tokens, positions))
 
     def warm_up(self) -> None:
