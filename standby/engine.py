@@ -175,7 +175,7 @@ def run_follower(args: argparse.Namespace) -> int:
         model = load_rank(args, args.tp_rank, args.engine_id).model
     except HotweightsError as exc:
         tpgroup.exit_refused(tpgroup.in_group(exc, args.engine_id, args.tp_rank))
-    tpgroup.follow(channel, functools.partial(new_decoder, model, args.max_batch, args.kv_cache_tokens))
+    tpgroup.Follower(functools.partial(new_decoder, model, args.max_batch, args.kv_cache_tokens)).run(channel)
     dist.destroy_process_group()
     return 0
 

@@ -312,6 +312,8 @@ def init_group(size: int, rank: int, port: int, device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
         backend = "nccl"
+        # NVLink multicast (NVLS) can put a host's shared GPUs out of service; opt in with NCCL_NVLS_ENABLE=1.
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
 
 
@@ -330,25 +332,36 @@ def die_with_leader(leader_pid: int) -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
-def follow(channel: Channel, make: Callable[[bool], Decoder]) -> None:
-    """Run rank 0's commands on this rank's decoder until ``STOP``. ``make(graphs)`` allocates a decoder.
-    Any failure raises: the follower then exits, which ends the group."""
-    decoder: Decoder | None = None
-    while True:
-        op, a, payload = channel.receive()
-        if op is Op.STOP:
-            return
-        if op is Op.ALLOCATE:
-            decoder = None
-            decoder = make(bool(a))
-        elif op is Op.FREE:
-            decoder = None
-        elif op is Op.WARM_UP:
-            decoder.warm_up()
-        elif op is Op.PREFILL:
-            decoder.prefill(a, payload)
-        elif op is Op.DECODE:
-            n = len(payload) // 2
-            decoder.decode(payload[:n], payload[n:])
-        if op in (Op.ALLOCATE, Op.FREE) and torch.cuda.is_available():
-            torch.cuda.empty_cache()
+class Follower:
+    """A follower rank: rank 0's commands run on this rank's decoder, one at a time. ``make(graphs)``
+    allocates a decoder; at most one is held (``ALLOCATE`` drops the previous one first)."""
+
+    def __init__(self, make: Callable[[bool], Decoder]) -> None:
+        self.make = make
+        self.decoder: Decoder | None = None
+
+    def run(self, channel: Channel) -> None:
+        """Until ``STOP``. Any failure raises: the follower then exits, which ends the group."""
+        handlers = {
+            Op.ALLOCATE: self.allocate,
+            Op.FREE: self.free,
+            Op.WARM_UP: lambda a, payload: self.decoder.warm_up(),
+            Op.PREFILL: lambda a, payload: self.decoder.prefill(a, payload),
+            Op.DECODE: self.decode,
+        }
+        while (command := channel.receive())[0] is not Op.STOP:
+            op, a, payload = command
+            handlers[op](a, payload)
+
+    def decode(self, a: int, payload: list[int]) -> None:
+        n = len(payload) // 2  # tokens, then positions
+        self.decoder.decode(payload[:n], payload[n:])
+
+    def allocate(self, graphs: int, payload: list[int]) -> None:
+        self.free(0, payload)
+        self.decoder = self.make(bool(graphs))
+
+    def free(self, a: int, payload: list[int]) -> None:
+        self.decoder = None
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()  # the KV cache's memory goes back to the driver, as on rank 0

@@ -154,9 +154,9 @@ SAMPLINGS = [
 ]
 
 
-def reference_completer(model_dir: Path) -> Reference:
-    """In-process ``generate()`` at TP=1: (text, completion tokens) for a prompt."""
-    model = load_model(model_dir, LoadSpec()).model
+def reference_completer(model_dir: Path, device: str = "cpu") -> Reference:
+    """In-process ``generate()`` at TP=1 on ``device``: (text, completion tokens) for a prompt."""
+    model = load_model(model_dir, LoadSpec(device=device)).model
     tokenizer = load_tokenizer(model_dir)
     stop_ids = stop_token_ids(model_dir)
 

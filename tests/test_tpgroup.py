@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from hotweights.cli import main
 from hotweights.contract import Endpoint
@@ -145,3 +146,16 @@ def test_a_rank_attached_to_another_ranks_daemon_is_refused(tiny_model: Path, so
             (run / name).unlink()
     assert "engine g7 rank 1:" in stderr and "tp_rank" in stderr, stderr
     assert "engine g7: rank 1 exited with code 2; the whole group goes down" in stderr
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_a_group_on_two_gpus_serves_one_ranks_outputs_with_cuda_graphs(tiny_model: Path) -> None:
+    """NCCL, rank r on cuda:r, decode graphs captured on every rank (with their all-reduces)."""
+    reference = reference_completer(tiny_model, "cuda:0")
+    with EngineProcess(tiny_model, "--kv-cache-tokens", "256", "--tp-size", "2", "--device", "cuda") as engine:
+        health = engine.client.get(Endpoint.READY).json()
+        assert len(health["rank_pids"]) == 2 and health["cuda_graph_bytes"] > 0
+        check_equal_to_reference(engine, reference, {"temperature": 0.0})
+        assert engine.stop(signal.SIGTERM) == 0
+    assert gone(health["rank_pids"][1])
