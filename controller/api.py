@@ -204,7 +204,8 @@ def build_app(ha: Ha, cluster: Cluster, events: EventLog, metrics: ControllerMet
 
     @app.post("/cache/{group}/restart", dependencies=mutation, status_code=202, responses=declare(401, 404, 503))
     async def restart_cache(group: int) -> JSONResponse:
-        """Stop the group's cache daemon and respawn it (reloading from disk); engines keep serving.
+        """Stop the group's cache daemon (each rank's, in a tensor-parallel group) and respawn it; engines keep
+        serving.
 
         202 the old daemon stopped and a new one is loading (watch GET /events for "respawn"); 401
         token; 404 unknown group; 503 the old daemon did not stop; 422 ``group`` is not an integer."""

@@ -177,6 +177,10 @@ class Snapshot:
         """The group's daemon (of rank 0, in a tensor-parallel group)."""
         return next(s for s in self.services if s.kind == "daemon" and s.group == group)
 
+    def daemon_ids(self, group: int) -> list[str]:
+        """The group's daemons: one, or one per rank of a tensor-parallel group (rank 0's first)."""
+        return [s.id for s in self.services if s.kind == "daemon" and s.group == group]
+
     def daemons_serve(self, group: int) -> bool:
         """Whether every daemon of the group (one per rank) serves: new engines can attach."""
         return all(s.serving for s in self.services if s.kind == "daemon" and s.group == group)

@@ -576,12 +576,13 @@ class Ha:
         """Stop the daemon gracefully and respawn it (re-adopting the arena from an engine, else a snapshot, else
         the disk); engines keep their mappings."""
         self._check_group(snap, group)
-        service_id = snap.daemon(group).id
-        how = await self.cluster.stop_service(service_id)
-        self.cluster.respawn(service_id, partial(self.keep, service_id))
-        sentence = f"restarting cache daemon {service_id}: old one {how}; engines keep serving"
-        self.events.record("cache_restart", sentence, service=service_id, group=group)
-        return sentence, {"service": service_id}
+        sentences = []
+        for service_id in snap.daemon_ids(group):  # one per rank in a tensor-parallel group
+            how = await self.cluster.stop_service(service_id)
+            self.cluster.respawn(service_id, partial(self.keep, service_id))
+            sentences.append(f"restarting cache daemon {service_id}: old one {how}; engines keep serving")
+            self.events.record("cache_restart", sentences[-1], service=service_id, group=group)
+        return "; ".join(sentences), {"service": snap.daemon(group).id}
 
     async def rollout(self, group: int | None, switchover_wait_s: float) -> dict[str, Any]:
         """POST /rollout: Conflict while a rollout of the group is queued or runs, else queued as an intent and
