@@ -11,18 +11,19 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from hotweights.cache.checkpoint import read_checkpoint
 from hotweights.cache.launcher import daemon_command
 from hotweights.cache.makemodel import ensure_default_model
 from hotweights.cache.paths import DaemonPaths
-from hotweights.cache.pipeline import LoadSpec
+from hotweights.cache.pipeline import LoadSpec, check_spec
 from hotweights.cache.vllm_format import VLLM_FORMAT
 from hotweights.contract import Role
 from hotweights.controller.config import REFERENCE, VLLM, ClusterConfig, EngineSpec
 from hotweights.dtypes import MODEL_DTYPES, config_name
-from hotweights.errors import ConfigError
+from hotweights.errors import ConfigError, HotweightsError
 from hotweights.spawn import hotweights_command
 from hotweights.standby.agent import KINDS, PORT_PLACEHOLDER
-from hotweights.standby.tpgroup import SOCKET_RANK
+from hotweights.standby.tpgroup import SOCKET_RANK, check_group
 from hotweights.standby.vllm_loader import LOAD_FORMAT
 
 MAX_SOCKET_PATH = 107  # sun_path is 108 bytes including the NUL
@@ -45,6 +46,7 @@ class Layout:
         else:
             model_dir = ensure_default_model()
         layout = cls(config, config_path.resolve() if config_path else None, model_dir.resolve())
+        layout.check_tensor_parallel()
         longest = max(
             (layout.socket(len(config.groups) - 1), layout.gateway_probe_socket(config.gateway.worker_ids()[-1])),
             key=lambda path: len(str(path)),
@@ -55,6 +57,18 @@ class Layout:
                 f"({longest}); Unix sockets allow {MAX_SOCKET_PATH}: choose a shorter state_dir"
             )
         return layout
+
+    def check_tensor_parallel(self) -> None:
+        """Refuse a ``tp_size`` the model cannot be split by, or more ranks than this host has GPUs, naming the
+        group, before anything starts (its daemons and engines would each refuse it, over and over)."""
+        for i, group in enumerate(self.config.groups):
+            if group.tp_size == 1:
+                continue
+            try:
+                check_spec(read_checkpoint(self.model_dir), self.load_spec(i))
+                check_group(group.tp_size, group.device, None)
+            except HotweightsError as exc:
+                raise ConfigError(f"{self.config.source}: groups[{i}].tp_size = {group.tp_size}: {exc}") from None
 
     @property
     def state_dir(self) -> Path:

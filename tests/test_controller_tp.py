@@ -8,9 +8,13 @@ import signal
 from pathlib import Path
 
 import httpx
+import pytest
 
 from hotweights.contract import Endpoint
+from hotweights.controller.config import load_config
+from hotweights.controller.stack import Layout
 from hotweights.controller.supervisor import read_identity
+from hotweights.errors import ConfigError
 from tests.controllerhelpers import ControllerStack, gateway_load, split_brain_watch, wait_until
 
 RPS = 10.0
@@ -18,6 +22,43 @@ RPS = 10.0
 
 def rank_pids(url: str) -> list[int]:
     return httpx.get(url + Endpoint.LIVE, timeout=5).json()["rank_pids"]
+
+
+@pytest.mark.parametrize(
+    ("group", "expected"),
+    [
+        ("tp_size = 0", "groups[0].tp_size must be >= 1, found 0"),
+        ("tp_size = 2\nengine = 'vllm'\nengine_python = '/bin/sh'", 'tp_size 2 needs engine = "reference"'),
+        ("tp_size = 2\ndevice = 'cuda:1'", "groups[0].device must be cpu or cuda:0 with tp_size 2"),
+        ("tp_size = 2\nsnapshot = 'one.snap'", "groups[0].snapshot must hold {rank} with tp_size 2"),
+    ],
+)
+def test_bad_tensor_parallel_groups_name_the_file_and_key(tmp_path: Path, group: str, expected: str) -> None:
+    path = tmp_path / "cluster.toml"
+    path.write_text(f"[[groups]]\n{group}\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    assert str(path) in str(caught.value) and expected in str(caught.value)
+
+
+def test_a_group_of_two_ranks_runs_a_daemon_per_rank_and_engines_that_name_each(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    """The command lines the controller would start (nothing is started here); a split the model does not allow
+    is refused before anything starts."""
+    path = tmp_path / "cluster.toml"
+    path.write_text(f'[cluster]\nstate_dir = "{tmp_path}"\n[model]\npath = "{tiny_model}"\n[[groups]]\ntp_size = 2\n')
+    layout = Layout.create(load_config(path), path)
+    daemon = layout.daemon_command(0, 1)
+    assert daemon[daemon.index("--tp-rank") + 1] == "1" and daemon[daemon.index("--socket") + 1] == str(
+        tmp_path / "run" / "g0.r1.sock"
+    )
+    engine = layout.engine_command(layout.config.engines()[0])
+    assert engine[engine.index("--tp-size") + 1] == "2"
+    assert engine[engine.index("--socket") + 1] == str(tmp_path / "run" / "g0.r{rank}.sock")
+    path.write_text(path.read_text().replace("tp_size = 2", "tp_size = 4"))
+    with pytest.raises(ConfigError, match=r"groups\[0\].tp_size = 4: config.json num_key_value_heads=2 is not"):
+        Layout.create(load_config(path), path)
 
 
 def test_sigkill_of_rank_1_of_the_primary_group_fails_over_with_no_client_error(tiny_model: Path) -> None:
