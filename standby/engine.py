@@ -10,6 +10,11 @@ Where the KV cache lives: on CUDA with --cuda-graphs (the default there) it is a
 every engine, standby included, and the decode step is captured as a CUDA graph per batch size against it;
 promote then only attaches it. Otherwise warm-up runs through a scratch KV cache of the real shape, which
 a standby frees again, and promote allocates the KV cache (its time counted in the promote's).
+
+With --tp-size N this process is rank 0 of a tensor-parallel group: it starts ranks 1..N-1 (this command
+again, with hidden --tp-rank/--tp-port/--tp-leader flags), each attaching its own rank's arena, and every
+decoder call it makes runs on all of them (``standby.tpgroup``, which also says how the group lives and
+dies as one). Ready is printed once every rank has attached and warmed up.
 """
 
 from __future__ import annotations
