@@ -113,8 +113,8 @@ def rank_socket(socket_path: str | None, rank: int) -> str | None:
 
 
 def in_group(exc: HotweightsError, group: str, rank: int) -> GroupError:
-    """``exc`` as one line that names the group and the rank."""
-    return GroupError(f"engine {group} rank {rank}: {exc}")
+    """``exc`` as one line that names the group and the rank (once: a GroupError names them already)."""
+    return exc if isinstance(exc, GroupError) else GroupError(f"engine {group} rank {rank}: {exc}")
 
 
 def exit_refused(exc: HotweightsError) -> NoReturn:

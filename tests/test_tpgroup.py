@@ -139,7 +139,7 @@ def test_a_rank_attached_to_another_ranks_daemon_is_refused(tiny_model: Path, so
     finally:
         for name in ("w0.sock", "w1.sock"):
             (run / name).unlink()
-    assert "engine g7 rank 1:" in stderr and "tp_rank" in stderr, stderr
+    assert "error: engine g7 rank 1: daemon on " in stderr and "tp_rank: daemon has 0, engine expects 1" in stderr
     assert "engine g7: rank 1 exited with code 2; the whole group goes down" in stderr
 
 
