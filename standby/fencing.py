@@ -38,9 +38,9 @@ class Fencing:
 
     def promote_refusal(self, token: int | None) -> str | None:
         """None when a promote carrying ``token`` may proceed, else why not."""
-        if token is None:
-            return f"this engine is fenced by tokens (highest {self.token}); a promote must carry one" if self.token else None
-        if token < self.token:
+        if token is None and self.token:
+            return f"this engine is fenced by tokens (highest {self.token}); a promote must carry one"
+        if token is not None and token < self.token:
             return f"stale fencing token {token}: this engine has seen {self.token}, from a newer leader"
         return None
 

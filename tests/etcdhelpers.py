@@ -19,7 +19,9 @@ from hotweights.ports import free_ports
 from tests.enginehelpers import ChildService
 
 ETCD = shutil.which("etcd")
-needs_etcd = pytest.mark.skipif(ETCD is None, reason="the etcd binary is not installed (apt-get install -y etcd-server)")
+needs_etcd = pytest.mark.skipif(
+    ETCD is None, reason="the etcd binary is not installed (apt-get install -y etcd-server)"
+)
 
 
 class EtcdMember(ChildService):
