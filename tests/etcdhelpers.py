@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from hotweights.chaos.hosts import etcd_command
 from hotweights.ports import free_ports
 from tests.enginehelpers import ChildService
 
@@ -32,14 +33,7 @@ class EtcdMember(ChildService):
 
     def __init__(self, name: str, data_dir: Path, client_port: int, peer_port: int, initial_cluster: str) -> None:
         self.url = f"http://127.0.0.1:{client_port}"
-        self.command = [
-            str(ETCD), "--name", name, "--data-dir", str(data_dir),
-            "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
-            "--listen-peer-urls", f"http://127.0.0.1:{peer_port}",
-            "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer_port}",
-            "--initial-cluster", initial_cluster, "--initial-cluster-state", "new",
-            "--heartbeat-interval", "50", "--election-timeout", "500", "--log-level", "warn",
-        ]  # fmt: skip
+        self.command = etcd_command(name, data_dir, client_port, peer_port, initial_cluster)
         super().__init__(self.command, self.url, env=None)
 
     def stop(self) -> None:
