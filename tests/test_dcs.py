@@ -29,6 +29,7 @@ from hotweights.spawn import hotweights_command
 from tests.cachehelpers import wait_until
 from tests.controllerhelpers import ControllerStack, split_brain_watch
 from tests.etcdhelpers import EtcdMember, etcd_cluster, needs_etcd
+from tests.gatewayhelpers import GatewayProcess
 
 pytestmark = needs_etcd
 
@@ -131,6 +132,12 @@ def test_two_hosts_never_both_promote_and_the_survivor_takes_over(
             winner = next(h for h in hosts if first[0] in engine_urls(h))
             survivor = next(h for h in hosts if h is not winner)
             assert survivor.cluster()["dcs"]["groups"]["0"]["url"] == first[0]
+
+            # The other host's gateway learns of this host's primary from the leader key (etcd watch) and routes there.
+            with GatewayProcess(survivor.config_path) as gateway:
+                gateway.wait_health(lambda h: h["primaries"] == first, 10, "the leader's engine as the primary")
+                completion = gateway.client.post(Endpoint.COMPLETIONS, json={"prompt": "The", "max_tokens": 2})
+                assert completion.status_code == 200 and completion.headers["x-hotweights-upstream"] == first[0]
 
             token = leader_token(etcd.url, leader_key)
             stale = httpx.post(first[0] + Endpoint.LEASE, json={"fencing_token": token - 1, "lease_s": 5.0},
