@@ -7,8 +7,8 @@ passes the key's revision as the fencing token with ``/promote``; every loop it 
 
 - a promote or renewal carrying a token lower than the highest this engine has seen is refused (409): it
   comes from a controller that lost the key;
-- once any token was seen, a promote without one is refused too (a single-host controller does not send
-  tokens and never meets such an engine);
+- once any token was seen, a standby's promote without one is refused too (a single-host controller does not
+  send tokens and never meets such an engine); a primary's (a drained one resuming) keeps its lease;
 - a renewal carrying a higher token than the primary's own tells it that a newer leader exists: it demotes
   itself;
 - a primary whose lease runs out before the next renewal demotes itself (its ``/primary`` turns 503 at the
@@ -37,8 +37,9 @@ class Fencing:
         self.demoting: asyncio.Task | None = None
 
     def promote_refusal(self, token: int | None) -> str | None:
-        """None when a promote carrying ``token`` may proceed, else why not."""
-        if token is None and self.token:
+        """None when a promote carrying ``token`` may proceed, else why not. A primary's promote without a
+        token (resuming a drained primary, or "already primary") keeps the lease it has and passes."""
+        if token is None and self.token and self.roles.role is not Role.PRIMARY:
             return f"this engine is fenced by tokens (highest {self.token}); a promote must carry one"
         if token is not None and token < self.token:
             return f"stale fencing token {token}: this engine has seen {self.token}, from a newer leader"
