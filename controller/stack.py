@@ -123,7 +123,8 @@ class Layout:
         model, engine = self.config.model, self.config.engine
         command = hotweights_command("engine", "--model", str(self.model_dir))
         command += ["--device", spec.device, "--weight-cache", "client", "--socket", str(self.socket(spec.group))]
-        command += ["--port", str(spec.listen_port), "--role", Role.STANDBY, "--engine-id", spec.id]
+        command += ["--host", spec.host, "--port", str(spec.listen_port)]
+        command += ["--role", Role.STANDBY, "--engine-id", spec.id]
         command += ["--kv-cache-tokens", str(engine.kv_cache_tokens), "--max-batch", str(engine.max_batch)]
         command += ["--drain-timeout", str(engine.drain_timeout_s)]
         if model.dtype:
