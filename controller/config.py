@@ -9,7 +9,10 @@ the file, the key, what was expected and what was found; nothing starts until th
 from __future__ import annotations
 
 import os
+import re
+import socket
 import tomllib
+import urllib.parse
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -70,6 +73,17 @@ hold_timeout_s = 10.0         # how long a held request waits for a primary
 workers = 2                   # gateway processes sharing one listening socket the controller holds (1..16)
 probe_interval_ms = 200       # how often each worker asks every engine GET /primary (the controller also
                               # pushes a probe at once after each role change)
+
+[dcs]                         # several hosts, one controller each, coordinating through etcd (leave out: one host)
+etcd = []                     # etcd client URLs, e.g. ["http://10.0.0.1:2379", "http://10.0.0.2:2379"]
+prefix = "/hotweights"        # the cluster's keys live under <prefix>/<cluster.name>/
+host = ""                     # this host's name in the leader keys (default: the machine's host name); unique
+address = "127.0.0.1"         # where other hosts reach this host's engines: they listen on it (non-loopback
+                              # needs cluster.token_file)
+ttl_s = 2                     # the leader key's lease (whole seconds): a primary whose controller cannot renew it
+                              # stops serving within this, and another host takes over once it expired
+loop_wait_s = 0.5             # how often the controller renews the lease and reads the leader keys
+retry_timeout_s = 0.5         # how long one etcd request may take; ttl_s >= loop_wait_s + 2 * retry_timeout_s
 """
 
 # Why an exposed gateway needs the cluster's token: it forwards only /v1, and the engines behind it then
@@ -147,6 +161,30 @@ class GatewaySection:
         return ["gateway", *(f"gateway-{i}" for i in range(1, self.workers))]
 
 
+PREFIX = re.compile(r"(/[A-Za-z0-9._-]+)+")  # absolute, no trailing slash, plain segments
+
+
+@dataclass(frozen=True)
+class DcsSection:
+    """etcd, when several hosts share the cluster (``etcd`` empty: one host, no DCS)."""
+
+    etcd: tuple[str, ...] = ()
+    prefix: str = "/hotweights"
+    host: str = ""
+    address: str = "127.0.0.1"
+    ttl_s: int = 2
+    loop_wait_s: float = 0.5
+    retry_timeout_s: float = 0.5
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.etcd)
+
+    @property
+    def host_name(self) -> str:
+        return self.host or socket.gethostname()
+
+
 @dataclass(frozen=True)
 class EngineSpec:
     """One engine the controller supervises; ids are stable across controller restarts.
@@ -161,6 +199,7 @@ class EngineSpec:
     device: str
     port: int
     listen_port: int = 0
+    host: str = "127.0.0.1"  # the address it listens on and is reached at ([dcs] address)
 
     def __post_init__(self) -> None:
         if not self.listen_port:
@@ -168,7 +207,7 @@ class EngineSpec:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
 
 @dataclass(frozen=True)
@@ -180,6 +219,7 @@ class ClusterConfig:
     engine: EngineSection = field(default_factory=EngineSection)
     health: HealthSection = field(default_factory=HealthSection)
     gateway: GatewaySection = field(default_factory=GatewaySection)
+    dcs: DcsSection = field(default_factory=DcsSection)
 
     def engines(self) -> list[EngineSpec]:
         """Every engine of every group: ``g<group>-e<index>`` on ``base_port + index``, listening on
@@ -191,6 +231,7 @@ class ClusterConfig:
                 device=group.device,
                 port=group.base_port + i,
                 listen_port=group.listen_base_port + i if group.listen_base_port else 0,
+                host=self.dcs.address,
             )
             for g, group in enumerate(self.groups)
             for i in range(group.engines)
@@ -223,6 +264,7 @@ SECTIONS = {
     "engine": EngineSection,
     "health": HealthSection,
     "gateway": GatewaySection,
+    "dcs": DcsSection,
 }
 
 
@@ -405,5 +447,33 @@ def validate(config: ClusterConfig) -> None:
         config.cluster.host, has_token, f"{src}: cluster.host", "set cluster.token_file so that mutations need it"
     )
     refuse_open_listener(config.gateway.host, has_token, f"{src}: gateway.host", GATEWAY_TOKEN_FIX)
+    refuse_open_listener(config.dcs.address, has_token, f"{src}: dcs.address", GATEWAY_TOKEN_FIX)
+    if config.dcs.enabled:
+        _check_dcs(config.dcs, src)
     if has_token:
         config.token()
+
+
+def _check_dcs(dcs: DcsSection, src: str) -> None:
+    """etcd URLs, a prefix of plain segments, and Patroni's timing rule ttl >= loop_wait + 2 * retry_timeout
+    (a renewal may take two retry timeouts and still land before the lease expires)."""
+    for url in dcs.etcd:
+        parsed = urllib.parse.urlsplit(url)
+        if parsed.scheme not in ("http", "https") or not parsed.hostname or parsed.path not in ("", "/"):
+            raise ConfigError(f"{src}: dcs.etcd entry {url!r} must be an http(s)://HOST:PORT client URL")
+    if not PREFIX.fullmatch(dcs.prefix):
+        raise ConfigError(
+            f"{src}: dcs.prefix must be an absolute key path of plain segments without a trailing slash, "
+            f"e.g. \"/hotweights\", found {dcs.prefix!r}"
+        )
+    for where, value in [("dcs.ttl_s", dcs.ttl_s), ("dcs.loop_wait_s", dcs.loop_wait_s),
+                         ("dcs.retry_timeout_s", dcs.retry_timeout_s)]:  # fmt: skip
+        if value <= 0:
+            raise ConfigError(f"{src}: {where} must be > 0, found {value}")
+    if dcs.ttl_s < dcs.loop_wait_s + 2 * dcs.retry_timeout_s:
+        raise ConfigError(
+            f"{src}: dcs.ttl_s ({dcs.ttl_s}) must be >= dcs.loop_wait_s + 2 * dcs.retry_timeout_s "
+            f"({dcs.loop_wait_s + 2 * dcs.retry_timeout_s:g}), or a renewal may land after the lease expired"
+        )
+    if not re.fullmatch(r"[A-Za-z0-9._-]+", dcs.host_name):
+        raise ConfigError(f"{src}: dcs.host must be a name of letters, digits, '.', '_' or '-', found {dcs.host!r}")

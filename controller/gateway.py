@@ -48,6 +48,7 @@ from starlette.routing import Route
 
 from hotweights.contract import NOT_NORMALIZED, SERVING_PREFIX, Endpoint, forwardable_path, refuse_open_listener
 from hotweights.controller.config import GATEWAY_TOKEN_FIX, load_config
+from hotweights.controller.dcs import LeaderUrls
 from hotweights.errors import ConfigError
 from hotweights.proxying import HOP_BY_HOP, ProxiedStream
 from hotweights.standby.serving import AnnouncingServer, bind_port, is_listening, run_until_signal
@@ -85,19 +86,30 @@ class Upstream:
         }
 
 
-def engine_urls_in_state(state_file: Path) -> list[str]:
-    """Engine URLs in the controller's ``state.json``; none while it is missing or being replaced."""
+def engine_urls_in_state(state_file: Path, host: str = "127.0.0.1") -> list[str]:
+    """Engine URLs in the controller's ``state.json`` (its engines listen on ``host``); none while it is
+    missing or being replaced."""
     try:
         members = read_state(state_file).members
     except ConfigError:  # corrupt or of another version: the controller will say so
         return []
-    return [f"http://127.0.0.1:{member.port}" for member in members.values()]
+    return [f"http://{host}:{member.port}" for member in members.values()]
 
 
 class Discovery:
     """Which upstreams answer 200 on ``/primary``; ``available`` is set while at least one does."""
 
-    def __init__(self, urls: list[str], client: httpx.AsyncClient, interval_s: float, timeout_s: float) -> None:
+    def __init__(
+        self,
+        urls: list[str],
+        client: httpx.AsyncClient,
+        interval_s: float,
+        timeout_s: float,
+        engine_host: str = "127.0.0.1",
+        leaders: LeaderUrls | None = None,
+    ) -> None:
+        self.engine_host = engine_host  # where the engines state.json lists listen ([dcs] address)
+        self.leaders = leaders  # multi-host: the leader keys' engines, followed by etcd watch
         self.upstreams = [Upstream(url.rstrip("/")) for url in urls]
         self.client = client
         self.interval_s = interval_s
@@ -140,18 +152,32 @@ class Discovery:
                 tasks.create_task(self._watch(upstream))
             if state_file is not None:
                 tasks.create_task(self._follow(state_file, tasks))
+            if self.leaders is not None:
+                tasks.create_task(self._follow_leaders(self.leaders, tasks))
+
+    def _add(self, url: str, tasks: asyncio.TaskGroup, why: str) -> None:
+        upstream = Upstream(url)
+        self.upstreams.append(upstream)
+        tasks.create_task(self._watch(upstream))
+        log.info("%s joined (%s)", url, why)
+
+    async def _follow_leaders(self, leaders: LeaderUrls, tasks: asyncio.TaskGroup) -> None:
+        """At every change of the leader keys: probe the engines they name now (another host's too)."""
+        async for urls in leaders.follow():
+            known = {u.url for u in self.upstreams}
+            for url in dict.fromkeys(urls):
+                if url not in known:
+                    self._add(url, tasks, "named by a leader key in etcd")
+            self.wake_all()
 
     async def _follow(self, state_file: Path, tasks: asyncio.TaskGroup) -> None:
         """Read the controller's state file (not its API: the data path must not need the controller
         to be up) and start probing any engine port it lists that we do not know yet."""
         while True:
             known = {u.url for u in self.upstreams}
-            for url in engine_urls_in_state(state_file):
+            for url in engine_urls_in_state(state_file, self.engine_host):
                 if url not in known:
-                    upstream = Upstream(url)
-                    self.upstreams.append(upstream)
-                    tasks.create_task(self._watch(upstream))
-                    log.info("%s joined (listed in %s)", url, state_file)
+                    self._add(url, tasks, f"listed in {state_file}")
             await asyncio.sleep(STATE_POLL_S)
 
     async def _watch(self, upstream: Upstream) -> None:
@@ -250,6 +276,8 @@ class Gateway:
         queue_limit: int,
         hold_s: float,
         state_file: Path | None = None,
+        engine_host: str = "127.0.0.1",
+        leaders: LeaderUrls | None = None,
     ) -> None:
         self.state_file = state_file  # the controller's state.json: engines added at runtime are routed too
         self.queue_limit = queue_limit
@@ -261,7 +289,7 @@ class Gateway:
             timeout=httpx.Timeout(None, connect=timeout_s),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64, keepalive_expiry=KEEPALIVE_S),
         )
-        self.discovery = Discovery(urls, self.probe_client, interval_s, timeout_s)
+        self.discovery = Discovery(urls, self.probe_client, interval_s, timeout_s, engine_host, leaders)
         self.metrics = GatewayMetrics()
         self.metrics.held.set_function(lambda: self.held)
         self.metrics.primaries.set_function(lambda: len(self.discovery.primaries()))
@@ -477,6 +505,8 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         queue_limit=config.gateway.queue_limit,
         hold_s=config.gateway.hold_timeout_s,
         state_file=None if args.upstream else config.state_file,
+        engine_host=config.dcs.address,
+        leaders=LeaderUrls(config, httpx.AsyncClient(trust_env=False)) if config.dcs.enabled else None,
     )
     log.info("routing /v1 to the primary among %s", ", ".join(urls))
     server = AnnouncingServer(

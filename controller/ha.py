@@ -42,6 +42,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
 from hotweights.contract import Endpoint, Role
 from hotweights.controller.cluster import Cluster, MemberView, ServiceFailed, Snapshot
 from hotweights.controller.config import load_config, rollout_changes
+from hotweights.controller.dcs import Solo
 from hotweights.controller.engineapi import EngineApi, EngineUnreachable
 from hotweights.controller.events import EventLog
 from hotweights.controller.executor import BACKOFF, GroupExecutor, Outcome, backoff_s
@@ -115,8 +116,10 @@ class Ha:
         metrics: ControllerMetrics,
         wake: asyncio.Event,
         on_ready: Callable[[Snapshot], None],
+        leadership: Solo | None = None,
     ) -> None:
         health = cluster.config.health
+        self.leadership = leadership or Solo()  # who may promote: this loop alone, or the holder of a leader key
         self.cluster = cluster
         self.engines = engines
         self.events = events
@@ -279,6 +282,7 @@ class Ha:
         candidate = candidate or self.best_standby(snap, group)
         if candidate is None:
             self.events.record("no_standby", f"group {group} has no ready standby to promote", group=group)
+            await self.leadership.release(group)  # another host's standby may take over now
             restart = await self._restart_slot(snap, old.id) if old else "nothing to restart"
             return f"{prefix}; no ready standby to promote: {restart}", details
         promoted, promote_ms, message = await self.promote(candidate)
@@ -315,8 +319,11 @@ class Ha:
     async def promote(self, candidate: MemberView) -> tuple[bool, float, str]:
         """POST /promote, then confirm /primary answers 200; returns (done, ms, the engine's message)."""
         start = time.monotonic()
+        claim, refusal = await self.leadership.claim(candidate.group, candidate.id, candidate.url)
+        if refusal is not None:
+            return False, _ms(time.monotonic() - start), refusal
         try:
-            status, body = await self.engines.post(candidate.url, Endpoint.PROMOTE)
+            status, body = await self.engines.post(candidate.url, Endpoint.PROMOTE, claim)
         except EngineUnreachable as exc:
             return False, _ms(time.monotonic() - start), await self._fence_unconfirmed(candidate, str(exc))
         message = str(body.get("message", ""))
@@ -775,6 +782,8 @@ class Ha:
     async def process_missing_primary(self, snap: Snapshot, group: int) -> str | None:
         if snap.primaries(group):
             return None
+        if refusal := self.leadership.refusal(group):
+            return f"group {group} has no primary here: {refusal}"
         unchecked = [m.id for m in snap.group(group) if m.alive and m.health.ok is None]
         if unchecked:
             return f"group {group} has no known primary; waiting for the first checks of {unchecked}"

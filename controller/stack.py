@@ -148,7 +148,8 @@ class Layout:
         command += ["--tp-size", str(tp_size)] if tp_size > 1 else []
         sockets = self.socket(spec.group, SOCKET_RANK)
         command += ["--device", spec.device, "--weight-cache", "client", "--socket", str(sockets)]
-        command += ["--port", str(spec.listen_port), "--role", Role.STANDBY, "--engine-id", spec.id]
+        command += ["--host", spec.host, "--port", str(spec.listen_port)]
+        command += ["--role", Role.STANDBY, "--engine-id", spec.id]
         command += ["--kv-cache-tokens", str(engine.kv_cache_tokens), "--max-batch", str(engine.max_batch)]
         command += ["--drain-timeout", str(engine.drain_timeout_s)]
         if model.dtype:

@@ -45,6 +45,7 @@ class Endpoint(StrEnum):
     PROMOTE = "/promote"
     DRAIN = "/drain"
     DEMOTE = "/demote"
+    LEASE = "/lease"  # POST: a multi-host controller renews its primary's lease under its fencing token
     METRICS = "/metrics"  # Prometheus text format (also the controller's and the gateway's)
     MODELS = "/v1/models"
     COMPLETIONS = "/v1/completions"

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from hotweights.contract import HEALTH_METHODS, UNAUTHORIZED, Endpoint, Role, bearer_check
+from hotweights.standby.fencing import Fencing
 from hotweights.standby.metrics import EngineMetrics, RequestCounter
 from hotweights.standby.roles import Outcome, Roles
 
@@ -46,6 +47,21 @@ class ContractHost(Protocol):
 class RoleChangeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)  # strict: a bool is not a number
     timeout_s: float | None = Field(default=None, ge=0.0, le=86400.0)
+
+
+class PromoteRequest(BaseModel):
+    """A multi-host controller's promote: its leader key's revision, and how long the primary may serve
+    without a renewal (``standby.fencing``). A single-host controller sends no body."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    fencing_token: int | None = Field(default=None, ge=1)
+    lease_s: float | None = Field(default=None, gt=0.0, le=3600.0)
+
+
+class LeaseRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    fencing_token: int = Field(ge=1)
+    lease_s: float = Field(gt=0.0, le=3600.0)
 
 
 def error(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
@@ -89,6 +105,7 @@ def without_422(app: FastAPI) -> None:
 def add_contract_routes(app: FastAPI, host: ContractHost) -> None:
     """Health, role changes and ``/metrics`` on ``app``; call ``finish_app`` after the app's own routes."""
     roles, metrics = host.roles, host.metrics
+    fencing = Fencing(roles)
     require_token = Depends(bearer_check(host.token))
 
     def health(reason: str | None) -> JSONResponse:
@@ -126,18 +143,35 @@ def add_contract_routes(app: FastAPI, host: ContractHost) -> None:
         }
         return JSONResponse(body | outcome.details, status_code=200 if outcome.accepted else 409)
 
-    @app.post(Endpoint.PROMOTE, dependencies=[require_token], responses=declare(401, 409))
-    async def promote() -> JSONResponse:
+    @app.post(Endpoint.PROMOTE, dependencies=[require_token], responses=ROLE_CHANGE)
+    async def promote(request: PromoteRequest | None = None) -> JSONResponse:
         """standby -> primary: allocate the KV cache, then serve. Idempotent (a ready primary answers
-        "already primary"); a drained primary resumes serving. The reply carries ``duration_ms``.
+        "already primary"); a drained primary resumes serving. The reply carries ``duration_ms``. With
+        ``fencing_token`` (multi-host): refused below the highest token seen; ``lease_s``: the primary demotes
+        itself unless ``/lease`` renews it within that many seconds.
 
-        200 done or nothing to do; 401 bad or missing token; 409 a drain is in progress."""
+        200 done or nothing to do; 401 bad or missing token; 409 a drain is in progress, or a stale fencing
+        token; 400 bad body."""
+        request = request or PromoteRequest()
+        if refusal := fencing.promote_refusal(request.fencing_token):
+            return role_change("promote", Outcome(False, False, refusal))
         was_standby = roles.role is Role.STANDBY
         outcome = await roles.promote()
+        if outcome.accepted:
+            fencing.promoted(request.fencing_token, request.lease_s)
         if outcome.changed and was_standby:
             metrics.promotions.inc()
             metrics.promotion_duration.observe(float(outcome.details["duration_ms"]) / 1000)
         return role_change("promote", outcome)
+
+    @app.post(Endpoint.LEASE, dependencies=[require_token], responses=ROLE_CHANGE)
+    async def lease(request: LeaseRequest) -> JSONResponse:
+        """Renew the primary's lease for ``lease_s`` seconds under ``fencing_token`` (multi-host controllers,
+        every loop). A higher token than the primary's own makes it demote itself (a newer leader exists).
+
+        200 renewed, recorded, or demoting; 401 bad or missing token; 409 a stale token, or not a primary;
+        400 bad body."""
+        return role_change("lease", fencing.renew(request.fencing_token, request.lease_s))
 
     @app.post(Endpoint.DRAIN, dependencies=[require_token], responses=ROLE_CHANGE)
     async def drain(request: RoleChangeRequest | None = None) -> JSONResponse:

@@ -171,6 +171,10 @@ class Roles:
             details = drained.details | _ms(start) | released
             return Outcome(True, True, f"demoted to standby: {drained.message}; {phrase}", details)
 
+    def stop_serving(self) -> None:
+        """From this instant /primary and /v1 refuse; a demote or a promote follows (fencing's)."""
+        self._start_draining()
+
     def _start_draining(self) -> None:
         """From this instant /primary and /v1 refuse (no await before it, so no request slips in)."""
         if self.role is Role.PRIMARY and self.state is State.READY:

@@ -45,9 +45,11 @@ class ControllerStack:
         drain_timeout_s: float = 5.0,
         group_extra: str = "",
         gateway_extra: str = "",
+        extra: str = "",
     ) -> None:
         """``group_extra``: more keys for every ``[[groups]]`` table (e.g. a vLLM group's); ``gateway_extra``:
-        more keys for ``[gateway]``."""
+        more keys for ``[gateway]``; ``extra``: more sections (e.g. ``[dcs]``)."""
+        self.env = ENV  # the controller's environment
         self.root = Path(tempfile.mkdtemp(prefix="hwc-", dir="/tmp"))
         self.port = free_port()
         self.base_ports = [free_ports(engines + 2, consecutive=True)[0] for _ in range(groups)]
@@ -65,7 +67,7 @@ class ControllerStack:
             + f"[engine]\nkv_cache_tokens = 256\nmax_batch = 2\ndrain_timeout_s = {drain_timeout_s}\n\n"
             # a 500 ms timeout: two cores shared with the whole stack make 250 ms checks flaky in CI
             f"[health]\ninterval_ms = 100\ntimeout_ms = 500\nfailure_threshold = {failure_threshold}\n\n"
-            f"[gateway]\nport = {free_port()}\n{gateway_extra}"
+            f"[gateway]\nport = {free_port()}\n{gateway_extra}\n{extra}"
         )
         self.config = load_config(self.config_path)
         self.url = f"http://127.0.0.1:{self.port}"
@@ -80,7 +82,7 @@ class ControllerStack:
             self.controller = subprocess.Popen(
                 hotweights_command(command, "--config", str(self.config_path)),
                 cwd=cwd,
-                env=ENV,
+                env=self.env,
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=out,

@@ -85,7 +85,8 @@ def assert_bearer_and_text_metrics(doc: dict, mutation: tuple[str, str]) -> None
 def test_engine_document_declares_what_the_engine_answers(engine: EngineProcess) -> None:
     doc = document(engine.url)
     assert_bearer_and_text_metrics(doc, (Endpoint.PROMOTE, "post"))
-    assert declared(doc, Endpoint.PROMOTE, "post") == {"200", "401", "409"}
+    assert declared(doc, Endpoint.PROMOTE, "post") == {"200", "400", "401", "409"}
+    assert declared(doc, Endpoint.LEASE, "post") == {"200", "400", "401", "409"}
     assert declared(doc, Endpoint.DEMOTE, "post") == {"200", "400", "401", "409"}
     assert declared(doc, Endpoint.COMPLETIONS, "post") == {"200", "400", "404", "500", "503"}
     for path in (Endpoint.LIVE, Endpoint.READY, Endpoint.PRIMARY, Endpoint.STANDBY):
