@@ -3,6 +3,7 @@ rank's daemon, serving the same outputs as one rank, and living and dying as one
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -29,16 +30,13 @@ FLAGS = ("--kv-cache-tokens", "512", "--max-batch", "4", "--tp-size", "2", "--we
 def sockets(tiny_model: Path) -> Iterator[str]:
     """A daemon per rank (``cache serve --tp-size 2 --tp-rank r``); yields the ``--socket`` template."""
     run = Path(tempfile.mkdtemp(prefix="hw-", dir="/tmp"))  # socket paths must stay short
-    daemons = [
-        ProcessDaemon(tiny_model, run / f"r{rank}.sock", "--tp-size", "2", "--tp-rank", str(rank)) for rank in (0, 1)
-    ]
     try:
-        for daemon in daemons:
-            daemon.start()
-        yield str(run / "r{rank}.sock")
+        with contextlib.ExitStack() as daemons:
+            for rank in (0, 1):
+                flags = ("--tp-size", "2", "--tp-rank", str(rank))
+                daemons.enter_context(ProcessDaemon(tiny_model, run / f"r{rank}.sock", *flags))
+            yield str(run / "r{rank}.sock")
     finally:
-        for daemon in daemons:
-            daemon.__exit__()
         shutil.rmtree(run, ignore_errors=True)
 
 
