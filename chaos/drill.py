@@ -4,6 +4,8 @@ Rounds cycle through the chosen scenarios (``--rounds`` in all; default one of e
 round the cluster must be whole (one healthy primary, ready standbys, daemon and gateway serving);
 after the fault the drill waits until it is whole again, then keeps the load running briefly so the
 first successes after the fault are seen. Load and the split-brain detector run for the whole drill.
+With ``--hosts N --dcs etcd`` the stack is N simulated hosts around an etcd (``hosts.HostsStack``, asked
+through every host's controller) and the rounds default to the faults of several hosts (``hostscenarios``).
 
 Exit code 1 when any round saw a split-brain sample, a wrong output, a leak, a broken scenario
 promise, or (``--lb gateway``) a client-visible error; 0 otherwise; 130 when interrupted. SIGINT or
