@@ -320,8 +320,13 @@ class EtcdLeadership(Solo):
 
     async def _keep(self) -> None:
         while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.changed.wait(), self.dcs.loop_wait_s)
+            # asyncio.wait, not wait_for: on Python 3.11 a cancel (stop) landing as wait_for times out left
+            # this task cancelling forever, and stop() with it (seen in tests/test_dcs.py).
+            changed = asyncio.ensure_future(self.changed.wait())
+            try:
+                await asyncio.wait({changed}, timeout=self.dcs.loop_wait_s)
+            finally:
+                changed.cancel()
             self.changed.clear()
             try:
                 await self.refresh()
