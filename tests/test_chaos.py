@@ -107,7 +107,6 @@ def test_proxy_delays_both_directions_and_keeps_bytes() -> None:
     asyncio.run(scenario())
 
 
-
 def test_a_partitioned_proxy_delivers_nothing_until_healed_and_reset_cuts_what_it_held() -> None:
     """The multi-host drill's partition: a very long delay takes bytes and delivers none; healing (delay 0,
     reset) cuts the connections held behind it, and a new connection flows at once."""
@@ -133,6 +132,7 @@ def test_a_partitioned_proxy_delivers_nothing_until_healed_and_reset_cuts_what_i
             server.close()
 
     asyncio.run(scenario())
+
 
 def test_split_brain_detector_counts_sweeps_with_two_primaries() -> None:
     async def scenario(servers: list[RoleServer]) -> SplitBrainDetector:
