@@ -4,6 +4,8 @@ Rounds cycle through the chosen scenarios (``--rounds`` in all; default one of e
 round the cluster must be whole (one healthy primary, ready standbys, daemon and gateway serving);
 after the fault the drill waits until it is whole again, then keeps the load running briefly so the
 first successes after the fault are seen. Load and the split-brain detector run for the whole drill.
+With ``--hosts N --dcs etcd`` the stack is N simulated hosts around an etcd (``hosts.HostsStack``, asked
+through every host's controller) and the rounds default to the faults of several hosts (``hostscenarios``).
 
 Exit code 1 when any round saw a split-brain sample, a wrong output, a leak, a broken scenario
 promise, or (``--lb gateway``) a client-visible error; 0 otherwise; 130 when interrupted. SIGINT or
@@ -17,6 +19,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import shutil
 import signal
 import sys
 import tempfile
@@ -28,18 +31,23 @@ from typing import Any
 
 import httpx
 
+from hotweights.cache.makemodel import ensure_default_model
 from hotweights.chaos import memory
 from hotweights.chaos.clusterview import ControlApi, lb_retries
+from hotweights.chaos.hosts import HostsStack
+from hotweights.chaos.hostscenarios import HOST_DEFAULT, SCENARIOS
 from hotweights.chaos.load import LoadGenerator, reference_completion
 from hotweights.chaos.measure import RoundResult, apply_events, apply_requests
 from hotweights.chaos.report import write_report
-from hotweights.chaos.scenarios import SCENARIOS, Round, Scenario
+from hotweights.chaos.scenarios import SCENARIOS as ONE_HOST_SCENARIOS
+from hotweights.chaos.scenarios import Round, Scenario
 from hotweights.chaos.splitbrain import SplitBrainDetector
 from hotweights.chaos.stack import DrillStack
 from hotweights.errors import ConfigError, HotweightsError
 
 log = logging.getLogger(__name__)
 
+MAX_HOSTS = 9  # simulated host names must not prefix one another (host1, host10)
 START_TIMEOUT_S = 180.0  # the first start may generate the tiny model and load it from disk
 DISTURBED_WAIT_S = 1.0  # how long to wait for the controller to notice before judging "whole again"
 PRE_FAULT_S = 0.3  # load before the fault, so there is a last success to measure from
@@ -48,7 +56,7 @@ POST_RECOVERY_S = 0.5  # load after recovery, so the first successes after the f
 
 @dataclass
 class Drill:
-    stack: DrillStack
+    stack: DrillStack | HostsStack
     api: ControlApi
     detector: SplitBrainDetector
     load: LoadGenerator
@@ -131,14 +139,15 @@ def progress(result: RoundResult, total: int, judge: bool) -> None:
     print(f"[{result.index + 1}/{total}] {result.scenario}: {line}", file=sys.stderr, flush=True)
 
 
-async def drill(args: argparse.Namespace, stack: DrillStack) -> int:
+async def drill(args: argparse.Namespace, stack: DrillStack | HostsStack) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    rounds = plan(args.scenarios or list(SCENARIOS), args.rounds)
+    default = HOST_DEFAULT if isinstance(stack, HostsStack) else list(ONE_HOST_SCENARIOS)
+    rounds = plan(args.scenarios or default, args.rounds)
     judge = args.lb == "gateway"
-    api = ControlApi(stack.controller_url, stack.config.token())
+    api = stack.control_api()
     async with httpx.AsyncClient() as client:
         try:
             stack.start()
@@ -174,7 +183,7 @@ async def drill(args: argparse.Namespace, stack: DrillStack) -> int:
                 log.info("teardown: %s", line)
 
 
-async def wait_up(stack: DrillStack, api: ControlApi) -> None:
+async def wait_up(stack: DrillStack | HostsStack, api: ControlApi) -> None:
     """Until the stack is whole; HotweightsError if our ``up`` exits or START_TIMEOUT_S passes first."""
     deadline = time.monotonic() + START_TIMEOUT_S
     while (missing := await api.wait_complete(0.5)) is not None:
@@ -212,7 +221,10 @@ def cmd_drill(args: argparse.Namespace) -> int:
             workdir = Path(args.workdir).resolve()
         else:
             workdir = Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix="hwdrill-")))
-        if args.attach_running:
+        stack: DrillStack | HostsStack
+        if args.dcs:
+            stack = hosts_stack(args, workdir)
+        elif args.attach_running:
             stack = DrillStack.attach(Path(args.config), workdir, args.lb)
         elif args.config:
             raise ConfigError("--config names a running stack: add --attach-running (the drill starts its own without)")
@@ -222,6 +234,18 @@ def cmd_drill(args: argparse.Namespace) -> int:
                 workdir, args.lb, proxied=needs_proxy, model=args.model or "", device=args.device, tp_size=args.tp_size
             )
         return asyncio.run(drill(args, stack))
+
+
+def hosts_stack(args: argparse.Namespace, workdir: Path) -> HostsStack:
+    """``--hosts N --dcs etcd``: simulated hosts around an etcd of the drill's own (ConfigError: not possible)."""
+    if args.attach_running or args.lb != "gateway":
+        raise ConfigError("--dcs etcd drills its own simulated hosts through the gateway: drop --attach-running/--lb")
+    if not 2 <= args.hosts <= MAX_HOSTS:
+        raise ConfigError(f"--hosts must be 2..{MAX_HOSTS} with --dcs etcd (127.0.0.2 and on), found {args.hosts}")
+    if shutil.which("etcd") is None:
+        raise ConfigError("--dcs etcd needs the etcd binary (apt-get install -y etcd-server)")
+    model = Path(args.model) if args.model else ensure_default_model()
+    return HostsStack(workdir, args.hosts, model, args.device, args.ttl)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -249,6 +273,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="seconds the cluster may take to be whole again after a fault, its new standby ready (default 60; "
         "vLLM standbys start in minutes on CPU)",
     )
+    p.add_argument("--hosts", type=int, default=1, help="with --dcs etcd: simulated hosts, one engine each (2..9)")
+    p.add_argument("--dcs", choices=["etcd"], help="simulate --hosts hosts coordinating through an etcd of its own")
+    p.add_argument("--ttl", type=int, default=2, help="with --dcs: the leader lease in seconds (default 2)")
     p.add_argument("--report", required=True, metavar="DIR", help="where report.json, summary.md, timeline.png go")
     p.add_argument("--workdir", help="keep the drill's stack (config, state, logs) here (default: a temp dir, removed)")
     p.set_defaults(func=cmd_drill)

@@ -4,7 +4,9 @@ Put in front of an engine, it makes the engine look slow to everything that talk
 proxy (health checks, the load balancer, clients) without touching the engine. The delay is a latency,
 not a throttle: chunks are timestamped as they are read and released in order once their time has
 come, so throughput is unchanged. ``delay_s`` may be changed while connections are open; it applies to
-chunks read from then on.
+chunks read from then on. A very long delay is a partition (bytes are taken and never delivered, as by a
+network that drops them); ``reset`` then cuts the connections held behind it, as a healed network whose
+peers gave up on them.
 """
 
 from __future__ import annotations
@@ -46,6 +48,10 @@ class DelayProxy:
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
+        await self.reset()
+
+    async def reset(self) -> None:
+        """Cut every open connection; new ones are accepted as before."""
         for task in list(self._pipes):
             task.cancel()
         await asyncio.gather(*self._pipes, return_exceptions=True)
@@ -65,6 +71,8 @@ class DelayProxy:
                 )
             finally:
                 upstream_writer.close()
+        except asyncio.CancelledError:
+            pass  # reset() or close() cut it: end quietly (asyncio logs a cancelled connection task as an error)
         finally:
             client_writer.close()
             self._pipes.discard(task)
@@ -105,21 +113,31 @@ class DelayProxy:
 
 
 async def serve(pairs: list[str]) -> None:
-    """One proxy per ``PUBLIC=PRIVATE`` pair; stdin lines ``PUBLIC SECONDS`` set a proxy's delay; EOF ends."""
+    """One proxy per ``[HOST:]PUBLIC=PRIVATE`` pair (both ports on HOST, default 127.0.0.1); stdin lines
+    ``PUBLIC SECONDS`` set a proxy's delay, ``PUBLIC reset`` cuts its open connections; EOF ends."""
     proxies = {}
     for pair in pairs:
-        public, private = (int(port) for port in pair.split("="))
-        proxies[public] = await DelayProxy(private, listen_port=public).start()
+        address, public, private = _pair(pair)
+        proxies[public] = await DelayProxy(private, listen_port=public, host=address).start()
     print(json.dumps({"event": "ready", "proxies": sorted(proxies)}), flush=True)
     reader = asyncio.StreamReader()
     await asyncio.get_running_loop().connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     try:
         while line := await reader.readline():
-            port, seconds = line.split()
-            proxies[int(port)].delay_s = float(seconds)
-            log.info("port %s: delay %s s", port.decode(), seconds.decode())
+            port, action = line.decode().split()
+            if action == "reset":
+                await proxies[int(port)].reset()
+            else:
+                proxies[int(port)].delay_s = float(action)
+            log.info("port %s: %s", port, action)
     finally:
         await asyncio.gather(*(p.close() for p in proxies.values()))
+
+
+def _pair(pair: str) -> tuple[str, int, int]:
+    address, _, ports = pair.rpartition(":")
+    public, private = (int(port) for port in ports.split("="))
+    return address or "127.0.0.1", public, private
 
 
 def cmd_proxy(args: argparse.Namespace) -> int:
@@ -131,7 +149,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "drill-proxy",
         help="the drills' delay proxy (started by `hotweights drill` for the hang scenarios)",
-        description="TCP proxies PUBLIC=PRIVATE; each stdin line 'PUBLIC SECONDS' sets that proxy's delay; EOF ends.",
+        description="TCP proxies [HOST:]PUBLIC=PRIVATE; each stdin line 'PUBLIC SECONDS' sets that proxy's delay, "
+        "'PUBLIC reset' cuts its open connections; EOF ends.",
     )
-    p.add_argument("pairs", nargs="+", metavar="PUBLIC=PRIVATE", help="listen port = engine port")
+    p.add_argument("pairs", nargs="+", metavar="[HOST:]PUBLIC=PRIVATE", help="listen port = engine port, on HOST")
     p.set_defaults(func=cmd_proxy)

@@ -18,9 +18,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from hotweights.chaos.hostscenarios import SCENARIOS
 from hotweights.chaos.load import RequestRecord
 from hotweights.chaos.measure import MEASURES, RoundResult
-from hotweights.chaos.scenarios import SCENARIOS
 from hotweights.stats import percentile
 
 log = logging.getLogger(__name__)

@@ -18,6 +18,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hotweights.chaos.clusterview import ControlApi
 from hotweights.chaos.faults import Target
 from hotweights.chaos.memory import stack_pids
 from hotweights.controller.config import ClusterConfig, load_config
@@ -121,6 +122,10 @@ class DrillStack:
     @property
     def controller_url(self) -> str:
         return f"http://{self.config.cluster.host}:{self.config.cluster.port}"
+
+    def control_api(self) -> ControlApi:
+        """The controller's REST API, as the drill asks it."""
+        return ControlApi(self.controller_url, self.config.token())
 
     @property
     def lb_url(self) -> str:

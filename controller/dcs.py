@@ -18,6 +18,8 @@ Contract (``EtcdLeadership``):
   ``retry_timeout_s`` for delivery. A controller that cannot reach etcd renews nothing: its primaries demote
   themselves at most ``ttl_s - retry_timeout_s`` after its last successful keepalive, before the key expires
   and another host may win it.
+- A controller restarted on the same host (``dcs.host``) re-takes the keys that name it and one of its
+  engines while their lease lives: same lease, same fencing token, no re-election.
 - A watch on the leader keys re-reads them and wakes the HA loop at once when any changes (a key deleted or
   expired: another host may take over without waiting a loop).
 
@@ -239,7 +241,7 @@ class EtcdLeadership(Solo):
 
     def __init__(self, config: ClusterConfig, client: httpx.AsyncClient, engines: EngineApi) -> None:
         dcs: DcsSection = config.dcs
-        self.dcs, self.source = dcs, config.source
+        self.config, self.dcs, self.source = config, dcs, config.source
         self.host = dcs.host_name
         self.keys = Keys(dcs.prefix, config.cluster.name)
         self.etcd = Etcd(dcs.etcd, dcs.retry_timeout_s, client)
@@ -262,6 +264,7 @@ class EtcdLeadership(Solo):
         self.wake = wake
         try:
             await self._check_marker()
+            await self._retake()
             await self.refresh()
         except DcsError as exc:
             raise ConfigError(f"{self.source}: dcs.etcd {list(self.dcs.etcd)}: {exc}; is etcd running?") from None
@@ -285,6 +288,22 @@ class EtcdLeadership(Solo):
             "another cluster or program uses dcs.prefix; choose another prefix"
         )
 
+    async def _retake(self) -> None:
+        """A controller restarted on this host keeps the leader keys that name this host and one of its own
+        engines, while the etcd lease they hang on still lives (Patroni: the key names us): it adopts that
+        lease and the keys' fencing tokens, so its primary is renewed and no group re-elects."""
+        own = {spec.url for spec in self.config.engines()}
+        for kv in await self.etcd.range_prefix(self.keys.leaders):
+            leader = self.keys.parse(kv)
+            if not isinstance(leader, Leader) or leader.host != self.host or leader.url not in own:
+                continue
+            if self.lease is None and leader.lease and await self.etcd.keepalive(leader.lease) > 0:
+                self.lease = leader.lease
+            if leader.lease and leader.lease == self.lease:
+                self.held[leader.group] = Held(leader.revision, leader.member, leader.url)
+                log.info("re-took group %d's leader key for %s (fencing token %d): its lease %x still lives",
+                         leader.group, leader.member, leader.revision, leader.lease)  # fmt: skip
+
     async def stop(self, revoke: bool) -> None:
         """Stop keeping the lease; ``revoke`` (the stack is stopped too): delete our keys at once, so another
         host takes over without waiting for the TTL."""
@@ -301,8 +320,13 @@ class EtcdLeadership(Solo):
 
     async def _keep(self) -> None:
         while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.changed.wait(), self.dcs.loop_wait_s)
+            # asyncio.wait, not wait_for: on Python 3.11 a cancel (stop) landing as wait_for times out left
+            # this task cancelling forever, and stop() with it (seen in tests/test_dcs.py).
+            changed = asyncio.ensure_future(self.changed.wait())
+            try:
+                await asyncio.wait({changed}, timeout=self.dcs.loop_wait_s)
+            finally:
+                changed.cancel()
             self.changed.clear()
             try:
                 await self.refresh()

@@ -22,6 +22,7 @@ from hotweights.chaos.proxy import DelayProxy
 from hotweights.chaos.report import draw_timeline, label_rounds, mark_events, write_report
 from hotweights.chaos.scenarios import RANK_SCENARIOS, SCENARIOS
 from hotweights.chaos.splitbrain import SplitBrainDetector
+from hotweights.cli import main
 from hotweights.spawn import hotweights_command
 from tests.cachehelpers import ENV
 from tests.enginehelpers import EngineProcess
@@ -98,6 +99,33 @@ def test_proxy_delays_both_directions_and_keeps_bytes() -> None:
             assert 0.2 <= elapsed < 0.6, f"one round trip through a 100 ms proxy took {elapsed:.3f} s"
             writer.write(payload)
             assert await reader.readexactly(len(payload)) == payload
+            writer.close()
+        finally:
+            await proxy.close()
+            server.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_partitioned_proxy_delivers_nothing_until_healed_and_reset_cuts_what_it_held() -> None:
+    """The multi-host drill's partition: a very long delay takes bytes and delivers none; healing (delay 0,
+    reset) cuts the connections held behind it, and a new connection flows at once."""
+
+    async def scenario() -> None:
+        server = await echo_server()
+        proxy = await DelayProxy(server.sockets[0].getsockname()[1]).start()
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+            proxy.delay_s = 1e6
+            writer.write(b"lost")
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(reader.read(4), 0.3)
+            proxy.delay_s = 0.0
+            await proxy.reset()
+            assert await asyncio.wait_for(reader.read(4), 5) == b""  # cut: EOF, never the held bytes
+            reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+            writer.write(b"back")
+            assert await asyncio.wait_for(reader.readexactly(4), 5) == b"back"
             writer.close()
         finally:
             await proxy.close()
@@ -210,3 +238,18 @@ def test_the_timeline_names_each_round_and_tells_coinciding_markers_apart(tmp_pa
         assert len(styles) == 3 and len(heights) == 3  # three kinds, each its own line style and glyph height
     finally:
         plt.close(fig)
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--hosts", "1"], "--hosts must be 2..9 with --dcs etcd"),
+        (["--hosts", "3", "--lb", "haproxy"], "--dcs etcd drills its own simulated hosts through the gateway"),
+    ],
+)
+def test_bad_multihost_drill_flags_are_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], expected: str
+) -> None:
+    assert main(["drill", "--dcs", "etcd", *flags, "--report", str(tmp_path)]) == 2
+    error = capsys.readouterr().err.strip()
+    assert expected in error and "\n" not in error

@@ -40,10 +40,10 @@ DEMOTE_BOUND_S = TTL_S - RETRY_TIMEOUT_S + LOOP_WAIT_S
 SLACK_S = 1.0  # two loaded cores: an HTTP exchange in the test's own polling may take this long
 
 
-def dcs_section(etcd: list[str], prefix: str, host: str, address: str) -> str:
+def dcs_section(etcd: list[str], prefix: str, host: str, address: str, ttl_s: int = TTL_S) -> str:
     return (
         f'[dcs]\netcd = {json.dumps(etcd)}\nprefix = "{prefix}"\nhost = "{host}"\naddress = "{address}"\n'
-        f"ttl_s = {TTL_S}\nloop_wait_s = {LOOP_WAIT_S}\nretry_timeout_s = {RETRY_TIMEOUT_S}\n"
+        f"ttl_s = {ttl_s}\nloop_wait_s = {LOOP_WAIT_S}\nretry_timeout_s = {RETRY_TIMEOUT_S}\n"
     )
 
 
@@ -284,3 +284,84 @@ def test_two_controllers_race_one_key_on_a_three_member_etcd_that_loses_a_member
                         await keeper.stop(revoke=True)
 
         asyncio.run(race())
+
+
+KEEPER_TTL_S = 10  # the in-process keepers' lease: a restart on two loaded cores must come well within it
+
+
+def keeper_config(path: Path, etcd: list[str], prefix: str, host: str, base_port: int = 41000) -> Path:
+    """One host's cluster.toml, one engine at ``base_port`` on 127.0.0.2 (nothing listens there)."""
+    path.write_text(
+        f'[cluster]\nname = "keys"\n\n[[groups]]\nengines = 1\nbase_port = {base_port}\n\n'
+        f"{dcs_section(etcd, prefix, host, '127.0.0.2', ttl_s=KEEPER_TTL_S)}"
+    )
+    return path
+
+
+def test_a_restarted_keeper_retakes_only_keys_naming_its_host_and_engine_under_a_live_lease(
+    tmp_path: Path, prefix: str
+) -> None:
+    """In process, no engines: what a restarted controller's leader keeper adopts at start-up."""
+    with etcd_cluster(1) as members:
+        etcd = [members[0].url]
+
+        async def restart() -> None:
+            running: list[EtcdLeadership] = []
+            async with httpx.AsyncClient(trust_env=False) as client:
+
+                async def keeper(host: str, base_port: int = 41000) -> EtcdLeadership:
+                    config = keeper_config(tmp_path / f"{host}-{base_port}.toml", etcd, prefix, host, base_port)
+                    running.append(EtcdLeadership(load_config(config), client, EngineApi(client, None)))
+                    await running[-1].start(lambda: None)
+                    return running[-1]
+
+                try:
+                    first = await keeper("a")
+                    body, _ = await first.claim(0, "g0-e0", "http://127.0.0.2:41000")
+                    assert body is not None
+                    await running.pop().stop(revoke=False)  # killed: its lease and key live on for the TTL
+                    again = await keeper("a")
+                    assert again.lease == first.lease and again.held[0].token == body["fencing_token"]
+                    assert again.refusal(0) is None and 0 < again._lease_s() <= KEEPER_TTL_S - RETRY_TIMEOUT_S
+                    other_host, other_engine = await keeper("b"), await keeper("a", base_port=42000)
+                    assert other_host.held == {} and other_engine.held == {}  # not its host, not its engine
+                    await running.pop(running.index(again)).stop(revoke=True)  # the lease goes, its key with it
+                    late = await keeper("a")
+                    assert late.held == {} and late.lease != first.lease
+                finally:
+                    for started in running:
+                        await started.stop(revoke=True)
+
+        asyncio.run(restart())
+
+
+def test_a_wall_clock_jump_changes_no_lease_arithmetic(
+    tmp_path: Path, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The controller's lease deadlines run on the monotonic clock: the wall clock stepping an hour either way
+    (NTP, `date -s`) neither shortens nor stretches a primary's lease, nor makes the holder doubt its key. The
+    jump is this process's ``time.time`` (the machine's clock is not ours to step)."""
+    with etcd_cluster(1) as members:
+        config = keeper_config(tmp_path / "cluster.toml", [members[0].url], prefix, "a")
+
+        async def jumps() -> None:
+            async with httpx.AsyncClient(trust_env=False) as client:
+                keeper = EtcdLeadership(load_config(config), client, EngineApi(client, None))
+                await keeper.start(lambda: None)
+                try:
+                    body, _ = await keeper.claim(0, "g0-e0", "http://127.0.0.2:41000")
+                    assert body is not None
+                    wall = time.time
+                    for jump_s in (3600.0, -3600.0):
+                        monkeypatch.setattr(time, "time", lambda jump_s=jump_s: wall() + jump_s)
+                        await keeper.refresh()
+                        assert keeper.refusal(0) is None and keeper.held[0].token == body["fencing_token"]
+                        assert KEEPER_TTL_S / 2 < keeper._lease_s() <= KEEPER_TTL_S - RETRY_TIMEOUT_S
+                        again, refused = await keeper.claim(0, "g0-e0", "http://127.0.0.2:41000")
+                        assert refused is None and again is not None
+                        assert KEEPER_TTL_S / 2 < again["lease_s"] <= KEEPER_TTL_S - RETRY_TIMEOUT_S
+                        body = again
+                finally:
+                    await keeper.stop(revoke=True)
+
+        asyncio.run(jumps())

@@ -18,6 +18,7 @@ from hotweights.cli import main
 from hotweights.contract import Endpoint
 from hotweights.controller.config import load_config
 from hotweights.ports import free_port
+from tests.cachehelpers import wait_until
 from tests.enginehelpers import ChildService, EngineProcess
 from tests.gatewayhelpers import primary_and_standby, roles, write_cluster
 
@@ -132,5 +133,57 @@ def test_routes_to_the_primary_and_follows_a_flip(engines: list[EngineProcess], 
             f"HAProxy routed to the new primary {routed * 1000:.0f} ms after the promotion and marked it the only "
             f"server UP after {marked * 1000:.0f} ms; {failed} requests were not answered 200 meanwhile"
         )
+    finally:
+        haproxy.close()
+
+
+def host_config(path: Path, host: str, address: str, ports: list[int], cluster: str = "multi") -> Path:
+    """One host of a ``[dcs]`` cluster: ``write_cluster``'s groups, its own host name and address."""
+    write_cluster(path, ports)
+    dcs = f'[dcs]\netcd = ["http://127.0.0.1:{free_port()}"]\nhost = "{host}"\naddress = "{address}"\n'
+    path.write_text(path.read_text().replace("[cluster]\n", f'[cluster]\nname = "{cluster}"\n') + dcs)
+    return path
+
+
+def test_several_hosts_configs_list_every_hosts_engines_and_refuse_another_cluster(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a = host_config(tmp_path / "a.toml", "a", "127.0.0.2", [free_port()])
+    b = host_config(tmp_path / "b.toml", "b", "127.0.0.3", [free_port()])
+    out = generate(a, tmp_path / "hosts.cfg", "--config", str(b))
+    assert check(out).returncode == 0, check(out).stderr
+    text = out.read_text()
+    for config, host in ((a, "a"), (b, "b")):
+        spec = load_config(config).engines()[0]
+        assert f"server {host}-g0-e0 {spec.host}:{spec.port} check" in text
+    other = host_config(tmp_path / "c.toml", "c", "127.0.0.4", [free_port()], cluster="other")
+    assert main(["haproxy-config", "--config", str(a), "--config", str(other)]) == 2
+    error = capsys.readouterr().err.strip()
+    assert "not hosts of one cluster" in error and str(other) in error and "\n" not in error
+
+
+def test_with_several_hosts_the_primary_check_follows_the_primary_lease(
+    engines: list[EngineProcess], tmp_path: Path
+) -> None:
+    """No watch of etcd: an engine whose primary lease (``[dcs]`` promote) runs out answers /primary 503, so
+    HAProxy stops routing to it; the next leader's promote, carrying a higher fencing token, is routed to."""
+    primary, standby = roles(engines)
+    configs = [
+        host_config(tmp_path / f"{h}.toml", h, "127.0.0.1", [e.port]) for h, e in (("a", primary), ("b", standby))
+    ]
+    port, stats_port = free_port(), free_port()
+    out = generate(configs[0], tmp_path / "haproxy.cfg", "--config", str(configs[1]), "--port", str(port),
+                   "--stats-port", str(stats_port))  # fmt: skip
+    haproxy = HAProxyProcess(out, port, stats_port)
+    try:
+        haproxy.converge("a-g0-e0", timeout=10.0)
+        assert primary.post(Endpoint.DEMOTE).status_code == 200
+        lease = {"fencing_token": 7, "lease_s": 1.5}
+        assert standby.post(Endpoint.PROMOTE, json=lease).status_code == 200
+        haproxy.converge("b-g0-e0", timeout=CONVERGE_S)
+        wait_until(lambda: haproxy.up() == set(), 10, "b's lease to run out and HAProxy to mark it down")
+        assert haproxy.served_by() is None
+        assert primary.post(Endpoint.PROMOTE, json={"fencing_token": 8, "lease_s": 600}).status_code == 200
+        haproxy.converge("a-g0-e0", timeout=CONVERGE_S)
     finally:
         haproxy.close()
