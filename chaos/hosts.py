@@ -55,6 +55,17 @@ def etcd_ready(url: str) -> bool:
         return False
 
 
+
+def pids_naming(marker: str) -> list[int]:
+    """Every process but this one whose command line contains ``marker`` (e.g. a stack's directory)."""
+    needle, pids = marker.encode(), []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and int(proc.name) != os.getpid():
+            with contextlib.suppress(OSError):
+                if needle in (proc / "cmdline").read_bytes():
+                    pids.append(int(proc.name))
+    return pids
+
 class EtcdServer:
     """A one-member etcd in ``root``; ``stop``/``start`` keep its data (an etcd restart)."""
 
@@ -173,13 +184,7 @@ class SimulatedHost:
 
     def pids(self) -> list[int]:
         """Every process whose command line names this host's directory (controller, daemon, engines)."""
-        marker, pids = self.marker.encode(), []
-        for proc in Path("/proc").iterdir():
-            if proc.name.isdigit() and int(proc.name) != os.getpid():
-                with contextlib.suppress(OSError):
-                    if marker in (proc / "cmdline").read_bytes():
-                        pids.append(int(proc.name))
-        return pids
+        return pids_naming(self.marker)
 
     def kill(self) -> None:
         """The host is lost: SIGKILL every one of its processes at once."""

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 import httpx
 
+from hotweights.chaos.hosts import pids_naming
 from hotweights.chaos.load import LoadGenerator, completion_body
 from hotweights.chaos.splitbrain import SplitBrainDetector
 from hotweights.contract import Endpoint
@@ -156,14 +157,7 @@ class ControllerStack:
     def pids_naming_root(self) -> list[int]:
         """Every process whose command line names this stack's directory: also those the state file
         no longer records (a test may have made orphans on purpose)."""
-        marker = str(self.root).encode()
-        pids = []
-        for proc in Path("/proc").iterdir():
-            if proc.name.isdigit() and int(proc.name) != os.getpid():
-                with contextlib.suppress(OSError):
-                    if marker in (proc / "cmdline").read_bytes():
-                        pids.append(int(proc.name))
-        return pids
+        return pids_naming(str(self.root))
 
     def close(self) -> None:
         """Kill the controller, stop everything the state file records, SIGKILL any leftover."""
