@@ -111,20 +111,28 @@ class TermPrimary(SignalPrimary):
     sig = signal.SIGTERM
 
 
-class HangPrimary(Scenario):
-    name = "hang-primary"
-    measures = "SIGSTOP the primary: health-check detection (threshold x timeout), fence of a stopped process"
+class Stops(Scenario):
+    """A scenario that SIGSTOPs its target: the round settles when the stopped process was fenced, and every
+    target gets SIGCONT afterwards."""
 
-    async def inject(self, r: Round) -> None:
-        r.hit(r.primary(), signal.SIGSTOP)
+    not_fenced = "the stopped process was not fenced"
 
     async def settle(self, r: Round) -> None:
         if not await wait_dead(r.targets[0]):
-            r.problem = "the stopped primary was not fenced"
+            r.problem = self.not_fenced
 
     async def cleanup(self, r: Round) -> None:
         for target in r.targets:
             send(target, signal.SIGCONT)
+
+
+class HangPrimary(Stops):
+    name = "hang-primary"
+    measures = "SIGSTOP the primary: health-check detection (threshold x timeout), fence of a stopped process"
+    not_fenced = "the stopped primary was not fenced"
+
+    async def inject(self, r: Round) -> None:
+        r.hit(r.primary(), signal.SIGSTOP)
 
 
 class SlowPrimary(Scenario):
@@ -235,20 +243,13 @@ class KillRank(RankScenario):
         r.hit(await self.primary_rank(r), signal.SIGKILL)
 
 
-class HangRank(RankScenario):
+class HangRank(RankScenario, Stops):
     name = "hang-rank"
     measures = "SIGSTOP the last rank of the primary group: rank 0 reports it unready; every rank is fenced"
+    not_fenced = "the stopped rank was not fenced with its group"
 
     async def inject(self, r: Round) -> None:
         r.hit(await self.primary_rank(r), signal.SIGSTOP)
-
-    async def settle(self, r: Round) -> None:
-        if not await wait_dead(r.targets[0]):
-            r.problem = "the stopped rank was not fenced with its group"
-
-    async def cleanup(self, r: Round) -> None:
-        for target in r.targets:
-            send(target, signal.SIGCONT)
 
 
 class KillRankDaemon(RankScenario):
