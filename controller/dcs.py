@@ -353,14 +353,15 @@ class EtcdLeadership(Solo):
         sent = time.monotonic()
         if self.lease is None:
             self.lease = await self.etcd.grant(self.dcs.ttl_s)
-        ttl = await self.etcd.keepalive(self.lease)
+        # One round trip's time, not two: a starved controller must still renew well inside its lease.
+        ttl, kvs = await asyncio.gather(self.etcd.keepalive(self.lease), self.etcd.range_prefix(self.keys.leaders))
         if ttl <= 0:
             log.warning("our etcd lease %x expired: the leader keys held under it are gone", self.lease)
             self.lease, self.held = None, {}
             return await self._refresh()
         self.valid_until = sent + ttl
         leaders: dict[int, Leader | str] = {}
-        for kv in await self.etcd.range_prefix(self.keys.leaders):
+        for kv in kvs:
             if (group := self.keys.group_of(kv)) is not None:
                 leaders[group] = self.keys.parse(kv)
         self.leaders = leaders
