@@ -97,6 +97,24 @@ def wait_new_primary(urls: list[str], old: str, timeout: float) -> tuple[str, fl
         ("[[groups]]\nengine_args = '--x'\n", "groups[0].engine_args must be a list of strings, found '--x'"),
         ("[[groups]]\nengine_env = {A = 1}\n", "groups[0].engine_env must be a table of strings, found {'A': 1}"),
         ("[[groups]]\nstart_timeout_s = -1\n", "groups[0].start_timeout_s must be >= 0"),
+        ("[[groups]]\ntp_size = 0\n", "groups[0].tp_size must be >= 1, found 0"),
+        (
+            "[[groups]]\ntp_size = 2\nengine = 'vllm'\nengine_python = '/bin/sh'\n",
+            'tp_size 2 needs engine = "reference"',
+        ),
+        ("[[groups]]\ntp_size = 2\ndevice = 'cuda:1'\n", "groups[0].device must be cpu or cuda:0 with tp_size 2"),
+        ("[[groups]]\ntp_size = 2\nsnapshot = 'one.snap'\n", "groups[0].snapshot must hold {rank} with tp_size 2"),
+        ('[dcs]\netcd = ["127.0.0.1:2379"]\n', "must be an http(s)://HOST:PORT client URL"),
+        (
+            '[dcs]\netcd = ["http://127.0.0.1:2379"]\nprefix = "hotweights/"\n',
+            "dcs.prefix must be an absolute key path",
+        ),
+        ('[dcs]\netcd = ["http://127.0.0.1:2379"]\nprefix = "/a//b"\n', "dcs.prefix must be an absolute key path"),
+        ('[dcs]\netcd = ["http://127.0.0.1:2379"]\nttl_s = 1\nloop_wait_s = 0.5\n', "must be >= dcs.loop_wait_s + 2"),
+        ('[dcs]\netcd = ["http://127.0.0.1:2379"]\nttl_s = 2.5\n', "dcs.ttl_s must be int"),
+        ('[dcs]\netcd = ["http://127.0.0.1:2379"]\nhost = "a b"\n', "dcs.host must be a name"),
+        ('[dcs]\netcd = ["http://127.0.0.1:2379"]\naddress = "10.1.2.3"\n', "dcs.address '10.1.2.3' is not loopback"),
+        ("[dcs]\netcd = [1]\n", "dcs.etcd must be a list of strings"),
     ],
 )
 def test_config_errors_name_file_and_key(tmp_path: Path, text: str, expected: str) -> None:

@@ -24,22 +24,6 @@ def rank_pids(url: str) -> list[int]:
     return httpx.get(url + Endpoint.LIVE, timeout=5).json()["rank_pids"]
 
 
-@pytest.mark.parametrize(
-    ("group", "expected"),
-    [
-        ("tp_size = 0", "groups[0].tp_size must be >= 1, found 0"),
-        ("tp_size = 2\nengine = 'vllm'\nengine_python = '/bin/sh'", 'tp_size 2 needs engine = "reference"'),
-        ("tp_size = 2\ndevice = 'cuda:1'", "groups[0].device must be cpu or cuda:0 with tp_size 2"),
-        ("tp_size = 2\nsnapshot = 'one.snap'", "groups[0].snapshot must hold {rank} with tp_size 2"),
-    ],
-)
-def test_bad_tensor_parallel_groups_name_the_file_and_key(tmp_path: Path, group: str, expected: str) -> None:
-    path = tmp_path / "cluster.toml"
-    path.write_text(f"[[groups]]\n{group}\n")
-    with pytest.raises(ConfigError) as caught:
-        load_config(path)
-    assert str(path) in str(caught.value) and expected in str(caught.value)
-
 
 def test_a_group_of_two_ranks_runs_a_daemon_per_rank_and_engines_that_name_each(
     tmp_path: Path, tiny_model: Path

@@ -23,7 +23,6 @@ from hotweights.contract import Endpoint
 from hotweights.controller.config import load_config
 from hotweights.controller.dcs import DcsError, EtcdLeadership
 from hotweights.controller.engineapi import EngineApi
-from hotweights.errors import ConfigError
 from hotweights.ports import free_port
 from hotweights.spawn import hotweights_command
 from tests.cachehelpers import wait_until
@@ -212,26 +211,6 @@ def test_a_prefix_another_cluster_uses_is_refused_at_start_up(tiny_model: Path, 
     finally:
         host.close()
 
-
-@pytest.mark.parametrize(
-    ("dcs", "expected"),
-    [
-        ('etcd = ["127.0.0.1:2379"]', "must be an http(s)://HOST:PORT client URL"),
-        ('etcd = ["http://127.0.0.1:2379"]\nprefix = "hotweights/"', "dcs.prefix must be an absolute key path"),
-        ('etcd = ["http://127.0.0.1:2379"]\nprefix = "/a//b"', "dcs.prefix must be an absolute key path"),
-        ('etcd = ["http://127.0.0.1:2379"]\nttl_s = 1\nloop_wait_s = 0.5', "must be >= dcs.loop_wait_s + 2"),
-        ('etcd = ["http://127.0.0.1:2379"]\nttl_s = 2.5', "dcs.ttl_s must be int"),
-        ('etcd = ["http://127.0.0.1:2379"]\nhost = "a b"', "dcs.host must be a name"),
-        ('etcd = ["http://127.0.0.1:2379"]\naddress = "10.1.2.3"', "dcs.address '10.1.2.3' is not loopback"),
-        ("etcd = [1]", "dcs.etcd must be a list of strings"),
-    ],
-)
-def test_bad_dcs_sections_are_one_clear_line(tmp_path: Path, dcs: str, expected: str) -> None:
-    config = tmp_path / "cluster.toml"
-    config.write_text(f"[dcs]\n{dcs}\n")
-    with pytest.raises(ConfigError) as caught:
-        load_config(config)
-    assert expected in str(caught.value) and str(config) in str(caught.value)
 
 
 async def refreshed(keeper: EtcdLeadership, attempts: int = 10) -> None:
