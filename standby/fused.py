@@ -46,17 +46,20 @@ def fusing() -> Iterator[None]:
 def fused_on_cuda(fn: Fn) -> Fn:
     """``fn`` itself, except that a call within ``fusing()`` whose first argument is a CUDA tensor runs
     it compiled."""
-    compiled: list[Callable[..., object]] = []
 
     @functools.wraps(fn)
     def run(x: torch.Tensor, *args: object) -> object:
         if not (TRITON and x.is_cuda and _FUSING.get()):
             return fn(x, *args)
-        if not compiled:
-            compiled.append(torch.compile(fn, fullgraph=True))
-        return compiled[0](x, *args)
+        return _compiled(fn)(x, *args)
 
     return run  # type: ignore[return-value]
+
+
+@functools.cache
+def _compiled(fn: Callable[..., object]) -> Callable[..., object]:
+    """``fn`` compiled once, on its first fused call (so CPU engines never import Dynamo)."""
+    return torch.compile(fn, fullgraph=True)
 
 
 @fused_on_cuda
