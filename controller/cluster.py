@@ -35,6 +35,7 @@ from hotweights.controller.supervisor import (
     stack_orphans,
     stop_recorded,
 )
+from hotweights.ports import is_free
 from hotweights.standby.serving import PortUnavailable, bind_port
 from hotweights.state import (
     ClusterState,
@@ -430,7 +431,7 @@ class Cluster:
         taken |= {self.config.cluster.port, self.config.gateway.port}
         taken |= {p for spec in self.config.engines() for p in (spec.port, spec.listen_port)}
         port = spec_group.base_port + index
-        while port in taken or not _port_is_free(port):
+        while port in taken or not is_free(port):
             port += 1
         spec = EngineSpec(f"g{group}-e{index}", group, spec_group.device, port, host=self.config.dcs.address)
         member = Member(spec, start_timeout_s=spec_group.start_timeout())
@@ -634,10 +635,3 @@ def daemon_id(group: int, rank: int) -> str:
 
 def _slot_order(member: Member) -> tuple[int, int]:
     return member.spec.group, int(member.spec.id.rsplit("-e", 1)[1])
-
-
-def _port_is_free(port: int) -> bool:
-    with socket.socket() as probe, contextlib.suppress(OSError):
-        probe.bind(("127.0.0.1", port))
-        return True
-    return False
