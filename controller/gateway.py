@@ -8,9 +8,12 @@ failover because of three rules:
 - While no primary is known, new requests are held (at most ``queue_limit`` of them, each for at most
   ``hold_timeout_s``); a primary appearing releases them at once. Overflow or deadline: 503 saying why.
 - A request whose upstream failed before any response byte reached the client (connect error,
-  connection closed before the first body chunk, or a 503 from an engine that is now a standby or
-  draining) is re-sent to the next primary within the same deadline. Completions have no side
-  effects, so running one twice is safe.
+  connection closed before the whole body of a non-streamed reply of up to ``WHOLE_BODY_MAX`` bytes, or
+  before the first chunk of a stream or a larger reply, or a 503 from an engine that is now a standby or
+  draining) is re-sent to the next primary within the same deadline: a non-streamed completion is read
+  whole before its first byte is relayed, so a connection cut between its headers and its body (a
+  partition) is retried, not relayed as a truncated body. Completions have no side effects, so running
+  one twice is safe.
 - Once bytes have been relayed, a failure cannot be hidden: an SSE stream ends with a
   ``data: {"error": ...}`` event and no ``[DONE]`` (as the engine itself ends a cancelled stream);
   any other body is cut off, so the client sees a truncated response, never a silently short one.
@@ -62,6 +65,7 @@ BACKLOG = 4096  # connections the kernel queues while no worker accepts (one res
 SUPERVISOR_BACKLOG = 16
 
 HOLD_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+WHOLE_BODY_MAX = 1 << 20  # a non-streamed reply up to this size is read whole before it is relayed
 KEEPALIVE_S = 2.0  # below uvicorn's 5 s, so a pooled connection is never reused as the engine closes it
 
 
@@ -358,11 +362,13 @@ class Gateway:
             kind = "connect" if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout) else "disconnected"
             raise UpstreamFailed(kind, f"{type(exc).__name__} {exc}".strip()) from exc
         chunks = response.aiter_raw()
+        is_sse = response.headers.get("content-type", "").startswith("text/event-stream")
+        whole = not is_sse and int(response.headers.get("content-length", WHOLE_BODY_MAX + 1)) <= WHOLE_BODY_MAX
         try:
             if response.status_code == 503:  # a standby or draining engine; the next primary may serve it
                 await response.aread()
                 raise UpstreamFailed("unavailable", _reason(response, path))
-            first = await anext(chunks, b"")
+            first = b"".join([chunk async for chunk in chunks]) if whole else await anext(chunks, b"")
         except httpx.TransportError as exc:
             await response.aclose()
             raise UpstreamFailed("disconnected", f"{type(exc).__name__} {exc}".strip()) from exc
@@ -371,7 +377,6 @@ class Gateway:
             raise
         reply_headers = {k: v for k, v in response.headers.items() if k not in HOP_BY_HOP - {"content-length"}}
         reply_headers["x-hotweights-upstream"] = upstream.url
-        is_sse = response.headers.get("content-type", "").startswith("text/event-stream")
         return ProxiedStream(self.relay(upstream, first, chunks, is_sse), response.status_code, reply_headers, response)
 
     async def relay(

@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -268,6 +269,78 @@ def test_a_stream_cut_mid_event_ends_with_a_well_formed_error_event() -> None:
     payloads = [json.loads(event.removeprefix("data: ")) for event in events[:-1]]
     assert payloads[:2] == [{"a": 1}, {"b": 2}]
     assert "failed mid-response" in payloads[2]["error"]["message"]
+
+
+class CutUpstreams:
+    """Two upstreams on threads: A is primary until it answers a completion with its headers and the first
+    bytes of its body, then closes the connection (a partition mid-reply); from then on B is, and serves."""
+
+    def __init__(self) -> None:
+        self.cut = threading.Event()
+        self.servers = [ThreadingHTTPServer(("127.0.0.1", 0), self.handler(name)) for name in ("a", "b")]
+        self.urls = [f"http://127.0.0.1:{server.server_address[1]}" for server in self.servers]
+
+    def handler(self, name: str) -> type[BaseHTTPRequestHandler]:
+        upstreams = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self) -> None:  # /primary
+                self.reply(200 if (name == "b") == upstreams.cut.is_set() else 503, b"{}")
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers["content-length"]))
+                if name == "b":
+                    self.reply(200, json.dumps({"choices": [{"text": "from b"}]}).encode())
+                    return
+                upstreams.cut.set()
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", "64")
+                self.end_headers()
+                self.wfile.write(b'{"choi')
+                self.wfile.flush()
+                self.close_connection = True
+
+            def reply(self, status: int, body: bytes) -> None:
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+        return Handler
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[CutUpstreams]:
+        threads = [threading.Thread(target=server.serve_forever, daemon=True) for server in self.servers]
+        for thread in threads:
+            thread.start()
+        try:
+            yield self
+        finally:
+            for server in self.servers:
+                server.shutdown()
+                server.server_close()
+
+
+def test_a_reply_cut_before_its_whole_body_is_retried_on_the_next_primary(tmp_path: Path) -> None:
+    """Nothing of a non-streamed reply reaches the client before its whole body did: the cut one is re-sent."""
+    config = write_cluster(tmp_path / "cluster.toml", [])
+    with CutUpstreams().running() as upstreams:
+        a, b = upstreams.urls
+        with GatewayProcess(config, "--upstream", a, "--upstream", b) as gateway:
+            gateway.wait_health(lambda h: [u["is_primary"] for u in h["upstreams"]] == [True, False], what="a primary")
+            response = gateway.client.post(Endpoint.COMPLETIONS, json={"prompt": "x"})
+            assert upstreams.cut.is_set()
+            assert response.status_code == 200, response.text
+            assert response.json()["choices"][0]["text"] == "from b"
+            assert response.headers["x-hotweights-upstream"] == b
+            assert metric(gateway, "hotweights_gateway_retries_total") >= 1
 
 
 class Load:
