@@ -1,7 +1,8 @@
 """Memory held by a stack, before and after a fault: what a leak would show up in.
 
 - stack processes: every process whose command line names the stack's config or state dir (a fenced engine
-  that did not die, or a duplicate, is a leak even before it holds much memory);
+  that did not die, or a duplicate, is a leak even before it holds much memory), but for spares still
+  waiting for a slot (``controller.spares``: one per group, replaced as the primary moves);
 - weight arenas: distinct memfd files those processes map (cpu-shm). A respawned daemon re-adopts the
   arena from a live engine; one that cannot loads a new arena while engines attached to the old one keep
   it mapped until they are replaced, so a round that respawned the daemon may add one arena;
@@ -16,6 +17,8 @@ import shutil
 import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from hotweights.controller.spares import is_waiting
 
 GPU_TOLERANCE_BYTES = 256 << 20  # allocator caches and CUDA contexts of restarted engines
 
@@ -43,7 +46,7 @@ def stack_pids(markers: tuple[str, ...]) -> list[int]:
             command = (entry / "cmdline").read_bytes().decode(errors="replace")
         except OSError:
             continue
-        if any(marker in command for marker in markers):
+        if any(marker in command for marker in markers) and not is_waiting(int(entry.name), command.split("\0")):
             pids.append(int(entry.name))
     return pids
 

@@ -107,8 +107,9 @@ def build_app(ha: Ha, cluster: Cluster, events: EventLog, metrics: ControllerMet
     @app.get("/cluster")
     async def get_cluster() -> JSONResponse:
         """200: every engine (id, role, state, status, pid, port, device, last check, consecutive failures),
-        every daemon or gateway process, the rollouts queued or running (group, step i of n, started), and
-        ``dcs``: single-host, or this host's view of the leader keys in etcd."""
+        every daemon or gateway process, the rollouts queued or running (group, step i of n, started), each
+        group's spare engine process (the slot it waits to replace, its pid), and ``dcs``: single-host, or this
+        host's view of the leader keys in etcd."""
         snap = cluster.snapshot()
         return JSONResponse(
             {
@@ -116,6 +117,7 @@ def build_app(ha: Ha, cluster: Cluster, events: EventLog, metrics: ControllerMet
                 "members": [m.to_json() for m in snap.members],
                 "services": [s.to_json() for s in snap.services],
                 "rollouts": [progress.to_json() for progress in ha.rollouts.values()],
+                "spares": cluster.spares.to_json(),
                 "dcs": ha.leadership.describe(),
             }
         )

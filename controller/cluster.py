@@ -25,6 +25,7 @@ from hotweights.contract import Endpoint, Role, State
 from hotweights.controller.config import REFERENCE, START_TIMEOUTS_S, ClusterConfig, EngineSpec
 from hotweights.controller.gateway import BACKLOG as GATEWAY_BACKLOG
 from hotweights.controller.health import HealthChecker, HealthRecord
+from hotweights.controller.spares import Spares
 from hotweights.controller.stack import Layout
 from hotweights.controller.supervisor import (
     Process,
@@ -194,6 +195,7 @@ class Cluster:
         self.checker = checker
         self.wake = wake
         self.supervisor = Supervisor(layout.log_dir, self.handle_exit)
+        self.spares = Spares(self.supervisor)
         self.members: dict[str, Member] = {}
         self.services: dict[str, Service] = {}
         self.removed: set[str] = set()  # configured engines deleted through the API
@@ -367,10 +369,21 @@ class Cluster:
         for message in await asyncio.to_thread(evict_orphans, member.spec.listen_port, member_id):
             log.warning("%s", message)
         command, env = self.layout.engine_command(member.spec), self.layout.environment(member.spec.group)
-        process = self.supervisor.spawn(member_id, command, env)
+        process = self.spares.take(member.spec.group, member_id, command)
+        if process is None:
+            process = self.supervisor.spawn(member_id, command, env)
         self._attach(member, process)
         self.set_role(member_id, Role.STANDBY)
         return process
+
+    def tend_spare(self, snap: Snapshot, group: int) -> None:
+        """Keep the group's spare for the slot of its serving primary (``spares``); none while it has no
+        serving primary, or when the group has ``spare = false`` or is not of reference engines."""
+        config = self.config.groups[group]
+        serving = [m.id for m in snap.primaries(group) if m.is_serving_primary]
+        slot = serving[0] if len(serving) == 1 and config.spare and config.engine == REFERENCE else None
+        command = self.layout.engine_command(self.members[slot].spec) if slot else []
+        self.spares.tend(group, slot, command, self.layout.environment(group))
 
     def _attach(self, member: Member, process: Process) -> None:
         member.process = process
@@ -600,6 +613,7 @@ class Cluster:
             if service.keeper:
                 service.keeper.cancel()
         await self.checker.close()
+        await asyncio.gather(*(self.supervisor.stop(spare) for spare in self.spares.release_all()))
         gateways = [s.id for s in self.services.values() if s.kind == "gateway"]
         results = await asyncio.gather(*(self.stop_service(service_id) for service_id in gateways))
         lines = [f"{service_id}: {how}" for service_id, how in zip(gateways, results, strict=True)]
@@ -620,6 +634,7 @@ class Cluster:
             if service.keeper:
                 service.keeper.cancel()
         await self.checker.close()
+        self.spares.release_all()  # each exits 0 without starting
         self.save()
         self.close_gateway_listener()
         await self.close_worker_clients()

@@ -54,6 +54,9 @@ snapshot = ""                 # a processed snapshot (`hotweights cache snapshot
                               # live engine hands its arena back, before reading the checkpoint; relative to
                               # this file ("": none). A stale or corrupt one is refused, never served.
                               # With tp_size > 1, "{rank}" in it stands for each daemon's rank.
+spare = true                  # keep a spare engine process for the primary's slot, its imports done (most of
+                              # a start), that replaces the primary as a standby as soon as it is fenced
+                              # (reference engines; a vllm group has none)
 
 [engine]
 kv_cache_tokens = 4096
@@ -126,6 +129,7 @@ class GroupSection:
     engine_env: dict[str, str] = field(default_factory=dict)
     start_timeout_s: float = 0.0
     snapshot: str = ""  # a processed snapshot the daemon tries after re-adoption, before the checkpoint
+    spare: bool = True  # a pre-imported engine process waiting to replace the primary (reference engines)
 
     def start_timeout(self) -> float:
         """How long an engine of this group may take to become ready (vLLM compiles and profiles first)."""
@@ -346,7 +350,7 @@ def _typed(value: object, kind: str, where: str) -> object:
         if not isinstance(value, dict) or not all(isinstance(item, str) for item in value.values()):
             raise ConfigError(f"{where} must be a table of strings, found {value!r}")
         return dict(value)
-    expected = {"int": int, "float": float, "str": str}[kind]
+    expected = {"int": int, "float": float, "str": str, "bool": bool}[kind]
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if type(value) is not expected:

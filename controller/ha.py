@@ -49,6 +49,7 @@ from hotweights.controller.executor import BACKOFF, GroupExecutor, Outcome, back
 from hotweights.controller.health import checks_failed, not_ready_within, process_exited
 from hotweights.controller.metrics import ControllerMetrics
 from hotweights.controller.rollout import Rollout, RolloutProgress, StepFailed, rollout_wait_s
+from hotweights.controller.spares import is_spare
 from hotweights.controller.supervisor import FENCE_TIMEOUT_S
 from hotweights.errors import ConfigError
 
@@ -211,6 +212,7 @@ class Ha:
             else:
                 if held := self.executor.backing_off(group):
                     sentences.append(f"group {group}: {held}")
+                self.cluster.tend_spare(snap, group)
         if sentences:
             return "; ".join(sentences)
         if not busy and not self.announced and self._is_complete(snap):
@@ -382,9 +384,15 @@ class Ha:
         group = self.cluster.members[member_id].spec.group
         if not snap.daemons_serve(group):
             return f"{member_id} restarts once the cache daemons of group {group} serve"
+        return f"started replacement standby {await self._start_standby(member_id)}"
+
+    async def _start_standby(self, member_id: str) -> str:
+        """Start the slot's engine (from the group's spare when it waits for this slot), record it; "ID (pid N)"."""
         process = await self.cluster.start_engine(member_id)
-        self.events.record("engine_start", f"started standby {member_id} (pid {process.pid})", member=member_id)
-        return f"started replacement standby {member_id} (pid {process.pid})"
+        spare = is_spare(process)
+        started = f"{member_id} (pid {process.pid}{', its spare' if spare else ''})"
+        self.events.record("engine_start", f"started standby {started}", member=member_id, spare=spare)
+        return started
 
     # --- 2. REST intents ------------------------------------------------------------------------
 
@@ -772,9 +780,7 @@ class Ha:
                 done.append(f"standby {view.id} ({reason}) is still alive {FENCE_TIMEOUT_S:g} s after SIGKILL")
                 ok = False
         for view in start:
-            process = await self.cluster.start_engine(view.id)
-            self.events.record("engine_start", f"started standby {view.id} (pid {process.pid})", member=view.id)
-            done.append(f"started standby {view.id} (pid {process.pid})")
+            done.append(f"started standby {await self._start_standby(view.id)}")
         return Outcome("; ".join(done), ok)
 
     # --- 4. a group without a primary -------------------------------------------------------------

@@ -161,12 +161,18 @@ class Supervisor:
         self.early_watch: asyncio.Task | None = None
 
     def spawn(
-        self, process_id: str, command: list[str], env: dict[str, str] | None = None, pass_fds: tuple[int, ...] = ()
+        self,
+        process_id: str,
+        command: list[str],
+        env: dict[str, str] | None = None,
+        pass_fds: tuple[int, ...] = (),
+        log_id: str | None = None,
     ) -> Process:
-        """Start ``command`` in a new session (it outlives us), output appended to its log; ``env``: its
-        environment (None: ours); ``pass_fds``: our fds it inherits under the same numbers."""
+        """Start ``command`` in a new session (it outlives us), output appended to the log of ``log_id``
+        (default ``process_id``); ``env``: its environment (None: ours); ``pass_fds``: our fds it inherits
+        under the same numbers."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.log_dir / f"{process_id}.log", "ab") as out:
+        with open(self.log_dir / f"{log_id or process_id}.log", "ab") as out:
             popen = subprocess.Popen(
                 command,
                 stdin=subprocess.DEVNULL,
@@ -193,6 +199,14 @@ class Supervisor:
         process = Process(process_id, opened[1], opened[0], None)
         self._watch(process)
         return process
+
+    def rename(self, process: Process, process_id: str) -> None:
+        """Supervise ``process`` as ``process_id`` from now on (a spare that became a slot's engine)."""
+        if self.processes.get(process.id) is process:
+            del self.processes[process.id]
+        process.id = process_id
+        if process.alive:
+            self.processes[process_id] = process
 
     def watch_exiting(self, process: Process, watch: bool = True) -> None:
         """Watch ``process`` (or stop) for the first sign of its exit, every EXITING_POLL_S.

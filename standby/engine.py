@@ -11,6 +11,10 @@ every engine, standby included, and the decode step is captured as a CUDA graph 
 promote then only attaches it. Otherwise warm-up runs through a scratch KV cache of the real shape, which
 a standby frees again, and promote allocates the KV cache (its time counted in the promote's).
 
+With --start-fd FD the process is a spare the controller started ahead of need: the imports above (torch,
+uvicorn, the model code: most of a start on CPU, seconds with CUDA) are done before anything waits, and it
+goes on with the start-up order only once the controller writes to FD, when the slot it will take is free.
+
 With --tp-size N this process is rank 0 of a tensor-parallel group: it starts ranks 1..N-1 (this command
 again, with hidden --tp-rank/--tp-port/--tp-leader flags), each attaching its own rank's arena, and every
 decoder call it makes runs on all of them (``standby.tpgroup``, which also says how the group lives and
@@ -185,10 +189,24 @@ def run_follower(args: argparse.Namespace) -> int:
     return 0
 
 
+def wait_for_start(fd: int) -> bool:
+    """A spare (``--start-fd``): block until the controller writes a byte to ``fd`` (start now) or closes it
+    without one (not needed after all); whether to start."""
+    log.info("spare: imported and waiting on fd %d to start", fd)
+    try:
+        with os.fdopen(fd, "rb", buffering=0) as pipe:
+            return bool(pipe.read(1))
+    except OSError as exc:
+        raise ConfigError(f"--start-fd {fd}: {exc.strerror}") from None
+
+
 def cmd_engine(args: argparse.Namespace) -> int:
     check_args(args)
     if args.tp_rank > 0:
         return run_follower(args)
+    if args.start_fd is not None and not wait_for_start(args.start_fd):
+        log.info("spare: released before it was needed")
+        return 0
     token = read_token(Path(args.token_file), "--token-file") if args.token_file else None
     sock = bind_port(args.host, args.port)
     engine_id = args.engine_id or f"{socket.gethostname()}-{os.getpid()}"
@@ -297,6 +315,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "then allocated at start-up by standbys too (default on; no effect on CPU)",
     )
     p.add_argument("--engine-id", help="name in health replies and metrics (default HOST-PID)")
+    p.add_argument(
+        "--start-fd",
+        type=int,
+        metavar="FD",
+        help="start as a spare: import everything, then wait for one byte on the inherited FD before binding "
+        "the port and attaching (EOF: exit 0 without starting); the controller keeps one per group",
+    )
     # A follower rank of a tensor-parallel group (standby.tpgroup): set by rank 0 on the ranks it starts.
     p.add_argument("--tp-rank", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--tp-port", type=int, default=0, help=argparse.SUPPRESS)

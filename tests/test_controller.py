@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -115,6 +116,7 @@ def wait_new_primary(urls: list[str], old: str, timeout: float) -> tuple[str, fl
         ('[dcs]\netcd = ["http://127.0.0.1:2379"]\nhost = "a b"\n', "dcs.host must be a name"),
         ('[dcs]\netcd = ["http://127.0.0.1:2379"]\naddress = "10.1.2.3"\n', "dcs.address '10.1.2.3' is not loopback"),
         ("[dcs]\netcd = [1]\n", "dcs.etcd must be a list of strings"),
+        ("[[groups]]\nspare = 1\n", "groups[0].spare must be bool, found int 1"),
     ],
 )
 def test_config_errors_name_file_and_key(tmp_path: Path, text: str, expected: str) -> None:
@@ -198,6 +200,36 @@ def test_kill_primary_fails_over_without_split_brain(stack: ControllerStack) -> 
     assert "signal 9" in detected or "is exiting" in detected  # the pidfd, or every thread seen exiting first
 
 
+def test_the_primary_slots_spare_replaces_it_and_dies_with_the_controller(stack: ControllerStack) -> None:
+    """The spare waits (imported, not listening) for the primary's slot; after the primary's SIGKILL it is the
+    slot's replacement standby (same pid), a new spare waits for the new primary's slot, and a killed
+    controller's spare exits on its own (its pipe closed), leaving the engines serving."""
+    stack.wait_steady()
+    old = stack.primary()
+    spare = wait_until(lambda: (s := stack.cluster()["spares"]) and s[0], 30, "a spare for the primary's slot")
+    assert spare["member"] == old["id"] and spare["group"] == 0
+    assert "--start-fd" in Path(f"/proc/{spare['pid']}/cmdline").read_bytes().decode().split("\0")
+    os.kill(old["pid"], signal.SIGKILL)
+    replacement = wait_until(
+        lambda: (m := stack.members()[old["id"]])["status"] == "healthy" and m["pid"] != old["pid"] and m,
+        60,
+        "the spare as the replacement standby in the old slot",
+    )
+    assert replacement["pid"] == spare["pid"] and replacement["role"] == "standby"
+    started = stack.events("engine_start")[-1]
+    assert started["member"] == old["id"] and started["spare"] is True and "its spare" in started["message"]
+    ready_ms = (time.time() - datetime.fromisoformat(started["time"]).timestamp()) * 1000
+    print(f"\nspare started as {old['id']}: healthy standby within {ready_ms:.0f} ms of the controller's decision")
+    new = stack.primary()
+    wait_until(lambda: [s["member"] for s in stack.cluster()["spares"]] == [new["id"]], 30, "the next spare")
+    next_spare = stack.cluster()["spares"][0]["pid"]
+    stack.kill_controller()
+    wait_until(lambda: read_identity(next_spare) is None, 30, "the spare to exit with its controller")
+    assert stack.engine_primary_status(new["url"]) == 200
+    stack.start_controller()  # the stack is the module's
+    stack.wait_steady()
+
+
 def test_hung_primary_detected_by_health_checks(stack: ControllerStack) -> None:
     urls = [m["url"] for m in stack.wait_steady().values()]
     old = stack.primary()
@@ -275,11 +307,15 @@ def test_controller_restart_adopts_running_engines(stack: ControllerStack) -> No
     assert stack.daemon()["pid"] == daemon_pid
     assert stack.primary()["id"] == primary["id"]
     assert len(stack.events("controller_start")[-1]["adopted"]) == len(before) + 1
-    engines = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _is_engine_of(p, stack)]
+    spares = wait_until(lambda: stack.cluster()["spares"], 30, "the new controller's spare")
+    waiting = {str(spare["pid"]) for spare in spares}  # a spare waits for a slot: it is no engine of one yet
+    engines = [p for p in Path("/proc").iterdir() if p.name not in waiting and _is_engine_of(p, stack)]
     assert len(engines) == len(before), "duplicate engines after the restart"
 
 
 def _is_engine_of(proc: Path, stack: ControllerStack) -> bool:
+    if not proc.name.isdigit():
+        return False
     try:
         command = (proc / "cmdline").read_bytes().split(b"\0")
     except OSError:

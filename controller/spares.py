@@ -1,0 +1,127 @@
+"""Spare engine processes (``[[groups]] spare``): one per group, started ahead of need for the primary's slot.
+
+A spare is the slot's own engine command with ``--start-fd``: it does its imports (torch, uvicorn, the
+model code: most of an engine's start) and then waits on a pipe whose write end only this controller
+holds. When the slot's engine is replaced (its primary was fenced, or a rollout restarts it), one byte
+starts the spare: it binds the slot's port, attaches and warms up like any engine, and is supervised as
+the slot's engine from then on. It never initialises CUDA before that, so it can still do so itself.
+
+A spare whose slot is no longer the primary's, or whose command is no longer what the slot would run (the
+settings changed), is released: its pipe is closed and it exits 0 without starting. The pipe closes with
+the controller too, so a spare never outlives the controller that started it. A spare that exits on its
+own is not started again for ``RETRY_S`` (a broken install must not become a spawn loop).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hotweights.controller.supervisor import Process, Supervisor
+
+log = logging.getLogger(__name__)
+
+RETRY_S = 10.0  # after a spare exited on its own, before its group gets another
+
+
+START_FLAG = "--start-fd"  # hotweights engine's
+
+
+def is_spare(process: Process) -> bool:
+    """Whether ``process`` was started as a spare (and is, or was taken as, a slot's engine)."""
+    return START_FLAG in process.identity.command
+
+
+def is_waiting(pid: int, command: Sequence[str]) -> bool:
+    """Whether process ``pid``, which runs ``command``, is a spare still waiting to start: it holds its start
+    pipe (a started one closed it)."""
+    if START_FLAG not in command[:-1]:
+        return False
+    try:
+        return os.readlink(f"/proc/{pid}/fd/{command[command.index(START_FLAG) + 1]}").startswith("pipe:")
+    except OSError:
+        return False
+
+
+@dataclass
+class Spare:
+    member_id: str  # the slot it will become the engine of
+    command: list[str]  # the slot's engine command it runs (without --start-fd)
+    process: Process
+    start_fd: int  # our end of its pipe
+
+
+class Spares:
+    """At most one spare per group; every method runs on the event loop and does not wait."""
+
+    def __init__(self, supervisor: Supervisor) -> None:
+        self.supervisor = supervisor
+        self.spares: dict[int, Spare] = {}
+        self.failed_at: dict[int, float] = {}  # time.monotonic() of a group's spare exiting on its own
+
+    def tend(self, group: int, member_id: str | None, command: list[str], env: dict[str, str] | None) -> None:
+        """Keep one spare for ``member_id``'s slot running ``command`` (None: the group wants none)."""
+        spare = self.spares.get(group)
+        if spare is not None and not spare.process.alive:
+            log.warning("spare for %s (pid %d) %s", spare.member_id, spare.process.pid, spare.process.exit_reason)
+            self.failed_at[group] = time.monotonic()
+            self.release(group)
+        elif spare is not None and (spare.member_id != member_id or spare.command != command):
+            self.release(group)
+        if member_id is None or group in self.spares:
+            return
+        if time.monotonic() - self.failed_at.get(group, -RETRY_S) >= RETRY_S:
+            self.spares[group] = self._start(member_id, command, env)
+
+    def _start(self, member_id: str, command: list[str], env: dict[str, str] | None) -> Spare:
+        read, write = os.pipe()
+        try:
+            process = self.supervisor.spawn(
+                f"{member_id}-spare", [*command, START_FLAG, str(read)], env, pass_fds=(read,), log_id=member_id
+            )
+        except BaseException:
+            os.close(write)
+            raise
+        finally:
+            os.close(read)
+        log.info("spare for %s started (pid %d)", member_id, process.pid)
+        return Spare(member_id, command, process, write)
+
+    def take(self, group: int, member_id: str, command: list[str]) -> Process | None:
+        """The group's spare started as ``member_id``'s engine, if it is one for that slot and ``command``;
+        None otherwise (the caller starts the engine itself)."""
+        spare = self.spares.get(group)
+        if spare is None or spare.member_id != member_id:
+            return None
+        if not spare.process.alive or spare.command != command:
+            self.release(group)
+            return None
+        try:
+            os.write(spare.start_fd, b"1")
+        except BrokenPipeError:  # it is exiting: the pidfd reports that next
+            self.release(group)
+            return None
+        del self.spares[group]
+        os.close(spare.start_fd)
+        self.supervisor.rename(spare.process, member_id)
+        log.info("spare (pid %d) started as %s", spare.process.pid, member_id)
+        return spare.process
+
+    def release(self, group: int) -> Process | None:
+        """Close the group's spare's pipe (it exits 0 without starting); its process, still to be reaped."""
+        spare = self.spares.pop(group, None)
+        if spare is None:
+            return None
+        with contextlib.suppress(OSError):
+            os.close(spare.start_fd)
+        return spare.process
+
+    def release_all(self) -> list[Process]:
+        return [process for group in list(self.spares) if (process := self.release(group)) is not None]
+
+    def to_json(self) -> list[dict[str, object]]:
+        return [{"group": g, "member": s.member_id, "pid": s.process.pid} for g, s in sorted(self.spares.items())]
