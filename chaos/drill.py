@@ -93,7 +93,7 @@ class Drill:
             await scenario.cleanup(r)
         after_view = await self.api.cluster()
         after = await asyncio.to_thread(memory.snapshot, self.stack.markers)
-        result.fault_at = r.fault_at or None
+        result.fault_at, result.later_faults = r.fault_at or None, r.later_faults
         result.problem = (
             r.problem
             or (missing and f"not whole {self.recovery_timeout_s:g} s after the fault: {missing}")

@@ -4,7 +4,9 @@ Controller timings: ``detection_ms`` runs from the fault to the controller's fir
 hurt process (it includes the health checks a hang needs); ``fence_ms`` and ``promotion_ms`` are the
 durations the controller recorded. Client timings, all ends of successful (correct 200) requests:
 ``lb_convergence_ms`` from the fault to the first success of a request sent after it, and
-``outage_ms`` from the last success before the fault to that same first success.
+``outage_ms`` from the last success before the fault to that same first success. A round of several
+faults (flapping's kills) is measured at each of them and reports its worst one: a later kill that
+finds no ready standby is what clients wait for longest.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class RoundResult:
     skipped: str | None = None
     ended_at: float = 0.0
     fault_at: float | None = None
+    later_faults: list[float] = field(default_factory=list)
     detected_at: float | None = None
     promoted_at: float | None = None
     recovered_at: float | None = None
@@ -95,10 +98,12 @@ def apply_requests(result: RoundResult, records: Sequence[RequestRecord], until:
     result.errors = [f"{r.status}: {r.error}" for r in bad[:3]]
     if result.fault_at is None:
         return
-    before = [r.end for r in records if r.ok and r.end <= result.fault_at]
-    after = [r.end for r in records if r.ok and r.start >= result.fault_at]
-    if after:
+    for fault_at in (result.fault_at, *result.later_faults):
+        before = [r.end for r in records if r.ok and r.end <= fault_at]
+        after = [r.end for r in records if r.ok and r.start >= fault_at]
+        if not after:
+            continue
         first = min(after)
-        result.lb_convergence_ms = (first - result.fault_at) * 1000
+        result.lb_convergence_ms = max(result.lb_convergence_ms or 0.0, (first - fault_at) * 1000)
         if before:
-            result.outage_ms = (first - max(before)) * 1000
+            result.outage_ms = max(result.outage_ms or 0.0, (first - max(before)) * 1000)

@@ -119,6 +119,7 @@ def _compact(result: RoundResult, began: float) -> dict[str, Any]:
     for key in ("started_at", "ended_at", "fault_at", "detected_at", "promoted_at", "recovered_at"):
         if row.get(key) is not None:
             row[key] = round(row[key] - began, 3)
+    row["later_faults"] = [round(at - began, 3) for at in row["later_faults"]]
     before, after = (
         {k: v for k, v in row.pop(key).items() if v is not None} for key in ("memory_before", "memory_after")
     )

@@ -38,6 +38,7 @@ class Round:
     api: ControlApi
     view: ClusterView  # the cluster just before the fault
     fault_at: float = 0.0  # time.time() of the first injected fault
+    later_faults: list[float] = field(default_factory=list)  # time.time() of every fault after the first
     targets: list[Target] = field(default_factory=list)
     problem: str = ""  # set when the fault did not go as the scenario promises (fails the round)
 
@@ -46,6 +47,8 @@ class Round:
             raise RuntimeError("the process to hurt was not found in GET /cluster")
         if not self.fault_at:
             self.fault_at = time.time()
+        else:
+            self.later_faults.append(time.time())
         send(target, sig)
         self.targets.append(target)
         return target

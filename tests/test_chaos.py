@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from hotweights.chaos.load import LoadGenerator, RequestRecord, reference_completion
-from hotweights.chaos.measure import RoundResult
+from hotweights.chaos.measure import RoundResult, apply_requests
 from hotweights.chaos.proxy import DelayProxy
 from hotweights.chaos.report import draw_timeline, label_rounds, mark_events, write_report
 from hotweights.chaos.scenarios import RANK_SCENARIOS, SCENARIOS
@@ -132,6 +132,15 @@ def test_a_partitioned_proxy_delivers_nothing_until_healed_and_reset_cuts_what_i
             server.close()
 
     asyncio.run(scenario())
+
+
+def test_a_round_of_several_faults_reports_its_worst_outage() -> None:
+    """Flapping: a first kill served over in 0.2 s, a later one with no ready standby in 1 s: 1 s counts."""
+    ok = [RequestRecord(t, t + 0.05, 200, "", True) for t in (0.0, 0.1, 0.3, 0.4, 1.3, 1.4)]
+    result = RoundResult("flapping", 1, started_at=0.0, fault_at=0.2, later_faults=[0.42])
+    apply_requests(result, ok, until=2.0)
+    assert result.outage_ms == pytest.approx(1350 - 350)
+    assert result.lb_convergence_ms == pytest.approx(1350 - 420)
 
 
 def test_split_brain_detector_counts_sweeps_with_two_primaries() -> None:
