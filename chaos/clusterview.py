@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -24,6 +24,7 @@ class ClusterView:
 
     members: list[dict[str, Any]]
     services: list[dict[str, Any]]
+    spares: list[dict[str, Any]] = field(default_factory=list)
 
     def primaries(self) -> list[dict[str, Any]]:
         return [m for m in self.members if m["role"] == Role.PRIMARY and m["pid"] is not None]
@@ -36,8 +37,8 @@ class ClusterView:
         ]
 
     def incomplete(self) -> str | None:
-        """None when every group has one healthy primary, every other engine is a ready standby and every
-        daemon and the gateway serve; else what is still missing."""
+        """None when every group has one healthy primary, every other engine is a ready standby, every spare
+        the controller wants is ready and every daemon and the gateway serve; else what is still missing."""
         missing = []
         for group in sorted({m["group"] for m in self.members}):
             members = [m for m in self.members if m["group"] == group]
@@ -47,6 +48,7 @@ class ClusterView:
                 states = ", ".join(f"{m['id']} {m['role']} {m['status']}" for m in members)
                 missing.append(f"group {group}: {states}")
         missing += [f"{s['id']} not serving" for s in self.services if not (s["alive"] and s["serving"])]
+        missing += [f"the spare for {s['member']} not ready" for s in self.spares if not s["ready"]]
         return "; ".join(missing) or None
 
     def target(self, name: str) -> Target | None:
@@ -81,7 +83,7 @@ class ControlApi:
         if response.status_code != 200:
             return None
         body = response.json()
-        return ClusterView(body["members"], body["services"])
+        return ClusterView(body["members"], body["services"], body["spares"])
 
     async def events(self, since: float) -> list[dict[str, Any]]:
         """Events recorded at or after ``since`` (time.time()); [] while the controller does not answer."""

@@ -344,12 +344,13 @@ class HostsApi(ControlApi):
         views = await asyncio.gather(*(api.cluster() for api in self.apis.values()))
         if any(view is None for view in views):
             return None
-        members, services = [], []
+        members, services, spares = [], [], []
         for name, view in zip(self.apis, views, strict=True):
             assert view is not None
             members += [m | {"id": f"{name}/{m['id']}"} for m in view.members]
             services += [s | {"id": f"{name}/{s['id']}"} for s in view.services]
-        return ClusterView(members, services)
+            spares += [s | {"member": f"{name}/{s['member']}"} for s in view.spares]
+        return ClusterView(members, services, spares)
 
     async def events(self, since: float) -> list[dict[str, Any]]:
         found = await asyncio.gather(*(api.events(since) for api in self.apis.values()))

@@ -107,8 +107,9 @@ def build_app(ha: Ha, cluster: Cluster, events: EventLog, metrics: ControllerMet
     @app.get("/cluster")
     async def get_cluster() -> JSONResponse:
         """200: every engine (id, role, state, status, pid, port, device, last check, consecutive failures),
-        every daemon or gateway process, the rollouts queued or running (group, step i of n, started), each
-        group's spare engine process (the slot it waits to replace, its pid), and ``dcs``: single-host, or this
+        every daemon or gateway process, the rollouts queued or running (group, step i of n, started), for
+        each group that wants a spare engine process now, the slot it waits to replace, its pid (null: not
+        started yet) and whether it is ready (imported and waiting), and ``dcs``: single-host, or this
         host's view of the leader keys in etcd."""
         snap = cluster.snapshot()
         return JSONResponse(
@@ -117,7 +118,7 @@ def build_app(ha: Ha, cluster: Cluster, events: EventLog, metrics: ControllerMet
                 "members": [m.to_json() for m in snap.members],
                 "services": [s.to_json() for s in snap.services],
                 "rollouts": [progress.to_json() for progress in ha.rollouts.values()],
-                "spares": cluster.spares.to_json(),
+                "spares": cluster.spares_json(snap),
                 "dcs": ha.leadership.describe(),
             }
         )

@@ -376,14 +376,23 @@ class Cluster:
         self.set_role(member_id, Role.STANDBY)
         return process
 
-    def tend_spare(self, snap: Snapshot, group: int) -> None:
-        """Keep the group's spare for the slot of its serving primary (``spares``); none while it has no
-        serving primary, or when the group has ``spare = false`` or is not of reference engines."""
+    def spare_slot(self, snap: Snapshot, group: int) -> str | None:
+        """The slot the group's spare is for: its serving primary's; None while it has none, or when the group
+        has ``spare = false`` or is not of reference engines."""
         config = self.config.groups[group]
         serving = [m.id for m in snap.primaries(group) if m.is_serving_primary]
-        slot = serving[0] if len(serving) == 1 and config.spare and config.engine == REFERENCE else None
+        return serving[0] if len(serving) == 1 and config.spare and config.engine == REFERENCE else None
+
+    def tend_spare(self, snap: Snapshot, group: int) -> None:
+        """Keep the group's spare for its ``spare_slot`` (``spares``)."""
+        slot = self.spare_slot(snap, group)
         command = self.layout.engine_command(self.members[slot].spec) if slot else []
         self.spares.tend(group, slot, command, self.layout.environment(group))
+
+    def spares_json(self, snap: Snapshot) -> list[dict[str, Any]]:
+        """For each group that wants a spare now: the slot, the spare's pid (None: not started yet), ready."""
+        slots = {group: slot for group in range(snap.groups) if (slot := self.spare_slot(snap, group))}
+        return [{"group": g, "member": slot} | self.spares.describe(g, slot) for g, slot in slots.items()]
 
     def _attach(self, member: Member, process: Process) -> None:
         member.process = process

@@ -1,10 +1,11 @@
 """Spare engine processes (``[[groups]] spare``): one per group, started ahead of need for the primary's slot.
 
-A spare is the slot's own engine command with ``--start-fd``: it does its imports (torch, uvicorn, the
-model code: most of an engine's start) and then waits on a pipe whose write end only this controller
-holds. When the slot's engine is replaced (its primary was fenced, or a rollout restarts it), one byte
-starts the spare: it binds the slot's port, attaches and warms up like any engine, and is supervised as
-the slot's engine from then on. It never initialises CUDA before that, so it can still do so itself.
+A spare is the slot's own engine command with ``--start-fd`` and ``--ready-fd``: it does its imports (torch,
+uvicorn, the model code: most of an engine's start), says so with one byte on its ready pipe, and then
+waits on a start pipe whose write end only this controller holds. When the slot's engine is replaced (its
+primary was fenced, or a rollout restarts it), one byte starts the spare: it binds the slot's port,
+attaches and warms up like any engine, and is supervised as the slot's engine from then on. It never
+initialises CUDA before that, so it can still do so itself.
 
 A spare whose slot is no longer the primary's, or whose command is no longer what the slot would run (the
 settings changed), is released: its pipe is closed and it exits 0 without starting. The pipe closes with
@@ -14,6 +15,7 @@ own is not started again for ``RETRY_S`` (a broken install must not become a spa
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -28,7 +30,7 @@ log = logging.getLogger(__name__)
 RETRY_S = 10.0  # after a spare exited on its own, before its group gets another
 
 
-START_FLAG = "--start-fd"  # hotweights engine's
+START_FLAG, READY_FLAG = "--start-fd", "--ready-fd"  # hotweights engine's
 
 
 def is_spare(process: Process) -> bool:
@@ -52,7 +54,9 @@ class Spare:
     member_id: str  # the slot it will become the engine of
     command: list[str]  # the slot's engine command it runs (without --start-fd)
     process: Process
-    start_fd: int  # our end of its pipe
+    start_fd: int  # our end of its start pipe
+    ready_fd: int  # our end of its ready pipe, until it has said it is ready (-1 then)
+    ready: bool = False  # imported and waiting
 
 
 class Spares:
@@ -78,18 +82,39 @@ class Spares:
             self.spares[group] = self._start(member_id, command, env)
 
     def _start(self, member_id: str, command: list[str], env: dict[str, str] | None) -> Spare:
-        read, write = os.pipe()
+        (start_read, start_write), (ready_read, ready_write) = os.pipe(), os.pipe()
+        theirs = (start_read, ready_write)
         try:
             process = self.supervisor.spawn(
-                f"{member_id}-spare", [*command, START_FLAG, str(read)], env, pass_fds=(read,), log_id=member_id
+                f"{member_id}-spare",
+                [*command, START_FLAG, str(start_read), READY_FLAG, str(ready_write)],
+                env,
+                pass_fds=theirs,
+                log_id=member_id,
             )
         except BaseException:
-            os.close(write)
+            os.close(start_write)
+            os.close(ready_read)
             raise
         finally:
-            os.close(read)
+            for fd in theirs:
+                os.close(fd)
+        spare = Spare(member_id, command, process, start_write, ready_read)
+        asyncio.get_running_loop().add_reader(ready_read, self._on_ready, spare)
         log.info("spare for %s started (pid %d)", member_id, process.pid)
-        return Spare(member_id, command, process, write)
+        return spare
+
+    def _on_ready(self, spare: Spare) -> None:
+        """Its ready pipe is readable: the byte that says it is imported, or EOF (it exited first)."""
+        spare.ready = os.read(spare.ready_fd, 1) == b"1"
+        self._close_ready(spare)
+
+    @staticmethod
+    def _close_ready(spare: Spare) -> None:
+        if spare.ready_fd >= 0:
+            asyncio.get_running_loop().remove_reader(spare.ready_fd)
+            os.close(spare.ready_fd)
+            spare.ready_fd = -1
 
     def take(self, group: int, member_id: str, command: list[str]) -> Process | None:
         """The group's spare started as ``member_id``'s engine, if it is one for that slot and ``command``;
@@ -107,6 +132,7 @@ class Spares:
             return None
         del self.spares[group]
         os.close(spare.start_fd)
+        self._close_ready(spare)
         self.supervisor.rename(spare.process, member_id)
         log.info("spare (pid %d) started as %s", spare.process.pid, member_id)
         return spare.process
@@ -118,10 +144,15 @@ class Spares:
             return None
         with contextlib.suppress(OSError):
             os.close(spare.start_fd)
+        self._close_ready(spare)
         return spare.process
 
     def release_all(self) -> list[Process]:
         return [process for group in list(self.spares) if (process := self.release(group)) is not None]
 
-    def to_json(self) -> list[dict[str, object]]:
-        return [{"group": g, "member": s.member_id, "pid": s.process.pid} for g, s in sorted(self.spares.items())]
+    def describe(self, group: int, member_id: str) -> dict[str, object]:
+        """The group's spare for ``member_id``'s slot: its pid (None: none yet) and whether it is ready."""
+        spare = self.spares.get(group)
+        if spare is None or spare.member_id != member_id:
+            return {"pid": None, "ready": False}
+        return {"pid": spare.process.pid, "ready": spare.ready}

@@ -206,7 +206,7 @@ def test_the_primary_slots_spare_replaces_it_and_dies_with_the_controller(stack:
     controller's spare exits on its own (its pipe closed), leaving the engines serving."""
     stack.wait_steady()
     old = stack.primary()
-    spare = wait_until(lambda: (s := stack.cluster()["spares"]) and s[0], 30, "a spare for the primary's slot")
+    spare = wait_until(lambda: (s := stack.cluster()["spares"]) and s[0]["ready"] and s[0], 30, "a ready spare")
     assert spare["member"] == old["id"] and spare["group"] == 0
     assert "--start-fd" in Path(f"/proc/{spare['pid']}/cmdline").read_bytes().decode().split("\0")
     os.kill(old["pid"], signal.SIGKILL)
@@ -221,8 +221,9 @@ def test_the_primary_slots_spare_replaces_it_and_dies_with_the_controller(stack:
     ready_ms = (time.time() - datetime.fromisoformat(started["time"]).timestamp()) * 1000
     print(f"\nspare started as {old['id']}: healthy standby within {ready_ms:.0f} ms of the controller's decision")
     new = stack.primary()
-    wait_until(lambda: [s["member"] for s in stack.cluster()["spares"]] == [new["id"]], 30, "the next spare")
-    next_spare = stack.cluster()["spares"][0]["pid"]
+    ready = wait_until(lambda: [s for s in stack.cluster()["spares"] if s["ready"]], 30, "the next spare")
+    assert ready[0]["member"] == new["id"]
+    next_spare = ready[0]["pid"]
     stack.kill_controller()
     wait_until(lambda: read_identity(next_spare) is None, 30, "the spare to exit with its controller")
     assert stack.engine_primary_status(new["url"]) == 200
@@ -307,7 +308,7 @@ def test_controller_restart_adopts_running_engines(stack: ControllerStack) -> No
     assert stack.daemon()["pid"] == daemon_pid
     assert stack.primary()["id"] == primary["id"]
     assert len(stack.events("controller_start")[-1]["adopted"]) == len(before) + 1
-    spares = wait_until(lambda: stack.cluster()["spares"], 30, "the new controller's spare")
+    spares = wait_until(lambda: [s for s in stack.cluster()["spares"] if s["pid"]], 30, "the new controller's spare")
     waiting = {str(spare["pid"]) for spare in spares}  # a spare waits for a slot: it is no engine of one yet
     engines = [p for p in Path("/proc").iterdir() if p.name not in waiting and _is_engine_of(p, stack)]
     assert len(engines) == len(before), "duplicate engines after the restart"
