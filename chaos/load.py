@@ -31,6 +31,7 @@ class RequestRecord:
     status: int | None  # None: no HTTP answer (connect error, reset, timeout)
     error: str  # "" for a correct 200
     correct: bool | None  # None: no completion to compare
+    text: str = ""  # the completion of a 200
 
     @property
     def ok(self) -> bool:
@@ -58,10 +59,16 @@ async def reference_completion(client: httpx.AsyncClient, base_url: str, timeout
 
 
 class LoadGenerator:
-    def __init__(self, base_url: str, rps: float, reference: str, timeout_s: float = 30.0) -> None:
+    """``rps`` greedy completions a second through ``base_url``; each answer is correct when it is
+    ``reference`` or one of ``also`` (a model update's other weights)."""
+
+    def __init__(
+        self, base_url: str, rps: float, reference: str, timeout_s: float = 30.0, also: tuple[str, ...] = ()
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self.rps = rps
         self.reference = reference
+        self.accepted = (reference, *also)
         self.timeout_s = timeout_s
         self.records: list[RequestRecord] = []
         self.in_flight: set[asyncio.Task] = set()
@@ -79,7 +86,7 @@ class LoadGenerator:
 
     async def one(self, client: httpx.AsyncClient) -> None:
         start = time.time()
-        status, correct, error = None, None, ""
+        status, correct, error, text = None, None, "", ""
         try:
             response = await client.post(
                 self.base_url + Endpoint.COMPLETIONS, json=completion_body(), timeout=self.timeout_s
@@ -87,13 +94,13 @@ class LoadGenerator:
             status = response.status_code
             if status == 200:
                 text = response.json()["choices"][0]["text"]
-                correct = text == self.reference
+                correct = text in self.accepted
                 error = "" if correct else f"wrong output {text!r}, expected {self.reference!r}"
             else:
                 error = response.text[:300]
         except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
             error = f"{type(exc).__name__}: {exc}"[:300]
-        self.records.append(RequestRecord(start, time.time(), status, error, correct))
+        self.records.append(RequestRecord(start, time.time(), status, error, correct, text))
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[LoadGenerator]:

@@ -67,6 +67,11 @@ class DrainRequest(BaseModel):
 class RolloutRequest(BaseModel):
     model_config = STRICT
     group: int | None = Field(default=None, ge=0, description="default: 0")
+    model: str | None = Field(
+        default=None,
+        min_length=1,
+        description="a checkpoint directory on the controller's host: a model update onto these weights",
+    )
 
 
 class AddEngineRequest(BaseModel):
@@ -109,7 +114,8 @@ def build_app(ha: Ha, cluster: Cluster, events: EventLog, metrics: ControllerMet
         """200: every engine (id, role, state, status, pid, port, device, last check, consecutive failures),
         every daemon or gateway process, the rollouts queued or running (group, step i of n, started), for
         each group that wants a spare engine process now, the slot it waits to replace, its pid (null: not
-        started yet) and whether it is ready (imported and waiting), and ``dcs``: single-host, or this
+        started yet) and whether it is ready (imported and waiting), each group's weight generation (its number and
+        checkpoint; each engine's ``generation`` says which one it maps), and ``dcs``: single-host, or this
         host's view of the leader keys in etcd."""
         snap = cluster.snapshot()
         return JSONResponse(
@@ -119,6 +125,7 @@ def build_app(ha: Ha, cluster: Cluster, events: EventLog, metrics: ControllerMet
                 "services": [s.to_json() for s in snap.services],
                 "rollouts": [progress.to_json() for progress in ha.rollouts.values()],
                 "spares": cluster.spares_json(snap),
+                "generations": cluster.generations_json(),
                 "dcs": ha.leadership.describe(),
             }
         )
@@ -162,9 +169,15 @@ def build_app(ha: Ha, cluster: Cluster, events: EventLog, metrics: ControllerMet
         200 done (``steps``, each with its durations; ``changed``: the engine settings taken on); 401 token;
         404 unknown group; 409 a rollout of the group is already running; 412 nothing restarted: no serving
         primary, no ready standby, or cluster.toml is invalid or changes more than engine settings; 503 a step
-        failed and the rollout stopped there (the group keeps serving; ``detail`` names the step); 422 bad body."""
+        failed and the rollout stopped there (the group keeps serving; ``detail`` names the step); 422 bad body.
+
+        With ``model``, a model update: the group's next weight generation is loaded by a daemon of its own while
+        the old one serves, the engines are restarted onto it as above, and the old generation's daemon is
+        stopped at the end; 412 also when the model is invalid, is the one the group runs, or its arena does
+        not fit beside the current one (the numbers are in ``detail``)."""
         switchover_wait_s = 2 * drain_timeout_s + 2 * INTENT_TIMEOUT_S
-        return await answer(ha.rollout((request or RolloutRequest()).group, switchover_wait_s))
+        request = request or RolloutRequest()
+        return await answer(ha.rollout(request.group, switchover_wait_s, request.model))
 
     @app.post("/failover", dependencies=mutation, responses=declare(400, 401, 404, 412, 503))
     async def failover(request: FailoverRequest) -> JSONResponse:

@@ -16,6 +16,7 @@ import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -26,7 +27,7 @@ from hotweights.controller.config import REFERENCE, START_TIMEOUTS_S, ClusterCon
 from hotweights.controller.gateway import BACKLOG as GATEWAY_BACKLOG
 from hotweights.controller.health import HealthChecker, HealthRecord
 from hotweights.controller.spares import Spares
-from hotweights.controller.stack import Layout
+from hotweights.controller.stack import Generation, Layout
 from hotweights.controller.supervisor import (
     Process,
     Supervisor,
@@ -40,6 +41,7 @@ from hotweights.ports import is_free
 from hotweights.standby.serving import PortUnavailable, bind_port
 from hotweights.state import (
     ClusterState,
+    GroupRecord,
     MemberRecord,
     ServiceRecord,
     StateCorrupt,
@@ -69,6 +71,7 @@ class Member:
     health: HealthRecord = field(default_factory=HealthRecord)
     started_at: float = 0.0  # time.monotonic()
     start_timeout_s: float = START_TIMEOUTS_S[REFERENCE]  # its group's: how long it may take to be ready
+    generation: int = 0  # the weight generation its process maps
 
     def current_role(self) -> str:
         """The engine's word when its latest reply postdates our last role change, else ours. By
@@ -92,6 +95,16 @@ class Service:
     restarts: int = 0  # replacements of a process that had exited
     keeper: asyncio.Task | None = None  # the (re)start in progress
     fencing: bool = False  # being killed for not answering; respawned once it is gone
+    generation: Generation | None = None  # a daemon's weights (None: the first generation)
+
+
+@dataclass
+class Weights:
+    """A group's current weight generation: what its engines start on. ``served``: one of its engines has
+    been primary, so no engine of an older generation may be promoted again (answers switch once)."""
+
+    current: Generation
+    served: bool = True
 
 
 @dataclass(frozen=True)
@@ -112,6 +125,7 @@ class MemberView:
     age_s: float
     start_timeout_s: float  # its group's: not ready this long after its start means failed
     health: HealthRecord
+    generation: int = 0  # the weight generation it maps
 
     @property
     def is_ready_standby(self) -> bool:
@@ -136,6 +150,7 @@ class MemberView:
             "last_check": self.health.checked_at,
             "consecutive_failures": self.health.consecutive_failures,
             "health": self.health.to_json(),
+            "generation": self.generation,
         }
 
 
@@ -151,6 +166,8 @@ class ServiceView:
     restarting: bool
     restarts: int
     exit_reason: str | None
+    generation: int = 0  # a daemon's weight generation
+    current: bool = True  # a daemon of its group's current generation (else retiring with its last engines)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -176,16 +193,18 @@ class Snapshot:
         return sorted((m for m in self.group(group) if m.role == Role.PRIMARY), key=lambda m: not m.alive)
 
     def daemon(self, group: int) -> ServiceView:
-        """The group's daemon (of rank 0, in a tensor-parallel group)."""
-        return next(s for s in self.services if s.kind == "daemon" and s.group == group)
+        """The group's daemon of its current generation (of rank 0, in a tensor-parallel group)."""
+        return next(s for s in self.services if s.kind == "daemon" and s.group == group and s.current)
 
     def daemon_ids(self, group: int) -> list[str]:
-        """The group's daemons: one, or one per rank of a tensor-parallel group (rank 0's first)."""
-        return [s.id for s in self.services if s.kind == "daemon" and s.group == group]
+        """The group's daemons of its current generation: one, or one per rank of a tensor-parallel group
+        (rank 0's first)."""
+        return [s.id for s in self.services if s.kind == "daemon" and s.group == group and s.current]
 
     def daemons_serve(self, group: int) -> bool:
-        """Whether every daemon of the group (one per rank) serves: new engines can attach."""
-        return all(s.serving for s in self.services if s.kind == "daemon" and s.group == group)
+        """Whether every daemon of the group's current generation (one per rank) serves: new engines can
+        attach."""
+        return all(s.serving for s in self.services if s.kind == "daemon" and s.group == group and s.current)
 
 
 class Cluster:
@@ -196,6 +215,7 @@ class Cluster:
         self.wake = wake
         self.supervisor = Supervisor(layout.log_dir, self.handle_exit)
         self.spares = Spares(self.supervisor)
+        self.weights = {group: Weights(layout.first_generation) for group in range(len(self.config.groups))}
         self.members: dict[str, Member] = {}
         self.services: dict[str, Service] = {}
         self.removed: set[str] = set()  # configured engines deleted through the API
@@ -223,9 +243,12 @@ class Cluster:
         for spec in specs.values():
             self.members[spec.id] = Member(spec, start_timeout_s=self.config.groups[spec.group].start_timeout())
         for group, section in enumerate(self.config.groups):
+            if (record := state.groups.get(str(group))) and record.generation:
+                self.weights[group] = Weights(Generation(record.generation, Path(record.model)), record.served)
+            generation = self.weights[group].current
             for rank in range(section.tp_size):
-                service_id = daemon_id(group, rank)
-                self.services[service_id] = Service(service_id, "daemon", group, rank)
+                service_id = daemon_id(group, rank, generation.number)
+                self.services[service_id] = Service(service_id, "daemon", group, rank, generation=generation)
         recorded_gateways = [name for name, row in state.services.items() if row.kind == "gateway"]
         if with_gateway or recorded_gateways:
             for worker_id in dict.fromkeys([*self.config.gateway.worker_ids(), *recorded_gateways]):
@@ -234,7 +257,7 @@ class Cluster:
         for member in self.members.values():
             row = state.members.get(member.spec.id)
             if row and row.process and (process := self.supervisor.adopt(member.spec.id, row.process)):
-                self._attach(member, process)
+                self._attach(member, process, row.generation)
                 member.role = row.role
                 self.supervisor.watch_exiting(process, member.role == Role.PRIMARY)
                 # A primary served before we started: judge it by failed checks at once, not by the start-up
@@ -249,8 +272,12 @@ class Cluster:
         for service in list(self.services.values()):
             if service.kind == "gateway" and not with_gateway and service.process is None:
                 del self.services[service.id]  # a dead gateway worker from an earlier `up`: not ours to restart
+        # Daemons of an older generation (a model update was cut short): engines keep what they mapped, and
+        # new ones start on the current generation, so they are stopped.
+        stale = [(name, row.process) for name, row in state.services.items()
+                 if row.kind == "daemon" and row.process and name not in self.services]  # fmt: skip
         self.save()
-        return adopted + notes
+        return adopted + notes + [f"stopped {line} (an older weight generation's)" for line in stop_recorded(stale)]
 
     def _read_state(self) -> tuple[ClusterState, list[str]]:
         """The recorded state; a corrupt file is moved aside and the stack's leftovers (processes naming
@@ -275,6 +302,7 @@ class Cluster:
                 role=m.current_role() if m.process and m.process.alive else Role.STANDBY,
                 added=m.spec.id not in configured,
                 process=m.process.record() if m.process and m.process.alive else None,
+                generation=m.generation,
             )
             for m in self.members.values()
         }
@@ -288,6 +316,11 @@ class Cluster:
             members=members,
             services=services,
             removed=tuple(sorted(self.removed)),
+            groups={
+                str(group): GroupRecord(w.current.number, str(w.current.model_dir), w.served)
+                for group, w in self.weights.items()
+                if w.current.number
+            },
         )
         write_state(self.layout.state_file, state)
 
@@ -317,6 +350,8 @@ class Cluster:
                 s.fencing or bool(s.keeper and not s.keeper.done()),
                 s.restarts,
                 s.process.exit_reason if s.process else None,
+                s.generation.number if s.generation else 0,
+                s.kind != "daemon" or self._generation_of(s) == self.weights[s.group].current.number,
             )
             for s in self.services.values()
         )
@@ -353,6 +388,7 @@ class Cluster:
             age_s=now - member.started_at,
             start_timeout_s=member.start_timeout_s,
             health=replace(health),
+            generation=member.generation,
         )
 
     # --- engines -------------------------------------------------------------------------------
@@ -368,11 +404,12 @@ class Cluster:
             await self.supervisor.fence_session(member.process)
         for message in await asyncio.to_thread(evict_orphans, member.spec.listen_port, member_id):
             log.warning("%s", message)
-        command, env = self.layout.engine_command(member.spec), self.layout.environment(member.spec.group)
+        generation = self.weights[member.spec.group].current
+        command = self.layout.engine_command(member.spec, generation)
         process = self.spares.take(member.spec.group, member_id, command)
         if process is None:
-            process = self.supervisor.spawn(member_id, command, env)
-        self._attach(member, process)
+            process = self.supervisor.spawn(member_id, command, self.layout.environment(member.spec.group))
+        self._attach(member, process, generation.number)
         self.set_role(member_id, Role.STANDBY)
         return process
 
@@ -386,16 +423,24 @@ class Cluster:
     def tend_spare(self, snap: Snapshot, group: int) -> None:
         """Keep the group's spare for its ``spare_slot`` (``spares``)."""
         slot = self.spare_slot(snap, group)
-        command = self.layout.engine_command(self.members[slot].spec) if slot else []
+        generation = self.weights[group].current
+        command = self.layout.engine_command(self.members[slot].spec, generation) if slot else []
         self.spares.tend(group, slot, command, self.layout.environment(group))
+
+    def generations_json(self) -> list[dict[str, Any]]:
+        """Each group's current weight generation: number, checkpoint, whether one of its engines was primary."""
+        return [
+            {"group": g, "generation": w.current.number, "model": str(w.current.model_dir), "served": w.served}
+            for g, w in self.weights.items()
+        ]
 
     def spares_json(self, snap: Snapshot) -> list[dict[str, Any]]:
         """For each group that wants a spare now: the slot, the spare's pid (None: not started yet), ready."""
         slots = {group: slot for group in range(snap.groups) if (slot := self.spare_slot(snap, group))}
         return [{"group": g, "member": slot} | self.spares.describe(g, slot) for g, slot in slots.items()]
 
-    def _attach(self, member: Member, process: Process) -> None:
-        member.process = process
+    def _attach(self, member: Member, process: Process, generation: int) -> None:
+        member.process, member.generation = process, generation
         member.started_at = time.monotonic()
         member.health = self.checker.track(member.spec.id, member.spec.url, process.pid)
 
@@ -483,7 +528,7 @@ class Cluster:
             if service.process is not None:
                 service.restarts += 1
             if service.kind == "daemon":
-                command = self.layout.daemon_command(service.group, service.rank)
+                command = self.layout.daemon_command(service.group, service.rank, service.generation)
                 env = self.layout.environment(service.group)
                 service.process = self.supervisor.spawn(service.id, command, env)
             else:
@@ -508,7 +553,7 @@ class Cluster:
         """How a serving daemon filled its arena (``fill`` of its status: source, seconds, detail); {} when it
         does not say (it died meanwhile, or predates the report)."""
         service = self.services[service_id]
-        socket_path = self.layout.socket(service.group, service.rank)
+        socket_path = self.layout.socket(service.group, service.rank, self._generation_of(service))
         try:
             reply = await asyncio.to_thread(request, socket_path, {"op": "status"}, PROBE_TIMEOUT_S)
         except (DaemonUnavailable, AttachRefused):
@@ -591,7 +636,8 @@ class Cluster:
     async def _probe(self, service: Service) -> bool:
         if service.kind == "daemon":
             try:
-                await asyncio.to_thread(hello, self.layout.socket(service.group, service.rank), PROBE_TIMEOUT_S)
+                socket_path = self.layout.socket(service.group, service.rank, self._generation_of(service))
+                await asyncio.to_thread(hello, socket_path, PROBE_TIMEOUT_S)
             except (DaemonUnavailable, AttachRefused):
                 return False
             return True
@@ -602,6 +648,51 @@ class Cluster:
             return response.status_code == 200
         except httpx.HTTPError:
             return False
+
+    @staticmethod
+    def _generation_of(service: Service) -> int:
+        return service.generation.number if service.generation else 0
+
+    # --- weight generations (model updates) ------------------------------------------------------
+
+    def add_generation(self, group: int, model_dir: Path) -> Service:
+        """A daemon for the group's next weight generation (``model_dir``), not started: the loop keeps it
+        from now on; engines keep starting on the current generation until ``switch_generation``."""
+        number = max(self._generation_of(s) for s in self.services.values() if s.group == group) + 1
+        generation = Generation(number, model_dir)
+        service = Service(daemon_id(group, 0, number), "daemon", group, 0, generation=generation)
+        self.services[service.id] = service
+        self.save()
+        return service
+
+    def switch_generation(self, group: int, generation: Generation) -> None:
+        """Engines of ``group`` start on ``generation`` from now on; none of it has been primary yet."""
+        self.weights[group] = Weights(generation, served=False)
+        self.save()
+
+    def mark_served(self, group: int, member_id: str) -> None:
+        """``member_id`` was promoted: if it runs the current generation, no older one may be promoted again."""
+        weights = self.weights[group]
+        if not weights.served and self.members[member_id].generation == weights.current.number:
+            weights.served = True
+            self.save()
+
+    def retiring_daemons(self, group: int) -> list[str]:
+        """Daemons of the group's older generations that no live engine maps any more: to stop and remove."""
+        current = self.weights[group].current.number
+        live = {m.generation for m in self.members.values() if m.spec.group == group and m.process and m.process.alive}
+        return [
+            s.id
+            for s in self.services.values()
+            if s.kind == "daemon" and s.group == group and self._generation_of(s) not in (current, *live)
+        ]
+
+    async def remove_service(self, service_id: str) -> str:
+        """Stop a daemon of an older generation and forget it; how it ended."""
+        how = await self.stop_service(service_id)
+        del self.services[service_id]
+        self.save()
+        return how
 
     def _log(self, service: Service) -> str:
         return str(self.layout.log_dir / f"{service.id}.log")
@@ -651,10 +742,18 @@ class Cluster:
             self.supervisor.forget(process)
 
 
-def daemon_id(group: int, rank: int) -> str:
+def filled(fill: dict[str, Any]) -> str:
+    """'; filled from <source> in <ms> ms (<detail>)' for a daemon's fill report, '' without one."""
+    if not fill:
+        return ""
+    ms = round(fill.get("seconds", 0.0) * 1000, 1)
+    return f"; filled from {fill.get('source')} in {ms} ms ({fill.get('detail')})"
+
+
+def daemon_id(group: int, rank: int, generation: int = 0) -> str:
     """``g<group>-cache``: the daemon of a group, or of rank 0 of a tensor-parallel one; ``g<group>-cache-r<rank>``
-    for its other ranks."""
-    return f"g{group}-cache" + (f"-r{rank}" if rank else "")
+    for its other ranks; ``-gen<n>`` after ``cache`` for a later weight generation's."""
+    return f"g{group}-cache" + (f"-gen{generation}" if generation else "") + (f"-r{rank}" if rank else "")
 
 
 def _slot_order(member: Member) -> tuple[int, int]:

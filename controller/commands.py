@@ -254,6 +254,8 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     controller did not answer), 2 refused up front (nothing restarted)."""
     config = load_config(args.config)
     body = {} if args.group is None else {"group": args.group}
+    if args.model:
+        body["model"] = str(Path(args.model).expanduser().resolve())  # the controller's cwd is not ours
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per poll would drown the steps
     try:
         with controller_client(config) as client, ThreadPoolExecutor(1) as pool:
@@ -317,4 +319,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--config", help="cluster.toml (default: built-in defaults)")
     p.add_argument("--group", type=int, help="the failover group (default 0)")
+    p.add_argument(
+        "--model",
+        metavar="DIR",
+        help="a model update: load this checkpoint into a second arena while the old one serves, restart the "
+        "engines onto it (the switchover changes the answers, once), then free the old arena; refused up front "
+        "when it is invalid or does not fit beside the old one",
+    )
     p.set_defaults(func=cmd_rollout)

@@ -78,6 +78,10 @@ class GroupExecutor:
         ]
         return "; ".join(waits) or None
 
+    def clear(self, group: int, kind: str) -> None:
+        """Forget the failures of ``kind`` in ``group``: what they were about is over (a new primary serves)."""
+        self.failed.pop((group, kind), None)
+
     def run(self, group: int, what: str, action: Awaitable[Outcome], kind: str | None = None) -> str:
         """Start ``action`` for ``group`` (which must be free); a failed outcome holds ``kind`` back (None:
         never, e.g. an operator's request). Returns the sentence that says what started."""

@@ -35,23 +35,27 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
 
+from hotweights.cache.arena import plan_layout
+from hotweights.cache.checkpoint import read_checkpoint
+from hotweights.cache.daemon import pipeline_source
 from hotweights.contract import Endpoint, Role
-from hotweights.controller.cluster import Cluster, MemberView, ServiceFailed, Snapshot
-from hotweights.controller.config import load_config, rollout_changes
+from hotweights.controller.cluster import SERVICE_START_TIMEOUT_S, Cluster, MemberView, ServiceFailed, Snapshot, filled
+from hotweights.controller.config import REFERENCE, load_config, rollout_changes
 from hotweights.controller.dcs import Solo
 from hotweights.controller.engineapi import EngineApi, EngineUnreachable
 from hotweights.controller.events import EventLog
 from hotweights.controller.executor import BACKOFF, GroupExecutor, Outcome, backoff_s
 from hotweights.controller.health import checks_failed, not_ready_within, process_exited
 from hotweights.controller.metrics import ControllerMetrics
-from hotweights.controller.rollout import Rollout, RolloutProgress, StepFailed, rollout_wait_s
+from hotweights.controller.rollout import Rollout, RolloutProgress, StepFailed, free_bytes, rollout_wait_s
 from hotweights.controller.spares import is_spare
 from hotweights.controller.supervisor import FENCE_TIMEOUT_S
-from hotweights.errors import ConfigError
+from hotweights.errors import ConfigError, HotweightsError
 
 log = logging.getLogger(__name__)
 
@@ -99,13 +103,6 @@ class SlotRestarts:
 
 def _ms(seconds: float) -> float:
     return round(seconds * 1000, 1)
-
-
-def _filled(fill: dict[str, Any]) -> str:
-    """'; filled from <source> in <ms> ms (<detail>)' for a daemon's fill report, '' without one."""
-    if not fill:
-        return ""
-    return f"; filled from {fill.get('source')} in {_ms(fill.get('seconds', 0.0))} ms ({fill.get('detail')})"
 
 
 class Ha:
@@ -198,6 +195,7 @@ class Ha:
             self.process_intent,
             self.process_members,
             self.process_missing_primary,
+            self.process_retiring,
         )
         busy = False
         for group in range(snap.groups):
@@ -314,8 +312,13 @@ class Ha:
         return Outcome(message)
 
     def best_standby(self, snap: Snapshot, group: int) -> MemberView | None:
-        """A ready standby with the fewest failed checks; ties go to the lowest slot (snapshot order)."""
+        """A ready standby with the fewest failed checks; ties go to the lowest slot (snapshot order). During a
+        model update, those of the group's current weight generation first; one of an older generation only
+        while no engine of the current one has been primary (answers switch generation once, never back)."""
+        weights = self.cluster.weights[group]
         ready = [m for m in snap.group(group) if m.is_ready_standby]
+        if any(m.generation == weights.current.number for m in ready) or weights.served:
+            ready = [m for m in ready if m.generation == weights.current.number]
         return min(ready, key=lambda m: m.health.consecutive_failures, default=None)
 
     async def promote(self, candidate: MemberView) -> tuple[bool, float, str]:
@@ -337,6 +340,10 @@ class Ha:
             failed = "promoted, but /primary does not answer 200"
             return False, _ms(time.monotonic() - start), await self._fence_unconfirmed(candidate, failed)
         self.cluster.set_role(candidate.id, Role.PRIMARY)
+        self.cluster.mark_served(candidate.group, candidate.id)
+        # Failovers that failed before (no standby to promote, say) were about an earlier primary: this one's
+        # failure is a new one, to be failed over at once, not after their backoff.
+        self.executor.clear(candidate.group, "failover")
         self.cluster.wake_gateways()
         promote_ms = _ms(time.monotonic() - start)
         self.events.record(
@@ -599,9 +606,10 @@ class Ha:
             self.events.record("cache_restart", sentences[-1], service=service_id, group=group)
         return "; ".join(sentences), {"service": snap.daemon(group).id}
 
-    async def rollout(self, group: int | None, switchover_wait_s: float) -> dict[str, Any]:
+    async def rollout(self, group: int | None, switchover_wait_s: float, model: str | None = None) -> dict[str, Any]:
         """POST /rollout: Conflict while a rollout of the group is queued or runs, else queued as an intent and
-        awaited for as long as restarting every engine of the group may take (NotFound: unknown group)."""
+        awaited for as long as restarting every engine of the group may take (NotFound: unknown group). With
+        ``model``, a model update (``controller.rollout``), awaited for a daemon's start longer."""
         snap = self.cluster.snapshot()
         group = 0 if group is None else group
         self._check_group(snap, group)
@@ -609,23 +617,29 @@ class Ha:
             raise Conflict(f"a rollout of group {group} is already running ({running.describe()}); see GET /cluster")
         progress = self.rollouts[group] = RolloutProgress(group)
         try:
-            return await self.request("rollout", rollout_wait_s(snap.group(group), switchover_wait_s), group=group)
+            wait_s = rollout_wait_s(snap.group(group), switchover_wait_s) + (SERVICE_START_TIMEOUT_S if model else 0)
+            return await self.request("rollout", wait_s, group=group, model=model)
         finally:
             if not progress.started:  # withdrawn before it began; once begun, do_rollout ends it
                 self.rollouts.pop(group, None)
 
-    async def do_rollout(self, snap: Snapshot, group: int) -> tuple[str, dict[str, Any]]:
+    async def do_rollout(self, snap: Snapshot, group: int, model: str | None = None) -> tuple[str, dict[str, Any]]:
         """Restart every engine of ``group`` one at a time with cluster.toml's current engine settings (see
-        ``controller.rollout``). NotPossible before anything restarts: no serving primary, no ready standby,
-        or a cluster.toml that is invalid or changes more than engine settings; Unavailable: a step failed."""
+        ``controller.rollout``), onto ``model``'s weights if given. NotPossible before anything restarts: no
+        serving primary, no ready standby, a cluster.toml that is invalid or changes more than engine settings,
+        or a ``model`` that is invalid or does not fit; Unavailable: a step failed."""
         progress = self.rollouts.setdefault(group, RolloutProgress(group))
         progress.started = True
         try:
+            new_model = await asyncio.to_thread(self._model_preconditions, group, model) if model else None
             primary, changed = self._rollout_preconditions(snap, group)
             standbys = [m for m in snap.group(group) if m.id != primary.id]
-            rollout = Rollout(self.cluster, self.events, progress, self.is_failed, partial(self._rollout_switch, group))
+            rollout = Rollout(
+                self.cluster, self.events, progress, self.is_failed, partial(self._rollout_switch, group),
+                partial(self.retire, group),
+            )  # fmt: skip
             try:
-                sentence, steps = await rollout.run(primary, standbys)
+                sentence, steps = await rollout.run(primary, standbys, new_model)
             except StepFailed as exc:
                 raise Unavailable(f"{exc}; the group keeps serving") from None
         finally:
@@ -633,6 +647,32 @@ class Ha:
                 del self.rollouts[group]
         applied = f"; applied {', '.join(changed)}" if changed else ""
         return sentence + applied, {"group": group, "steps": steps, "changed": changed}
+
+    def _model_preconditions(self, group: int, model: str) -> Path:
+        """``model`` as the group's next weight generation: a valid checkpoint for the group's load settings,
+        not the one it runs, whose arena fits in the device's free memory beside the current one. NotPossible
+        naming the reason (the numbers, for memory), before anything starts."""
+        section, current = self.cluster.config.groups[group], self.cluster.weights[group].current
+        if section.engine != REFERENCE or section.tp_size != 1:
+            raise NotPossible(
+                f"group {group}: a model update needs reference engines with tp_size 1, found engine "
+                f"{section.engine!r} with tp_size {section.tp_size}; nothing restarted"
+            )
+        path = Path(model).expanduser().resolve()
+        try:
+            source = pipeline_source(read_checkpoint(path), self.cluster.layout.load_spec(group))
+        except HotweightsError as exc:
+            raise NotPossible(f"model {model}: {exc}; nothing restarted") from None
+        if path == current.model_dir:
+            raise NotPossible(f"group {group} runs {path} already (generation {current.number}); nothing restarted")
+        need, free = plan_layout(source.specs())[1], free_bytes(section.device)
+        if free is not None and need > free:
+            raise NotPossible(
+                f"group {group}: the new generation's arena needs {need} bytes on {section.device}, beside the current "
+                f"one's, and {free} are free; stop standbys first to free their memory (DELETE /engines/<id>) and "
+                "roll with fewer, or free the device; nothing restarted"
+            )
+        return path
 
     def _rollout_preconditions(self, snap: Snapshot, group: int) -> tuple[MemberView, list[str]]:
         """The serving primary and the engine settings that changed; cluster.toml's settings are taken on.
@@ -727,7 +767,7 @@ class Ha:
         service = self.cluster.services[service_id]
         duration_ms = _ms(time.monotonic() - start)
         fill = await self.cluster.fill_report(service_id) if service.kind == "daemon" else {}
-        message = f"{service_id} (pid {service.process.pid}) serving after {duration_ms} ms{_filled(fill)}"
+        message = f"{service_id} (pid {service.process.pid}) serving after {duration_ms} ms{filled(fill)}"
         self.events.record(
             "respawn" if service.restarts else "start", message, service=service_id, group=service.group,
             duration_ms=duration_ms, attempts=retrying.statistics.get("attempt_number", 1),
@@ -810,6 +850,29 @@ class Ha:
             return Outcome(f"group {group} has no primary: promoting {candidate.id} failed ({message})", False)
         self.events.record("elect", f"group {group} had no primary: promoted {candidate.id}", group=group)
         return Outcome(f"group {group} had no primary: promoted ready standby {candidate.id} in {promote_ms} ms")
+
+    # --- 5. daemons of an older weight generation --------------------------------------------------
+
+    async def process_retiring(self, snap: Snapshot, group: int) -> str | None:
+        """Stop the daemon of an older generation once no engine maps its arena (a model update's leftovers)."""
+        if not self.cluster.retiring_daemons(group):
+            return None
+        return self.executor.run(group, "retiring an older weight generation", self._retire_outcome(group))
+
+    async def _retire_outcome(self, group: int) -> Outcome:
+        return Outcome(await self.retire(group) or "nothing to retire")
+
+    async def retire(self, group: int) -> str:
+        """Stop and forget every daemon of the group that ``Cluster.retiring_daemons`` names; the sentence."""
+        done = []
+        for service_id in self.cluster.retiring_daemons(group):
+            if task := self.liveness.pop(service_id, None):
+                task.cancel()
+            how = await self.cluster.remove_service(service_id)
+            message = f"{service_id}: no engine maps its generation any more; {how}"
+            self.events.record("retire", message, service=service_id, group=group)
+            done.append(f"retired {service_id} ({how})")
+        return "; ".join(done)
 
     # --- reporting -----------------------------------------------------------------------------
 

@@ -8,6 +8,14 @@ rollout with a ``rollout`` event naming the step and the reason; the group keeps
 and the HA loop tends what is left (a standby that did not come back is restarted as usual). While a
 standby restarts, a primary that fails aborts the rollout too, so the loop can fail over at once.
 
+A model update (``--model NEW``) is a rollout with a first and a last step: the group's next weight
+generation gets a daemon of its own that loads NEW while the old one serves, and engines started from then
+on map NEW; the standbys are restarted onto it, the switchover makes one of them the primary (clients'
+answers change there, once), and the old primary is restarted onto it too. Last, the old generation's
+daemon is stopped: no engine maps its arena any more, so the memory is freed. A load that fails aborts
+before anything restarted; a later step's abort leaves the group serving on whichever generation its
+primary runs, and engines (re)started from then on map NEW.
+
 Mechanism only: the HA loop checks the preconditions, and runs a ``Rollout`` as one action on the
 group's executor.
 """
@@ -16,14 +24,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import subprocess
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 from hotweights.contract import Role
-from hotweights.controller.cluster import Cluster, MemberView
+from hotweights.controller.cluster import Cluster, MemberView, ServiceFailed, filled
 from hotweights.controller.events import EventLog
 from hotweights.controller.supervisor import FENCE_TIMEOUT_S, STOP_TIMEOUT_S
 
@@ -38,6 +48,23 @@ class StepFailed(Exception):
 
 def _ms(seconds: float) -> float:
     return round(seconds * 1000, 1)
+
+
+def free_bytes(device: str) -> int | None:
+    """Memory free for a new arena on ``device``: host memory available (``MemAvailable``: a cpu-shm arena
+    is shared memory) or the GPU's free memory (``nvidia-smi``, so the controller makes no CUDA context);
+    None when it cannot be read."""
+    if device == "cpu":
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+        return None
+    query = ["nvidia-smi", "--query-gpu=memory.free", "--format=csv,noheader,nounits", "-i", device.split(":")[1]]
+    try:
+        result = subprocess.run(query, capture_output=True, text=True, timeout=10, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return int(result.stdout.split()[0]) << 20  # MiB
 
 
 def rollout_wait_s(members: list[MemberView], switchover_wait_s: float) -> float:
@@ -70,7 +97,8 @@ class Rollout:
     """Runs the steps of one group's rollout, reporting each to ``progress`` and as a ``rollout`` event.
 
     ``is_failed`` is the HA loop's verdict on an engine (None: fine); ``switchover`` moves the group's
-    primary to its best ready standby and returns the new primary's id, raising StepFailed if it did not."""
+    primary to its best ready standby and returns the new primary's id, raising StepFailed if it did not;
+    ``retire`` stops the daemons of older generations that no engine maps any more and says what it did."""
 
     def __init__(
         self,
@@ -79,24 +107,34 @@ class Rollout:
         progress: RolloutProgress,
         is_failed: Callable[[MemberView], str | None],
         switchover: Callable[[], Awaitable[str]],
+        retire: Callable[[], Awaitable[str]],
     ) -> None:
         self.cluster = cluster
         self.events = events
         self.progress = progress
         self.is_failed = is_failed
         self.switchover = switchover
+        self.retire = retire
         self.steps: list[dict[str, Any]] = []
 
-    async def run(self, primary: MemberView, standbys: list[MemberView]) -> tuple[str, list[dict[str, Any]]]:
-        """Every step in order; returns the sentence and each step's report. Raises StepFailed at the first
-        failed step (after recording it)."""
+    async def run(
+        self, primary: MemberView, standbys: list[MemberView], model: Path | None = None
+    ) -> tuple[str, list[dict[str, Any]]]:
+        """Every step in order (with ``model``, a model update's first and last ones too); returns the sentence
+        and each step's report. Raises StepFailed at the first failed step (after recording it)."""
         group, start = self.progress.group, time.monotonic()
-        self.progress.plan = [f"restart {m.id}" for m in standbys] + [f"switchover from {primary.id}"]
+        self.progress.plan = [f"load {model} as the next weight generation"] if model else []
+        self.progress.plan += [f"restart {m.id}" for m in standbys] + [f"switchover from {primary.id}"]
         self.progress.plan.append(f"restart {primary.id}")
+        self.progress.plan += ["retire the old generation's daemon"] if model else []
+        if model is not None:
+            await self._step(self._load(model, primary.id), member=primary.id)
         for standby in standbys:
             await self._step(self._restart(standby.id, primary.id), member=standby.id)
         new = await self._step(self._switch(), member=primary.id)
         await self._step(self._restart(primary.id, new), member=primary.id)
+        if model is not None:
+            await self._step(self._retire(new), member=new)
         total_ms = _ms(time.monotonic() - start)
         sentence = (
             f"rolled out group {group}: restarted {len(standbys) + 1} engine(s) one at a time in {total_ms} ms; "
@@ -164,6 +202,29 @@ class Rollout:
             if time.monotonic() > deadline:
                 raise StepFailed(f"{member_id} was not a ready standby within its start timeout ({timeout:g} s)")
             await asyncio.sleep(READY_POLL_S)
+
+    async def _load(self, model: Path, primary_id: str) -> tuple[str, str, dict[str, Any]]:
+        """Start the next generation's daemon on ``model`` and wait until it serves; then engines start on it.
+        A daemon that does not serve is stopped and forgotten (nothing restarted yet)."""
+        start, group = time.monotonic(), self.progress.group
+        service = self.cluster.add_generation(group, model)
+        service.keeper = asyncio.create_task(self.cluster.start_service(service.id), name=f"start-{service.id}")
+        try:
+            await service.keeper
+        except ServiceFailed as exc:
+            await self.cluster.remove_service(service.id)
+            raise StepFailed(f"the daemon for {model} did not serve: {exc}") from None
+        assert service.generation is not None and service.process is not None
+        self.cluster.switch_generation(group, service.generation)
+        fill = await self.cluster.fill_report(service.id)
+        sentence = f"{service.id} (pid {service.process.pid}) serves {model}{filled(fill)}"
+        timings = {"total_ms": _ms(time.monotonic() - start), "generation": service.generation.number}
+        return primary_id, sentence, timings
+
+    async def _retire(self, primary_id: str) -> tuple[str, str, dict[str, Any]]:
+        start = time.monotonic()
+        sentence = await self.retire() or "no daemon of an older generation was left"
+        return primary_id, sentence, {"total_ms": _ms(time.monotonic() - start)}
 
     async def _switch(self) -> tuple[str, str, dict[str, Any]]:
         start = time.monotonic()

@@ -30,6 +30,15 @@ MAX_SOCKET_PATH = 107  # sun_path is 108 bytes including the NUL
 
 
 @dataclass(frozen=True)
+class Generation:
+    """A group's weights: generation 0 is cluster.toml's ``[model]``, each model update the next one, served
+    by a daemon of its own (its own socket) until its last engine is gone."""
+
+    number: int
+    model_dir: Path
+
+
+@dataclass(frozen=True)
 class Layout:
     config: ClusterConfig
     config_path: Path | None  # handed to the gateway; None: the defaults
@@ -96,12 +105,17 @@ class Layout:
         sockets), the config file (the gateway)."""
         return (str(self.state_dir), *([str(self.config_path)] if self.config_path else []))
 
-    def socket(self, group: int, rank: int | str = 0) -> Path:
-        """The socket of the group's daemon of ``rank``; ``rank`` "{rank}" gives a tensor-parallel engine's
-        ``--socket`` template."""
+    @property
+    def first_generation(self) -> Generation:
+        return Generation(0, self.model_dir)
+
+    def socket(self, group: int, rank: int | str = 0, generation: int = 0) -> Path:
+        """The socket of the group's daemon of ``rank`` and weight ``generation``; ``rank`` "{rank}" gives a
+        tensor-parallel engine's ``--socket`` template."""
+        name = f"g{group}" + (f".gen{generation}" if generation else "")
         if self.config.groups[group].tp_size == 1:
-            return self.state_dir / "run" / f"g{group}.sock"
-        return self.state_dir / "run" / f"g{group}.r{rank}.sock"
+            return self.state_dir / "run" / f"{name}.sock"
+        return self.state_dir / "run" / f"{name}.r{rank}.sock"
 
     def load_spec(self, group: int, rank: int = 0) -> LoadSpec:
         model, config = self.config.model, self.config.groups[group]
@@ -113,15 +127,16 @@ class Layout:
             quantize=model.quantize or None,
         )
 
-    def daemon_command(self, group: int, rank: int = 0) -> list[str]:
-        """The group's cache daemon (of ``rank``, in a tensor-parallel group); a vLLM group's runs vLLM's loader
-        with vLLM's Python. Every start tries re-adoption from a live engine, then the group's ``snapshot`` (if
-        any), then the checkpoint."""
-        config = self.config.groups[group]
-        paths, backend = DaemonPaths(self.socket(group, rank)), config.backend or None
-        snapshot = ["--snapshot", str(self.snapshot(group, rank))] if config.snapshot else []
+    def daemon_command(self, group: int, rank: int = 0, generation: Generation | None = None) -> list[str]:
+        """The group's cache daemon (of ``rank``, in a tensor-parallel group) for ``generation`` (default the
+        first); a vLLM group's runs vLLM's loader with vLLM's Python. Every start tries re-adoption from a live
+        engine, then the group's ``snapshot`` (if any, for the first generation), then the checkpoint."""
+        config, generation = self.config.groups[group], generation or self.first_generation
+        paths, backend = DaemonPaths(self.socket(group, rank, generation.number)), config.backend or None
+        snapshot = ["--snapshot", str(self.snapshot(group, rank))] if config.snapshot and not generation.number else []
         if config.engine == REFERENCE:
-            return [*daemon_command(self.model_dir, self.load_spec(group, rank), paths, backend), *snapshot]
+            spec = self.load_spec(group, rank)
+            return [*daemon_command(generation.model_dir, spec, paths, backend), *snapshot]
         command = daemon_command(self.model_dir, self.load_spec(group), paths, backend, python=config.engine_python)
         return [*command, "--format", VLLM_FORMAT, *snapshot]
 
@@ -138,15 +153,17 @@ class Layout:
         extra = self.config.groups[group].engine_env
         return {**os.environ, **extra} if extra else None
 
-    def engine_command(self, spec: EngineSpec) -> list[str]:
+    def engine_command(self, spec: EngineSpec, generation: Generation | None = None) -> list[str]:
         """Every engine starts as a standby; the controller promotes one, so no start races a live primary.
-        It listens on ``spec.listen_port``; clients keep using ``spec.port`` (a proxy may sit in between)."""
+        It listens on ``spec.listen_port``; clients keep using ``spec.port`` (a proxy may sit in between). It
+        maps ``generation``'s weights (default the first) from that generation's daemon."""
         if self.config.groups[spec.group].engine == VLLM:
             return self.vllm_agent_command(spec)
         model, engine, tp_size = self.config.model, self.config.engine, self.config.groups[spec.group].tp_size
-        command = hotweights_command("engine", "--model", str(self.model_dir))
+        generation = generation or self.first_generation
+        command = hotweights_command("engine", "--model", str(generation.model_dir))
         command += ["--tp-size", str(tp_size)] if tp_size > 1 else []
-        sockets = self.socket(spec.group, SOCKET_RANK)
+        sockets = self.socket(spec.group, SOCKET_RANK, generation.number)
         command += ["--device", spec.device, "--weight-cache", "client", "--socket", str(sockets)]
         command += ["--host", spec.host, "--port", str(spec.listen_port)]
         command += ["--role", Role.STANDBY, "--engine-id", spec.id]

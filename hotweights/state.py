@@ -56,12 +56,24 @@ class MemberRecord:
     role: str = "standby"  # of ``process``; meaningless without one
     added: bool = False
     process: ProcessRecord | None = None
+    generation: int = 0  # the weight generation ``process`` runs (its group's ``GroupRecord``)
 
 
 @dataclass(frozen=True)
 class ServiceRecord:
     kind: str  # daemon | gateway
     process: ProcessRecord | None = None
+
+
+@dataclass(frozen=True)
+class GroupRecord:
+    """A group's weight generation: 0 is cluster.toml's ``[model]``; each model update (``rollout --model``)
+    makes the next, with its own daemon. ``served``: one of its engines has been primary, so no engine of an
+    older generation may be again."""
+
+    generation: int = 0
+    model: str = ""  # the checkpoint of ``generation`` ("": cluster.toml's)
+    served: bool = True
 
 
 @dataclass(frozen=True)
@@ -72,6 +84,7 @@ class ClusterState:
     members: dict[str, MemberRecord] = field(default_factory=dict)
     services: dict[str, ServiceRecord] = field(default_factory=dict)
     removed: tuple[str, ...] = ()  # configured engines deleted through the API
+    groups: dict[str, GroupRecord] = field(default_factory=dict)  # by group number; absent: generation 0
 
     def processes(self) -> list[tuple[str, ProcessRecord]]:
         """Every recorded stack process (not the controller), as (id, record)."""
@@ -110,6 +123,7 @@ def parse_state(document: Any, path: Path) -> ClusterState:
     members = reader.object(root.get("members", {}), "members")
     services = reader.object(root.get("services", {}), "services")
     removed = reader.typed(root.get("removed", []), list, "removed")
+    groups = reader.object(root.get("groups", {}), "groups")
     return ClusterState(
         version=STATE_VERSION,
         cluster=reader.typed(root.get("cluster", ""), str, "cluster"),
@@ -117,6 +131,7 @@ def parse_state(document: Any, path: Path) -> ClusterState:
         members={name: reader.member(row, f"members.{name}") for name, row in members.items()},
         services={name: reader.service(row, f"services.{name}") for name, row in services.items()},
         removed=tuple(reader.typed(name, str, "removed[]") for name in removed),
+        groups={name: reader.group(row, f"groups.{name}") for name, row in groups.items()},
     )
 
 
@@ -173,6 +188,15 @@ class _Reader:
             role=role,
             added=self.typed(row.get("added", False), bool, f"{where}.added"),
             process=self.process(row.get("process"), f"{where}.process"),
+            generation=self.typed(row.get("generation", 0), int, f"{where}.generation"),
+        )
+
+    def group(self, value: Any, where: str) -> GroupRecord:
+        row = self.object(value, where)
+        return GroupRecord(
+            generation=self.typed(row.get("generation", 0), int, f"{where}.generation"),
+            model=self.typed(row.get("model", ""), str, f"{where}.model"),
+            served=self.typed(row.get("served", True), bool, f"{where}.served"),
         )
 
     def service(self, value: Any, where: str) -> ServiceRecord:

@@ -203,11 +203,11 @@ def split_brain_watch(urls: list[str]) -> contextlib.AbstractContextManager[Spli
     return running_on_a_thread(SplitBrainDetector(urls), 10)
 
 
-def gateway_load(url: str, rps: float) -> contextlib.AbstractContextManager[LoadGenerator]:
+def gateway_load(url: str, rps: float, also: tuple[str, ...] = ()) -> contextlib.AbstractContextManager[LoadGenerator]:
     """chaos.load's open-loop load (``rps`` completions a second) through ``url``, on a thread of its own;
-    every answer is checked against the completion the cluster gave before."""
+    every answer is checked against the completion the cluster gave before (or one of ``also``)."""
     reference = wait_until(lambda: _completion(url), 60, "a first completion through the gateway")
-    return running_on_a_thread(LoadGenerator(url, rps, reference), 60)
+    return running_on_a_thread(LoadGenerator(url, rps, reference, also=also), 60)
 
 
 def _completion(url: str) -> str | None:

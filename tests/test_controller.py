@@ -231,6 +231,25 @@ def test_the_primary_slots_spare_replaces_it_and_dies_with_the_controller(stack:
     stack.wait_steady()
 
 
+def test_a_new_primarys_failure_is_failed_over_at_once_after_failovers_that_found_no_standby(
+    tiny_model: Path,
+) -> None:
+    """A one-engine group: each kill finds no standby (a failed failover, backed off), the slot restarts and is
+    elected again. The next kill is of a new primary: it is handled at once, not after the earlier backoff
+    (which had grown to seconds: a kill-primary outage of 5-8 s in the multi-host drill)."""
+    stack = ControllerStack(tiny_model, engines=1)
+    try:
+        stack.start_controller()
+        for kill in range(1, 7):  # without the fix, the 5th failure waits for the 4th failover's 4 s backoff
+            pid = wait_until(lambda: stack.is_steady() and stack.primary()["pid"], 60, "a serving primary")
+            os.kill(pid, signal.SIGKILL)
+            detect = wait_until(lambda: len(d := stack.events("detect")) == kill and d[-1], 30, "its detect")  # noqa: B023
+            assert detect["detect_ms"] < 1000, f"kill {kill}: the failure waited {detect['detect_ms']} ms"
+        assert len(stack.events("no_standby")) == 6
+    finally:
+        stack.close()
+
+
 def test_hung_primary_detected_by_health_checks(stack: ControllerStack) -> None:
     urls = [m["url"] for m in stack.wait_steady().values()]
     old = stack.primary()

@@ -288,10 +288,13 @@ def test_sigterm_lets_in_flight_requests_finish_and_exits_zero(tiny_model: Path)
 def test_sigterm_past_the_shutdown_timeout_cancels_cleanly(tiny_model: Path) -> None:
     """A stream still running at --shutdown-timeout ends with an SSE error event (as at a drain deadline),
     not with uvicorn cancelling its task and logging a traceback; the engine still exits 0."""
-    engine = EngineProcess(tiny_model, *FLAGS, "--shutdown-timeout", "0.05")  # far shorter than the generation
+    # A generation of thousands of tokens, far longer than --shutdown-timeout: it cannot end on its own
+    # between the first streamed event and the signal, however late a loaded machine lets this test read.
+    flags = ("--kv-cache-tokens", "4096", "--max-batch", "1", "--shutdown-timeout", "0.05")
+    engine = EngineProcess(tiny_model, *flags)
     with engine:
         with engine.client.stream(
-            "POST", Endpoint.COMPLETIONS, json={"prompt": "x", "max_tokens": 480, "stream": True}
+            "POST", Endpoint.COMPLETIONS, json={"prompt": "x", "max_tokens": 4000, "stream": True}
         ) as r:
             lines = r.iter_lines()
             next(lines)

@@ -3,20 +3,32 @@ stack, under load through the gateway, with new engine settings from cluster.tom
 
 from __future__ import annotations
 
+import itertools
+import json
+import math
 import os
+import shutil
 import signal
+import struct
 import subprocess
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from hotweights.cache.checkpoint import parse_config
+from hotweights.chaos import memory
+from hotweights.chaos.load import MAX_TOKENS, PROMPT
 from hotweights.contract import Endpoint
 from hotweights.controller.config import EngineSection, GroupSection, load_config, rollout_changes
+from hotweights.controller.supervisor import read_identity
 from hotweights.errors import ConfigError
+from hotweights.layout import checkpoint_tensors
 from hotweights.spawn import hotweights_command
 from tests.cachehelpers import ENV
+from tests.conftest import make_checkpoint
 from tests.controllerhelpers import ControllerStack, gateway_load, split_brain_watch, wait_until
+from tests.enginehelpers import reference_completer
 
 RPS = 10.0
 
@@ -132,5 +144,96 @@ def test_a_failed_step_aborts_the_rollout_and_the_group_keeps_serving(tiny_model
         assert "aborted at step 1 of 3" in out  # printed as it happened, too
         after = stack.wait_steady()  # the loop restarts the standby that did not come back
         assert after[primary["id"]]["pid"] == primary["pid"] and stack.cluster()["rollouts"] == []
+    finally:
+        stack.close()
+
+
+def sparse_checkpoint(out: Path, like: Path, hidden: int, intermediate: int) -> Path:
+    """A valid checkpoint too big for this machine that takes no disk: ``like``'s tokenizer and config with
+    larger shapes, one safetensors file whose header is real and whose data is a hole (a sparse file)."""
+    shutil.copytree(like, out, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
+    config = json.loads((out / "config.json").read_text()) | {"hidden_size": hidden, "intermediate_size": intermediate}
+    (out / "config.json").write_text(json.dumps(config))
+    header, offset = {}, 0
+    for spec in checkpoint_tensors(parse_config(config, out / "config.json")[0]):
+        size = 4 * math.prod(spec.shape)
+        header[spec.name] = {"dtype": "F32", "shape": list(spec.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header).encode()
+    with open(out / "model.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        f.truncate(8 + len(raw) + offset)
+    return out
+
+
+def test_a_model_update_under_load_switches_the_answers_once_and_frees_the_old_arena(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    new_model = make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-seed1", seed=1)
+    new_text = reference_completer(new_model)(PROMPT, MAX_TOKENS, temperature=0.0)[0]
+    stack = ControllerStack(tiny_model, failure_threshold=4)  # see the rollout test above
+    try:
+        stack.start_controller("up")
+        before = stack.wait_steady()
+        old_daemon = stack.daemon()
+        gateway = f"http://127.0.0.1:{stack.config.gateway.port}"
+        urls = [m["url"] for m in before.values()]
+        with gateway_load(gateway, RPS, also=(new_text,)) as load, split_brain_watch(urls) as detector:
+            assert load.reference != new_text, "the two models must answer differently"
+            cli = subprocess.run(
+                hotweights_command("rollout", "--config", str(stack.config_path), "--model", str(new_model)),
+                env=ENV, capture_output=True, text=True, timeout=300,
+            )  # fmt: skip
+            wait_until(lambda: sum(r.text == new_text for r in load.records) >= 10, 60, "answers from the new model")
+        assert cli.returncode == 0, cli.stdout + cli.stderr
+        assert "step 1 of 6 (load" in cli.stdout and "step 6 of 6 (retire" in cli.stdout, cli.stdout
+        answers = [r.text for r in sorted(load.records, key=lambda r: r.end) if r.ok]
+        switches = sum(a != b for a, b in itertools.pairwise(answers))
+        failures = [r.error or r.status for r in load.records if not r.ok]
+        print(f"\nmodel update under {RPS:g} req/s: {len(load.records)} requests, {len(failures)} client errors")
+        assert failures == [] and answers[0] == load.reference and answers[-1] == new_text and switches == 1
+        assert detector.sweeps > 100 and detector.samples == [], f"split brain: {detector.samples}"
+        after = stack.wait_steady()
+        assert all(m["generation"] == 1 and m["pid"] != before[i]["pid"] for i, m in after.items()), after
+        assert stack.cluster()["generations"] == [
+            {"group": 0, "generation": 1, "model": str(new_model.resolve()), "served": True}
+        ]
+        daemons = [s for s in stack.cluster()["services"] if s["kind"] == "daemon"]
+        assert [(d["id"], d["serving"]) for d in daemons] == [("g0-cache-gen1", True)]
+        assert read_identity(old_daemon["pid"]) is None, "the old generation's daemon still runs"
+        assert memory.snapshot((str(stack.root),)).arenas == 1  # the old arena is gone with its last engine
+        stack.kill_controller()  # a restarted controller keeps the generation
+        stack.start_controller("up")
+        assert all(m["generation"] == 1 for m in stack.wait_steady().values())
+        assert stack.daemon()["id"] == "g0-cache-gen1"
+    finally:
+        stack.close()
+
+
+def test_a_model_update_is_refused_up_front_when_the_model_is_bad_or_too_big(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    stack = ControllerStack(tiny_model, engines=2)
+    try:
+        stack.start_controller()
+        pids = {i: m["pid"] for i, m in stack.wait_steady().items()}
+        huge = sparse_checkpoint(tmp_path / "huge", tiny_model, hidden=32768, intermediate=131072)
+        for model, expected in [
+            (tmp_path / "absent", "does not exist or is not a directory"),
+            (tiny_model, "runs " + str(tiny_model.resolve()) + " already"),
+            (huge, "the new generation's arena needs"),
+        ]:
+            response = stack.client.post(Endpoint.ROLLOUT, json={"model": str(model)})
+            assert response.status_code == 412 and expected in response.json()["detail"], response.text
+            assert "nothing restarted" in response.json()["detail"]
+        assert "bytes on cpu" in response.json()["detail"] and "are free" in response.json()["detail"]
+        cli = subprocess.run(
+            hotweights_command("rollout", "--config", str(stack.config_path), "--model", str(huge)),
+            env=ENV, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert cli.returncode == 2 and "412: group 0: the new generation's arena needs" in cli.stderr, cli.stderr
+        assert {i: m["pid"] for i, m in stack.members().items()} == pids
+        assert [s["id"] for s in stack.cluster()["services"] if s["kind"] == "daemon"] == ["g0-cache"]
+        assert stack.events("rollout") == []
     finally:
         stack.close()
