@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 
 from hotweights.chaos.faults import Target
-from hotweights.contract import Role, State
+from hotweights.contract import Endpoint, Role, State
 
 
 @dataclass(frozen=True)
@@ -96,6 +96,9 @@ class ControlApi:
 
     async def switchover(self, timeout_s: float = 60.0) -> httpx.Response:
         return await self.client.post("/switchover", json={}, timeout=timeout_s)
+
+    async def rollout(self, timeout_s: float = 600.0) -> httpx.Response:
+        return await self.client.post(Endpoint.ROLLOUT, json={}, timeout=timeout_s)
 
     async def wait_complete(self, timeout_s: float) -> str | None:
         """Poll until the cluster is whole again; None when it is, else the last thing that was missing."""

@@ -352,6 +352,17 @@ class Switchover(Scenario):
             r.problem = f"POST /switchover answered {response.status_code}: {response.text[:200]}"
 
 
+class RollingRestart(Scenario):
+    name = "rolling-restart"
+    measures = "POST /rollout under load: every engine restarted one at a time, standbys first; no client may notice"
+
+    async def inject(self, r: Round) -> None:
+        r.fault_at = time.time()
+        response = await r.api.rollout()
+        if response.status_code != 200:
+            r.problem = f"POST /rollout answered {response.status_code}: {response.text[:200]}"
+
+
 SCENARIOS: dict[str, type[Scenario]] = {
     cls.name: cls
     for cls in (
@@ -372,6 +383,7 @@ SCENARIOS: dict[str, type[Scenario]] = {
         DoubleFailure,
         Flapping,
         Switchover,
+        RollingRestart,
     )
 }
 RANK_SCENARIOS = frozenset(name for name, cls in SCENARIOS.items() if issubclass(cls, RankScenario))  # tp_size > 1
