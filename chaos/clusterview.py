@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 
 from hotweights.chaos.faults import Target
-from hotweights.contract import Endpoint, Role, State
+from hotweights.contract import Role, State
 
 
 @dataclass(frozen=True)
@@ -94,11 +94,9 @@ class ControlApi:
             return []
         return [e for e in events if event_time(e) >= since - 0.001]  # ISO times carry milliseconds
 
-    async def switchover(self, timeout_s: float = 60.0) -> httpx.Response:
-        return await self.client.post("/switchover", json={}, timeout=timeout_s)
-
-    async def rollout(self, timeout_s: float = 600.0) -> httpx.Response:
-        return await self.client.post(Endpoint.ROLLOUT, json={}, timeout=timeout_s)
+    async def post(self, path: str, timeout_s: float) -> httpx.Response:
+        """POST ``path`` with an empty body (a planned operation: a switchover, a rollout)."""
+        return await self.client.post(path, json={}, timeout=timeout_s)
 
     async def wait_complete(self, timeout_s: float) -> str | None:
         """Poll until the cluster is whole again; None when it is, else the last thing that was missing."""

@@ -341,26 +341,29 @@ class Flapping(Scenario):
         return None
 
 
-class Switchover(Scenario):
+class Planned(Scenario):
+    """A planned operation through the controller's API under load (``POST path``): no client may notice."""
+
+    path: ClassVar[str]
+    timeout_s: ClassVar[float]
+
+    async def inject(self, r: Round) -> None:
+        r.fault_at = time.time()
+        response = await r.api.post(self.path, self.timeout_s)
+        if response.status_code != 200:
+            r.problem = f"POST {self.path} answered {response.status_code}: {response.text[:200]}"
+
+
+class Switchover(Planned):
     name = "switchover"
     measures = "POST /switchover under load: drain, promote, demote; no client may notice"
-
-    async def inject(self, r: Round) -> None:
-        r.fault_at = time.time()
-        response = await r.api.switchover()
-        if response.status_code != 200:
-            r.problem = f"POST /switchover answered {response.status_code}: {response.text[:200]}"
+    path, timeout_s = "/switchover", 60.0
 
 
-class RollingRestart(Scenario):
+class RollingRestart(Planned):
     name = "rolling-restart"
     measures = "POST /rollout under load: every engine restarted one at a time, standbys first; no client may notice"
-
-    async def inject(self, r: Round) -> None:
-        r.fault_at = time.time()
-        response = await r.api.rollout()
-        if response.status_code != 200:
-            r.problem = f"POST /rollout answered {response.status_code}: {response.text[:200]}"
+    path, timeout_s = Endpoint.ROLLOUT, 600.0
 
 
 SCENARIOS: dict[str, type[Scenario]] = {
