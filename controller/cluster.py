@@ -272,12 +272,12 @@ class Cluster:
         for service in list(self.services.values()):
             if service.kind == "gateway" and not with_gateway and service.process is None:
                 del self.services[service.id]  # a dead gateway worker from an earlier `up`: not ours to restart
-        # Daemons of an older generation (a model update was cut short): engines keep what they mapped, and
-        # new ones start on the current generation, so they are stopped.
+        # Recorded daemons this stack no longer has (an older weight generation's, after a model update was cut
+        # short): running engines keep what they mapped and new ones attach elsewhere, so they are stopped.
         stale = [(name, row.process) for name, row in state.services.items()
                  if row.kind == "daemon" and row.process and name not in self.services]  # fmt: skip
         self.save()
-        return adopted + notes + [f"stopped {line} (an older weight generation's)" for line in stop_recorded(stale)]
+        return adopted + notes + [f"{line} (a daemon this stack no longer has)" for line in stop_recorded(stale)]
 
     def _read_state(self) -> tuple[ClusterState, list[str]]:
         """The recorded state; a corrupt file is moved aside and the stack's leftovers (processes naming
@@ -688,7 +688,8 @@ class Cluster:
         ]
 
     async def remove_service(self, service_id: str) -> str:
-        """Stop a daemon of an older generation and forget it; how it ended."""
+        """Stop a daemon that is not its group's current generation's (retired, or a model update's that did not
+        serve) and forget it; how it ended."""
         how = await self.stop_service(service_id)
         del self.services[service_id]
         self.save()

@@ -28,8 +28,6 @@ from hotweights.controller.supervisor import Process, Supervisor
 log = logging.getLogger(__name__)
 
 RETRY_S = 10.0  # after a spare exited on its own, before its group gets another
-
-
 START_FLAG, READY_FLAG = "--start-fd", "--ready-fd"  # hotweights engine's
 
 
