@@ -69,8 +69,8 @@ class RolloutRequest(BaseModel):
     group: int | None = Field(default=None, ge=0, description="default: 0")
     model: str | None = Field(
         default=None,
-        min_length=1,
-        description="a checkpoint directory on the controller's host: a model update onto these weights",
+        pattern=r"^/[^\x00]*$",
+        description="a checkpoint directory on the controller's host, absolute: a model update onto these weights",
     )
 
 

@@ -227,6 +227,7 @@ def test_a_model_update_is_refused_up_front_when_the_model_is_bad_or_too_big(
             assert response.status_code == 412 and expected in response.json()["detail"], response.text
             assert "nothing restarted" in response.json()["detail"]
         assert "bytes on cpu" in response.json()["detail"] and "are free" in response.json()["detail"]
+        assert stack.client.post(Endpoint.ROLLOUT, json={"model": "relative/dir"}).status_code == 422
         cli = subprocess.run(
             hotweights_command("rollout", "--config", str(stack.config_path), "--model", str(huge)),
             env=ENV, capture_output=True, text=True, timeout=60,
