@@ -16,7 +16,9 @@ thread, 64 MiB reads, cold), and on CUDA the pinned host-to-device rate. The las
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
+import mmap
 import os
 import shutil
 import subprocess
@@ -52,6 +54,27 @@ def evict(paths: list[Path]) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+
+
+def resident_bytes(paths: list[Path]) -> int:
+    """How much of the files is in the page cache now (``mincore`` of a mapping that touches no page): after
+    ``evict``, any byte read from them since, by any process, shows here."""
+    libc, page = ctypes.CDLL(None, use_errno=True), os.sysconf("SC_PAGE_SIZE")
+    resident = 0
+    for path in paths:
+        size = path.stat().st_size
+        if not size:
+            continue
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as mapped:
+            pages = (ctypes.c_ubyte * ((size + page - 1) // page))()
+            start = ctypes.c_char.from_buffer(mapped)
+            try:
+                if libc.mincore(ctypes.c_void_p(ctypes.addressof(start)), ctypes.c_size_t(size), pages) != 0:
+                    raise OSError(ctypes.get_errno(), f"mincore of {path}")
+            finally:
+                del start  # the mapping closes only once nothing points into it
+            resident += sum(flag & 1 for flag in pages) * page
+    return resident
 
 
 def sequential_read_gbps(paths: list[Path]) -> float:

@@ -94,9 +94,9 @@ class ControlApi:
             return []
         return [e for e in events if event_time(e) >= since - 0.001]  # ISO times carry milliseconds
 
-    async def post(self, path: str, timeout_s: float) -> httpx.Response:
-        """POST ``path`` with an empty body (a planned operation: a switchover, a rollout)."""
-        return await self.client.post(path, json={}, timeout=timeout_s)
+    async def post(self, path: str, timeout_s: float, body: dict[str, Any] | None = None) -> httpx.Response:
+        """POST ``path`` (a planned operation: a switchover, a rollout), with ``body`` (default empty)."""
+        return await self.client.post(path, json=body or {}, timeout=timeout_s)
 
     async def wait_complete(self, timeout_s: float) -> str | None:
         """Poll until the cluster is whole again; None when it is, else the last thing that was missing."""

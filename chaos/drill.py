@@ -40,7 +40,7 @@ from hotweights.chaos.load import LoadGenerator, reference_completion
 from hotweights.chaos.measure import RoundResult, apply_events, apply_requests
 from hotweights.chaos.report import write_report
 from hotweights.chaos.scenarios import SCENARIOS as ONE_HOST_SCENARIOS
-from hotweights.chaos.scenarios import Round, Scenario
+from hotweights.chaos.scenarios import ModelUpdate, Round, Scenario
 from hotweights.chaos.splitbrain import SplitBrainDetector
 from hotweights.chaos.stack import DrillStack
 from hotweights.errors import ConfigError, HotweightsError
@@ -153,7 +153,9 @@ async def drill(args: argparse.Namespace, stack: DrillStack | HostsStack) -> int
             stack.start()
             await until(stop, wait_up(stack, api))
             reference = await until(stop, reference_completion(client, stack.lb_url))
-            load = LoadGenerator(stack.lb_url, args.rps, reference)
+            updates = isinstance(stack, DrillStack) and stack.owned and any(isinstance(s, ModelUpdate) for s in rounds)
+            also = (await asyncio.to_thread(stack.make_other_model),) if updates else ()
+            load = LoadGenerator(stack.lb_url, args.rps, reference, also=also)
             detector = SplitBrainDetector(stack.direct_urls())
             d = Drill(stack, api, detector, load, client, args.recovery_timeout)
             began = time.time()

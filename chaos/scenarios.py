@@ -19,6 +19,7 @@ import httpx
 
 from hotweights.chaos.faults import Target, is_alive, netem_unavailable, send
 from hotweights.contract import Endpoint, State
+from hotweights.controller.config import REFERENCE
 
 if TYPE_CHECKING:
     from hotweights.chaos.clusterview import ClusterView, ControlApi
@@ -347,9 +348,12 @@ class Planned(Scenario):
     path: ClassVar[str]
     timeout_s: ClassVar[float]
 
+    def body(self, r: Round) -> dict[str, object]:
+        return {}
+
     async def inject(self, r: Round) -> None:
         r.fault_at = time.time()
-        response = await r.api.post(self.path, self.timeout_s)
+        response = await r.api.post(self.path, self.timeout_s, self.body(r))
         if response.status_code != 200:
             r.problem = f"POST {self.path} answered {response.status_code}: {response.text[:200]}"
 
@@ -364,6 +368,26 @@ class RollingRestart(Planned):
     name = "rolling-restart"
     measures = "POST /rollout under load: every engine restarted one at a time, standbys first; no client may notice"
     path, timeout_s = Endpoint.ROLLOUT, 600.0
+
+
+class ModelUpdate(Planned):
+    """Rounds alternate the group between its model and the drill's other one (``DrillStack.models``); the load
+    takes either model's greedy answer as correct."""
+
+    name = "model-update"
+    measures = "POST /rollout with the other model under load: a second weight generation; no client may notice"
+    path, timeout_s = Endpoint.ROLLOUT, 900.0
+    updates = 0
+
+    def skip_reason(self, stack: DrillStack) -> str | None:
+        group = stack.config.groups[0]
+        if not stack.owned or group.tp_size > 1 or group.engine != REFERENCE:
+            return "needs the drill's own stack of one-rank reference engines"
+        return None if stack.models else "the drill made no second model"
+
+    def body(self, r: Round) -> dict[str, object]:
+        self.updates += 1
+        return {"model": str(r.stack.models[self.updates % 2])}
 
 
 SCENARIOS: dict[str, type[Scenario]] = {
@@ -387,6 +411,7 @@ SCENARIOS: dict[str, type[Scenario]] = {
         Flapping,
         Switchover,
         RollingRestart,
+        ModelUpdate,
     )
 }
 RANK_SCENARIOS = frozenset(name for name, cls in SCENARIOS.items() if issubclass(cls, RankScenario))  # tp_size > 1

@@ -18,11 +18,14 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hotweights.cache.checkpoint import read_checkpoint
+from hotweights.cache.makemodel import ensure_default_model, write_checkpoint
 from hotweights.chaos.clusterview import ControlApi
 from hotweights.chaos.faults import Target
+from hotweights.chaos.load import MAX_TOKENS, PROMPT
 from hotweights.chaos.memory import stack_pids
 from hotweights.controller.config import ClusterConfig, load_config
-from hotweights.errors import ConfigError
+from hotweights.errors import ConfigError, HotweightsError
 from hotweights.ports import free_ports
 from hotweights.spawn import hotweights_command
 from hotweights.state import read_state
@@ -74,6 +77,7 @@ class DrillStack:
     up: subprocess.Popen | None = None
     proxy: subprocess.Popen | None = None
     haproxy: subprocess.Popen | None = None
+    models: tuple[Path, Path] | None = None  # the stack's model and the other one the model-update scenario uses
 
     @classmethod
     def create(
@@ -164,6 +168,25 @@ class DrillStack:
             self.up = self.spawn("up", self.cli("up"))
         if self.lb == "haproxy":
             self.start_haproxy()
+
+    def make_other_model(self) -> str:
+        """Write a second checkpoint of the stack's model's shape (another seed) into the workdir, for model
+        updates, and return its greedy answer to the drill's prompt (``hotweights generate``, on the stack's
+        device)."""
+        model = Path(self.config.model.path).resolve() if self.config.model.path else ensure_default_model()
+        known = read_checkpoint(model)
+        device = self.config.groups[0].device
+        other = write_checkpoint(
+            self.workdir / "other-model", known.config, dtype=known.dtype, quant=known.config.quant, seed=1,
+            device="cuda" if device.startswith("cuda") else "cpu", progress=False, overwrite=True,
+        )  # fmt: skip
+        self.models = (model, other)
+        command = hotweights_command("generate", "--model", str(other), "--device", device, "--prompt", PROMPT)
+        command += ["--max-tokens", str(MAX_TOKENS)]
+        done = subprocess.run(command, env=self.env(), capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            raise HotweightsError(f"hotweights generate on {other} exited with {done.returncode}: {done.stderr[-300:]}")
+        return done.stdout.removesuffix("\n")
 
     def cli(self, command: str, *extra: str) -> list[str]:
         return hotweights_command(command, "--config", str(self.config_path), *extra)
