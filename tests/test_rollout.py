@@ -238,3 +238,36 @@ def test_a_model_update_is_refused_up_front_when_the_model_is_bad_or_too_big(
         assert stack.events("rollout") == []
     finally:
         stack.close()
+
+
+def test_a_controller_restarted_mid_update_keeps_the_new_generation_and_stops_the_old_daemon(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The controller dies after the update's load and first restart: its successor starts on the new
+    generation, stops the old generation's daemon (the engines still on it keep serving what they mapped), and
+    a plain rollout then moves the rest."""
+    new_model = make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-seed2", seed=2)
+    stack = ControllerStack(tiny_model)
+    try:
+        stack.start_controller()
+        stack.wait_steady()
+        old_daemon = stack.daemon()
+        cli = subprocess.Popen(
+            hotweights_command("rollout", "--config", str(stack.config_path), "--model", str(new_model)),
+            env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        wait_until(lambda: [e for e in stack.events("rollout") if e.get("index") == 2], 120, "the first restart")
+        stack.kill_controller()
+        cli.wait(timeout=60)
+        stack.start_controller()
+        members = stack.wait_steady()
+        assert sorted(m["generation"] for m in members.values()) == [0, 1, 1], members
+        assert [(s["id"], s["current"]) for s in stack.cluster()["services"] if s["kind"] == "daemon"] == [
+            ("g0-cache-gen1", True)
+        ]
+        assert read_identity(old_daemon["pid"]) is None
+        assert "a daemon this stack no longer has" in str(stack.events("controller_start")[-1]["adopted"])
+        assert stack.client.post(Endpoint.ROLLOUT, json={}, timeout=300).status_code == 200
+        assert all(m["generation"] == 1 for m in stack.wait_steady().values())
+    finally:
+        stack.close()
