@@ -16,7 +16,6 @@ own is not started again for ``RETRY_S`` (a broken install must not become a spa
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import time
@@ -128,20 +127,18 @@ class Spares:
         except BrokenPipeError:  # it is exiting: the pidfd reports that next
             self.release(group)
             return None
-        del self.spares[group]
-        os.close(spare.start_fd)
-        self._close_ready(spare)
+        self.release(group)  # its pipe closes after the byte it reads first
         self.supervisor.rename(spare.process, member_id)
         log.info("spare (pid %d) started as %s", spare.process.pid, member_id)
         return spare.process
 
     def release(self, group: int) -> Process | None:
-        """Close the group's spare's pipe (it exits 0 without starting); its process, still to be reaped."""
+        """Forget the group's spare and close its pipes: one that was not sent a byte exits 0 without starting.
+        Its process, still to be reaped."""
         spare = self.spares.pop(group, None)
         if spare is None:
             return None
-        with contextlib.suppress(OSError):
-            os.close(spare.start_fd)
+        os.close(spare.start_fd)
         self._close_ready(spare)
         return spare.process
 
