@@ -30,14 +30,15 @@ from pathlib import Path
 
 import httpx
 
+from hotweights.chaos.clusterview import ControlApi
 from hotweights.chaos.drill import wait_up
 from hotweights.chaos.load import MAX_TOKENS, PROMPT, LoadGenerator, reference_completion
 from hotweights.chaos.stack import DrillStack
 from hotweights.spawn import hotweights_command
 
 
-async def pids(stack: DrillStack) -> dict[str, int]:
-    view = await stack.control_api().cluster()
+async def pids(api: ControlApi) -> dict[str, int]:
+    view = await api.cluster()
     assert view is not None, "the controller did not answer"
     return {m["id"]: m["pid"] for m in view.members}
 
@@ -79,12 +80,12 @@ async def bench(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
         async with httpx.AsyncClient(timeout=60) as client:
             reference = await reference_completion(client, stack.lb_url)
             load = LoadGenerator(stack.lb_url, args.rps, reference)
-            before = await pids(stack)
+            before = await pids(api)
             async with load.running():
                 rollout_s = await asyncio.to_thread(roll, stack)
-                rolled = await pids(stack)
+                rolled = await pids(api)
                 update_s = await asyncio.to_thread(roll, stack, "--model", str(new_model))
-                after = await pids(stack)
+                after = await pids(api)
                 await asyncio.sleep(1.0)  # answers from the new weights, to see that they stay
             accepted = (reference, await new_text(stack, client))
     finally:
