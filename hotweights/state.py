@@ -72,7 +72,7 @@ class GroupRecord:
     older generation may be again."""
 
     generation: int = 0
-    model: str = ""  # the checkpoint of ``generation`` ("": cluster.toml's)
+    model: str = ""  # the checkpoint of ``generation`` (generation 0, cluster.toml's, is never recorded)
     served: bool = True
 
 
@@ -193,9 +193,12 @@ class _Reader:
 
     def group(self, value: Any, where: str) -> GroupRecord:
         row = self.object(value, where)
+        model = self.typed(row.get("model"), str, f"{where}.model")
+        if not model.startswith("/"):
+            raise self.fail(f"{where}.model", "an absolute checkpoint path", model)
         return GroupRecord(
-            generation=self.typed(row.get("generation", 0), int, f"{where}.generation"),
-            model=self.typed(row.get("model", ""), str, f"{where}.model"),
+            generation=self.typed(row.get("generation"), int, f"{where}.generation"),
+            model=model,
             served=self.typed(row.get("served", True), bool, f"{where}.served"),
         )
 

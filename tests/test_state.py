@@ -13,6 +13,7 @@ from hotweights.controller.supervisor import open_pidfd, read_identity
 from hotweights.state import (
     STATE_VERSION,
     ClusterState,
+    GroupRecord,
     MemberRecord,
     ProcessRecord,
     ServiceRecord,
@@ -35,6 +36,7 @@ def test_round_trip_and_a_missing_file(tmp_path: Path) -> None:
         members={"g0-e0": MemberRecord(0, "cpu", 8200, "primary", False, ProcessRecord(3, 4, ("x",)))},
         services={"g0-cache": ServiceRecord("daemon")},
         removed=("g0-e2",),
+        groups={"0": GroupRecord(2, "/models/new", served=False)},
     )
     write_state(path, state)
     assert read_state(path) == state
@@ -59,6 +61,9 @@ def test_a_file_without_a_version_is_read_as_version_1(tmp_path: Path) -> None:
         ('{"controller": {"pid": 1, "start_time": 2}}', "controller.command must be a JSON array, found null"),
         ('{"services": {"gateway": {"kind": "proxy"}}}', 'services.gateway.kind must be daemon or gateway'),
         ('{"removed": [1]}', "removed[] must be a JSON string, found 1"),
+        ('{"groups": {"0": {"generation": 1, "model": "new"}}}', 'groups.0.model must be an absolute checkpoint path'),
+        ('{"groups": {"0": {"model": "/m"}}}', "groups.0.generation must be a JSON integer, found null"),
+        (json.dumps({"members": {"a": MEMBER | {"generation": "1"}}}), 'members.a.generation must be a JSON integer'),
     ],
 )
 def test_corrupt_files_are_named_in_one_line(tmp_path: Path, document: str, expected: str) -> None:
