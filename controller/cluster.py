@@ -23,7 +23,10 @@ import httpx
 
 from hotweights.cache.client import AttachRefused, DaemonUnavailable, hello, request
 from hotweights.contract import Endpoint, Role, State
-from hotweights.controller.config import REFERENCE, START_TIMEOUTS_S, ClusterConfig, EngineSpec
+from hotweights.controller.batch import BatchEngines
+from hotweights.controller.config import REFERENCE, START_TIMEOUTS_S, ClusterConfig, EngineSpec, batch_spec
+from hotweights.controller.engineapi import EngineApi
+from hotweights.controller.events import EventLog
 from hotweights.controller.gateway import BACKLOG as GATEWAY_BACKLOG
 from hotweights.controller.health import HealthChecker, HealthRecord
 from hotweights.controller.spares import Spares
@@ -208,13 +211,19 @@ class Snapshot:
 
 
 class Cluster:
-    def __init__(self, layout: Layout, checker: HealthChecker, wake: Callable[[], None]) -> None:
+    def __init__(
+        self, layout: Layout, checker: HealthChecker, wake: Callable[[], None], engines: EngineApi, events: EventLog
+    ) -> None:
         self.layout = layout
         self.config = layout.config
         self.checker = checker
         self.wake = wake
         self.supervisor = Supervisor(layout.log_dir, self.handle_exit)
         self.spares = Spares(self.supervisor)
+        self.batch = BatchEngines(self.supervisor, engines, events, self._batch_command, self._environment)
+        for group, section in enumerate(self.config.groups):
+            if spec := batch_spec(group, section):
+                self.batch.add(spec, section.start_timeout(), section.batch_yield_timeout_s)
         self.weights = {group: Weights(layout.first_generation) for group in range(len(self.config.groups))}
         self.members: dict[str, Member] = {}
         self.services: dict[str, Service] = {}
@@ -269,15 +278,24 @@ class Cluster:
             if row and row.process and (process := self.supervisor.adopt(service.id, row.process)):
                 service.process = process
                 adopted.append(f"{service.id} (pid {process.pid})")
+        batch_ids = {batch.spec.id: group for group, batch in self.batch.batches.items()}
+        for name, row in state.services.items():
+            if row.kind != "batch" or name not in batch_ids or not row.process:
+                continue
+            if process := self.supervisor.adopt(name, row.process):
+                self.batch.adopt(batch_ids[name], process)
+                adopted.append(f"{name} (pid {process.pid})")
         for service in list(self.services.values()):
             if service.kind == "gateway" and not with_gateway and service.process is None:
                 del self.services[service.id]  # a dead gateway worker from an earlier `up`: not ours to restart
         # Recorded daemons this stack no longer has (an older weight generation's, after a model update was cut
-        # short): running engines keep what they mapped and new ones attach elsewhere, so they are stopped.
+        # short): running engines keep what they mapped and new ones attach elsewhere, so they are stopped; so are
+        # recorded batch engines that the config no longer has.
+        ours = {*self.services, *batch_ids}
         stale = [(name, row.process) for name, row in state.services.items()
-                 if row.kind == "daemon" and row.process and name not in self.services]  # fmt: skip
+                 if row.kind in ("daemon", "batch") and row.process and name not in ours]  # fmt: skip
         self.save()
-        return adopted + notes + [f"{line} (a daemon this stack no longer has)" for line in stop_recorded(stale)]
+        return adopted + notes + [f"{line} (a process this stack no longer has)" for line in stop_recorded(stale)]
 
     def _read_state(self) -> tuple[ClusterState, list[str]]:
         """The recorded state; a corrupt file is moved aside and the stack's leftovers (processes naming
@@ -310,6 +328,8 @@ class Cluster:
             s.id: ServiceRecord(s.kind, s.process.record() if s.process and s.process.alive else None)
             for s in self.services.values()
         }
+        for batch_id, process in self.batch.processes().items():
+            services[batch_id] = ServiceRecord("batch", process.record() if process and process.alive else None)
         state = ClusterState(
             cluster=self.config.cluster.name,
             controller=me,
@@ -398,6 +418,7 @@ class Cluster:
         orphan of this slot that a previous controller left listening on its port (off the event loop:
         that waits for the orphan's exit)."""
         member = self.members[member_id]
+        await self.batch.make_room(member.spec.group, f"starting {member_id}")
         if member.process is not None and member.process.alive:  # fenced as exiting: its port frees at its exit
             await self.supervisor.fence(member.process)
         if member.process is not None and self._tensor_parallel(member):  # no rank of the old group is left
@@ -419,6 +440,12 @@ class Cluster:
         config = self.config.groups[group]
         serving = [m.id for m in snap.primaries(group) if m.is_serving_primary]
         return serving[0] if len(serving) == 1 and config.spare and config.engine == REFERENCE else None
+
+    def _batch_command(self, spec: EngineSpec) -> list[str]:
+        return self.layout.batch_command(spec, self.weights[spec.group].current)
+
+    def _environment(self, group: int) -> dict[str, str] | None:
+        return self.layout.environment(group)
 
     def tend_spare(self, snap: Snapshot, group: int) -> None:
         """Keep the group's spare for its ``spare_slot`` (``spares``)."""
@@ -721,8 +748,10 @@ class Cluster:
         self.close_gateway_listener()
         await self.close_worker_clients()
         engines = [m for m in self.members.values() if m.process and m.process.alive]
-        results = await asyncio.gather(*(self.supervisor.stop(m.process, timeout) for m in engines))
-        lines += [f"{m.spec.id}: {how}" for m, how in zip(engines, results, strict=True)]
+        results, batch = await asyncio.gather(
+            asyncio.gather(*(self.supervisor.stop(m.process, timeout) for m in engines)), self.batch.stop_all(timeout)
+        )
+        lines += [f"{m.spec.id}: {how}" for m, how in zip(engines, results, strict=True)] + batch
         daemons = [s for s in self.services.values() if s.kind == "daemon"]
         results = await asyncio.gather(*(self.stop_service(s.id) for s in daemons))
         lines += [f"{s.id}: {how}" for s, how in zip(daemons, results, strict=True)]
@@ -736,6 +765,7 @@ class Cluster:
                 service.keeper.cancel()
         await self.checker.close()
         self.spares.release_all()  # each exits 0 without starting
+        await self.batch.release()
         self.save()
         self.close_gateway_listener()
         await self.close_worker_clients()

@@ -117,9 +117,9 @@ async def serve(layout: Layout, listener: socket.socket, *, with_gateway: bool, 
             wake.set,
             metrics.health_check_latency.observe,
         )
-        cluster = Cluster(layout, checker, wake.set)
-        on_ready = partial(announce, layout, with_gateway)
         engines = EngineApi(client, config.token())
+        cluster = Cluster(layout, checker, wake.set, engines, events)
+        on_ready = partial(announce, layout, with_gateway)
         leader_keys = leadership(config, client, engines)
         await leader_keys.start(wake.set)  # ConfigError: etcd out of reach, or its prefix is another cluster's
         ha = Ha(cluster, engines, events, metrics, wake, on_ready, leader_keys)
@@ -202,7 +202,7 @@ def stop_everything(config: ClusterConfig, timeout: float, config_path: Path | N
     processes = state.processes()
     for batch in (
         [(name, p) for name, p in processes if kinds.get(name) == "gateway"],
-        [(name, p) for name, p in processes if name in state.members],
+        [(name, p) for name, p in processes if name in state.members or kinds.get(name) == "batch"],
         [(name, p) for name, p in processes if kinds.get(name) == "daemon"],
     ):
         lines += stop_recorded(batch, timeout)

@@ -57,6 +57,11 @@ snapshot = ""                 # a processed snapshot (`hotweights cache snapshot
 spare = true                  # keep a spare engine process for the primary's slot, its imports done (most of
                               # a start), that replaces the primary as a standby as soon as it is fenced
                               # (reference engines; a vllm group has none)
+batch_port = 0                # a co-located batch engine for low-priority clients on this port (0: none): a
+                              # reference engine on the group's device that maps the group's arena; it yields
+                              # its KV cache (drained for at most batch_yield_timeout_s) before the group starts
+                              # an engine or switches over, and serves again once the group is settled
+batch_yield_timeout_s = 1.0   # how long a yielding batch engine may drain before its requests are cancelled
 
 [engine]
 kv_cache_tokens = 4096
@@ -130,6 +135,8 @@ class GroupSection:
     start_timeout_s: float = 0.0
     snapshot: str = ""  # a processed snapshot the daemon tries after re-adoption, before the checkpoint
     spare: bool = True  # a pre-imported engine process waiting to replace the primary (reference engines)
+    batch_port: int = 0  # a co-located, lower-priority batch engine on this port (0: none)
+    batch_yield_timeout_s: float = 1.0  # a yielding batch engine's drain, before its requests are cancelled
 
     def start_timeout(self) -> float:
         """How long an engine of this group may take to become ready (vLLM compiles and profiles first)."""
@@ -212,6 +219,11 @@ class EngineSpec:
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+
+def batch_spec(group: int, section: GroupSection) -> EngineSpec | None:
+    """The group's batch engine (``g<group>-batch`` on ``batch_port``), None when it has none."""
+    return EngineSpec(f"g{group}-batch", group, section.device, section.batch_port) if section.batch_port else None
 
 
 @dataclass(frozen=True)
@@ -391,6 +403,27 @@ def _check_tp(group: GroupSection, where: str) -> None:
         raise ConfigError(f"{where}.snapshot must hold {{rank}} with tp_size {group.tp_size} (a snapshot per rank)")
 
 
+def _check_batch(config: ClusterConfig, i: int, ports: dict[int, str]) -> None:
+    """A group's batch engine: a free port of its own, a single-host group of reference engines of one rank."""
+    group, where = config.groups[i], f"{config.source}: groups[{i}]"
+    if not group.batch_port:
+        return
+    if not 0 < group.batch_port < 65536:
+        raise ConfigError(f"{where}.batch_port must be 1..65535 (0: no batch engine), found {group.batch_port}")
+    if group.batch_port in ports:
+        raise ConfigError(f"{where}.batch_port {group.batch_port} collides with {ports[group.batch_port]}")
+    ports[group.batch_port] = f"groups[{i}].batch_port"
+    if group.batch_yield_timeout_s <= 0:
+        raise ConfigError(f"{where}.batch_yield_timeout_s must be > 0, found {group.batch_yield_timeout_s}")
+    for needs, ok, found in [
+        ('engine = "reference"', group.engine == REFERENCE, f"engine = {group.engine!r}"),
+        ("tp_size = 1", group.tp_size == 1, f"tp_size = {group.tp_size}"),
+        ("one host (no [dcs] etcd)", not config.dcs.enabled, "dcs.etcd set"),
+    ]:
+        if not ok:
+            raise ConfigError(f"{where}.batch_port: a batch engine needs {needs}, found {found}")
+
+
 def validate(config: ClusterConfig) -> None:
     """Cross-field checks: positive timings, distinct ports, a token for non-loopback binds."""
     src = config.source
@@ -446,6 +479,8 @@ def validate(config: ClusterConfig) -> None:
         if spec.listen_port in ports:
             raise ConfigError(f"{src}: {where}, which collides with {ports[spec.listen_port]}")
         ports[spec.listen_port] = f"engine {spec.id} listen port (groups[{spec.group}].listen_base_port)"
+    for i in range(len(config.groups)):
+        _check_batch(config, i, ports)
     has_token = bool(config.cluster.token_file)
     refuse_open_listener(
         config.cluster.host, has_token, f"{src}: cluster.host", "set cluster.token_file so that mutations need it"
@@ -468,7 +503,7 @@ def _check_dcs(dcs: DcsSection, src: str) -> None:
     if not PREFIX.fullmatch(dcs.prefix):
         raise ConfigError(
             f"{src}: dcs.prefix must be an absolute key path of plain segments without a trailing slash, "
-            f"e.g. \"/hotweights\", found {dcs.prefix!r}"
+            f'e.g. "/hotweights", found {dcs.prefix!r}'
         )
     for where, value in [("dcs.ttl_s", dcs.ttl_s), ("dcs.loop_wait_s", dcs.loop_wait_s),
                          ("dcs.retry_timeout_s", dcs.retry_timeout_s)]:  # fmt: skip

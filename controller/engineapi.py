@@ -37,7 +37,14 @@ class EngineApi:
 
     async def is_primary(self, url: str, timeout: float = 1.0) -> bool:
         """Whether the engine answers 200 on /primary (what load balancers route on)."""
+        return await self._answers(url + Endpoint.PRIMARY, timeout)
+
+    async def is_standby(self, url: str, timeout: float = 1.0) -> bool:
+        """Whether the engine answers 200 on /standby (a ready standby: weights bound, no KV cache)."""
+        return await self._answers(url + Endpoint.STANDBY, timeout)
+
+    async def _answers(self, url: str, timeout: float) -> bool:
         try:
-            return (await self.client.get(url + Endpoint.PRIMARY, timeout=timeout)).status_code == 200
+            return (await self.client.get(url, timeout=timeout)).status_code == 200
         except httpx.HTTPError:
             return False

@@ -47,12 +47,13 @@ from hotweights.contract import Endpoint, Role
 from hotweights.controller.cluster import SERVICE_START_TIMEOUT_S, Cluster, MemberView, ServiceFailed, Snapshot, filled
 from hotweights.controller.config import REFERENCE, load_config, rollout_changes
 from hotweights.controller.dcs import Solo
+from hotweights.controller.devices import free_bytes
 from hotweights.controller.engineapi import EngineApi, EngineUnreachable
 from hotweights.controller.events import EventLog
 from hotweights.controller.executor import BACKOFF, GroupExecutor, Outcome, backoff_s
 from hotweights.controller.health import checks_failed, not_ready_within, process_exited
 from hotweights.controller.metrics import ControllerMetrics
-from hotweights.controller.rollout import Rollout, RolloutProgress, StepFailed, free_bytes, rollout_wait_s
+from hotweights.controller.rollout import Rollout, RolloutProgress, StepFailed, rollout_wait_s
 from hotweights.controller.spares import is_spare
 from hotweights.controller.supervisor import FENCE_TIMEOUT_S
 from hotweights.errors import ConfigError, HotweightsError
@@ -199,18 +200,21 @@ class Ha:
         )
         busy = False
         for group in range(snap.groups):
+            settled = False
             if what := self.executor.busy(group):
                 sentences.append(f"group {group}: {what} in progress")
                 busy = True
-                continue
-            for step in steps:
-                if sentence := await step(snap, group):
-                    sentences.append(sentence)
-                    break
             else:
-                if held := self.executor.backing_off(group):
-                    sentences.append(f"group {group}: {held}")
-                self.cluster.tend_spare(snap, group)
+                for step in steps:
+                    if sentence := await step(snap, group):
+                        sentences.append(sentence)
+                        break
+                else:
+                    if held := self.executor.backing_off(group):
+                        sentences.append(f"group {group}: {held}")
+                    self.cluster.tend_spare(snap, group)
+                    settled = self._is_settled(snap, group)
+            self.cluster.batch.tend(group, settled)
         if sentences:
             return "; ".join(sentences)
         if not busy and not self.announced and self._is_complete(snap):
@@ -474,8 +478,8 @@ class Ha:
     async def do_switchover(
         self, snap: Snapshot, group: int | None = None, candidate: str | None = None
     ) -> tuple[str, dict[str, Any]]:
-        """Planned: drain the primary, promote the candidate, demote the old primary to standby."""
-        start = time.monotonic()
+        """Planned: drain the primary, promote the candidate, demote the old primary to standby (the group's batch
+        engine yields first)."""
         if candidate is not None:
             new = self._ready_standby(snap, candidate)
             if group is not None and group != new.group:
@@ -490,6 +494,9 @@ class Ha:
             new = self.best_standby(snap, group)
             if new is None:
                 raise NotPossible(f"group {group} has no ready standby to switch over to")
+        # The new primary's KV cache is allocated while the old one still holds its own.
+        await self.cluster.batch.make_room(group, f"a switchover from {old.id} to {new.id}")
+        start = time.monotonic()
         try:
             status, body = await self._post(old, Endpoint.DRAIN, {"timeout_s": self.drain_timeout_s})
         except Unavailable as exc:  # it may have drained part way: undo that too
@@ -883,6 +890,17 @@ class Ha:
             return f"group {group} has no primary"
         what = "healthy" if primary.is_serving_primary else f"{primary.state} ({primary.status})"
         return f"primary {primary.id} {what}, {standbys} standby(s) ready"
+
+    def _is_settled(self, snap: Snapshot, group: int) -> bool:
+        """Whether ``group`` needs nothing now (its batch engine may serve): a serving primary, every other slot a
+        ready standby, its daemons serving, no rollout queued."""
+        members = snap.group(group)
+        return (
+            group not in self.rollouts
+            and snap.daemons_serve(group)
+            and any(m.is_serving_primary for m in members)
+            and all(m.is_serving_primary or m.is_ready_standby for m in members)
+        )
 
     def _is_complete(self, snap: Snapshot) -> bool:
         return all(s.serving for s in snap.services) and all(

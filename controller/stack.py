@@ -177,6 +177,11 @@ class Layout:
             command += ["--token-file", str(Path(self.config.cluster.token_file).expanduser().resolve())]
         return command
 
+    def batch_command(self, spec: EngineSpec, generation: Generation) -> list[str]:
+        """The group's batch engine: its engines' command on its own port, without CUDA graphs, which would keep
+        its KV cache reserved through a demote (a batch engine yields that memory when the group needs it)."""
+        return [*self.engine_command(spec, generation), "--no-cuda-graphs"]
+
     def vllm_agent_command(self, spec: EngineSpec) -> list[str]:
         """``hotweights agent`` in front of a vLLM server that maps its weights from the group's daemon."""
         group, model = self.config.groups[spec.group], self.config.model

@@ -357,7 +357,7 @@ def stack_orphans(markers: Iterable[str]) -> list[tuple[str, ProcessRecord]]:
             continue
         identity = read_identity(int(proc.name))
         command = identity.command if identity else ()
-        subcommand = command[command.index("hotweights") + 1 : ][:1] if "hotweights" in command else []
+        subcommand = command[command.index("hotweights") + 1 :][:1] if "hotweights" in command else []
         if not subcommand or subcommand[0] not in STACK_COMMANDS:
             continue
         if any(arg == marker or arg.startswith(marker + "/") for arg in command for marker in markers):

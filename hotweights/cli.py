@@ -65,4 +65,3 @@ def main(argv: list[str] | None = None) -> int:
     except HotweightsError as exc:
         print(f"hotweights {args.command}: error: {exc}", file=sys.stderr)
         return 2
-

@@ -26,7 +26,7 @@ from hotweights.errors import ConfigError
 
 STATE_VERSION = 1
 ROLES = ("primary", "standby")
-SERVICE_KINDS = ("daemon", "gateway")
+SERVICE_KINDS = ("daemon", "gateway", "batch")  # batch: a group's co-located batch engine
 
 
 class StateCorrupt(ConfigError):
@@ -61,7 +61,7 @@ class MemberRecord:
 
 @dataclass(frozen=True)
 class ServiceRecord:
-    kind: str  # daemon | gateway
+    kind: str  # daemon | gateway | batch
     process: ProcessRecord | None = None
 
 

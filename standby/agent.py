@@ -40,7 +40,7 @@ from hotweights.errors import ConfigError
 from hotweights.ports import free_port
 from hotweights.proxying import HOP_BY_HOP, ProxiedStream
 from hotweights.spawn import hotweights_command
-from hotweights.standby.contract_routes import SERVING, add_contract_routes, error, finish_app
+from hotweights.standby.contract_routes import SERVING, add_contract_routes, error, finish_app, unavailable
 from hotweights.standby.metrics import EngineMetrics
 from hotweights.standby.roles import Roles
 from hotweights.standby.serving import AnnouncingServer, bind_port, run_until_signal
@@ -52,7 +52,6 @@ PROBE_INTERVAL_S = 1.0
 PROBE_TIMEOUT_S = 5.0
 LIVE_FAILURES = 3  # probes in a row the engine may miss before /health/live turns 503
 LOG_TAIL_LINES = 15
-RETRY_AFTER_S = "1"
 KEEPALIVE_S = 2.0  # below the engine's (uvicorn's 5 s), so a pooled connection is never reused as it closes
 
 
@@ -260,8 +259,7 @@ def build_agent_app(ctx: AgentContext, client: httpx.AsyncClient) -> FastAPI:
         if path is None:
             return error(404, NOT_NORMALIZED, "not_found_error")
         if reason := roles.serving_refusal() or ctx.readiness_refusal():
-            response = error(503, reason, "unavailable")
-            response.headers["Retry-After"] = RETRY_AFTER_S
+            response = unavailable(reason)
             return response
         return await send(ctx, client, request, path)
 
@@ -278,8 +276,7 @@ async def send(ctx: AgentContext, client: httpx.AsyncClient, request: Request, p
         upstream = await client.send(outgoing, stream=True)
     except httpx.HTTPError as exc:  # nothing was answered: a gateway may send it to the next primary
         ctx.roles.release()
-        response = error(503, f"the engine did not answer: {type(exc).__name__} {exc}".strip(), "unavailable")
-        response.headers["Retry-After"] = RETRY_AFTER_S
+        response = unavailable(f"the engine did not answer: {type(exc).__name__} {exc}".strip())
         return response
     ctx.capacity.relayed.add(upstream)
 

@@ -68,6 +68,17 @@ def error(status: int, message: str, kind: str, param: str | None = None) -> JSO
     return JSONResponse({"error": {"message": message, "type": kind, "param": param}}, status_code=status)
 
 
+RETRY_AFTER_S = "1"  # what a 503 of the serving API tells clients to wait before they try again
+
+
+def unavailable(message: str) -> JSONResponse:
+    """503 for the serving API (not serving in this role or state, or cancelled by a drain): with ``Retry-After``,
+    so a client that is not behind the gateway (a batch engine's) knows to come back rather than give up."""
+    response = error(503, message, "unavailable")
+    response.headers["Retry-After"] = RETRY_AFTER_S
+    return response
+
+
 STATUS_DESCRIPTIONS: dict[int, dict[str, object]] = {
     400: {"description": "a bad body or field, named in `error.param`"},
     404: {"description": "an unknown `model`"},

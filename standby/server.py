@@ -20,7 +20,7 @@ from tokenizers import Tokenizer
 
 from hotweights.contract import Endpoint
 from hotweights.standby.completions import CompletionRequest, CompletionRun, GenerationAborted
-from hotweights.standby.contract_routes import SERVING, add_contract_routes, declare, error, finish_app
+from hotweights.standby.contract_routes import SERVING, add_contract_routes, declare, error, finish_app, unavailable
 from hotweights.standby.metrics import EngineMetrics
 from hotweights.standby.roles import Roles
 from hotweights.standby.scheduler import Scheduler
@@ -108,7 +108,7 @@ def build_app(ctx: EngineContext) -> FastAPI:
     async def models() -> JSONResponse:
         """200 the served model; 503 when not serving (standby, draining, drained)."""
         if reason := roles.serving_refusal():
-            return error(503, reason, "unavailable")
+            return unavailable(reason)
         model = {"id": ctx.model_name, "object": "model", "created": ctx.created, "owned_by": "hotweights"}
         return JSONResponse({"object": "list", "data": [model]})
 
@@ -125,7 +125,7 @@ def build_app(ctx: EngineContext) -> FastAPI:
         ``model``; 503 not serving (standby, draining, drained) or cancelled by a drain deadline or
         shutdown; 500 the generation failed."""
         if reason := roles.serving_refusal():
-            return error(503, reason, "unavailable")
+            return unavailable(reason)
         if request.model is not None and request.model != ctx.model_name:
             return error(
                 404, f"model {request.model!r} is not served here; try {ctx.model_name!r}", "not_found_error", "model"
@@ -159,7 +159,7 @@ def build_app(ctx: EngineContext) -> FastAPI:
             return JSONResponse(await run.collect())
         except GenerationAborted as exc:
             if exc.finish.reason == "cancelled":
-                return error(503, f"{exc}: the engine is draining or shutting down", "unavailable")
+                return unavailable(f"{exc}: the engine is draining or shutting down")
             return error(500, str(exc), "internal_error")
         finally:
             close()

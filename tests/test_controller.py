@@ -26,6 +26,7 @@ import pytest
 
 from hotweights.contract import Endpoint
 from hotweights.controller import supervisor
+from hotweights.controller.batch import BatchEngines
 from hotweights.controller.cluster import Cluster, Member, MemberView, Snapshot
 from hotweights.controller.config import EngineSpec, load_config
 from hotweights.controller.events import EventLog
@@ -667,6 +668,7 @@ def test_switchover_fences_an_unconfirmed_candidate_before_resuming_the_old_prim
             health=SimpleNamespace(interval_ms=100, timeout_ms=250, failure_threshold=2),
             engine=SimpleNamespace(drain_timeout_s=1.0),
         )
+        batch = BatchEngines(None, None, None, list, dict)  # no group has a batch engine: nothing yields
 
         async def fence(self, member_id: str) -> bool:
             calls.append(("fence", member_id))
