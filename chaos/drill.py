@@ -232,9 +232,11 @@ def cmd_drill(args: argparse.Namespace) -> int:
             raise ConfigError("--config names a running stack: add --attach-running (the drill starts its own without)")
         else:
             needs_proxy = any(SCENARIOS[name].needs_proxy for name in args.scenarios or SCENARIOS)
+            batch = args.tp_size == 1 and any(SCENARIOS[name].needs_batch for name in args.scenarios or SCENARIOS)
             stack = DrillStack.create(
-                workdir, args.lb, proxied=needs_proxy, model=args.model or "", device=args.device, tp_size=args.tp_size
-            )
+                workdir, args.lb, proxied=needs_proxy, model=args.model or "", device=args.device,
+                tp_size=args.tp_size, batch=batch,
+            )  # fmt: skip
         return asyncio.run(drill(args, stack))
 
 

@@ -18,7 +18,7 @@ from typing import Any
 from hotweights.chaos.clusterview import event_time
 from hotweights.chaos.load import RequestRecord
 
-MEASURES = ("detection_ms", "fence_ms", "promotion_ms", "lb_convergence_ms", "outage_ms")
+MEASURES = ("detection_ms", "fence_ms", "promotion_ms", "lb_convergence_ms", "outage_ms", "batch_back_ms")
 
 
 @dataclass
@@ -38,6 +38,7 @@ class RoundResult:
     promotion_ms: float | None = None
     lb_convergence_ms: float | None = None
     outage_ms: float | None = None
+    batch_back_ms: float | None = None  # the slowest return of a batch engine that yielded in this round
     requests: int = 0
     failed: int = 0
     refused: int = 0  # of the failed: no connection at all (the load balancer's port refused it)
@@ -83,6 +84,8 @@ def apply_events(result: RoundResult, events: Sequence[dict[str, Any]], targets:
         if result.promotion_ms is None and event["kind"] == "promote":
             result.promotion_ms = event["promote_ms"]
             result.promoted_at = event_time(event)
+        if event["kind"] == "batch_return" and event.get("back_ms") is not None:
+            result.batch_back_ms = max(result.batch_back_ms or 0.0, event["back_ms"])
 
 
 def apply_requests(result: RoundResult, records: Sequence[RequestRecord], until: float) -> None:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, ClassVar
 import httpx
 
 from hotweights.chaos.faults import Target, is_alive, netem_unavailable, send
+from hotweights.chaos.load import completion_body
 from hotweights.contract import Endpoint, State
 from hotweights.controller.config import REFERENCE
 
@@ -25,6 +26,8 @@ if TYPE_CHECKING:
     from hotweights.chaos.clusterview import ClusterView, ControlApi
     from hotweights.chaos.stack import DrillStack
 
+BATCH_TIMEOUT_S = 30.0  # a batch client's request that takes longer counts as a hang
+BATCH_REFUSED_PAUSE_S = 0.05  # before a batch client asks again after a refusal (Retry-After says 1 s)
 HANG_S = 2.0  # how long hang-daemon keeps the daemon stopped
 SLOW_DELAY_S = 0.5  # slow-primary's added latency each way: twice the default health timeout
 FENCE_WAIT_S = 15.0
@@ -76,6 +79,7 @@ class Scenario:
     name: ClassVar[str]
     measures: ClassVar[str]  # one line for the report
     needs_proxy: ClassVar[bool] = False
+    needs_batch: ClassVar[bool] = False  # the drill's own stack then gets a co-located batch engine
     client_errors_expected: ClassVar[bool] = False  # the fault takes the load balancer itself down
     respawns_daemon: ClassVar[bool] = False
 
@@ -342,6 +346,58 @@ class Flapping(Scenario):
         return None
 
 
+class PreemptBatch(Scenario):
+    """The primary of a group with a batch engine is killed: the batch engine must yield before the replacement
+    standby starts and serve again once the group is settled. Its own client (a request at a time, none of the
+    drill's load) must get answers or 503 with ``Retry-After`` throughout, never a hang or a refused connection."""
+
+    name = "preempt-batch"
+    measures = (
+        "SIGKILL the primary beside a co-located batch engine: it yields for the replacement standby and is back "
+        "once the group settled (batch_back); its clients get 503 with Retry-After meanwhile, never a hang"
+    )
+    needs_batch = True
+
+    def __init__(self) -> None:
+        self.answers: list[str] = []  # the batch client's, this round: a status ("200", "503") or what failed
+        self.client: asyncio.Task | None = None
+
+    def skip_reason(self, stack: DrillStack) -> str | None:
+        return None if stack.batch_url else "needs a group with a batch engine (the drill's own stack has one)"
+
+    async def inject(self, r: Round) -> None:
+        assert r.stack.batch_url is not None
+        self.answers = []
+        self.client = asyncio.create_task(self._ask(r.stack.batch_url))
+        r.hit(r.primary(), signal.SIGKILL)
+
+    async def _ask(self, url: str) -> None:
+        async with httpx.AsyncClient(timeout=BATCH_TIMEOUT_S) as client:
+            while True:
+                try:
+                    response = await client.post(url + Endpoint.COMPLETIONS, json=completion_body())
+                except httpx.HTTPError as exc:
+                    self.answers.append(f"{type(exc).__name__}: {exc}")
+                    await asyncio.sleep(BATCH_REFUSED_PAUSE_S)
+                    continue
+                retry = response.status_code == 503 and response.headers.get("retry-after")
+                self.answers.append(f"{response.status_code}" + (" Retry-After" if retry else ""))
+                if response.status_code != 200:
+                    await asyncio.sleep(BATCH_REFUSED_PAUSE_S)  # pacing: a refusal comes back at once
+
+    async def cleanup(self, r: Round) -> None:
+        if self.client is not None:
+            self.client.cancel()
+            await asyncio.gather(self.client, return_exceptions=True)
+
+    def verify(self, r: Round, after: ClusterView) -> str | None:
+        before = {b["id"]: b["yields"] for b in r.view.batch}
+        if not any(b["yields"] > before.get(b["id"], 0) for b in after.batch):
+            return "the batch engine did not yield for the replacement standby"
+        bad = [answer for answer in self.answers if answer not in ("200", "503 Retry-After")]
+        return f"{len(bad)} batch request(s) neither answered nor refused with Retry-After: {bad[:3]}" if bad else None
+
+
 class Planned(Scenario):
     """A planned operation through the controller's API under load (``POST path``): no client may notice."""
 
@@ -389,6 +445,12 @@ class ModelUpdate(Planned):
         self.updates += 1
         return {"model": str(r.stack.models[self.updates % 2])}
 
+    def verify(self, r: Round, after: ClusterView) -> str | None:
+        """A batch engine maps the generation the group's primary serves (it restarted onto it)."""
+        serving = {m["group"]: m["generation"] for m in after.primaries()}
+        stale = [b["id"] for b in after.batch if b["generation"] != serving.get(b["group"])]
+        return f"batch engine(s) {stale} still map an older weight generation" if stale else None
+
 
 SCENARIOS: dict[str, type[Scenario]] = {
     cls.name: cls
@@ -412,6 +474,7 @@ SCENARIOS: dict[str, type[Scenario]] = {
         Switchover,
         RollingRestart,
         ModelUpdate,
+        PreemptBatch,
     )
 }
 RANK_SCENARIOS = frozenset(name for name, cls in SCENARIOS.items() if issubclass(cls, RankScenario))  # tp_size > 1

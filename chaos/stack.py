@@ -51,7 +51,7 @@ device = "{device}"
 engines = {engines}
 tp_size = {tp_size}
 base_port = {base_port}
-{listen_base_port}
+{listen_base_port}{batch_port}
 [engine]
 kv_cache_tokens = 256
 max_batch = 4
@@ -81,12 +81,19 @@ class DrillStack:
 
     @classmethod
     def create(
-        cls, workdir: Path, lb: str, proxied: bool, model: str = "", device: str = "cpu", tp_size: int = 1
+        cls,
+        workdir: Path,
+        lb: str,
+        proxied: bool,
+        model: str = "",
+        device: str = "cpu",
+        tp_size: int = 1,
+        batch: bool = False,
     ) -> DrillStack:
         """Write the config of a fresh stack in ``workdir`` (default: the embedded tiny model on CPU; engines of
-        ``tp_size`` ranks, a daemon per rank)."""
+        ``tp_size`` ranks, a daemon per rank; ``batch``: with a co-located batch engine)."""
         workdir.mkdir(parents=True, exist_ok=True)
-        controller_port, gateway_port, lb_port = free_ports(3)
+        controller_port, gateway_port, lb_port, batch_port = free_ports(4)
         ports = free_ports(2 * ENGINES if proxied else ENGINES, consecutive=True)  # public, then private
         engine_ports, private_ports = ports[:ENGINES], ports[ENGINES:]
         path = workdir / "cluster.toml"
@@ -106,6 +113,7 @@ class DrillStack:
                     if proxied
                     else ""
                 ),
+                batch_port=f"batch_port = {batch_port}  # a co-located batch engine\n" if batch else "",
             )
         )
         config = load_config(path)
@@ -134,6 +142,12 @@ class DrillStack:
     @property
     def lb_url(self) -> str:
         return f"http://127.0.0.1:{self.lb_port}"
+
+    @property
+    def batch_url(self) -> str | None:
+        """The group's batch engine, where its clients connect (None: the stack has none)."""
+        port = self.config.groups[0].batch_port
+        return f"http://127.0.0.1:{port}" if port else None
 
     def direct_urls(self) -> list[str]:
         """The engines themselves, behind any proxy: where the split-brain detector asks."""

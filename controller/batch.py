@@ -52,6 +52,7 @@ class BatchEngine:
     start_timeout_s: float
     yield_timeout_s: float
     process: Process | None = None
+    generation: int = 0  # the weight generation its process maps
     serving: bool = False  # promoted by us, and not yielded since
     role_unknown: bool = False  # adopted from a previous controller: a yield demotes it, a return promotes it
     away: bool = False  # yielded, not back yet
@@ -71,6 +72,7 @@ class BatchEngine:
             "group": self.spec.group,
             "url": self.spec.url,
             "pid": self.process.pid if alive and self.process else None,
+            "generation": self.generation,
             "serving": self.serving and alive,
             "reason": None if self.serving and alive else self.reason,
             "yields": self.yields,
@@ -90,22 +92,25 @@ class BatchEngines:
         events: EventLog,
         command: Callable[[EngineSpec], list[str]],
         environment: Callable[[int], dict[str, str] | None],
+        generation: Callable[[int], int],
     ) -> None:
         self.supervisor = supervisor
         self.engines = engines
         self.events = events
         self.command = command  # the batch engine's command line for its group's current generation
         self.environment = environment
+        self.generation = generation  # a group's current weight generation: what a batch engine started now maps
         self.batches: dict[int, BatchEngine] = {}
 
     def add(self, spec: EngineSpec, start_timeout_s: float, yield_timeout_s: float) -> None:
         self.batches[spec.group] = BatchEngine(spec, start_timeout_s, yield_timeout_s)
 
-    def adopt(self, group: int, process: Process) -> None:
+    def adopt(self, group: int, process: Process, generation: int) -> None:
         """A batch engine a previous controller started, in a role we do not know: the next return promotes it,
         a yield before that demotes it (both idempotent)."""
         batch = self.batches[group]
-        batch.process, batch.role_unknown, batch.reason = process, True, "adopted from the previous controller"
+        batch.process, batch.generation, batch.role_unknown = process, generation, True
+        batch.reason = "adopted from the previous controller"
 
     def processes(self) -> dict[str, Process | None]:
         return {batch.spec.id: batch.process for batch in self.batches.values()}
@@ -148,7 +153,7 @@ class BatchEngines:
         batch.process = self.supervisor.spawn(
             batch.spec.id, self.command(batch.spec), self.environment(batch.spec.group)
         )
-        batch.reason = "starting"
+        batch.generation, batch.reason = self.generation(batch.spec.group), "starting"
         while not await self.engines.is_standby(batch.spec.url):
             if not batch.process.alive:
                 return  # the next tend records the exit

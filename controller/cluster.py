@@ -220,7 +220,9 @@ class Cluster:
         self.wake = wake
         self.supervisor = Supervisor(layout.log_dir, self.handle_exit)
         self.spares = Spares(self.supervisor)
-        self.batch = BatchEngines(self.supervisor, engines, events, self._batch_command, self._environment)
+        self.batch = BatchEngines(
+            self.supervisor, engines, events, self._batch_command, self._environment, self._generation_number
+        )
         for group, section in enumerate(self.config.groups):
             if spec := batch_spec(group, section):
                 self.batch.add(spec, section.start_timeout(), section.batch_yield_timeout_s)
@@ -283,7 +285,7 @@ class Cluster:
             if row.kind != "batch" or name not in batch_ids or not row.process:
                 continue
             if process := self.supervisor.adopt(name, row.process):
-                self.batch.adopt(batch_ids[name], process)
+                self.batch.adopt(batch_ids[name], process, self.weights[batch_ids[name]].current.number)
                 adopted.append(f"{name} (pid {process.pid})")
         for service in list(self.services.values()):
             if service.kind == "gateway" and not with_gateway and service.process is None:
@@ -446,6 +448,9 @@ class Cluster:
 
     def _environment(self, group: int) -> dict[str, str] | None:
         return self.layout.environment(group)
+
+    def _generation_number(self, group: int) -> int:
+        return self.weights[group].current.number
 
     def tend_spare(self, snap: Snapshot, group: int) -> None:
         """Keep the group's spare for its ``spare_slot`` (``spares``)."""

@@ -73,6 +73,8 @@ class BatchClient:
                 except httpx.HTTPError as exc:
                     outcome = (f"{type(exc).__name__}: {exc}", None)
                 self.results.append((sent, time.time(), *outcome))
+                if outcome[0] != 200:
+                    self.stop.wait(0.02)  # pacing: a refusal comes back at once
 
 
 def _at(event: dict) -> float:

@@ -668,7 +668,7 @@ def test_switchover_fences_an_unconfirmed_candidate_before_resuming_the_old_prim
             health=SimpleNamespace(interval_ms=100, timeout_ms=250, failure_threshold=2),
             engine=SimpleNamespace(drain_timeout_s=1.0),
         )
-        batch = BatchEngines(None, None, None, list, dict)  # no group has a batch engine: nothing yields
+        batch = BatchEngines(None, None, None, list, dict, int)  # no group has a batch engine: nothing yields
 
         async def fence(self, member_id: str) -> bool:
             calls.append(("fence", member_id))
