@@ -296,8 +296,10 @@ class Cluster:
         ours = {*self.services, *batch_ids}
         stale = [(name, row.process) for name, row in state.services.items()
                  if row.kind in ("daemon", "batch") and row.process and name not in ours]  # fmt: skip
+        what = {name: "batch engine" if row.kind == "batch" else "daemon" for name, row in state.services.items()}
         self.save()
-        return adopted + notes + [f"{line} (a process this stack no longer has)" for line in stop_recorded(stale)]
+        stopped = [f"{line} (a {what[line.split()[0]]} this stack no longer has)" for line in stop_recorded(stale)]
+        return adopted + notes + stopped
 
     def _read_state(self) -> tuple[ClusterState, list[str]]:
         """The recorded state; a corrupt file is moved aside and the stack's leftovers (processes naming
