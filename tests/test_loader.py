@@ -265,9 +265,10 @@ def test_a_terminal_sees_a_byte_progress_bar_a_pipe_none_and_direct_io_changes_n
 def test_the_pinned_ring_gives_the_cpu_paths_tensors_on_cuda(
     tiny_model: Path, tiny_fp8_model: Path, small_pieces: None, direct: bool
 ) -> None:
-    """Small pieces make a tensor many copies through the ring, each buffer reused many times."""
+    """Small pieces make a tensor many copies through the ring, each buffer reused many times. (Quantizing at
+    load is left out: its scales on CUDA differ from the CPU's in the last bits, whatever reads the bytes.)"""
     for model, spec in (
-        (tiny_model, LoadSpec(tp_size=2, tp_rank=1, quantize="fp8-block")),
+        (tiny_model, LoadSpec(tp_size=2, tp_rank=1, dtype=torch.bfloat16)),
         (tiny_fp8_model, LoadSpec()),
     ):
         on_cpu = load_processed(model, spec, progress=False)
