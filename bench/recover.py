@@ -9,8 +9,10 @@ does (keeping and offering its arena fd); then the daemon is SIGKILLed and a new
 every fill the checkpoint's and the snapshot's pages are dropped from the page cache (POSIX_FADV_DONTNEED), so
 their bytes come from the disk. Times are the daemons' own fill reports (a disk fill includes hashing the
 arena, as a respawn does); ``disk_bytes_read_on_readopt`` is ``read_bytes`` of /proc/<daemon>/io once the
-re-adopting daemon serves. The bound: the disk's sequential read of the checkpoint measured in this run (one
-thread, 64 MiB reads, cold), and on CUDA the pinned host-to-device rate. The last stdout line is one JSON object.
+re-adopting daemon serves. The snapshot is then read twice more: from the warm page cache (``snapshot_warm``)
+and, its pages dropped again, with O_DIRECT (``--direct-io``, ``snapshot_direct``). The bound: the disk's
+sequential read of the checkpoint measured in this run (one thread, 64 MiB reads, cold), and on CUDA the pinned
+host-to-device rate. The last stdout line is one JSON object.
 """
 
 from __future__ import annotations
@@ -174,6 +176,13 @@ def run(model: Path, device: str, workdir: Path) -> dict[str, Any]:
     result["snapshot_load_s"] = round(restored.fill["seconds"], 3)
     result["snapshot_gbps"] = round(arena_bytes / 1e9 / restored.fill["seconds"], 3)
     restored.kill()
+    for name, extra in (("snapshot_warm", ()), ("snapshot_direct", ("--direct-io",))):
+        if extra:
+            evict([snapshot])
+        again = Daemon(model, device, socket_path, "snapshot", "--snapshot", str(snapshot), *extra)
+        result[f"{name}_gbps"] = round(arena_bytes / 1e9 / again.fill["seconds"], 3)
+        again.kill()
+    result["snapshot_direct_vs_disk"] = round(result["snapshot_direct_gbps"] / result["disk_seq_read_gbps"], 3)
     engine.close()
     result["arena_bytes"] = arena_bytes
     result["readopt_speedup_vs_disk"] = round(first.fill["seconds"] / readopted.fill["seconds"], 1)

@@ -29,11 +29,21 @@ MAX_HEADER_BYTES = 100 * 1024 * 1024
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """A tensor as its safetensors header describes it."""
+    """A tensor as its safetensors header describes it: its row-major bytes are ``nbytes`` at ``offset`` of ``file``."""
 
     file: Path
     dtype: torch.dtype
     shape: tuple[int, ...]
+    offset: int  # from the start of the file: past the 8-byte length and the header, plus data_offsets' start
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    @property
+    def row_bytes(self) -> int:
+        """The bytes of one row (one index of the first dimension)."""
+        return math.prod(self.shape[1:]) * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -49,7 +59,7 @@ class Checkpoint:
 
     @property
     def nbytes(self) -> int:
-        return sum(info.dtype.itemsize * math.prod(info.shape) for info in self.tensors.values())
+        return sum(info.nbytes for info in self.tensors.values())
 
 
 def read_checkpoint(model_dir: str | Path, *, headers: bool = True) -> Checkpoint:
@@ -283,7 +293,7 @@ def read_safetensors_header(file: Path) -> dict[str, TensorInfo]:
                 f"{file}: truncated: tensor {name!r} ends at byte {end} of the data section, "
                 f"but the file holds only {data_size} data bytes"
             )
-        out[name] = TensorInfo(file=file, dtype=dtype, shape=shape)
+        out[name] = TensorInfo(file=file, dtype=dtype, shape=shape, offset=8 + header_len + start)
     return out
 
 

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,12 @@ from hotweights.cache.client import AttachRefused, DaemonUnavailable, attach, re
 from hotweights.cache.daemon import FILL_SOURCES, ArenaSource, load_arena, pipeline_source, serve
 from hotweights.cache.fingerprint import Fingerprint, compute_fingerprint
 from hotweights.cache.paths import paths_for
-from hotweights.cache.pipeline import add_load_spec_arguments, load_spec_from_args, model_dir_from_args
+from hotweights.cache.pipeline import (
+    add_load_spec_arguments,
+    add_read_arguments,
+    load_spec_from_args,
+    model_dir_from_args,
+)
 from hotweights.cache.snapshot import write_snapshot
 from hotweights.cache.vllm_format import FORMATS, VLLM_FORMAT, vllm_source
 from hotweights.errors import ConfigError
@@ -27,9 +33,9 @@ from hotweights.paths import runtime_dir
 def _source(args: argparse.Namespace) -> ArenaSource:
     """What ``--model``, ``--format`` and the load flags describe."""
     spec = load_spec_from_args(args)
-    if args.format == VLLM_FORMAT:
-        return vllm_source(Path(model_dir_from_args(args)).resolve(), spec)
-    return pipeline_source(Path(model_dir_from_args(args)), spec)
+    if args.format == VLLM_FORMAT:  # vLLM's own loader reads the checkpoint; a snapshot is read through ours
+        return replace(vllm_source(Path(model_dir_from_args(args)).resolve(), spec), direct_io=args.direct_io)
+    return pipeline_source(Path(model_dir_from_args(args)), spec, direct_io=args.direct_io)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -168,6 +174,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Run the load pipeline once into one arena and serve attach requests until SIGTERM.",
     )
     add_load_spec_arguments(serve_p)
+    add_read_arguments(serve_p)
     serve_p.add_argument("--socket", help="socket path (default: derived from device identity and fingerprint)")
     serve_p.add_argument("--backend", choices=sorted(BACKENDS), help="default: cuda-vmm on CUDA, cpu-shm on CPU")
     _add_format_argument(serve_p)
@@ -192,6 +199,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "content hash to OUT (atomically), for `hotweights cache serve --snapshot OUT`.",
     )
     add_load_spec_arguments(snapshot_p)
+    add_read_arguments(snapshot_p)
     _add_format_argument(snapshot_p)
     snapshot_p.add_argument("--backend", choices=sorted(BACKENDS), help="default: cuda-vmm on CUDA, cpu-shm on CPU")
     snapshot_p.add_argument("out", metavar="OUT", help="the snapshot file to write")

@@ -71,12 +71,14 @@ class ArenaSource:
     tensors: Callable[[], Iterator[tuple[str, torch.Tensor]]]
     device: torch.device
     aliases: Callable[[], dict[str, str]] = dict  # tied names: alias -> the canonical tensor's name
+    direct_io: bool = False  # read checkpoint and snapshot with O_DIRECT: how bytes are read, not what is served
 
 
-def pipeline_source(checkpoint: Checkpoint | Path, spec: LoadSpec) -> ArenaSource:
+def pipeline_source(checkpoint: Checkpoint | Path, spec: LoadSpec, *, direct_io: bool = False) -> ArenaSource:
     """The normal source: the load pipeline's output for ``checkpoint`` and ``spec``. A directory is read in two
     steps: its JSON files now (the fingerprint, the spec's checks), its safetensors headers only once the arena
-    is filled from the disk, so a daemon that re-adopts or restores a snapshot opens no shard."""
+    is filled from the disk, so a daemon that re-adopts or restores a snapshot opens no shard. ``direct_io``
+    (O_DIRECT reads) is left out of the fingerprint: the bytes produced are the same."""
     known = checkpoint if isinstance(checkpoint, Checkpoint) else read_checkpoint(checkpoint, headers=False)
     check_spec(known, spec)  # a ConfigError naming the flag, before the model is built
     config = processed_config(known, spec)
@@ -85,8 +87,9 @@ def pipeline_source(checkpoint: Checkpoint | Path, spec: LoadSpec) -> ArenaSourc
     return ArenaSource(
         fingerprint=compute_fingerprint(known, spec),
         specs=lambda: specs,
-        tensors=lambda: iter_processed(full(), spec, progress=True),
+        tensors=lambda: iter_processed(full(), spec, progress=True, direct_io=direct_io),
         device=torch.device(spec.device),
+        direct_io=direct_io,
     )
 
 
@@ -298,7 +301,8 @@ class CacheDaemon:
     def _fill_from_snapshot(self) -> Filled:
         if self.snapshot is None:
             raise SourceSkipped("no --snapshot given")
-        return load_snapshot(self.snapshot, self.fingerprint, self.backend, self.source.device)
+        source = self.source
+        return load_snapshot(self.snapshot, self.fingerprint, self.backend, source.device, direct_io=source.direct_io)
 
     def load(self) -> Filled:
         """Run the load pipeline (the checkpoint's bytes from disk) into a new arena."""

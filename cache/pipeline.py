@@ -9,21 +9,20 @@ stays bounded by the largest fused tensor.
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Iterator
-from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from tqdm import tqdm
 
 from hotweights import quant
 from hotweights.cache.checkpoint import Checkpoint, read_checkpoint
+from hotweights.cache.loader import Loader, progress_bar
 from hotweights.cache.makemodel import ensure_default_model
 from hotweights.dtypes import MODEL_DTYPES
-from hotweights.errors import CheckpointError, ConfigError
-from hotweights.layout import ModelConfig
+from hotweights.errors import ConfigError
+from hotweights.layout import ModelConfig, processed_tensors
 from hotweights.quant import FP8_BLOCK, QUANT_METHODS
 
 
@@ -79,27 +78,33 @@ def check_spec(checkpoint: Checkpoint, spec: LoadSpec) -> None:
 
 
 def iter_processed(
-    model_dir: str | Path | Checkpoint, spec: LoadSpec, *, progress: bool = True
+    model_dir: str | Path | Checkpoint, spec: LoadSpec, *, progress: bool = True, direct_io: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (processed name, tensor on spec.device) in a fixed order."""
+    """Yield (processed name, tensor on spec.device) in a fixed order. ``direct_io``: read the shards with
+    O_DIRECT (``loader.Loader``); it changes how bytes are read, never what is produced. ``progress``: a bar
+    in bytes produced, on a terminal only (``loader.progress_bar``)."""
     checkpoint = model_dir if isinstance(model_dir, Checkpoint) else read_checkpoint(model_dir)
     config = checkpoint.config
     check_spec(checkpoint, spec)
     fp8_on_disk = config.quant == FP8_BLOCK
-    reader = _ShardReader(checkpoint, spec, processed_dtype(checkpoint, spec))
-    per_layer = 6 + (4 if fp8_on_disk or spec.quantize else 0)  # 4 block-scale tensors when FP8
-    total = 2 + config.num_hidden_layers * per_layer + (0 if config.tie_word_embeddings else 1)
-    with reader, tqdm(total=total, desc="loading", unit="tensor", disable=not progress, leave=False) as bar:
+    dtype = processed_dtype(checkpoint, spec)
+    produced = processed_tensors(processed_config(checkpoint, spec), dtype, spec.tp_size)
+    total = sum(math.prod(shape) * kind.itemsize for shape, kind in produced.values())
+    with (
+        Loader(spec.device, direct=direct_io) as loader,
+        progress_bar(total, "loading", enabled=progress) as bar,
+    ):
+        reader = _ShardReader(checkpoint, loader, dtype)
         for name, tensor in _processed_tensors(reader, config, spec, fp8_on_disk):
             yield name, tensor
-            bar.update(1)
+            bar.update(tensor.nbytes)
 
 
 def load_processed(
-    model_dir: str | Path | Checkpoint, spec: LoadSpec, *, progress: bool = True
+    model_dir: str | Path | Checkpoint, spec: LoadSpec, *, progress: bool = True, direct_io: bool = False
 ) -> dict[str, torch.Tensor]:
     """The whole processed state dict; what the engine's ``off`` mode binds."""
-    return dict(iter_processed(model_dir, spec, progress=progress))
+    return dict(iter_processed(model_dir, spec, progress=progress, direct_io=direct_io))
 
 
 def _processed_tensors(
@@ -179,44 +184,37 @@ def _linear(
 
 
 class _ShardReader:
-    """Reads slices of Hugging Face tensors from the checkpoint's shards onto the target device."""
+    """Reads rows of Hugging Face tensors from the checkpoint's shards onto the loader's device.
 
-    def __init__(self, checkpoint: Checkpoint, spec: LoadSpec, dtype: torch.dtype) -> None:
+    A tensor's bytes are row-major at the offset its safetensors header gives, so a range of rows is one range
+    of bytes: only those are read. A range of columns is cut from the whole rows once they are on the device.
+    Results are contiguous, in the tensor's dtype on disk (``keep_dtype``) or the reader's.
+    """
+
+    def __init__(self, checkpoint: Checkpoint, loader: Loader, dtype: torch.dtype) -> None:
         self.checkpoint = checkpoint
-        self.device = torch.device(spec.device)
+        self.loader = loader
         self.dtype = dtype
-        self._stack = ExitStack()
-        self._handles: dict[Path, object] = {}
 
-    def __enter__(self) -> _ShardReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stack.close()
-
-    def _slice(self, name: str):  # safetensors' slice object has no public type
+    def _rows(self, name: str, start: int, n: int) -> torch.Tensor:
+        """Rows ``start:start + n`` (clipped to the tensor, as a slice is), in the dtype on disk."""
         info = self.checkpoint.tensors[name]
-        handle = self._handles.get(info.file)
-        if handle is None:
-            try:
-                handle = self._stack.enter_context(safe_open(str(info.file), framework="pt", device="cpu"))
-            except Exception as exc:  # safetensors raises its own error types from Rust
-                raise CheckpointError(f"{info.file}: cannot open safetensors file: {exc}") from None
-            self._handles[info.file] = handle
-        return handle.get_slice(name)
+        first, last = min(start, info.shape[0]), min(start + n, info.shape[0])
+        raw = self.loader.read(info.file, info.offset + first * info.row_bytes, (last - first) * info.row_bytes)
+        return raw.view(info.dtype).view(last - first, *info.shape[1:])
 
     def _finish(self, tensor: torch.Tensor, keep_dtype: bool) -> torch.Tensor:
-        dtype = tensor.dtype if keep_dtype else self.dtype
-        return tensor.to(device=self.device, dtype=dtype).contiguous()
+        return tensor.to(dtype=tensor.dtype if keep_dtype else self.dtype).contiguous()
 
     def whole(self, name: str) -> torch.Tensor:
-        return self._finish(self._slice(name)[:], keep_dtype=False)
+        return self._finish(self._rows(name, 0, self.checkpoint.tensors[name].shape[0]), keep_dtype=False)
 
     def rows(self, name: str, start: int, n: int, *, keep_dtype: bool = False) -> torch.Tensor:
-        return self._finish(self._slice(name)[start : start + n], keep_dtype)
+        return self._finish(self._rows(name, start, n), keep_dtype)
 
     def cols(self, name: str, start: int, n: int, *, keep_dtype: bool = False) -> torch.Tensor:
-        return self._finish(self._slice(name)[:, start : start + n], keep_dtype)
+        whole = self._rows(name, 0, self.checkpoint.tensors[name].shape[0])
+        return self._finish(whole[:, start : start + n], keep_dtype)
 
 
 def add_load_spec_arguments(parser: argparse.ArgumentParser, *, with_rank: bool = True) -> None:
@@ -228,6 +226,17 @@ def add_load_spec_arguments(parser: argparse.ArgumentParser, *, with_rank: bool 
     if with_rank:
         parser.add_argument("--tp-rank", type=int, default=0, help="tensor-parallel rank of this process (default 0)")
     parser.add_argument("--quantize", choices=QUANT_METHODS, help="quantize an unquantized checkpoint at load")
+
+
+def add_read_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags that decide how the checkpoint's (or a snapshot's) bytes are read, never what is produced:
+    they stay out of the fingerprint."""
+    parser.add_argument(
+        "--direct-io",
+        action="store_true",
+        help="read with O_DIRECT, past the page cache: for cold files (default: buffered reads, which a warm page "
+        "cache serves at memory speed; a file system that refuses O_DIRECT is read buffered, with one log line)",
+    )
 
 
 def load_spec_from_args(args: argparse.Namespace, *, tp_rank: int | None = None) -> LoadSpec:

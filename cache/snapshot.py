@@ -18,8 +18,6 @@ import json
 import os
 import struct
 import time
-from collections import deque
-from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -27,6 +25,7 @@ from typing import Any
 import torch
 
 from hotweights.cache import arena as arena_layout
+from hotweights.cache import loader
 from hotweights.cache.backends.base import ArenaBackend
 from hotweights.cache.fingerprint import Fingerprint
 from hotweights.cache.recovery import Filled, SourceRefused
@@ -154,15 +153,17 @@ def _check_size(path: Path, header: dict[str, Any]) -> None:
         raise SourceRefused(f"snapshot {path} is {what}: {size} bytes, expected {offset + data}")
 
 
-def load_snapshot(path: Path, fingerprint: Fingerprint, backend: ArenaBackend, device: torch.device) -> Filled:
+def load_snapshot(
+    path: Path, fingerprint: Fingerprint, backend: ArenaBackend, device: torch.device, *, direct_io: bool = False
+) -> Filled:
     """A new arena filled from the snapshot at ``path`` (every check of ``check_snapshot``, then the data's
-    SHA-256 against the header's); SourceRefused naming the fault."""
+    SHA-256 against the header's); SourceRefused naming the fault. ``direct_io``: read it with O_DIRECT."""
     header = check_snapshot(path, fingerprint)
     manifest, used = header["manifest"], header["data_bytes"]
     start = time.perf_counter()
     arena = backend.allocate(used, device)
     try:
-        digest = _read_into(path, header["data_offset"], used, arena.tensor)
+        digest = _read_into(path, header["data_offset"], used, arena.tensor, direct_io)
         read_s = time.perf_counter() - start
         if digest != manifest["content_hash"]:
             raise SourceRefused(f"snapshot {path} is corrupt: its data hashes to {digest}, the header says "
@@ -171,55 +172,37 @@ def load_snapshot(path: Path, fingerprint: Fingerprint, backend: ArenaBackend, d
         arena.close()
         raise
     served = manifest | {"arena_bytes": arena.nbytes, "backend": backend.name, "device": str(device)}
-    return Filled(arena, served, f"from {path}: {used / 1e9:.3f} GB read at {used / 1e9 / read_s:.2f} GB/s")
+    how = "O_DIRECT" if direct_io else "buffered"
+    return Filled(arena, served, f"from {path}: {used / 1e9:.3f} GB read ({how}) at {used / 1e9 / read_s:.2f} GB/s")
 
 
-def _read_into(path: Path, offset: int, nbytes: int, arena: torch.Tensor) -> str:
-    """Read ``nbytes`` at ``offset`` into ``arena`` in DIGEST_CHUNK_BYTES reads (straight into host memory, or
-    through a pinned buffer onto a device), hashing each chunk on a thread while the next one is read;
-    returns the content hash of what was read."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_SEQUENTIAL)
-        workers = max(1, os.cpu_count() or 1)
-        done: list[bytes] = []
-        pending: deque[Future[bytes]] = deque()
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            for chunk in _chunks(fd, offset, nbytes, arena, path):
-                if len(pending) > workers:  # bounds the chunks (pinned buffers on CUDA) waiting for a hash
-                    done.append(pending.popleft().result())
-                pending.append(pool.submit(_chunk_digest, chunk))
-            done += [digest.result() for digest in pending]
-        return arena_layout.combine_digests(nbytes, done)
-    finally:
-        os.close(fd)
-
-
-def _chunks(fd: int, offset: int, nbytes: int, arena: torch.Tensor, path: Path) -> Iterator[memoryview]:
-    """Read the data chunk by chunk into ``arena`` and yield each chunk's bytes on the host."""
+def _read_into(path: Path, offset: int, nbytes: int, arena: torch.Tensor, direct: bool) -> str:
+    """Read ``nbytes`` at ``offset`` into ``arena`` through the loader, one DIGEST_CHUNK_BYTES chunk at a time
+    (straight into host memory, or through the pinned ring onto a device), hashing each chunk's bytes as read,
+    on host threads, while the next one is read; returns the content hash of what was read."""
     step = arena_layout.DIGEST_CHUNK_BYTES
-    if arena.device.type == "cpu":
-        target = memoryview(arena.numpy())
-        for start in range(0, nbytes, step):
-            chunk = target[start : min(start + step, nbytes)]
-            _pread_all(fd, chunk, offset + start, path)
-            yield chunk
-        return
-    for start in range(0, nbytes, step):  # a fresh pinned buffer per chunk: the hash thread may still read the last
-        staging = torch.empty(min(step, nbytes - start), dtype=torch.uint8, pin_memory=True)
-        _pread_all(fd, memoryview(staging.numpy()), offset + start, path)
-        arena[start : start + staging.numel()].copy_(staging)
-        yield memoryview(staging.numpy())
+    assert step <= loader.BUFFER_BYTES, "a chunk must be one piece of the loader, so that it is hashed whole"
+    workers = max(1, os.cpu_count() or 1)
+    pending: list[Future[bytes]] = []
+
+    def hash_chunk(chunk: memoryview) -> Future[bytes]:
+        pending.append(pool.submit(_chunk_digest, chunk))
+        return pending[-1]
+
+    with (
+        ThreadPoolExecutor(max_workers=workers) as pool,
+        loader.Loader(arena.device, direct=direct, buffers=workers + 2) as reads,
+        loader.progress_bar(nbytes, "snapshot") as bar,
+    ):
+        try:
+            for start in range(0, nbytes, step):
+                size = min(step, nbytes - start)
+                reads.read_into(path, offset + start, arena[start : start + size], hash_chunk)
+                bar.update(size)
+        except loader.ReadError as exc:
+            raise SourceRefused(f"snapshot {path}: {exc}") from None
+        return arena_layout.combine_digests(nbytes, [digest.result() for digest in pending])
 
 
 def _chunk_digest(chunk: memoryview) -> bytes:
     return hashlib.sha256(chunk).digest()  # hashlib releases the GIL
-
-
-def _pread_all(fd: int, buffer: memoryview, offset: int, path: Path) -> None:
-    done = 0
-    while done < len(buffer):
-        n = os.preadv(fd, [buffer[done : done + CHUNK_BYTES]], offset + done)
-        if n == 0:
-            raise SourceRefused(f"snapshot {path} is truncated at byte {offset + done}")
-        done += n
