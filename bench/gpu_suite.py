@@ -25,6 +25,10 @@ Steps, each a subprocess with its own time limit, so one failure or hang cannot 
   attach_ipc  the attach benchmark again with the cuda-ipc backend
   drill_medium, drill_xl  hotweights drill kill-primary hang-primary through the gateway, cuda-vmm, 8 rounds:
             medium at 20 requests/s, xl at 10 (reports in DIR/drill-medium, DIR/drill-xl)
+  rollout_medium  bench/rollout.py on medium: a rolling restart and a model update under 10 requests/s, with a
+            co-located batch engine (client_errors, answer_switches, batch_back_ms)
+  rollout_xl  the same, the update moving the group from medium to xl
+  drill_batch  hotweights drill preempt-batch kill-primary on medium at 20 requests/s (report in DIR/drill-batch)
 Results go to DIR/gpu_suite.json and every step's output to DIR/steps.log; the last stdout line
 is one JSON object. Exits 1 if any step failed.
 """
@@ -55,6 +59,12 @@ def steps(workdir: Path, out: Path) -> dict[str, tuple[list[str], int]]:
     pytest = f"{shlex.quote(sys.executable)} -m pytest -q -m cuda -p no:cacheprovider"
     engine_bench = f"{bench}/engine.py --device cuda:0 --cycles 20 --gen-tokens 256 --max-batch 4"
 
+    rollout = f"{bench}/rollout.py --device cuda:0 --rps 10"
+    drill_batch = (
+        f"{hw} drill preempt-batch kill-primary --rounds 4 --model {medium} --device cuda:0 --rps 20 "
+        f"--report {shlex.quote(str(out / 'drill-batch'))}"
+    )
+
     def drill_at(name: str, path: str, rps: int) -> str:
         """kill-primary and hang-primary through the gateway, cuda-vmm, report in DIR/drill-NAME."""
         report = shlex.quote(str(out / f"drill-{name}"))
@@ -82,6 +92,13 @@ def steps(workdir: Path, out: Path) -> dict[str, tuple[list[str], int]]:
         "drill_medium": (f"{make('medium', medium)} && {drill_at('medium', medium, 20)}", 300),
         "drill_xl": (f"{make('xl', xl)} && {drill_at('xl', xl, 10)}", 420),
         "attach_ipc": (f"{bench}/attach.py {synthetic} --repeats 5 --backend cuda-ipc", 300),
+        # Issue 16: rollouts, model updates and a co-located batch engine on the GPU.
+        "rollout_medium": (f"{make('medium', medium)} && {rollout} --model {medium} --preset medium", 420),
+        "rollout_xl": (
+            f"{make('medium', medium)} && {make('xl', xl)} && {rollout} --model {medium} --new-model {xl}",
+            600,
+        ),
+        "drill_batch": (f"{make('medium', medium)} && {drill_batch}", 300),
     }
     return {name: (["bash", "-c", command], limit) for name, (command, limit) in commands.items()}
 
