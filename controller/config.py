@@ -54,6 +54,8 @@ snapshot = ""                 # a processed snapshot (`hotweights cache snapshot
                               # live engine hands its arena back, before reading the checkpoint; relative to
                               # this file ("": none). A stale or corrupt one is refused, never served.
                               # With tp_size > 1, "{rank}" in it stands for each daemon's rank.
+direct_io = false             # the daemons read checkpoint and snapshot with O_DIRECT (`cache serve --direct-io`):
+                              # faster from a cold disk, slower from a warm page cache
 spare = true                  # keep a spare engine process for the primary's slot, its imports done (most of
                               # a start), that replaces the primary as a standby as soon as it is fenced
                               # (reference engines; a vllm group has none)
@@ -134,6 +136,7 @@ class GroupSection:
     engine_env: dict[str, str] = field(default_factory=dict)
     start_timeout_s: float = 0.0
     snapshot: str = ""  # a processed snapshot the daemon tries after re-adoption, before the checkpoint
+    direct_io: bool = False  # the daemons read with O_DIRECT
     spare: bool = True  # a pre-imported engine process waiting to replace the primary (reference engines)
     batch_port: int = 0  # a co-located, lower-priority batch engine on this port (0: none)
     batch_yield_timeout_s: float = 1.0  # a yielding batch engine's drain, before its requests are cancelled

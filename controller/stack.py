@@ -134,6 +134,7 @@ class Layout:
         config, generation = self.config.groups[group], generation or self.first_generation
         paths, backend = DaemonPaths(self.socket(group, rank, generation.number)), config.backend or None
         snapshot = ["--snapshot", str(self.snapshot(group, rank))] if config.snapshot and not generation.number else []
+        snapshot += ["--direct-io"] if config.direct_io else []
         if config.engine == REFERENCE:
             spec = self.load_spec(group, rank)
             return [*daemon_command(generation.model_dir, spec, paths, backend), *snapshot]

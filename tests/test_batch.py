@@ -96,7 +96,8 @@ def _gone(pid: int) -> bool:
 
 def test_a_batch_engine_yields_for_a_replacement_standby_and_is_back_once_the_group_settled(tiny_model: Path) -> None:
     batch_port = free_port()
-    stack = ControllerStack(tiny_model, engines=2, group_extra=f"batch_port = {batch_port}\n")
+    # direct_io: the daemon reads the checkpoint with O_DIRECT (the text below is the same as without)
+    stack = ControllerStack(tiny_model, engines=2, group_extra=f"batch_port = {batch_port}\ndirect_io = true\n")
     batch_url = f"http://127.0.0.1:{batch_port}"
     try:
         stack.start_controller("up")

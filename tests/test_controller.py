@@ -28,7 +28,7 @@ from hotweights.contract import Endpoint
 from hotweights.controller import supervisor
 from hotweights.controller.batch import BatchEngines
 from hotweights.controller.cluster import Cluster, Member, MemberView, Snapshot
-from hotweights.controller.config import EngineSpec, load_config
+from hotweights.controller.config import EngineSpec, batch_spec, load_config
 from hotweights.controller.events import EventLog
 from hotweights.controller.ha import Conflict, Ha
 from hotweights.controller.health import HealthChecker, HealthRecord
@@ -148,6 +148,19 @@ def test_a_vllm_group_runs_its_daemon_and_agents_with_vllms_python(tmp_path: Pat
     assert socket == str(layout.socket(0)) and engine[engine.index("--load-format") + 1] == "hotweights"
     assert layout.environment(0)["VLLM_CPU_KVCACHE_SPACE"] == "1"
     assert layout.config.groups[0].start_timeout() == 600.0
+
+
+def test_direct_io_reaches_the_daemon_and_the_batch_engine_has_no_graphs(tmp_path: Path, tiny_model: Path) -> None:
+    path = tmp_path / "cluster.toml"
+    group = "[[groups]]\nbase_port = 8200\ndirect_io = true\nbatch_port = 8300\n"
+    path.write_text(f'[model]\npath = "{tiny_model}"\n{group}')
+    layout = Layout.create(load_config(path), path)
+    assert "--direct-io" in layout.daemon_command(0)
+    spec = batch_spec(0, layout.config.groups[0])
+    assert spec is not None
+    command = layout.batch_command(spec, layout.first_generation)
+    assert command[command.index("--port") + 1] == "8300" and command[command.index("--engine-id") + 1] == "g0-batch"
+    assert command[-1] == "--no-cuda-graphs" and command[command.index("--role") + 1] == "standby"
 
 
 def test_listen_base_port_moves_only_the_engines_listening_socket(tmp_path: Path, tiny_model: Path) -> None:
