@@ -2,11 +2,12 @@
 
     python bench/gpu_backends_check.py [--backends cuda-vmm,cuda-ipc] [--strict]
 
-For each backend: a child maps a 64 MiB arena and sees the parent's bytes; a child maps a 1 GiB arena
-(timed); the parent keeps reading an arena whose exporting child was SIGKILLed; an import on the wrong
-device is refused. Prints a table, then, as the last line, one JSON object. Exits 1 when a check fails
-(with --strict also when a backend is unavailable), never hangs: children are daemonic, every wait has a
-timeout, and a watchdog ends the run.
+For each backend: a child maps a 64 MiB arena and sees the parent's bytes; a child maps a 1 GiB arena (timed);
+the parent keeps reading an arena whose exporting child was SIGKILLed; an import on the wrong device is
+refused; a cuda-vmm importer that asks the driver for read-write access (as a hostile engine could) writes the
+arena or not (reported as ``vmm_importer_can_write``, a fact, not a pass condition). Prints a table, then, as
+the last line, one JSON object. Exits 1 when a check fails (with --strict also when a backend is unavailable),
+never hangs: children are daemonic, every wait has a timeout, and a watchdog ends the run.
 
 tests/test_cuda_backends.py runs these same checks under pytest: keep the check functions' results (dicts
 with "ok") and the helpers it imports (fill, digest, cuda_ready) stable.
@@ -210,6 +211,42 @@ def check_write_refused(name: str, device: torch.device) -> dict[str, Any]:
         arena.close()
 
 
+def _forced_write_child(index: int, conn: Connection, sock: socket.socket) -> None:
+    """Spawned: import a cuda-vmm fd as a hostile engine would, asking the driver for PROT_READWRITE, and write."""
+    from hotweights.cache.backends import cuda_vmm
+
+    try:
+        cuda_ready(index)
+        handle, (fd,) = _recv_arena(conn, sock)
+        drv = cuda_vmm._driver()
+        posix_fd = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        with cuda_vmm._on_device(drv, index):
+            alloc = cuda_vmm._check(drv.cuMemImportFromShareableHandle(fd, posix_fd), "import")
+            mapping, read_only = cuda_vmm._map(drv, index, alloc, handle["nbytes"], read_only=False)
+        mapping.tensor().fill_(0)
+        torch.cuda.synchronize()
+        conn.send({"granted_read_write": not read_only})
+    except Exception as exc:  # the driver refused: what a read-only guarantee would look like
+        conn.send({"granted_read_write": False, "refusal": str(exc)[:300]})
+
+
+def check_forced_write(device: torch.device) -> dict[str, Any]:
+    """Does a cuda-vmm importer that asks for read-write get it, and do its writes reach the arena? (A fact to
+    report, not a pass condition: docs/operations.md's trust model rests on it.)"""
+    arena = get_backend("cuda-vmm").allocate(2 * MiB, device)
+    try:
+        fill(arena.tensor, seed=4)
+        before = digest(arena.tensor)
+        with _spawn(_forced_write_child, device.index) as (proc, conn, sock):
+            handle, fds = arena.export()
+            _send_arena(conn, sock, handle, fds)
+            outcome = _recv(conn)
+            proc.join(timeout=TIMEOUT_S)
+        return {**outcome, "importer_can_write": digest(arena.tensor) != before, "ok": True}
+    finally:
+        arena.close()
+
+
 def check_import_time(name: str, device: torch.device) -> dict[str, Any]:
     """A 1 GiB arena: same bytes in the child, and mapped within IMPORT_LIMIT_MS?"""
     res = check_roundtrip(name, device, 1 << 30, seed=2)
@@ -257,6 +294,8 @@ def run_backend(name: str, device: torch.device, rows: list[tuple[str, str, bool
         ("survives SIGKILL", lambda: check_sigkill(name, device)),
         ("wrong device refused", lambda: check_wrong_device(name, device)),
     ]
+    if name == "cuda-vmm":
+        checks.append(("forced read-write", lambda: check_forced_write(device)))
     for label, check in checks:
         t0 = time.perf_counter()
         try:
@@ -327,6 +366,7 @@ def _summary(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "vmm_read_only": results.get("cuda-vmm", {}).get("roundtrip 64 MiB", {}).get("read_only"),
         "survives_sigkill": {name: bool(r.get("survives SIGKILL", {}).get("ok")) for name, r in results.items()},
         "roundtrip_ok": {name: bool(r.get("roundtrip 64 MiB", {}).get("ok")) for name, r in results.items()},
+        "vmm_importer_can_write": results.get("cuda-vmm", {}).get("forced read-write", {}).get("importer_can_write"),
         "wrong_device_refused": {
             name: bool(r.get("wrong device refused", {}).get("ok")) for name, r in results.items()
         },
