@@ -233,6 +233,12 @@ class CacheDaemon:
     def run(self) -> None:
         """Load, serve until asked to stop, clean up. Signals only set a flag."""
         ensure_private_dir(self.paths.socket.parent, shared=self.admits_other_uids)
+        if self.admits_other_uids and self.source.device.type == "cuda":
+            log.warning(
+                "uid(s) %s may attach to this %s arena: on CUDA an importer that asks the driver for read-write "
+                "access gets it (docs/operations.md), so allow only uids you trust with the weights",
+                sorted(self.allowed_uids - {os.getuid()}), self.backend.name,
+            )  # fmt: skip
         self._take_lock()
         try:
             check_socket_path_free(self.paths.socket)  # before the (slow) load, not after it
