@@ -290,12 +290,13 @@ def test_sigterm_past_the_shutdown_timeout_cancels_cleanly(tiny_model: Path) -> 
     not with uvicorn cancelling its task and logging a traceback; the engine still exits 0."""
     # A generation of thousands of tokens, far longer than --shutdown-timeout: it cannot end on its own
     # between the first streamed event and the signal, however late a loaded machine lets this test read.
+    # Greedy: the tiny model's greedy continuation of "x" has no end-of-sequence token in its first 4000 (a
+    # sampled one can draw one early and end with [DONE] before the signal).
     flags = ("--kv-cache-tokens", "4096", "--max-batch", "1", "--shutdown-timeout", "0.05")
     engine = EngineProcess(tiny_model, *flags)
+    body = {"prompt": "x", "max_tokens": 4000, "temperature": 0.0, "stream": True}
     with engine:
-        with engine.client.stream(
-            "POST", Endpoint.COMPLETIONS, json={"prompt": "x", "max_tokens": 4000, "stream": True}
-        ) as r:
+        with engine.client.stream("POST", Endpoint.COMPLETIONS, json=body) as r:
             lines = r.iter_lines()
             next(lines)
             engine.process.send_signal(signal.SIGTERM)
