@@ -121,6 +121,10 @@ class BatchEngines:
         batch = self.batches.get(group)
         if batch is None or (batch.task is not None and not batch.task.done()):
             return
+        if batch.task is not None and not batch.task.cancelled() and (error := batch.task.exception()):
+            log.error("batch engine %s: %s", batch.spec.id, error, exc_info=error)
+            batch.reason, batch.failed_at = f"its last start or return failed: {error}", time.monotonic()
+        batch.task = None
         if not settled:
             batch.settled_at = None
             return
