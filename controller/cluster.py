@@ -704,6 +704,12 @@ class Cluster:
         self.weights[group] = Weights(generation, served=False)
         self.save()
 
+    def revert_generation(self, group: int, previous: Generation) -> None:
+        """Engines of ``group`` start on ``previous`` (which has served) again: a model update that failed before
+        its generation served is abandoned."""
+        self.weights[group] = Weights(previous, served=True)
+        self.save()
+
     def mark_served(self, group: int, member_id: str) -> None:
         """``member_id`` was promoted: if it runs the current generation, no older one may be promoted again."""
         weights = self.weights[group]

@@ -57,6 +57,7 @@ from hotweights.controller.rollout import Rollout, RolloutProgress, StepFailed, 
 from hotweights.controller.spares import is_spare
 from hotweights.controller.supervisor import FENCE_TIMEOUT_S
 from hotweights.errors import ConfigError, HotweightsError
+from hotweights.standby.generate import load_tokenizer, stop_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -656,9 +657,9 @@ class Ha:
         return sentence + applied, {"group": group, "steps": steps, "changed": changed}
 
     def _model_preconditions(self, group: int, model: str) -> Path:
-        """``model`` as the group's next weight generation: a valid checkpoint for the group's load settings,
-        not the one it runs, whose arena fits in the device's free memory beside the current one. NotPossible
-        naming the reason (the numbers, for memory), before anything starts."""
+        """``model`` as the group's next weight generation: a valid checkpoint for the group's load settings, with a
+        tokenizer the engines can read, not the one it runs, whose arena fits in the device's free memory beside the
+        current one. NotPossible naming the reason (the numbers, for memory), before anything starts."""
         section, current = self.cluster.config.groups[group], self.cluster.weights[group].current
         if section.engine != REFERENCE or section.tp_size != 1:
             raise NotPossible(
@@ -668,6 +669,8 @@ class Ha:
         path = Path(model).expanduser().resolve()
         try:
             source = pipeline_source(read_checkpoint(path), self.cluster.layout.load_spec(group))
+            load_tokenizer(path)  # what every engine reads beside the weights: a bad one would fail every start
+            stop_token_ids(path)
         except HotweightsError as exc:
             raise NotPossible(f"model {model}: {exc}; nothing restarted") from None
         if path == current.model_dir:

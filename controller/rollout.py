@@ -13,8 +13,11 @@ generation gets a daemon of its own that loads NEW while the old one serves, and
 on map NEW; the standbys are restarted onto it, the switchover makes one of them the primary (clients'
 answers change there, once), and the old primary is restarted onto it too. Last, the old generation's
 daemon is stopped: no engine maps its arena any more, so the memory is freed. A load that fails aborts
-before anything restarted; a later step's abort leaves the group serving on whichever generation its
-primary runs, and engines (re)started from then on map NEW.
+before anything restarted. A later step that fails before any engine of NEW has been primary reverts the
+group: engines start on the old generation again, NEW's standbys are stopped (the loop restarts them on the
+old weights) and NEW's daemon is retired once none maps it, so a NEW that no engine can start on never
+leaves the group without standbys. After the switchover, an abort leaves the group serving on NEW (answers
+never switch back), and engines (re)started from then on map NEW.
 
 Mechanism only: the HA loop checks the preconditions, and runs a ``Rollout`` as one action on the
 group's executor.
@@ -34,6 +37,7 @@ from typing import Any
 from hotweights.contract import Role
 from hotweights.controller.cluster import Cluster, MemberView, ServiceFailed, filled
 from hotweights.controller.events import EventLog
+from hotweights.controller.stack import Generation
 from hotweights.controller.supervisor import FENCE_TIMEOUT_S, STOP_TIMEOUT_S
 
 log = logging.getLogger(__name__)
@@ -109,13 +113,17 @@ class Rollout:
         self.progress.plan += [f"restart {m.id}" for m in standbys] + [f"switchover from {primary.id}"]
         self.progress.plan.append(f"restart {primary.id}")
         self.progress.plan += ["retire the old generation's daemon"] if model else []
-        if model is not None:
+        if model is None:
+            new = await self._roll(primary, standbys)
+        else:
+            previous = self.cluster.weights[group].current
             await self._step(self._load(model, primary.id), member=primary.id)
-        for standby in standbys:
-            await self._step(self._restart(standby.id, primary.id), member=standby.id)
-        new = await self._step(self._switch(), member=primary.id)
-        await self._step(self._restart(primary.id, new), member=primary.id)
-        if model is not None:
+            try:
+                new = await self._roll(primary, standbys)
+            except StepFailed as exc:
+                if self.cluster.weights[group].served:  # the answers switched: they never switch back
+                    raise
+                raise StepFailed(f"{exc}; {await self._revert(previous)}") from None
             await self._step(self._retire(new), member=new)
         total_ms = _ms(time.monotonic() - start)
         sentence = (
@@ -124,6 +132,33 @@ class Rollout:
         )
         self.events.record("rollout", sentence, group=group, step="done", primary=new, total_ms=total_ms)
         return sentence, self.steps
+
+    async def _roll(self, primary: MemberView, standbys: list[MemberView]) -> str:
+        """The standbys, the switchover, the old primary; the new primary's id."""
+        for standby in standbys:
+            await self._step(self._restart(standby.id, primary.id), member=standby.id)
+        new = await self._step(self._switch(), member=primary.id)
+        await self._step(self._restart(primary.id, new), member=primary.id)
+        return new
+
+    async def _revert(self, previous: Generation) -> str:
+        """A model update failed before any engine of the new generation served: engines start on ``previous``
+        again, the new generation's standbys are stopped (the loop restarts them on it) and its daemon is retired
+        once no engine maps it. What was done."""
+        group = self.progress.group
+        abandoned = self.cluster.weights[group].current.number
+        self.cluster.revert_generation(group, previous)
+        moved = [m.spec.id for m in self.cluster.members.values()
+                 if m.spec.group == group and m.generation == abandoned and m.process and m.process.alive]  # fmt: skip
+        for member_id in moved:
+            await self.cluster.stop_engine(member_id)
+        stopped = f"stopped {', '.join(moved)} to restart on it" if moved else "no engine ran it"
+        message = (
+            f"reverted group {group} to generation {previous.number} ({previous.model_dir}): no engine of generation "
+            f"{abandoned} had served; {stopped}"
+        )
+        self.events.record("rollout", message, group=group, step="reverted", generation=previous.number)
+        return message
 
     async def _step(self, action: Awaitable[tuple[str, str, dict[str, Any]]], member: str) -> str:
         """Advance the progress, run ``action`` (which returns the next primary's id, a sentence and its

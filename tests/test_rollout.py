@@ -3,6 +3,7 @@ stack, under load through the gateway, with new engine settings from cluster.tom
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
@@ -11,9 +12,11 @@ import shutil
 import signal
 import struct
 import subprocess
+import threading
 from dataclasses import replace
 from pathlib import Path
 
+import httpx
 import pytest
 
 from hotweights.cache.checkpoint import parse_config
@@ -210,16 +213,17 @@ def test_a_model_update_under_load_switches_the_answers_once_and_frees_the_old_a
         stack.close()
 
 
-def test_a_model_update_is_refused_up_front_when_the_model_is_bad_or_too_big(
-    tiny_model: Path, tmp_path: Path
-) -> None:
+def test_a_model_update_is_refused_up_front_when_the_model_is_bad_or_too_big(tiny_model: Path, tmp_path: Path) -> None:
     stack = ControllerStack(tiny_model, engines=2)
     try:
         stack.start_controller()
         pids = {i: m["pid"] for i, m in stack.wait_steady().items()}
         huge = sparse_checkpoint(tmp_path / "huge", tiny_model, hidden=32768, intermediate=131072)
+        untokenized = shutil.copytree(tiny_model, tmp_path / "untokenized")
+        (untokenized / "tokenizer.json").unlink()  # valid weights; every engine would fail to start on them
         for model, expected in [
             (tmp_path / "absent", "does not exist or is not a directory"),
+            (untokenized, f"{untokenized / 'tokenizer.json'} is missing: the checkpoint has no tokenizer"),
             (tiny_model, "runs " + str(tiny_model.resolve()) + " already"),
             (huge, "the new generation's arena needs"),
         ]:
@@ -236,6 +240,65 @@ def test_a_model_update_is_refused_up_front_when_the_model_is_bad_or_too_big(
         assert {i: m["pid"] for i, m in stack.members().items()} == pids
         assert [s["id"] for s in stack.cluster()["services"] if s["kind"] == "daemon"] == ["g0-cache"]
         assert stack.events("rollout") == []
+    finally:
+        stack.close()
+
+
+def greedy(url: str) -> str:
+    body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0.0}
+    response = httpx.post(url + Endpoint.COMPLETIONS, json=body, timeout=30)
+    response.raise_for_status()
+    return response.json()["choices"][0]["text"]
+
+
+def test_a_model_update_whose_engines_fail_before_serving_reverts_to_the_old_weights(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """NEW loads, but no engine comes up on it (each is SIGKILLed as soon as it appears, as an engine that runs
+    out of memory would die): the update aborts, the group goes back to its old generation, its standbys restart
+    on the old weights and NEW's daemon is retired; the answers never changed."""
+    new_model = make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-seed3", seed=3)
+    stack = ControllerStack(tiny_model)
+    try:
+        stack.start_controller("up")
+        before = stack.wait_steady()
+        primary = stack.primary()
+        gateway = f"http://127.0.0.1:{stack.config.gateway.port}"
+        reference = greedy(gateway)
+        killed: set[int] = set()
+        stop = threading.Event()
+
+        def kill_new_engines() -> None:
+            while not stop.is_set():
+                for m in stack.members().values():
+                    if m["generation"] == 1 and m["pid"] and m["pid"] not in killed:
+                        killed.add(m["pid"])
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(m["pid"], signal.SIGKILL)
+                stop.wait(0.01)
+
+        killer = threading.Thread(target=kill_new_engines, daemon=True)
+        killer.start()
+        try:
+            response = stack.client.post(Endpoint.ROLLOUT, json={"model": str(new_model)}, timeout=300)
+        finally:
+            stop.set()
+            killer.join(timeout=10)
+        assert response.status_code == 503, response.text
+        detail = response.json()["detail"]
+        assert "aborted at step 2 of 6" in detail and "reverted group 0 to generation 0" in detail, detail
+        assert killed, "no engine of the new generation was started"
+        after = stack.wait_steady()
+        assert after[primary["id"]]["pid"] == primary["pid"]  # the primary served throughout
+        assert sorted(after) == sorted(before) and all(m["generation"] == 0 for m in after.values()), after
+        assert stack.cluster()["generations"][0]["generation"] == 0
+        wait_until(
+            lambda: [s["id"] for s in stack.cluster()["services"] if s["kind"] == "daemon"] == ["g0-cache"],
+            60, "the new generation's daemon retired",
+        )  # fmt: skip
+        assert [e["step"] for e in stack.events("rollout")][-2:] == ["aborted", "reverted"]
+        assert stack.events("retire")[-1]["service"] == "g0-cache-gen1"
+        assert greedy(gateway) == reference  # the old weights' answer, before and after
     finally:
         stack.close()
 
