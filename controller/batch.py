@@ -233,9 +233,11 @@ class BatchEngines:
             how = str(reply.get("message"))
         except EngineUnreachable as exc:
             done, how = False, str(exc)
-        if not done:
-            await self.supervisor.fence(batch.process)
+        if not done and await self.supervisor.fence(batch.process):
+            batch.process = None  # killed on purpose (not a failed start): it starts again once the group settles
             how = f"killed: its demote did not succeed ({how})"
+        elif not done:
+            how = f"still alive after SIGKILL: its demote did not succeed ({how})"
         batch.serving, batch.role_unknown, batch.away, batch.yields = False, False, True, batch.yields + 1
         batch.reason = f"yielded for {why}"
         sentence = f"batch engine {batch.spec.id} yielded for {why} in {_ms(time.monotonic() - start)} ms: {how}"
