@@ -33,6 +33,7 @@ from hotweights.controller.devices import free_bytes
 from hotweights.controller.engineapi import EngineApi, EngineUnreachable
 from hotweights.controller.events import EventLog
 from hotweights.controller.supervisor import Process, Supervisor, evict_orphans
+from hotweights.stats import ms
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +41,6 @@ RETRY_S = 10.0  # after a batch engine exited before it served, before it is sta
 RETURN_RETRY_S = 1.0  # after a return that found too little memory free, or whose promote failed
 READY_POLL_S = 0.05  # how often a starting batch engine's /standby is asked
 YIELD_MARGIN_S = 5.0  # beyond the drain: a demote not answered by then is a hung engine, killed
-
-
-def _ms(seconds: float) -> float:
-    return round(seconds * 1000, 1)
 
 
 @dataclass
@@ -200,13 +197,13 @@ class BatchEngines:
         returned = batch.away and batch.settled_at is not None
         if returned:
             assert batch.settled_at is not None
-            batch.back_ms = _ms(time.monotonic() - batch.settled_at)
+            batch.back_ms = ms(time.monotonic() - batch.settled_at)
         batch.serving, batch.role_unknown, batch.away, batch.reason = True, False, False, ""
         what = f"back {batch.back_ms} ms after its group settled" if returned else "serving"
         self.events.record(
             "batch_return", f"batch engine {batch.spec.id} {what}: {body.get('message')}", member=batch.spec.id,
             group=batch.spec.group, back_ms=batch.back_ms if returned else None,
-            promote_ms=_ms(time.monotonic() - sent),
+            promote_ms=ms(time.monotonic() - sent),
         )  # fmt: skip
 
     async def make_room(self, group: int, why: str) -> str:
@@ -240,9 +237,9 @@ class BatchEngines:
             how = f"still alive after SIGKILL: its demote did not succeed ({how})"
         batch.serving, batch.role_unknown, batch.away, batch.yields = False, False, True, batch.yields + 1
         batch.reason = f"yielded for {why}"
-        sentence = f"batch engine {batch.spec.id} yielded for {why} in {_ms(time.monotonic() - start)} ms: {how}"
+        sentence = f"batch engine {batch.spec.id} yielded for {why} in {ms(time.monotonic() - start)} ms: {how}"
         self.events.record(
-            "batch_yield", sentence, member=batch.spec.id, group=group, yield_ms=_ms(time.monotonic() - start)
+            "batch_yield", sentence, member=batch.spec.id, group=group, yield_ms=ms(time.monotonic() - start)
         )
         return sentence
 

@@ -58,6 +58,7 @@ from hotweights.controller.spares import is_spare
 from hotweights.controller.supervisor import FENCE_TIMEOUT_S
 from hotweights.errors import ConfigError, HotweightsError
 from hotweights.standby.generate import load_tokenizer, stop_token_ids
+from hotweights.stats import ms
 
 log = logging.getLogger(__name__)
 
@@ -101,10 +102,6 @@ class SlotRestarts:
     failures: int = 0  # such exits in a row
     next_start_at: float = 0.0  # time.monotonic()
     seen_exit_at: float | None = None  # the exit already accounted for
-
-
-def _ms(seconds: float) -> float:
-    return round(seconds * 1000, 1)
 
 
 class Ha:
@@ -260,7 +257,7 @@ class Ha:
         failed_at = now
         if old is not None and kind == "automatic":
             failed_at = (old.exited_at if not old.alive else old.exiting_at or old.health.failing_since) or now
-        timings: dict[str, Any] = {"detect_ms": _ms(now - failed_at), "fence_ms": 0.0}
+        timings: dict[str, Any] = {"detect_ms": ms(now - failed_at), "fence_ms": 0.0}
         details: dict[str, Any] = {"ok": False, "group": group, "kind": kind, "old_primary": old.id if old else None}
         prefix = f"failing over: primary {old.id} {reason}" if old else f"failing over in group {group}: {reason}"
         if old is not None:
@@ -274,7 +271,7 @@ class Ha:
                     "SIGKILL; promoting another engine could make two primaries"
                 )
                 return sentence, details
-            timings["fence_ms"] = _ms(time.monotonic() - fence_start)
+            timings["fence_ms"] = ms(time.monotonic() - fence_start)
             self.events.record("fence", f"fenced {old.id} (pid {old.pid})", member=old.id, group=group, **timings)
             prefix += f"; fenced in {timings['fence_ms']} ms"
             if await self._stranger_answers(old):
@@ -295,7 +292,7 @@ class Ha:
         if not promoted:
             restart = await self._restart_slot(snap, old.id) if old else ""
             return f"{prefix}; promoting {candidate.id} failed ({message}), will retry; {restart}", details
-        timings["total_ms"] = _ms(time.monotonic() - failed_at)
+        timings["total_ms"] = ms(time.monotonic() - failed_at)
         self.metrics.failovers.labels(str(group), kind).inc()
         self.metrics.failover_duration.labels(kind).observe(timings["total_ms"] / 1000)
         sentence = f"{prefix}; promoted {candidate.id} in {promote_ms} ms ({timings['total_ms']} ms after the failure)"
@@ -331,26 +328,26 @@ class Ha:
         start = time.monotonic()
         claim, refusal = await self.leadership.claim(candidate.group, candidate.id, candidate.url)
         if refusal is not None:
-            return False, _ms(time.monotonic() - start), refusal
+            return False, ms(time.monotonic() - start), refusal
         try:
             status, body = await self.engines.post(candidate.url, Endpoint.PROMOTE, claim)
         except EngineUnreachable as exc:
-            return False, _ms(time.monotonic() - start), await self._fence_unconfirmed(candidate, str(exc))
+            return False, ms(time.monotonic() - start), await self._fence_unconfirmed(candidate, str(exc))
         message = str(body.get("message", ""))
         if status != 200:
-            return False, _ms(time.monotonic() - start), f"{status}: {message}"
+            return False, ms(time.monotonic() - start), f"{status}: {message}"
         # Where a promotion's time goes: the POST as we saw it, the engine's own part of it, the confirmation.
-        parts = {"post_ms": _ms(time.monotonic() - start), "engine_ms": body.get("duration_ms")}
+        parts = {"post_ms": ms(time.monotonic() - start), "engine_ms": body.get("duration_ms")}
         if not await self.engines.is_primary(candidate.url):
             failed = "promoted, but /primary does not answer 200"
-            return False, _ms(time.monotonic() - start), await self._fence_unconfirmed(candidate, failed)
+            return False, ms(time.monotonic() - start), await self._fence_unconfirmed(candidate, failed)
         self.cluster.set_role(candidate.id, Role.PRIMARY)
         self.cluster.mark_served(candidate.group, candidate.id)
         # Failovers that failed before (no standby to promote, say) were about an earlier primary: this one's
         # failure is a new one, to be failed over at once, not after their backoff.
         self.executor.clear(candidate.group, "failover")
         self.cluster.wake_gateways()
-        promote_ms = _ms(time.monotonic() - start)
+        promote_ms = ms(time.monotonic() - start)
         self.events.record(
             "promote", f"promoted {candidate.id}: {message}", member=candidate.id, group=candidate.group,
             promote_ms=promote_ms, **parts,
@@ -502,7 +499,7 @@ class Ha:
             status, body = await self._post(old, Endpoint.DRAIN, {"timeout_s": self.drain_timeout_s})
         except Unavailable as exc:  # it may have drained part way: undo that too
             raise Unavailable(f"{exc}; {await self._resume(old)}") from None
-        drain_ms = _ms(time.monotonic() - start)
+        drain_ms = ms(time.monotonic() - start)
         if status != 200:
             raise Conflict(f"{old.id} refused to drain: {body.get('message')}; {await self._resume(old)}")
         promoted, promote_ms, message = await self.promote(new)
@@ -526,8 +523,8 @@ class Ha:
         timings = {
             "drain_ms": drain_ms,
             "promote_ms": promote_ms,
-            "demote_ms": _ms(time.monotonic() - demote_start),
-            "total_ms": _ms(time.monotonic() - start),
+            "demote_ms": ms(time.monotonic() - demote_start),
+            "total_ms": ms(time.monotonic() - start),
         }
         self.metrics.failovers.labels(str(group), "switchover").inc()
         self.metrics.failover_duration.labels("switchover").observe(timings["total_ms"] / 1000)
@@ -775,13 +772,13 @@ class Ha:
             with attempt:
                 await self.cluster.start_service(service_id)
         service = self.cluster.services[service_id]
-        duration_ms = _ms(time.monotonic() - start)
+        duration_ms = ms(time.monotonic() - start)
         fill = await self.cluster.fill_report(service_id) if service.kind == "daemon" else {}
         message = f"{service_id} (pid {service.process.pid}) serving after {duration_ms} ms{filled(fill)}"
         self.events.record(
             "respawn" if service.restarts else "start", message, service=service_id, group=service.group,
             duration_ms=duration_ms, attempts=retrying.statistics.get("attempt_number", 1),
-            **({"fill_source": fill.get("source"), "fill_ms": _ms(fill.get("seconds", 0.0))} if fill else {}),
+            **({"fill_source": fill.get("source"), "fill_ms": ms(fill.get("seconds", 0.0))} if fill else {}),
         )  # fmt: skip
         self.wakeup()
 

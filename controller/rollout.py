@@ -39,6 +39,7 @@ from hotweights.controller.cluster import Cluster, MemberView, ServiceFailed, fi
 from hotweights.controller.events import EventLog
 from hotweights.controller.stack import Generation
 from hotweights.controller.supervisor import FENCE_TIMEOUT_S, STOP_TIMEOUT_S
+from hotweights.stats import ms
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +48,6 @@ READY_POLL_S = 0.05  # how often a restarting engine's health record is read
 
 class StepFailed(Exception):
     """A step did not complete; the message says why."""
-
-
-def _ms(seconds: float) -> float:
-    return round(seconds * 1000, 1)
 
 
 def rollout_wait_s(members: list[MemberView], switchover_wait_s: float) -> float:
@@ -125,7 +122,7 @@ class Rollout:
                     raise
                 raise StepFailed(f"{exc}; {await self._revert(previous)}") from None
             await self._step(self._retire(new), member=new)
-        total_ms = _ms(time.monotonic() - start)
+        total_ms = ms(time.monotonic() - start)
         sentence = (
             f"rolled out group {group}: restarted {len(standbys) + 1} engine(s) one at a time in {total_ms} ms; "
             f"{new} is the primary"
@@ -172,7 +169,7 @@ class Rollout:
             message = f"rollout of group {self.progress.group} aborted at {where}: {exc}"
             self.events.record(
                 "rollout", message, group=self.progress.group, member=member, step="aborted",
-                index=self.progress.step, of=len(self.progress.plan), total_ms=_ms(time.monotonic() - started),
+                index=self.progress.step, of=len(self.progress.plan), total_ms=ms(time.monotonic() - started),
             )  # fmt: skip
             raise StepFailed(message) from None
         log.info("group %d: rollout %s: %s", self.progress.group, where, sentence)
@@ -191,12 +188,12 @@ class Rollout:
         how = await self.cluster.stop_engine(member_id)
         if old is not None and old.alive:
             raise StepFailed(f"{member_id} (pid {old.pid}) {how}")
-        stop_ms = _ms(time.monotonic() - start)
+        stop_ms = ms(time.monotonic() - start)
         process = await self.cluster.start_engine(member_id)
         await self._wait_ready(member_id, primary_id)
-        ready_ms = _ms(time.monotonic() - start) - stop_ms
+        ready_ms = ms(time.monotonic() - start) - stop_ms
         sentence = f"restarted {member_id} (pid {old.pid if old else None} -> {process.pid}), ready in {ready_ms} ms"
-        timings = {"stop_ms": stop_ms, "ready_ms": ready_ms, "total_ms": _ms(time.monotonic() - start)}
+        timings = {"stop_ms": stop_ms, "ready_ms": ready_ms, "total_ms": ms(time.monotonic() - start)}
         return primary_id, sentence, timings
 
     async def _wait_ready(self, member_id: str, primary_id: str) -> None:
@@ -235,15 +232,15 @@ class Rollout:
         self.cluster.switch_generation(group, service.generation)
         fill = await self.cluster.fill_report(service.id)
         sentence = f"{service.id} (pid {service.process.pid}) serves {model}{filled(fill)}"
-        timings = {"total_ms": _ms(time.monotonic() - start), "generation": service.generation.number}
+        timings = {"total_ms": ms(time.monotonic() - start), "generation": service.generation.number}
         return primary_id, sentence, timings
 
     async def _retire(self, primary_id: str) -> tuple[str, str, dict[str, Any]]:
         start = time.monotonic()
         sentence = await self.retire() or "no daemon of an older generation was left"
-        return primary_id, sentence, {"total_ms": _ms(time.monotonic() - start)}
+        return primary_id, sentence, {"total_ms": ms(time.monotonic() - start)}
 
     async def _switch(self) -> tuple[str, str, dict[str, Any]]:
         start = time.monotonic()
         new = await self.switchover()
-        return new, f"switched over to {new}", {"total_ms": _ms(time.monotonic() - start)}
+        return new, f"switched over to {new}", {"total_ms": ms(time.monotonic() - start)}

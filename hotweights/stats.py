@@ -1,4 +1,4 @@
-"""The one percentile every report and benchmark uses."""
+"""The one percentile every report and benchmark uses, and the one rounding of durations to milliseconds."""
 
 from __future__ import annotations
 
@@ -12,3 +12,8 @@ def percentile(values: Sequence[float], q: float) -> float:
         raise ValueError("percentile of no values")
     ordered = sorted(values)
     return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+def ms(seconds: float) -> float:
+    """``seconds`` in milliseconds, to 0.1 ms: how events, reports and API answers give durations."""
+    return round(seconds * 1000, 1)
