@@ -116,3 +116,54 @@ class LoadGenerator:
                     await task
                 if self.in_flight:
                     await asyncio.wait(self.in_flight, timeout=self.timeout_s)
+
+
+BATCH_REFUSED_PAUSE_S = 0.05  # before a batch client asks again after a refusal (which comes back at once)
+
+
+@dataclass(frozen=True)
+class BatchAnswer:
+    sent: float  # time.time()
+    answered: float
+    status: int | None  # None: no HTTP answer (what failed is in ``error``)
+    retry_after: str | None = None
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        """Answered, or refused in a way a client can act on: 503 with ``Retry-After``."""
+        return self.status == 200 or (self.status == 503 and self.retry_after is not None)
+
+
+class BatchClient:
+    """A batch engine's own client (not the load through the load balancer): one completion at a time, each
+    bounded by ``timeout_s`` (a longer one is a hang), every answer recorded in ``answers``."""
+
+    def __init__(self, url: str, timeout_s: float = 30.0) -> None:
+        self.url = url
+        self.timeout_s = timeout_s
+        self.answers: list[BatchAnswer] = []
+
+    async def run(self, client: httpx.AsyncClient) -> None:
+        while True:
+            sent = time.time()
+            try:
+                response = await client.post(self.url + Endpoint.COMPLETIONS, json=completion_body())
+                answer = BatchAnswer(sent, time.time(), response.status_code, response.headers.get("retry-after"))
+            except httpx.HTTPError as exc:
+                answer = BatchAnswer(sent, time.time(), None, error=f"{type(exc).__name__}: {exc}")
+            self.answers.append(answer)
+            if answer.status != 200:
+                await asyncio.sleep(BATCH_REFUSED_PAUSE_S)  # pacing, not waiting for an event
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[BatchClient]:
+        """Asking for the duration of the block; the request in flight is dropped on exit."""
+        async with httpx.AsyncClient(timeout=self.timeout_s) as client:
+            task = asyncio.create_task(self.run(client))
+            try:
+                yield self
+            finally:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task

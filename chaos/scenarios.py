@@ -10,6 +10,7 @@ start of the round and hit through a pidfd checked against its start time.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import time
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING, ClassVar
 import httpx
 
 from hotweights.chaos.faults import Target, is_alive, netem_unavailable, send
-from hotweights.chaos.load import completion_body
+from hotweights.chaos.load import BatchClient
 from hotweights.contract import Endpoint, State
 from hotweights.controller.config import REFERENCE
 
@@ -26,8 +27,6 @@ if TYPE_CHECKING:
     from hotweights.chaos.clusterview import ClusterView, ControlApi
     from hotweights.chaos.stack import DrillStack
 
-BATCH_TIMEOUT_S = 30.0  # a batch client's request that takes longer counts as a hang
-BATCH_REFUSED_PAUSE_S = 0.05  # before a batch client asks again after a refusal (Retry-After says 1 s)
 HANG_S = 2.0  # how long hang-daemon keeps the daemon stopped
 SLOW_DELAY_S = 0.5  # slow-primary's added latency each way: twice the default health timeout
 FENCE_WAIT_S = 15.0
@@ -359,42 +358,28 @@ class PreemptBatch(Scenario):
     needs_batch = True
 
     def __init__(self) -> None:
-        self.answers: list[str] = []  # the batch client's, this round: a status ("200", "503") or what failed
-        self.client: asyncio.Task | None = None
+        self.client: BatchClient | None = None  # this round's
+        self.asking = contextlib.AsyncExitStack()
 
     def skip_reason(self, stack: DrillStack) -> str | None:
         return None if stack.batch_url else "needs a group with a batch engine (the drill's own stack has one)"
 
     async def inject(self, r: Round) -> None:
         assert r.stack.batch_url is not None
-        self.answers = []
-        self.client = asyncio.create_task(self._ask(r.stack.batch_url))
+        self.client = await self.asking.enter_async_context(BatchClient(r.stack.batch_url).running())
         r.hit(r.primary(), signal.SIGKILL)
 
-    async def _ask(self, url: str) -> None:
-        async with httpx.AsyncClient(timeout=BATCH_TIMEOUT_S) as client:
-            while True:
-                try:
-                    response = await client.post(url + Endpoint.COMPLETIONS, json=completion_body())
-                except httpx.HTTPError as exc:
-                    self.answers.append(f"{type(exc).__name__}: {exc}")
-                    await asyncio.sleep(BATCH_REFUSED_PAUSE_S)
-                    continue
-                retry = response.status_code == 503 and response.headers.get("retry-after")
-                self.answers.append(f"{response.status_code}" + (" Retry-After" if retry else ""))
-                if response.status_code != 200:
-                    await asyncio.sleep(BATCH_REFUSED_PAUSE_S)  # pacing: a refusal comes back at once
-
     async def cleanup(self, r: Round) -> None:
-        if self.client is not None:
-            self.client.cancel()
-            await asyncio.gather(self.client, return_exceptions=True)
+        await self.asking.aclose()
 
     def verify(self, r: Round, after: ClusterView) -> str | None:
         before = {b["id"]: b["yields"] for b in r.view.batch}
         if not any(b["yields"] > before.get(b["id"], 0) for b in after.batch):
             return "the batch engine did not yield for the replacement standby"
-        bad = [answer for answer in self.answers if answer not in ("200", "503 Retry-After")]
+        answers = self.client.answers if self.client else []
+        if not any(a.status == 200 for a in answers):
+            return "the batch engine's client got no answer in the round"
+        bad = [a.status or a.error for a in answers if not a.ok]
         return f"{len(bad)} batch request(s) neither answered nor refused with Retry-After: {bad[:3]}" if bad else None
 
 

@@ -210,6 +210,14 @@ def gateway_load(url: str, rps: float, also: tuple[str, ...] = ()) -> contextlib
     return running_on_a_thread(LoadGenerator(url, rps, reference, also=also), 60)
 
 
-def _completion(url: str) -> str | None:
+def completion_text(url: str) -> str:
+    """The greedy completion ``url`` gives now; HTTPStatusError unless it answers 200."""
     response = httpx.post(url + Endpoint.COMPLETIONS, json=completion_body(), timeout=30)
-    return response.json()["choices"][0]["text"] if response.status_code == 200 else None
+    response.raise_for_status()
+    return response.json()["choices"][0]["text"]
+
+
+def _completion(url: str) -> str | None:
+    with contextlib.suppress(httpx.HTTPStatusError):
+        return completion_text(url)
+    return None

@@ -16,7 +16,6 @@ import threading
 from dataclasses import replace
 from pathlib import Path
 
-import httpx
 import pytest
 
 from hotweights.cache.checkpoint import parse_config
@@ -30,7 +29,7 @@ from hotweights.layout import checkpoint_tensors
 from hotweights.spawn import hotweights_command
 from tests.cachehelpers import ENV
 from tests.conftest import make_checkpoint
-from tests.controllerhelpers import ControllerStack, gateway_load, split_brain_watch, wait_until
+from tests.controllerhelpers import ControllerStack, completion_text, gateway_load, split_brain_watch, wait_until
 from tests.enginehelpers import reference_completer
 
 RPS = 10.0
@@ -244,13 +243,6 @@ def test_a_model_update_is_refused_up_front_when_the_model_is_bad_or_too_big(tin
         stack.close()
 
 
-def greedy(url: str) -> str:
-    body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0.0}
-    response = httpx.post(url + Endpoint.COMPLETIONS, json=body, timeout=30)
-    response.raise_for_status()
-    return response.json()["choices"][0]["text"]
-
-
 def test_a_model_update_whose_engines_fail_before_serving_reverts_to_the_old_weights(
     tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
@@ -264,7 +256,7 @@ def test_a_model_update_whose_engines_fail_before_serving_reverts_to_the_old_wei
         before = stack.wait_steady()
         primary = stack.primary()
         gateway = f"http://127.0.0.1:{stack.config.gateway.port}"
-        reference = greedy(gateway)
+        reference = completion_text(gateway)
         killed: set[int] = set()
         stop = threading.Event()
 
@@ -298,7 +290,7 @@ def test_a_model_update_whose_engines_fail_before_serving_reverts_to_the_old_wei
         )  # fmt: skip
         assert [e["step"] for e in stack.events("rollout")][-2:] == ["aborted", "reverted"]
         assert stack.events("retire")[-1]["service"] == "g0-cache-gen1"
-        assert greedy(gateway) == reference  # the old weights' answer, before and after
+        assert completion_text(gateway) == reference  # the old weights' answer, before and after
     finally:
         stack.close()
 
