@@ -195,6 +195,13 @@ class Snapshot:
         """Members that are (or were, until they died) the primary; live ones first."""
         return sorted((m for m in self.group(group) if m.role == Role.PRIMARY), key=lambda m: not m.alive)
 
+    def is_whole(self, group: int) -> bool:
+        """A serving primary, and every other member of ``group`` a ready standby."""
+        members = self.group(group)
+        return any(m.is_serving_primary for m in members) and all(
+            m.is_serving_primary or m.is_ready_standby for m in members
+        )
+
     def daemon(self, group: int) -> ServiceView:
         """The group's daemon of its current generation (of rank 0, in a tensor-parallel group)."""
         return next(s for s in self.services if s.kind == "daemon" and s.group == group and s.current)

@@ -892,22 +892,12 @@ class Ha:
         return f"primary {primary.id} {what}, {standbys} standby(s) ready"
 
     def _is_settled(self, snap: Snapshot, group: int) -> bool:
-        """Whether ``group`` needs nothing now (its batch engine may serve): a serving primary, every other slot a
-        ready standby, its daemons serving, no rollout queued."""
-        members = snap.group(group)
-        return (
-            group not in self.rollouts
-            and snap.daemons_serve(group)
-            and any(m.is_serving_primary for m in members)
-            and all(m.is_serving_primary or m.is_ready_standby for m in members)
-        )
+        """Whether ``group`` needs nothing now (its batch engine may serve): whole, its daemons serving, no
+        rollout queued."""
+        return group not in self.rollouts and snap.daemons_serve(group) and snap.is_whole(group)
 
     def _is_complete(self, snap: Snapshot) -> bool:
-        return all(s.serving for s in snap.services) and all(
-            any(p.is_serving_primary for p in snap.primaries(g))
-            and all(m.is_serving_primary or m.is_ready_standby for m in snap.group(g))
-            for g in range(snap.groups)
-        )
+        return all(s.serving for s in snap.services) and all(snap.is_whole(g) for g in range(snap.groups))
 
     def _export_gauges(self, snap: Snapshot) -> None:
         counts = {Role.PRIMARY: 0, Role.STANDBY: 0, "none": 0}
