@@ -48,11 +48,8 @@ async def pids(api: ControlApi) -> dict[str, int]:
 async def batch_back(api: ControlApi, since: float) -> float | None:
     """The slowest return of the batch engine since ``since`` (time.time()), once it serves again; None if it
     did not yield."""
-    for _ in range(600):  # it comes back once the group has settled: a poll, not a wait for an instant
-        view = await api.cluster()
-        if view is not None and all(b["serving"] for b in view.batch):
-            break
-        await asyncio.sleep(0.1)
+    if missing := await api.wait_complete(60.0):  # whole includes the batch engine serving again
+        raise SystemExit(f"the cluster was not whole 60 s after the rollout: {missing}")
     backs = [e["back_ms"] for e in await api.events(since) if e["kind"] == "batch_return" and e.get("back_ms")]
     return max(backs, default=None)
 

@@ -301,11 +301,12 @@ class Cluster:
         # short): running engines keep what they mapped and new ones attach elsewhere, so they are stopped; so are
         # recorded batch engines that the config no longer has.
         ours = {*self.services, *batch_ids}
-        stale = [(name, row.process) for name, row in state.services.items()
-                 if row.kind in ("daemon", "batch") and row.process and name not in ours]  # fmt: skip
-        what = {name: "batch engine" if row.kind == "batch" else "daemon" for name, row in state.services.items()}
         self.save()
-        stopped = [f"{line} (a {what[line.split()[0]]} this stack no longer has)" for line in stop_recorded(stale)]
+        stopped = []
+        for kind, what in (("daemon", "daemon"), ("batch", "batch engine")):
+            stale = [(name, row.process) for name, row in state.services.items()
+                     if row.kind == kind and row.process and name not in ours]  # fmt: skip
+            stopped += [f"{line} (a {what} this stack no longer has)" for line in stop_recorded(stale)]
         return adopted + notes + stopped
 
     def _read_state(self) -> tuple[ClusterState, list[str]]:
