@@ -6,8 +6,11 @@
    and after each standby; bytes added per standby (target: weights counted once, each standby adds
    only its CUDA context and workspace).
 2. Daemon SIGKILL while engines serve: the primary's greedy completion is byte-identical before
-   and after; the daemon is restarted; a new engine attaches to the new daemon, is promoted (after
-   the old primary is demoted) and completes the same text.
+   and after; the daemon is restarted (it re-adopts the arena from an engine: its fill source and
+   time are reported, and the time from the kill until it serves); a new engine attaches to the new
+   daemon, is promoted (after the old primary is demoted) and completes the same text.
+3. Attach inside each freshly started engine, from the engine's own log line (total and its parts:
+   checkpoint headers, waiting for the CUDA context, attach, bind).
 The last stdout line is one JSON object. Every process is killed at the end.
 """
 
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -24,11 +28,27 @@ from pathlib import Path
 
 import httpx
 
+from hotweights.cache.client import request
 from hotweights.contract import Endpoint
 from hotweights.spawn import hotweights_command
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPT = "The weight cache keeps"
+ATTACHED = re.compile(
+    r"attached \d+ tensors from \S+ in ([\d.]+) ms \(checkpoint headers ([\d.]+), waiting for the CUDA context "
+    r"([\d.]+), attach ([\d.]+), bind ([\d.]+)\)"
+)
+PARTS = ("total", "checkpoint_headers", "cuda_context_wait", "attach", "bind")
+
+
+def attach_times(workdir: Path) -> list[dict[str, float]]:
+    """Every engine's attach line in ``workdir``'s engine logs, in milliseconds, in port order."""
+    found = []
+    for log in sorted(workdir.glob("engine-*.log")):
+        match = ATTACHED.search(log.read_text(errors="replace"))
+        if match:
+            found.append(dict(zip(PARTS, map(float, match.groups()), strict=True)))
+    return found
 
 
 def used_mib(device_index: int | None) -> int:
@@ -143,11 +163,15 @@ def main() -> int:
             total_mib_1_primary_plus_standbys=previous - baseline,
         )
         reference = complete(primary)
+        killed = time.monotonic()
         daemon.send_signal(signal.SIGKILL)
         daemon.wait(timeout=30)
         after_kill = complete(primary)
         stack.start_daemon()
+        result["daemon_kill_to_serving_s"] = round(time.monotonic() - killed, 3)
+        result["respawn_fill"] = request(stack.socket, {"op": "status"})["status"]["fill"]
         fresh = stack.start_engine(args.base_port + 1 + args.standbys, "standby")
+        result["daemon_kill_to_new_engine_ready_s"] = round(time.monotonic() - killed, 3)
         source = fresh.get(Endpoint.READY).json()["weight_cache"]["source"]
         primary.post(Endpoint.DEMOTE)
         promote_ms = fresh.post(Endpoint.PROMOTE).json().get("duration_ms")
@@ -157,6 +181,7 @@ def main() -> int:
             new_engine_output_equal=complete(fresh) == reference,
             new_engine_promote_ms=promote_ms,
         )
+        result["engine_attach_ms"] = attach_times(workdir)
     finally:
         stack.close()
     ok = bool(result.get("output_unchanged_after_daemon_sigkill") and result.get("new_engine_output_equal"))

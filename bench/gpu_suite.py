@@ -29,6 +29,11 @@ Steps, each a subprocess with its own time limit, so one failure or hang cannot 
             co-located batch engine (client_errors, answer_switches, batch_back_ms)
   rollout_xl  the same, the update moving the group from medium to xl
   drill_batch  hotweights drill preempt-batch kill-primary on medium at 20 requests/s (report in DIR/drill-batch)
+  digest_tests  pytest of the CUDA tests of the arena digest, re-adoption and the loader
+  teardown  bench/teardown.py: what a SIGKILLed engine's CUDA context teardown costs a live one, with and
+            without the victim mapping a 32 GiB arena
+  recover_xl  bench/recover.py on xl, its snapshot on /dev/shm (the disk cannot hold xl twice): re-adoption,
+            snapshot from the page cache, disk fill, the digest's rate
 Results go to DIR/gpu_suite.json and every step's output to DIR/steps.log; the last stdout line
 is one JSON object. Exits 1 if any step failed.
 """
@@ -99,6 +104,10 @@ def steps(workdir: Path, out: Path) -> dict[str, tuple[list[str], int]]:
             600,
         ),
         "drill_batch": (f"{make('medium', medium)} && {drill_batch}", 300),
+        # Issue 15: re-adoption and snapshots at the device's speed; issue 14: what a kill costs the survivors.
+        "digest_tests": (f"{pytest} tests/test_digest.py tests/test_recover.py tests/test_loader.py", 300),
+        "teardown": (f"{bench}/teardown.py && {bench}/teardown.py --no-import", 120),
+        "recover_xl": (f"{make('xl', xl)} && {bench}/recover.py --device cuda:0 --model {xl} --tmp /dev/shm", 500),
     }
     return {name: (["bash", "-c", command], limit) for name, (command, limit) in commands.items()}
 

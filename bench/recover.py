@@ -1,7 +1,7 @@
 """A daemon's recovery: re-adoption from a live engine vs a processed snapshot vs the checkpoint on disk.
 
     python bench/recover.py --device cpu                   # writes the 'medium' preset (~1.7 GB) to a temp dir
-    python bench/recover.py --device cuda:0 --model DIR
+    python bench/recover.py --device cuda:0 --model DIR [--tmp /dev/shm]
 
 Real processes: a daemon (``hotweights cache serve``) fills from the disk; this process attaches as an engine
 does (keeping and offering its arena fd); then the daemon is SIGKILLed and a new one started, once re-adopting
@@ -12,7 +12,10 @@ arena, as a respawn does); ``disk_bytes_read_on_readopt`` is ``read_bytes`` of /
 re-adopting daemon serves. The snapshot is then read twice more: from the warm page cache (``snapshot_warm``)
 and, its pages dropped again, with O_DIRECT (``--direct-io``, ``snapshot_direct``). The bound: the disk's
 sequential read of the checkpoint measured in this run (one thread, 64 MiB reads, cold), and on CUDA the pinned
-host-to-device rate. The last stdout line is one JSON object.
+host-to-device rate, and the arena digest's own rate (``digest_gbps``: content hash and keyed digest in one
+read, as a fill computes them, over the engine's mapping). ``--tmp``: where the snapshot and the daemons'
+sockets go (a tmpfs such as /dev/shm when the disk cannot hold the checkpoint twice; its "cold" reads are then
+from memory and O_DIRECT falls back to buffered reads). The last stdout line is one JSON object.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hotweights.cache.checkpoint import read_checkpoint
 from hotweights.cache.client import attach, request
+from hotweights.cache.digest import fill_digests
 from hotweights.cache.fingerprint import compute_fingerprint
 from hotweights.cache.makemodel import PRESETS, write_checkpoint
 from hotweights.cache.paths import DaemonPaths
@@ -160,6 +164,7 @@ def run(model: Path, device: str, workdir: Path) -> dict[str, Any]:
     result["disk_gbps"] = round(checkpoint_bytes / 1e9 / first.fill["seconds"], 3)
     engine = attach(socket_path, compute_fingerprint(checkpoint, LoadSpec(device=device)), device, offer_handover=True)
     arena_bytes = engine.manifest["used_bytes"]
+    result["digest_gbps"] = round(arena_bytes / 1e9 / digest_seconds(engine.arena.tensor, arena_bytes), 2)
     snapshot = workdir / "arena.snap"
     write_snapshot(snapshot, engine.manifest, engine.arena.tensor)
     first.kill()
@@ -189,12 +194,22 @@ def run(model: Path, device: str, workdir: Path) -> dict[str, Any]:
     return result
 
 
+def digest_seconds(arena: torch.Tensor, nbytes: int) -> float:
+    """Seconds for a fill's digests of ``nbytes`` of ``arena`` (the second of two runs: the first warms up)."""
+    for _ in range(2):
+        start = time.perf_counter()
+        fill_digests(arena, nbytes)
+        seconds = time.perf_counter() - start
+    return seconds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", help="cpu or cuda:N")
     parser.add_argument("--model", type=Path, help="checkpoint directory (default: the medium preset, made here)")
+    parser.add_argument("--tmp", default="/tmp", help="directory for the snapshot and sockets (default %(default)s)")
     args = parser.parse_args()
-    workdir = Path(tempfile.mkdtemp(prefix="hw-recover-", dir="/tmp"))
+    workdir = Path(tempfile.mkdtemp(prefix="hw-recover-", dir=args.tmp))
     os.environ["HOTWEIGHTS_RUNTIME_DIR"] = str(workdir / "rt")  # the daemons' published links die with workdir
     try:
         model = args.model

@@ -2,25 +2,20 @@
 
 One allocation means one handle to open, so attaching costs the same for 1 GB and for 100 GB;
 the per-tensor work on the engine side is only making views. The manifest (name -> dtype, shape,
-offset, nbytes) travels as JSON; the content hash (SHA-256) lets ``cache verify`` prove the bytes unchanged.
+offset, nbytes) travels as JSON; the content hash (``cache.digest``) lets ``cache verify`` show the bytes unchanged.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
-import os
-import re
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
+from hotweights.cache.digest import HEX
 from hotweights.dtypes import ARENA_DTYPES
 
 ALIGNMENT = 256  # bytes; enough for vectorised CPU and CUDA kernels
-DIGEST_CHUNK_BYTES = 64 << 20  # hashed in parallel, one chunk per thread
-HEX_DIGEST = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True)
@@ -87,8 +82,8 @@ def manifest_entries(manifest: dict) -> list[TensorEntry]:
     if manifest.get("alignment") != ALIGNMENT:
         raise ValueError(f"alignment {manifest.get('alignment')!r}, expected {ALIGNMENT}")
     content = manifest.get("content_hash")
-    if not isinstance(content, str) or not HEX_DIGEST.fullmatch(content):
-        raise ValueError(f"content_hash {str(content)[:80]!r} is not a SHA-256 hex digest")
+    if not isinstance(content, str) or not HEX.fullmatch(content):
+        raise ValueError(f"content_hash {str(content)[:80]!r} is not a 64-digit hex digest")
     rows = manifest.get("tensors")
     if not isinstance(rows, list):
         raise ValueError("'tensors' must be a list of rows")
@@ -137,27 +132,3 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
         strides.append(step)
         step *= dim
     return tuple(reversed(strides))
-
-
-def content_hash(arena: torch.Tensor, nbytes: int) -> str:
-    """SHA-256 of the arena's first ``nbytes``, hashed as 64 MiB chunks in parallel threads: the hex
-    SHA-256 of (``nbytes``, the chunk size, every chunk's SHA-256). Cryptographic, so no change to the
-    bytes, by accident or on purpose, can keep the digest. A CUDA arena is copied to the host one chunk
-    per thread at a time; hashing runs at about the host's SHA-256 speed times its cores (docs/operations.md).
-    """
-    if not 0 <= nbytes <= arena.numel():
-        raise ValueError(f"cannot hash {nbytes} bytes of a {arena.numel()}-byte arena")
-
-    def chunk_digest(start: int) -> bytes:
-        piece = arena[start : min(start + DIGEST_CHUNK_BYTES, nbytes)]
-        return hashlib.sha256(piece.cpu().numpy()).digest()  # hashlib releases the GIL
-
-    starts = range(0, nbytes, DIGEST_CHUNK_BYTES)
-    with ThreadPoolExecutor(max_workers=max(1, min(len(starts), os.cpu_count() or 1))) as pool:
-        return combine_digests(nbytes, list(pool.map(chunk_digest, starts)))
-
-
-def combine_digests(nbytes: int, chunk_digests: list[bytes]) -> str:
-    """The content hash of ``nbytes`` from the SHA-256 of each DIGEST_CHUNK_BYTES chunk, in order (for a
-    reader that hashes chunks as they arrive)."""
-    return hashlib.sha256(f"{nbytes}:{DIGEST_CHUNK_BYTES}:".encode() + b"".join(chunk_digests)).hexdigest()

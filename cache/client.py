@@ -44,6 +44,7 @@ from hotweights.cache import arena as arena_layout
 from hotweights.cache.arena import TensorEntry
 from hotweights.cache.backends import get_backend
 from hotweights.cache.backends.base import BackendUnavailable, ImportedArena
+from hotweights.cache.digest import content_hash
 from hotweights.cache.fingerprint import Fingerprint, describe_differences
 from hotweights.cache.handover import HandoverOffer, offer_path
 from hotweights.cache.protocol import (
@@ -91,8 +92,8 @@ class Attachment:
         return self.manifest["content_hash"]
 
     def verify(self) -> str:
-        """Recompute the content hash of the mapped bytes (a full read: about 1 s per GB per core)."""
-        return arena_layout.content_hash(self.arena.tensor, self.manifest["used_bytes"])
+        """Recompute the content hash of the mapped bytes (a full read, on the arena's device)."""
+        return content_hash(self.arena.tensor, self.manifest["used_bytes"])
 
     def close(self) -> None:
         """Stop offering the arena, drop the views, unmap, and hang up (the daemon then stops listing us)."""

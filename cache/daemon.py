@@ -35,6 +35,7 @@ from hotweights.cache import arena as arena_layout
 from hotweights.cache.backends import get_backend
 from hotweights.cache.backends.base import ArenaBackend, ExportedArena
 from hotweights.cache.checkpoint import Checkpoint, read_checkpoint
+from hotweights.cache.digest import fill_digests
 from hotweights.cache.fingerprint import Fingerprint, compute_fingerprint, describe_differences
 from hotweights.cache.paths import DaemonPaths, ensure_private_dir, publish, unpublish
 from hotweights.cache.pipeline import LoadSpec, check_spec, iter_processed, processed_config, processed_dtype
@@ -103,7 +104,7 @@ def load_arena(source: ArenaSource, backend: ArenaBackend, stopping: Callable[[]
     try:
         _copy_tensors(source, arena, {entry.name: entry for entry in entries}, stopping)
         loaded = time.perf_counter()
-        content_hash = arena_layout.content_hash(arena.tensor, nbytes)
+        content_hash, keyed = fill_digests(arena.tensor, nbytes)
     except BaseException:
         arena.close()
         raise
@@ -121,7 +122,7 @@ def load_arena(source: ArenaSource, backend: ArenaBackend, stopping: Callable[[]
     }
     hashed = time.perf_counter() - loaded
     detail = f"{len(entries)} tensors from the checkpoint in {loaded - start:.2f} s, hashed in {hashed:.2f} s"
-    return Filled(arena, manifest, detail)
+    return Filled(arena, manifest, keyed, detail)
 
 
 def _copy_tensors(
@@ -297,7 +298,7 @@ class CacheDaemon:
         log.info("filled from %s in %.1f ms, %d bytes read from disk: %s", name, seconds * 1e3, read, filled.detail)
         if self.backend.adoptable:
             try:
-                write_record(self.paths.record, self.manifest, self.arena)
+                write_record(self.paths.record, filled)
             except OSError as exc:
                 log.warning("cannot record the arena in %s (a successor will load again): %s", self.paths.record, exc)
 

@@ -6,10 +6,9 @@ bytes where they go:
 
 - into host memory (a CPU destination): straight into the destination's memory, no staging;
 - onto a CUDA device: through a ring of pinned host buffers allocated once per load (on first use, up to
-  ``buffers`` of them). The next piece is read while the previous buffer's host-to-device copy runs on a side
-  stream, and a buffer is read into again only once its copy has finished (a CUDA event per buffer) and
-  whatever the caller still does with its host bytes (``hold``: hashing them, say) is done. Processing
-  (slicing, casting, quantizing) then runs on the device, queued behind the copies.
+  RING_BUFFERS of them). The next piece is read while the previous buffer's host-to-device copy runs on a side
+  stream, and a buffer is read into again only once its copy has finished (a CUDA event per buffer).
+  Processing (slicing, casting, quantizing) then runs on the device, queued behind the copies.
 
 With ``direct=True`` files are opened with O_DIRECT, bypassing the page cache (for cold files): buffers and
 file offsets are ALIGN-aligned, the aligned superset of each piece is read and its inner part used; a CPU
@@ -29,8 +28,7 @@ import mmap
 import os
 import sys
 from collections import deque
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,8 +43,7 @@ ALIGN = 4096  # O_DIRECT alignment of buffers, offsets and lengths (a page; enou
 BUFFER_BYTES = 64 << 20  # one piece: one pinned buffer, one host-to-device copy
 PART_BYTES = 4 << 20  # the least one thread reads of a piece; a smaller piece is one read
 READ_THREADS = 8  # at most; page-cache reads scale with threads up to the memory bus
-
-Hold = Callable[[memoryview], "Future[object] | None"]
+RING_BUFFERS = 2  # pinned buffers on a CUDA load: one is read into while the other's copy runs
 
 
 class ReadError(HotweightsError):
@@ -61,20 +58,17 @@ class _File:
 
 @dataclass
 class _Slot:
-    """One pinned buffer of the ring, the event of its last copy and what the caller still does with it."""
+    """One pinned buffer of the ring and the event of its last copy."""
 
     buffer: torch.Tensor  # uint8, ALIGN-aligned, pinned
     event: torch.cuda.Event
-    hold: Future[object] | None = None
 
     def is_busy(self) -> bool:
-        return not self.event.query() or (self.hold is not None and not self.hold.done())
+        return not self.event.query()
 
     def wait(self) -> None:
-        """Until the buffer may be overwritten (its copy done, its hold finished, failed or not)."""
+        """Until the buffer may be overwritten (its copy done)."""
         self.event.synchronize()
-        if self.hold is not None:
-            wait([self.hold])
 
 
 def progress_bar(total: int, desc: str, *, enabled: bool = True) -> tqdm:
@@ -93,7 +87,7 @@ def aligned_host_buffer(nbytes: int, *, pinned: bool) -> torch.Tensor:
 class Loader:
     """Reads byte ranges of files onto ``device`` for one load; use it as a context manager (``close``)."""
 
-    def __init__(self, device: torch.device | str, *, direct: bool = False, buffers: int = 2) -> None:
+    def __init__(self, device: torch.device | str, *, direct: bool = False) -> None:
         self.device = torch.device(device)
         self.direct = direct
         self._files: dict[Path, _File] = {}
@@ -104,7 +98,6 @@ class Loader:
         self._staging: torch.Tensor | None = None  # CPU with O_DIRECT: the aligned buffer pieces land in
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._ring: deque[_Slot] = deque()
-        self._ring_size = max(2, buffers)
 
     def __enter__(self) -> Loader:
         return self
@@ -113,7 +106,7 @@ class Loader:
         self.close()
 
     def close(self) -> None:
-        """Wait for every copy and hold on the ring, then release buffers, threads and files."""
+        """Wait for every copy on the ring, then release buffers, threads and files."""
         for slot in self._ring:
             slot.wait()
         self._ring.clear()
@@ -135,49 +128,42 @@ class Loader:
         dest.record_stream(torch.cuda.current_stream(self.device))
         return dest
 
-    def read_into(
-        self, path: Path, offset: int, dest: torch.Tensor, hold: Hold | None = None, *, fresh: bool = False
-    ) -> None:
+    def read_into(self, path: Path, offset: int, dest: torch.Tensor, *, fresh: bool = False) -> None:
         """Fill ``dest`` (a contiguous uint8 tensor on the device) with the bytes of ``path`` at ``offset``; when
-        it returns, work queued on the current stream sees them. ``hold`` is called with each piece's host bytes
-        (a range of at most BUFFER_BYTES is one piece), in order; the Future it returns keeps that host memory
-        from being overwritten until it is done (on a CPU device the host bytes are ``dest``'s own).
-        ``fresh``: ``dest`` was allocated on the copies' stream, so they need not wait for the current one."""
+        it returns, work queued on the current stream sees them. ``fresh``: ``dest`` was allocated on the copies'
+        stream, so they need not wait for the current one."""
         if self._stream is not None and not fresh:
             self._stream.wait_stream(torch.cuda.current_stream(self.device))  # dest may still be in use there
         nbytes = dest.numel()
         for start in range(0, nbytes, BUFFER_BYTES):
             piece = dest[start : min(start + BUFFER_BYTES, nbytes)]
             if self._stream is None:
-                host = self._read_host(path, offset + start, piece)
-                if hold is not None:
-                    hold(memoryview(host.numpy()))
+                self._read_host(path, offset + start, piece)
             else:
-                self._read_device(path, offset + start, piece, hold)
+                self._read_device(path, offset + start, piece)
         if self._stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self._stream)
 
-    def _read_host(self, path: Path, offset: int, dest: torch.Tensor) -> torch.Tensor:
+    def _read_host(self, path: Path, offset: int, dest: torch.Tensor) -> None:
         file = self._open(path)
         if not file.direct:
-            return self._fill(path, file, offset, dest.numel(), dest)
+            self._fill(path, file, offset, dest.numel(), dest)
+            return
         if self._staging is None:
             self._staging = aligned_host_buffer(BUFFER_BYTES + 2 * ALIGN, pinned=False)
         dest.copy_(self._fill(path, file, offset, dest.numel(), self._staging))
-        return dest
 
-    def _read_device(self, path: Path, offset: int, dest: torch.Tensor, hold: Hold | None) -> None:
+    def _read_device(self, path: Path, offset: int, dest: torch.Tensor) -> None:
         slot = self._take_slot()
         host = self._fill(path, self._open(path), offset, dest.numel(), slot.buffer)
         with torch.cuda.stream(self._stream):
             dest.copy_(host, non_blocking=True)
             slot.event.record(self._stream)
-        slot.hold = hold(memoryview(host.numpy())) if hold is not None else None
         self._ring.append(slot)
 
     def _take_slot(self) -> _Slot:
         """The oldest buffer of the ring once it is free; a new one while it is busy and the ring not full."""
-        if not self._ring or (len(self._ring) < self._ring_size and self._ring[0].is_busy()):
+        if not self._ring or (len(self._ring) < RING_BUFFERS and self._ring[0].is_busy()):
             buffer = aligned_host_buffer(BUFFER_BYTES + 2 * ALIGN, pinned=True)
             return _Slot(buffer, torch.cuda.Event())
         slot = self._ring.popleft()

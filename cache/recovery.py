@@ -1,14 +1,17 @@
 """Recovering a dead daemon's arena without the checkpoint: the daemon's record of it, and re-adoption.
 
 Every daemon serving an adoptable arena (cpu-shm, cuda-vmm) writes a record beside its socket, in its private
-directory, 0600: the manifest (with the content hash), the handle it exports and the allocation's identity
-(cpu-shm: the memfd's inode and the boot). A successor for the same fingerprint asks the engines that offer the
-arena (``cache.handover``) for their fd, and serves it only if the fd is what the record describes:
+directory, 0600: the manifest (with the content hash), the handle it exports, the allocation's identity
+(cpu-shm: the memfd's inode and the boot) and the arena's digest under the daemon's secret key
+(``cache.digest.KeyedDigest``: a successor that re-adopts keeps it). A successor for the same fingerprint asks
+the engines that offer the arena (``cache.handover``) for their fd, and serves it only if the fd is what the
+record describes:
 
 - the backend's checks: cpu-shm a memfd of the recorded size with every seal; cuda-vmm a POSIX-fd allocation
   on this device that maps at the recorded size;
 - the content: the very memfd the record names (write-sealed since it was filled, so its bytes are the hashed
-  ones), else a SHA-256 over its bytes equal to the recorded content hash.
+  ones), else its bytes' digest under the recorded secret key (computed where the bytes are: on the GPU for a
+  cuda-vmm arena) equal to the recorded one. An engine cannot forge that: it does not know the key.
 
 The engine's word is never taken: a wrong size, type, seal, fingerprint or content is refused with one line
 and the next offer (then the next source) is tried. cuda-ipc cannot do this: a cudaIpcMemHandle cannot be
@@ -28,13 +31,14 @@ import torch
 
 from hotweights.cache import arena as arena_layout
 from hotweights.cache.backends.base import ArenaBackend, BackendUnavailable, ExportedArena
+from hotweights.cache.digest import KeyedDigest
 from hotweights.cache.fingerprint import Fingerprint
 from hotweights.cache.handover import HandoverRefused, StaleOffer, ask, offers
 from hotweights.errors import HotweightsError
 
 log = logging.getLogger(__name__)
 
-RECORD_VERSION = 1
+RECORD_VERSION = 2
 
 
 class SourceRefused(HotweightsError):
@@ -47,17 +51,25 @@ class SourceSkipped(SourceRefused):
 
 @dataclass
 class Filled:
-    """An arena ready to serve, its manifest, and a few words on how it was filled."""
+    """An arena ready to serve, its manifest, its digest under the daemon's secret key, and a few words on how
+    it was filled."""
 
     arena: ExportedArena
     manifest: dict[str, Any]
+    keyed: KeyedDigest
     detail: str
 
 
-def write_record(path: Path, manifest: dict[str, Any], arena: ExportedArena) -> None:
+def write_record(path: Path, filled: Filled) -> None:
     """Record the arena a daemon serves, atomically (temp file, then rename), 0600."""
-    handle, _ = arena.export()
-    record = {"version": RECORD_VERSION, "manifest": manifest, "handle": handle, "identity": arena.identity()}
+    handle, _ = filled.arena.export()
+    record = {
+        "version": RECORD_VERSION,
+        "manifest": filled.manifest,
+        "handle": handle,
+        "identity": filled.arena.identity(),
+        "keyed_digest": filled.keyed.to_json(),
+    }
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     with open(fd, "w") as out:
@@ -89,6 +101,7 @@ def _check_record(record: object, fingerprint: Fingerprint) -> None:
     if not isinstance(manifest, dict) or not isinstance(handle, dict):
         raise ValueError("no manifest or handle")
     arena_layout.manifest_entries(manifest)
+    KeyedDigest.from_json(record.get("keyed_digest"))
     recorded = Fingerprint.from_json(manifest.get("fingerprint"))
     if recorded != fingerprint:
         raise SourceSkipped(f"the recorded arena is of fingerprint {recorded.digest()}, not {fingerprint.digest()}")
@@ -147,7 +160,8 @@ def _adopt_from(
     except BaseException:
         arena.close()
         raise
-    return Filled(arena, record["manifest"], f"from engine pid {pid}, content verified by {how}")
+    keyed = KeyedDigest.from_json(record["keyed_digest"])
+    return Filled(arena, record["manifest"], keyed, f"from engine pid {pid}, content verified by {how}")
 
 
 def _verified_content(arena: ExportedArena, record: dict[str, Any], pid: int) -> str:
@@ -155,9 +169,9 @@ def _verified_content(arena: ExportedArena, record: dict[str, Any], pid: int) ->
     identity = arena.identity()
     if identity is not None and identity == record.get("identity"):
         return "identity (the recorded memfd, write-sealed since it was filled)"
-    manifest = record["manifest"]
-    digest = arena_layout.content_hash(arena.tensor, manifest["used_bytes"])
-    if digest != manifest["content_hash"]:
-        expected = manifest["content_hash"]
-        raise HandoverRefused(f"engine pid {pid} handed an arena hashing to {digest}, the record says {expected}")
-    return "content hash"
+    keyed = KeyedDigest.from_json(record["keyed_digest"])
+    digest = keyed.of(arena.tensor, record["manifest"]["used_bytes"])
+    if digest != keyed.digest:
+        raise HandoverRefused(f"engine pid {pid} handed an arena whose keyed digest is {digest}, the record says "
+                              f"{keyed.digest}")  # fmt: skip
+    return "keyed digest"

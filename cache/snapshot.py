@@ -2,23 +2,22 @@
 
 Layout: MAGIC (8 bytes) | header length (8 bytes, big-endian) | header (JSON) | zeros up to DATA_ALIGNMENT |
 the arena's ``used_bytes``. The header holds the format version, the torch version, the fingerprint (and its
-digest) and the manifest, whose ``content_hash`` is the SHA-256 of the data (``arena.content_hash``).
+digest) and the manifest, whose ``content_hash`` is the data's public digest (``cache.digest``).
 
 Writing goes to a temporary file beside the target, fsync'ed, then renamed over it: a reader finds a whole
 snapshot or none, and a failure (a full disk) removes the temporary file and says so in one line.
 Reading checks everything that needs no data first (magic, header, format, the fingerprint field by field,
-the manifest's rows, the file's size), then reads the data straight into the arena and checks its SHA-256:
-a stale, truncated or corrupt snapshot is refused with the reason and nothing of it is served.
+the manifest's rows, the file's size), then reads the data straight into the arena and checks its digest
+(on the arena's device, after the read): a stale, truncated or corrupt snapshot is refused with the reason and
+nothing of it is served.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import struct
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -27,16 +26,17 @@ import torch
 from hotweights.cache import arena as arena_layout
 from hotweights.cache import loader
 from hotweights.cache.backends.base import ArenaBackend
+from hotweights.cache.digest import fill_digests
 from hotweights.cache.fingerprint import Fingerprint
 from hotweights.cache.recovery import Filled, SourceRefused
 from hotweights.errors import HotweightsError
 
 MAGIC = b"HWSNAP\r\n"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the data's digest is cache.digest's (1 had a SHA-256)
 LENGTH = struct.Struct(">Q")
 DATA_ALIGNMENT = 4096
 MAX_HEADER_BYTES = 64 << 20
-CHUNK_BYTES = 64 << 20  # one write while a snapshot is written
+CHUNK_BYTES = 64 << 20  # one write while a snapshot is written, one read while it is loaded
 
 
 class SnapshotError(HotweightsError):
@@ -157,13 +157,14 @@ def load_snapshot(
     path: Path, fingerprint: Fingerprint, backend: ArenaBackend, device: torch.device, *, direct_io: bool = False
 ) -> Filled:
     """A new arena filled from the snapshot at ``path`` (every check of ``check_snapshot``, then the data's
-    SHA-256 against the header's); SourceRefused naming the fault. ``direct_io``: read it with O_DIRECT."""
+    digest against the header's); SourceRefused naming the fault. ``direct_io``: read it with O_DIRECT."""
     header = check_snapshot(path, fingerprint)
     manifest, used = header["manifest"], header["data_bytes"]
     start = time.perf_counter()
     arena = backend.allocate(used, device)
     try:
-        digest = _read_into(path, header["data_offset"], used, arena.tensor, direct_io)
+        _read_into(path, header["data_offset"], used, arena.tensor, direct_io)
+        digest, keyed = fill_digests(arena.tensor, used)
         read_s = time.perf_counter() - start
         if digest != manifest["content_hash"]:
             raise SourceRefused(f"snapshot {path} is corrupt: its data hashes to {digest}, the header says "
@@ -173,36 +174,18 @@ def load_snapshot(
         raise
     served = manifest | {"arena_bytes": arena.nbytes, "backend": backend.name, "device": str(device)}
     how = "O_DIRECT" if direct_io else "buffered"
-    return Filled(arena, served, f"from {path}: {used / 1e9:.3f} GB read ({how}) at {used / 1e9 / read_s:.2f} GB/s")
+    detail = f"from {path}: {used / 1e9:.3f} GB read ({how}) and checked at {used / 1e9 / read_s:.2f} GB/s"
+    return Filled(arena, served, keyed, detail)
 
 
-def _read_into(path: Path, offset: int, nbytes: int, arena: torch.Tensor, direct: bool) -> str:
-    """Read ``nbytes`` at ``offset`` into ``arena`` through the loader, one DIGEST_CHUNK_BYTES chunk at a time
-    (straight into host memory, or through the pinned ring onto a device), hashing each chunk's bytes as read,
-    on host threads, while the next one is read; returns the content hash of what was read."""
-    step = arena_layout.DIGEST_CHUNK_BYTES
-    assert step <= loader.BUFFER_BYTES, "a chunk must be one piece of the loader, so that it is hashed whole"
-    workers = max(1, os.cpu_count() or 1)
-    pending: list[Future[bytes]] = []
-
-    def hash_chunk(chunk: memoryview) -> Future[bytes]:
-        pending.append(pool.submit(_chunk_digest, chunk))
-        return pending[-1]
-
-    with (
-        ThreadPoolExecutor(max_workers=workers) as pool,
-        loader.Loader(arena.device, direct=direct, buffers=workers + 2) as reads,
-        loader.progress_bar(nbytes, "snapshot") as bar,
-    ):
+def _read_into(path: Path, offset: int, nbytes: int, arena: torch.Tensor, direct: bool) -> None:
+    """Read ``nbytes`` at ``offset`` into ``arena`` through the loader (straight into host memory, or through
+    the pinned ring onto a device), CHUNK_BYTES at a time for the progress bar."""
+    with loader.Loader(arena.device, direct=direct) as reads, loader.progress_bar(nbytes, "snapshot") as bar:
         try:
-            for start in range(0, nbytes, step):
-                size = min(step, nbytes - start)
-                reads.read_into(path, offset + start, arena[start : start + size], hash_chunk)
+            for start in range(0, nbytes, CHUNK_BYTES):
+                size = min(CHUNK_BYTES, nbytes - start)
+                reads.read_into(path, offset + start, arena[start : start + size])
                 bar.update(size)
         except loader.ReadError as exc:
             raise SourceRefused(f"snapshot {path}: {exc}") from None
-        return arena_layout.combine_digests(nbytes, [digest.result() for digest in pending])
-
-
-def _chunk_digest(chunk: memoryview) -> bytes:
-    return hashlib.sha256(chunk).digest()  # hashlib releases the GIL

@@ -55,7 +55,6 @@ def etcd_ready(url: str) -> bool:
         return False
 
 
-
 def pids_naming(marker: str) -> list[int]:
     """Every process but this one whose command line contains ``marker`` (e.g. a stack's directory)."""
     needle, pids = marker.encode(), []
@@ -65,6 +64,7 @@ def pids_naming(marker: str) -> list[int]:
                 if needle in (proc / "cmdline").read_bytes():
                     pids.append(int(proc.name))
     return pids
+
 
 class EtcdServer:
     """A one-member etcd in ``root``; ``stop``/``start`` keep its data (an etcd restart)."""

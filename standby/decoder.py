@@ -168,7 +168,10 @@ class Decoder:
         self.graph_bytes = _reserved_in_use(device) - before
         log.info(
             "captured %d decode CUDA graphs (batch 1..%d, KV lengths %s): %d bytes",
-            len(self._graphs), self.batch, self.lengths, self.graph_bytes,
+            len(self._graphs),
+            self.batch,
+            self.lengths,
+            self.graph_bytes,
         )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -150,6 +151,7 @@ def load_model(
     if weight_cache not in WEIGHT_CACHE_MODES:
         raise ConfigError(f"--weight-cache must be one of {list(WEIGHT_CACHE_MODES)}, found {weight_cache!r}")
     start = time.perf_counter()
+    context = _device_context(spec.device)  # created while the checkpoint's headers are read
     checkpoint = read_checkpoint(model_dir)
     check_spec(checkpoint, spec)  # a bad --tp-size/--tp-rank is a ConfigError in every mode, not "no daemon"
     fingerprint = compute_fingerprint(checkpoint, spec)
@@ -158,6 +160,9 @@ def load_model(
         try:
             if weight_cache == "daemon":
                 ensure_daemon(checkpoint.path, spec, paths, timeout=daemon_timeout)
+            headers = time.perf_counter()
+            context.join()
+            waited = time.perf_counter() - headers
             attachment = attach(paths.socket, fingerprint, spec.device, offer_handover=True)
         except (DaemonUnavailable, AttachRefused) as exc:
             if fallback != "disk":
@@ -168,10 +173,28 @@ def load_model(
             config, dtype = processed_config(checkpoint, spec), processed_dtype(checkpoint, spec)
             model = build_model(config, dtype, tp, attachment.tensors)
             seconds = time.perf_counter() - start
-            log.info("attached %d tensors from %s in %.1f ms", len(attachment.tensors), paths.socket, seconds * 1e3)
+            log.info(
+                "attached %d tensors from %s in %.1f ms (checkpoint headers %.1f, waiting for the CUDA context "
+                "%.1f, attach %.1f, bind %.1f)",
+                len(attachment.tensors), paths.socket, seconds * 1e3, (headers - start) * 1e3, waited * 1e3,
+                attachment.seconds * 1e3, (time.perf_counter() - headers - waited - attachment.seconds) * 1e3,
+            )  # fmt: skip
             return LoadedModel(model, checkpoint, fingerprint, weight_cache, "cache", seconds, attachment)
     model = load_from_disk(checkpoint, spec, group)
     return LoadedModel(model, checkpoint, fingerprint, weight_cache, "disk", time.perf_counter() - start)
+
+
+def _device_context(device: str) -> threading.Thread:
+    """A started thread that makes ``device``'s CUDA context (a no-op on CPU): join it before mapping an arena
+    there. Creating a context takes ~0.1 s; meanwhile the caller reads the checkpoint's headers."""
+    target = torch.device(device)
+    thread = threading.Thread(
+        target=(lambda: torch.empty(1, device=target)) if target.type == "cuda" else (lambda: None),
+        name="hw-cuda-context",
+        daemon=True,
+    )
+    thread.start()
+    return thread
 
 
 def _with_hint(exc: DaemonUnavailable | AttachRefused, checkpoint: Checkpoint, spec: LoadSpec) -> HotweightsError:

@@ -142,7 +142,7 @@ MANIFEST_LIES = {
     "past the arena": ("manifest.tensors.2.3", 1 << 40, "overrun"),
     "nbytes disagree": ("manifest.tensors.2.4", 4, "nbytes 4 but shape and dtype need"),
     "float size": ("manifest.used_bytes", 1e9, "used_bytes"),
-    "digest not hex": ("manifest.content_hash", "cafe", "not a SHA-256 hex digest"),
+    "digest not hex": ("manifest.content_hash", "cafe", "not a 64-digit hex digest"),
     "handle size": ("handle.nbytes", 1 << 20, "the handle maps"),
     "other backend": ("handle.backend", "cuda-vmm", "does not match the manifest"),
     "alignment": ("manifest.alignment", 1, "alignment 1"),

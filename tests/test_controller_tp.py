@@ -24,7 +24,6 @@ def rank_pids(url: str) -> list[int]:
     return httpx.get(url + Endpoint.LIVE, timeout=5).json()["rank_pids"]
 
 
-
 def test_a_group_of_two_ranks_runs_a_daemon_per_rank_and_engines_that_name_each(
     tmp_path: Path, tiny_model: Path
 ) -> None:

@@ -212,7 +212,6 @@ def test_a_prefix_another_cluster_uses_is_refused_at_start_up(tiny_model: Path, 
         host.close()
 
 
-
 async def refreshed(keeper: EtcdLeadership, attempts: int = 10) -> None:
     """``keeper.refresh()`` once it succeeds (while etcd elects a new raft leader, requests fail)."""
     for attempt in range(attempts):

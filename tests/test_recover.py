@@ -121,6 +121,12 @@ def memfd(data: bytes, seals: int = ARENA_SEALS) -> int:
     return readonly
 
 
+def flip_one_byte(content: bytes) -> bytes:
+    """``content`` with its middle byte's bits inverted (what a tampering engine might hand back)."""
+    middle = len(content) // 2
+    return content[:middle] + bytes([content[middle] ^ 0xFF]) + content[middle + 1 :]
+
+
 def recorded_arena(model: Path, sock: Path) -> tuple[dict, bytes]:
     """Serve once from disk (which writes the daemon's record) and stop; (the record, the arena's bytes)."""
     with ThreadDaemon(model, sock) as daemon:
@@ -129,7 +135,8 @@ def recorded_arena(model: Path, sock: Path) -> tuple[dict, bytes]:
 
 
 HOSTILE = {
-    "other content": (lambda arena: memfd(bytes(len(arena))), "hashing to"),
+    "other content": (lambda arena: memfd(bytes(len(arena))), "whose keyed digest is"),
+    "one byte changed": (lambda arena: memfd(flip_one_byte(arena)), "whose keyed digest is"),
     "wrong size": (lambda arena: memfd(arena + bytes(mmap.PAGESIZE)), "memfd holds"),
     "unsealed": (lambda arena: memfd(arena, seals=0), "lacks the shrink, grow, future-write, seal seal(s)"),
     "a regular file": (lambda arena: os.open(__file__, os.O_RDONLY | os.O_CLOEXEC), "not a memfd"),
@@ -175,7 +182,7 @@ def test_an_engine_of_another_fingerprint_hands_nothing_over(
     assert "fingerprint differs in 1 field(s): dtype" in caplog.text
 
 
-def test_a_copy_with_the_recorded_content_is_adopted_after_hashing(model: Path, sock: Path) -> None:
+def test_a_copy_with_the_recorded_content_is_adopted_after_its_keyed_digest(model: Path, sock: Path) -> None:
     record, content = recorded_arena(model, sock)
     fingerprint = fingerprint_of(model)
     path = offer_path(sock, fingerprint.digest())
@@ -183,7 +190,7 @@ def test_a_copy_with_the_recorded_content_is_adopted_after_hashing(model: Path, 
     try:
         with ThreadDaemon(model, sock) as daemon:
             assert daemon.fill_report["source"] == "readopt"
-            assert "verified by content hash" in daemon.fill_report["detail"]
+            assert "verified by keyed digest" in daemon.fill_report["detail"]
     finally:
         offer.close()
 
@@ -389,7 +396,7 @@ cuda_vmm = pytest.mark.skipif(
 
 @pytest.mark.cuda
 @cuda_vmm
-def test_cuda_vmm_daemon_readopts_from_an_engine_and_verifies_by_hash(model: Path, sock: Path) -> None:
+def test_cuda_vmm_daemon_readopts_from_an_engine_and_verifies_its_keyed_digest(model: Path, sock: Path) -> None:
     spec = LoadSpec(device="cuda:0")
     with ThreadDaemon(model, sock, spec, backend="cuda-vmm"):
         engine = Engine(model, sock, device="cuda:0")
@@ -399,7 +406,7 @@ def test_cuda_vmm_daemon_readopts_from_an_engine_and_verifies_by_hash(model: Pat
         corrupt_weights(model)
         with ThreadDaemon(model, sock, spec, backend="cuda-vmm", fill_from=("readopt",)) as daemon:
             assert daemon.fill_report["source"] == "readopt"
-            assert "verified by content hash" in daemon.fill_report["detail"]
+            assert "verified by keyed digest" in daemon.fill_report["detail"]
             with Engine(model, sock, device="cuda:0") as newcomer:
                 assert newcomer.ask("generate")["tokens"] == before
 

@@ -56,14 +56,14 @@ def test_a_file_without_a_version_is_read_as_version_1(tmp_path: Path) -> None:
         ("[]", "the document must be a JSON object, found list"),
         ('{"members": []}', "members must be a JSON object, found list"),
         ('{"members": {"g0-e0": {"group": "0"}}}', 'members.g0-e0.group must be a JSON integer, found "0"'),
-        (json.dumps({"members": {"a": MEMBER | {"role": "boss"}}}), 'members.a.role must be primary or standby'),
+        (json.dumps({"members": {"a": MEMBER | {"role": "boss"}}}), "members.a.role must be primary or standby"),
         (json.dumps({"members": {"a": MEMBER | {"port": True}}}), "members.a.port must be a JSON integer, found true"),
         ('{"controller": {"pid": 1, "start_time": 2}}', "controller.command must be a JSON array, found null"),
-        ('{"services": {"gateway": {"kind": "proxy"}}}', 'services.gateway.kind must be daemon or gateway'),
+        ('{"services": {"gateway": {"kind": "proxy"}}}', "services.gateway.kind must be daemon or gateway"),
         ('{"removed": [1]}', "removed[] must be a JSON string, found 1"),
-        ('{"groups": {"0": {"generation": 1, "model": "new"}}}', 'groups.0.model must be an absolute checkpoint path'),
+        ('{"groups": {"0": {"generation": 1, "model": "new"}}}', "groups.0.model must be an absolute checkpoint path"),
         ('{"groups": {"0": {"model": "/m"}}}', "groups.0.generation must be a JSON integer, found null"),
-        (json.dumps({"members": {"a": MEMBER | {"generation": "1"}}}), 'members.a.generation must be a JSON integer'),
+        (json.dumps({"members": {"a": MEMBER | {"generation": "1"}}}), "members.a.generation must be a JSON integer"),
     ],
 )
 def test_corrupt_files_are_named_in_one_line(tmp_path: Path, document: str, expected: str) -> None:

@@ -105,9 +105,7 @@ class Load:
             thread.join(90)
 
 
-def test_a_vllm_group_fails_over_and_switches_over_with_no_client_errors(
-    vllm_python: str, bf16_model: Path
-) -> None:
+def test_a_vllm_group_fails_over_and_switches_over_with_no_client_errors(vllm_python: str, bf16_model: Path) -> None:
     group = (
         f'engine = "vllm"\nengine_python = "{vllm_python}"\n'
         'engine_args = ["--max-model-len", "256", "--enforce-eager", "--max-num-seqs", "4"]\n'
