@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import time
 from dataclasses import replace
@@ -13,6 +14,7 @@ from typing import Any
 import torch
 
 from hotweights.cache.backends import BACKENDS, default_backend_name, get_backend
+from hotweights.cache.backends.base import device_context
 from hotweights.cache.checkpoint import read_checkpoint
 from hotweights.cache.client import AttachRefused, DaemonUnavailable, attach, request
 from hotweights.cache.daemon import FILL_SOURCES, ArenaSource, load_arena, pipeline_source, serve
@@ -28,6 +30,9 @@ from hotweights.cache.snapshot import write_snapshot
 from hotweights.cache.vllm_format import FORMATS, VLLM_FORMAT, vllm_source
 from hotweights.errors import ConfigError
 from hotweights.paths import runtime_dir
+from hotweights.stats import ms
+
+log = logging.getLogger(__name__)
 
 
 def _source(args: argparse.Namespace) -> ArenaSource:
@@ -39,7 +44,12 @@ def _source(args: argparse.Namespace) -> ArenaSource:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    context = device_context(args.device)  # made while the checkpoint's headers are read
     source = _source(args)
+    waiting = time.perf_counter()
+    context.join()
+    if source.device.type == "cuda":
+        log.info("waited %.1f ms for the CUDA context after reading the checkpoint", ms(time.perf_counter() - waiting))
     paths = paths_for(args.socket, source.device, source.fingerprint.digest())
     uids = frozenset([os.getuid(), *args.allow_uid])
     backend = args.backend or default_backend_name(source.device)

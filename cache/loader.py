@@ -5,7 +5,10 @@ A ``Loader`` serves one load. It reads byte ranges of files with ``os.preadv`` o
 bytes where they go:
 
 - into host memory (a CPU destination): straight into the destination's memory, no staging;
-- onto a CUDA device: through a ring of pinned host buffers allocated once per load (on first use, up to
+- onto a CUDA device, buffered: each file is mapped read-only and registered with CUDA (``cudaHostRegister``,
+  read-only: its page-cache pages are locked), and copies go from the page cache to the device with no host
+  copy at all, on a side stream; where registering is refused (logged once a load), as below;
+- onto a CUDA device otherwise: through a ring of pinned host buffers allocated once per load (on first use, up to
   RING_BUFFERS of them). The next piece is read while the previous buffer's host-to-device copy runs on a side
   stream, and a buffer is read into again only once its copy has finished (a CUDA event per buffer).
   Processing (slicing, casting, quantizing) then runs on the device, queued behind the copies.
@@ -27,6 +30,7 @@ import logging
 import mmap
 import os
 import sys
+import warnings
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -44,16 +48,43 @@ BUFFER_BYTES = 64 << 20  # one piece: one pinned buffer, one host-to-device copy
 PART_BYTES = 4 << 20  # the least one thread reads of a piece; a smaller piece is one read
 READ_THREADS = 8  # at most; page-cache reads scale with threads up to the memory bus
 RING_BUFFERS = 2  # pinned buffers on a CUDA load: one is read into while the other's copy runs
+HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly: the device only reads the registered pages
 
 
 class ReadError(HotweightsError):
     """A file could not be read as far as a load needed; the message names the file, the bytes and why."""
 
 
+class _RegisteredFile:
+    """A whole file mapped read-only and registered with CUDA: its pages stay locked in the page cache, and the
+    device copies straight from them. OSError where the mapping or the registration is refused."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        self.map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "not writable": only the device reads it
+            self.tensor = torch.frombuffer(self.map, dtype=torch.uint8)
+        error = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), size, HOST_REGISTER_READ_ONLY)
+        if int(error) != 0:
+            self._unmap()
+            raise OSError(errno.EPERM, f"cudaHostRegister refused: error {int(error)}")
+
+    def close(self) -> None:
+        """Unregister and unmap; every copy from it must have finished."""
+        torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+        self._unmap()
+
+    def _unmap(self) -> None:
+        del self.tensor
+        self.map.close()
+
+
 @dataclass
 class _File:
     fd: int
     direct: bool
+    size: int = 0
+    registered: _RegisteredFile | None = None
 
 
 @dataclass
@@ -95,6 +126,7 @@ class Loader:
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="hw-read")
         self._threads = threads
         self._refused_direct = False
+        self._refused_register = False
         self._staging: torch.Tensor | None = None  # CPU with O_DIRECT: the aligned buffer pieces land in
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._ring: deque[_Slot] = deque()
@@ -106,12 +138,16 @@ class Loader:
         self.close()
 
     def close(self) -> None:
-        """Wait for every copy on the ring, then release buffers, threads and files."""
+        """Wait for every copy, then release buffers, threads, registrations and files."""
         for slot in self._ring:
             slot.wait()
         self._ring.clear()
+        if self._stream is not None:
+            self._stream.synchronize()
         self._pool.shutdown()
         for file in self._files.values():
+            if file.registered is not None:
+                file.registered.close()
             os.close(file.fd)
         self._files.clear()
 
@@ -154,6 +190,16 @@ class Loader:
         dest.copy_(self._fill(path, file, offset, dest.numel(), self._staging))
 
     def _read_device(self, path: Path, offset: int, dest: torch.Tensor) -> None:
+        file = self._open(path)
+        if file.registered is not None:
+            if offset + dest.numel() > file.size:
+                raise ReadError(
+                    f"{path} ends at byte {file.size}, but the load needs its bytes up to {offset + dest.numel()} "
+                    "(truncated since it was checked?)"
+                )
+            with torch.cuda.stream(self._stream):
+                dest.copy_(file.registered.tensor[offset : offset + dest.numel()], non_blocking=True)
+            return
         slot = self._take_slot()
         host = self._fill(path, self._open(path), offset, dest.numel(), slot.buffer)
         with torch.cuda.stream(self._stream):
@@ -208,8 +254,23 @@ class Loader:
         if file is None:
             fd = self._open_direct(path) if self.direct else None
             file = _File(fd, True) if fd is not None else _File(_open_buffered(path), False)
+            if not file.direct and self._stream is not None:
+                self._register(path, file)
             self._files[path] = file
         return file
+
+    def _register(self, path: Path, file: _File) -> None:
+        """Map and register ``file`` for copies straight from the page cache; where that is refused, the load
+        reads it through the pinned ring (logged once a load)."""
+        file.size = os.fstat(file.fd).st_size
+        if file.size == 0:
+            return
+        try:
+            file.registered = _RegisteredFile(file.fd, file.size)
+        except (OSError, ValueError) as exc:
+            if not self._refused_register:
+                log.warning("cannot register %s with CUDA (%s): this load copies through pinned buffers", path, exc)
+                self._refused_register = True
 
     def _open_direct(self, path: Path) -> int | None:
         """An O_DIRECT fd of ``path`` that has read its first block; None (logged once a load) where the file

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ from hotweights.cache.digest import KeyedDigest
 from hotweights.cache.fingerprint import Fingerprint
 from hotweights.cache.handover import HandoverRefused, StaleOffer, ask, offers
 from hotweights.errors import HotweightsError
+from hotweights.stats import ms
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +145,9 @@ def _adopt_from(
     trusted: frozenset[int],
 ) -> Filled:
     """The recorded arena from the engine offering on ``path``; HandoverRefused naming what did not fit."""
+    start = time.perf_counter()
     pid, handle, fd = ask(path, fingerprint, trusted)
+    asked = time.perf_counter()
     expected = record["handle"]
     if handle.get("backend") != expected["backend"] or handle.get("nbytes") != expected["nbytes"]:
         os.close(fd)
@@ -155,13 +159,16 @@ def _adopt_from(
         arena = backend.adopt(expected, fd, device)
     except (ValueError, OSError, BackendUnavailable) as exc:
         raise HandoverRefused(f"engine pid {pid} handed an fd that is not the recorded arena: {exc}") from None
+    mapped = time.perf_counter()
     try:
         how = _verified_content(arena, record, pid)
     except BaseException:
         arena.close()
         raise
     keyed = KeyedDigest.from_json(record["keyed_digest"])
-    return Filled(arena, record["manifest"], keyed, f"from engine pid {pid}, content verified by {how}")
+    verified = time.perf_counter()
+    took = f"asked {ms(asked - start)} ms, mapped {ms(mapped - asked)}, verified {ms(verified - mapped)}"
+    return Filled(arena, record["manifest"], keyed, f"from engine pid {pid}, content verified by {how} ({took})")
 
 
 def _verified_content(arena: ExportedArena, record: dict[str, Any], pid: int) -> str:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from hotweights.cache.backends.base import device_context
 from hotweights.cache.checkpoint import Checkpoint, read_checkpoint
 from hotweights.cache.client import Attachment, AttachRefused, DaemonUnavailable, attach
 from hotweights.cache.fingerprint import Fingerprint, compute_fingerprint
@@ -151,7 +151,7 @@ def load_model(
     if weight_cache not in WEIGHT_CACHE_MODES:
         raise ConfigError(f"--weight-cache must be one of {list(WEIGHT_CACHE_MODES)}, found {weight_cache!r}")
     start = time.perf_counter()
-    context = _device_context(spec.device)  # created while the checkpoint's headers are read
+    context = device_context(spec.device)  # made while the checkpoint's headers are read
     checkpoint = read_checkpoint(model_dir)
     check_spec(checkpoint, spec)  # a bad --tp-size/--tp-rank is a ConfigError in every mode, not "no daemon"
     fingerprint = compute_fingerprint(checkpoint, spec)
@@ -182,19 +182,6 @@ def load_model(
             return LoadedModel(model, checkpoint, fingerprint, weight_cache, "cache", seconds, attachment)
     model = load_from_disk(checkpoint, spec, group)
     return LoadedModel(model, checkpoint, fingerprint, weight_cache, "disk", time.perf_counter() - start)
-
-
-def _device_context(device: str) -> threading.Thread:
-    """A started thread that makes ``device``'s CUDA context (a no-op on CPU): join it before mapping an arena
-    there. Creating a context takes ~0.1 s; meanwhile the caller reads the checkpoint's headers."""
-    target = torch.device(device)
-    thread = threading.Thread(
-        target=(lambda: torch.empty(1, device=target)) if target.type == "cuda" else (lambda: None),
-        name="hw-cuda-context",
-        daemon=True,
-    )
-    thread.start()
-    return thread
 
 
 def _with_hint(exc: DaemonUnavailable | AttachRefused, checkpoint: Checkpoint, spec: LoadSpec) -> HotweightsError:
