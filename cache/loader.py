@@ -5,9 +5,12 @@ A ``Loader`` serves one load. It reads byte ranges of files with ``os.preadv`` o
 bytes where they go:
 
 - into host memory (a CPU destination): straight into the destination's memory, no staging;
-- onto a CUDA device, buffered: each file is mapped read-only and registered with CUDA (``cudaHostRegister``,
-  read-only: its page-cache pages are locked), and copies go from the page cache to the device with no host
-  copy at all, on a side stream; where registering is refused (logged once a load), as below;
+- onto a CUDA device, buffered, with ``register=True`` (the checkpoint pipeline): each file is mapped read-only
+  and registered with CUDA (``cudaHostRegister``, read-only: its page-cache pages are locked), and copies go
+  from the page cache to the device with no host copy at all, on a side stream; where registering is refused
+  (logged once a load), as below. Measured on an H200 (docs/benchmarks.md): the xl checkpoint's warm load went
+  to 24.9 GB/s, but a 32 GB snapshot on tmpfs filled slower registered (6.6 GB/s) than through the ring (16.3),
+  so snapshots are read through the ring;
 - onto a CUDA device otherwise: through a ring of pinned host buffers allocated once per load (on first use, up to
   RING_BUFFERS of them). The next piece is read while the previous buffer's host-to-device copy runs on a side
   stream, and a buffer is read into again only once its copy has finished (a CUDA event per buffer).
@@ -118,9 +121,10 @@ def aligned_host_buffer(nbytes: int, *, pinned: bool) -> torch.Tensor:
 class Loader:
     """Reads byte ranges of files onto ``device`` for one load; use it as a context manager (``close``)."""
 
-    def __init__(self, device: torch.device | str, *, direct: bool = False) -> None:
+    def __init__(self, device: torch.device | str, *, direct: bool = False, register: bool = False) -> None:
         self.device = torch.device(device)
         self.direct = direct
+        self.register = register
         self._files: dict[Path, _File] = {}
         threads = max(1, min(READ_THREADS, os.cpu_count() or 1))
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="hw-read")
@@ -254,7 +258,7 @@ class Loader:
         if file is None:
             fd = self._open_direct(path) if self.direct else None
             file = _File(fd, True) if fd is not None else _File(_open_buffered(path), False)
-            if not file.direct and self._stream is not None:
+            if self.register and not file.direct and self._stream is not None:
                 self._register(path, file)
             self._files[path] = file
         return file

@@ -91,7 +91,7 @@ def iter_processed(
     produced = processed_tensors(processed_config(checkpoint, spec), dtype, spec.tp_size)
     total = sum(math.prod(shape) * kind.itemsize for shape, kind in produced.values())
     with (
-        Loader(spec.device, direct=direct_io) as loader,
+        Loader(spec.device, direct=direct_io, register=True) as loader,
         progress_bar(total, "loading", enabled=progress) as bar,
     ):
         reader = _ShardReader(checkpoint, loader, dtype)
