@@ -30,6 +30,7 @@ from hotweights.cache.snapshot import write_snapshot
 from hotweights.cache.vllm_format import FORMATS, VLLM_FORMAT, vllm_source
 from hotweights.errors import ConfigError
 from hotweights.paths import runtime_dir
+from hotweights.spawn import add_spare_arguments, wait_for_start
 from hotweights.stats import ms
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,8 @@ def _source(args: argparse.Namespace) -> ArenaSource:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.start_fd is not None and not wait_for_start(args.start_fd, args.ready_fd):
+        return 0
     context = device_context(args.device)  # made while the checkpoint's headers are read
     source = _source(args)
     waiting = time.perf_counter()
@@ -200,6 +203,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="where to fill the arena from, first that passes its checks: readopt (the arena a live engine "
         "kept), snapshot (--snapshot), disk (the checkpoint) (default: readopt,snapshot,disk)",
     )
+    add_spare_arguments(serve_p, "reading the checkpoint and filling the arena")
     serve_p.set_defaults(func=cmd_serve)
 
     snapshot_p = commands.add_parser(

@@ -114,7 +114,8 @@ def build_app(ha: Ha, cluster: Cluster, events: EventLog, metrics: ControllerMet
         """200: every engine (id, role, state, status, pid, port, device, last check, consecutive failures),
         every daemon or gateway process, the rollouts queued or running (group, step i of n, started), for
         each group that wants a spare engine process now, the slot it waits to replace, its pid (null: not
-        started yet) and whether it is ready (imported and waiting), each co-located batch engine (url, pid,
+        started yet) and whether it is ready (imported and waiting), the same for each group's spare daemon process
+        (``daemon_spares``: the daemon it waits to replace), each co-located batch engine (url, pid,
         whether it serves and why not, how often it yielded, how long its last return took), each group's weight
         generation (its number and checkpoint; each engine's ``generation`` says which one it maps), and ``dcs``:
         single-host, or this host's view of the leader keys in etcd."""
@@ -126,6 +127,7 @@ def build_app(ha: Ha, cluster: Cluster, events: EventLog, metrics: ControllerMet
                 "services": [s.to_json() for s in snap.services],
                 "rollouts": [progress.to_json() for progress in ha.rollouts.values()],
                 "spares": cluster.spares_json(snap),
+                "daemon_spares": cluster.daemon_spares_json(),
                 "batch": cluster.batch.describe(),
                 "generations": cluster.generations_json(),
                 "dcs": ha.leadership.describe(),

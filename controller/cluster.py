@@ -99,6 +99,7 @@ class Service:
     keeper: asyncio.Task | None = None  # the (re)start in progress
     fencing: bool = False  # being killed for not answering; respawned once it is gone
     generation: Generation | None = None  # a daemon's weights (None: the first generation)
+    from_spare: bool = False  # its process was its group's spare daemon, started when it was needed
 
 
 @dataclass
@@ -227,6 +228,7 @@ class Cluster:
         self.wake = wake
         self.supervisor = Supervisor(layout.log_dir, self.handle_exit)
         self.spares = Spares(self.supervisor)
+        self.daemon_spares = Spares(self.supervisor)  # one per group, for its current daemon
         self.batch = BatchEngines(
             self.supervisor, engines, events, self._batch_command, self._environment, self._generation_number
         )
@@ -469,6 +471,26 @@ class Cluster:
         command = self.layout.engine_command(self.members[slot].spec, generation) if slot else []
         self.spares.tend(group, slot, command, self.layout.environment(group))
 
+    def tend_daemon_spare(self, group: int) -> None:
+        """Keep a spare for the group's current daemon while it serves (``spare = true``, one daemon per group):
+        its respawn then starts the spare, imports done, instead of a new process. While the daemon is down the
+        spare is left alone: the respawn takes it."""
+        config = self.config.groups[group]
+        current = [s for s in self.services.values() if s.kind == "daemon" and s.group == group and s.serving]
+        current = [s for s in current if self._generation_of(s) == self.weights[group].current.number]
+        if not config.spare or config.tp_size > 1:
+            self.daemon_spares.tend(group, None, [], None)
+        elif current:
+            service = current[0]
+            command = self.layout.daemon_command(group, service.rank, service.generation)
+            self.daemon_spares.tend(group, service.id, command, self.layout.environment(group))
+
+    def daemon_spares_json(self) -> list[dict[str, Any]]:
+        """For each group with a spare daemon process: the daemon it waits to replace, its pid, whether ready."""
+        spares = self.daemon_spares.spares
+        return [{"group": g, "service": spare.member_id} | self.daemon_spares.describe(g, spare.member_id)
+                for g, spare in sorted(spares.items())]  # fmt: skip
+
     def generations_json(self) -> list[dict[str, Any]]:
         """Each group's current weight generation: number, checkpoint, whether one of its engines was primary."""
         return [
@@ -572,7 +594,9 @@ class Cluster:
             if service.kind == "daemon":
                 command = self.layout.daemon_command(service.group, service.rank, service.generation)
                 env = self.layout.environment(service.group)
-                service.process = self.supervisor.spawn(service.id, command, env)
+                taken = self.daemon_spares.take(service.group, service.id, command)
+                service.process = taken or self.supervisor.spawn(service.id, command, env)
+                service.from_spare = taken is not None
             else:
                 fd = self.gateway_listener().fileno()
                 self.layout.gateway_probe_socket(service.id).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -762,7 +786,8 @@ class Cluster:
             if service.keeper:
                 service.keeper.cancel()
         await self.checker.close()
-        await asyncio.gather(*(self.supervisor.stop(spare) for spare in self.spares.release_all()))
+        spares = [*self.spares.release_all(), *self.daemon_spares.release_all()]
+        await asyncio.gather(*(self.supervisor.stop(spare) for spare in spares))
         gateways = [s.id for s in self.services.values() if s.kind == "gateway"]
         results = await asyncio.gather(*(self.stop_service(service_id) for service_id in gateways))
         lines = [f"{service_id}: {how}" for service_id, how in zip(gateways, results, strict=True)]
@@ -786,6 +811,7 @@ class Cluster:
                 service.keeper.cancel()
         await self.checker.close()
         self.spares.release_all()  # each exits 0 without starting
+        self.daemon_spares.release_all()
         await self.batch.release()
         self.save()
         self.close_gateway_listener()

@@ -58,7 +58,8 @@ direct_io = false             # the daemons read checkpoint and snapshot with O_
                               # faster from a cold disk, slower from a warm page cache
 spare = true                  # keep a spare engine process for the primary's slot, its imports done (most of
                               # a start), that replaces the primary as a standby as soon as it is fenced
-                              # (reference engines; a vllm group has none)
+                              # (reference engines; a vllm group has none), and a spare daemon process that a
+                              # respawn of the daemon starts (tp_size 1)
 batch_port = 0                # a co-located batch engine for low-priority clients on this port (0: none): a
                               # reference engine on the group's device that maps the group's arena; it yields
                               # its KV cache (drained for at most batch_yield_timeout_s) before the group starts
@@ -137,7 +138,7 @@ class GroupSection:
     start_timeout_s: float = 0.0
     snapshot: str = ""  # a processed snapshot the daemon tries after re-adoption, before the checkpoint
     direct_io: bool = False  # the daemons read with O_DIRECT
-    spare: bool = True  # a pre-imported engine process waiting to replace the primary (reference engines)
+    spare: bool = True  # pre-imported engine and daemon processes waiting to replace the primary, the daemon
     batch_port: int = 0  # a co-located, lower-priority batch engine on this port (0: none)
     batch_yield_timeout_s: float = 1.0  # a yielding batch engine's drain, before its requests are cancelled
 

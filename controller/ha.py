@@ -211,6 +211,7 @@ class Ha:
                     if held := self.executor.backing_off(group):
                         sentences.append(f"group {group}: {held}")
                     self.cluster.tend_spare(snap, group)
+                    self.cluster.tend_daemon_spare(group)
                     settled = self._is_settled(snap, group)
             self.cluster.batch.tend(group, settled)
         if sentences:
@@ -774,10 +775,11 @@ class Ha:
         service = self.cluster.services[service_id]
         duration_ms = ms(time.monotonic() - start)
         fill = await self.cluster.fill_report(service_id) if service.kind == "daemon" else {}
-        message = f"{service_id} (pid {service.process.pid}) serving after {duration_ms} ms{filled(fill)}"
+        spare = " (its spare, imports done)" if service.from_spare else ""
+        message = f"{service_id} (pid {service.process.pid}){spare} serving after {duration_ms} ms{filled(fill)}"
         self.events.record(
             "respawn" if service.restarts else "start", message, service=service_id, group=service.group,
-            duration_ms=duration_ms, attempts=retrying.statistics.get("attempt_number", 1),
+            duration_ms=duration_ms, attempts=retrying.statistics.get("attempt_number", 1), spare=service.from_spare,
             **({"fill_source": fill.get("source"), "fill_ms": ms(fill.get("seconds", 0.0))} if fill else {}),
         )  # fmt: skip
         self.wakeup()

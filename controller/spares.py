@@ -1,4 +1,6 @@
-"""Spare engine processes (``[[groups]] spare``): one per group, started ahead of need for the primary's slot.
+"""Spare processes (``[[groups]] spare``), started ahead of need: per group, one engine for the primary's slot
+and one cache daemon (``cluster.daemon_spares``: the same mechanism; a daemon spare, once started, computes
+the fingerprint, re-adopts and serves, the respawn's whole path minus the imports).
 
 A spare is the slot's own engine command with ``--start-fd`` and ``--ready-fd``: it does its imports (torch,
 uvicorn, the model code: most of an engine's start), says so with one byte on its ready pipe, and then
@@ -23,11 +25,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hotweights.controller.supervisor import Process, Supervisor
+from hotweights.spawn import READY_FLAG, START_FLAG
 
 log = logging.getLogger(__name__)
 
 RETRY_S = 10.0  # after a spare exited on its own, before its group gets another
-START_FLAG, READY_FLAG = "--start-fd", "--ready-fd"  # hotweights engine's
 
 
 def is_spare(process: Process) -> bool:

@@ -44,6 +44,7 @@ from hotweights.cache.pipeline import add_load_spec_arguments, check_spec, load_
 from hotweights.contract import Role, read_token, refuse_open_listener
 from hotweights.errors import ConfigError, HotweightsError
 from hotweights.ports import free_port
+from hotweights.spawn import add_spare_arguments, wait_for_start
 from hotweights.standby import tpgroup
 from hotweights.standby.decoder import Decoder
 from hotweights.standby.generate import load_tokenizer, stop_token_ids
@@ -189,26 +190,11 @@ def run_follower(args: argparse.Namespace) -> int:
     return 0
 
 
-def wait_for_start(start_fd: int, ready_fd: int | None) -> bool:
-    """A spare (``--start-fd``): say so on ``ready_fd`` (one byte, then closed), then block until the controller
-    writes a byte to ``start_fd`` (start now) or closes it without one (not needed after all); whether to start."""
-    try:
-        if ready_fd is not None:
-            with os.fdopen(ready_fd, "wb", buffering=0) as ready:
-                ready.write(b"1")
-        log.info("spare: imported and waiting on fd %d to start", start_fd)
-        with os.fdopen(start_fd, "rb", buffering=0) as start:
-            return bool(start.read(1))
-    except OSError as exc:
-        raise ConfigError(f"--start-fd {start_fd} / --ready-fd {ready_fd}: {exc.strerror}") from None
-
-
 def cmd_engine(args: argparse.Namespace) -> int:
     check_args(args)
     if args.tp_rank > 0:
         return run_follower(args)
     if args.start_fd is not None and not wait_for_start(args.start_fd, args.ready_fd):
-        log.info("spare: released before it was needed")
         return 0
     token = read_token(Path(args.token_file), "--token-file") if args.token_file else None
     sock = bind_port(args.host, args.port)
@@ -318,16 +304,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "then allocated at start-up by standbys too (default on; no effect on CPU)",
     )
     p.add_argument("--engine-id", help="name in health replies and metrics (default HOST-PID)")
-    p.add_argument(
-        "--start-fd",
-        type=int,
-        metavar="FD",
-        help="start as a spare: import everything, then wait for one byte on the inherited FD before binding "
-        "the port and attaching (EOF: exit 0 without starting); the controller keeps one per group",
-    )
-    p.add_argument(
-        "--ready-fd", type=int, metavar="FD", help="with --start-fd: write one byte to this inherited FD once imported"
-    )
+    add_spare_arguments(p, "binding the port and attaching")
     # A follower rank of a tensor-parallel group (standby.tpgroup): set by rank 0 on the ranks it starts.
     p.add_argument("--tp-rank", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--tp-port", type=int, default=0, help=argparse.SUPPRESS)

@@ -328,7 +328,15 @@ def complete(url: str) -> str:
     return response.json()["choices"][0]["text"]
 
 
-def test_controller_respawn_readopts_under_load_and_a_new_engine_generates_the_same_text(
+def ready_daemon_spare(stack: ControllerStack) -> dict | None:
+    """The group's spare daemon process once it is imported and waiting; None before."""
+    spares = [s for s in stack.cluster()["daemon_spares"] if s["ready"]]
+    if spares:
+        assert "--start-fd" in Path(f"/proc/{spares[0]['pid']}/cmdline").read_bytes().decode().split("\0")
+    return spares[0] if spares else None
+
+
+def test_controller_respawns_the_daemon_from_its_spare_which_readopts_under_load(
     stack: ControllerStack, model: Path
 ) -> None:
     primary = stack.primary()
@@ -349,6 +357,8 @@ def test_controller_respawn_readopts_under_load_and_a_new_engine_generates_the_s
     worker.start()
     try:
         wait_until(lambda: served, 60, "the first completion under load")
+        spare = wait_until(lambda: ready_daemon_spare(stack), 60, "a ready spare daemon")
+        assert spare["service"] == daemon["id"] and spare["pid"] != daemon["pid"]
         corrupt_weights(model)  # from now on, only the arena holds the original weights
         os.kill(daemon["pid"], signal.SIGKILL)
         wait_until(lambda: (d := stack.daemon())["serving"] and d["pid"] != daemon["pid"], 60, "respawned daemon")
@@ -360,6 +370,10 @@ def test_controller_respawn_readopts_under_load_and_a_new_engine_generates_the_s
     respawn = stack.events("respawn")[-1]
     assert respawn["fill_source"] == "readopt" and respawn["fill_ms"] > 0, respawn
     assert "filled from readopt" in respawn["message"]
+    assert stack.daemon()["pid"] == spare["pid"] and respawn["spare"] is True and "its spare" in respawn["message"]
+    print(f"\ndaemon respawned from its spare, serving {respawn['duration_ms']} ms after the controller's decision")
+    following = wait_until(lambda: ready_daemon_spare(stack), 60, "the respawned daemon's own spare")
+    assert following["pid"] not in (spare["pid"], daemon["pid"])
     assert status(stack.config_path.parent / "state" / "run" / "g0.sock")["fill"]["disk_read_bytes"] == 0
     standby = next(m for m in stack.members().values() if m["role"] == "standby")
     os.kill(standby["pid"], signal.SIGKILL)
