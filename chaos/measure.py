@@ -7,6 +7,10 @@ durations the controller recorded. Client timings, all ends of successful (corre
 ``outage_ms`` from the last success before the fault to that same first success. A round of several
 faults (flapping's kills) is measured at each of them and reports its worst one: a later kill that
 finds no ready standby is what clients wait for longest.
+
+``quiet_outage_ms`` is the same formula at an instant QUIET_LEAD_S before the (first) fault, when nothing
+was wrong: the floor that the load and the requests' own time set (about one request interval plus one
+request's time). ``outage_ms`` minus it is what the fault cost clients.
 """
 
 from __future__ import annotations
@@ -18,7 +22,10 @@ from typing import Any
 from hotweights.chaos.clusterview import event_time
 from hotweights.chaos.load import RequestRecord
 
-MEASURES = ("detection_ms", "fence_ms", "promotion_ms", "lb_convergence_ms", "outage_ms", "batch_back_ms")
+MEASURES = (
+    "detection_ms", "fence_ms", "promotion_ms", "lb_convergence_ms", "outage_ms", "quiet_outage_ms", "batch_back_ms"
+)  # fmt: skip
+QUIET_LEAD_S = 0.5
 
 
 @dataclass
@@ -38,6 +45,7 @@ class RoundResult:
     promotion_ms: float | None = None
     lb_convergence_ms: float | None = None
     outage_ms: float | None = None
+    quiet_outage_ms: float | None = None  # the outage formula at a fault-free instant just before the fault
     batch_back_ms: float | None = None  # the slowest return of a batch engine that yielded in this round
     requests: int = 0
     failed: int = 0
@@ -102,11 +110,23 @@ def apply_requests(result: RoundResult, records: Sequence[RequestRecord], until:
     if result.fault_at is None:
         return
     for fault_at in (result.fault_at, *result.later_faults):
-        before = [r.end for r in records if r.ok and r.end <= fault_at]
-        after = [r.end for r in records if r.ok and r.start >= fault_at]
-        if not after:
+        gap = _gap(records, fault_at)
+        if gap is None:
             continue
-        first = min(after)
+        last, first = gap
         result.lb_convergence_ms = max(result.lb_convergence_ms or 0.0, (first - fault_at) * 1000)
-        if before:
-            result.outage_ms = max(result.outage_ms or 0.0, (first - max(before)) * 1000)
+        if last is not None:
+            result.outage_ms = max(result.outage_ms or 0.0, (first - last) * 1000)
+    quiet = _gap(records, result.fault_at - QUIET_LEAD_S)
+    if quiet is not None and quiet[0] is not None and quiet[1] <= result.fault_at:
+        result.quiet_outage_ms = (quiet[1] - quiet[0]) * 1000
+
+
+def _gap(records: Sequence[RequestRecord], at: float) -> tuple[float | None, float] | None:
+    """(end of the last success before ``at`` or None, end of the first success of a request sent at or after
+    ``at``); None when no request sent after ``at`` succeeded."""
+    before = [r.end for r in records if r.ok and r.end <= at]
+    after = [r.end for r in records if r.ok and r.start >= at]
+    if not after:
+        return None
+    return (max(before) if before else None), min(after)

@@ -153,7 +153,8 @@ def render_markdown(
         "Times in ms, nearest-rank percentiles over the rounds of each scenario: detection = fault to the "
         "controller's first event about the hurt process; fence and promotion = the controller's recorded "
         "durations; LB convergence = fault to the first success of a request sent after it; outage = last "
-        "success before the fault to that first success.",
+        "success before the fault to that first success; quiet outage = the same at an instant 0.5 s before the "
+        "fault, when nothing was wrong (the floor the load and the requests' own time set).",
         "",
         "| scenario | rounds | measure | p50 | p95 | p99 | max |",
         "| --- | --- | --- | --- | --- | --- | --- |",

@@ -143,6 +143,17 @@ def test_a_round_of_several_faults_reports_its_worst_outage() -> None:
     assert result.lb_convergence_ms == pytest.approx(1350 - 420)
 
 
+def test_the_quiet_outage_is_the_same_formula_before_the_fault() -> None:
+    """Requests every 0.1 s taking 0.05 s: 0.5 s before the fault the gap is one interval plus one request."""
+    ok = [RequestRecord(t / 10, t / 10 + 0.05, 200, "", True) for t in range(10)]
+    result = RoundResult("kill-primary", 0, started_at=0.0, fault_at=0.72)
+    apply_requests(result, ok, until=2.0)
+    assert result.quiet_outage_ms == pytest.approx((0.35 - 0.15) * 1000)  # last end 0.15 before 0.22, then 0.3 s
+    late = RoundResult("kill-primary", 0, started_at=0.0, fault_at=0.26)  # its quiet instant has no earlier success
+    apply_requests(late, ok, until=2.0)
+    assert late.quiet_outage_ms is None
+
+
 def test_split_brain_detector_counts_sweeps_with_two_primaries() -> None:
     async def scenario(servers: list[RoleServer]) -> SplitBrainDetector:
         detector = SplitBrainDetector([s.url for s in servers])
