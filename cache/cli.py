@@ -45,9 +45,9 @@ def _source(args: argparse.Namespace) -> ArenaSource:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    context = device_context(args.device)  # made while the checkpoint's headers are read, or a spare waits
     if args.start_fd is not None and not wait_for_start(args.start_fd, args.ready_fd):
         return 0
-    context = device_context(args.device)  # made while the checkpoint's headers are read
     source = _source(args)
     waiting = time.perf_counter()
     context.join()

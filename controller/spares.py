@@ -1,13 +1,14 @@
 """Spare processes (``[[groups]] spare``), started ahead of need: per group, one engine for the primary's slot
 and one cache daemon (``cluster.daemon_spares``: the same mechanism; a daemon spare, once started, computes
-the fingerprint, re-adopts and serves, the respawn's whole path minus the imports).
+the fingerprint, re-adopts and serves: the respawn's whole path minus the imports and the CUDA context).
 
 A spare is the slot's own engine command with ``--start-fd`` and ``--ready-fd``: it does its imports (torch,
-uvicorn, the model code: most of an engine's start), says so with one byte on its ready pipe, and then
-waits on a start pipe whose write end only this controller holds. When the slot's engine is replaced (its
-primary was fenced, or a rollout restarts it), one byte starts the spare: it binds the slot's port,
-attaches and warms up like any engine, and is supervised as the slot's engine from then on. It never
-initialises CUDA before that, so it can still do so itself.
+uvicorn, the model code: most of an engine's start) and what needs no daemon (its CUDA context, the
+checkpoint's headers, the model's skeleton), says so with one byte on its ready pipe, and then waits on a
+start pipe whose write end only this controller holds. When the slot's engine is replaced (its primary was
+fenced, or a rollout restarts it), one byte starts the spare: it binds the slot's port, attaches and warms
+up like any engine, and is supervised as the slot's engine from then on. A daemon spare makes its CUDA
+context before it waits too.
 
 A spare whose slot is no longer the primary's, or whose command is no longer what the slot would run (the
 settings changed), is released: its pipe is closed and it exits 0 without starting. The pipe closes with

@@ -12,8 +12,10 @@ promote then only attaches it. Otherwise warm-up runs through a scratch KV cache
 a standby frees again, and promote allocates the KV cache (its time counted in the promote's).
 
 With --start-fd FD the process is a spare the controller started ahead of need: the imports above (torch,
-uvicorn, the model code: most of a start on CPU, seconds with CUDA) are done before anything waits, and it
-goes on with the start-up order only once the controller writes to FD, when the slot it will take is free.
+uvicorn, the model code: most of a start on CPU, seconds with CUDA) are done before anything waits, and so is
+what a load can do without the daemon (``standby.weights.prepare``: the CUDA context, the checkpoint's headers
+and fingerprint, the model's meta skeleton; used after the start only if no file of the checkpoint changed);
+it goes on with the start-up order only once the controller writes to FD, when the slot it will take is free.
 
 With --tp-size N this process is rank 0 of a tensor-parallel group: it starts ranks 1..N-1 (this command
 again, with hidden --tp-rank/--tp-port/--tp-leader flags), each attaching its own rank's arena, and every
@@ -40,7 +42,13 @@ import torch.distributed as dist
 import uvicorn
 
 from hotweights.cache.checkpoint import read_checkpoint
-from hotweights.cache.pipeline import add_load_spec_arguments, check_spec, load_spec_from_args, model_dir_from_args
+from hotweights.cache.pipeline import (
+    LoadSpec,
+    add_load_spec_arguments,
+    check_spec,
+    load_spec_from_args,
+    model_dir_from_args,
+)
 from hotweights.contract import Role, read_token, refuse_open_listener
 from hotweights.errors import ConfigError, HotweightsError
 from hotweights.ports import free_port
@@ -54,7 +62,7 @@ from hotweights.standby.roles import CANCEL_GRACE_S, KvCapacity, Roles
 from hotweights.standby.scheduler import Scheduler
 from hotweights.standby.server import EngineContext, build_app
 from hotweights.standby.serving import AnnouncingServer, bind_port, run_until_signal
-from hotweights.standby.weights import LoadedModel, add_weight_cache_arguments, load_model
+from hotweights.standby.weights import LoadedModel, Prepared, add_weight_cache_arguments, load_model, prepare
 
 log = logging.getLogger(__name__)
 
@@ -138,11 +146,26 @@ def check_args(args: argparse.Namespace) -> None:
     refuse_open_listener(args.host, bool(args.token_file), "--host", fix)
 
 
-def load_rank(args: argparse.Namespace, rank: int, group: str) -> LoadedModel:
+def rank_spec(args: argparse.Namespace, rank: int) -> LoadSpec:
+    """Rank ``rank``'s load spec: the flags', on the rank's device."""
+    spec = load_spec_from_args(args, tp_rank=rank)
+    return replace(spec, device=tpgroup.rank_device(args.device, args.tp_size, rank))
+
+
+def prepare_spare(args: argparse.Namespace) -> Prepared | None:
+    """A spare's load, as far as it goes without the daemon: the CUDA context, the checkpoint's headers, the
+    fingerprint, the model skeleton. None where that fails: the load after the start reports it."""
+    try:
+        return prepare(model_dir_from_args(args), rank_spec(args, 0), skeleton=args.tp_size == 1)
+    except HotweightsError as exc:
+        log.info("spare: nothing prepared (%s)", exc)
+        return None
+
+
+def load_rank(args: argparse.Namespace, rank: int, group: str, prepared: Prepared | None = None) -> LoadedModel:
     """Load or attach rank ``rank``'s weights (its device, its daemon); errors of a group name it and the rank."""
     try:
-        spec = load_spec_from_args(args, tp_rank=rank)
-        spec = replace(spec, device=tpgroup.rank_device(args.device, args.tp_size, rank))
+        spec = rank_spec(args, rank)
         return load_model(
             model_dir_from_args(args),
             spec,
@@ -151,6 +174,7 @@ def load_rank(args: argparse.Namespace, rank: int, group: str) -> LoadedModel:
             fallback=args.weight_cache_fallback,
             group=dist.group.WORLD if args.tp_size > 1 else None,
             daemon_timeout=args.weight_cache_timeout,
+            prepared=prepared,
         )
     except HotweightsError as exc:
         if args.tp_size == 1:
@@ -194,6 +218,7 @@ def cmd_engine(args: argparse.Namespace) -> int:
     check_args(args)
     if args.tp_rank > 0:
         return run_follower(args)
+    prepared = prepare_spare(args) if args.start_fd is not None else None
     if args.start_fd is not None and not wait_for_start(args.start_fd, args.ready_fd):
         return 0
     token = read_token(Path(args.token_file), "--token-file") if args.token_file else None
@@ -201,7 +226,7 @@ def cmd_engine(args: argparse.Namespace) -> int:
     engine_id = args.engine_id or f"{socket.gethostname()}-{os.getpid()}"
     followers, channel = start_followers(args, engine_id) if args.tp_size > 1 else (None, None)
     try:
-        return serve(args, sock, engine_id, token, channel, followers)
+        return serve(args, sock, engine_id, token, channel, followers, prepared)
     finally:
         if followers is not None:
             followers.stop(channel)
@@ -215,9 +240,10 @@ def serve(
     token: str | None,
     channel: tpgroup.Channel | None,
     followers: tpgroup.Followers | None,
+    prepared: Prepared | None = None,
 ) -> int:
     """Rank 0 (the only rank without --tp-size): load or attach, warm up, serve until a signal."""
-    loaded = load_rank(args, 0, engine_id)
+    loaded = load_rank(args, 0, engine_id, prepared)
     model = loaded.model
     log.info("weights from %s (--weight-cache %s) in %.3f s", loaded.source, loaded.mode, loaded.seconds)
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -132,6 +134,62 @@ def add_weight_cache_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+@dataclass
+class Prepared:
+    """The start of a load that needs no daemon and no weights: the CUDA context (being made on a thread), the
+    checkpoint's headers, the fingerprint and, for one rank, the model's meta skeleton. A spare engine prepares
+    before it is started; ``load_model`` then uses it only while no file of the checkpoint directory changed
+    (path, inode, size, mtime and ctime of each), else reads the checkpoint again."""
+
+    model_dir: Path
+    spec: LoadSpec
+    context: threading.Thread
+    checkpoint: Checkpoint
+    fingerprint: Fingerprint
+    files: tuple[tuple[str, int, int, int, int], ...]
+    meta: Transformer | None = None
+
+    def still_valid(self, model_dir: str | Path, spec: LoadSpec) -> bool:
+        return (
+            Path(model_dir).resolve() == self.model_dir and spec == self.spec and _files(self.model_dir) == self.files
+        )
+
+    def build(self, tp: TensorParallel, tensors: Mapping[str, torch.Tensor]) -> Transformer:
+        """The model bound to ``tensors``: on the prepared skeleton once, else built now."""
+        model, self.meta = self.meta, None
+        if model is None or tp.size != 1:
+            config, dtype = processed_config(self.checkpoint, self.spec), processed_dtype(self.checkpoint, self.spec)
+            return build_model(config, dtype, tp, tensors)
+        bind(model, tensors)
+        return model
+
+
+def prepare(model_dir: str | Path, spec: LoadSpec, *, skeleton: bool = False) -> Prepared:
+    """Start the CUDA context, read the checkpoint's headers and compute the fingerprint (ConfigError for a bad
+    spec, as a load would); with ``skeleton`` (one rank), also build the model on ``meta``."""
+    context = device_context(spec.device)  # made while the checkpoint's headers are read
+    model_dir = Path(model_dir).resolve()
+    files = _files(model_dir)
+    checkpoint = read_checkpoint(model_dir)
+    check_spec(checkpoint, spec)  # a bad --tp-size/--tp-rank is a ConfigError in every mode, not "no daemon"
+    fingerprint = compute_fingerprint(checkpoint, spec)
+    meta = None
+    if skeleton and spec.tp_size == 1:
+        config, dtype = processed_config(checkpoint, spec), processed_dtype(checkpoint, spec)
+        meta = build_meta_model(config, dtype, TensorParallel(size=1, rank=0, group=None))
+    return Prepared(model_dir, spec, context, checkpoint, fingerprint, files, meta)
+
+
+def _files(model_dir: Path) -> tuple[tuple[str, int, int, int, int], ...]:
+    """Each regular file of ``model_dir``: its name, inode, size, mtime and ctime (ns)."""
+    try:
+        entries = sorted(os.scandir(model_dir), key=lambda e: e.name)
+    except OSError:
+        return ()
+    stats = [(e.name, e.stat()) for e in entries if e.is_file()]
+    return tuple((name, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) for name, st in stats)
+
+
 def load_model(
     model_dir: str | Path,
     spec: LoadSpec,
@@ -141,27 +199,29 @@ def load_model(
     fallback: str | None = None,
     group: object | None = None,
     daemon_timeout: float = DAEMON_START_TIMEOUT_S,
+    prepared: Prepared | None = None,
 ) -> LoadedModel:
     """Load (``off``) or attach (``client``, ``daemon``) the weights for ``spec`` and bind them.
 
     ``client`` without a daemon, or with a daemon serving another fingerprint, raises
     DaemonUnavailable or AttachRefused (naming the differing fields), unless ``fallback="disk"``:
-    then it loads from disk and logs a loud warning.
+    then it loads from disk and logs a loud warning. ``prepared``: what a spare prepared (``Prepared``).
     """
     if weight_cache not in WEIGHT_CACHE_MODES:
         raise ConfigError(f"--weight-cache must be one of {list(WEIGHT_CACHE_MODES)}, found {weight_cache!r}")
     start = time.perf_counter()
-    context = device_context(spec.device)  # made while the checkpoint's headers are read
-    checkpoint = read_checkpoint(model_dir)
-    check_spec(checkpoint, spec)  # a bad --tp-size/--tp-rank is a ConfigError in every mode, not "no daemon"
-    fingerprint = compute_fingerprint(checkpoint, spec)
+    if prepared is not None and not prepared.still_valid(model_dir, spec):
+        log.info("the checkpoint in %s changed since this spare read it: reading it again", model_dir)
+        prepared = None
+    ready = prepared or prepare(model_dir, spec)
+    checkpoint, fingerprint = ready.checkpoint, ready.fingerprint
     if weight_cache != "off":
         paths = paths_for(socket_path, torch.device(spec.device), fingerprint.digest())
         try:
             if weight_cache == "daemon":
                 ensure_daemon(checkpoint.path, spec, paths, timeout=daemon_timeout)
             headers = time.perf_counter()
-            context.join()
+            ready.context.join()
             waited = time.perf_counter() - headers
             attachment = attach(paths.socket, fingerprint, spec.device, offer_handover=True)
         except (DaemonUnavailable, AttachRefused) as exc:
@@ -169,15 +229,14 @@ def load_model(
                 raise _with_hint(exc, checkpoint, spec) from None
             log.warning("WEIGHT CACHE NOT USED, loading from disk (--weight-cache-fallback disk): %s", exc)
         else:
-            tp = TensorParallel(size=spec.tp_size, rank=spec.tp_rank, group=group)
-            config, dtype = processed_config(checkpoint, spec), processed_dtype(checkpoint, spec)
-            model = build_model(config, dtype, tp, attachment.tensors)
+            model = ready.build(TensorParallel(size=spec.tp_size, rank=spec.tp_rank, group=group), attachment.tensors)
             seconds = time.perf_counter() - start
             log.info(
                 "attached %d tensors from %s in %.1f ms (checkpoint headers %.1f, waiting for the CUDA context "
-                "%.1f, attach %.1f, bind %.1f)",
+                "%.1f, attach %.1f, bind %.1f)%s",
                 len(attachment.tensors), paths.socket, seconds * 1e3, (headers - start) * 1e3, waited * 1e3,
                 attachment.seconds * 1e3, (time.perf_counter() - headers - waited - attachment.seconds) * 1e3,
+                "; prepared before this spare was started" if prepared else "",
             )  # fmt: skip
             return LoadedModel(model, checkpoint, fingerprint, weight_cache, "cache", seconds, attachment)
     model = load_from_disk(checkpoint, spec, group)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import random
+import shutil
 import signal
 import socket
 import struct
@@ -23,7 +25,7 @@ from hotweights.cache.fingerprint import Fingerprint
 from hotweights.cache.pipeline import LoadSpec, load_processed
 from hotweights.cache.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, recv_message, send_message
 from hotweights.errors import ConfigError
-from hotweights.standby.weights import load_model
+from hotweights.standby.weights import load_model, prepare
 from tests.cachehelpers import ENV, Engine, ProcessDaemon, ThreadDaemon, fingerprint_of, wait_until
 from tests.conftest import make_checkpoint
 
@@ -160,6 +162,28 @@ def test_client_mode_falls_back_to_disk_only_when_asked(
     loaded = load_model(tiny_model, LoadSpec(), weight_cache="client", socket_path=str(sock), fallback="disk")
     assert loaded.source == "disk"
     assert "WEIGHT CACHE NOT USED" in caplog.text
+
+
+def test_a_spares_prepared_load_is_used_only_while_the_checkpoint_is_unchanged(
+    tiny_model: Path, sock: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What a spare prepares (headers, fingerprint, skeleton) is bound after its start; a touched file voids it."""
+    model = Path(shutil.copytree(tiny_model, tmp_path / "model"))
+    reference = load_model(model, LoadSpec()).model.state_dict()
+    with ThreadDaemon(model, sock), caplog.at_level(logging.INFO, logger="hotweights.standby.weights"):
+        prepared = prepare(model, LoadSpec(), skeleton=True)
+        skeleton = prepared.meta
+        loaded = load_model(model, LoadSpec(), weight_cache="client", socket_path=str(sock), prepared=prepared)
+        assert loaded.model is skeleton and "prepared before this spare was started" in caplog.text
+        assert all(torch.equal(t, reference[name]) for name, t in loaded.model.state_dict().items())
+        loaded.attachment.close()
+        stale = prepare(model, LoadSpec(), skeleton=True)
+        config = model / "config.json"
+        os.utime(config, ns=(config.stat().st_atime_ns, config.stat().st_mtime_ns + 1))
+        again = load_model(model, LoadSpec(), weight_cache="client", socket_path=str(sock), prepared=stale)
+        assert again.model is not stale.meta and "changed since this spare read it" in caplog.text
+        assert all(torch.equal(t, reference[name]) for name, t in again.model.state_dict().items())
+        again.attachment.close()
 
 
 def test_fingerprint_mismatch_refuses_or_falls_back(tiny_model: Path, sock: Path) -> None:

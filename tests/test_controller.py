@@ -230,6 +230,8 @@ def test_the_primary_slots_spare_replaces_it_and_dies_with_the_controller(stack:
         "the spare as the replacement standby in the old slot",
     )
     assert replacement["pid"] == spare["pid"] and replacement["role"] == "standby"
+    engine_log = (stack.config_path.parent / "state" / "logs" / f"{old['id']}.log").read_text()
+    assert "; prepared before this spare was started" in engine_log  # headers, fingerprint, skeleton: done
     started = stack.events("engine_start")[-1]
     assert started["member"] == old["id"] and started["spare"] is True and "its spare" in started["message"]
     ready_ms = (time.time() - datetime.fromisoformat(started["time"]).timestamp()) * 1000
