@@ -34,6 +34,8 @@ Steps, each a subprocess with its own time limit, so one failure or hang cannot 
             without the victim mapping a 32 GiB arena
   recover_xl  bench/recover.py on xl, its snapshot on /dev/shm (the disk cannot hold xl twice): re-adoption,
             snapshot from the page cache, disk fill, the digest's rate
+  drill_daemon_xl  hotweights drill kill-daemon on xl at 10 requests/s: the controller's respawn from its spare
+            daemon (respawn_ms), re-adopting, while the engines serve (report in DIR/drill-daemon-xl)
 Results go to DIR/gpu_suite.json and every step's output to DIR/steps.log; the last stdout line
 is one JSON object. Exits 1 if any step failed.
 """
@@ -108,6 +110,11 @@ def steps(workdir: Path, out: Path) -> dict[str, tuple[list[str], int]]:
         "digest_tests": (f"{pytest} tests/test_digest.py tests/test_recover.py tests/test_loader.py", 300),
         "teardown": (f"{bench}/teardown.py && {bench}/teardown.py --no-import", 120),
         "recover_xl": (f"{make('xl', xl)} && {bench}/recover.py --device cuda:0 --model {xl} --tmp /dev/shm", 500),
+        "drill_daemon_xl": (
+            f"{make('xl', xl)} && {hw} drill kill-daemon --rounds 4 --model {xl} --device cuda:0 --rps 10 "
+            f"--report {shlex.quote(str(out / 'drill-daemon-xl'))}",
+            420,
+        ),
     }
     return {name: (["bash", "-c", command], limit) for name, (command, limit) in commands.items()}
 

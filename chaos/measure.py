@@ -2,7 +2,8 @@
 
 Controller timings: ``detection_ms`` runs from the fault to the controller's first event about a
 hurt process (it includes the health checks a hang needs); ``fence_ms`` and ``promotion_ms`` are the
-durations the controller recorded. Client timings, all ends of successful (correct 200) requests:
+durations the controller recorded, ``respawn_ms`` a respawned daemon's or gateway worker's (from the
+controller's decision to serving). Client timings, all ends of successful (correct 200) requests:
 ``lb_convergence_ms`` from the fault to the first success of a request sent after it, and
 ``outage_ms`` from the last success before the fault to that same first success. A round of several
 faults (flapping's kills) is measured at each of them and reports its worst one: a later kill that
@@ -23,7 +24,8 @@ from hotweights.chaos.clusterview import event_time
 from hotweights.chaos.load import RequestRecord
 
 MEASURES = (
-    "detection_ms", "fence_ms", "promotion_ms", "lb_convergence_ms", "outage_ms", "quiet_outage_ms", "batch_back_ms"
+    "detection_ms", "fence_ms", "promotion_ms", "lb_convergence_ms", "outage_ms", "quiet_outage_ms",
+    "respawn_ms", "batch_back_ms",
 )  # fmt: skip
 QUIET_LEAD_S = 0.5
 
@@ -46,6 +48,7 @@ class RoundResult:
     lb_convergence_ms: float | None = None
     outage_ms: float | None = None
     quiet_outage_ms: float | None = None  # the outage formula at a fault-free instant just before the fault
+    respawn_ms: float | None = None  # a respawned daemon's or gateway's: the controller's decision to serving
     batch_back_ms: float | None = None  # the slowest return of a batch engine that yielded in this round
     requests: int = 0
     failed: int = 0
@@ -92,6 +95,8 @@ def apply_events(result: RoundResult, events: Sequence[dict[str, Any]], targets:
         if result.promotion_ms is None and event["kind"] == "promote":
             result.promotion_ms = event["promote_ms"]
             result.promoted_at = event_time(event)
+        if result.respawn_ms is None and event["kind"] == "respawn" and "duration_ms" in event:
+            result.respawn_ms = event["duration_ms"]
         if event["kind"] == "batch_return" and event.get("back_ms") is not None:
             result.batch_back_ms = max(result.batch_back_ms or 0.0, event["back_ms"])
 

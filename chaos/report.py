@@ -151,7 +151,7 @@ def render_markdown(
         f"{t['failed_rounds']} failed rounds.",
         "",
         "Times in ms, nearest-rank percentiles over the rounds of each scenario: detection = fault to the "
-        "controller's first event about the hurt process; fence and promotion = the controller's recorded "
+        "controller's first event about the hurt process; fence, promotion and respawn = the controller's recorded "
         "durations; LB convergence = fault to the first success of a request sent after it; outage = last "
         "success before the fault to that first success; quiet outage = the same at an instant 0.5 s before the "
         "fault, when nothing was wrong (the floor the load and the requests' own time set).",

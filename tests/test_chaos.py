@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from hotweights.chaos.load import LoadGenerator, RequestRecord, reference_completion
-from hotweights.chaos.measure import RoundResult, apply_requests
+from hotweights.chaos.measure import RoundResult, apply_events, apply_requests
 from hotweights.chaos.proxy import DelayProxy
 from hotweights.chaos.report import draw_timeline, label_rounds, mark_events, write_report
 from hotweights.chaos.scenarios import RANK_SCENARIOS, SCENARIOS
@@ -141,6 +141,18 @@ def test_a_round_of_several_faults_reports_its_worst_outage() -> None:
     apply_requests(result, ok, until=2.0)
     assert result.outage_ms == pytest.approx(1350 - 350)
     assert result.lb_convergence_ms == pytest.approx(1350 - 420)
+
+
+def test_a_respawn_is_measured_from_its_event() -> None:
+    """kill-daemon: the first respawn after the fault gives respawn_ms; the detection is its exit event."""
+    result = RoundResult("kill-daemon", 0, started_at=0.0, fault_at=100.0)
+    events = [
+        {"kind": "exit", "time": "1970-01-01T00:01:40.004+00:00", "service": "g0-cache"},
+        {"kind": "respawn", "time": "1970-01-01T00:01:40.090+00:00", "service": "g0-cache", "duration_ms": 85.5},
+        {"kind": "respawn", "time": "1970-01-01T00:01:41.000+00:00", "service": "gateway-0", "duration_ms": 900.0},
+    ]
+    apply_events(result, events, {"g0-cache"})
+    assert result.respawn_ms == 85.5 and result.detection_ms == pytest.approx(4.0)
 
 
 def test_the_quiet_outage_is_the_same_formula_before_the_fault() -> None:
