@@ -472,13 +472,14 @@ class Cluster:
         self.spares.tend(group, slot, command, self.layout.environment(group))
 
     def tend_daemon_spare(self, group: int) -> None:
-        """Keep a spare for the group's current daemon while it serves (``spare = true``, one daemon per group):
+        """Keep a spare for the group's current daemon while it serves (``spare = true``, one daemon per group, of
+        reference engines):
         its respawn then starts the spare, imports done, instead of a new process. While the daemon is down the
         spare is left alone: the respawn takes it."""
         config = self.config.groups[group]
         current = [s for s in self.services.values() if s.kind == "daemon" and s.group == group and s.serving]
         current = [s for s in current if self._generation_of(s) == self.weights[group].current.number]
-        if not config.spare or config.tp_size > 1:
+        if not config.spare or config.tp_size > 1 or config.engine != REFERENCE:
             self.daemon_spares.tend(group, None, [], None)
         elif current:
             service = current[0]

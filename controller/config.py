@@ -57,9 +57,9 @@ snapshot = ""                 # a processed snapshot (`hotweights cache snapshot
 direct_io = false             # the daemons read checkpoint and snapshot with O_DIRECT (`cache serve --direct-io`):
                               # faster from a cold disk, slower from a warm page cache
 spare = true                  # keep a spare engine process for the primary's slot, its imports done (most of
-                              # a start), that replaces the primary as a standby as soon as it is fenced
-                              # (reference engines; a vllm group has none), and a spare daemon process that a
-                              # respawn of the daemon starts (tp_size 1)
+                              # a start), that replaces the primary as a standby as soon as it is fenced,
+                              # and a spare daemon process that a respawn of the daemon starts (reference
+                              # engines, tp_size 1; a vllm group has neither)
 batch_port = 0                # a co-located batch engine for low-priority clients on this port (0: none): a
                               # reference engine on the group's device that maps the group's arena; it yields
                               # its KV cache (drained for at most batch_yield_timeout_s) before the group starts
