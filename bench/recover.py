@@ -3,19 +3,21 @@
     python bench/recover.py --device cpu                   # writes the 'medium' preset (~1.7 GB) to a temp dir
     python bench/recover.py --device cuda:0 --model DIR [--tmp /dev/shm]
 
-Real processes: a daemon (``hotweights cache serve``) fills from the disk; this process attaches as an engine
-does (keeping and offering its arena fd); then the daemon is SIGKILLed and a new one started, once re-adopting
-(``--fill-from readopt``) and once from a snapshot written from the arena (``--fill-from snapshot``). Before
-every fill the checkpoint's and the snapshot's pages are dropped from the page cache (POSIX_FADV_DONTNEED), so
-their bytes come from the disk. Times are the daemons' own fill reports (a disk fill includes hashing the
-arena, as a respawn does); ``disk_bytes_read_on_readopt`` is ``read_bytes`` of /proc/<daemon>/io once the
-re-adopting daemon serves. The snapshot is then read twice more: from the warm page cache (``snapshot_warm``)
-and, its pages dropped again, with O_DIRECT (``--direct-io``, ``snapshot_direct``). The bound: the disk's
-sequential read of the checkpoint measured in this run (one thread, 64 MiB reads, cold), and on CUDA the pinned
-host-to-device rate, and the arena digest's own rate (``digest_gbps``: content hash and keyed digest in one
-read, as a fill computes them, over the engine's mapping). ``--tmp``: where the snapshot and the daemons'
-sockets go (a tmpfs such as /dev/shm when the disk cannot hold the checkpoint twice; its "cold" reads are then
-from memory and O_DIRECT falls back to buffered reads). The last stdout line is one JSON object.
+Real processes: a daemon (``hotweights cache serve``) fills from the disk; this process attaches as an engine does
+(keeping and offering its arena fd); then the daemon is SIGKILLed and a new one started, once re-adopting
+(``--fill-from readopt``) and once from a snapshot written from the arena (``--fill-from snapshot``). Before every
+fill the checkpoint's and the snapshot's pages are dropped from the page cache (POSIX_FADV_DONTNEED), so their
+bytes come from the disk. Times are the daemons' own fill reports (a disk fill includes hashing the arena, as a
+respawn does); ``disk_bytes_read_on_readopt`` is what the re-adopting daemon read from storage while it filled
+(``read_bytes`` of its /proc/self/io around the fill, its own report), and ``daemon_read_bytes_whole_life`` the
+same over its whole life once it serves (imports included: a library page that is not in the page cache shows
+there). The snapshot is then read twice more: from the warm page cache (``snapshot_warm``) and, its pages dropped
+again, with O_DIRECT (``--direct-io``, ``snapshot_direct``). The bound: the disk's sequential read of the
+checkpoint measured in this run (one thread, 64 MiB reads, cold), and on CUDA the pinned host-to-device rate, and
+the arena digest's own rate (``digest_gbps``: content hash and keyed digest in one read, as a fill computes them,
+over the engine's mapping). ``--tmp``: where the snapshot and the daemons' sockets go (a tmpfs such as /dev/shm
+when the disk cannot hold the checkpoint twice; its "cold" reads are then from memory and O_DIRECT falls back to
+buffered reads). The last stdout line is one JSON object.
 """
 
 from __future__ import annotations
@@ -173,7 +175,8 @@ def run(model: Path, device: str, workdir: Path) -> dict[str, Any]:
     readopted = Daemon(model, device, socket_path, "readopt")
     result["readopt_ms"] = round(readopted.fill["seconds"] * 1e3, 2)
     result["readopt_detail"] = readopted.fill["detail"]
-    result["disk_bytes_read_on_readopt"] = readopted.read_bytes
+    result["disk_bytes_read_on_readopt"] = readopted.fill["disk_read_bytes"]
+    result["daemon_read_bytes_whole_life"] = readopted.read_bytes
     readopted.kill()
 
     evict([snapshot, *shards])
