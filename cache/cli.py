@@ -145,7 +145,7 @@ def _format_status(status: dict[str, Any]) -> str:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    """Map the arena as an engine would (with every attach check) and recompute its SHA-256 there."""
+    """Map the arena as an engine would (with every attach check) and recompute its content hash there."""
     sockets = _sockets(args)
     if len(sockets) != 1:
         raise ConfigError(f"verify needs exactly one daemon, found {len(sockets)}: pass --socket or --model")
