@@ -13,8 +13,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 
@@ -36,6 +37,18 @@ class RequestRecord:
     @property
     def ok(self) -> bool:
         return self.status == 200 and self.correct is True
+
+
+@contextlib.asynccontextmanager
+async def in_background(work: Coroutine[Any, Any, object]) -> AsyncIterator[None]:
+    """Run ``work`` as a task for the duration of the block; on exit cancel it and wait until it has ended."""
+    task = asyncio.create_task(work)
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 def completion_body(max_tokens: int = MAX_TOKENS) -> dict[str, object]:
@@ -107,13 +120,10 @@ class LoadGenerator:
         """Load for the duration of the block; on exit, stop starting requests and let open ones finish."""
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=32)
         async with httpx.AsyncClient(limits=limits) as client:
-            task = asyncio.create_task(self.run(client))
             try:
-                yield self
+                async with in_background(self.run(client)):
+                    yield self
             finally:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
                 if self.in_flight:
                     await asyncio.wait(self.in_flight, timeout=self.timeout_s)
 
@@ -159,11 +169,5 @@ class BatchClient:
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[BatchClient]:
         """Asking for the duration of the block; the request in flight is dropped on exit."""
-        async with httpx.AsyncClient(timeout=self.timeout_s) as client:
-            task = asyncio.create_task(self.run(client))
-            try:
-                yield self
-            finally:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        async with httpx.AsyncClient(timeout=self.timeout_s) as client, in_background(self.run(client)):
+            yield self

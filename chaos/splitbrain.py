@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from hotweights.chaos.load import in_background
 from hotweights.contract import Endpoint
 
 
@@ -98,10 +99,5 @@ class SplitBrainDetector:
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[SplitBrainDetector]:
         """Sweep in the background for the duration of the block."""
-        task = asyncio.create_task(self.run())
-        try:
+        async with in_background(self.run()):
             yield self
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
