@@ -160,23 +160,23 @@ def _adopt_from(
     except (ValueError, OSError, BackendUnavailable) as exc:
         raise HandoverRefused(f"engine pid {pid} handed an fd that is not the recorded arena: {exc}") from None
     mapped = time.perf_counter()
+    keyed = KeyedDigest.from_json(record["keyed_digest"])
     try:
-        how = _verified_content(arena, record, pid)
+        how = _verified_content(arena, record, keyed, pid)
     except BaseException:
         arena.close()
         raise
-    keyed = KeyedDigest.from_json(record["keyed_digest"])
     verified = time.perf_counter()
     took = f"asked {ms(asked - start)} ms, mapped {ms(mapped - asked)}, verified {ms(verified - mapped)}"
     return Filled(arena, record["manifest"], keyed, f"from engine pid {pid}, content verified by {how} ({took})")
 
 
-def _verified_content(arena: ExportedArena, record: dict[str, Any], pid: int) -> str:
-    """How the arena's bytes were proven to be the recorded ones; HandoverRefused when they are not."""
+def _verified_content(arena: ExportedArena, record: dict[str, Any], keyed: KeyedDigest, pid: int) -> str:
+    """How the arena's bytes were proven to be the recorded ones (its identity, else ``keyed``, the record's
+    digest); HandoverRefused when they are not."""
     identity = arena.identity()
     if identity is not None and identity == record.get("identity"):
         return "identity (the recorded memfd, write-sealed since it was filled)"
-    keyed = KeyedDigest.from_json(record["keyed_digest"])
     digest = keyed.of(arena.tensor, record["manifest"]["used_bytes"])
     if digest != keyed.digest:
         raise HandoverRefused(f"engine pid {pid} handed an arena whose keyed digest is {digest}, the record says "

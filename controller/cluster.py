@@ -473,16 +473,16 @@ class Cluster:
 
     def tend_daemon_spare(self, group: int) -> None:
         """Keep a spare for the group's current daemon while it serves (``spare = true``, one daemon per group, of
-        reference engines):
-        its respawn then starts the spare, imports done, instead of a new process. While the daemon is down the
-        spare is left alone: the respawn takes it."""
+        reference engines): its respawn then starts the spare, imports done, instead of a new process. While the
+        daemon is down the spare is left alone: the respawn takes it."""
         config = self.config.groups[group]
-        current = [s for s in self.services.values() if s.kind == "daemon" and s.group == group and s.serving]
-        current = [s for s in current if self._generation_of(s) == self.weights[group].current.number]
         if not config.spare or config.tp_size > 1 or config.engine != REFERENCE:
             self.daemon_spares.tend(group, None, [], None)
-        elif current:
-            service = current[0]
+            return
+        number = self.weights[group].current.number
+        serving = (s for s in self.services.values() if s.kind == "daemon" and s.group == group and s.serving)
+        service = next((s for s in serving if self._generation_of(s) == number), None)
+        if service is not None:
             command = self.layout.daemon_command(group, service.rank, service.generation)
             self.daemon_spares.tend(group, service.id, command, self.layout.environment(group))
 

@@ -218,9 +218,11 @@ def cmd_engine(args: argparse.Namespace) -> int:
     check_args(args)
     if args.tp_rank > 0:
         return run_follower(args)
-    prepared = prepare_spare(args) if args.start_fd is not None else None
-    if args.start_fd is not None and not wait_for_start(args.start_fd, args.ready_fd):
-        return 0
+    prepared = None
+    if args.start_fd is not None:  # a spare: prepare, then wait to be started
+        prepared = prepare_spare(args)
+        if not wait_for_start(args.start_fd, args.ready_fd):
+            return 0
     token = read_token(Path(args.token_file), "--token-file") if args.token_file else None
     sock = bind_port(args.host, args.port)
     engine_id = args.engine_id or f"{socket.gethostname()}-{os.getpid()}"
