@@ -10,6 +10,7 @@ imports, says so with one byte on its ready pipe, and waits on its start pipe (`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -46,7 +47,8 @@ def wait_for_start(start_fd: int, ready_fd: int | None) -> bool:
     ``start_fd`` (start now) or closes it without one (not needed after all); whether to start."""
     try:
         if ready_fd is not None:
-            with os.fdopen(ready_fd, "wb", buffering=0) as ready:
+            # EPIPE: the controller took or released us before the byte; the start pipe says which
+            with contextlib.suppress(BrokenPipeError), os.fdopen(ready_fd, "wb", buffering=0) as ready:
                 ready.write(b"1")
         log.info("spare: imported and waiting on fd %d to start", start_fd)
         with os.fdopen(start_fd, "rb", buffering=0) as start:
