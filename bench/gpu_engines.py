@@ -6,11 +6,13 @@
    and after each standby; bytes added per standby (target: weights counted once, each standby adds
    only its CUDA context and workspace).
 2. Daemon SIGKILL while engines serve: the primary's greedy completion is byte-identical before
-   and after; the daemon is restarted (it re-adopts the arena from an engine: its fill source and
-   time are reported, and the time from the kill until it serves); a new engine attaches to the new
-   daemon, is promoted (after the old primary is demoted) and completes the same text.
+   and after; a spare daemon (imported before the kill, as the controller keeps one) is started and
+   re-adopts the arena from an engine (its fill source and time are reported, and the time from its
+   start until it serves); a new engine attaches to it, is promoted (after the old primary is demoted)
+   and completes the same text.
 3. Attach inside each freshly started engine, from the engine's own log line (total and its parts:
-   checkpoint headers, waiting for the CUDA context, attach, bind).
+   checkpoint headers, waiting for the CUDA context, attach, bind). The new engine of 2 is a spare
+   (prepared before the kill, started by one byte once the daemon serves again, as the controller does).
 The last stdout line is one JSON object. Every process is killed at the end.
 """
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import signal
 import subprocess
@@ -30,24 +33,26 @@ import httpx
 
 from hotweights.cache.client import request
 from hotweights.contract import Endpoint
-from hotweights.spawn import hotweights_command
+from hotweights.spawn import READY_FLAG, START_FLAG, hotweights_command
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPT = "The weight cache keeps"
 ATTACHED = re.compile(
     r"attached \d+ tensors from \S+ in ([\d.]+) ms \(checkpoint headers ([\d.]+), waiting for the CUDA context "
-    r"([\d.]+), attach ([\d.]+), bind ([\d.]+)\)"
+    r"([\d.]+), attach ([\d.]+), bind ([\d.]+)\)(; prepared before this spare was started)?"
 )
 PARTS = ("total", "checkpoint_headers", "cuda_context_wait", "attach", "bind")
 
 
 def attach_times(workdir: Path) -> list[dict[str, float]]:
-    """Every engine's attach line in ``workdir``'s engine logs, in milliseconds, in port order."""
+    """Every engine's attach line in ``workdir``'s engine logs, in milliseconds, in port order; ``spare``: it
+    was prepared before it was started."""
     found = []
     for log in sorted(workdir.glob("engine-*.log")):
         match = ATTACHED.search(log.read_text(errors="replace"))
         if match:
-            found.append(dict(zip(PARTS, map(float, match.groups()), strict=True)))
+            *parts, spare = match.groups()
+            found.append({**dict(zip(PARTS, map(float, parts), strict=True)), "spare": spare is not None})
     return found
 
 
@@ -73,6 +78,17 @@ def wait_until(predicate, timeout: float, what: str) -> None:
     raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
+Spare = tuple[subprocess.Popen, int]  # a spare's process and the fd that starts it
+
+
+def start(spare: Spare) -> subprocess.Popen:
+    """Start ``spare`` with one byte on its start pipe."""
+    proc, fd = spare
+    os.write(fd, b"1")
+    os.close(fd)
+    return proc
+
+
 class Stack:
     """The processes this benchmark started, all killed in ``close``."""
 
@@ -81,28 +97,44 @@ class Stack:
         self.socket = workdir / "cache.sock"
         self.procs: list[subprocess.Popen] = []
 
-    def spawn(self, args: list[str], log: str) -> subprocess.Popen:
+    def spawn(self, args: list[str], log: str, pass_fds: tuple[int, ...] = ()) -> subprocess.Popen:
         out = open(self.workdir / log, "ab")  # noqa: SIM115 - lives as long as the process
-        proc = subprocess.Popen(hotweights_command(*args), stdout=out, stderr=out)
+        proc = subprocess.Popen(hotweights_command(*args), stdout=out, stderr=out, pass_fds=pass_fds)
         self.procs.append(proc)
         return proc
 
-    def start_daemon(self) -> subprocess.Popen:
+    def daemon_args(self) -> list[str]:
+        return ["cache", "serve", "--model", str(self.model), "--device", self.device, "--socket", str(self.socket)]
+
+    def engine_args(self, port: int, role: str) -> list[str]:
+        args = ["engine", "--model", str(self.model), "--device", self.device, "--weight-cache", "client"]
+        return [*args, "--socket", str(self.socket), "--port", str(port), "--role", role, "--engine-id", f"e{port}"]
+
+    def start_spare(self, args: list[str], log: str) -> Spare:
+        """A process started as the controller starts a spare (``hotweights.spawn``), once it said it is
+        prepared (imports done; an engine also has its CUDA context, checkpoint headers and skeleton)."""
+        (start_r, start_w), (ready_r, ready_w) = os.pipe(), os.pipe()
+        proc = self.spawn([*args, START_FLAG, str(start_r), READY_FLAG, str(ready_w)], log, (start_r, ready_w))
+        os.close(start_r)
+        os.close(ready_w)
+        with os.fdopen(ready_r, "rb", buffering=0) as ready:
+            if ready.read(1) != b"1":
+                raise RuntimeError(f"spare exited: see {self.workdir / log}")
+        return proc, start_w
+
+    def start_daemon(self, spare: Spare | None = None) -> subprocess.Popen:
+        """The daemon, serving: a new process, or ``spare`` (``start_spare``'s) started by its byte."""
         ready = self.socket.with_suffix(".ready")
         ready.unlink(missing_ok=True)
-        proc = self.spawn(
-            ["cache", "serve", "--model", str(self.model), "--device", self.device, "--socket", str(self.socket)],
-            "daemon.log",
-        )
+        proc = self.spawn(self.daemon_args(), "daemon.log") if spare is None else start(spare)
         wait_until(lambda: ready.exists() or proc.poll() is not None, 600, "daemon ready")
         if proc.poll() is not None:
             raise RuntimeError(f"daemon exited: see {self.workdir / 'daemon.log'}")
         return proc
 
-    def start_engine(self, port: int, role: str) -> httpx.Client:
-        args = ["engine", "--model", str(self.model), "--device", self.device, "--weight-cache", "client"]
-        args += ["--socket", str(self.socket), "--port", str(port), "--role", role, "--engine-id", f"e{port}"]
-        proc = self.spawn(args, f"engine-{port}.log")
+    def start_engine(self, port: int, role: str, spare: Spare | None = None) -> httpx.Client:
+        """An engine, ready: a new process, or ``spare`` started by its byte."""
+        proc = self.spawn(self.engine_args(port, role), f"engine-{port}.log") if spare is None else start(spare)
         client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30)
 
         def ready() -> bool:
@@ -163,15 +195,21 @@ def main() -> int:
             total_mib_1_primary_plus_standbys=previous - baseline,
         )
         reference = complete(primary)
-        killed = time.monotonic()
+        port = args.base_port + 1 + args.standbys
+        spare_daemon = stack.start_spare(stack.daemon_args(), "daemon-spare.log")
+        spare_engine = stack.start_spare(stack.engine_args(port, "standby"), f"engine-{port}.log")
         daemon.send_signal(signal.SIGKILL)
         daemon.wait(timeout=30)
-        after_kill = complete(primary)
-        stack.start_daemon()
-        result["daemon_kill_to_serving_s"] = round(time.monotonic() - killed, 3)
+        after_kill = complete(primary)  # served while no daemon runs
+        respawned = time.monotonic()
+        stack.start_daemon(spare_daemon)
+        serving = time.monotonic() - respawned
+        result["spare_daemon_start_to_serving_s"] = round(serving, 3)
         result["respawn_fill"] = request(stack.socket, {"op": "status"})["status"]["fill"]
-        fresh = stack.start_engine(args.base_port + 1 + args.standbys, "standby")
-        result["daemon_kill_to_new_engine_ready_s"] = round(time.monotonic() - killed, 3)
+        fresh = stack.start_engine(port, "standby", spare_engine)
+        result["spare_daemon_start_to_new_engine_ready_s"] = round(time.monotonic() - respawned, 3)
+        attached = attach_times(workdir)
+        result["spare_daemon_start_to_new_engine_attached_s"] = round(serving + attached[-1]["total"] / 1e3, 3)
         source = fresh.get(Endpoint.READY).json()["weight_cache"]["source"]
         primary.post(Endpoint.DEMOTE)
         promote_ms = fresh.post(Endpoint.PROMOTE).json().get("duration_ms")
@@ -181,7 +219,7 @@ def main() -> int:
             new_engine_output_equal=complete(fresh) == reference,
             new_engine_promote_ms=promote_ms,
         )
-        result["engine_attach_ms"] = attach_times(workdir)
+        result["engine_attach_ms"] = attached
     finally:
         stack.close()
     ok = bool(result.get("output_unchanged_after_daemon_sigkill") and result.get("new_engine_output_equal"))

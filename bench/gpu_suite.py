@@ -8,6 +8,8 @@ engine section (engine_tests, engine_tiny, engine_medium, engine_xl, engine_xl_n
 Steps, each a subprocess with its own time limit, so one failure or hang cannot sink the rest:
   tests     pytest of the CUDA-only tests (backends; daemon end to end with cuda-vmm and cuda-ipc,
             bf16 and block-FP8, SIGKILL of the daemon, restart)
+  snapshot_read  bench/snapshot_read.py: ways to move a 16 GB tmpfs file onto the device (the loader's ring,
+            deeper rings, registered windows, pageable copies), in GB/s
   backends  bench/gpu_backends_check.py: import times, read-only mapping, SIGKILL survival
   checkpoint  writes the 'xl' preset (~32 GB) to --workdir, generated on the GPU
   load      bench/load.py on that checkpoint: the off-mode pipeline onto the GPU
@@ -84,6 +86,7 @@ def steps(workdir: Path, out: Path) -> dict[str, tuple[list[str], int]]:
 
     commands = {
         "tests": (f"{pytest} tests/test_cuda_backends.py tests/test_cache_cuda.py", 240),
+        "snapshot_read": (f"{bench}/snapshot_read.py --device cuda:0 --gb 16", 300),
         "backends": (f"{bench}/gpu_backends_check.py", 180),
         "checkpoint": (f"{hw} make-model {xl} --preset xl --device cuda --force --quiet", 300),
         "load": (f"{make('xl', xl)} && {bench}/load.py --model {xl} --device cuda:0", 300),

@@ -13,8 +13,7 @@ from typing import Any
 
 import torch
 
-from hotweights.cache.backends import BACKENDS, default_backend_name, get_backend
-from hotweights.cache.backends.base import device_context
+from hotweights.cache.backends import BACKENDS, default_backend_name, device_context, get_backend
 from hotweights.cache.checkpoint import read_checkpoint
 from hotweights.cache.client import AttachRefused, DaemonUnavailable, attach, request
 from hotweights.cache.daemon import FILL_SOURCES, ArenaSource, load_arena, pipeline_source, serve

@@ -154,12 +154,15 @@ def rank_spec(args: argparse.Namespace, rank: int) -> LoadSpec:
 
 def prepare_spare(args: argparse.Namespace) -> Prepared | None:
     """A spare's load, as far as it goes without the daemon: the CUDA context, the checkpoint's headers, the
-    fingerprint, the model skeleton. None where that fails: the load after the start reports it."""
+    fingerprint, the model skeleton; the context made and warmed up before the spare says it is ready. None
+    where that fails: the load after the start reports it."""
     try:
-        return prepare(model_dir_from_args(args), rank_spec(args, 0), skeleton=args.tp_size == 1)
+        prepared = prepare(model_dir_from_args(args), rank_spec(args, 0), skeleton=args.tp_size == 1)
     except HotweightsError as exc:
         log.info("spare: nothing prepared (%s)", exc)
         return None
+    prepared.context.join()
+    return prepared
 
 
 def load_rank(args: argparse.Namespace, rank: int, group: str, prepared: Prepared | None = None) -> LoadedModel:

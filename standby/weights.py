@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from hotweights.cache.backends.base import device_context
+from hotweights.cache.backends import device_context
 from hotweights.cache.checkpoint import Checkpoint, read_checkpoint
 from hotweights.cache.client import Attachment, AttachRefused, DaemonUnavailable, attach
 from hotweights.cache.fingerprint import Fingerprint, compute_fingerprint

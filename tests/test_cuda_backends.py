@@ -140,3 +140,12 @@ def test_cuda_vmm_importers_cannot_write_the_arena(device: torch.device) -> None
     assert res["read_only"] is True, "the driver did not grant a read-only mapping"
     assert res["unchanged"], f"an importer overwrote the arena: {res}"
     assert res["ok"], res
+
+
+def test_cuda_vmm_warm_up_leaves_no_memory_nor_fd_behind(device: torch.device) -> None:
+    backend = _backend("cuda-vmm")
+    backend.warm_up(device)  # the first one loads what it loads; the second must leave the process as it was
+    fds_before, (free_before, _) = set(os.listdir("/proc/self/fd")), torch.cuda.mem_get_info(device)
+    backend.warm_up(device)
+    assert set(os.listdir("/proc/self/fd")) == fds_before
+    assert torch.cuda.mem_get_info(device)[0] == free_before

@@ -9,9 +9,7 @@ the exporter dies, until the importer closes it.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import threading
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -80,21 +78,10 @@ class ArenaBackend(ABC):
         os.close(fd)
         raise BackendUnavailable(f"{self.name} arenas cannot be re-adopted: their handle dies with the daemon")
 
-
-def device_context(device: str | torch.device) -> threading.Thread:
-    """A started thread that makes ``device``'s CUDA context (nothing on another device). Making one takes ~0.1 s:
-    a process starts this, does other start-up work meanwhile (reading the checkpoint's headers), then joins it.
-    A failure is left to the caller's own use of the device, which reports it."""
-
-    def make() -> None:
-        with contextlib.suppress(Exception):
-            target = torch.device(device)
-            if target.type == "cuda":
-                torch.empty(1, device=target)
-
-    thread = threading.Thread(target=make, name="hw-cuda-context", daemon=True)
-    thread.start()
-    return thread
+    def warm_up(self, device: torch.device) -> None:
+        """Do ahead of time what a process's first ``import_arena`` would do lazily (load libraries, take
+        the driver's paths once), so the first real attach costs what later ones do. This default: nothing."""
+        return
 
 
 def require_cuda(backend: str, device: torch.device) -> int:

@@ -371,6 +371,16 @@ class CudaVmmBackend(ArenaBackend):
         finally:
             _close_fds(owned)
 
+    def warm_up(self, device: torch.device) -> None:
+        """One granule through every call an attach makes (allocate, export, import, map read-only, view,
+        unmap): the first real attach then finds cuda-bindings imported and the driver's paths taken."""
+        exported = self.allocate(1, device)
+        try:
+            handle, fds = exported.export()
+            self.import_arena(handle, [os.dup(fds[0])], device).close()
+        finally:
+            exported.close()
+
     def adopt(self, handle: dict[str, Any], fd: int, device: torch.device) -> VmmAdoptedArena:
         """Import the engine's fd, check it is a POSIX-fd allocation on this device, map ``handle``'s size
         (the driver refuses a smaller allocation) read-only, and keep the fd to export it again."""

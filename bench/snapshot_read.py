@@ -1,0 +1,207 @@
+"""Ways to move one large file from the page cache onto a CUDA device, side by side in one run.
+
+    python bench/snapshot_read.py --device cuda:0 [--gb 16] [--dir /dev/shm]
+
+A snapshot's fill is this move (``cache.snapshot``); the loader reads it through a ring of pinned buffers.
+Written to choose how it should: a file of ``--gb`` random bytes in ``--dir`` (tmpfs: the page cache with no
+disk under it), then, each twice, in GB/s of file bytes landed on the device:
+
+- ``loader``: ``cache.loader.Loader`` as snapshots use it today;
+- ``ring_T_D_P``: pinned buffers of P MiB, D of them, each read by T threads, reads of the next buffers
+  running while earlier ones copy (no wait between pieces);
+- ``registered_W_P``: the file mapped, windows of W MiB registered with CUDA (``cudaHostRegister``, read-only)
+  on P threads, each copied straight from the page cache once registered, unregistered once copied;
+- ``pageable``: the mapped file copied as it is (the driver stages it).
+
+Every result is checked against the file's first and last MiB. Also printed: the pinned host-to-device rate
+(a 1 GiB pinned buffer, copied 8 times). The last stdout line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import sys
+import tempfile
+import time
+import warnings
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from hotweights.cache.loader import HOST_REGISTER_READ_ONLY, Loader, aligned_host_buffer
+
+MiB = 1 << 20
+
+
+def write_file(path: Path, nbytes: int) -> None:
+    block = torch.randint(0, 256, (256 * MiB,), dtype=torch.uint8).numpy().tobytes()
+    with path.open("wb") as f:
+        for start in range(0, nbytes, len(block)):
+            f.write(block[: min(len(block), nbytes - start)])
+
+
+def via_loader(path: Path, dest: torch.Tensor) -> None:
+    with Loader(dest.device) as reads:
+        for start in range(0, dest.numel(), 64 * MiB):
+            reads.read_into(path, start, dest[start : start + 64 * MiB])
+
+
+def via_ring(path: Path, dest: torch.Tensor, threads: int, depth: int, piece: int) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    stream = torch.cuda.Stream(dest.device)
+    free = deque((aligned_host_buffer(piece, pinned=True), torch.cuda.Event()) for _ in range(depth))
+    pending: deque = deque()
+    part = -(-piece // threads)
+
+    def read(view: memoryview, offset: int) -> None:
+        done = 0
+        while done < len(view):
+            done += os.preadv(fd, [view[done:]], offset + done)
+
+    def flush() -> None:
+        buffer, event, futures, start, size = pending.popleft()
+        for future in futures:
+            future.result()
+        with torch.cuda.stream(stream):
+            dest[start : start + size].copy_(buffer[:size], non_blocking=True)
+            event.record(stream)
+        free.append((buffer, event))
+
+    with ThreadPoolExecutor(threads) as pool:
+        for start in range(0, dest.numel(), piece):
+            if not free:
+                flush()
+            buffer, event = free.popleft()
+            event.synchronize()
+            size = min(piece, dest.numel() - start)
+            view = memoryview(buffer.numpy())[:size]
+            futures = [pool.submit(read, view[p : p + part], start + p) for p in range(0, size, part)]
+            pending.append((buffer, event, futures, start, size))
+        while pending:
+            flush()
+    stream.synchronize()
+    os.close(fd)
+
+
+def via_registered(path: Path, dest: torch.Tensor, window: int, threads: int) -> None:
+    size = dest.numel()
+    fd = os.open(path, os.O_RDONLY)
+    mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        host = torch.frombuffer(mapped, dtype=torch.uint8)
+    cudart, base = torch.cuda.cudart(), host.data_ptr()
+    stream = torch.cuda.Stream(dest.device)
+
+    def register(start: int) -> int:
+        n = min(window, size - start)
+        error = cudart.cudaHostRegister(base + start, n, HOST_REGISTER_READ_ONLY)
+        if int(error) != 0:
+            raise OSError(f"cudaHostRegister refused: {int(error)}")
+        return start
+
+    copied: deque = deque()
+    with ThreadPoolExecutor(threads) as pool:
+        for future in [pool.submit(register, s) for s in range(0, size, window)]:
+            start = future.result()
+            n = min(window, size - start)
+            with torch.cuda.stream(stream):
+                dest[start : start + n].copy_(host[start : start + n], non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+            copied.append((event, start))
+            while copied and copied[0][0].query():
+                cudart.cudaHostUnregister(base + copied.popleft()[1])
+    stream.synchronize()
+    for _, start in copied:
+        cudart.cudaHostUnregister(base + start)
+    host = None  # the mapping closes once no tensor views it
+    mapped.close()
+    os.close(fd)
+
+
+def via_pageable(path: Path, dest: torch.Tensor) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    mapped = mmap.mmap(fd, dest.numel(), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        host = torch.frombuffer(mapped, dtype=torch.uint8)
+    for start in range(0, dest.numel(), 256 * MiB):
+        dest[start : start + 256 * MiB].copy_(host[start : start + 256 * MiB])
+    torch.cuda.synchronize(dest.device)
+    del host
+    mapped.close()
+    os.close(fd)
+
+
+def pinned_h2d_gbps(device: torch.device) -> float:
+    host = aligned_host_buffer(1 << 30, pinned=True)
+    dev = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dev.copy_(host)
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(8):
+        dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize(device)
+    return 8 / (time.perf_counter() - start) * (1 << 30) / 1e9
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda:0")
+    parser.add_argument("--gb", type=float, default=16.0)
+    parser.add_argument("--dir", default="/dev/shm")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    nbytes = int(args.gb * 1e9) // MiB * MiB
+    variants = {
+        "loader": via_loader,
+        "ring_8_2_64": lambda p, d: via_ring(p, d, 8, 2, 64 * MiB),
+        "ring_8_4_64": lambda p, d: via_ring(p, d, 8, 4, 64 * MiB),
+        "ring_16_4_64": lambda p, d: via_ring(p, d, 16, 4, 64 * MiB),
+        "ring_16_8_32": lambda p, d: via_ring(p, d, 16, 8, 32 * MiB),
+        "ring_16_4_256": lambda p, d: via_ring(p, d, 16, 4, 256 * MiB),
+        "registered_256_4": lambda p, d: via_registered(p, d, 256 * MiB, 4),
+        "registered_1024_8": lambda p, d: via_registered(p, d, 1024 * MiB, 8),
+        "registered_256_16": lambda p, d: via_registered(p, d, 256 * MiB, 16),
+        "pageable": via_pageable,
+    }
+    result: dict[str, object] = {"gb": nbytes / 1e9, "cpus": os.cpu_count(), "pinned_h2d_gbps": pinned_h2d_gbps(device)}
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        path = Path(tmp) / "snapshot.bin"
+        write_file(path, nbytes)
+        with path.open("rb") as f:
+            head = torch.frombuffer(bytearray(f.read(MiB)), dtype=torch.uint8)
+            f.seek(nbytes - MiB)
+            tail = torch.frombuffer(bytearray(f.read(MiB)), dtype=torch.uint8)
+        dest = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        for name, move in variants.items():
+            rates = []
+            for _ in range(2):
+                dest.zero_()
+                torch.cuda.synchronize(device)
+                start = time.perf_counter()
+                try:
+                    move(path, dest)
+                except Exception as exc:  # one variant failing must not hide the others
+                    rates.append(f"{type(exc).__name__}: {exc}")
+                    break
+                rates.append(round(nbytes / (time.perf_counter() - start) / 1e9, 2))
+                if not (torch.equal(dest[:MiB].cpu(), head) and torch.equal(dest[-MiB:].cpu(), tail)):
+                    rates.append("WRONG BYTES")
+                    break
+            result[name] = rates
+            print(f"{name:22s} {rates}", file=sys.stderr, flush=True)
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
