@@ -3,10 +3,13 @@
 A ``Decoder`` owns one KV cache (``batch`` slots of ``max_tokens`` positions) and runs two things on
 it for the scheduler:
 
-- ``prefill(slot, prompt_ids)``: the prompt, padded to the next length of ``lengths``
-  (powers of two from 16, ending with ``max_tokens``), written into one slot. Padding sits after
-  the prompt, so causal attention keeps it out of the prompt's logits; its keys and values are
-  overwritten by the decode steps that follow, and masked until then.
+- ``prefill(first, prompts)``: one forward pass over up to ``batch`` prompts, each padded to the next
+  length of ``lengths`` (powers of two from 16, ending with ``max_tokens``) that holds the longest,
+  written into consecutive slots from ``first``. Padding sits after each prompt, so causal attention
+  keeps it out of the prompt's logits; its keys and values are overwritten by the decode steps that
+  follow, and masked until then. A prefill holds at most ``max_tokens`` tokens in all (rows times
+  padded length: ``prefill_fits``), as one slot's longest prompt does, so prompts that arrive together
+  (a queue after a failover) cost one pass instead of one each.
 - ``decode(tokens, positions)``: one step for slots 0 .. n-1 at once (``Transformer.decode``), each
   at its own position, attending over the next length of ``lengths`` that holds every row.
 
@@ -108,13 +111,23 @@ class Decoder:
     def nbytes(self) -> int:
         return self.kv.nbytes
 
-    def prefill(self, slot: int, prompt_ids: list[int]) -> torch.Tensor:
-        """Write the prompt into KV slot ``slot`` from position 0; (V,) float32 logits for the next token."""
-        n = len(prompt_ids)
-        ids = torch.zeros((1, bucket(self.lengths, n)), dtype=torch.long)
-        ids[0, :n] = torch.tensor(prompt_ids, dtype=torch.long)
-        hidden = self.model.hidden(ids.to(self.model.device), 0, self.kv.slot(slot))
-        return self.model.logits(hidden[0, n - 1])
+    def prefill_fits(self, rows: int, longest: int) -> bool:
+        """Whether ``rows`` prompts, the longest of ``longest`` tokens, make one prefill (module docstring)."""
+        fits = 0 < longest <= self.lengths[-1] and 0 < rows <= self.batch
+        return fits and rows * bucket(self.lengths, longest) <= self.lengths[-1]
+
+    def prefill(self, first: int, prompts: list[list[int]]) -> torch.Tensor:
+        """Write ``prompts[i]`` into KV slot ``first + i`` from position 0, in one forward pass; (len(prompts), V)
+        float32 logits, row i for the token after ``prompts[i]``. ValueError unless ``prefill_fits``."""
+        rows, longest = len(prompts), max(map(len, prompts))
+        if not self.prefill_fits(rows, longest) or first + rows > self.batch:
+            raise ValueError(f"{rows} prompts of up to {longest} tokens from slot {first} do not fit one prefill")
+        ids = torch.zeros((rows, bucket(self.lengths, longest)), dtype=torch.long)
+        for i, prompt in enumerate(prompts):
+            ids[i, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+        hidden = self.model.hidden(ids.to(self.model.device), 0, self.kv.rows(first, rows))
+        last = torch.tensor([len(prompt) - 1 for prompt in prompts], device=self.model.device)
+        return self.model.logits(hidden[torch.arange(rows, device=self.model.device), last])
 
     def decode(self, tokens: list[int], positions: list[int]) -> tuple[torch.Tensor, list[int]]:
         """(n, V) float32 logits and each row's argmax (the greedy token): slot b is fed ``tokens[b]``
@@ -144,8 +157,10 @@ class Decoder:
         capture the decode step at every batch size. Leaves finite garbage in the KV cache, which
         serving overwrites before it reads (reads beyond a sequence's length are masked)."""
         device = self.model.device
-        for length in self.lengths:
-            logits = self.prefill(0, [0] * length)
+        for rows in range(1, self.batch + 1):
+            for length in self.lengths:
+                if self.prefill_fits(rows, length):
+                    logits = self.prefill(0, [[0] * length] * rows)
         for n in range(1, self.batch + 1):
             for kv_len in self.lengths:
                 logits, _ = self.decode([0] * n, [kv_len - 1] * n)

@@ -317,9 +317,9 @@ class KVCache:
     def batch(self) -> int:
         return self.k.shape[1]
 
-    def slot(self, index: int) -> KVCache:
-        """A batch-1 view of one row, sharing its memory."""
-        return KVCache(self.k[:, index : index + 1], self.v[:, index : index + 1])
+    def rows(self, first: int, count: int) -> KVCache:
+        """A view of rows ``first`` .. ``first + count - 1``, sharing their memory."""
+        return KVCache(self.k[:, first : first + count], self.v[:, first : first + count])
 
 
 class Transformer(nn.Module):

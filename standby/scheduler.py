@@ -185,36 +185,55 @@ class Scheduler:
             pass
 
     def _admit(self) -> None:
-        """Give free slots to waiting sequences, in order, and prefill them."""
+        """Give free slots to waiting sequences, in order, and prefill them: as many at once as take consecutive
+        free slots and fit one prefill (``Decoder.prefill_fits``)."""
         for seq in [s for s in self._waiting if s.cancelled]:
             self._waiting.remove(seq)
             self._retire(seq, Finish("cancelled"))
         while self._waiting:
             with self._lock:
                 decoder = self._decoder
-                if decoder is not None and not self._free_slots:
+                if decoder is None:
+                    group = [self._waiting.popleft()]
+                elif not self._free_slots:
                     return
-                slot = min(self._free_slots) if decoder is not None else None
-                self._free_slots.discard(slot)
-            seq = self._waiting.popleft()
+                else:
+                    group = self._claim(decoder)
             if decoder is None:
-                self._retire(seq, Finish("error", "no KV cache is attached: this engine is a standby"))
+                self._retire(group[0], Finish("error", "no KV cache is attached: this engine is a standby"))
                 continue
-            seq.slot = slot
-            self._active.append(seq)
+            self._active.extend(group)
             try:
-                self._prefill(decoder, seq)
+                self._prefill(decoder, group)
             except Exception as exc:
-                self._fail(seq, exc)
+                for seq in group:
+                    self._fail(seq, exc)
 
-    def _prefill(self, decoder: Decoder, seq: Sequence) -> None:
-        params = seq.params
-        seed = params.seed
-        if seed is None:
-            seed = secrets.randbits(62) if params.temperature > 0 else 0
-        seq.generator = torch.Generator(device=decoder.model.device).manual_seed(seed)
-        seq.logits, seq.greedy = decoder.prefill(seq.slot, seq.prompt_ids), None
-        seq.pos = len(seq.prompt_ids)
+    def _claim(self, decoder: Decoder) -> list[Sequence]:
+        """The waiting sequences of the next prefill, each given its slot: the lowest free slot and the free
+        slots right after it, as far as the prompts fit one prefill (a prompt that fits none goes alone)."""
+        group = [self._waiting.popleft()]
+        first = min(self._free_slots)
+        while self._waiting and first + len(group) in self._free_slots:
+            longest = max(len(s.prompt_ids) for s in [*group, self._waiting[0]])
+            if not decoder.prefill_fits(len(group) + 1, longest):
+                break
+            group.append(self._waiting.popleft())
+        for i, seq in enumerate(group):
+            seq.slot = first + i
+            self._free_slots.discard(seq.slot)
+        return group
+
+    def _prefill(self, decoder: Decoder, group: list[Sequence]) -> None:
+        for seq in group:
+            seed = seq.params.seed
+            if seed is None:
+                seed = secrets.randbits(62) if seq.params.temperature > 0 else 0
+            seq.generator = torch.Generator(device=decoder.model.device).manual_seed(seed)
+        logits = decoder.prefill(group[0].slot, [seq.prompt_ids for seq in group])
+        for seq, row in zip(group, logits, strict=True):
+            seq.logits, seq.greedy = row, None
+            seq.pos = len(seq.prompt_ids)
 
     def _step(self) -> None:
         """One token for every active sequence, then one batched decode step for those that go on."""

@@ -9,7 +9,7 @@ forward already all-reduces and all-gathers across the ranks; what the followers
 group of its own, and each follower runs the same call on its own ``Decoder``:
 
     header  int64[4]  (op, payload length, a, b)          one broadcast from rank 0
-    payload int64[n]  (prompt ids, or tokens + positions)  a second one, when n > 0
+    payload int64[n]  (prompt count, lengths and ids; or tokens + positions)  a second one, when n > 0
 
 Only rank 0 samples (the logits are all-gathered, so it has the whole vocabulary). A follower holds at
 most one decoder (KV cache) at a time, as rank 0 does: ``ALLOCATE`` replaces it, ``FREE`` drops it.
@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import itertools
 import logging
 import os
 import signal
@@ -170,9 +171,11 @@ class GroupDecoder:
     def __getattr__(self, name: str) -> object:
         return getattr(self.local, name)
 
-    def prefill(self, slot: int, prompt_ids: list[int]) -> torch.Tensor:
-        bucket(self.local.lengths, len(prompt_ids))
-        return self._run(Op.PREFILL, slot, prompt_ids, lambda: self.local.prefill(slot, prompt_ids))
+    def prefill(self, first: int, prompts: list[list[int]]) -> torch.Tensor:
+        if not self.local.prefill_fits(len(prompts), max(map(len, prompts))) or first + len(prompts) > self.batch:
+            raise ValueError(f"{len(prompts)} prompts from slot {first} do not fit one prefill")
+        payload = [len(prompts), *map(len, prompts), *itertools.chain.from_iterable(prompts)]
+        return self._run(Op.PREFILL, first, payload, lambda: self.local.prefill(first, prompts))
 
     def decode(self, tokens: list[int], positions: list[int]) -> tuple[torch.Tensor, list[int]]:
         bucket(self.local.lengths, max(positions) + 1)
@@ -346,12 +349,18 @@ class Follower:
             Op.ALLOCATE: self.allocate,
             Op.FREE: self.free,
             Op.WARM_UP: lambda a, payload: self.decoder.warm_up(),
-            Op.PREFILL: lambda a, payload: self.decoder.prefill(a, payload),
+            Op.PREFILL: self.prefill,
             Op.DECODE: self.decode,
         }
         while (command := channel.receive())[0] is not Op.STOP:
             op, a, payload = command
             handlers[op](a, payload)
+
+    def prefill(self, first: int, payload: list[int]) -> None:
+        rows = payload[0]
+        lengths, tokens = payload[1 : 1 + rows], payload[1 + rows :]
+        ends = list(itertools.accumulate(lengths))  # the prompts, one after another
+        self.decoder.prefill(first, [tokens[end - n : end] for n, end in zip(lengths, ends, strict=True)])
 
     def decode(self, a: int, payload: list[int]) -> None:
         n = len(payload) // 2  # tokens, then positions

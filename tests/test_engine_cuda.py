@@ -41,7 +41,7 @@ def test_graph_replays_equal_eager_steps_and_never_hand_out_a_reused_buffer(mode
     assert graphed.graph_bytes > 0 and eager.graph_bytes == 0
     for d in (graphed, eager):
         for slot, prompt in enumerate(PROMPTS[:3]):
-            d.prefill(slot, prompt)
+            d.prefill(slot, [prompt])
     steps = [([11, 12, 13], [3, 21, 1]), ([14], [4]), ([15, 16], [5, 22]), ([17, 18, 19], [6, 23, 2])]
     outputs = [graphed.decode(*step) for step in steps]
     for step, (logits, greedy) in zip(steps, outputs, strict=True):
@@ -53,7 +53,7 @@ def test_graph_replays_equal_eager_steps_and_never_hand_out_a_reused_buffer(mode
 
 def test_batched_greedy_with_graphs_equals_generate(model: Transformer) -> None:
     params = [SamplingParams(n) for n in MAX_TOKENS]
-    batched, sizes = run(model, 3, params, graphs=True)
+    batched, sizes, _ = run(model, 3, params, graphs=True)
     assert max(sizes) == 3
     for prompt, p, b in zip(PROMPTS, params, batched, strict=True):
         assert b.tokens == list(generate(model, prompt, p.max_tokens))

@@ -206,7 +206,7 @@ def test_batched_decode_matches_full_forward_per_row() -> None:
     seqs = [torch.randint(0, CONFIG.vocab_size, (n,), generator=g) for n in (3, 9, 6)]
     cache = KVCache.allocate(CONFIG, TensorParallel(), 4, 32, "cpu", torch.float32)
     for slot, ids in enumerate(seqs):
-        model(ids[None, :-1], 0, cache.slot(slot))
+        model(ids[None, :-1], 0, cache.rows(slot, 1))
     tokens = torch.stack([ids[-1] for ids in seqs])
     positions = torch.tensor([len(ids) - 1 for ids in seqs])
     logits = model.decode(tokens, positions, cache, kv_len=16)
@@ -221,13 +221,32 @@ def test_padded_prefill_matches_unpadded() -> None:
     model = build(CONFIG, random_weights(CONFIG))
     decoder = Decoder(model, KVCache.allocate(CONFIG, TensorParallel(), 2, 40, "cpu", torch.float32))
     prompt = list(range(20, 37))  # 17 tokens: padded to 32
-    logits = decoder.prefill(1, prompt)
-    torch.testing.assert_close(logits, model(torch.tensor([prompt]))[0, -1], rtol=1e-4, atol=1e-4)
+    logits = decoder.prefill(1, [prompt])
+    torch.testing.assert_close(logits[0], model(torch.tensor([prompt]))[0, -1], rtol=1e-4, atol=1e-4)
     reference = KVCache.allocate(CONFIG, TensorParallel(), 1, 40, "cpu", torch.float32)
     model(torch.tensor([prompt]), 0, reference)
     torch.testing.assert_close(decoder.kv.k[:, 1, :, :17], reference.k[:, 0, :, :17], rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="41 tokens exceed the KV slot's 40"):
-        decoder.prefill(0, [1] * 41)
+    with pytest.raises(ValueError, match="1 prompts of up to 41 tokens"):
+        decoder.prefill(0, [[1] * 41])
+
+
+def test_prompts_prefilled_together_match_each_alone() -> None:
+    """Two prompts in one pass (padded to the longer one's bucket): each one's logits and keys as if alone;
+    a pass that would hold more than one slot's tokens is refused."""
+    model = build(CONFIG, random_weights(CONFIG))
+    decoder = Decoder(model, KVCache.allocate(CONFIG, TensorParallel(), 3, 64, "cpu", torch.float32))
+    prompts = [[3, 1, 4], list(range(20, 37))]  # padded to 32 together
+    logits = decoder.prefill(1, prompts)
+    for row, prompt in enumerate(prompts):
+        alone = KVCache.allocate(CONFIG, TensorParallel(), 1, 64, "cpu", torch.float32)
+        torch.testing.assert_close(logits[row], model(torch.tensor([prompt]), 0, alone)[0, -1], rtol=1e-4, atol=1e-4)
+        n = len(prompt)
+        torch.testing.assert_close(decoder.kv.k[:, 1 + row, :, :n], alone.k[:, 0, :, :n], rtol=1e-5, atol=1e-5)
+    assert decoder.prefill_fits(2, 32) and not decoder.prefill_fits(3, 32) and not decoder.prefill_fits(4, 1)
+    with pytest.raises(ValueError, match="3 prompts of up to 17 tokens from slot 0"):
+        decoder.prefill(0, [prompts[1]] * 3)
+    with pytest.raises(ValueError, match="from slot 2"):
+        decoder.prefill(2, prompts)
 
 
 def test_fp8_block_linear_matches_blockwise_formula() -> None:
@@ -326,7 +345,7 @@ def batched_step(model: Transformer, tp: TensorParallel) -> torch.Tensor:
     cache = KVCache.allocate(model.config, tp, 4, 32, "cpu", torch.float32)
     decoder = Decoder(model, cache)
     for slot, prompt in ((0, [4, 8, 15]), (1, [16, 23, 42, 7, 1]), (3, [9])):
-        decoder.prefill(slot, prompt)
+        decoder.prefill(slot, [prompt])
     return decoder.decode([5, 6, 0, 7], [3, 5, 0, 1])[0]
 
 

@@ -26,16 +26,16 @@ class RecordingDecoder(Decoder):
 
     def __init__(self, *args: object) -> None:
         super().__init__(*args)
-        self.prefills: list[int] = []  # padded prompt lengths
+        self.prefills: list[tuple[int, int]] = []  # (prompts, padded length)
         self.decodes: list[tuple[int, int]] = []  # (batch size, KV length)
 
     @property
     def batch_sizes(self) -> list[int]:
         return [n for n, _ in self.decodes]
 
-    def prefill(self, slot: int, prompt_ids: list[int]) -> torch.Tensor:
-        self.prefills.append(bucket(self.lengths, len(prompt_ids)))
-        return super().prefill(slot, prompt_ids)
+    def prefill(self, first: int, prompts: list[list[int]]) -> torch.Tensor:
+        self.prefills.append((len(prompts), bucket(self.lengths, max(map(len, prompts)))))
+        return super().prefill(first, prompts)
 
     def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
         self.decodes.append((len(tokens), bucket(self.lengths, max(positions) + 1)))
@@ -65,9 +65,9 @@ class Collected:
 
 def run(
     model: Transformer, max_batch: int, params: list[SamplingParams], graphs: bool = False
-) -> tuple[list[Collected], list[int]]:
-    """Submit every prompt before starting a scheduler with ``max_batch`` slots; each sequence's events, and
-    the batch sizes of the decode steps. Every shape serving ran must be one warm-up ran first."""
+) -> tuple[list[Collected], list[int], list[tuple[int, int]]]:
+    """Submit every prompt before starting a scheduler with ``max_batch`` slots; each sequence's events, the
+    batch sizes of the decode steps and the prefills' shapes. Every shape serving ran must be one warm-up ran first."""
     kv = KVCache.allocate(model.config, model.tp, max_batch, 128, model.device, model.dtype)
     decoder = RecordingDecoder(model, kv, graphs)
     decoder.warm_up()
@@ -86,15 +86,17 @@ def run(
     finally:
         scheduler.stop(10)
     assert set(decoder.prefills) <= warmed[0] and set(decoder.decodes) <= warmed[1], "a shape warm-up missed"
-    return sinks, decoder.batch_sizes
+    return sinks, decoder.batch_sizes, decoder.prefills
 
 
 def test_batched_greedy_equals_one_at_a_time(model: Transformer) -> None:
     stop = next(iter(generate(model, PROMPTS[3], 20)))  # PROMPTS[3]'s first token ends it at once
     params = [SamplingParams(n, stop_ids=frozenset({stop} if i == 3 else ())) for i, n in enumerate(MAX_TOKENS)]
-    batched, sizes = run(model, 3, params)
-    alone, alone_sizes = run(model, 1, params)
+    batched, sizes, prefills = run(model, 3, params)
+    alone, alone_sizes, alone_prefills = run(model, 1, params)
     assert set(alone_sizes) == {1} and max(sizes) == 3
+    # The first three prompts, queued together, are prefilled in one pass (padded to the longest's 32).
+    assert prefills[0] == (3, 32) and {n for n, _ in alone_prefills} == {1}
     assert len(sizes) < sum(len(s.tokens) for s in batched) / 2, "decode steps were not shared"
     for prompt, p, b, a in zip(PROMPTS, params, batched, alone, strict=True):
         expected = list(generate(model, prompt, p.max_tokens, stop_ids=p.stop_ids))
@@ -106,6 +108,6 @@ def test_batched_greedy_equals_one_at_a_time(model: Transformer) -> None:
 def test_batched_seeded_sampling_equals_generate(model: Transformer) -> None:
     """Each sequence keeps its own generator: batching does not change which random numbers it draws."""
     params = [SamplingParams(n, temperature=0.9, top_p=0.95, seed=i) for i, n in enumerate(MAX_TOKENS)]
-    batched, _ = run(model, 3, params)
+    batched, _, _ = run(model, 3, params)
     for prompt, p, b in zip(PROMPTS, params, batched, strict=True):
         assert b.tokens == list(generate(model, prompt, p.max_tokens, temperature=0.9, top_p=0.95, seed=p.seed))
