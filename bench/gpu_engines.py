@@ -11,7 +11,8 @@
    start until it serves); a new engine attaches to it, is promoted (after the old primary is demoted)
    and completes the same text.
 3. Attach inside each freshly started engine, from the engine's own log line (total and its parts:
-   checkpoint headers, waiting for the CUDA context, attach, bind). The new engine of 2 is a spare
+   checkpoint headers, waiting for the CUDA context, attach, bind; the attach's own: the daemon's reply, map,
+   offer). The new engine of 2 is a spare
    (prepared before the kill, started by one byte once the daemon serves again, as the controller does).
 The last stdout line is one JSON object. Every process is killed at the end.
 """
@@ -39,9 +40,10 @@ REPO = Path(__file__).resolve().parent.parent
 PROMPT = "The weight cache keeps"
 ATTACHED = re.compile(
     r"attached \d+ tensors from \S+ in ([\d.]+) ms \(checkpoint headers ([\d.]+), waiting for the CUDA context "
-    r"([\d.]+), attach ([\d.]+), bind ([\d.]+)\)(; prepared before this spare was started)?"
+    r"([\d.]+), attach ([\d.]+), bind ([\d.]+); attach: daemon's reply ([\d.]+), map ([\d.]+), offer ([\d.]+)\)"
+    r"(; prepared before this spare was started)?"
 )
-PARTS = ("total", "checkpoint_headers", "cuda_context_wait", "attach", "bind")
+PARTS = ("total", "checkpoint_headers", "cuda_context_wait", "attach", "bind", "reply", "map", "offer")
 
 
 def attach_times(workdir: Path) -> list[dict[str, float]]:

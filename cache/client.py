@@ -86,6 +86,7 @@ class Attachment:
     seconds: float
     _conn: socket.socket | None = field(default=None, repr=False)
     handover: HandoverOffer | None = field(default=None, repr=False)  # offers the arena to a successor daemon
+    parts: dict[str, float] = field(default_factory=dict)  # ms of the attach's steps: reply, map, offer
 
     @property
     def content_hash(self) -> str:
@@ -225,6 +226,7 @@ def attach(
         except BaseException:
             _close_all(fds)
             raise
+        replied = time.perf_counter()
         imported = _import(reply, fds, device, socket_path)
         try:
             tensors = arena_layout.views(imported.tensor, entries)
@@ -237,8 +239,11 @@ def attach(
             os.close(kept)
         raise
     conn.settimeout(None)
+    mapped = time.perf_counter()
     offer = _offer(Path(socket_path), expected, reply["handle"], kept) if kept >= 0 else None
-    return Attachment(tensors, reply["manifest"], imported, time.perf_counter() - start, conn, offer)
+    end = time.perf_counter()
+    parts = {"reply": (replied - start) * 1e3, "map": (mapped - replied) * 1e3, "offer": (end - mapped) * 1e3}
+    return Attachment(tensors, reply["manifest"], imported, end - start, conn, offer, parts)
 
 
 def _keep_for_handover(handle: dict[str, Any], fds: list[int]) -> int:

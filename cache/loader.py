@@ -12,9 +12,12 @@ bytes where they go:
   to 24.9 GB/s, but a 32 GB snapshot on tmpfs filled slower registered (6.6 GB/s) than through the ring (16.3),
   so snapshots are read through the ring;
 - onto a CUDA device otherwise: through a ring of pinned host buffers allocated once per load (on first use, up to
-  RING_BUFFERS of them). The next piece is read while the previous buffer's host-to-device copy runs on a side
-  stream, and a buffer is read into again only once its copy has finished (a CUDA event per buffer).
-  Processing (slicing, casting, quantizing) then runs on the device, queued behind the copies.
+  RING_BUFFERS of them). Within one ``read_into`` the reads of the next pieces run while earlier pieces' host-to-
+  device copies do (a piece's copy is queued on a side stream once its read is done), and a buffer is read into
+  again only once its copy has finished (a CUDA event per buffer). Measured on an H200 (``bench/snapshot_read.py``,
+  docs/benchmarks.md): 16 threads and 4 buffers without a wait between pieces move a tmpfs file at ~30 GB/s,
+  8 threads reading one piece at a time at 14-20. Processing (slicing, casting, quantizing) then runs on the
+  device, queued behind the copies.
 
 With ``direct=True`` files are opened with O_DIRECT, bypassing the page cache (for cold files): buffers and
 file offsets are ALIGN-aligned, the aligned superset of each piece is read and its inner part used; a CPU
@@ -28,6 +31,7 @@ destination then goes through one aligned staging buffer.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import mmap
@@ -35,7 +39,8 @@ import os
 import sys
 import warnings
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,8 +54,8 @@ log = logging.getLogger(__name__)
 ALIGN = 4096  # O_DIRECT alignment of buffers, offsets and lengths (a page; enough for every block size in use)
 BUFFER_BYTES = 64 << 20  # one piece: one pinned buffer, one host-to-device copy
 PART_BYTES = 4 << 20  # the least one thread reads of a piece; a smaller piece is one read
-READ_THREADS = 8  # at most; page-cache reads scale with threads up to the memory bus
-RING_BUFFERS = 2  # pinned buffers on a CUDA load: one is read into while the other's copy runs
+READ_THREADS = 16  # at most; page-cache reads scale with threads up to the memory bus
+RING_BUFFERS = 4  # pinned buffers on a CUDA load: the next pieces are read while earlier ones' copies run
 HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly: the device only reads the registered pages
 
 
@@ -105,6 +110,40 @@ class _Slot:
         self.event.synchronize()
 
 
+@dataclass
+class _Reads:
+    """The parallel reads of one buffer: each part's future and length; ``check`` waits for them."""
+
+    path: Path
+    offset: int  # of the buffer's first byte in the file
+    needed: int  # bytes that must arrive (an O_DIRECT superset may run past the end of the file)
+    parts: list[tuple[Future[int], int]]
+
+    def check(self) -> None:
+        """Until every part is read; ReadError unless the first ``needed`` bytes arrived."""
+        got = 0
+        counts = [(future.result(), length) for future, length in self.parts]
+        for count, length in counts:  # the bytes read before the first short part
+            got += count
+            if count < length:
+                break
+        if got < self.needed:
+            raise ReadError(
+                f"{self.path} ends at byte {self.offset + got}, but the load needs its bytes up to "
+                f"{self.offset + self.needed} (truncated since it was checked?)"
+            )
+
+
+@dataclass
+class _Piece:
+    """A piece on its way through the ring: its reads into ``slot``, then a copy of ``host`` into ``dest``."""
+
+    slot: _Slot
+    reads: _Reads
+    host: torch.Tensor  # the part of the slot's buffer that holds the piece
+    dest: torch.Tensor
+
+
 def progress_bar(total: int, desc: str, *, enabled: bool = True) -> tqdm:
     """A progress bar in bytes, shown only when ``enabled`` and stderr is a terminal (never in a log)."""
     shown = enabled and sys.stderr.isatty()
@@ -133,7 +172,7 @@ class Loader:
         self._refused_register = False
         self._staging: torch.Tensor | None = None  # CPU with O_DIRECT: the aligned buffer pieces land in
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self._ring: deque[_Slot] = deque()
+        self._ring: deque[_Slot] = deque()  # buffers no read is going into (their last copy may still run)
 
     def __enter__(self) -> Loader:
         return self
@@ -168,90 +207,119 @@ class Loader:
         dest.record_stream(torch.cuda.current_stream(self.device))
         return dest
 
-    def read_into(self, path: Path, offset: int, dest: torch.Tensor, *, fresh: bool = False) -> None:
+    def read_into(
+        self,
+        path: Path,
+        offset: int,
+        dest: torch.Tensor,
+        *,
+        fresh: bool = False,
+        progress: Callable[[int], object] | None = None,
+    ) -> None:
         """Fill ``dest`` (a contiguous uint8 tensor on the device) with the bytes of ``path`` at ``offset``; when
         it returns, work queued on the current stream sees them. ``fresh``: ``dest`` was allocated on the copies'
-        stream, so they need not wait for the current one."""
+        stream, so they need not wait for the current one. ``progress``: called with each piece's bytes."""
         if self._stream is not None and not fresh:
             self._stream.wait_stream(torch.cuda.current_stream(self.device))  # dest may still be in use there
         nbytes = dest.numel()
-        for start in range(0, nbytes, BUFFER_BYTES):
-            piece = dest[start : min(start + BUFFER_BYTES, nbytes)]
-            if self._stream is None:
-                self._read_host(path, offset + start, piece)
-            else:
-                self._read_device(path, offset + start, piece)
+        moving: deque[_Piece] = deque()  # pieces read or being read into the ring, not yet queued to copy
+        try:
+            for start in range(0, nbytes, BUFFER_BYTES):
+                piece = dest[start : min(start + BUFFER_BYTES, nbytes)]
+                if self._stream is None:
+                    self._read_host(path, offset + start, piece)
+                elif not self._read_registered(path, offset + start, piece):
+                    moving.append(self._start_piece(path, offset + start, piece, moving, progress))
+                    continue
+                if progress is not None:
+                    progress(piece.numel())
+            while moving:
+                self._copy_piece(moving.popleft(), progress)
+        finally:
+            for unfinished in moving:  # a read failed: the others must end before their buffers are reused
+                with contextlib.suppress(ReadError):
+                    unfinished.reads.check()
+                self._ring.append(unfinished.slot)
         if self._stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self._stream)
 
     def _read_host(self, path: Path, offset: int, dest: torch.Tensor) -> None:
         file = self._open(path)
         if not file.direct:
-            self._fill(path, file, offset, dest.numel(), dest)
+            self._submit(path, file, offset, dest.numel(), dest).check()
             return
         if self._staging is None:
             self._staging = aligned_host_buffer(BUFFER_BYTES + 2 * ALIGN, pinned=False)
-        dest.copy_(self._fill(path, file, offset, dest.numel(), self._staging))
+        reads, host = self._submit_aligned(path, file, offset, dest.numel(), self._staging)
+        reads.check()
+        dest.copy_(host)
 
-    def _read_device(self, path: Path, offset: int, dest: torch.Tensor) -> None:
+    def _read_registered(self, path: Path, offset: int, dest: torch.Tensor) -> bool:
+        """Queue the copy of a registered file's bytes into ``dest``; False when ``path`` is not registered."""
         file = self._open(path)
-        if file.registered is not None:
-            if offset + dest.numel() > file.size:
-                raise ReadError(
-                    f"{path} ends at byte {file.size}, but the load needs its bytes up to {offset + dest.numel()} "
-                    "(truncated since it was checked?)"
-                )
-            with torch.cuda.stream(self._stream):
-                dest.copy_(file.registered.tensor[offset : offset + dest.numel()], non_blocking=True)
-            return
-        slot = self._take_slot()
-        host = self._fill(path, self._open(path), offset, dest.numel(), slot.buffer)
+        if file.registered is None:
+            return False
+        if offset + dest.numel() > file.size:
+            raise ReadError(
+                f"{path} ends at byte {file.size}, but the load needs its bytes up to {offset + dest.numel()} "
+                "(truncated since it was checked?)"
+            )
         with torch.cuda.stream(self._stream):
-            dest.copy_(host, non_blocking=True)
-            slot.event.record(self._stream)
-        self._ring.append(slot)
+            dest.copy_(file.registered.tensor[offset : offset + dest.numel()], non_blocking=True)
+        return True
 
-    def _take_slot(self) -> _Slot:
-        """The oldest buffer of the ring once it is free; a new one while it is busy and the ring not full."""
-        if not self._ring or (len(self._ring) < RING_BUFFERS and self._ring[0].is_busy()):
-            buffer = aligned_host_buffer(BUFFER_BYTES + 2 * ALIGN, pinned=True)
-            return _Slot(buffer, torch.cuda.Event())
-        slot = self._ring.popleft()
-        slot.wait()
-        return slot
+    def _start_piece(
+        self, path: Path, offset: int, dest: torch.Tensor, moving: deque[_Piece], progress: Callable | None
+    ) -> _Piece:
+        """Start reading a piece into a free buffer of the ring; with every buffer taken, queue the copy of the
+        oldest piece first (and wait for a copy to finish)."""
+        if not self._ring and len(moving) >= RING_BUFFERS:
+            self._copy_piece(moving.popleft(), progress)
+        slot = self._take_slot(len(moving))
+        reads, host = self._submit_aligned(path, self._open(path), offset, dest.numel(), slot.buffer)
+        return _Piece(slot, reads, host, dest)
 
-    def _fill(self, path: Path, file: _File, offset: int, nbytes: int, buffer: torch.Tensor) -> torch.Tensor:
-        """Read ``nbytes`` at ``offset`` into host ``buffer``; returns the part of it that holds them (with
-        O_DIRECT the aligned superset is read, and the part starts past the alignment)."""
+    def _copy_piece(self, piece: _Piece, progress: Callable | None) -> None:
+        """Once the piece's reads are done, queue its copy and give its buffer back to the ring."""
+        try:
+            piece.reads.check()
+            with torch.cuda.stream(self._stream):
+                piece.dest.copy_(piece.host, non_blocking=True)
+                piece.slot.event.record(self._stream)
+        finally:
+            self._ring.append(piece.slot)
+        if progress is not None:
+            progress(piece.dest.numel())
+
+    def _take_slot(self, reading: int) -> _Slot:
+        """A free buffer, ``reading`` others being read into: the ring's oldest once its copy is done, a new one
+        while it is still copying and there are fewer than RING_BUFFERS."""
+        if self._ring and (len(self._ring) + reading >= RING_BUFFERS or not self._ring[0].is_busy()):
+            slot = self._ring.popleft()
+            slot.wait()
+            return slot
+        buffer = aligned_host_buffer(BUFFER_BYTES + 2 * ALIGN, pinned=True)
+        return _Slot(buffer, torch.cuda.Event())
+
+    def _submit_aligned(
+        self, path: Path, file: _File, offset: int, nbytes: int, buffer: torch.Tensor
+    ) -> tuple[_Reads, torch.Tensor]:
+        """Start reading ``nbytes`` at ``offset`` into host ``buffer``: the reads, and the part of ``buffer`` that
+        will hold the bytes (with O_DIRECT the aligned superset is read, and the part starts past the alignment)."""
         if not file.direct:
-            self._read_parts(path, file, buffer[:nbytes], offset, nbytes)
-            return buffer[:nbytes]
+            return self._submit(path, file, offset, nbytes, buffer[:nbytes]), buffer[:nbytes]
         start = offset - offset % ALIGN
         end = -(-(offset + nbytes) // ALIGN) * ALIGN
-        self._read_parts(path, file, buffer[: end - start], start, offset + nbytes - start)
-        return buffer[offset - start : offset - start + nbytes]
+        reads = self._submit(path, file, start, offset + nbytes - start, buffer[: end - start])
+        return reads, buffer[offset - start : offset - start + nbytes]
 
-    def _read_parts(self, path: Path, file: _File, buffer: torch.Tensor, offset: int, needed: int) -> None:
-        """Read ``buffer`` from ``offset`` in parallel parts (ALIGN multiples); ReadError unless at least the
-        first ``needed`` bytes arrived (an O_DIRECT superset may run past the end of the file)."""
+    def _submit(self, path: Path, file: _File, offset: int, needed: int, buffer: torch.Tensor) -> _Reads:
+        """Start reading ``buffer`` from ``offset`` in parallel parts (ALIGN multiples) on the pool."""
         view = memoryview(buffer.numpy())
         part = max(PART_BYTES, -(-len(view) // self._threads // ALIGN) * ALIGN)
         parts = [view[start : start + part] for start in range(0, len(view), part)]
-        if len(parts) == 1:
-            counts = [_pread_full(path, file.fd, view, offset)]
-        else:
-            reads = [self._pool.submit(_pread_full, path, file.fd, p, offset + i * part) for i, p in enumerate(parts)]
-            counts = [read.result() for read in reads]
-        got = 0
-        for piece, count in zip(parts, counts, strict=True):  # the bytes read before the first short part
-            got += count
-            if count < len(piece):
-                break
-        if got < needed:
-            raise ReadError(
-                f"{path} ends at byte {offset + got}, but the load needs its bytes up to {offset + needed} "
-                "(truncated since it was checked?)"
-            )
+        futures = [self._pool.submit(_pread_full, path, file.fd, p, offset + i * part) for i, p in enumerate(parts)]
+        return _Reads(path, offset, needed, [(f, len(p)) for f, p in zip(futures, parts, strict=True)])
 
     def _open(self, path: Path) -> _File:
         file = self._files.get(path)

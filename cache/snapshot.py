@@ -36,7 +36,7 @@ FORMAT_VERSION = 2  # 2: the data's digest is cache.digest's (1 had a SHA-256)
 LENGTH = struct.Struct(">Q")
 DATA_ALIGNMENT = 4096
 MAX_HEADER_BYTES = 64 << 20
-CHUNK_BYTES = 64 << 20  # one write while a snapshot is written, one read while it is loaded
+CHUNK_BYTES = 64 << 20  # one write while a snapshot is written
 
 
 class SnapshotError(HotweightsError):
@@ -180,12 +180,9 @@ def load_snapshot(
 
 def _read_into(path: Path, offset: int, nbytes: int, arena: torch.Tensor, direct: bool) -> None:
     """Read ``nbytes`` at ``offset`` into ``arena`` through the loader (straight into host memory, or through
-    the pinned ring onto a device), CHUNK_BYTES at a time for the progress bar."""
+    the pinned ring onto a device) in one call, so the ring's reads and copies overlap all the way."""
     with loader.Loader(arena.device, direct=direct) as reads, loader.progress_bar(nbytes, "snapshot") as bar:
         try:
-            for start in range(0, nbytes, CHUNK_BYTES):
-                size = min(CHUNK_BYTES, nbytes - start)
-                reads.read_into(path, offset + start, arena[start : start + size])
-                bar.update(size)
+            reads.read_into(path, offset, arena[:nbytes], progress=bar.update)
         except loader.ReadError as exc:
             raise SourceRefused(f"snapshot {path}: {exc}") from None

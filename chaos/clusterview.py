@@ -26,6 +26,7 @@ class ClusterView:
     services: list[dict[str, Any]]
     spares: list[dict[str, Any]] = field(default_factory=list)
     batch: list[dict[str, Any]] = field(default_factory=list)  # co-located batch engines
+    daemon_spares: list[dict[str, Any]] = field(default_factory=list)
 
     def primaries(self) -> list[dict[str, Any]]:
         return [m for m in self.members if m["role"] == Role.PRIMARY and m["pid"] is not None]
@@ -39,8 +40,8 @@ class ClusterView:
 
     def incomplete(self) -> str | None:
         """None when every group has one healthy primary, every other engine is a ready standby, every spare
-        the controller wants is ready, every batch engine and daemon and the gateway serve; else what is still
-        missing."""
+        (engine or daemon) the controller wants is ready, every batch engine and daemon and the gateway serve;
+        else what is still missing."""
         missing = []
         for group in sorted({m["group"] for m in self.members}):
             members = [m for m in self.members if m["group"] == group]
@@ -51,6 +52,7 @@ class ClusterView:
                 missing.append(f"group {group}: {states}")
         missing += [f"{s['id']} not serving" for s in self.services if not (s["alive"] and s["serving"])]
         missing += [f"the spare for {s['member']} not ready" for s in self.spares if not s["ready"]]
+        missing += [f"the spare daemon for {s['service']} not ready" for s in self.daemon_spares if not s["ready"]]
         missing += [f"batch engine {b['id']} not serving ({b['reason']})" for b in self.batch if not b["serving"]]
         return "; ".join(missing) or None
 
@@ -86,7 +88,7 @@ class ControlApi:
         if response.status_code != 200:
             return None
         body = response.json()
-        return ClusterView(body["members"], body["services"], body["spares"], body["batch"])
+        return ClusterView(body["members"], body["services"], body["spares"], body["batch"], body["daemon_spares"])
 
     async def events(self, since: float) -> list[dict[str, Any]]:
         """Events recorded at or after ``since`` (time.time()); [] while the controller does not answer."""

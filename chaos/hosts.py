@@ -344,13 +344,14 @@ class HostsApi(ControlApi):
         views = await asyncio.gather(*(api.cluster() for api in self.apis.values()))
         if any(view is None for view in views):
             return None
-        members, services, spares = [], [], []
+        members, services, spares, daemon_spares = [], [], [], []
         for name, view in zip(self.apis, views, strict=True):
             assert view is not None
             members += [m | {"id": f"{name}/{m['id']}"} for m in view.members]
             services += [s | {"id": f"{name}/{s['id']}"} for s in view.services]
             spares += [s | {"member": f"{name}/{s['member']}"} for s in view.spares]
-        return ClusterView(members, services, spares)
+            daemon_spares += [s | {"service": f"{name}/{s['service']}"} for s in view.daemon_spares]
+        return ClusterView(members, services, spares, daemon_spares=daemon_spares)
 
     async def events(self, since: float) -> list[dict[str, Any]]:
         found = await asyncio.gather(*(api.events(since) for api in self.apis.values()))

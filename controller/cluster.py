@@ -471,26 +471,37 @@ class Cluster:
         command = self.layout.engine_command(self.members[slot].spec, generation) if slot else []
         self.spares.tend(group, slot, command, self.layout.environment(group))
 
-    def tend_daemon_spare(self, group: int) -> None:
-        """Keep a spare for the group's current daemon while it serves (``spare = true``, one daemon per group, of
-        reference engines): its respawn then starts the spare, imports done, instead of a new process. While the
-        daemon is down the spare is left alone: the respawn takes it."""
+    def keeps_daemon_spare(self, group: int) -> bool:
+        """Whether the group keeps a spare daemon: ``spare = true``, one daemon per group, reference engines."""
         config = self.config.groups[group]
-        if not config.spare or config.tp_size > 1 or config.engine != REFERENCE:
-            self.daemon_spares.tend(group, None, [], None)
-            return
+        return config.spare and config.tp_size == 1 and config.engine == REFERENCE
+
+    def daemon_spare_for(self, group: int) -> Service | None:
+        """The daemon the group's spare daemon is for now: its serving daemon of the current generation; None
+        while it has none, or when the group keeps no spare daemon."""
+        if not self.keeps_daemon_spare(group):
+            return None
         number = self.weights[group].current.number
         serving = (s for s in self.services.values() if s.kind == "daemon" and s.group == group and s.serving)
-        service = next((s for s in serving if self._generation_of(s) == number), None)
+        return next((s for s in serving if self._generation_of(s) == number), None)
+
+    def tend_daemon_spare(self, group: int) -> None:
+        """Keep a spare for the group's current daemon while it serves (``daemon_spare_for``): its respawn then
+        starts the spare, imports done, instead of a new process. While the daemon is down the spare is left
+        alone: the respawn takes it."""
+        if not self.keeps_daemon_spare(group):
+            self.daemon_spares.tend(group, None, [], None)
+            return
+        service = self.daemon_spare_for(group)
         if service is not None:
             command = self.layout.daemon_command(group, service.rank, service.generation)
             self.daemon_spares.tend(group, service.id, command, self.layout.environment(group))
 
     def daemon_spares_json(self) -> list[dict[str, Any]]:
-        """For each group with a spare daemon process: the daemon it waits to replace, its pid, whether ready."""
-        spares = self.daemon_spares.spares
-        return [{"group": g, "service": spare.member_id} | self.daemon_spares.describe(g, spare.member_id)
-                for g, spare in sorted(spares.items())]  # fmt: skip
+        """For each group that wants a spare daemon now: the daemon it waits to replace, the spare's pid (None: not
+        started yet), whether it is ready."""
+        wanted = {g: d.id for g in range(len(self.config.groups)) if (d := self.daemon_spare_for(g)) is not None}
+        return [{"group": g, "service": d} | self.daemon_spares.describe(g, d) for g, d in sorted(wanted.items())]
 
     def generations_json(self) -> list[dict[str, Any]]:
         """Each group's current weight generation: number, checkpoint, whether one of its engines was primary."""

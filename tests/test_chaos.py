@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from hotweights.chaos.clusterview import ClusterView
 from hotweights.chaos.load import LoadGenerator, RequestRecord, reference_completion
 from hotweights.chaos.measure import RoundResult, apply_events, apply_requests
 from hotweights.chaos.proxy import DelayProxy
@@ -164,6 +165,19 @@ def test_the_quiet_outage_is_the_same_formula_before_the_fault() -> None:
     late = RoundResult("kill-primary", 0, started_at=0.0, fault_at=0.26)  # its quiet instant has no earlier success
     apply_requests(late, ok, until=2.0)
     assert late.quiet_outage_ms is None
+
+
+def test_a_cluster_is_whole_only_once_the_spare_daemon_it_wants_is_ready() -> None:
+    """A drill round starts from a whole cluster: a kill of the daemon before its respawned spare is imported
+    would measure a respawn from nothing, not the spare's."""
+    members = [{"id": "g0-e0", "group": 0, "role": "primary", "status": "healthy", "state": "ready", "pid": 1}]
+    services = [{"id": "g0-cache", "alive": True, "serving": True}]
+    waiting = {"group": 0, "service": "g0-cache", "pid": None, "ready": False}
+    assert ClusterView(members, services).incomplete() is None
+    assert ClusterView(members, services, daemon_spares=[waiting]).incomplete() == (
+        "the spare daemon for g0-cache not ready"
+    )
+    assert ClusterView(members, services, daemon_spares=[waiting | {"pid": 7, "ready": True}]).incomplete() is None
 
 
 def test_split_brain_detector_counts_sweeps_with_two_primaries() -> None:

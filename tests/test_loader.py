@@ -276,3 +276,22 @@ def test_a_snapshot_onto_cuda_keeps_its_content_hash_and_the_cpu_arenas_bytes(
     assert cuda_hash == cpu_hash
     read_hash, _, data = read_back(tmp_path / "cuda.snap", tiny_model, "cuda-ipc", "cuda:0", direct)
     assert read_hash == cpu_hash and (tmp_path / "cpu.snap").read_bytes().endswith(data)
+
+
+@needs_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("direct", [False, True], ids=["buffered", "direct"])
+def test_the_ring_reads_every_range_onto_cuda_with_reads_ahead_of_copies(
+    data_file: tuple[Path, bytes], small_pieces: None, direct: bool
+) -> None:
+    """Pieces of 64 KiB through the 4 pinned buffers: many pieces per range, reads running ahead of copies; each
+    range's bytes, every piece reported to ``progress``, and a range past the end refused with the others intact."""
+    path, data = data_file
+    with Loader("cuda:0", direct=direct) as reads:
+        for offset, n in ranges(data):
+            dest, seen = torch.empty(n, dtype=torch.uint8, device="cuda:0"), []
+            reads.read_into(path, offset, dest, progress=seen.append)
+            assert bytes(dest.cpu().numpy()) == data[offset : offset + n] and sum(seen) == n, (offset, n)
+        with pytest.raises(ReadError, match=f"{path} ends at byte {len(data)}"):
+            reads.read(path, len(data) - 200_000, 200_001)
+        assert bytes(reads.read(path, 5, 200_000).cpu().numpy()) == data[5:200_005]
