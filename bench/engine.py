@@ -16,7 +16,10 @@ Starts one engine as a standby (the embedded tiny model unless --model), then:
   (``tokens_per_s_batched``); ``batch_gain`` is their ratio. ``ms_per_token_batch1`` is one decode
   step as a client pays it: a --gen-tokens completion less a 16-token one (median of 3 each), over
   the extra tokens, so prefill and HTTP cancel out (streamed chunks would not do: the detokenizer
-  holds back pieces that are not yet whole characters).
+  holds back pieces that are not yet whole characters);
+- a burst: --max-batch one-token requests sent at once, as a queue reaches a newly promoted primary
+  (``burst_ms``, until the last answers), over one alone (``burst_one_ms``): ``burst_ratio`` (prompts that
+  wait together are prefilled in one pass, so it stays well below --max-batch).
 Prints a table to stderr; the last stdout line is one JSON object with the numbers and targets
 (promote <= 50 ms on CPU, <= 20 ms on CUDA; p99 health <= 10 ms; batch_gain >= 2.0 on CPU, >= 3.5
 on CUDA; first_after_promote_ratio <= 1.5 on CPU, <= 1.2 on CUDA; on CUDA ms_per_token_batch1 <= 11,
@@ -181,6 +184,23 @@ def measure_throughput(url: str, gen_tokens: int, sequences: int) -> float:
     return round(tokens / (time.perf_counter() - start), 1)
 
 
+def measure_burst(url: str, sequences: int) -> dict[str, float]:
+    """A queue after a failover: ``sequences`` one-token requests (each its own prompt) sent at once, the time
+    until the last answers, over one such request alone; median of 5 each (module docstring)."""
+    clients = [httpx.Client(base_url=url) for _ in range(sequences)]
+    prompts = [f"Request {i} arrived while the primary failed over" for i in range(sequences)]
+
+    def burst(n: int) -> float:
+        start = time.perf_counter()
+        with ThreadPoolExecutor(n) as pool:
+            list(pool.map(lambda i: complete(clients[i], 1, prompts[i]), range(n)))
+        return (time.perf_counter() - start) * 1000
+
+    alone = percentile([burst(1) for _ in range(5)], 50)
+    together = percentile([burst(sequences) for _ in range(5)], 50)
+    return {"burst_one_ms": round(alone, 3), "burst_ms": round(together, 3), "burst_ratio": round(together / alone, 3)}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
@@ -220,6 +240,7 @@ def main() -> int:
             batched = measure_throughput(url, args.gen_tokens, args.max_batch)
             results[f"tokens_per_s_{args.max_batch}_concurrent"] = results["tokens_per_s_batched"] = batched
             results["batch_gain"] = round(batched / results["tokens_per_s"], 3)
+            results |= measure_burst(url, args.max_batch)
     finally:
         process.kill()
         process.wait(timeout=30)
