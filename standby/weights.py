@@ -213,7 +213,7 @@ def load_model(
     if prepared is not None and not prepared.still_valid(model_dir, spec):
         log.info("the checkpoint in %s changed since this spare read it: reading it again", model_dir)
         prepared = None
-    ready = prepared or prepare(model_dir, spec)
+    ready = prepared or prepare(model_dir, spec, skeleton=weight_cache != "off")  # built while the context is made
     checkpoint, fingerprint = ready.checkpoint, ready.fingerprint
     if weight_cache != "off":
         paths = paths_for(socket_path, torch.device(spec.device), fingerprint.digest())
