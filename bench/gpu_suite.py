@@ -38,8 +38,9 @@ Steps, each a subprocess with its own time limit, so one failure or hang cannot 
             snapshot from the page cache, disk fill, the digest's rate
   drill_daemon_xl  hotweights drill kill-daemon on xl at 10 requests/s: the controller's respawn from its spare
             daemon (respawn_ms), re-adopting, while the engines serve (report in DIR/drill-daemon-xl)
-Results go to DIR/gpu_suite.json and every step's output to DIR/steps.log; the last stdout line
-is one JSON object. Exits 1 if any step failed.
+Results go to DIR/gpu_suite.json and every step's output to DIR/steps.log; the drills' report folders
+are packed into DIR/reports.tar (the lent machine returns at most 8 files); the last stdout line is
+one JSON object. Exits 1 if any step failed.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -154,6 +156,18 @@ def last_json(text: str) -> object:
     return None
 
 
+def pack_reports(out: Path) -> None:
+    """Move every report folder under ``out`` into ``out/reports.tar``."""
+    folders = sorted(p for p in out.iterdir() if p.is_dir())
+    if not folders:
+        return
+    with tarfile.open(out / "reports.tar", "w") as tar:
+        for folder in folders:
+            tar.add(folder, arcname=folder.name)
+    for folder in folders:
+        shutil.rmtree(folder)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, type=Path)
@@ -180,6 +194,7 @@ def main() -> int:
             print(f"{name:12s} rc={rc} {seconds:7.1f} s  {json.dumps(results[name]['result'])[:300]}", flush=True)
     finally:
         shutil.rmtree(args.workdir, ignore_errors=True)
+        pack_reports(args.out)
     summary = {"ok": all(r["rc"] == 0 for r in results.values()), "date": time.strftime("%Y-%m-%d"), **results}
     (args.out / "gpu_suite.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary))
