@@ -76,6 +76,7 @@ from hotweights.chaos.stack import free_ports
 from hotweights.contract import Endpoint
 from hotweights.spawn import hotweights_command
 from hotweights.stats import percentile
+from hotweights.waiting import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 TARGETS = {"p50_ms": 300.0, "p99_ms": 1000.0}
@@ -398,7 +399,7 @@ async def multihost(args: argparse.Namespace) -> int:
         for host in hosts:
             host.start()
         urls = [url for host in hosts for url in host.urls]
-        await asyncio.to_thread(wait_for, lambda: one_primary(urls), 300, "a primary and every engine ready")
+        await asyncio.to_thread(wait_until, lambda: one_primary(urls), 300, "a primary and every engine ready")
         gateway_config = root / "gateway.toml"  # not in a host's directory: killing a host leaves it running
         gateway_config.write_text(hosts[0].config.read_text())
         gateway_port = free_ports(1)[0]
@@ -465,7 +466,7 @@ async def one_round(
 ) -> dict[str, Any]:
     """Inject ``fault`` against the primary's host (or etcd), wait for a primary (another one, unless etcd was
     restarted), undo the fault; returns the fault, its time.time() and the fault-to-new-primary time."""
-    old = await asyncio.to_thread(wait_for, lambda: one_primary(urls), 300, "a whole cluster")
+    old = await asyncio.to_thread(wait_until, lambda: one_primary(urls), 300, "a whole cluster")
     index = next(i for i, h in enumerate(hosts) if old in h.urls)
     host = hosts[index]
     pid = httpx.get(old + Endpoint.PRIMARY, timeout=5).json()["pid"]
@@ -488,7 +489,7 @@ async def one_round(
         moved = [u for u in found if u != old]
         return (moved or None) if fault != "etcd-restart" else (found or None)
 
-    new = await asyncio.to_thread(wait_for, new_primary, 60, "a primary after the fault")
+    new = await asyncio.to_thread(wait_until, new_primary, 60, "a primary after the fault")
     switched_ms = round((time.time() - fault_at) * 1000, 1)
     if fault in ("kill-host", "controller-loss"):
         host.controller.wait(timeout=10)
@@ -506,15 +507,6 @@ async def first_ok_ms(load: LoadGenerator, fault_at: float, timeout_s: float = 3
             return None
         await asyncio.sleep(0.05)
     return round((min(ends) - fault_at) * 1000, 1)
-
-
-def wait_for(predicate: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(0.02)
-    raise TimeoutError(f"no {what} within {timeout:g} s")
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ import httpx
 from hotweights.cache.client import request
 from hotweights.contract import Endpoint
 from hotweights.spawn import READY_FLAG, START_FLAG, hotweights_command
+from hotweights.waiting import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPT = "The weight cache keeps"
@@ -70,15 +71,6 @@ def used_mib(device_index: int | None) -> int:
         check=True,
     )
     return int(out.stdout.strip())
-
-
-def wait_until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 Spare = tuple[subprocess.Popen, int]  # a spare's process and the fd that starts it

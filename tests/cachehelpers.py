@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
-
-import httpx
 
 from hotweights.cache.checkpoint import read_checkpoint
 from hotweights.cache.daemon import CacheDaemon, pipeline_source
@@ -21,22 +17,12 @@ from hotweights.cache.fingerprint import compute_fingerprint
 from hotweights.cache.paths import DaemonPaths
 from hotweights.cache.pipeline import LoadSpec
 from hotweights.spawn import hotweights_command
+from hotweights.waiting import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 # The live environment (not a copy): tests/conftest.py gives every test its own HOTWEIGHTS_HOME and runtime
 # dir there, and the children a test starts with ``env=ENV`` must see this test's, not the first one's.
 ENV = os.environ
-
-
-def wait_until(predicate: Any, timeout: float = 60.0, what: str = "condition", interval: float = 0.02) -> Any:
-    """Poll until ``predicate()`` is truthy and return its value; transport errors count as not yet."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.TransportError):
-            if value := predicate():
-                return value
-        time.sleep(interval)
-    raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
 
 
 class ThreadDaemon:
