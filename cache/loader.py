@@ -271,13 +271,23 @@ class Loader:
     def _start_piece(
         self, path: Path, offset: int, dest: torch.Tensor, moving: deque[_Piece], progress: Callable | None
     ) -> _Piece:
-        """Start reading a piece into a free buffer of the ring; with every buffer taken, queue the copy of the
-        oldest piece first (and wait for a copy to finish)."""
-        if not self._ring and len(moving) >= RING_BUFFERS:
-            self._copy_piece(moving.popleft(), progress)
-        slot = self._take_slot(len(moving))
+        """Start reading a piece into a free buffer of the ring (``_free_slot``)."""
+        slot = self._free_slot(moving, progress)
         reads, host = self._submit_aligned(path, self._open(path), offset, dest.numel(), slot.buffer)
         return _Piece(slot, reads, host, dest)
+
+    def _free_slot(self, moving: deque[_Piece], progress: Callable | None) -> _Slot:
+        """A buffer for the next piece: a new one while there are fewer than RING_BUFFERS and none is idle; else
+        the oldest that no read goes into, once its copy is done (with every buffer being read into, the oldest
+        piece's copy is queued first)."""
+        idle = bool(self._ring) and not self._ring[0].is_busy()
+        if len(self._ring) + len(moving) < RING_BUFFERS and not idle:
+            return _Slot(aligned_host_buffer(BUFFER_BYTES + 2 * ALIGN, pinned=True), torch.cuda.Event())
+        if not self._ring:
+            self._copy_piece(moving.popleft(), progress)
+        slot = self._ring.popleft()
+        slot.wait()
+        return slot
 
     def _copy_piece(self, piece: _Piece, progress: Callable | None) -> None:
         """Once the piece's reads are done, queue its copy and give its buffer back to the ring."""
@@ -290,16 +300,6 @@ class Loader:
             self._ring.append(piece.slot)
         if progress is not None:
             progress(piece.dest.numel())
-
-    def _take_slot(self, reading: int) -> _Slot:
-        """A free buffer, ``reading`` others being read into: the ring's oldest once its copy is done, a new one
-        while it is still copying and there are fewer than RING_BUFFERS."""
-        if self._ring and (len(self._ring) + reading >= RING_BUFFERS or not self._ring[0].is_busy()):
-            slot = self._ring.popleft()
-            slot.wait()
-            return slot
-        buffer = aligned_host_buffer(BUFFER_BYTES + 2 * ALIGN, pinned=True)
-        return _Slot(buffer, torch.cuda.Event())
 
     def _submit_aligned(
         self, path: Path, file: _File, offset: int, nbytes: int, buffer: torch.Tensor
@@ -314,10 +314,15 @@ class Loader:
         return reads, buffer[offset - start : offset - start + nbytes]
 
     def _submit(self, path: Path, file: _File, offset: int, needed: int, buffer: torch.Tensor) -> _Reads:
-        """Start reading ``buffer`` from ``offset`` in parallel parts (ALIGN multiples) on the pool."""
+        """Start reading ``buffer`` from ``offset`` in parallel parts (ALIGN multiples) on the pool; a buffer of one
+        part is read at once, here."""
         view = memoryview(buffer.numpy())
         part = max(PART_BYTES, -(-len(view) // self._threads // ALIGN) * ALIGN)
         parts = [view[start : start + part] for start in range(0, len(view), part)]
+        if len(parts) == 1:
+            done: Future[int] = Future()
+            done.set_result(_pread_full(path, file.fd, view, offset))
+            return _Reads(path, offset, needed, [(done, len(view))])
         futures = [self._pool.submit(_pread_full, path, file.fd, p, offset + i * part) for i, p in enumerate(parts)]
         return _Reads(path, offset, needed, [(f, len(p)) for f, p in zip(futures, parts, strict=True)])
 
