@@ -116,12 +116,17 @@ class Decoder:
         fits = 0 < longest <= self.lengths[-1] and 0 < rows <= self.batch
         return fits and rows * bucket(self.lengths, longest) <= self.lengths[-1]
 
-    def prefill(self, first: int, prompts: list[list[int]]) -> torch.Tensor:
-        """Write ``prompts[i]`` into KV slot ``first + i`` from position 0, in one forward pass; (len(prompts), V)
-        float32 logits, row i for the token after ``prompts[i]``. ValueError unless ``prefill_fits``."""
+    def check_prefill(self, first: int, prompts: list[list[int]]) -> tuple[int, int]:
+        """(rows, longest prompt) of a prefill of ``prompts`` from slot ``first``; ValueError unless it fits."""
         rows, longest = len(prompts), max(map(len, prompts))
         if not self.prefill_fits(rows, longest) or first + rows > self.batch:
             raise ValueError(f"{rows} prompts of up to {longest} tokens from slot {first} do not fit one prefill")
+        return rows, longest
+
+    def prefill(self, first: int, prompts: list[list[int]]) -> torch.Tensor:
+        """Write ``prompts[i]`` into KV slot ``first + i`` from position 0, in one forward pass; (len(prompts), V)
+        float32 logits, row i for the token after ``prompts[i]``. ValueError unless ``prefill_fits``."""
+        rows, longest = self.check_prefill(first, prompts)
         ids = torch.zeros((rows, bucket(self.lengths, longest)), dtype=torch.long)
         for i, prompt in enumerate(prompts):
             ids[i, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)

@@ -172,8 +172,7 @@ class GroupDecoder:
         return getattr(self.local, name)
 
     def prefill(self, first: int, prompts: list[list[int]]) -> torch.Tensor:
-        if not self.local.prefill_fits(len(prompts), max(map(len, prompts))) or first + len(prompts) > self.batch:
-            raise ValueError(f"{len(prompts)} prompts from slot {first} do not fit one prefill")
+        self.local.check_prefill(first, prompts)  # refused before anything is sent
         payload = [len(prompts), *map(len, prompts), *itertools.chain.from_iterable(prompts)]
         return self._run(Op.PREFILL, first, payload, lambda: self.local.prefill(first, prompts))
 
