@@ -6,9 +6,9 @@ A snapshot's fill is this move (``cache.snapshot``); the loader reads it through
 Written to choose how it should: a file of ``--gb`` random bytes in ``--dir`` (tmpfs: the page cache with no
 disk under it), then, each twice, in GB/s of file bytes landed on the device:
 
-- ``loader``: ``cache.loader.Loader`` as snapshots use it (one ``read_into`` of the whole file);
-- ``ring_T_D_P``: pinned buffers of P MiB, D of them, each read by T threads, reads of the next buffers
-  running while earlier ones copy (no wait between pieces);
+- ``loader``: ``cache.loader.Loader`` as snapshots use it (one ``read_into`` of the whole file: 16 threads,
+  4 pinned buffers of 64 MiB, reads of the next pieces running while earlier ones copy);
+- ``ring_T_D_P``: the same loader with T threads, D buffers of P MiB;
 - ``registered_W_P``: the file mapped, windows of W MiB registered with CUDA (``cudaHostRegister``, read-only)
   on P threads, each copied straight from the page cache once registered, unregistered once copied;
 - ``pageable``: the mapped file copied as it is (the driver stages it).
@@ -35,7 +35,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hotweights.cache.loader import HOST_REGISTER_READ_ONLY, Loader, aligned_host_buffer
+from hotweights.cache import loader
+from hotweights.cache.loader import HOST_REGISTER_READ_ONLY, aligned_host_buffer
 
 MiB = 1 << 20
 
@@ -47,46 +48,20 @@ def write_file(path: Path, nbytes: int) -> None:
             f.write(block[: min(len(block), nbytes - start)])
 
 
-def via_loader(path: Path, dest: torch.Tensor) -> None:
-    with Loader(dest.device) as reads:
-        reads.read_into(path, 0, dest)
-
-
-def via_ring(path: Path, dest: torch.Tensor, threads: int, depth: int, piece: int) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    stream = torch.cuda.Stream(dest.device)
-    free = deque((aligned_host_buffer(piece, pinned=True), torch.cuda.Event()) for _ in range(depth))
-    pending: deque = deque()
-    part = -(-piece // threads)
-
-    def read(view: memoryview, offset: int) -> None:
-        done = 0
-        while done < len(view):
-            done += os.preadv(fd, [view[done:]], offset + done)
-
-    def flush() -> None:
-        buffer, event, futures, start, size = pending.popleft()
-        for future in futures:
-            future.result()
-        with torch.cuda.stream(stream):
-            dest[start : start + size].copy_(buffer[:size], non_blocking=True)
-            event.record(stream)
-        free.append((buffer, event))
-
-    with ThreadPoolExecutor(threads) as pool:
-        for start in range(0, dest.numel(), piece):
-            if not free:
-                flush()
-            buffer, event = free.popleft()
-            event.synchronize()
-            size = min(piece, dest.numel() - start)
-            view = memoryview(buffer.numpy())[:size]
-            futures = [pool.submit(read, view[p : p + part], start + p) for p in range(0, size, part)]
-            pending.append((buffer, event, futures, start, size))
-        while pending:
-            flush()
-    stream.synchronize()
-    os.close(fd)
+def via_loader(path: Path, dest: torch.Tensor, threads: int = 0, buffers: int = 0, piece: int = 0) -> None:
+    """One ``read_into`` of the whole file; nonzero arguments set the loader's read threads, ring buffers and
+    piece size for this load (its module constants, put back afterwards)."""
+    settings = {"READ_THREADS": threads, "RING_BUFFERS": buffers, "BUFFER_BYTES": piece}
+    saved = {name: getattr(loader, name) for name in settings}
+    try:
+        for name, value in settings.items():
+            if value:
+                setattr(loader, name, value)
+        with loader.Loader(dest.device) as reads:
+            reads.read_into(path, 0, dest)
+    finally:
+        for name, value in saved.items():
+            setattr(loader, name, value)
 
 
 def via_registered(path: Path, dest: torch.Tensor, window: int, threads: int) -> None:
@@ -162,9 +137,8 @@ def main() -> int:
     nbytes = int(args.gb * 1e9) // MiB * MiB
     variants = {
         "loader": via_loader,
-        "ring_8_2_64": lambda p, d: via_ring(p, d, 8, 2, 64 * MiB),
-        "ring_16_4_64": lambda p, d: via_ring(p, d, 16, 4, 64 * MiB),
-        "ring_16_4_256": lambda p, d: via_ring(p, d, 16, 4, 256 * MiB),
+        "ring_8_2_64": lambda p, d: via_loader(p, d, 8, 2, 64 * MiB),
+        "ring_16_4_256": lambda p, d: via_loader(p, d, 16, 4, 256 * MiB),
         "registered_256_4": lambda p, d: via_registered(p, d, 256 * MiB, 4),
         "registered_256_16": lambda p, d: via_registered(p, d, 256 * MiB, 16),
         "pageable": via_pageable,
