@@ -38,6 +38,8 @@ Steps, each a subprocess with its own time limit, so one failure or hang cannot 
             snapshot from the page cache, disk fill, the digest's rate
   drill_daemon_xl  hotweights drill kill-daemon on xl at 10 requests/s: the controller's respawn from its spare
             daemon (respawn_ms), re-adopting, while the engines serve (report in DIR/drill-daemon-xl)
+  drill_flapping_xl  hotweights drill flapping on xl at 10 requests/s: three primary kills a round, each as
+            soon as a new primary serves, the replacements from the spare (report in DIR/drill-flapping-xl)
 Results go to DIR/gpu_suite.json and every step's output to DIR/steps.log; the drills' report folders
 are packed into DIR/reports.tar (the lent machine returns at most 8 files); the last stdout line is
 one JSON object. Exits 1 if any step failed.
@@ -118,6 +120,11 @@ def steps(workdir: Path, out: Path) -> dict[str, tuple[list[str], int]]:
         "drill_daemon_xl": (
             f"{make('xl', xl)} && {hw} drill kill-daemon --rounds 4 --model {xl} --device cuda:0 --rps 10 "
             f"--report {shlex.quote(str(out / 'drill-daemon-xl'))}",
+            420,
+        ),
+        "drill_flapping_xl": (
+            f"{make('xl', xl)} && {hw} drill flapping --rounds 3 --model {xl} --device cuda:0 --rps 10 "
+            f"--report {shlex.quote(str(out / 'drill-flapping-xl'))}",
             420,
         ),
     }

@@ -14,7 +14,10 @@ disk under it), then, each twice, in GB/s of file bytes landed on the device:
 - ``pageable``: the mapped file copied as it is (the driver stages it).
 
 Every result is checked against the file's first and last MiB. Also printed: the pinned host-to-device rate
-(a 1 GiB pinned buffer, copied 8 times). The last stdout line is one JSON object.
+(a 1 GiB pinned buffer, copied 8 times), and this host's own bounds on any way through host memory:
+``host_read_T``, the file read into pinned buffers of 64 MiB by T threads with no device copy (the loader's
+reads alone), and ``host_memcpy_gbps``, one 1 GiB copy between pinned buffers on torch's threads. The last
+stdout line is one JSON object.
 """
 
 from __future__ import annotations
@@ -127,6 +130,34 @@ def pinned_h2d_gbps(device: torch.device) -> float:
     return 8 / (time.perf_counter() - start) * (1 << 30) / 1e9
 
 
+def host_read_gbps(path: Path, nbytes: int, threads: int, piece: int = 64 * MiB) -> float:
+    """The file read into one pinned buffer per thread, thread i taking pieces i, i + threads, ...: no device."""
+    buffers = [aligned_host_buffer(piece, pinned=True) for _ in range(threads)]
+    fd = os.open(path, os.O_RDONLY)
+
+    def read(i: int) -> None:
+        view = memoryview(buffers[i].numpy())
+        for start in range(i * piece, nbytes, threads * piece):
+            os.preadv(fd, [view[: min(piece, nbytes - start)]], start)
+
+    try:
+        start = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(read, range(threads)))
+        return round(nbytes / (time.perf_counter() - start) / 1e9, 2)
+    finally:
+        os.close(fd)
+
+
+def host_memcpy_gbps() -> float:
+    src, dst = aligned_host_buffer(1 << 30, pinned=True), aligned_host_buffer(1 << 30, pinned=True)
+    dst.copy_(src)
+    start = time.perf_counter()
+    for _ in range(4):
+        dst.copy_(src)
+    return round(4 / (time.perf_counter() - start) * (1 << 30) / 1e9, 2)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda:0")
@@ -151,6 +182,10 @@ def main() -> int:
             head = torch.frombuffer(bytearray(f.read(MiB)), dtype=torch.uint8)
             f.seek(nbytes - MiB)
             tail = torch.frombuffer(bytearray(f.read(MiB)), dtype=torch.uint8)
+        result["host_memcpy_gbps"] = host_memcpy_gbps()
+        for threads in (16, 32):
+            result[f"host_read_{threads}"] = [host_read_gbps(path, nbytes, threads) for _ in range(2)]
+            print(f"host_read_{threads:<13d} {result[f'host_read_{threads}']}", file=sys.stderr, flush=True)
         dest = torch.empty(nbytes, dtype=torch.uint8, device=device)
         for name, move in variants.items():
             rates = []

@@ -87,10 +87,20 @@ class Attachment:
     _conn: socket.socket | None = field(default=None, repr=False)
     handover: HandoverOffer | None = field(default=None, repr=False)  # offers the arena to a successor daemon
     parts: dict[str, float] = field(default_factory=dict)  # ms of the attach's steps: reply, map, offer
+    socket_path: Path | None = None  # the daemon's
 
     @property
     def content_hash(self) -> str:
         return self.manifest["content_hash"]
+
+    def still_served(self, timeout: float = CONNECT_TIMEOUT_S) -> bool:
+        """Whether the daemon on our socket serves the very allocation we map (the same ``arena_id``: one
+        re-adopted from us or our peers is, a new fill is not). DaemonUnavailable or AttachRefused when no daemon
+        we trust answers."""
+        assert self.socket_path is not None
+        arena = self.manifest.get("arena_id")
+        status = request(self.socket_path, {"op": "status"}, timeout)["status"]
+        return arena is not None and status.get("arena_id") == arena
 
     def verify(self) -> str:
         """Recompute the content hash of the mapped bytes (a full read, on the arena's device)."""
@@ -243,7 +253,7 @@ def attach(
     offer = _offer(Path(socket_path), expected, reply["handle"], kept) if kept >= 0 else None
     end = time.perf_counter()
     parts = {"reply": (replied - start) * 1e3, "map": (mapped - replied) * 1e3, "offer": (end - mapped) * 1e3}
-    return Attachment(tensors, reply["manifest"], imported, end - start, conn, offer, parts)
+    return Attachment(tensors, reply["manifest"], imported, end - start, conn, offer, parts, Path(socket_path))
 
 
 def _keep_for_handover(handle: dict[str, Any], fds: list[int]) -> int:

@@ -18,6 +18,7 @@ import contextlib
 import json
 import logging
 import os
+import secrets
 import signal
 import socket
 import stat
@@ -25,7 +26,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -286,7 +287,10 @@ class CacheDaemon:
         raise NoSource(f"nothing to serve, every source in {list(self.fill_from)} refused: {'; '.join(passed_over)}")
 
     def _serve_filled(self, name: str, filled: Filled, seconds: float, read: int, passed_over: list[str]) -> None:
-        """Adopt ``filled`` as the arena and record it for a successor (a failure to record only costs that)."""
+        """Adopt ``filled`` as the arena and record it for a successor (a failure to record only costs that). A
+        new allocation gets a new ``arena_id`` in its manifest; a re-adopted one keeps the recorded one."""
+        if name != "readopt":
+            filled = replace(filled, manifest=filled.manifest | {"arena_id": secrets.token_hex(16)})
         self.arena, self.manifest = filled.arena, filled.manifest
         self.fill_report = {
             "source": name,
@@ -519,6 +523,7 @@ class CacheDaemon:
             "arena_bytes": self.manifest["arena_bytes"],
             "tensors": len(self.manifest["tensors"]),
             "content_hash": self.manifest["content_hash"],
+            "arena_id": self.manifest.get("arena_id"),
             "uptime_s": round(time.time() - self.started_at, 3),
             "fill": self.fill_report,
             "clients": clients,

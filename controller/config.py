@@ -60,6 +60,9 @@ spare = true                  # keep a spare engine process for the primary's sl
                               # a start), that replaces the primary as a standby as soon as it is fenced,
                               # and a spare daemon process that a respawn of the daemon starts (reference
                               # engines, tp_size 1; a vllm group has neither)
+spare_warm_up = true          # the spare engine (tp_size 1) also attaches and warms up while it waits, so that
+                              # it replaces the primary in milliseconds, not seconds; it then holds a
+                              # standby's device memory (its KV cache and CUDA graphs) meanwhile
 batch_port = 0                # a co-located batch engine for low-priority clients on this port (0: none): a
                               # reference engine on the group's device that maps the group's arena; it yields
                               # its KV cache (drained for at most batch_yield_timeout_s) before the group starts
@@ -139,6 +142,7 @@ class GroupSection:
     snapshot: str = ""  # a processed snapshot the daemon tries after re-adoption, before the checkpoint
     direct_io: bool = False  # the daemons read with O_DIRECT
     spare: bool = True  # pre-imported engine and daemon processes waiting to replace the primary, the daemon
+    spare_warm_up: bool = True  # the spare engine attaches and warms up while it waits
     batch_port: int = 0  # a co-located, lower-priority batch engine on this port (0: none)
     batch_yield_timeout_s: float = 1.0  # a yielding batch engine's drain, before its requests are cancelled
 

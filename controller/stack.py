@@ -176,6 +176,8 @@ class Layout:
             command += ["--quantize", model.quantize]
         if self.config.cluster.token_file:
             command += ["--token-file", str(Path(self.config.cluster.token_file).expanduser().resolve())]
+        if not self.config.groups[spec.group].spare_warm_up:
+            command += ["--no-spare-warm-up"]
         return command
 
     def batch_command(self, spec: EngineSpec, generation: Generation) -> list[str]:

@@ -16,6 +16,13 @@ uvicorn, the model code: most of a start on CPU, seconds with CUDA) are done bef
 what a load can do without the daemon (``standby.weights.prepare``: the CUDA context, the checkpoint's headers
 and fingerprint, the model's meta skeleton; used after the start only if no file of the checkpoint changed);
 it goes on with the start-up order only once the controller writes to FD, when the slot it will take is free.
+With --weight-cache client and one rank it also attaches and warms up ahead (--spare-warm-up, the default),
+when its daemon serves: then it holds what a standby holds (the mapping; on CUDA with graphs its KV cache and
+graphs) while it waits, and its start only binds the port and listens, once it has checked that no file of the
+checkpoint changed and that the daemon still serves the allocation it maps (``Attachment.still_served``: a
+re-adopted arena is that allocation; an arena filled again is not, and the spare then attaches and warms up
+again rather than keep the old one's memory alive). A daemon that does not answer then changes nothing:
+engines serve from the memory they map.
 
 With --tp-size N this process is rank 0 of a tensor-parallel group: it starts ranks 1..N-1 (this command
 again, with hidden --tp-rank/--tp-port/--tp-leader flags), each attaching its own rank's arena, and every
@@ -28,13 +35,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import gc
 import logging
 import os
 import socket
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -42,6 +50,7 @@ import torch.distributed as dist
 import uvicorn
 
 from hotweights.cache.checkpoint import read_checkpoint
+from hotweights.cache.client import AttachRefused, DaemonUnavailable
 from hotweights.cache.pipeline import (
     LoadSpec,
     add_load_spec_arguments,
@@ -107,6 +116,17 @@ def warm_up(
     return None
 
 
+def warm(args: argparse.Namespace, model: Transformer, channel: tpgroup.Channel | None) -> Decoder | None:
+    """``warm_up`` at the flags' shapes, on this rank or (``channel``) on the whole group; the decoder to keep."""
+    graphs = args.cuda_graphs and model.device.type == "cuda"
+    make = functools.partial(new_decoder, model, args.max_batch, args.kv_cache_tokens, graphs)
+    keep = Role(args.role) is Role.PRIMARY
+    if channel is None:
+        return warm_up(make, graphs, keep=keep)
+    free = functools.partial(channel.send, tpgroup.Op.FREE)
+    return warm_up(tpgroup.group_allocator(channel, make, graphs), graphs, keep=keep, free=free)
+
+
 class EngineServer(AnnouncingServer):
     """The engine's uvicorn: on shutdown, ``cancel`` runs ``cancel_after_s`` in, so requests still
     generating end as at a drain deadline (503, or an SSE error event) rather than by uvicorn cancelling
@@ -152,17 +172,64 @@ def rank_spec(args: argparse.Namespace, rank: int) -> LoadSpec:
     return replace(spec, device=tpgroup.rank_device(args.device, args.tp_size, rank))
 
 
-def prepare_spare(args: argparse.Namespace) -> Prepared | None:
-    """A spare's load, as far as it goes without the daemon: the CUDA context, the checkpoint's headers, the
-    fingerprint, the model skeleton; the context made and warmed up before the spare says it is ready. None
-    where that fails: the load after the start reports it."""
+@dataclass
+class Ahead:
+    """What a spare did before its start, its daemon serving: the attach and the warm-up (``warm``'s decoder)."""
+
+    prepared: Prepared
+    loaded: LoadedModel
+    warmed: Decoder | None
+
+    def still_current(self, args: argparse.Namespace) -> bool:
+        """Whether the start can use it: no file of the checkpoint changed and the daemon, if one answers, still
+        serves the allocation it maps (module docstring)."""
+        if not self.prepared.still_valid(model_dir_from_args(args), rank_spec(args, 0)):
+            log.info("spare: the checkpoint changed since it attached: attaching again")
+            return False
+        assert self.loaded.attachment is not None
+        try:
+            if self.loaded.attachment.still_served():
+                return True
+        except (DaemonUnavailable, AttachRefused) as exc:
+            log.warning("spare: %s; serving the arena it attached before its start", exc)
+            return True
+        log.info("spare: its daemon serves another allocation than the one it attached: attaching again")
+        return False
+
+    def release(self) -> None:
+        """Drop the decoder and the model (every view of the arena), then unmap; nothing here is usable after."""
+        attachment = self.loaded.attachment
+        del self.loaded, self.warmed
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        assert attachment is not None
+        attachment.close()
+
+
+def prepare_spare(args: argparse.Namespace) -> tuple[Prepared | None, Ahead | None]:
+    """A spare's load before its start: the CUDA context (made and warmed up), the checkpoint's headers, the
+    fingerprint, the model skeleton, then (module docstring) the attach and the warm-up. (None, None) where the
+    preparation fails and (prepared, None) where the attach does: the load after the start reports it."""
     try:
         prepared = prepare(model_dir_from_args(args), rank_spec(args, 0), skeleton=args.tp_size == 1)
     except HotweightsError as exc:
         log.info("spare: nothing prepared (%s)", exc)
-        return None
+        return None, None
     prepared.context.join()
-    return prepared
+    if not (args.spare_warm_up and args.weight_cache == "client" and args.tp_size == 1):
+        return prepared, None
+    start = time.perf_counter()
+    try:
+        loaded = load_model(
+            prepared.model_dir, prepared.spec, weight_cache="client", socket_path=args.socket, prepared=prepared
+        )
+    except HotweightsError as exc:
+        log.info("spare: not attached before its start (%s)", exc)
+        return prepared, None
+    ahead = Ahead(prepared, loaded, warm(args, loaded.model, None))
+    log.info("spare: attached and warmed up in %.3f s before its start", time.perf_counter() - start)
+    return prepared, ahead
 
 
 def load_rank(args: argparse.Namespace, rank: int, group: str, prepared: Prepared | None = None) -> LoadedModel:
@@ -221,17 +288,20 @@ def cmd_engine(args: argparse.Namespace) -> int:
     check_args(args)
     if args.tp_rank > 0:
         return run_follower(args)
-    prepared = None
-    if args.start_fd is not None:  # a spare: prepare, then wait to be started
-        prepared = prepare_spare(args)
+    prepared = ahead = None
+    engine_id = args.engine_id or f"{socket.gethostname()}-{os.getpid()}"
+    if args.start_fd is not None:  # a spare: prepare (and attach ahead), then wait to be started
+        prepared, ahead = prepare_spare(args)
         if not wait_for_start(args.start_fd, args.ready_fd):
             return 0
+        if ahead is not None and not ahead.still_current(args):
+            ahead.release()
+            prepared = ahead = None
     token = read_token(Path(args.token_file), "--token-file") if args.token_file else None
     sock = bind_port(args.host, args.port)
-    engine_id = args.engine_id or f"{socket.gethostname()}-{os.getpid()}"
     followers, channel = start_followers(args, engine_id) if args.tp_size > 1 else (None, None)
     try:
-        return serve(args, sock, engine_id, token, channel, followers, prepared)
+        return serve(args, sock, engine_id, token, channel, followers, prepared, ahead)
     finally:
         if followers is not None:
             followers.stop(channel)
@@ -246,23 +316,24 @@ def serve(
     channel: tpgroup.Channel | None,
     followers: tpgroup.Followers | None,
     prepared: Prepared | None = None,
+    ahead: Ahead | None = None,
 ) -> int:
-    """Rank 0 (the only rank without --tp-size): load or attach, warm up, serve until a signal."""
-    loaded = load_rank(args, 0, engine_id, prepared)
+    """Rank 0 (the only rank without --tp-size): load or attach, warm up (unless a spare did both ``ahead``),
+    serve until a signal."""
+    if ahead is not None:
+        loaded, warmed = ahead.loaded, ahead.warmed
+    else:
+        loaded = load_rank(args, 0, engine_id, prepared)
+        log.info("weights from %s (--weight-cache %s) in %.3f s", loaded.source, loaded.mode, loaded.seconds)
+        warmed = warm(args, loaded.model, channel)
     model = loaded.model
-    log.info("weights from %s (--weight-cache %s) in %.3f s", loaded.source, loaded.mode, loaded.seconds)
-
     role = Role(args.role)
     graphs = args.cuda_graphs and model.device.type == "cuda"
     make = functools.partial(new_decoder, model, args.max_batch, args.kv_cache_tokens)
     scheduler = Scheduler()
     if channel is None:
-        warmed = warm_up(functools.partial(make, graphs), graphs, keep=role is Role.PRIMARY)
         capacity = KvCapacity(scheduler, make, reserved=warmed if graphs else None)
     else:
-        allocate = tpgroup.group_allocator(channel, functools.partial(make, graphs), graphs)
-        free = functools.partial(channel.send, tpgroup.Op.FREE)
-        warmed = warm_up(allocate, graphs, keep=role is Role.PRIMARY, free=free)
         allocate = tpgroup.group_allocator(channel, make, False)
         capacity = tpgroup.GroupKvCapacity(scheduler, allocate, reserved=warmed if graphs else None, channel=channel)
     if warmed is not None and role is Role.PRIMARY:
@@ -336,6 +407,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--engine-id", help="name in health replies and metrics (default HOST-PID)")
     add_spare_arguments(p, "binding the port and attaching")
+    p.add_argument(
+        "--spare-warm-up",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --start-fd, --weight-cache client and one rank: attach and warm up before waiting, while the "
+        "daemon serves, so the start only listens; the spare then holds a standby's device memory (default on)",
+    )
     # A follower rank of a tensor-parallel group (standby.tpgroup): set by rank 0 on the ranks it starts.
     p.add_argument("--tp-rank", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--tp-port", type=int, default=0, help=argparse.SUPPRESS)

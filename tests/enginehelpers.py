@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import select
 import shutil
 import signal
 import socket
@@ -20,7 +22,7 @@ import pytest
 from hotweights.cache.pipeline import LoadSpec
 from hotweights.contract import Endpoint
 from hotweights.ports import free_port
-from hotweights.spawn import hotweights_command
+from hotweights.spawn import READY_FLAG, START_FLAG, hotweights_command
 from hotweights.standby.generate import load_tokenizer, stop_token_ids
 from hotweights.standby.model import generate
 from hotweights.standby.weights import load_model
@@ -105,7 +107,7 @@ class EngineProcess(ChildService):
     name = "engine"
     ready_path = Endpoint.READY
 
-    def __init__(self, model: Path, *extra: str, token: str | None = None) -> None:
+    def __init__(self, model: Path, *extra: str, token: str | None = None, pass_fds: tuple[int, ...] = ()) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.token = token
@@ -114,7 +116,7 @@ class EngineProcess(ChildService):
         if token is not None:
             self.token_file.write_text(token + "\n")
             command += ["--token-file", str(self.token_file)]
-        super().__init__([*command, *extra], self.url)
+        super().__init__([*command, *extra], self.url, pass_fds=pass_fds)
 
     def auth(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token}"} if self.token else {}
@@ -152,6 +154,37 @@ SAMPLINGS = [
     pytest.param({"temperature": 0.0}, id="greedy"),
     pytest.param({"temperature": 0.9, "top_p": 0.9, "seed": 7}, id="seeded"),
 ]
+
+
+class SpareEngine(EngineProcess):
+    """An engine started as the controller starts a spare (``controller.spares``): it prepares, says so on its
+    ready pipe (``wait_prepared``), and goes on only when ``start`` writes its byte."""
+
+    def __init__(self, model: Path, *extra: str) -> None:
+        (start_read, self.start_fd), (self.ready_fd, ready_write) = os.pipe(), os.pipe()
+        theirs = (start_read, ready_write)
+        flags = (START_FLAG, str(start_read), READY_FLAG, str(ready_write))
+        try:
+            super().__init__(model, *extra, *flags, pass_fds=theirs)
+        finally:
+            for fd in theirs:
+                os.close(fd)
+
+    def wait_prepared(self, timeout: float = 60.0) -> Self:
+        readable, _, _ = select.select([self.ready_fd], [], [], timeout)
+        if not readable or os.read(self.ready_fd, 1) != b"1":
+            raise RuntimeError(f"spare not prepared in {timeout} s:\n{self.logs()}")
+        return self
+
+    def start(self) -> Self:
+        os.write(self.start_fd, b"1")
+        return self.wait_ready()
+
+    def close(self) -> None:
+        super().close()
+        for fd in (self.start_fd, self.ready_fd):
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 def reference_completer(model_dir: Path, device: str = "cpu") -> Reference:

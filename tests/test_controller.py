@@ -153,9 +153,13 @@ def test_a_vllm_group_runs_its_daemon_and_agents_with_vllms_python(tmp_path: Pat
 def test_direct_io_reaches_the_daemon_and_the_batch_engine_has_no_graphs(tmp_path: Path, tiny_model: Path) -> None:
     path = tmp_path / "cluster.toml"
     group = "[[groups]]\nbase_port = 8200\ndirect_io = true\nbatch_port = 8300\n"
-    path.write_text(f'[model]\npath = "{tiny_model}"\n{group}')
+    path.write_text(f'[model]\npath = "{tiny_model}"\n{group}[[groups]]\nbase_port = 8210\nspare_warm_up = false\n')
     layout = Layout.create(load_config(path), path)
     assert "--direct-io" in layout.daemon_command(0)
+    assert [("--no-spare-warm-up" in layout.engine_command(spec)) for spec in layout.config.engines()[::3]] == [
+        False,
+        True,
+    ]
     spec = batch_spec(0, layout.config.groups[0])
     assert spec is not None
     command = layout.batch_command(spec, layout.first_generation)
@@ -232,6 +236,7 @@ def test_the_primary_slots_spare_replaces_it_and_dies_with_the_controller(stack:
     assert replacement["pid"] == spare["pid"] and replacement["role"] == "standby"
     engine_log = (stack.config_path.parent / "state" / "logs" / f"{old['id']}.log").read_text()
     assert "; prepared before this spare was started" in engine_log  # headers, fingerprint, skeleton: done
+    assert "spare: attached and warmed up in" in engine_log  # before its start, while the daemon served
     started = stack.events("engine_start")[-1]
     assert started["member"] == old["id"] and started["spare"] is True and "its spare" in started["message"]
     ready_ms = (time.time() - datetime.fromisoformat(started["time"]).timestamp()) * 1000

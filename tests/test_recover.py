@@ -8,6 +8,7 @@ generate afterwards is still the text of the original weights.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import importlib.util
 import json
@@ -43,6 +44,7 @@ from hotweights.spawn import hotweights_command
 from tests.cachehelpers import ENV, Engine, ProcessDaemon, ThreadDaemon, fingerprint_of, wait_until
 from tests.conftest import make_checkpoint
 from tests.controllerhelpers import ControllerStack
+from tests.enginehelpers import SpareEngine, reference_completer
 
 
 @pytest.fixture
@@ -93,6 +95,43 @@ def test_readopted_daemon_serves_the_same_arena_without_the_checkpoint(model: Pa
                 assert newcomer.ask("generate")["tokens"] == before
             assert engine.ask("generate")["tokens"] == before
             second.kill()
+
+
+def clients(socket_path: Path) -> set[int]:
+    """The pids the daemon lists as attached."""
+    return {c["pid"] for c in status(socket_path)["clients"] if c["attached"]}
+
+
+def test_a_spare_attached_ahead_keeps_a_readopted_arena_and_attaches_to_a_new_one(model: Path, sock: Path) -> None:
+    """A spare engine attaches and warms up before its start; started after its daemon was replaced, it serves the
+    same allocation when the successor re-adopted it (the same ``arena_id``), the memory it maps when no daemon
+    answers, and attaches again (the old allocation unmapped) when the successor filled a new one."""
+    reference, _ = reference_completer(model)("The capital of", 8, temperature=0.0)
+    engine_args = ("--weight-cache", "client", "--socket", str(sock), "--role", "standby")
+    with contextlib.ExitStack() as stack:
+        first = stack.enter_context(ProcessDaemon(model, sock))
+        arena = status(sock)["arena_id"]
+        spares = [stack.enter_context(contextlib.closing(SpareEngine(model, *engine_args))) for _ in range(3)]
+        for spare in spares:
+            spare.wait_prepared()
+        assert clients(sock) == {spare.process.pid for spare in spares}  # attached before their start
+        first.kill()
+        second = stack.enter_context(ProcessDaemon(model, sock))
+        assert status(sock)["fill"]["source"] == "readopt" and status(sock)["arena_id"] == arena
+        readopted = spares[0].start()
+        second.kill()
+        unanswered = spares[1].start()
+        stack.enter_context(ProcessDaemon(model, sock, "--fill-from", "disk"))
+        assert status(sock)["arena_id"] not in (arena, None)
+        refilled = spares[2].start()
+        for spare in (readopted, unanswered, refilled):
+            assert spare.post(Endpoint.PROMOTE).status_code == 200
+            text = spare.complete(prompt="The capital of", max_tokens=8, temperature=0.0).json()["choices"][0]["text"]
+            assert text == reference and "attached and warmed up" in spare.logs()
+        assert "attaching again" not in readopted.logs() + unanswered.logs()
+        assert "serving the arena it attached before its start" in unanswered.logs()
+        assert "another allocation than the one it attached: attaching again" in refilled.logs()
+        assert clients(sock) == {refilled.process.pid}
 
 
 def test_a_dead_engines_offer_is_removed_and_the_daemon_loads_again(model: Path, sock: Path) -> None:
