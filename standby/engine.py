@@ -222,7 +222,11 @@ def prepare_spare(args: argparse.Namespace) -> tuple[Prepared | None, Ahead | No
     start = time.perf_counter()
     try:
         loaded = load_model(
-            prepared.model_dir, prepared.spec, weight_cache="client", socket_path=args.socket, prepared=prepared
+            prepared.model_dir,
+            prepared.spec,
+            weight_cache="client",
+            socket_path=tpgroup.rank_socket(args.socket, 0),
+            prepared=prepared,
         )
     except HotweightsError as exc:
         log.info("spare: not attached before its start (%s)", exc)
