@@ -3,12 +3,13 @@ and one cache daemon (``cluster.daemon_spares``: the same mechanism; a daemon sp
 the fingerprint, re-adopts and serves: the respawn's whole path minus the imports and the CUDA context).
 
 A spare is the slot's own engine command with ``--start-fd`` and ``--ready-fd``: it does its imports (torch,
-uvicorn, the model code: most of an engine's start) and what needs no daemon (its CUDA context, the
-checkpoint's headers, the model's skeleton), says so with one byte on its ready pipe, and then waits on a
-start pipe whose write end only this controller holds. When the slot's engine is replaced (its primary was
-fenced, or a rollout restarts it), one byte starts the spare: it binds the slot's port, attaches and warms
-up like any engine, and is supervised as the slot's engine from then on. A daemon spare makes its CUDA
-context before it waits too.
+uvicorn, the model code: most of an engine's start on CPU) and what needs no daemon (its CUDA context, the
+checkpoint's headers, the model's skeleton), then, with ``spare_warm_up`` and its daemon serving, the attach
+and the warm-up (most of a start on a GPU: ``standby.engine``), says so with one byte on its ready pipe, and
+then waits on a start pipe whose write end only this controller holds. When the slot's engine is replaced
+(its primary was fenced, or a rollout restarts it), one byte starts the spare: it binds the slot's port
+(attaching and warming up first if it has not) and is supervised as the slot's engine from then on. A daemon
+spare makes its CUDA context before it waits too.
 
 A spare whose slot is no longer the primary's, or whose command is no longer what the slot would run (the
 settings changed), is released: its pipe is closed and it exits 0 without starting. The pipe closes with
