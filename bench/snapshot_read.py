@@ -16,7 +16,9 @@ disk under it), then, each twice, in GB/s of file bytes landed on the device:
 Every result is checked against the file's first and last MiB. Also printed: the pinned host-to-device rate
 (a 1 GiB pinned buffer, copied 8 times), and this host's own bounds on any way through host memory:
 ``host_read_T``, the file read into pinned buffers of 64 MiB by T threads with no device copy (the loader's
-reads alone), and ``host_memcpy_gbps``, one 1 GiB copy between pinned buffers on torch's threads. The last
+reads alone), ``host_read_16_beside_h2d``, the same reads while another thread copies pinned memory to the
+device without pause (both rates: what the two halves of the loader's work get when they share host
+memory), and ``host_memcpy_gbps``, one 1 GiB copy between pinned buffers on torch's threads. The last
 stdout line is one JSON object.
 """
 
@@ -28,6 +30,7 @@ import mmap
 import os
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from collections import deque
@@ -149,6 +152,35 @@ def host_read_gbps(path: Path, nbytes: int, threads: int, piece: int = 64 * MiB)
         os.close(fd)
 
 
+def host_read_beside_h2d(path: Path, nbytes: int, device: torch.device, threads: int = 16) -> dict[str, float]:
+    """``host_read_gbps`` while another thread copies a pinned 1 GiB buffer to the device over and over: both
+    rates over the same interval, as the loader's reads and copies share host memory."""
+    host = aligned_host_buffer(1 << 30, pinned=True)
+    dev = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    stop, copies = threading.Event(), [0]
+
+    def copy() -> None:
+        stream = torch.cuda.Stream(device)
+        while not stop.is_set():
+            with torch.cuda.stream(stream):
+                dev.copy_(host, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(stream)
+            done.synchronize()
+            copies[0] += 1
+
+    copier = threading.Thread(target=copy)
+    copier.start()
+    try:
+        start = time.perf_counter()
+        read = host_read_gbps(path, nbytes, threads)
+        counted, elapsed = copies[0], time.perf_counter() - start
+    finally:
+        stop.set()
+        copier.join()
+    return {"read_gbps": read, "h2d_gbps": round(counted * (1 << 30) / elapsed / 1e9, 2)}
+
+
 def host_memcpy_gbps() -> float:
     src, dst = aligned_host_buffer(1 << 30, pinned=True), aligned_host_buffer(1 << 30, pinned=True)
     dst.copy_(src)
@@ -186,6 +218,8 @@ def main() -> int:
         for threads in (16, 32):
             result[f"host_read_{threads}"] = [host_read_gbps(path, nbytes, threads) for _ in range(2)]
             print(f"host_read_{threads:<13d} {result[f'host_read_{threads}']}", file=sys.stderr, flush=True)
+        result["host_read_16_beside_h2d"] = host_read_beside_h2d(path, nbytes, device)
+        print(f"host_read_16_beside_h2d {result['host_read_16_beside_h2d']}", file=sys.stderr, flush=True)
         dest = torch.empty(nbytes, dtype=torch.uint8, device=device)
         for name, move in variants.items():
             rates = []
