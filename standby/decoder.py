@@ -19,7 +19,11 @@ and library plan already made. With ``graphs`` (CUDA only) the decode step at ea
 1 .. ``batch`` and each KV length is captured as a CUDA graph during warm-up, its elementwise steps
 fused (``standby.fused``); a replay copies the step's tokens and positions into the graph's own
 input buffer first and returns a copy of its output, so it never reads a previous step's inputs nor
-hands out a buffer the next replay overwrites. Graphs point at this cache's memory, which is why a
+hands out a buffer the next replay overwrites. Prefills of up to GRAPHED_PREFILL tokens per prompt (the
+short prompts most requests bring) are captured too, one graph per first slot, prompt count and length,
+with the eager path's own kernels: an eager pass over every layer is bound by the host's kernel launches
+(on ``xl`` ~36 ms, against ~11 ms of device time), and every sequence in a batch waits for each
+newcomer's prefill. Graphs point at this cache's memory, which is why a
 graphed ``Decoder`` is kept for the engine's whole life (reserved at start-up, standby included)
 rather than allocated on promote. KV lengths stay bucketed with graphs too: attention over all
 ``max_tokens`` positions at every step would cost an ``xl`` step 8 ms more at 4096 (measured on an
@@ -39,6 +43,7 @@ from hotweights.standby.model import KVCache, Transformer, sample_token
 log = logging.getLogger(__name__)
 
 MIN_LENGTH = 16  # the shortest prefill and KV length
+GRAPHED_PREFILL = 64  # with graphs, prefills of prompts padded to at most this many tokens replay a capture
 
 
 def length_buckets(max_tokens: int) -> list[int]:
@@ -88,6 +93,29 @@ class DecodeGraph:
         return self.logits.clone(), self.argmax.clone()
 
 
+class PrefillGraph:
+    """One prefill of ``rows`` padded prompts of ``length`` tokens into slots ``first`` .., captured as a CUDA
+    graph with the same kernels the eager pass runs (so the same results): its (rows, length, H) hidden states,
+    valid until the next replay."""
+
+    def __init__(self, model: Transformer, kv: KVCache, first: int, rows: int, length: int, pool: object) -> None:
+        self.ids = torch.zeros((rows, length), dtype=torch.long, device=model.device)
+        cache = kv.rows(first, rows)
+        side = torch.cuda.Stream(model.device)
+        side.wait_stream(torch.cuda.current_stream(model.device))
+        with torch.cuda.stream(side):
+            model.hidden(self.ids, 0, cache)  # lazy initialisation, outside the capture
+        torch.cuda.current_stream(model.device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.hidden = model.hidden(self.ids, 0, cache)
+
+    def run(self, ids: torch.Tensor) -> torch.Tensor:
+        self.ids.copy_(ids)
+        self.graph.replay()
+        return self.hidden
+
+
 class Decoder:
     """The model and one KV cache, run at the fixed shapes the module docstring lists. One thread only."""
 
@@ -100,6 +128,7 @@ class Decoder:
         self.lengths = length_buckets(kv.max_tokens)  # of prefills and of the KV positions decode reads
         self.graph_bytes = 0  # device memory the captured graphs hold
         self._graphs: dict[tuple[int, int], DecodeGraph] = {}  # (batch size, KV length) -> its captured step
+        self._prefills: dict[tuple[int, int, int], PrefillGraph] = {}  # (first slot, rows, length) -> its capture
         pinned = model.device.type == "cuda"
         self._host_argmax = torch.zeros(kv.batch, dtype=torch.long, pin_memory=pinned)  # a step's greedy tokens
 
@@ -127,10 +156,15 @@ class Decoder:
         """Write ``prompts[i]`` into KV slot ``first + i`` from position 0, in one forward pass; (len(prompts), V)
         float32 logits, row i for the token after ``prompts[i]``. ValueError unless ``prefill_fits``."""
         rows, longest = self.check_prefill(first, prompts)
-        ids = torch.zeros((rows, bucket(self.lengths, longest)), dtype=torch.long)
+        length = bucket(self.lengths, longest)
+        ids = torch.zeros((rows, length), dtype=torch.long)
         for i, prompt in enumerate(prompts):
             ids[i, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
-        hidden = self.model.hidden(ids.to(self.model.device), 0, self.kv.rows(first, rows))
+        graph = self._prefills.get((first, rows, length))
+        if graph is not None:
+            hidden = graph.run(ids)
+        else:
+            hidden = self.model.hidden(ids.to(self.model.device), 0, self.kv.rows(first, rows))
         last = torch.tensor([len(prompt) - 1 for prompt in prompts], device=self.model.device)
         return self.model.logits(hidden[torch.arange(rows, device=self.model.device), last])
 
@@ -177,7 +211,8 @@ class Decoder:
             torch.cuda.synchronize(device)
 
     def _capture(self) -> None:
-        """A graph per batch size and KV length, sharing one memory pool; ``graph_bytes`` is what they added."""
+        """A graph per batch size and KV length, and per short prefill (module docstring), sharing one memory
+        pool; ``graph_bytes`` is what they added."""
         device = self.model.device
         before = _reserved_in_use(device)
         pool = torch.cuda.graph_pool_handle()
@@ -185,14 +220,29 @@ class Decoder:
             for kv_len in self.lengths:
                 graph = self._graphs[n, kv_len] = DecodeGraph(self.model, self.kv, n, kv_len, pool)
                 graph.run(torch.zeros((2, n), dtype=torch.long))  # a first replay, as serving's would be
+        for first, rows, length in self.graphed_prefills():
+            prefill = self._prefills[first, rows, length] = PrefillGraph(self.model, self.kv, first, rows, length, pool)
+            prefill.run(torch.zeros((rows, length), dtype=torch.long))
         self.graph_bytes = _reserved_in_use(device) - before
         log.info(
-            "captured %d decode CUDA graphs (batch 1..%d, KV lengths %s): %d bytes",
+            "captured %d decode CUDA graphs (batch 1..%d, KV lengths %s) and %d prefill graphs: %d bytes",
             len(self._graphs),
             self.batch,
             self.lengths,
+            len(self._prefills),
             self.graph_bytes,
         )
+
+    def graphed_prefills(self) -> list[tuple[int, int, int]]:
+        """(first slot, rows, length) of every prefill captured with graphs: lengths up to GRAPHED_PREFILL."""
+        short = [length for length in self.lengths if length <= GRAPHED_PREFILL]
+        return [
+            (first, rows, length)
+            for first in range(self.batch)
+            for rows in range(1, self.batch - first + 1)
+            for length in short
+            if self.prefill_fits(rows, length)
+        ]
 
 
 def _reserved_in_use(device: torch.device) -> int:

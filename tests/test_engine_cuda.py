@@ -11,7 +11,7 @@ import torch
 
 from hotweights.cache.pipeline import LoadSpec
 from hotweights.contract import Endpoint
-from hotweights.standby.decoder import Decoder
+from hotweights.standby.decoder import Decoder, bucket
 from hotweights.standby.generate import load_tokenizer
 from hotweights.standby.model import KVCache, Transformer, generate
 from hotweights.standby.scheduler import SamplingParams
@@ -49,6 +49,24 @@ def test_graph_replays_equal_eager_steps_and_never_hand_out_a_reused_buffer(mode
         expected, expected_greedy = eager.decode(*step)
         torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
         assert greedy == logits.argmax(-1).tolist() == expected_greedy
+
+
+def test_prefill_graphs_write_and_return_what_the_eager_prefill_does(model: Transformer) -> None:
+    """Short prefills replay a capture per (first slot, rows, length): the same logits and keys as the eager pass
+    of a decoder without graphs, at every first slot, including prompts that wait together."""
+    graphed, eager = decoder(model, graphs=True), decoder(model, graphs=False)
+    trio = [PROMPTS[0], PROMPTS[2], PROMPTS[4]]
+    cases = [(0, PROMPTS[:1]), (2, PROMPTS[1:2]), (1, PROMPTS[2:4]), (0, trio), (1, PROMPTS[5:])]
+    for first, prompts in cases:
+        length = bucket(graphed.lengths, max(map(len, prompts)))
+        assert (first, len(prompts), length) in graphed.graphed_prefills()
+        got, expected = graphed.prefill(first, prompts), eager.prefill(first, prompts)
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        assert got.argmax(-1).tolist() == expected.argmax(-1).tolist()
+        for i, prompt in enumerate(prompts):
+            for cache in ("k", "v"):
+                written = getattr(graphed.kv, cache)[:, first + i, :, : len(prompt)]
+                torch.testing.assert_close(written, getattr(eager.kv, cache)[:, first + i, :, : len(prompt)])
 
 
 def test_batched_greedy_with_graphs_equals_generate(model: Transformer) -> None:
