@@ -231,7 +231,12 @@ def prepare_spare(args: argparse.Namespace) -> tuple[Prepared | None, Ahead | No
     except HotweightsError as exc:
         log.info("spare: not attached before its start (%s)", exc)
         return prepared, None
-    ahead = Ahead(prepared, loaded, warm(args, loaded.model, None))
+    try:
+        ahead = Ahead(prepared, loaded, warm(args, loaded.model, None))
+    except torch.OutOfMemoryError as exc:
+        log.warning("spare: no device memory to warm up before its start, it will at its start: %s", exc)
+        Ahead(prepared, loaded, None).release()
+        return prepared, None
     log.info("spare: attached and warmed up in %.3f s before its start", time.perf_counter() - start)
     return prepared, ahead
 
