@@ -234,7 +234,8 @@ def prepare_spare(args: argparse.Namespace) -> tuple[Prepared | None, Ahead | No
     try:
         ahead = Ahead(prepared, loaded, warm(args, loaded.model, None))
     except torch.OutOfMemoryError as exc:
-        log.warning("spare: no device memory to warm up before its start, it will at its start: %s", exc)
+        first_line = str(exc).splitlines()[0]
+        log.warning("spare: no device memory to warm up before its start, it will at its start: %s", first_line)
         Ahead(prepared, loaded, None).release()
         return prepared, None
     log.info("spare: attached and warmed up in %.3f s before its start", time.perf_counter() - start)
