@@ -46,7 +46,7 @@ class EngineContext:
     metrics: EngineMetrics
     token: str | None  # bearer token for role changes; None: no auth
     kv_cache_bytes: Callable[[], int]  # KV cache bytes held now (attached, or reserved for CUDA graphs)
-    cuda_graph_bytes: int  # device memory the decode CUDA graphs hold; 0 without graphs
+    cuda_graph_bytes: int  # device memory the decode and prefill CUDA graphs hold; 0 without graphs
     rank_pids: tuple[int, ...]  # every rank's pid, rank 0's (this process's) first; one without --tp-size
     group_refusal: Callable[[], str | None]  # why the other ranks of a tensor-parallel group are not ready
     fingerprint: str = field(init=False)  # the weights' digest, computed once
