@@ -4,15 +4,15 @@ A group's batch engine (``g<N>-batch``) is a reference engine on a port of its o
 maps the group's current weight generation as the group's engines do. It is none of the group's members: the
 gateway, HAProxy's configuration and failover never route online traffic to it or promote it.
 
-It serves while its group is settled: a serving primary, every other slot a ready standby, the daemons
-serving, no rollout queued. Before the group starts an engine (a replacement after a fence, a rollout's
-restart, an added engine) and before a switchover (whose new primary allocates a KV cache while the old one
-still holds its own), it yields: a demote that drains it for at most ``batch_yield_timeout_s``, cancels what
-still runs (503, or an SSE error event) and releases its KV cache; one that does not answer in time is
-killed. A failover needs no yield: the fenced primary's KV cache goes before the promoted standby allocates
-its own. While it is away, it answers 503 with ``Retry-After`` (a standby's refusal). Once the group is
-settled again, and the device has the bytes of its last KV cache free, a promote brings it back:
-``back_ms`` runs from the moment the group settled to the promote's answer.
+It serves while its group is settled: a serving primary, every other slot a ready standby, the daemons serving,
+no rollout queued, no spare engine still attaching and warming up. Before the group starts an engine (a
+replacement after a fence, a rollout's restart, an added engine) and before a switchover (whose new primary
+allocates a KV cache while the old one still holds its own), it yields: a demote that drains it for at most
+``batch_yield_timeout_s``, cancels what still runs (503, or an SSE error event) and releases its KV cache; one
+that does not answer in time is killed. A failover needs no yield: the fenced primary's KV cache goes before the
+promoted standby allocates its own. While it is away, it answers 503 with ``Retry-After`` (a standby's refusal).
+Once the group is settled again, and the device has the bytes of its last KV cache free, a promote brings it
+back: ``back_ms`` runs from the moment the group settled to the promote's answer.
 
 What a batch engine keeps while it yields: its process (imports, attach, warm-up: a return takes a promote,
 not a start) and its CUDA context. It runs without CUDA graphs, which would keep its KV cache reserved.

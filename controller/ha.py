@@ -895,8 +895,14 @@ class Ha:
 
     def _is_settled(self, snap: Snapshot, group: int) -> bool:
         """Whether ``group`` needs nothing now (its batch engine may serve): whole, its daemons serving, no
-        rollout queued."""
-        return group not in self.rollouts and snap.daemons_serve(group) and snap.is_whole(group)
+        rollout queued, and no spare engine still preparing (a warming-up spare allocates device memory)."""
+        settled = group not in self.rollouts and snap.daemons_serve(group) and snap.is_whole(group)
+        return settled and not self._spare_preparing(snap, group)
+
+    def _spare_preparing(self, snap: Snapshot, group: int) -> bool:
+        slot = self.cluster.spare_slot(snap, group)
+        spare = self.cluster.spares.describe(group, slot) if slot is not None else None
+        return spare is not None and spare["pid"] is not None and not spare["ready"]
 
     def _is_complete(self, snap: Snapshot) -> bool:
         return all(s.serving for s in snap.services) and all(snap.is_whole(g) for g in range(snap.groups))

@@ -69,6 +69,8 @@ def test_a_batch_engine_yields_for_a_replacement_standby_and_is_back_once_the_gr
             primary = stack.primary()
             os.kill(primary["pid"], signal.SIGKILL)
             returned = wait_until(lambda: stack.events("batch_return")[1:], 120, "the batch engine's return")[0]
+            spares = wait_until(lambda: stack.cluster()["spares"], 30, "the new primary's spare listed")
+            assert [s["ready"] for s in spares] == [True]  # warmed up before the batch engine came back
 
         (yielded,) = stack.events("batch_yield")
         assert f"starting {primary['id']}" in yielded["message"]  # for the replacement standby of the fenced slot
