@@ -137,7 +137,7 @@ def _format_status(status: dict[str, Any]) -> str:
         f"  pid {status['pid']}, up {status['uptime_s']:.0f} s, backend {status['backend']} on {status['device']}",
         f"  model {fp['model_path']} (tp {fp['tp_rank']}/{fp['tp_size']}, {fp['dtype']}, quant {fp['quantization']})",
         f"  {status['tensors']} tensors, {status['bytes'] / 1e9:.3f} GB, content hash {status['content_hash']}",
-        f"  fingerprint {status['fingerprint_digest']}",
+        f"  fingerprint {status['fingerprint_digest']}, arena {status['arena_id']}",
         f"  clients: {len(status['clients'])} connected (this query included), {attached} attached",
     ]
     return "\n".join(lines)
