@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import bisect
 import logging
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -41,6 +43,7 @@ from hotweights.standby.fused import fusing
 from hotweights.standby.model import KVCache, Transformer, sample_token
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 MIN_LENGTH = 16  # the shortest prefill and KV length
 GRAPHED_PREFILL = 64  # with graphs, prefills of prompts padded to at most this many tokens replay a capture
@@ -70,20 +73,32 @@ def _step(model: Transformer, inputs: torch.Tensor, kv: KVCache, kv_len: int) ->
     return logits, logits.argmax(-1)
 
 
+def _captured(device: torch.device, pool: object, step: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
+    """``step`` run once on a side stream (lazy initialisation and compiles, which a capture cannot hold), then
+    captured as a CUDA graph in ``pool``: the graph, and what the captured call returned (its static outputs)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        outputs = step()
+    return graph, outputs
+
+
 class DecodeGraph:
-    """One decode step (and its rows' argmax) at a fixed batch size and KV length, captured as a CUDA graph."""
+    """One decode step (and its rows' argmax) at a fixed batch size and KV length, captured as a CUDA graph with
+    its elementwise steps fused."""
 
     def __init__(self, model: Transformer, kv: KVCache, batch: int, kv_len: int, pool: object) -> None:
         self.inputs = torch.zeros((2, batch), dtype=torch.long, device=model.device)  # tokens, positions
-        # Capture needs the step run once outside it (lazy initialisation), on a side stream.
-        side = torch.cuda.Stream(model.device)
-        side.wait_stream(torch.cuda.current_stream(model.device))
-        with torch.cuda.stream(side), fusing():
-            _step(model, self.inputs, kv, kv_len)  # compiles the fused steps for this shape
-        torch.cuda.current_stream(model.device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool), fusing():
-            self.logits, self.argmax = _step(model, self.inputs, kv, kv_len)  # (batch, V), (batch,): static
+
+        def step() -> tuple[torch.Tensor, torch.Tensor]:
+            with fusing():
+                return _step(model, self.inputs, kv, kv_len)
+
+        self.graph, (self.logits, self.argmax) = _captured(model.device, pool, step)  # (batch, V), (batch,)
 
     def run(self, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(batch, V) logits and (batch,) argmax for ``inputs`` (2, batch): every input written before
@@ -101,14 +116,7 @@ class PrefillGraph:
     def __init__(self, model: Transformer, kv: KVCache, first: int, rows: int, length: int, pool: object) -> None:
         self.ids = torch.zeros((rows, length), dtype=torch.long, device=model.device)
         cache = kv.rows(first, rows)
-        side = torch.cuda.Stream(model.device)
-        side.wait_stream(torch.cuda.current_stream(model.device))
-        with torch.cuda.stream(side):
-            model.hidden(self.ids, 0, cache)  # lazy initialisation, outside the capture
-        torch.cuda.current_stream(model.device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.hidden = model.hidden(self.ids, 0, cache)
+        self.graph, self.hidden = _captured(model.device, pool, lambda: model.hidden(self.ids, 0, cache))
 
     def run(self, ids: torch.Tensor) -> torch.Tensor:
         self.ids.copy_(ids)
