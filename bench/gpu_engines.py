@@ -36,7 +36,7 @@ import httpx
 
 from hotweights.cache.client import request
 from hotweights.contract import Endpoint
-from hotweights.spawn import READY_FLAG, START_FLAG, hotweights_command
+from hotweights.spawn import SparePipes, hotweights_command
 from hotweights.waiting import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
@@ -109,14 +109,13 @@ class Stack:
     def start_spare(self, args: list[str], log: str) -> Spare:
         """A process started as the controller starts a spare (``hotweights.spawn``), once it said it is
         prepared (imports done; an engine also has its CUDA context, checkpoint headers and skeleton)."""
-        (start_r, start_w), (ready_r, ready_w) = os.pipe(), os.pipe()
-        proc = self.spawn([*args, START_FLAG, str(start_r), READY_FLAG, str(ready_w)], log, (start_r, ready_w))
-        os.close(start_r)
-        os.close(ready_w)
-        with os.fdopen(ready_r, "rb", buffering=0) as ready:
+        pipes = SparePipes.open()
+        proc = self.spawn([*args, *pipes.flags], log, pipes.theirs)
+        pipes.close_theirs()
+        with os.fdopen(pipes.ready_fd, "rb", buffering=0) as ready:
             if ready.read(1) != b"1":
                 raise RuntimeError(f"spare exited: see {self.workdir / log}")
-        return proc, start_w
+        return proc, pipes.start_fd
 
     def start_daemon(self, spare: Spare | None = None) -> subprocess.Popen:
         """The daemon, serving: a new process, or ``spare`` (``start_spare``'s) started by its byte."""

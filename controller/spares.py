@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hotweights.controller.supervisor import Process, Supervisor
-from hotweights.spawn import READY_FLAG, START_FLAG
+from hotweights.spawn import START_FLAG, SparePipes
 
 log = logging.getLogger(__name__)
 
@@ -83,25 +83,19 @@ class Spares:
             self.spares[group] = self._start(member_id, command, env)
 
     def _start(self, member_id: str, command: list[str], env: dict[str, str] | None) -> Spare:
-        (start_read, start_write), (ready_read, ready_write) = os.pipe(), os.pipe()
-        theirs = (start_read, ready_write)
+        pipes = SparePipes.open()
         try:
             process = self.supervisor.spawn(
-                f"{member_id}-spare",
-                [*command, START_FLAG, str(start_read), READY_FLAG, str(ready_write)],
-                env,
-                pass_fds=theirs,
-                log_id=member_id,
+                f"{member_id}-spare", [*command, *pipes.flags], env, pass_fds=pipes.theirs, log_id=member_id
             )
         except BaseException:
-            os.close(start_write)
-            os.close(ready_read)
+            os.close(pipes.start_fd)
+            os.close(pipes.ready_fd)
             raise
         finally:
-            for fd in theirs:
-                os.close(fd)
-        spare = Spare(member_id, command, process, start_write, ready_read)
-        asyncio.get_running_loop().add_reader(ready_read, self._on_ready, spare)
+            pipes.close_theirs()
+        spare = Spare(member_id, command, process, pipes.start_fd, pipes.ready_fd)
+        asyncio.get_running_loop().add_reader(pipes.ready_fd, self._on_ready, spare)
         log.info("spare for %s started (pid %d)", member_id, process.pid)
         return spare
 

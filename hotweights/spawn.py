@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 import sys
+from dataclasses import dataclass
 
 from hotweights.errors import ConfigError
 
@@ -40,6 +41,27 @@ def add_spare_arguments(parser: argparse.ArgumentParser, starts: str) -> None:
     parser.add_argument(
         READY_FLAG, type=int, metavar="FD", help=f"with {START_FLAG}: write one byte to this inherited FD once imported"
     )
+
+
+@dataclass(frozen=True)
+class SparePipes:
+    """The two pipes of a spare about to be spawned: ``flags`` for its command, ``theirs`` for it to inherit (close
+    them here once it is spawned), and our ends: the start pipe's write end and the ready pipe's read end."""
+
+    flags: tuple[str, ...]
+    theirs: tuple[int, int]
+    start_fd: int
+    ready_fd: int
+
+    @classmethod
+    def open(cls) -> SparePipes:
+        (start_read, start_write), (ready_read, ready_write) = os.pipe(), os.pipe()
+        flags = (START_FLAG, str(start_read), READY_FLAG, str(ready_write))
+        return cls(flags, (start_read, ready_write), start_write, ready_read)
+
+    def close_theirs(self) -> None:
+        for fd in self.theirs:
+            os.close(fd)
 
 
 def wait_for_start(start_fd: int, ready_fd: int | None) -> bool:

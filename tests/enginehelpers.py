@@ -22,7 +22,7 @@ import pytest
 from hotweights.cache.pipeline import LoadSpec
 from hotweights.contract import Endpoint
 from hotweights.ports import free_port
-from hotweights.spawn import READY_FLAG, START_FLAG, hotweights_command
+from hotweights.spawn import SparePipes, hotweights_command
 from hotweights.standby.generate import load_tokenizer, stop_token_ids
 from hotweights.standby.model import generate
 from hotweights.standby.weights import load_model
@@ -161,14 +161,12 @@ class SpareEngine(EngineProcess):
     ready pipe (``wait_prepared``), and goes on only when ``start`` writes its byte."""
 
     def __init__(self, model: Path, *extra: str) -> None:
-        (start_read, self.start_fd), (self.ready_fd, ready_write) = os.pipe(), os.pipe()
-        theirs = (start_read, ready_write)
-        flags = (START_FLAG, str(start_read), READY_FLAG, str(ready_write))
+        pipes = SparePipes.open()
+        self.start_fd, self.ready_fd = pipes.start_fd, pipes.ready_fd
         try:
-            super().__init__(model, *extra, *flags, pass_fds=theirs)
+            super().__init__(model, *extra, *pipes.flags, pass_fds=pipes.theirs)
         finally:
-            for fd in theirs:
-                os.close(fd)
+            pipes.close_theirs()
 
     def wait_prepared(self, timeout: float = 60.0) -> Self:
         readable, _, _ = select.select([self.ready_fd], [], [], timeout)
