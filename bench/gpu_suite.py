@@ -73,16 +73,13 @@ def steps(workdir: Path, out: Path) -> dict[str, tuple[list[str], int]]:
     engine_bench = f"{bench}/engine.py --device cuda:0 --cycles 20 --gen-tokens 256 --max-batch 4"
 
     rollout = f"{bench}/rollout.py --device cuda:0 --rps 10"
-    drill_batch = (
-        f"{hw} drill preempt-batch kill-primary --rounds 4 --model {medium} --device cuda:0 --rps 20 "
-        f"--report {shlex.quote(str(out / 'drill-batch'))}"
-    )
 
-    def drill_at(name: str, path: str, rps: int) -> str:
-        """kill-primary and hang-primary through the gateway, cuda-vmm, report in DIR/drill-NAME."""
+    def drill_at(name: str, path: str, rps: int, scenarios: str = "kill-primary hang-primary", rounds: int = 8) -> str:
+        """``scenarios`` through the gateway, cuda-vmm, at ``rps`` requests/s, report in DIR/drill-NAME."""
         report = shlex.quote(str(out / f"drill-{name}"))
-        scenarios = "kill-primary hang-primary --rounds 8"
-        return f"{hw} drill {scenarios} --model {path} --device cuda:0 --rps {rps} --report {report}"
+        return f"{hw} drill {scenarios} --rounds {rounds} --model {path} --device cuda:0 --rps {rps} --report {report}"
+
+    drill_batch = drill_at("batch", medium, 20, "preempt-batch kill-primary", 4)
 
     def make(preset: str, path: str) -> str:
         """Write the preset's checkpoint unless an earlier step did."""
@@ -117,16 +114,8 @@ def steps(workdir: Path, out: Path) -> dict[str, tuple[list[str], int]]:
         "digest_tests": (f"{pytest} tests/test_digest.py tests/test_recover.py tests/test_loader.py", 300),
         "teardown": (f"{bench}/teardown.py && {bench}/teardown.py --no-import", 120),
         "recover_xl": (f"{make('xl', xl)} && {bench}/recover.py --device cuda:0 --model {xl} --tmp /dev/shm", 500),
-        "drill_daemon_xl": (
-            f"{make('xl', xl)} && {hw} drill kill-daemon --rounds 4 --model {xl} --device cuda:0 --rps 10 "
-            f"--report {shlex.quote(str(out / 'drill-daemon-xl'))}",
-            420,
-        ),
-        "drill_flapping_xl": (
-            f"{make('xl', xl)} && {hw} drill flapping --rounds 3 --model {xl} --device cuda:0 --rps 10 "
-            f"--report {shlex.quote(str(out / 'drill-flapping-xl'))}",
-            420,
-        ),
+        "drill_daemon_xl": (f"{make('xl', xl)} && {drill_at('daemon-xl', xl, 10, 'kill-daemon', 4)}", 420),
+        "drill_flapping_xl": (f"{make('xl', xl)} && {drill_at('flapping-xl', xl, 10, 'flapping', 3)}", 420),
     }
     return {name: (["bash", "-c", command], limit) for name, (command, limit) in commands.items()}
 
