@@ -116,9 +116,14 @@ def warm_up(
     return None
 
 
+def uses_graphs(args: argparse.Namespace, model: Transformer) -> bool:
+    """Whether the engine captures CUDA graphs: --cuda-graphs, on a CUDA device."""
+    return args.cuda_graphs and model.device.type == "cuda"
+
+
 def warm(args: argparse.Namespace, model: Transformer, channel: tpgroup.Channel | None) -> Decoder | None:
     """``warm_up`` at the flags' shapes, on this rank or (``channel``) on the whole group; the decoder to keep."""
-    graphs = args.cuda_graphs and model.device.type == "cuda"
+    graphs = uses_graphs(args, model)
     make = functools.partial(new_decoder, model, args.max_batch, args.kv_cache_tokens, graphs)
     keep = Role(args.role) is Role.PRIMARY
     if channel is None:
@@ -338,7 +343,7 @@ def serve(
         warmed = warm(args, loaded.model, channel)
     model = loaded.model
     role = Role(args.role)
-    graphs = args.cuda_graphs and model.device.type == "cuda"
+    graphs = uses_graphs(args, model)
     make = functools.partial(new_decoder, model, args.max_batch, args.kv_cache_tokens)
     scheduler = Scheduler()
     if channel is None:
