@@ -36,7 +36,7 @@ import httpx
 
 from hotweights.cache.client import request
 from hotweights.contract import Endpoint
-from hotweights.spawn import SparePipes, hotweights_command
+from hotweights.spawn import SparePipes, hotweights_command, read_message, send_message
 from hotweights.waiting import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
@@ -78,9 +78,9 @@ Spare = tuple[subprocess.Popen, int]  # a spare's process and the fd that starts
 
 
 def start(spare: Spare) -> subprocess.Popen:
-    """Start ``spare`` with one byte on its start pipe."""
+    """Start ``spare`` with its start message (``hotweights.spawn``)."""
     proc, fd = spare
-    os.write(fd, b"1")
+    send_message(fd, {})
     os.close(fd)
     return proc
 
@@ -112,9 +112,9 @@ class Stack:
         pipes = SparePipes.open()
         proc = self.spawn([*args, *pipes.flags], log, pipes.theirs)
         pipes.close_theirs()
-        with os.fdopen(pipes.ready_fd, "rb", buffering=0) as ready:
-            if ready.read(1) != b"1":
-                raise RuntimeError(f"spare exited: see {self.workdir / log}")
+        if read_message(pipes.ready_fd) is None:
+            raise RuntimeError(f"spare exited: see {self.workdir / log}")
+        os.close(pipes.ready_fd)
         return proc, pipes.start_fd
 
     def start_daemon(self, spare: Spare | None = None) -> subprocess.Popen:

@@ -45,7 +45,7 @@ def _source(args: argparse.Namespace) -> ArenaSource:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     context = device_context(args.device)  # made while the checkpoint's headers are read, or a spare waits
-    if args.start_fd is not None and not wait_for_start(args.start_fd, args.ready_fd):
+    if args.start_fd is not None and wait_for_start(args.start_fd, args.ready_fd) is None:
         return 0
     source = _source(args)
     waiting = time.perf_counter()

@@ -51,7 +51,7 @@ class ClusterView:
                 states = ", ".join(f"{m['id']} {m['role']} {m['status']}" for m in members)
                 missing.append(f"group {group}: {states}")
         missing += [f"{s['id']} not serving" for s in self.services if not (s["alive"] and s["serving"])]
-        missing += [f"the spare for {s['member']} not ready" for s in self.spares if not s["ready"]]
+        missing += [f"a spare engine of group {s['group']} not ready" for s in self.spares if not s["ready"]]
         missing += [f"the spare daemon for {s['service']} not ready" for s in self.daemon_spares if not s["ready"]]
         missing += [f"batch engine {b['id']} not serving ({b['reason']})" for b in self.batch if not b["serving"]]
         return "; ".join(missing) or None

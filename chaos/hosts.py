@@ -349,7 +349,7 @@ class HostsApi(ControlApi):
             assert view is not None
             members += [m | {"id": f"{name}/{m['id']}"} for m in view.members]
             services += [s | {"id": f"{name}/{s['id']}"} for s in view.services]
-            spares += [s | {"member": f"{name}/{s['member']}"} for s in view.spares]
+            spares += [s | {"group": f"{name}/{s['group']}"} for s in view.spares]
             daemon_spares += [s | {"service": f"{name}/{s['service']}"} for s in view.daemon_spares]
         return ClusterView(members, services, spares, daemon_spares=daemon_spares)
 

@@ -113,8 +113,11 @@ def build_app(ha: Ha, cluster: Cluster, events: EventLog, metrics: ControllerMet
     async def get_cluster() -> JSONResponse:
         """200: every engine (id, role, state, status, pid, port, device, last check, consecutive failures),
         every daemon or gateway process, the rollouts queued or running (group, step i of n, started), for
-        each group that wants a spare engine process now, the slot it waits to replace, its pid (null: not
-        started yet) and whether it is ready (imported and waiting), the same for each group's spare daemon process
+        each group's redundancy (``redundancy``: ready standbys wanted and had, warmed spares wanted and had,
+        whether it is full, how long it has been degraded and why, whether that is alerting), every spare engine
+        process each group has or wants (``spares``: pid, null for one not started yet, with the reason its last
+        one failed; whether it is ready, i.e. attached and warmed up; how long it took or has taken to prepare;
+        the device bytes it holds), each group's spare daemon process
         (``daemon_spares``: the daemon it waits to replace), each co-located batch engine (url, pid,
         whether it serves and why not, how often it yielded, how long its last return took), each group's weight
         generation (its number and checkpoint; each engine's ``generation`` says which one it maps), and ``dcs``:
@@ -126,6 +129,7 @@ def build_app(ha: Ha, cluster: Cluster, events: EventLog, metrics: ControllerMet
                 "members": [m.to_json() for m in snap.members],
                 "services": [s.to_json() for s in snap.services],
                 "rollouts": [progress.to_json() for progress in ha.rollouts.values()],
+                "redundancy": ha.redundancy.to_json(time.monotonic()),
                 "spares": cluster.spares_json(snap),
                 "daemon_spares": cluster.daemon_spares_json(),
                 "batch": cluster.batch.describe(),

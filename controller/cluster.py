@@ -59,6 +59,11 @@ PROBE_INTERVAL_S = 0.05
 PROBE_TIMEOUT_S = 1.0  # a daemon's hello or the gateway's health page
 
 
+def spare_key(group: int) -> str:
+    """What the group's spare engines are for (any of its slots): their processes' name and log."""
+    return f"g{group}-engines"
+
+
 class ServiceFailed(Exception):
     """A daemon or gateway exited, or never served, after being started."""
 
@@ -227,8 +232,8 @@ class Cluster:
         self.checker = checker
         self.wake = wake
         self.supervisor = Supervisor(layout.log_dir, self.handle_exit)
-        self.spares = Spares(self.supervisor)
-        self.daemon_spares = Spares(self.supervisor)  # one per group, for its current daemon
+        self.spares = Spares(self.supervisor, wake)
+        self.daemon_spares = Spares(self.supervisor, wake)  # one per group, for its current daemon
         self.batch = BatchEngines(
             self.supervisor, engines, events, self._batch_command, self._environment, self._generation_number
         )
@@ -439,21 +444,27 @@ class Cluster:
             await self.supervisor.fence_session(member.process)
         for message in await asyncio.to_thread(evict_orphans, member.spec.listen_port, member_id):
             log.warning("%s", message)
-        generation = self.weights[member.spec.group].current
-        command = self.layout.engine_command(member.spec, generation)
-        process = self.spares.take(member.spec.group, member_id, command)
+        group, generation = member.spec.group, self.weights[member.spec.group].current
+        slot = {
+            "port": member.spec.listen_port,
+            "engine_id": member_id,
+            "log": str(self.supervisor.log_path(member_id)),
+        }
+        spare = self.layout.spare_command(group, generation)
+        process = self.spares.take(group, spare_key(group), spare, member_id, slot)
         if process is None:
-            process = self.supervisor.spawn(member_id, command, self.layout.environment(member.spec.group))
+            command = self.layout.engine_command(member.spec, generation)
+            process = self.supervisor.spawn(member_id, command, self.layout.environment(group))
         self._attach(member, process, generation.number)
         self.set_role(member_id, Role.STANDBY)
         return process
 
-    def spare_slot(self, snap: Snapshot, group: int) -> str | None:
-        """The slot the group's spare is for: its serving primary's; None while it has none, or when the group
-        has ``spare = false`` or is not of reference engines."""
+    def spares_wanted(self, snap: Snapshot, group: int) -> int:
+        """How many spare engines the group wants now: ``spare_engines`` while it has one serving primary; none
+        before that, or with ``spare = false``, or for other than reference engines."""
         config = self.config.groups[group]
         serving = [m.id for m in snap.primaries(group) if m.is_serving_primary]
-        return serving[0] if len(serving) == 1 and config.spare and config.engine == REFERENCE else None
+        return config.spare_engines if len(serving) == 1 and config.spare and config.engine == REFERENCE else 0
 
     def _batch_command(self, spec: EngineSpec) -> list[str]:
         return self.layout.batch_command(spec, self.weights[spec.group].current)
@@ -465,11 +476,10 @@ class Cluster:
         return self.weights[group].current.number
 
     def tend_spare(self, snap: Snapshot, group: int) -> None:
-        """Keep the group's spare for its ``spare_slot`` (``spares``)."""
-        slot = self.spare_slot(snap, group)
-        generation = self.weights[group].current
-        command = self.layout.engine_command(self.members[slot].spec, generation) if slot else []
-        self.spares.tend(group, slot, command, self.layout.environment(group))
+        """Keep the group's ``spares_wanted`` spare engines (``controller.spares``)."""
+        command = self.layout.spare_command(group, self.weights[group].current)
+        wanted = self.spares_wanted(snap, group)
+        self.spares.tend(group, spare_key(group), wanted, command, self.layout.environment(group))
 
     def keeps_daemon_spare(self, group: int) -> bool:
         """Whether the group keeps a spare daemon: ``spare = true``, one daemon per group, reference engines."""
@@ -490,18 +500,18 @@ class Cluster:
         starts the spare, imports done, instead of a new process. While the daemon is down the spare is left
         alone: the respawn takes it."""
         if not self.keeps_daemon_spare(group):
-            self.daemon_spares.tend(group, None, [], None)
+            self.daemon_spares.tend(group, None, 0, [], None)
             return
         service = self.daemon_spare_for(group)
         if service is not None:
             command = self.layout.daemon_command(group, service.rank, service.generation)
-            self.daemon_spares.tend(group, service.id, command, self.layout.environment(group))
+            self.daemon_spares.tend(group, service.id, 1, command, self.layout.environment(group))
 
     def daemon_spares_json(self) -> list[dict[str, Any]]:
         """For each group that wants a spare daemon now: the daemon it waits to replace, the spare's pid (None: not
         started yet), whether it is ready."""
         wanted = {g: d.id for g in range(len(self.config.groups)) if (d := self.daemon_spare_for(g)) is not None}
-        return [{"group": g, "service": d} | self.daemon_spares.describe(g, d) for g, d in sorted(wanted.items())]
+        return [{"group": g, "service": d} | self.daemon_spares.describe(g, 1)[0] for g, d in sorted(wanted.items())]
 
     def generations_json(self) -> list[dict[str, Any]]:
         """Each group's current weight generation: number, checkpoint, whether one of its engines was primary."""
@@ -511,9 +521,12 @@ class Cluster:
         ]
 
     def spares_json(self, snap: Snapshot) -> list[dict[str, Any]]:
-        """For each group that wants a spare now: the slot, the spare's pid (None: not started yet), ready."""
-        slots = {group: slot for group in range(snap.groups) if (slot := self.spare_slot(snap, group))}
-        return [{"group": g, "member": slot} | self.spares.describe(g, slot) for g, slot in slots.items()]
+        """Every spare engine each group has or wants now (``Spares.describe``), with its group."""
+        return [
+            {"group": g} | spare
+            for g in range(snap.groups)
+            for spare in self.spares.describe(g, self.spares_wanted(snap, g))
+        ]
 
     def _attach(self, member: Member, process: Process, generation: int) -> None:
         member.process, member.generation = process, generation
@@ -606,7 +619,7 @@ class Cluster:
             if service.kind == "daemon":
                 command = self.layout.daemon_command(service.group, service.rank, service.generation)
                 env = self.layout.environment(service.group)
-                taken = self.daemon_spares.take(service.group, service.id, command)
+                taken = self.daemon_spares.take(service.group, service.id, command, service.id)
                 service.process = taken or self.supervisor.spawn(service.id, command, env)
                 service.from_spare = taken is not None
             else:

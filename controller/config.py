@@ -22,6 +22,7 @@ from hotweights.dtypes import MODEL_DTYPES
 from hotweights.errors import ConfigError
 from hotweights.paths import hotweights_home
 from hotweights.quant import QUANT_METHODS
+from hotweights.spawn import SPARE_DUTY
 
 EXAMPLE_CONFIG = """\
 [cluster]
@@ -63,6 +64,13 @@ spare = true                  # keep a spare engine process for the primary's sl
 spare_warm_up = true          # the spare engine (tp_size 1) also attaches and warms up while it waits, so that
                               # it replaces the primary in milliseconds, not seconds; it then holds a
                               # standby's device memory (its KV cache and CUDA graphs) meanwhile
+spare_engines = 1             # how many spare engines the group keeps (spare = true, 0..16), for any of its
+                              # slots; they start one at a time, each once the others are ready. One absorbs
+                              # one fault; more absorb faults that come faster than a spare warms up, each
+                              # holding a standby's device memory (GET /cluster lists them with their bytes)
+spare_duty = 0.5              # the share of time a spare's warm-up may keep the device busy before it is
+                              # needed (it pauses for the rest; taken, it warms up without pauses), so that a
+                              # warming spare slows the engines serving beside it little; 1.0: no pauses
 batch_port = 0                # a co-located batch engine for low-priority clients on this port (0: none): a
                               # reference engine on the group's device that maps the group's arena; it yields
                               # its KV cache (drained for at most batch_yield_timeout_s) before the group starts
@@ -78,6 +86,8 @@ drain_timeout_s = 30.0
 interval_ms = 100             # between health checks of each engine; a failed check is repeated at once
 timeout_ms = 200              # a check unanswered this long fails
 failure_threshold = 2         # failed checks in a row that make a primary failed: a hang is fenced in ~0.5 s
+redundancy_alert_s = 30.0     # a group whose ready standbys stay fewer than its engines - 1 for longer than this
+                              # is alerting (GET /cluster's redundancy, hotweights_controller_redundancy_alert)
 
 [gateway]
 host = "127.0.0.1"
@@ -106,6 +116,7 @@ GATEWAY_TOKEN_FIX = "set cluster.token_file so that the engines behind the gatew
 
 
 MAX_GATEWAY_WORKERS = 16
+MAX_SPARE_ENGINES = 16
 REFERENCE, VLLM = "reference", "vllm"
 START_TIMEOUTS_S = {REFERENCE: 120.0, VLLM: 600.0}
 
@@ -143,6 +154,8 @@ class GroupSection:
     direct_io: bool = False  # the daemons read with O_DIRECT
     spare: bool = True  # pre-imported engine and daemon processes waiting to replace the primary, the daemon
     spare_warm_up: bool = True  # the spare engine attaches and warms up while it waits
+    spare_engines: int = 1  # warmed spare engines kept for the group's slots (with spare)
+    spare_duty: float = SPARE_DUTY  # the share of time a spare's warm-up may keep the device busy
     batch_port: int = 0  # a co-located, lower-priority batch engine on this port (0: none)
     batch_yield_timeout_s: float = 1.0  # a yielding batch engine's drain, before its requests are cancelled
 
@@ -163,6 +176,7 @@ class HealthSection:
     interval_ms: int = 100
     timeout_ms: int = 200
     failure_threshold: int = 2
+    redundancy_alert_s: float = 30.0  # degraded (fewer ready standbys than wanted) longer than this: alerting
 
 
 @dataclass(frozen=True)
@@ -432,6 +446,13 @@ def _check_batch(config: ClusterConfig, i: int, ports: dict[int, str]) -> None:
             raise ConfigError(f"{where}.batch_port: a batch engine needs {needs}, found {found}")
 
 
+def _check_spares(group: GroupSection, where: str) -> None:
+    if not 0 <= group.spare_engines <= MAX_SPARE_ENGINES:
+        raise ConfigError(f"{where}.spare_engines must be 0..{MAX_SPARE_ENGINES}, found {group.spare_engines}")
+    if not 0 < group.spare_duty <= 1:
+        raise ConfigError(f"{where}.spare_duty must be in (0, 1], found {group.spare_duty}")
+
+
 def validate(config: ClusterConfig) -> None:
     """Cross-field checks: positive timings, distinct ports, a token for non-loopback binds."""
     src = config.source
@@ -444,6 +465,7 @@ def validate(config: ClusterConfig) -> None:
         ("health.interval_ms", config.health.interval_ms),
         ("health.timeout_ms", config.health.timeout_ms),
         ("health.failure_threshold", config.health.failure_threshold),
+        ("health.redundancy_alert_s", config.health.redundancy_alert_s),
         ("engine.kv_cache_tokens", config.engine.kv_cache_tokens),
         ("engine.max_batch", config.engine.max_batch),
         ("engine.drain_timeout_s", config.engine.drain_timeout_s),
@@ -465,6 +487,7 @@ def validate(config: ClusterConfig) -> None:
         if not (group.device == "cpu" or group.device.startswith("cuda:")):
             raise ConfigError(f"{src}: groups[{i}].device must be cpu or cuda:N, found {group.device!r}")
         _check_engine(group, f"{src}: groups[{i}]")
+        _check_spares(group, f"{src}: groups[{i}]")
         _check_tp(group, f"{src}: groups[{i}]")
         if group.listen_base_port < 0:
             found = group.listen_base_port

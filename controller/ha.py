@@ -53,6 +53,7 @@ from hotweights.controller.events import EventLog
 from hotweights.controller.executor import BACKOFF, GroupExecutor, Outcome, backoff_s
 from hotweights.controller.health import checks_failed, not_ready_within, process_exited
 from hotweights.controller.metrics import ControllerMetrics
+from hotweights.controller.redundancy import Tracker, assess
 from hotweights.controller.rollout import Rollout, RolloutProgress, StepFailed, rollout_wait_s
 from hotweights.controller.spares import is_spare
 from hotweights.controller.supervisor import FENCE_TIMEOUT_S
@@ -142,6 +143,7 @@ class Ha:
         self.rollouts: dict[int, RolloutProgress] = {}  # per group: the rollout queued or running
         self.restarts: dict[str, SlotRestarts] = {}  # the start backoff of each engine slot
         self.heartbeat = time.monotonic()
+        self.redundancy = Tracker(health.redundancy_alert_s)
         self.announced = False
         self.stopping = False
         self.task: asyncio.Task | None = None
@@ -188,6 +190,7 @@ class Ha:
     async def run_cycle(self) -> str:
         snap = self.cluster.snapshot()
         self._export_gauges(snap)
+        self._observe_redundancy(snap)
         sentences = [sentence] if (sentence := self.process_services(snap)) else []
         steps = (
             self.process_failed_primary,
@@ -897,15 +900,29 @@ class Ha:
         """Whether ``group`` needs nothing now (its batch engine may serve): whole, its daemons serving, no
         rollout queued, and no spare engine still preparing (a warming-up spare allocates device memory)."""
         settled = group not in self.rollouts and snap.daemons_serve(group) and snap.is_whole(group)
-        return settled and not self._spare_preparing(snap, group)
-
-    def _spare_preparing(self, snap: Snapshot, group: int) -> bool:
-        slot = self.cluster.spare_slot(snap, group)
-        spare = self.cluster.spares.describe(group, slot) if slot is not None else None
-        return spare is not None and spare["pid"] is not None and not spare["ready"]
+        return settled and not self.cluster.spares.preparing(group)
 
     def _is_complete(self, snap: Snapshot) -> bool:
         return all(s.serving for s in snap.services) and all(snap.is_whole(g) for g in range(snap.groups))
+
+    def _observe_redundancy(self, snap: Snapshot) -> None:
+        """Assess every group's redundancy (``controller.redundancy``); record what changed, export the gauges."""
+        spares = self.cluster.spares
+        states = [
+            assess(snap, g, self.cluster.spares_wanted(snap, g), spares.ready_count(g), spares.failure(g))
+            for g in range(snap.groups)
+        ]
+        for change in self.redundancy.observe(snap.taken_at, states):
+            log.log(logging.INFO if change.kind == "redundancy_restored" else logging.WARNING, "%s", change.message)
+            self.events.record(
+                change.kind, change.message, group=change.group, degraded_ms=ms(change.degraded_s), **change.details
+            )
+            if change.kind == "redundancy_restored":
+                self.metrics.time_to_redundancy.observe(change.degraded_s)
+        for state in states:
+            self.metrics.export_redundancy(
+                state, self.redundancy.degraded(state.group), self.redundancy.alerting(state.group)
+            )
 
     def _export_gauges(self, snap: Snapshot) -> None:
         counts = {Role.PRIMARY: 0, Role.STANDBY: 0, "none": 0}

@@ -1,20 +1,25 @@
-"""Spare processes (``[[groups]] spare``), started ahead of need: per group, one engine for the primary's slot
-and one cache daemon (``cluster.daemon_spares``: the same mechanism; a daemon spare, once started, computes
-the fingerprint, re-adopts and serves: the respawn's whole path minus the imports and the CUDA context).
+"""Spare processes, started ahead of need: per group, a pool of engines for any of its slots
+(``[[groups]] spare_engines``) and one cache daemon (``cluster.daemon_spares``: the same mechanism; a daemon spare,
+once started, computes the fingerprint, re-adopts and serves: the respawn's whole path minus the imports and the
+CUDA context).
 
-A spare is the slot's own engine command with ``--start-fd`` and ``--ready-fd``: it does its imports (torch,
-uvicorn, the model code: most of an engine's start on CPU) and what needs no daemon (its CUDA context, the
-checkpoint's headers, the model's skeleton), then, with ``spare_warm_up`` and its daemon serving, the attach
-and the warm-up (most of a start on a GPU: ``standby.engine``), says so with one byte on its ready pipe, and
-then waits on a start pipe whose write end only this controller holds. When the slot's engine is replaced
-(its primary was fenced, or a rollout restarts it), one byte starts the spare: it binds the slot's port
-(attaching and warming up first if it has not) and is supervised as the slot's engine from then on. A daemon
-spare makes its CUDA context before it waits too.
+A spare is its group's engine command (``Layout.spare_command``: no slot's port or id yet) with ``--start-fd`` and
+``--ready-fd`` (``hotweights.spawn``): it does its imports (torch, uvicorn, the model code: most of an engine's
+start on CPU) and what needs no daemon (its CUDA context, the checkpoint's headers, the model's skeleton), then,
+with ``spare_warm_up`` and its daemon serving, the attach and the warm-up (most of a start on a GPU, paced so that
+it slows the serving engines little: ``standby.pacing``), says so with its ready message (the device memory it
+holds), and waits on a start pipe whose write end only this controller holds. When a slot's engine is (re)started
+(its primary was fenced, a standby died, a rollout restarts it), the slot takes a spare: ready ones first, else
+the one preparing, which then warms up without pauses; the start message names the slot (port, engine id, log
+file) and the spare binds the port and listens, supervised as the slot's engine from then on.
 
-A spare whose slot is no longer the primary's, or whose command is no longer what the slot would run (the
-settings changed), is released: its pipe is closed and it exits 0 without starting. The pipe closes with
-the controller too, so a spare never outlives the controller that started it. A spare that exits on its
-own is not started again for ``RETRY_S`` (a broken install must not become a spawn loop).
+Spares are started one at a time: a new one only once every other spare of the group is ready, so that a storm
+of faults never starts a herd of warm-ups beside the primary. A spare whose command is no longer what the group
+would run (the settings or the weight generation changed), or that the group no longer wants, is released: its
+pipe is closed and it exits 0 without starting. The pipe closes with the controller too, so a spare never
+outlives the controller that started it. A spare that exits on its own is counted as a failure: the group's next
+spare starts only after an exponential backoff (``controller.executor.backoff_s``), and the reason is kept for
+``GET /cluster``, so a broken install shows why instead of becoming a spawn loop.
 """
 
 from __future__ import annotations
@@ -22,16 +27,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import select
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
+from hotweights.controller.executor import backoff_s
 from hotweights.controller.supervisor import Process, Supervisor
-from hotweights.spawn import START_FLAG, SparePipes
+from hotweights.errors import ConfigError
+from hotweights.spawn import START_FLAG, SparePipes, parse_message, send_message
 
 log = logging.getLogger(__name__)
-
-RETRY_S = 10.0  # after a spare exited on its own, before its group gets another
 
 
 def is_spare(process: Process) -> bool:
@@ -52,56 +59,105 @@ def is_waiting(pid: int, command: Sequence[str]) -> bool:
 
 @dataclass
 class Spare:
-    member_id: str  # the slot it will become the engine of
-    command: list[str]  # the slot's engine command it runs (without --start-fd)
+    group: int
+    key: str  # what it waits to replace: a daemon's service id, or its group's engine slots (any of them)
+    index: int  # its place in the group's pool: names its process and its log until it starts
+    command: list[str]  # what it runs (without the pipes' flags)
     process: Process
     start_fd: int  # our end of its start pipe
-    ready_fd: int  # our end of its ready pipe, until it has said it is ready (-1 then)
-    ready: bool = False  # imported and waiting
+    ready_fd: int  # our end of its ready pipe, until its ready message came (-1 then)
+    started_at: float  # time.monotonic()
+    ready_at: float | None = None  # when its ready message came
+    holds: dict[str, Any] = field(default_factory=dict)  # its ready message: the device memory it holds
+
+    @property
+    def ready(self) -> bool:
+        return self.ready_at is not None
+
+    def describe(self, now: float) -> dict[str, Any]:
+        prepared = round((self.ready_at or now) - self.started_at, 3)
+        return {"pid": self.process.pid, "ready": self.ready, "prepare_s": prepared} | self.holds
+
+
+@dataclass
+class Failures:
+    """A group's spares that exited on their own, in a row."""
+
+    count: int = 0
+    reason: str = ""
+    retry_at: float = 0.0  # time.monotonic() before which no new spare starts
 
 
 class Spares:
-    """At most one spare per group; every method runs on the event loop and does not wait."""
+    """Per group, a pool of spares for one key; every method runs on the event loop and does not wait."""
 
-    def __init__(self, supervisor: Supervisor) -> None:
+    def __init__(self, supervisor: Supervisor, wake: Callable[[], None] = lambda: None) -> None:
         self.supervisor = supervisor
-        self.spares: dict[int, Spare] = {}
-        self.failed_at: dict[int, float] = {}  # time.monotonic() of a group's spare exiting on its own
+        self.wake = wake  # called when a spare says it is ready (the HA loop reassesses)
+        self.pools: dict[int, list[Spare]] = {}
+        self.failures: dict[int, Failures] = {}
 
-    def tend(self, group: int, member_id: str | None, command: list[str], env: dict[str, str] | None) -> None:
-        """Keep one spare for ``member_id``'s slot running ``command`` (None: the group wants none)."""
-        spare = self.spares.get(group)
-        if spare is not None and not spare.process.alive:
-            log.warning("spare for %s (pid %d) %s", spare.member_id, spare.process.pid, spare.process.exit_reason)
-            self.failed_at[group] = time.monotonic()
-            self.release(group)
-        elif spare is not None and (spare.member_id != member_id or spare.command != command):
-            self.release(group)
-        if member_id is None or group in self.spares:
+    def tend(self, group: int, key: str | None, wanted: int, command: list[str], env: dict[str, str] | None) -> None:
+        """Keep ``wanted`` spares for ``key`` running ``command`` (``key`` None: the group wants none), starting
+        at most one at a time (module docstring)."""
+        pool = self.pools.setdefault(group, [])
+        now = time.monotonic()
+        for spare in list(pool):
+            if not spare.process.alive:
+                self._failed(group, spare, now)
+            elif spare.key != key or spare.command != command:
+                self._release(group, spare)
+        wanted = wanted if key is not None else 0
+        while len(pool) > wanted:  # the youngest go first: the others are further along
+            self._release(group, max(pool, key=lambda s: s.started_at))
+        if key is None or len(pool) >= wanted or any(not s.ready for s in pool):
             return
-        if time.monotonic() - self.failed_at.get(group, -RETRY_S) >= RETRY_S:
-            self.spares[group] = self._start(member_id, command, env)
+        if now >= self.failures.setdefault(group, Failures()).retry_at:
+            pool.append(self._start(group, key, self._free_index(pool), command, env))
 
-    def _start(self, member_id: str, command: list[str], env: dict[str, str] | None) -> Spare:
+    def _failed(self, group: int, spare: Spare, now: float) -> None:
+        failures = self.failures.setdefault(group, Failures())
+        failures.count += 1
+        delay = backoff_s(failures.count)
+        failures.reason = f"spare (pid {spare.process.pid}) {spare.process.exit_reason}"
+        failures.retry_at = now + delay
+        log.warning("%s; the next spare of group %d starts in %.1f s", failures.reason, group, delay)
+        self._release(group, spare)
+
+    @staticmethod
+    def _free_index(pool: list[Spare]) -> int:
+        taken = {s.index for s in pool}
+        return next(i for i in range(len(pool) + 1) if i not in taken)
+
+    def _start(self, group: int, key: str, index: int, command: list[str], env: dict[str, str] | None) -> Spare:
+        """A new spare, its output appended to ``key``'s log (a daemon's own; an engine spare moves to its slot's
+        at its start)."""
         pipes = SparePipes.open()
+        name = f"{key}-spare{index}" if index else f"{key}-spare"
         try:
-            process = self.supervisor.spawn(
-                f"{member_id}-spare", [*command, *pipes.flags], env, pass_fds=pipes.theirs, log_id=member_id
-            )
+            process = self.supervisor.spawn(name, [*command, *pipes.flags], env, pass_fds=pipes.theirs, log_id=key)
         except BaseException:
             os.close(pipes.start_fd)
             os.close(pipes.ready_fd)
             raise
         finally:
             pipes.close_theirs()
-        spare = Spare(member_id, command, process, pipes.start_fd, pipes.ready_fd)
+        spare = Spare(group, key, index, command, process, pipes.start_fd, pipes.ready_fd, time.monotonic())
         asyncio.get_running_loop().add_reader(pipes.ready_fd, self._on_ready, spare)
-        log.info("spare for %s started (pid %d)", member_id, process.pid)
+        log.info("spare %s started (pid %d)", name, process.pid)
         return spare
 
     def _on_ready(self, spare: Spare) -> None:
-        """Its ready pipe is readable: the byte that says it is imported, or EOF (it exited first)."""
-        spare.ready = os.read(spare.ready_fd, 1) == b"1"
+        """Its ready pipe is readable: its ready message, or EOF (it exited first)."""
+        try:
+            message = parse_message(os.read(spare.ready_fd, select.PIPE_BUF))
+        except (OSError, ConfigError) as exc:
+            log.warning("spare (pid %d): %s", spare.process.pid, exc)
+            message = None
+        if message is not None:
+            spare.ready_at, spare.holds = time.monotonic(), message
+            self.failures.pop(spare.group, None)
+            self.wake()
         self._close_ready(spare)
 
     @staticmethod
@@ -111,41 +167,56 @@ class Spares:
             os.close(spare.ready_fd)
             spare.ready_fd = -1
 
-    def take(self, group: int, member_id: str, command: list[str]) -> Process | None:
-        """The group's spare started as ``member_id``'s engine, if it is one for that slot and ``command``;
-        None otherwise (the caller starts the engine itself)."""
-        spare = self.spares.get(group)
-        if spare is None or spare.member_id != member_id:
-            return None
-        if not spare.process.alive or spare.command != command:
-            self.release(group)
-            return None
-        try:
-            os.write(spare.start_fd, b"1")
-        except BrokenPipeError:  # it is exiting: the pidfd reports that next
-            self.release(group)
-            return None
-        self.release(group)  # its pipe closes after the byte it reads first
-        self.supervisor.rename(spare.process, member_id)
-        log.info("spare (pid %d) started as %s", spare.process.pid, member_id)
-        return spare.process
+    def take(
+        self, group: int, key: str, command: list[str], process_id: str, message: dict[str, Any] | None = None
+    ) -> Process | None:
+        """A spare of the group for ``key`` running ``command``, started as ``process_id`` (``message``: what it
+        starts as), the oldest ready one first, else the one preparing; None when there is none (the caller
+        starts the process itself)."""
+        pool = [s for s in self.pools.get(group, []) if s.key == key and s.command == command and s.process.alive]
+        for spare in sorted(pool, key=lambda s: (not s.ready, s.started_at)):
+            try:
+                send_message(spare.start_fd, message or {})
+            except BrokenPipeError:  # it is exiting: the pidfd reports that next
+                continue
+            finally:
+                self._release(group, spare)  # its pipe closes after the message it reads first
+            self.supervisor.rename(spare.process, process_id)
+            log.info("spare (pid %d) started as %s", spare.process.pid, process_id)
+            return spare.process
+        return None
 
-    def release(self, group: int) -> Process | None:
-        """Forget the group's spare and close its pipes: one that was not sent a byte exits 0 without starting.
-        Its process, still to be reaped."""
-        spare = self.spares.pop(group, None)
-        if spare is None:
-            return None
+    def _release(self, group: int, spare: Spare) -> Process:
+        """Forget ``spare`` and close its pipes: one that was sent no start message exits 0 without starting. Its
+        process, still to be reaped."""
+        self.pools[group].remove(spare)
         os.close(spare.start_fd)
         self._close_ready(spare)
         return spare.process
 
     def release_all(self) -> list[Process]:
-        return [process for group in list(self.spares) if (process := self.release(group)) is not None]
+        return [self._release(group, spare) for group, pool in self.pools.items() for spare in list(pool)]
 
-    def describe(self, group: int, member_id: str) -> dict[str, object]:
-        """The group's spare for ``member_id``'s slot: its pid (None: none yet) and whether it is ready."""
-        spare = self.spares.get(group)
-        if spare is None or spare.member_id != member_id:
-            return {"pid": None, "ready": False}
-        return {"pid": spare.process.pid, "ready": spare.ready}
+    def failure(self, group: int) -> str:
+        """Why the group's last spare exited before it was ready, while no spare has been ready since ("": none)."""
+        failures = self.failures.get(group)
+        return failures.reason if failures is not None and failures.count else ""
+
+    def ready_count(self, group: int) -> int:
+        return sum(spare.ready for spare in self.pools.get(group, []))
+
+    def preparing(self, group: int) -> bool:
+        """Whether a spare of the group is still preparing (a warm-up allocates device memory)."""
+        return any(not spare.ready for spare in self.pools.get(group, []))
+
+    def describe(self, group: int, wanted: int) -> list[dict[str, Any]]:
+        """The group's spares (pid, ready, how long it took to be ready or has been preparing, its ready message),
+        and one ``{"pid": None, "ready": False}`` per wanted spare not started yet (with the last failure's reason
+        and the backoff left while one holds it back)."""
+        now = time.monotonic()
+        found = [spare.describe(now) for spare in sorted(self.pools.get(group, []), key=lambda s: s.index)]
+        failures = self.failures.get(group)
+        missing: dict[str, Any] = {"pid": None, "ready": False}
+        if failures is not None and failures.count:
+            missing |= {"failed": failures.reason, "retry_in_s": round(max(0.0, failures.retry_at - now), 1)}
+        return found + [missing] * max(0, wanted - len(found))

@@ -180,6 +180,13 @@ class Layout:
             command += ["--no-spare-warm-up"]
         return command
 
+    def spare_command(self, group: int, generation: Generation | None = None) -> list[str]:
+        """A spare engine of ``group`` (``controller.spares``): its engines' command for no slot yet (port 0, id
+        ``g<group>-spare``; its start message names the slot), warming up at the group's ``spare_duty``."""
+        config, host = self.config.groups[group], self.config.dcs.address
+        spec = EngineSpec(f"g{group}-spare", group, config.device, 0, host=host)
+        return [*self.engine_command(spec, generation), "--spare-duty", str(config.spare_duty)]
+
     def batch_command(self, spec: EngineSpec, generation: Generation) -> list[str]:
         """The group's batch engine: its engines' command on its own port, without CUDA graphs, which would keep
         its KV cache reserved through a demote (a batch engine yields that memory when the group needs it)."""

@@ -160,6 +160,10 @@ class Supervisor:
         self.early: set[Process] = set()  # watched for the first sign of their exit
         self.early_watch: asyncio.Task | None = None
 
+    def log_path(self, log_id: str) -> Path:
+        """The file a process spawned with ``log_id`` appends its output to."""
+        return self.log_dir / f"{log_id}.log"
+
     def spawn(
         self,
         process_id: str,
@@ -172,7 +176,7 @@ class Supervisor:
         (default ``process_id``); ``env``: its environment (None: ours); ``pass_fds``: our fds it inherits
         under the same numbers."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.log_dir / f"{log_id or process_id}.log", "ab") as out:
+        with open(self.log_path(log_id or process_id), "ab") as out:
             popen = subprocess.Popen(
                 command,
                 stdin=subprocess.DEVNULL,

@@ -4,23 +4,33 @@ Children run this interpreter's installed package, never whatever ``cache/`` or 
 folder happens to lie in the current directory, and nothing sets or extends ``PYTHONPATH``.
 
 Spares (``controller.spares``): an engine or cache daemon started with START_FLAG and READY_FLAG does its
-imports, says so with one byte on its ready pipe, and waits on its start pipe (``wait_for_start``).
+imports (an engine also its attach and warm-up), says so with one message on its ready pipe, and waits on its start
+pipe (``wait_for_start``) for one message that starts it. A message is one JSON object on one line, smaller than
+PIPE_BUF so that it is written whole, and the writer closes the pipe after it: the ready message says what the
+spare holds (``{}``, or an engine's device bytes), the start message what it starts as (``{}``, or an engine's
+slot: ``{"port": P, "engine_id": ID}``). A pipe closed without a message says no: the spare exited before it was
+ready, or it is not needed after all and exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import os
+import select
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 from hotweights.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 START_FLAG, READY_FLAG = "--start-fd", "--ready-fd"
+# The share of time a spare engine's warm-up may keep its device busy before it is needed (``standby.pacing``).
+SPARE_DUTY = 0.5
 
 
 def hotweights_command(*args: str, python: str | None = None) -> list[str]:
@@ -35,11 +45,14 @@ def add_spare_arguments(parser: argparse.ArgumentParser, starts: str) -> None:
         START_FLAG,
         type=int,
         metavar="FD",
-        help=f"start as a spare: import everything, then wait for one byte on the inherited FD before {starts} "
-        "(EOF: exit 0 without starting); the controller keeps one per group",
+        help=f"start as a spare: import everything, then wait for one JSON message on the inherited FD before "
+        f"{starts} (EOF: exit 0 without starting); the controller keeps them per group",
     )
     parser.add_argument(
-        READY_FLAG, type=int, metavar="FD", help=f"with {START_FLAG}: write one byte to this inherited FD once imported"
+        READY_FLAG,
+        type=int,
+        metavar="FD",
+        help=f"with {START_FLAG}: write one JSON message to this inherited FD once ready to start",
     )
 
 
@@ -64,19 +77,53 @@ class SparePipes:
             os.close(fd)
 
 
-def wait_for_start(start_fd: int, ready_fd: int | None) -> bool:
-    """A spare: say so on ``ready_fd`` (one byte, then closed), then block until the controller writes a byte to
-    ``start_fd`` (start now) or closes it without one (not needed after all); whether to start."""
+def send_message(fd: int, message: dict[str, Any]) -> None:
+    """Write ``message`` whole to the pipe ``fd`` (module docstring); the caller closes it after. BrokenPipeError:
+    the reader is gone."""
+    data = json.dumps(message, separators=(",", ":")).encode() + b"\n"
+    if len(data) > select.PIPE_BUF:
+        raise ValueError(f"a spare's message must be under {select.PIPE_BUF} bytes, found {len(data)}")
+    os.write(fd, data)
+
+
+def read_message(fd: int) -> dict[str, Any] | None:
+    """The message on the pipe ``fd`` up to its writer's close (it blocks until then); None when it closed with none.
+    ConfigError for anything but one JSON object."""
+    chunks = []
+    while chunk := os.read(fd, select.PIPE_BUF):
+        chunks.append(chunk)
+    return parse_message(b"".join(chunks))
+
+
+def parse_message(data: bytes) -> dict[str, Any] | None:
+    """``data`` read from a spare's pipe as its message: None for none (b""), ConfigError for anything but one JSON
+    object. One read of a readable pipe returns a whole message (it is written whole, under PIPE_BUF)."""
+    if not data:
+        return None
+    try:
+        message = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"a spare's pipe message is not JSON ({exc}): {data[:80]!r}") from None
+    if not isinstance(message, dict):
+        raise ConfigError(f"a spare's pipe message must be a JSON object, found {data[:80]!r}")
+    return message
+
+
+def wait_for_start(start_fd: int, ready_fd: int | None, ready: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """A spare: send ``ready`` (default ``{}``) on ``ready_fd`` and close it, then block until the controller sends
+    the start message on ``start_fd`` (returned: start now, as it says) or closes it without one (None: not needed
+    after all)."""
     try:
         if ready_fd is not None:
-            # EPIPE: the controller took or released us before the byte; the start pipe says which
-            with contextlib.suppress(BrokenPipeError), os.fdopen(ready_fd, "wb", buffering=0) as ready:
-                ready.write(b"1")
-        log.info("spare: imported and waiting on fd %d to start", start_fd)
-        with os.fdopen(start_fd, "rb", buffering=0) as start:
-            started = bool(start.read(1))
+            # EPIPE: the controller took or released us before the message; the start pipe says which
+            with contextlib.suppress(BrokenPipeError):
+                send_message(ready_fd, ready or {})
+            os.close(ready_fd)
+        log.info("spare: ready and waiting on fd %d to start", start_fd)
+        started = read_message(start_fd)
+        os.close(start_fd)
     except OSError as exc:
         raise ConfigError(f"{START_FLAG} {start_fd} / {READY_FLAG} {ready_fd}: {exc.strerror}") from None
-    if not started:
+    if started is None:
         log.info("spare: released before it was needed")
     return started

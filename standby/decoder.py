@@ -13,21 +13,20 @@ it for the scheduler:
 - ``decode(tokens, positions)``: one step for slots 0 .. n-1 at once (``Transformer.decode``), each
   at its own position, attending over the next length of ``lengths`` that holds every row.
 
-So the shapes serving uses form a small fixed set, and ``warm_up`` runs every one of them (and the
-sampling path) before the engine reports ready: later requests find every kernel, allocator block
-and library plan already made. With ``graphs`` (CUDA only) the decode step at each batch size
-1 .. ``batch`` and each KV length is captured as a CUDA graph during warm-up, its elementwise steps
-fused (``standby.fused``); a replay copies the step's tokens and positions into the graph's own
-input buffer first and returns a copy of its output, so it never reads a previous step's inputs nor
-hands out a buffer the next replay overwrites. Prefills of up to GRAPHED_PREFILL tokens per prompt (the
-short prompts most requests bring) are captured too, one graph per first slot, prompt count and length,
-with the eager path's own kernels: an eager pass over every layer is bound by the host's kernel launches
-(on ``xl`` ~36 ms, against ~11 ms of device time), and every sequence in a batch waits for each
-newcomer's prefill. Graphs point at this cache's memory, which is why a
-graphed ``Decoder`` is kept for the engine's whole life (reserved at start-up, standby included)
-rather than allocated on promote. KV lengths stay bucketed with graphs too: attention over all
-``max_tokens`` positions at every step would cost an ``xl`` step 8 ms more at 4096 (measured on an
-H200, ``docs/benchmarks.md``).
+So the shapes serving uses form a small fixed set, and ``warm_up`` runs every one of them (and the sampling
+path) before the engine reports ready (with graphs, the decode steps only as their captures' first runs):
+later requests find every kernel, allocator block and library plan already made. With ``graphs`` (CUDA only)
+the decode step at each batch size 1 .. ``batch`` and each KV length is captured as a CUDA graph during
+warm-up, its elementwise steps fused (``standby.fused``); a replay copies the step's tokens and positions
+into the graph's own input buffer first and returns a copy of its output, so it never reads a previous
+step's inputs nor hands out a buffer the next replay overwrites. Prefills of up to GRAPHED_PREFILL tokens
+per prompt (the short prompts most requests bring) are captured too, one graph per first slot, prompt count
+and length, with the eager path's own kernels: an eager pass over every layer is bound by the host's kernel
+launches (on ``xl`` ~36 ms, against ~11 ms of device time), and every sequence in a batch waits for each
+newcomer's prefill. Graphs point at this cache's memory, which is why a graphed ``Decoder`` is kept for the
+engine's whole life (reserved at start-up, standby included) rather than allocated on promote. KV lengths
+stay bucketed with graphs too: attention over all ``max_tokens`` positions at every step would cost an
+``xl`` step 8 ms more at 4096 (measured on an H200, ``docs/benchmarks.md``).
 """
 
 from __future__ import annotations
@@ -199,28 +198,32 @@ class Decoder:
         done.synchronize()  # releases the GIL, unlike .tolist()'s implicit wait
         return host.tolist()
 
-    def warm_up(self) -> None:
-        """Run every shape serving uses (module docstring) and the sampling path once; with graphs,
-        capture the decode step at every batch size. Leaves finite garbage in the KV cache, which
-        serving overwrites before it reads (reads beyond a sequence's length are masked)."""
+    def warm_up(self, pace: Callable[[], object] = lambda: None) -> None:
+        """Run every shape serving uses (module docstring) and the sampling path once; with graphs, capture the
+        decode step at every batch size instead of running it eagerly (a capture runs its step once first).
+        ``pace`` is called after each shape (``standby.pacing.Pacer.step``). Leaves finite garbage in the KV
+        cache, which serving overwrites before it reads (reads beyond a sequence's length are masked)."""
         device = self.model.device
         for rows in range(1, self.batch + 1):
             for length in self.lengths:
                 if self.prefill_fits(rows, length):
                     logits = self.prefill(0, [[0] * length] * rows)
-        for n in range(1, self.batch + 1):
-            for kv_len in self.lengths:
-                logits, _ = self.decode([0] * n, [kv_len - 1] * n)
+                    pace()
+        if not self.graphs_enabled:
+            for n in range(1, self.batch + 1):
+                for kv_len in self.lengths:
+                    self.decode([0] * n, [kv_len - 1] * n)
+                    pace()
         sample_token(logits[0], 1.0, 0.9, torch.Generator(device=device).manual_seed(0))
         sample_token(logits[0], 0.0, 1.0, torch.Generator(device=device))
         if self.graphs_enabled:
-            self._capture()
+            self._capture(pace)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    def _capture(self) -> None:
+    def _capture(self, pace: Callable[[], object]) -> None:
         """A graph per batch size and KV length, and per short prefill (module docstring), sharing one memory
-        pool; ``graph_bytes`` is what they added."""
+        pool; ``graph_bytes`` is what they added. ``pace`` after each capture."""
         device = self.model.device
         before = _reserved_in_use(device)
         pool = torch.cuda.graph_pool_handle()
@@ -228,9 +231,11 @@ class Decoder:
             for kv_len in self.lengths:
                 graph = self._graphs[n, kv_len] = DecodeGraph(self.model, self.kv, n, kv_len, pool)
                 graph.run(torch.zeros((2, n), dtype=torch.long))  # a first replay, as serving's would be
+                pace()
         for first, rows, length in self.graphed_prefills():
             prefill = self._prefills[first, rows, length] = PrefillGraph(self.model, self.kv, first, rows, length, pool)
             prefill.run(torch.zeros((rows, length), dtype=torch.long))
+            pace()
         self.graph_bytes = _reserved_in_use(device) - before
         log.info(
             "captured %d decode CUDA graphs (batch 1..%d, KV lengths %s) and %d prefill graphs: %d bytes",

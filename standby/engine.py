@@ -61,12 +61,13 @@ from hotweights.cache.pipeline import (
 from hotweights.contract import Role, read_token, refuse_open_listener
 from hotweights.errors import ConfigError, HotweightsError
 from hotweights.ports import free_port
-from hotweights.spawn import add_spare_arguments, wait_for_start
+from hotweights.spawn import SPARE_DUTY, add_spare_arguments, wait_for_start
 from hotweights.standby import tpgroup
 from hotweights.standby.decoder import Decoder
 from hotweights.standby.generate import load_tokenizer, stop_token_ids
 from hotweights.standby.metrics import EngineMetrics
 from hotweights.standby.model import KVCache, Transformer
+from hotweights.standby.pacing import CpuShare, Pacer, readable
 from hotweights.standby.roles import CANCEL_GRACE_S, KvCapacity, Roles
 from hotweights.standby.scheduler import Scheduler
 from hotweights.standby.server import EngineContext, build_app
@@ -88,16 +89,21 @@ def new_decoder(model: Transformer, max_batch: int, kv_tokens: int, graphs: bool
 
 
 def warm_up(
-    allocate: Callable[[], Decoder], graphs: bool, keep: bool, free: Callable[[], object] = lambda: None
+    allocate: Callable[[], Decoder],
+    graphs: bool,
+    keep: bool,
+    free: Callable[[], object] = lambda: None,
+    pace: Callable[[], object] = lambda: None,
 ) -> Decoder | None:
     """Warm up every shape serving uses on a decoder of the real KV layout from ``allocate``
     (``Decoder.warm_up``). With ``graphs`` the decoder, its KV cache and its CUDA graphs are returned to
     be kept for the engine's life; otherwise it is returned only when ``keep`` (a primary serves from
     it), and a freed one's device memory goes back to the driver (``free`` then drops it on the other
-    ranks of a tensor-parallel group), so a standby holds no KV cache."""
+    ranks of a tensor-parallel group), so a standby holds no KV cache. ``pace``: after each shape
+    (``standby.pacing``)."""
     start = time.perf_counter()
     decoder = allocate()
-    decoder.warm_up()
+    decoder.warm_up(pace)
     log.info(
         "warmed up in %.3f s: prefill and decode at %d lengths up to %d, decode at batch 1..%d%s",
         time.perf_counter() - start,
@@ -121,13 +127,16 @@ def uses_graphs(args: argparse.Namespace, model: Transformer) -> bool:
     return args.cuda_graphs and model.device.type == "cuda"
 
 
-def warm(args: argparse.Namespace, model: Transformer, channel: tpgroup.Channel | None) -> Decoder | None:
-    """``warm_up`` at the flags' shapes, on this rank or (``channel``) on the whole group; the decoder to keep."""
+def warm(
+    args: argparse.Namespace, model: Transformer, channel: tpgroup.Channel | None, pacer: Pacer | None = None
+) -> Decoder | None:
+    """``warm_up`` at the flags' shapes, on this rank or (``channel``) on the whole group; the decoder to keep.
+    ``pacer``: a spare's, on one rank."""
     graphs = uses_graphs(args, model)
     make = functools.partial(new_decoder, model, args.max_batch, args.kv_cache_tokens, graphs)
     keep = Role(args.role) is Role.PRIMARY
     if channel is None:
-        return warm_up(make, graphs, keep=keep)
+        return warm_up(make, graphs, keep=keep, pace=pacer.step if pacer else lambda: None)
     free = functools.partial(channel.send, tpgroup.Op.FREE)
     return warm_up(tpgroup.group_allocator(channel, make, graphs), graphs, keep=keep, free=free)
 
@@ -155,6 +164,17 @@ class EngineServer(AnnouncingServer):
             await super().shutdown(sockets=sockets)
         finally:
             timer.cancel()
+
+
+def duty(text: str) -> float:
+    """--spare-duty: a number in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], found {text!r}")
+    return value
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -201,6 +221,12 @@ class Ahead:
         log.info("spare: its daemon serves another allocation than the one it attached: attaching again")
         return False
 
+    def held(self) -> dict[str, int]:
+        """The device memory it holds beside the arena's mapping: the ready message's body."""
+        warmed = self.warmed
+        kv = warmed.kv.nbytes if warmed is not None else 0
+        return {"kv_cache_bytes": kv, "cuda_graph_bytes": warmed.graph_bytes if warmed is not None else 0}
+
     def release(self) -> None:
         """Drop the decoder and the model (every view of the arena), then unmap; nothing here is usable after."""
         attachment = self.loaded.attachment
@@ -214,8 +240,9 @@ class Ahead:
 
 def prepare_spare(args: argparse.Namespace) -> tuple[Prepared | None, Ahead | None]:
     """A spare's load before its start: the CUDA context (made and warmed up), the checkpoint's headers, the
-    fingerprint, the model skeleton, then (module docstring) the attach and the warm-up. (None, None) where the
-    preparation fails and (prepared, None) where the attach does: the load after the start reports it."""
+    fingerprint, the model skeleton, then (module docstring) the attach and the warm-up, paced by --spare-duty
+    until a start message waits (``standby.pacing``). (None, None) where the preparation fails and (prepared,
+    None) where the attach does: the load after the start reports it."""
     try:
         prepared = prepare(model_dir_from_args(args), rank_spec(args, 0), skeleton=args.tp_size == 1)
     except HotweightsError as exc:
@@ -236,14 +263,18 @@ def prepare_spare(args: argparse.Namespace) -> tuple[Prepared | None, Ahead | No
     except HotweightsError as exc:
         log.info("spare: not attached before its start (%s)", exc)
         return prepared, None
+    device = loaded.model.device
+    sync = functools.partial(torch.cuda.synchronize, device) if device.type == "cuda" else lambda: None
+    pacer = Pacer(args.spare_duty, functools.partial(readable, args.start_fd), sync)
     try:
-        ahead = Ahead(prepared, loaded, warm(args, loaded.model, None))
+        ahead = Ahead(prepared, loaded, warm(args, loaded.model, None, pacer))
     except torch.OutOfMemoryError as exc:
         first_line = str(exc).splitlines()[0]
         log.warning("spare: no device memory to warm up before its start, it will at its start: %s", first_line)
         Ahead(prepared, loaded, None).release()
         return prepared, None
-    log.info("spare: attached and warmed up in %.3f s before its start", time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    log.info("spare: attached and warmed up in %.3f s before its start (%.3f s of it paused)", seconds, pacer.paused_s)
     return prepared, ahead
 
 
@@ -299,6 +330,28 @@ def run_follower(args: argparse.Namespace) -> int:
     return 0
 
 
+def take_slot(args: argparse.Namespace, slot: dict[str, object]) -> str | None:
+    """A spare's start message: the slot it starts as (``{"port": P, "engine_id": ID, "log": PATH}``, each
+    optional). The port replaces --port in ``args``; stdout and stderr go on in the slot's log file (appended to);
+    the engine id it names, if any. ConfigError for a malformed message."""
+    port, engine_id, log_file = slot.get("port", args.port), slot.get("engine_id"), slot.get("log")
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
+        raise ConfigError(f"the start message's port must be an integer in 0..65535, found {port!r}")
+    for name, value in (("engine_id", engine_id), ("log", log_file)):
+        if value is not None and not isinstance(value, str):
+            raise ConfigError(f"the start message's {name} must be a string, found {value!r}")
+    if log_file is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        fd = os.open(log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        for target in (1, 2):
+            os.dup2(fd, target)
+        os.close(fd)
+    args.port = port
+    args.engine_id = engine_id or args.engine_id
+    return engine_id
+
+
 def cmd_engine(args: argparse.Namespace) -> int:
     check_args(args)
     if args.tp_rank > 0:
@@ -306,9 +359,14 @@ def cmd_engine(args: argparse.Namespace) -> int:
     prepared = ahead = None
     engine_id = args.engine_id or f"{socket.gethostname()}-{os.getpid()}"
     if args.start_fd is not None:  # a spare: prepare (and attach ahead), then wait to be started
+        threads, cpus = torch.get_num_threads(), CpuShare()
         prepared, ahead = prepare_spare(args)
-        if not wait_for_start(args.start_fd, args.ready_fd):
+        slot = wait_for_start(args.start_fd, args.ready_fd, ahead.held() if ahead else {})
+        if slot is None:
             return 0
+        cpus.restore()
+        torch.set_num_threads(threads)
+        engine_id = take_slot(args, slot) or engine_id
         if ahead is not None and not ahead.still_current(args):
             ahead.release()
             prepared = ahead = None
@@ -428,6 +486,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=True,
         help="with --start-fd, --weight-cache client and one rank: attach and warm up before waiting, while the "
         "daemon serves, so the start only listens; the spare then holds a standby's device memory (default on)",
+    )
+    p.add_argument(
+        "--spare-duty",
+        type=duty,
+        default=SPARE_DUTY,
+        help="with --start-fd: the share of time the spare's warm-up may keep the device busy; it pauses for the "
+        f"rest, so that it slows the engines serving beside it little, until it is started (default {SPARE_DUTY})",
     )
     # A follower rank of a tensor-parallel group (standby.tpgroup): set by rank 0 on the ranks it starts.
     p.add_argument("--tp-rank", type=int, default=0, help=argparse.SUPPRESS)

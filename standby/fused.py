@@ -58,7 +58,13 @@ def fused_on_cuda(fn: Fn) -> Fn:
 
 @functools.cache
 def _compiled(fn: Callable[..., object]) -> Callable[..., object]:
-    """``fn`` compiled once, on its first fused call (so CPU engines never import Dynamo)."""
+    """``fn`` compiled once, on its first fused call (so CPU engines never import Dynamo). Inductor compiles in this
+    process (``compile_threads = 1``) rather than starting a pool of compile workers per engine: with its on-disk
+    cache warm a compile is a cache read, and a pool's start would take CPU time from the engines serving beside a
+    warming spare."""
+    import torch._inductor.config as inductor  # Inductor only where fusing runs
+
+    inductor.compile_threads = 1
     return torch.compile(fn, fullgraph=True)
 
 

@@ -22,7 +22,7 @@ import pytest
 from hotweights.cache.pipeline import LoadSpec
 from hotweights.contract import Endpoint
 from hotweights.ports import free_port
-from hotweights.spawn import SparePipes, hotweights_command
+from hotweights.spawn import SparePipes, hotweights_command, parse_message, send_message
 from hotweights.standby.generate import load_tokenizer, stop_token_ids
 from hotweights.standby.model import generate
 from hotweights.standby.weights import load_model
@@ -170,12 +170,15 @@ class SpareEngine(EngineProcess):
 
     def wait_prepared(self, timeout: float = 60.0) -> Self:
         readable, _, _ = select.select([self.ready_fd], [], [], timeout)
-        if not readable or os.read(self.ready_fd, 1) != b"1":
+        if not readable or (message := parse_message(os.read(self.ready_fd, select.PIPE_BUF))) is None:
             raise RuntimeError(f"spare not prepared in {timeout} s:\n{self.logs()}")
+        self.holds = message
         return self
 
-    def start(self) -> Self:
-        os.write(self.start_fd, b"1")
+    def start(self, slot: dict[str, object] | None = None) -> Self:
+        send_message(self.start_fd, slot or {})
+        os.close(self.start_fd)
+        self.start_fd = -1
         return self.wait_ready()
 
     def close(self) -> None:

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -218,15 +219,18 @@ def test_kill_primary_fails_over_without_split_brain(stack: ControllerStack) -> 
     assert "signal 9" in detected or "is exiting" in detected  # the pidfd, or every thread seen exiting first
 
 
-def test_the_primary_slots_spare_replaces_it_and_dies_with_the_controller(stack: ControllerStack) -> None:
-    """The spare waits (imported, not listening) for the primary's slot; after the primary's SIGKILL it is the
-    slot's replacement standby (same pid), a new spare waits for the new primary's slot, and a killed
+def test_a_spare_replaces_the_fenced_primarys_slot_and_dies_with_the_controller(stack: ControllerStack) -> None:
+    """The group's spare waits (attached and warmed up, not listening) for any slot; after the primary's SIGKILL it
+    is that slot's replacement standby (same pid, the slot's port, its output now in the slot's log), the group's
+    redundancy is lost and restored (events, /cluster), a new spare is started for the pool, and a killed
     controller's spare exits on its own (its pipe closed), leaving the engines serving."""
     stack.wait_steady()
     old = stack.primary()
     spare = wait_until(lambda: (s := stack.cluster()["spares"]) and s[0]["ready"] and s[0], 30, "a ready spare")
-    assert spare["member"] == old["id"] and spare["group"] == 0
+    assert spare["group"] == 0 and spare["kv_cache_bytes"] == 0  # on CPU a standby holds no KV cache
     assert "--start-fd" in Path(f"/proc/{spare['pid']}/cmdline").read_bytes().decode().split("\0")
+    (full,) = stack.cluster()["redundancy"]
+    assert full["full"] and (full["standbys_ready"], full["standbys_wanted"], full["spares_ready"]) == (2, 2, 1)
     os.kill(old["pid"], signal.SIGKILL)
     replacement = wait_until(
         lambda: (m := stack.members()[old["id"]])["status"] == "healthy" and m["pid"] != old["pid"] and m,
@@ -234,16 +238,25 @@ def test_the_primary_slots_spare_replaces_it_and_dies_with_the_controller(stack:
         "the spare as the replacement standby in the old slot",
     )
     assert replacement["pid"] == spare["pid"] and replacement["role"] == "standby"
-    engine_log = (stack.config_path.parent / "state" / "logs" / f"{old['id']}.log").read_text()
-    assert "; prepared before this spare was started" in engine_log  # headers, fingerprint, skeleton: done
-    assert "spare: attached and warmed up in" in engine_log  # before its start, while the daemon served
+    logs = stack.config_path.parent / "state" / "logs"
+    spares_log = (logs / "g0-engines.log").read_text()
+    assert "; prepared before this spare was started" in spares_log  # headers, fingerprint, skeleton: done
+    assert "spare: attached and warmed up in" in spares_log  # before its start, while the daemon served
+    assert f'"engine_id": "{old["id"]}"' in (logs / f"{old['id']}.log").read_text()  # its ready line, in the slot's
     started = stack.events("engine_start")[-1]
     assert started["member"] == old["id"] and started["spare"] is True and "its spare" in started["message"]
     ready_ms = (time.time() - datetime.fromisoformat(started["time"]).timestamp()) * 1000
     print(f"\nspare started as {old['id']}: healthy standby within {ready_ms:.0f} ms of the controller's decision")
+    lost = wait_until(lambda: stack.events("redundancy_lost"), 30, "redundancy lost")[-1]
+    restored = wait_until(lambda: stack.events("redundancy_restored"), 30, "redundancy restored")[-1]
+    assert lost["group"] == 0 and old["id"] in lost["reason"] and restored["degraded_ms"] > 0
+    metrics = httpx.get(f"{stack.url}/metrics").text
+    assert re.search(r"^hotweights_controller_time_to_redundancy_seconds_count [1-9]", metrics, re.MULTILINE)
+    assert 'hotweights_controller_standbys_ready{group="0"} 2.0' in metrics
     new = stack.primary()
-    ready = wait_until(lambda: [s for s in stack.cluster()["spares"] if s["ready"]], 30, "the next spare")
-    assert ready[0]["member"] == new["id"]
+    ready = wait_until(
+        lambda: [s for s in stack.cluster()["spares"] if s["ready"] and s["pid"] != spare["pid"]], 30, "the next spare"
+    )
     next_spare = ready[0]["pid"]
     stack.kill_controller()
     wait_until(lambda: read_identity(next_spare) is None, 30, "the spare to exit with its controller")
@@ -687,7 +700,7 @@ def test_switchover_fences_an_unconfirmed_candidate_before_resuming_the_old_prim
 
     class FakeCluster:
         config = SimpleNamespace(
-            health=SimpleNamespace(interval_ms=100, timeout_ms=250, failure_threshold=2),
+            health=SimpleNamespace(interval_ms=100, timeout_ms=250, failure_threshold=2, redundancy_alert_s=30.0),
             engine=SimpleNamespace(drain_timeout_s=1.0),
         )
         batch = BatchEngines(None, None, None, list, dict, int)  # no group has a batch engine: nothing yields

@@ -1,0 +1,91 @@
+"""How a spare engine's preparation yields to the engines that serve beside it.
+
+A spare warms up (every shape run once, CUDA graphs captured) on the device and the CPUs that the primary
+serves from. Run flat out, that work competes with the primary for both and slows it for as long as it lasts; a
+spare is prepared ahead of need, so its warm-up can take longer instead. Two measures, both undone as soon as
+the spare is needed:
+
+- ``Pacer``: after each unit of warm-up work (one shape, one capture) the spare sleeps, so that it keeps the
+  device busy at most a ``duty`` share of the time; a start message waiting on its pipe (the slot needs it now)
+  ends the pauses.
+- ``CpuShare``: while it prepares and waits, the spare's threads run on a quarter of the CPUs the process may
+  use (at least one), the last ones, leaving the rest to the serving engines; at its start every thread gets the
+  whole set back (changing one's own affinity needs no privilege, unlike raising one's priority again).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+CPU_SHARE = 4  # a preparing spare runs on 1/CPU_SHARE of the CPUs
+
+
+class Pacer:
+    """Keeps a job's busy share of wall time at most ``duty`` (0 < duty <= 1): call ``step()`` after each unit of
+    work. ``sync`` waits for the work a unit queued (the device's), so that it counts as busy; ``urgent()`` true:
+    stop pausing for good (the work is needed now)."""
+
+    def __init__(
+        self,
+        duty: float,
+        urgent: Callable[[], bool] = lambda: False,
+        sync: Callable[[], object] = lambda: None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], object] = time.sleep,
+    ) -> None:
+        if not 0 < duty <= 1:
+            raise ValueError(f"duty must be in (0, 1], found {duty}")
+        self.duty, self.urgent, self.sync, self.clock, self.sleep = duty, urgent, sync, clock, sleep
+        self.mark = clock()
+        self.paused_s = 0.0  # slept so far
+
+    def step(self) -> None:
+        """One unit of work is done: pause for (1 - duty) / duty of the time it took, unless urgent."""
+        if self.duty < 1 and self.urgent():
+            log.info("spare: needed now, warming up without pauses")
+            self.duty = 1.0
+        if self.duty < 1:
+            self.sync()
+            pause = (self.clock() - self.mark) * (1 - self.duty) / self.duty
+            self.sleep(pause)
+            self.paused_s += pause
+        self.mark = self.clock()
+
+
+def readable(fd: int) -> bool:
+    """Whether the pipe ``fd`` has a message or its writer's close waiting (reading it would not block)."""
+    return bool(select.select([fd], [], [], 0)[0])
+
+
+def narrowed(allowed: set[int], share: int = CPU_SHARE) -> set[int]:
+    """The last ``len(allowed) // share`` CPUs of ``allowed`` (at least one)."""
+    ordered = sorted(allowed)
+    return set(ordered[-max(1, len(ordered) // share) :])
+
+
+class CpuShare:
+    """The process's CPU set, narrowed (``narrowed``) for every thread until ``restore``."""
+
+    def __init__(self) -> None:
+        self.allowed = os.sched_getaffinity(0)
+        self.narrow = narrowed(self.allowed)
+        self._apply(self.narrow)
+
+    def restore(self) -> None:
+        self._apply(self.allowed)
+
+    @staticmethod
+    def _apply(cpus: set[int]) -> None:
+        """``cpus`` for every thread of this process (threads made later inherit their maker's set)."""
+        for task in Path("/proc/self/task").iterdir():
+            try:
+                os.sched_setaffinity(int(task.name), cpus)
+            except (ProcessLookupError, PermissionError) as exc:  # a thread that just ended; a cgroup's refusal
+                log.debug("thread %s keeps its CPU set: %s", task.name, exc)
