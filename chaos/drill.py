@@ -40,7 +40,7 @@ from hotweights.chaos.load import LoadGenerator, reference_completion
 from hotweights.chaos.measure import RoundResult, apply_events, apply_requests
 from hotweights.chaos.report import write_report
 from hotweights.chaos.scenarios import SCENARIOS as ONE_HOST_SCENARIOS
-from hotweights.chaos.scenarios import ModelUpdate, Round, Scenario
+from hotweights.chaos.scenarios import STORM_FAULTS, STORM_INTERVAL_S, ModelUpdate, Round, Scenario, Storm
 from hotweights.chaos.splitbrain import SplitBrainDetector
 from hotweights.chaos.stack import DrillStack
 from hotweights.errors import ConfigError, HotweightsError
@@ -119,9 +119,10 @@ class Drill:
             await asyncio.sleep(0.02)
 
 
-def plan(names: list[str], rounds: int | None) -> list[Scenario]:
-    """``rounds`` rounds cycling through ``names`` (default: one round of each)."""
-    scenarios = [SCENARIOS[name]() for name in names]
+def plan(names: list[str], rounds: int | None, options: dict[str, dict[str, Any]] | None = None) -> list[Scenario]:
+    """``rounds`` rounds cycling through ``names`` (default: one round of each); ``options``: keyword arguments of
+    the scenarios that take some, by name."""
+    scenarios = [SCENARIOS[name](**(options or {}).get(name, {})) for name in names]
     total = len(scenarios) if rounds is None else rounds
     return [scenarios[i % len(scenarios)] for i in range(total)]
 
@@ -145,7 +146,8 @@ async def drill(args: argparse.Namespace, stack: DrillStack | HostsStack) -> int
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     default = HOST_DEFAULT if isinstance(stack, HostsStack) else list(ONE_HOST_SCENARIOS)
-    rounds = plan(args.scenarios or default, args.rounds)
+    storm = {"faults": args.storm_faults, "interval_s": args.storm_interval}
+    rounds = plan(args.scenarios or default, args.rounds, {Storm.name: storm})
     judge = args.lb == "gateway"
     api = stack.control_api()
     async with httpx.AsyncClient() as client:
@@ -218,6 +220,11 @@ def cmd_drill(args: argparse.Namespace) -> int:
         raise ConfigError("--attach-running needs --config: the cluster.toml of the running stack")
     if args.rps <= 0:
         raise ConfigError(f"--rps must be > 0, found {args.rps}")
+    if args.storm_faults < 1 or args.storm_interval <= 0:
+        found = f"{args.storm_faults} and {args.storm_interval}"
+        raise ConfigError(f"--storm-faults must be >= 1 and --storm-interval > 0, found {found}")
+    if args.spare_engines is not None and args.spare_engines < 0:
+        raise ConfigError(f"--spare-engines must be >= 0, found {args.spare_engines}")
     with contextlib.ExitStack() as cleanup:
         if args.workdir:
             workdir = Path(args.workdir).resolve()
@@ -235,7 +242,7 @@ def cmd_drill(args: argparse.Namespace) -> int:
             batch = args.tp_size == 1 and any(SCENARIOS[name].needs_batch for name in args.scenarios or SCENARIOS)
             stack = DrillStack.create(
                 workdir, args.lb, proxied=needs_proxy, model=args.model or "", device=args.device,
-                tp_size=args.tp_size, batch=batch,
+                tp_size=args.tp_size, batch=batch, spare_engines=args.spare_engines,
             )  # fmt: skip
         return asyncio.run(drill(args, stack))
 
@@ -276,6 +283,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=60.0,
         help="seconds the cluster may take to be whole again after a fault, its new standby ready (default 60; "
         "vLLM standbys start in minutes on CPU)",
+    )
+    p.add_argument(
+        "--spare-engines",
+        type=int,
+        help="own stack: the group's warmed spare engines (default: cluster.toml's default, 1)",
+    )
+    p.add_argument(
+        "--storm-faults", type=int, default=STORM_FAULTS, help=f"storm: faults per round (default {STORM_FAULTS})"
+    )
+    p.add_argument(
+        "--storm-interval",
+        type=float,
+        default=STORM_INTERVAL_S,
+        help=f"storm: seconds between its faults (default {STORM_INTERVAL_S:g})",
     )
     p.add_argument("--hosts", type=int, default=1, help="with --dcs etcd: simulated hosts, one engine each (2..9)")
     p.add_argument("--dcs", choices=["etcd"], help="simulate --hosts hosts coordinating through an etcd of its own")

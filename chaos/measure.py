@@ -9,6 +9,10 @@ controller's decision to serving). Client timings, all ends of successful (corre
 faults (flapping's kills) is measured at each of them and reports its worst one: a later kill that
 finds no ready standby is what clients wait for longest.
 
+``fault_outages_ms`` lists each fault's outage (a storm's many). ``redundancy_ms`` runs from the round's last fault to
+the controller's ``redundancy_restored`` event: the group has a serving primary and every other slot a ready
+standby again, safe against the next fault.
+
 ``quiet_outage_ms`` is the same formula at an instant QUIET_LEAD_S before the (first) fault, when nothing
 was wrong: the floor that the load and the requests' own time set (about one request interval plus one
 request's time). ``outage_ms`` minus it is what the fault cost clients.
@@ -25,7 +29,7 @@ from hotweights.chaos.load import RequestRecord
 
 MEASURES = (
     "detection_ms", "fence_ms", "promotion_ms", "lb_convergence_ms", "outage_ms", "quiet_outage_ms",
-    "respawn_ms", "batch_back_ms",
+    "respawn_ms", "batch_back_ms", "redundancy_ms",
 )  # fmt: skip
 QUIET_LEAD_S = 0.5
 
@@ -50,6 +54,8 @@ class RoundResult:
     quiet_outage_ms: float | None = None  # the outage formula at a fault-free instant just before the fault
     respawn_ms: float | None = None  # a respawned daemon's or gateway's: the controller's decision to serving
     batch_back_ms: float | None = None  # the slowest return of a batch engine that yielded in this round
+    redundancy_ms: float | None = None  # from the last fault to full redundancy again
+    fault_outages_ms: list[float] = field(default_factory=list)  # each fault's outage, in order
     requests: int = 0
     failed: int = 0
     refused: int = 0  # of the failed: no connection at all (the load balancer's port refused it)
@@ -97,6 +103,9 @@ def apply_events(result: RoundResult, events: Sequence[dict[str, Any]], targets:
             result.promoted_at = event_time(event)
         if result.respawn_ms is None and event["kind"] == "respawn" and "duration_ms" in event:
             result.respawn_ms = event["duration_ms"]
+        last_fault = max([result.fault_at, *result.later_faults])
+        if result.redundancy_ms is None and event["kind"] == "redundancy_restored" and event_time(event) >= last_fault:
+            result.redundancy_ms = (event_time(event) - last_fault) * 1000
         if event["kind"] == "batch_return" and event.get("back_ms") is not None:
             result.batch_back_ms = max(result.batch_back_ms or 0.0, event["back_ms"])
 
@@ -114,6 +123,7 @@ def apply_requests(result: RoundResult, records: Sequence[RequestRecord], until:
     result.errors = [f"{r.status}: {r.error}" for r in bad[:3]]
     if result.fault_at is None:
         return
+    result.fault_outages_ms = []
     for fault_at in (result.fault_at, *result.later_faults):
         gap = _gap(records, fault_at)
         if gap is None:
@@ -121,6 +131,7 @@ def apply_requests(result: RoundResult, records: Sequence[RequestRecord], until:
         last, first = gap
         result.lb_convergence_ms = max(result.lb_convergence_ms or 0.0, (first - fault_at) * 1000)
         if last is not None:
+            result.fault_outages_ms.append((first - last) * 1000)
             result.outage_ms = max(result.outage_ms or 0.0, (first - last) * 1000)
     quiet = _gap(records, result.fault_at - QUIET_LEAD_S)
     if quiet is not None and quiet[0] is not None and quiet[1] <= result.fault_at:

@@ -154,7 +154,9 @@ def render_markdown(
         "controller's first event about the hurt process; fence, promotion and respawn = the controller's recorded "
         "durations; LB convergence = fault to the first success of a request sent after it; outage = last "
         "success before the fault to that first success; quiet outage = the same at an instant 0.5 s before the "
-        "fault, when nothing was wrong (the floor the load and the requests' own time set).",
+        "fault, when nothing was wrong (the floor the load and the requests' own time set); redundancy = the "
+        "round's last fault to full redundancy again (a serving primary, every other slot a ready standby; each "
+        "round's is in report.json).",
         "",
         "| scenario | rounds | measure | p50 | p95 | p99 | max |",
         "| --- | --- | --- | --- | --- | --- | --- |",

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
@@ -31,6 +32,9 @@ HANG_S = 2.0  # how long hang-daemon keeps the daemon stopped
 SLOW_DELAY_S = 0.5  # slow-primary's added latency each way: twice the default health timeout
 FENCE_WAIT_S = 15.0
 FLAP_KILLS = 3
+STORM_FAULTS = 10  # storm's faults per round
+STORM_INTERVAL_S = 3.0  # between a storm's faults: it does not wait for the group to recover in between
+STORM_SIGNALS = (signal.SIGKILL, signal.SIGSTOP)  # a storm's faults cycle through these
 
 
 @dataclass
@@ -325,24 +329,73 @@ class Flapping(Scenario):
     async def inject(self, r: Round) -> None:
         killed: set[str] = set()
         for _ in range(FLAP_KILLS):
-            view = r.view if not killed else await self._new_primary(r, killed)
-            if view is None:
+            target = r.primary() if not killed else await serving_primary(r.api, killed)
+            if target is None:
                 r.problem = f"no new primary appeared after {len(killed)} kill(s)"
                 return
-            primary = view.primaries()[0]
-            killed.add(primary["id"] + str(primary["pid"]))
-            r.hit(view.target(primary["id"]), signal.SIGKILL)
+            killed.add(f"{target.name}:{target.pid}")
+            r.hit(target, signal.SIGKILL)
 
-    async def _new_primary(self, r: Round, killed: set[str]) -> ClusterView | None:
-        deadline = time.monotonic() + FENCE_WAIT_S
-        while time.monotonic() < deadline:
-            view = await r.api.cluster()
-            if view is not None:
-                serving = [m for m in view.primaries() if m["status"] == "healthy" and m["state"] == State.READY]
-                if serving and serving[0]["id"] + str(serving[0]["pid"]) not in killed:
-                    return view
-            await asyncio.sleep(0.01)
-        return None
+
+async def serving_primary(api: ControlApi, not_in: set[str], timeout_s: float = FENCE_WAIT_S) -> Target | None:
+    """The serving primary (healthy and ready) once there is one that is none of ``not_in`` (``id:pid``), or None
+    after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        view = await api.cluster()
+        if view is not None:
+            serving = [m for m in view.primaries() if m["status"] == "healthy" and m["state"] == State.READY]
+            if serving and f"{serving[0]['id']}:{serving[0]['pid']}" not in not_in:
+                target = view.target(serving[0]["id"])
+                if target is not None:
+                    return target
+        await asyncio.sleep(0.01)
+    return None
+
+
+async def fault_storm(
+    api: ControlApi,
+    faults: int,
+    interval_s: float,
+    signals: tuple[signal.Signals, ...],
+    hit: Callable[[Target, signal.Signals], object],
+) -> str:
+    """``faults`` faults of whichever engine serves as primary, ``interval_s`` apart on a fixed schedule (a fault
+    whose primary is not serving yet waits for it), signals cycling through ``signals``; ``hit`` sends each. "" when
+    every fault was sent, else why not."""
+    hurt: set[str] = set()
+    start = time.monotonic()
+    for i in range(faults):
+        await asyncio.sleep(max(0.0, start + i * interval_s - time.monotonic()))
+        target = await serving_primary(api, hurt)
+        if target is None:
+            return f"no serving primary {FENCE_WAIT_S:g} s after fault {i} of {faults}"
+        hurt.add(f"{target.name}:{target.pid}")
+        hit(target, signals[i % len(signals)])
+    return ""
+
+
+class Storm(Scenario):
+    name = "storm"
+    measures = (
+        f"{STORM_FAULTS} faults of the primary {STORM_INTERVAL_S:g} s apart (SIGKILL and SIGSTOP alternating) "
+        "without waiting for recovery in between: every fault's outage, the time to full redundancy after the last"
+    )
+
+    def __init__(self, faults: int = STORM_FAULTS, interval_s: float = STORM_INTERVAL_S) -> None:
+        self.faults, self.interval_s = faults, interval_s
+
+    async def inject(self, r: Round) -> None:
+        r.problem = await fault_storm(r.api, self.faults, self.interval_s, STORM_SIGNALS, r.hit)
+
+    async def settle(self, r: Round) -> None:
+        for target in r.targets:
+            if not await wait_dead(target):
+                r.problem = r.problem or f"the stopped primary {target.name} (pid {target.pid}) was not fenced"
+
+    async def cleanup(self, r: Round) -> None:
+        for target in r.targets:
+            send(target, signal.SIGCONT)
 
 
 class PreemptBatch(Scenario):
@@ -456,6 +509,7 @@ SCENARIOS: dict[str, type[Scenario]] = {
         KillLoadBalancer,
         DoubleFailure,
         Flapping,
+        Storm,
         Switchover,
         RollingRestart,
         ModelUpdate,

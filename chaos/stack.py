@@ -51,7 +51,7 @@ device = "{device}"
 engines = {engines}
 tp_size = {tp_size}
 base_port = {base_port}
-{listen_base_port}{batch_port}
+{listen_base_port}{batch_port}{spares}
 [engine]
 kv_cache_tokens = 256
 max_batch = 4
@@ -89,9 +89,11 @@ class DrillStack:
         device: str = "cpu",
         tp_size: int = 1,
         batch: bool = False,
+        spare_engines: int | None = None,
     ) -> DrillStack:
         """Write the config of a fresh stack in ``workdir`` (default: the embedded tiny model on CPU; engines of
-        ``tp_size`` ranks, a daemon per rank; ``batch``: with a co-located batch engine)."""
+        ``tp_size`` ranks, a daemon per rank; ``batch``: with a co-located batch engine; ``spare_engines``: the
+        group's, instead of the default)."""
         workdir.mkdir(parents=True, exist_ok=True)
         controller_port, gateway_port, lb_port, batch_port = free_ports(4)
         ports = free_ports(2 * ENGINES if proxied else ENGINES, consecutive=True)  # public, then private
@@ -114,6 +116,7 @@ class DrillStack:
                     else ""
                 ),
                 batch_port=f"batch_port = {batch_port}  # a co-located batch engine\n" if batch else "",
+                spares=f"spare_engines = {spare_engines}\n" if spare_engines is not None else "",
             )
         )
         config = load_config(path)

@@ -144,6 +144,17 @@ def test_a_round_of_several_faults_reports_its_worst_outage() -> None:
     assert result.lb_convergence_ms == pytest.approx(1350 - 420)
 
 
+def test_a_rounds_redundancy_runs_from_its_last_fault_to_the_next_restored_event() -> None:
+    """A storm of two faults: full redundancy after the first is not the round's; the one after the last is."""
+    result = RoundResult("storm", 0, started_at=0.0, fault_at=100.0, later_faults=[103.0])
+    events = [
+        {"kind": "redundancy_restored", "time": "1970-01-01T00:01:41.000+00:00", "group": 0},
+        {"kind": "redundancy_restored", "time": "1970-01-01T00:01:43.750+00:00", "group": 0},
+    ]
+    apply_events(result, events, set())
+    assert result.redundancy_ms == pytest.approx(750.0)
+
+
 def test_a_respawn_is_measured_from_its_event() -> None:
     """kill-daemon: the first respawn after the fault gives respawn_ms; the detection is its exit event."""
     result = RoundResult("kill-daemon", 0, started_at=0.0, fault_at=100.0)
@@ -227,7 +238,7 @@ def test_drill_every_scenario_once_through_the_gateway(tmp_path: Path, default_m
     """CI's drill: one round of every scenario on the tiny model; exit 0 means no split brain, no wrong
     output, no leak, every scenario's promise kept and no client-visible error through the gateway."""
     report = tmp_path / "report"
-    command = hotweights_command("drill", "--rps", "10", "--report", str(report))
+    command = hotweights_command("drill", "--rps", "10", "--storm-faults", "4", "--report", str(report))
     result = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=280)
     assert result.returncode == 0, result.stderr[-4000:]
     document = json.loads((report / "report.json").read_text())
@@ -236,6 +247,8 @@ def test_drill_every_scenario_once_through_the_gateway(tmp_path: Path, default_m
     assert document["totals"]["split_brain"] == 0
     assert (report / "timeline.png").stat().st_size > 10_000
     assert "| kill-primary | 1 |" in (report / "summary.md").read_text()
+    (storm,) = [r for r in document["rounds"] if r["scenario"] == "storm"]
+    assert len(storm["later_faults"]) == 3 and len(storm["fault_outages_ms"]) == 4 and storm["redundancy_ms"] > 0
 
 
 def two_kill_rounds() -> tuple[float, list[RoundResult], list[RequestRecord]]:

@@ -1,0 +1,234 @@
+"""How fast a group is safe again after each of repeated faults under load, and what restoring it costs the primary.
+
+    python bench/redundancy.py                                       # CPU, tiny: 6 faults 8 s apart, alternating
+    python bench/redundancy.py --model /tmp/xl --device cuda:0 --faults 10 --interval 10 --signals kill
+    python bench/redundancy.py --model /tmp/xl --device cuda:0 --faults 10 --interval 3 --signals kill,stop
+
+Starts its own stack (``hotweights up`` of the drill's: controller, daemon, ``--engines`` engines, the gateway,
+``--spare-engines`` warmed spares), drives ``--rps`` greedy completions a second through the gateway and, once the
+group and its spares are ready, first measures a quiet window (``--quiet`` s, nothing warming), then one engine's
+cold start beside it (a plain ``hotweights engine`` against the stack's daemon, to ready), then sends ``--faults``
+faults to whichever engine serves as primary, ``--interval`` s apart on a fixed schedule (it never waits for
+recovery), the signals cycling through ``--signals`` (a stopped primary is fenced by the controller; it gets
+SIGCONT at the end). Everything it started is stopped at the end, on SIGINT and SIGTERM too.
+
+Measured, per fault and over all of them:
+
+- ``time_to_redundancy_s``: from the fault to the controller's next ``redundancy_restored`` event: a serving
+  primary and every other slot a ready standby (``null`` for a fault after which that never came);
+- ``extra_latency_ms``: the longest request in flight at the fault or started within 1 s after it, minus the quiet
+  p50: what the fault cost a client;
+- ``client_errors``: requests that did not get the right 200, over the whole run; ``split_brain_samples``;
+- ``warming_slowdown``: the p50 latency of requests started while an engine or a spare was starting or warming
+  up (sampled from ``GET /cluster`` every 100 ms), leaving out the 2 s after each fault (the failover's own cost),
+  over the quiet p50 (``null`` when no request fell in such a window);
+- ``engine_start_s``: the cold engine's start to ready, the scale the CPU bound is relative to.
+
+The last stdout line is one JSON object with these.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from hotweights.chaos.clusterview import ControlApi, event_time
+from hotweights.chaos.faults import Target, send
+from hotweights.chaos.load import LoadGenerator, RequestRecord, reference_completion
+from hotweights.chaos.scenarios import fault_storm, wait_dead
+from hotweights.chaos.splitbrain import SplitBrainDetector
+from hotweights.chaos.stack import DrillStack
+from hotweights.controller.config import EngineSpec
+from hotweights.controller.stack import Layout
+from hotweights.ports import free_port
+from hotweights.stats import percentile
+
+START_TIMEOUT_S = 600.0
+SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
+AFTER_FAULT_S = 2.0  # left out of the warming windows: the failover's own cost
+IN_FAULT_S = 1.0  # requests started this soon after a fault count as hit by it
+
+
+@dataclass
+class Timeline:
+    """When an engine or a spare was starting or warming up, from ``GET /cluster`` every 100 ms."""
+
+    samples: list[tuple[float, bool]] = field(default_factory=list)  # (time.time(), warming)
+
+    async def run(self, api: ControlApi) -> None:
+        while True:
+            view = await api.cluster()
+            if view is not None:
+                starting = any(m["status"] == "starting" for m in view.members)
+                spares = any(s["pid"] is not None and not s["ready"] for s in view.spares)
+                self.samples.append((time.time(), starting or spares))
+            await asyncio.sleep(0.1)
+
+    def warming_at(self, at: float) -> bool:
+        before = [warming for t, warming in self.samples if t <= at]
+        return bool(before) and before[-1]
+
+
+async def wait_full(api: ControlApi, timeout_s: float) -> None:
+    if missing := await api.wait_complete(timeout_s):
+        raise RuntimeError(f"the stack was not whole within {timeout_s:g} s: {missing}")
+
+
+async def engine_start_s(stack: DrillStack) -> float:
+    """A plain engine of the stack's group 0, started against its daemon beside the running stack: start to ready."""
+    layout = Layout.create(stack.config, stack.config_path)
+    spec = EngineSpec("bench-cold", 0, stack.config.groups[0].device, free_port())
+    command = layout.engine_command(spec)
+    start = time.perf_counter()
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = await asyncio.to_thread(process.stdout.readline)  # type: ignore[union-attr]
+        if '"ready"' not in line:
+            raise RuntimeError(f"the cold engine exited before it was ready (exit {process.wait()})")
+        return time.perf_counter() - start
+    finally:
+        process.kill()
+        process.wait()
+
+
+def latency(record: RequestRecord) -> float:
+    return (record.end - record.start) * 1000
+
+
+def summarize(
+    faults: list[float],
+    events: list[dict[str, Any]],
+    records: list[RequestRecord],
+    quiet_p50: float,
+    timeline: Timeline,
+) -> dict[str, Any]:
+    restored = sorted(event_time(e) for e in events if e["kind"] == "redundancy_restored")
+    to_redundancy = [next((t - at for t in restored if t >= at), None) for at in faults]
+    extra = []
+    for at in faults:
+        hit = [latency(r) for r in records if r.start <= at + IN_FAULT_S and r.end >= at]
+        extra.append(round(max(hit) - quiet_p50, 1) if hit else None)
+    calm = [r for r in records if not any(at - 0.5 <= r.start <= at + AFTER_FAULT_S for at in faults)]
+    warming = [latency(r) for r in calm if r.ok and faults[0] <= r.start and timeline.warming_at(r.start)]
+    restored_s = [t for t in to_redundancy if t is not None]
+    return {
+        "time_to_redundancy_s": {
+            "p50": percentile(restored_s, 50) if restored_s else None,
+            "p99": percentile(restored_s, 99) if restored_s else None,
+            "each": [None if t is None else round(t, 3) for t in to_redundancy],
+        },
+        "never_restored": sum(t is None for t in to_redundancy),
+        "extra_latency_ms": {"max": max((e for e in extra if e is not None), default=None), "each": extra},
+        "warming_requests": len(warming),
+        "warming_p50_ms": round(percentile(warming, 50), 1) if warming else None,
+        "warming_slowdown": round(percentile(warming, 50) / quiet_p50, 3) if warming else None,
+    }
+
+
+async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    stack = DrillStack.create(
+        workdir, "gateway", proxied=False, model=args.model or "", device=args.device, spare_engines=args.spare_engines
+    )
+    api = stack.control_api()
+    detector = SplitBrainDetector(stack.direct_urls())
+    timeline = Timeline()
+    faults: list[float] = []  # time.time() of each
+    targets: list[Target] = []
+
+    def hit(target: Target, sig: signal.Signals) -> None:
+        faults.append(time.time())
+        targets.append(target)
+        send(target, sig)
+
+    try:
+        stack.start()
+        await wait_full(api, START_TIMEOUT_S)
+        async with httpx.AsyncClient() as client:
+            reference = await reference_completion(client, stack.lb_url)
+            load = LoadGenerator(stack.lb_url, args.rps, reference)
+            async with detector.running(), load.running():
+                await wait_full(api, START_TIMEOUT_S)
+                quiet_from = time.time()
+                await asyncio.sleep(args.quiet)
+                quiet = [latency(r) for r in load.records if r.start >= quiet_from and r.ok]
+                cold_s = await engine_start_s(stack)
+                await wait_full(api, START_TIMEOUT_S)
+                polling = asyncio.create_task(timeline.run(api))
+                signals = tuple(SIGNALS[name] for name in args.signals.split(","))
+                problem = await fault_storm(api, args.faults, args.interval, signals, hit)
+                for target in targets:
+                    await wait_dead(target)
+                recovered = await api.wait_complete(args.recovery_timeout)
+                await asyncio.sleep(1.0)
+                polling.cancel()
+            events = await api.events(faults[0] if faults else quiet_from)
+            records = [r for r in load.records if r.start >= quiet_from]
+    finally:
+        for target in targets:
+            send(target, signal.SIGCONT)
+        await api.aclose()
+        await asyncio.to_thread(stack.teardown)
+    quiet_p50 = percentile(quiet, 50)
+    result = {
+        "faults": len(faults),
+        "interval_s": args.interval,
+        "signals": args.signals,
+        "spare_engines": args.spare_engines,
+        "engine_start_s": round(cold_s, 3),
+        "quiet_requests": len(quiet),
+        "quiet_p50_ms": round(quiet_p50, 1),
+        "requests": len(records),
+        "client_errors": sum(not r.ok for r in records),
+        "errors": sorted({f"{r.status}: {r.error[:120]}" for r in records if not r.ok})[:5],
+        "split_brain_samples": len(detector.samples),
+        "problem": problem
+        or (recovered and f"not whole {args.recovery_timeout:g} s after the last fault: {recovered}"),
+    }
+    return result | summarize(faults, events, records, quiet_p50, timeline)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="checkpoint directory (default: the embedded tiny model)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--rps", type=float, default=10.0)
+    parser.add_argument("--faults", type=int, default=6)
+    parser.add_argument("--interval", type=float, default=8.0, help="seconds between faults (default 8)")
+    parser.add_argument("--signals", default="kill,stop", help="comma-separated kill/stop, cycled (default kill,stop)")
+    parser.add_argument("--spare-engines", type=int, default=1, help="the group's warmed spares (default 1)")
+    parser.add_argument("--quiet", type=float, default=5.0, help="seconds of the quiet window (default 5)")
+    parser.add_argument("--recovery-timeout", type=float, default=120.0)
+    args = parser.parse_args()
+    if unknown := [s for s in args.signals.split(",") if s not in SIGNALS]:
+        parser.error(f"--signals: unknown {unknown}; choose from {sorted(SIGNALS)}")
+    with tempfile.TemporaryDirectory(prefix="hwredundancy-") as workdir:
+        loop = asyncio.new_event_loop()
+        task = loop.create_task(run(args, Path(workdir)))
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, task.cancel)
+        try:
+            result = loop.run_until_complete(task)
+        except asyncio.CancelledError:
+            print("interrupted: everything started was stopped", file=sys.stderr)
+            return 130
+        finally:
+            with contextlib.suppress(Exception):
+                loop.close()
+    print(json.dumps(result))
+    return 0 if not result["problem"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
