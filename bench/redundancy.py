@@ -4,13 +4,13 @@
     python bench/redundancy.py --model /tmp/xl --device cuda:0 --faults 10 --interval 10 --signals kill
     python bench/redundancy.py --model /tmp/xl --device cuda:0 --faults 10 --interval 3 --signals kill,stop
 
-Starts its own stack (``hotweights up`` of the drill's: controller, daemon, ``--engines`` engines, the gateway,
-``--spare-engines`` warmed spares), drives ``--rps`` greedy completions a second through the gateway and, once the
-group and its spares are ready, first measures a quiet window (``--quiet`` s, nothing warming), then one engine's
-cold start beside it (a plain ``hotweights engine`` against the stack's daemon, to ready), then sends ``--faults``
-faults to whichever engine serves as primary, ``--interval`` s apart on a fixed schedule (it never waits for
-recovery), the signals cycling through ``--signals`` (a stopped primary is fenced by the controller; it gets
-SIGCONT at the end). Everything it started is stopped at the end, on SIGINT and SIGTERM too.
+Starts its own stack (``hotweights up`` of the drill's: controller, daemon, 3 engines, the gateway,
+``--spare-engines`` warmed spares at ``--spare-duty``), drives ``--rps`` greedy completions a second through the
+gateway and, once the group and its spares are ready, first measures a quiet window (``--quiet`` s, nothing
+warming), then one engine's cold start beside it (a plain ``hotweights engine`` against the stack's daemon, to
+ready), then sends ``--faults`` faults to whichever engine serves as primary, ``--interval`` s apart on a fixed
+schedule (it never waits for recovery), the signals cycling through ``--signals`` (a stopped primary is fenced by
+the controller; it gets SIGCONT at the end). Everything it started is stopped at the end, on SIGINT and SIGTERM too.
 
 Measured, per fault and over all of them:
 
@@ -33,6 +33,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -82,8 +83,29 @@ class Timeline:
 
 
 async def wait_full(api: ControlApi, timeout_s: float) -> None:
+    """Until the stack is whole, its spares ready too."""
     if missing := await api.wait_complete(timeout_s):
         raise RuntimeError(f"the stack was not whole within {timeout_s:g} s: {missing}")
+
+
+async def wait_redundant(api: ControlApi, timeout_s: float) -> str | None:
+    """Until every group has full redundancy (its spares may still be refilling); None, or the last reason not."""
+    deadline, reason = time.monotonic() + timeout_s, "the controller does not answer"
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+            rows = (await api.client.get("/cluster")).json()["redundancy"]
+            reason = "; ".join(row["reason"] for row in rows if not row["full"])
+            if rows and not reason:
+                return None
+        await asyncio.sleep(0.1)
+    return reason
+
+
+def keep_logs(stack: DrillStack, into: Path) -> None:
+    """The stack's logs (controller, daemons, engines, spares), copied into ``into``."""
+    into.mkdir(parents=True, exist_ok=True)
+    for log in [*stack.workdir.glob("*.log"), *(stack.config.state_dir / "logs").glob("*.log")]:
+        shutil.copy(log, into / log.name)
 
 
 async def engine_start_s(stack: DrillStack) -> float:
@@ -139,8 +161,9 @@ def summarize(
 
 async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     stack = DrillStack.create(
-        workdir, "gateway", proxied=False, model=args.model or "", device=args.device, spare_engines=args.spare_engines
-    )
+        workdir, "gateway", proxied=False, model=args.model or "", device=args.device,
+        spare_engines=args.spare_engines, spare_duty=args.spare_duty,
+    )  # fmt: skip
     api = stack.control_api()
     detector = SplitBrainDetector(stack.direct_urls())
     timeline = Timeline()
@@ -170,7 +193,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 problem = await fault_storm(api, args.faults, args.interval, signals, hit)
                 for target in targets:
                     await wait_dead(target)
-                recovered = await api.wait_complete(args.recovery_timeout)
+                recovered = await wait_redundant(api, args.recovery_timeout)
                 await asyncio.sleep(1.0)
                 polling.cancel()
             events = await api.events(faults[0] if faults else quiet_from)
@@ -179,6 +202,8 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         for target in targets:
             send(target, signal.SIGCONT)
         await api.aclose()
+        if args.keep_logs:
+            keep_logs(stack, Path(args.keep_logs))
         await asyncio.to_thread(stack.teardown)
     quiet_p50 = percentile(quiet, 50)
     result = {
@@ -186,6 +211,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "interval_s": args.interval,
         "signals": args.signals,
         "spare_engines": args.spare_engines,
+        "spare_duty": args.spare_duty,
         "engine_start_s": round(cold_s, 3),
         "quiet_requests": len(quiet),
         "quiet_p50_ms": round(quiet_p50, 1),
@@ -194,7 +220,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "errors": sorted({f"{r.status}: {r.error[:120]}" for r in records if not r.ok})[:5],
         "split_brain_samples": len(detector.samples),
         "problem": problem
-        or (recovered and f"not whole {args.recovery_timeout:g} s after the last fault: {recovered}"),
+        or (recovered and f"no full redundancy {args.recovery_timeout:g} s after the faults: {recovered}"),
     }
     return result | summarize(faults, events, records, quiet_p50, timeline)
 
@@ -208,6 +234,8 @@ def main() -> int:
     parser.add_argument("--interval", type=float, default=8.0, help="seconds between faults (default 8)")
     parser.add_argument("--signals", default="kill,stop", help="comma-separated kill/stop, cycled (default kill,stop)")
     parser.add_argument("--spare-engines", type=int, default=1, help="the group's warmed spares (default 1)")
+    parser.add_argument("--spare-duty", type=float, help="the group's spare_duty (default: cluster.toml's default)")
+    parser.add_argument("--keep-logs", metavar="DIR", help="copy the stack's logs here at the end")
     parser.add_argument("--quiet", type=float, default=5.0, help="seconds of the quiet window (default 5)")
     parser.add_argument("--recovery-timeout", type=float, default=120.0)
     args = parser.parse_args()

@@ -90,10 +90,11 @@ class DrillStack:
         tp_size: int = 1,
         batch: bool = False,
         spare_engines: int | None = None,
+        spare_duty: float | None = None,
     ) -> DrillStack:
         """Write the config of a fresh stack in ``workdir`` (default: the embedded tiny model on CPU; engines of
-        ``tp_size`` ranks, a daemon per rank; ``batch``: with a co-located batch engine; ``spare_engines``: the
-        group's, instead of the default)."""
+        ``tp_size`` ranks, a daemon per rank; ``batch``: with a co-located batch engine; ``spare_engines``,
+        ``spare_duty``: the group's, instead of the defaults)."""
         workdir.mkdir(parents=True, exist_ok=True)
         controller_port, gateway_port, lb_port, batch_port = free_ports(4)
         ports = free_ports(2 * ENGINES if proxied else ENGINES, consecutive=True)  # public, then private
@@ -116,7 +117,8 @@ class DrillStack:
                     else ""
                 ),
                 batch_port=f"batch_port = {batch_port}  # a co-located batch engine\n" if batch else "",
-                spares=f"spare_engines = {spare_engines}\n" if spare_engines is not None else "",
+                spares=(f"spare_engines = {spare_engines}\n" if spare_engines is not None else "")
+                + (f"spare_duty = {spare_duty}\n" if spare_duty is not None else ""),
             )
         )
         config = load_config(path)
