@@ -88,17 +88,16 @@ async def wait_full(api: ControlApi, timeout_s: float) -> None:
         raise RuntimeError(f"the stack was not whole within {timeout_s:g} s: {missing}")
 
 
-async def wait_redundant(api: ControlApi, timeout_s: float) -> str | None:
-    """Until every group has full redundancy (its spares may still be refilling); None, or the last reason not."""
-    deadline, reason = time.monotonic() + timeout_s, "the controller does not answer"
+async def wait_redundant(api: ControlApi, after: float, timeout_s: float) -> str | None:
+    """Until the controller records full redundancy at or after ``after`` (time.time(), the last fault); None, or
+    what is still missing (its spares may still be refilling)."""
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
-            rows = (await api.client.get("/cluster")).json()["redundancy"]
-            reason = "; ".join(row["reason"] for row in rows if not row["full"])
-            if rows and not reason:
-                return None
+        if any(e["kind"] == "redundancy_restored" for e in await api.events(after)):
+            return None
         await asyncio.sleep(0.1)
-    return reason
+    view = await api.cluster()
+    return (view and view.incomplete()) or "the controller does not answer"
 
 
 def keep_logs(stack: DrillStack, into: Path) -> None:
@@ -193,7 +192,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 problem = await fault_storm(api, args.faults, args.interval, signals, hit)
                 for target in targets:
                     await wait_dead(target)
-                recovered = await wait_redundant(api, args.recovery_timeout)
+                recovered = await wait_redundant(api, max(faults, default=0.0), args.recovery_timeout)
                 await asyncio.sleep(1.0)
                 polling.cancel()
             events = await api.events(faults[0] if faults else quiet_from)

@@ -30,7 +30,7 @@ from hotweights.controller.events import EventLog
 from hotweights.controller.gateway import BACKLOG as GATEWAY_BACKLOG
 from hotweights.controller.health import HealthChecker, HealthRecord
 from hotweights.controller.spares import Spares
-from hotweights.controller.stack import Generation, Layout
+from hotweights.controller.stack import Generation, Layout, spare_engine_id
 from hotweights.controller.supervisor import (
     Process,
     Supervisor,
@@ -442,7 +442,8 @@ class Cluster:
             await self.supervisor.fence(member.process)
         if member.process is not None and self._tensor_parallel(member):  # no rank of the old group is left
             await self.supervisor.fence_session(member.process)
-        for message in await asyncio.to_thread(evict_orphans, member.spec.listen_port, member_id):
+        spare_id = spare_engine_id(member.spec.group)
+        for message in await asyncio.to_thread(evict_orphans, member.spec.listen_port, member_id, spare_id=spare_id):
             log.warning("%s", message)
         group, generation = member.spec.group, self.weights[member.spec.group].current
         slot = {
@@ -542,7 +543,8 @@ class Cluster:
         self.checker.untrack(member_id)
         if until_exit:
             ours = member.process.pid if member.process else None
-            for message in await asyncio.to_thread(evict_orphans, member.spec.listen_port, member_id, ours=ours):
+            port, spare_id = member.spec.listen_port, spare_engine_id(member.spec.group)
+            for message in await asyncio.to_thread(evict_orphans, port, member_id, ours=ours, spare_id=spare_id):
                 log.warning("%s", message)
         fenced = member.process is None or await self.supervisor.fence(member.process, until_exit=until_exit)
         if fenced and until_exit and member.process is not None and self._tensor_parallel(member):

@@ -38,6 +38,11 @@ class Generation:
     model_dir: Path
 
 
+def spare_engine_id(group: int) -> str:
+    """The engine id in the command of the group's spare engines (the slot each starts as comes with its start)."""
+    return f"g{group}-spare"
+
+
 @dataclass(frozen=True)
 class Layout:
     config: ClusterConfig
@@ -184,7 +189,7 @@ class Layout:
         """A spare engine of ``group`` (``controller.spares``): its engines' command for no slot yet (port 0, id
         ``g<group>-spare``; its start message names the slot), warming up at the group's ``spare_duty``."""
         config, host = self.config.groups[group], self.config.dcs.address
-        spec = EngineSpec(f"g{group}-spare", group, config.device, 0, host=host)
+        spec = EngineSpec(spare_engine_id(group), group, config.device, 0, host=host)
         return [*self.engine_command(spec, generation), "--spare-duty", str(config.spare_duty)]
 
     def batch_command(self, spec: EngineSpec, generation: Generation) -> list[str]:

@@ -430,11 +430,13 @@ def _descendants(pid: int) -> set[int]:
     return found
 
 
-def evict_orphans(port: int, engine_id: str, timeout: float = STOP_TIMEOUT_S, ours: int | None = None) -> list[str]:
-    """SIGKILL engines of this slot left behind by an earlier controller (same --engine-id, still
-    listening on the slot's port) and wait for them to go. An orphan that kept its role could
-    answer 200 on /primary beside the new primary. Other holders of the port, and ``ours`` (the slot's
-    own process, which the caller fences), are left alone."""
+def evict_orphans(
+    port: int, engine_id: str, timeout: float = STOP_TIMEOUT_S, ours: int | None = None, spare_id: str = ""
+) -> list[str]:
+    """SIGKILL engines of this slot left behind by an earlier controller (same --engine-id, or ``spare_id``: a
+    spare of the slot's group, whose start message named the slot; still listening on the slot's port) and wait
+    for them to go. An orphan that kept its role could answer 200 on /primary beside the new primary. Other
+    holders of the port, and ``ours`` (the slot's own process, which the caller fences), are left alone."""
     evicted = []
     for pid in sorted(listening_pids(port, ours) - {ours}):
         try:
@@ -442,7 +444,7 @@ def evict_orphans(port: int, engine_id: str, timeout: float = STOP_TIMEOUT_S, ou
         except ProcessLookupError:
             continue  # gone meanwhile
         identity = read_identity(pid)
-        if identity is None or not _is_engine_of(identity.command, engine_id):
+        if identity is None or not any(_is_engine_of(identity.command, name) for name in (engine_id, spare_id) if name):
             os.close(pidfd)
             continue
         try:
