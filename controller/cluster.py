@@ -460,12 +460,11 @@ class Cluster:
         self.set_role(member_id, Role.STANDBY)
         return process
 
-    def spares_wanted(self, snap: Snapshot, group: int) -> int:
-        """How many spare engines the group wants now: ``spare_engines`` while it has one serving primary; none
-        before that, or with ``spare = false``, or for other than reference engines."""
+    def spares_wanted(self, group: int) -> int:
+        """How many spare engines the group keeps: ``spare_engines``; none with ``spare = false`` or for other than
+        reference engines."""
         config = self.config.groups[group]
-        serving = [m.id for m in snap.primaries(group) if m.is_serving_primary]
-        return config.spare_engines if len(serving) == 1 and config.spare and config.engine == REFERENCE else 0
+        return config.spare_engines if config.spare and config.engine == REFERENCE else 0
 
     def _batch_command(self, spec: EngineSpec) -> list[str]:
         return self.layout.batch_command(spec, self.weights[spec.group].current)
@@ -477,10 +476,12 @@ class Cluster:
         return self.weights[group].current.number
 
     def tend_spare(self, snap: Snapshot, group: int) -> None:
-        """Keep the group's ``spares_wanted`` spare engines (``controller.spares``)."""
+        """Keep the group's ``spares_wanted`` spare engines (``controller.spares``); new ones start only while it
+        has one serving primary (not while its engines start, nor between primaries)."""
         command = self.layout.spare_command(group, self.weights[group].current)
-        wanted = self.spares_wanted(snap, group)
-        self.spares.tend(group, spare_key(group), wanted, command, self.layout.environment(group))
+        serving = sum(m.is_serving_primary for m in snap.primaries(group)) == 1
+        env = self.layout.environment(group)
+        self.spares.tend(group, spare_key(group), self.spares_wanted(group), command, env, may_start=serving)
 
     def keeps_daemon_spare(self, group: int) -> bool:
         """Whether the group keeps a spare daemon: ``spare = true``, one daemon per group, reference engines."""
@@ -524,9 +525,7 @@ class Cluster:
     def spares_json(self, snap: Snapshot) -> list[dict[str, Any]]:
         """Every spare engine each group has or wants now (``Spares.describe``), with its group."""
         return [
-            {"group": g} | spare
-            for g in range(snap.groups)
-            for spare in self.spares.describe(g, self.spares_wanted(snap, g))
+            {"group": g} | spare for g in range(snap.groups) for spare in self.spares.describe(g, self.spares_wanted(g))
         ]
 
     def _attach(self, member: Member, process: Process, generation: int) -> None:

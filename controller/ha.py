@@ -909,7 +909,7 @@ class Ha:
         """Assess every group's redundancy (``controller.redundancy``); record what changed, export the gauges."""
         spares = self.cluster.spares
         states = [
-            assess(snap, g, self.cluster.spares_wanted(snap, g), spares.ready_count(g), spares.failure(g))
+            assess(snap, g, self.cluster.spares_wanted(g), spares.ready_count(g), spares.failure(g))
             for g in range(snap.groups)
         ]
         for change in self.redundancy.observe(snap.taken_at, states):

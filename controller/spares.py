@@ -41,6 +41,17 @@ from hotweights.spawn import START_FLAG, SparePipes, parse_message, send_message
 log = logging.getLogger(__name__)
 
 
+def plan(pool: list[tuple[float, bool]], wanted: int, may_start: bool) -> tuple[int, bool]:
+    """What a pool of spares, each (started at, ready), does next: how many of its youngest to release (those beyond
+    ``wanted``: the others are further along), and whether to start one more. Only while ``may_start`` (the group
+    serves and no failure holds it back), only below ``wanted``, and only when every spare is ready: one at a time,
+    so a storm of faults never starts a herd of warm-ups. Never releases a spare because it may not start one: a
+    group between primaries keeps its pool, which its failover draws on."""
+    excess = max(0, len(pool) - wanted)
+    start = may_start and len(pool) < wanted and all(ready for _, ready in pool)
+    return excess, start
+
+
 def is_spare(process: Process) -> bool:
     """Whether ``process`` was started as a spare (and is, or was taken as, a slot's engine)."""
     return START_FLAG in process.identity.command
@@ -97,9 +108,17 @@ class Spares:
         self.pools: dict[int, list[Spare]] = {}
         self.failures: dict[int, Failures] = {}
 
-    def tend(self, group: int, key: str | None, wanted: int, command: list[str], env: dict[str, str] | None) -> None:
-        """Keep ``wanted`` spares for ``key`` running ``command`` (``key`` None: the group wants none), starting
-        at most one at a time (module docstring)."""
+    def tend(
+        self,
+        group: int,
+        key: str | None,
+        wanted: int,
+        command: list[str],
+        env: dict[str, str] | None,
+        may_start: bool = True,
+    ) -> None:
+        """Keep ``wanted`` spares for ``key`` running ``command`` (``key`` None: the group wants none): those that
+        exited are counted as failures, those for another key or command released, then ``plan`` decides."""
         pool = self.pools.setdefault(group, [])
         now = time.monotonic()
         for spare in list(pool):
@@ -107,12 +126,13 @@ class Spares:
                 self._failed(group, spare, now)
             elif spare.key != key or spare.command != command:
                 self._release(group, spare)
-        wanted = wanted if key is not None else 0
-        while len(pool) > wanted:  # the youngest go first: the others are further along
-            self._release(group, max(pool, key=lambda s: s.started_at))
-        if key is None or len(pool) >= wanted or any(not s.ready for s in pool):
-            return
-        if now >= self.failures.setdefault(group, Failures()).retry_at:
+        backing_off = now < self.failures.setdefault(group, Failures()).retry_at
+        excess, start = plan(
+            [(s.started_at, s.ready) for s in pool], wanted if key is not None else 0, may_start and not backing_off
+        )
+        for spare in sorted(pool, key=lambda s: s.started_at, reverse=True)[:excess]:
+            self._release(group, spare)
+        if start and key is not None:
             pool.append(self._start(group, key, self._free_index(pool), command, env))
 
     def _failed(self, group: int, spare: Spare, now: float) -> None:

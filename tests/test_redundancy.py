@@ -7,6 +7,7 @@ import pytest
 from hotweights.controller.cluster import MemberView, Snapshot
 from hotweights.controller.health import HealthRecord
 from hotweights.controller.redundancy import Redundancy, Tracker, assess
+from hotweights.controller.spares import plan
 from hotweights.errors import ConfigError
 from hotweights.spawn import parse_message
 from hotweights.standby.pacing import Pacer, narrowed
@@ -172,3 +173,21 @@ def test_spare_pipe_messages(data: bytes, message: dict | None) -> None:
 def test_a_spare_pipe_message_that_is_no_json_object_is_refused(data: bytes) -> None:
     with pytest.raises(ConfigError, match="spare's pipe message"):
         parse_message(data)
+
+
+@pytest.mark.parametrize(
+    ("pool", "wanted", "may_start", "expected"),
+    [
+        ([], 2, True, (0, True)),  # empty: start the first
+        ([(1.0, True)], 2, True, (0, True)),  # every spare ready: the next one
+        ([(1.0, True), (2.0, False)], 3, True, (0, False)),  # one still preparing: no second warm-up beside it
+        ([(1.0, True), (2.0, True)], 2, True, (0, False)),  # full
+        ([(1.0, True), (2.0, True), (3.0, False)], 1, True, (2, False)),  # fewer wanted: release the two youngest
+        ([(1.0, True), (2.0, True)], 3, False, (0, False)),  # between primaries (or backing off): keep, start none
+        ([], 0, True, (0, False)),  # spare_engines = 0
+    ],
+)
+def test_a_spare_pool_starts_one_at_a_time_and_keeps_its_spares_between_primaries(
+    pool: list[tuple[float, bool]], wanted: int, may_start: bool, expected: tuple[int, bool]
+) -> None:
+    assert plan(pool, wanted, may_start) == expected
