@@ -223,9 +223,9 @@ class Ahead:
 
     def held(self) -> dict[str, int]:
         """The device memory it holds beside the arena's mapping: the ready message's body."""
-        warmed = self.warmed
-        kv = warmed.kv.nbytes if warmed is not None else 0
-        return {"kv_cache_bytes": kv, "cuda_graph_bytes": warmed.graph_bytes if warmed is not None else 0}
+        if self.warmed is None:
+            return {"kv_cache_bytes": 0, "cuda_graph_bytes": 0}
+        return {"kv_cache_bytes": self.warmed.kv.nbytes, "cuda_graph_bytes": self.warmed.graph_bytes}
 
     def release(self) -> None:
         """Drop the decoder and the model (every view of the arena), then unmap; nothing here is usable after."""
@@ -330,10 +330,10 @@ def run_follower(args: argparse.Namespace) -> int:
     return 0
 
 
-def take_slot(args: argparse.Namespace, slot: dict[str, object]) -> str | None:
+def take_slot(args: argparse.Namespace, slot: dict[str, object]) -> None:
     """A spare's start message: the slot it starts as (``{"port": P, "engine_id": ID, "log": PATH}``, each
-    optional). The port replaces --port in ``args``; stdout and stderr go on in the slot's log file (appended to);
-    the engine id it names, if any. ConfigError for a malformed message."""
+    optional). The port and engine id replace --port and --engine-id in ``args``; stdout and stderr go on in the
+    slot's log file (appended to). ConfigError for a malformed message."""
     port, engine_id, log_file = slot.get("port", args.port), slot.get("engine_id"), slot.get("log")
     if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
         raise ConfigError(f"the start message's port must be an integer in 0..65535, found {port!r}")
@@ -349,7 +349,6 @@ def take_slot(args: argparse.Namespace, slot: dict[str, object]) -> str | None:
         os.close(fd)
     args.port = port
     args.engine_id = engine_id or args.engine_id
-    return engine_id
 
 
 def cmd_engine(args: argparse.Namespace) -> int:
@@ -357,7 +356,6 @@ def cmd_engine(args: argparse.Namespace) -> int:
     if args.tp_rank > 0:
         return run_follower(args)
     prepared = ahead = None
-    engine_id = args.engine_id or f"{socket.gethostname()}-{os.getpid()}"
     if args.start_fd is not None:  # a spare: prepare (and attach ahead), then wait to be started
         threads, cpus = torch.get_num_threads(), CpuShare()
         prepared, ahead = prepare_spare(args)
@@ -366,10 +364,11 @@ def cmd_engine(args: argparse.Namespace) -> int:
             return 0
         cpus.restore()
         torch.set_num_threads(threads)
-        engine_id = take_slot(args, slot) or engine_id
+        take_slot(args, slot)
         if ahead is not None and not ahead.still_current(args):
             ahead.release()
             prepared = ahead = None
+    engine_id = args.engine_id or f"{socket.gethostname()}-{os.getpid()}"
     token = read_token(Path(args.token_file), "--token-file") if args.token_file else None
     sock = bind_port(args.host, args.port)
     followers, channel = start_followers(args, engine_id) if args.tp_size > 1 else (None, None)
