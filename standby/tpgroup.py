@@ -180,8 +180,9 @@ class GroupDecoder:
         bucket(self.local.lengths, max(positions) + 1)
         return self._run(Op.DECODE, 0, [*tokens, *positions], lambda: self.local.decode(tokens, positions))
 
-    def warm_up(self) -> None:
-        self._run(Op.WARM_UP, 0, (), self.local.warm_up)
+    def warm_up(self, pace: Callable[[], object] = lambda: None) -> None:
+        """``Decoder.warm_up`` on every rank; ``pace`` paces this rank (collectives keep the others in step)."""
+        self._run(Op.WARM_UP, 0, (), lambda: self.local.warm_up(pace))
 
     def _run(self, op: Op, a: int, payload: Sequence[int], call: Callable[[], object]) -> object:
         self.channel.step_since = time.monotonic()
