@@ -40,10 +40,10 @@ Steps, each a subprocess with its own time limit, so one failure or hang cannot 
             daemon (respawn_ms), re-adopting, while the engines serve (report in DIR/drill-daemon-xl)
   drill_flapping_xl  hotweights drill flapping on xl at 10 requests/s: three primary kills a round, each as
             soon as a new primary serves, the replacements from the spare (report in DIR/drill-flapping-xl)
-  redundancy_xl  bench/redundancy.py on xl at 10 requests/s: the primary SIGKILLed 10 times 10 s apart, 2 warmed
+  redundancy_xl  bench/redundancy.py on xl at 10 requests/s: the primary SIGKILLed 10 times 10 s apart, 8 warmed
             spares: time to full redundancy per fault, clients' extra latency, the primary's slowdown while spares
             warm up
-  storm_xl  the same with a fault every 3 s, SIGKILL and SIGSTOP alternating, 6 warmed spares
+  storm_xl  the same with a fault every 3 s, SIGKILL and SIGSTOP alternating, 8 warmed spares
 Results go to DIR/gpu_suite.json and every step's output to DIR/steps.log; the drills' report folders
 are packed into DIR/reports.tar (the lent machine returns at most 8 files); the last stdout line is
 one JSON object. Exits 1 if any step failed.
@@ -122,12 +122,12 @@ def steps(workdir: Path, out: Path) -> dict[str, tuple[list[str], int]]:
         "drill_daemon_xl": (f"{make('xl', xl)} && {drill_at('daemon-xl', xl, 10, 'kill-daemon', 4)}", 420),
         "drill_flapping_xl": (f"{make('xl', xl)} && {drill_at('flapping-xl', xl, 10, 'flapping', 3)}", 420),
         "redundancy_xl": (
-            f"{make('xl', xl)} && {redundancy} {out / 'logs-redundancy-xl'} --spare-engines 2 --faults 10 "
+            f"{make('xl', xl)} && {redundancy} {out / 'logs-redundancy-xl'} --spare-engines 8 --faults 10 "
             "--interval 10 --signals kill",
             540,
         ),
         "storm_xl": (
-            f"{make('xl', xl)} && {redundancy} {out / 'logs-storm-xl'} --spare-engines 6 --faults 10 --interval 3 "
+            f"{make('xl', xl)} && {redundancy} {out / 'logs-storm-xl'} --spare-engines 8 --faults 10 --interval 3 "
             "--signals kill,stop",
             540,
         ),
