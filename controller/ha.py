@@ -1,14 +1,8 @@
 """The HA loop (policy): every cycle decides from one snapshot and returns one sentence.
 
-For each failover group, a cycle takes the first of these that applies:
-
-1. a primary that failed (exited, or failed ``failure_threshold`` health checks in a row): fail
-   over; two live primaries in a group: fence all but one;
-2. one queued REST intent for the group (switchover, failover, drain, promote, add, delete, cache
-   restart, rollout);
-3. engine slots that are absent, exited, hung or never got ready: fence and (re)start them, once
-   their group's daemon serves;
-4. no primary: promote the best ready standby.
+For each failover group, a cycle takes the first decision that applies, in the order and by the rules of
+``controller.decide`` (the pure decision core): a failed primary, a queued REST intent, engine slots to fence or
+(re)start, a group without a primary. This module carries the decisions out.
 
 The decision's action runs in the background, one at a time per group (``GroupExecutor``): while a
 group's action runs, the loop says so and leaves that group alone, but keeps deciding for the
@@ -32,7 +26,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -47,10 +41,24 @@ from hotweights.contract import Endpoint, Role
 from hotweights.controller.cluster import SERVICE_START_TIMEOUT_S, Cluster, MemberView, ServiceFailed, Snapshot, filled
 from hotweights.controller.config import REFERENCE, load_config, rollout_changes
 from hotweights.controller.dcs import Solo
+from hotweights.controller.decide import (
+    Elect,
+    FailOver,
+    Intent,
+    ResolveSplitBrain,
+    SlotRestarts,
+    TendSlots,
+    Wait,
+    best_standby,
+    failed_primary,
+    keep_in_split_brain,
+    missing_primary,
+    plan_slots,
+)
 from hotweights.controller.devices import free_bytes
 from hotweights.controller.engineapi import EngineApi, EngineUnreachable
 from hotweights.controller.events import EventLog
-from hotweights.controller.executor import BACKOFF, GroupExecutor, Outcome, backoff_s
+from hotweights.controller.executor import BACKOFF, GroupExecutor, Outcome
 from hotweights.controller.health import checks_failed, not_ready_within, process_exited
 from hotweights.controller.metrics import ControllerMetrics
 from hotweights.controller.redundancy import Tracker, assess
@@ -89,20 +97,13 @@ class Unavailable(Refused):
 
 
 @dataclass
-class Intent:
-    action: str
+class Queued:
+    """A REST intent waiting for the loop, and the future its requester awaits."""
+
+    intent: Intent
     group: int
     params: dict[str, Any]
     future: asyncio.Future
-
-
-@dataclass
-class SlotRestarts:
-    """Backoff of an engine slot whose engines exit before ever being ready."""
-
-    failures: int = 0  # such exits in a row
-    next_start_at: float = 0.0  # time.monotonic()
-    seen_exit_at: float | None = None  # the exit already accounted for
 
 
 class Ha:
@@ -129,16 +130,16 @@ class Ha:
         self.drain_timeout_s = cluster.config.engine.drain_timeout_s
         self.is_failed = process_exited() | checks_failed(health.failure_threshold) | not_ready_within()
         self.executor = GroupExecutor(self.wakeup)
-        self.intents: deque[Intent] = deque()
-        self.actions: dict[str, Callable[..., Awaitable[tuple[str, dict[str, Any]]]]] = {
-            "switchover": self.do_switchover,
-            "failover": self.do_failover,
-            "drain": self.do_drain,
-            "promote": self.do_promote,
-            "add": self.do_add,
-            "delete": self.do_delete,
-            "restart_cache": self.do_restart_cache,
-            "rollout": self.do_rollout,
+        self.intents: deque[Queued] = deque()
+        self.actions: dict[Intent, Callable[..., Awaitable[tuple[str, dict[str, Any]]]]] = {
+            Intent.SWITCHOVER: self.do_switchover,
+            Intent.FAILOVER: self.do_failover,
+            Intent.DRAIN: self.do_drain,
+            Intent.PROMOTE: self.do_promote,
+            Intent.ADD: self.do_add,
+            Intent.DELETE: self.do_delete,
+            Intent.RESTART_CACHE: self.do_restart_cache,
+            Intent.ROLLOUT: self.do_rollout,
         }
         self.rollouts: dict[int, RolloutProgress] = {}  # per group: the rollout queued or running
         self.restarts: dict[str, SlotRestarts] = {}  # the start backoff of each engine slot
@@ -227,18 +228,17 @@ class Ha:
     # --- 1. failed primaries --------------------------------------------------------------------
 
     async def process_failed_primary(self, snap: Snapshot, group: int) -> str | None:
-        primaries = snap.primaries(group)
-        live = [p for p in primaries if p.alive]
-        if len(live) > 1:
-            return self.executor.run(group, f"resolving {len(live)} primaries", self.resolve_split_brain(group, live))
-        for dead in primaries[1:] if live else ():  # a stale record: the live one serves, the dead one restarts
-            self.cluster.set_role(dead.id, Role.STANDBY)
-        old = primaries[0] if primaries else None
-        reason = old and self.is_failed(old)
-        if old is None or not reason or self.executor.backing_off(group, "failover"):
-            return None
-        what = f"failing over from {old.id} ({reason})"
-        return self.executor.run(group, what, self._failover(snap, group, old, reason), kind="failover")
+        decision = failed_primary(snap.primaries(group), self.is_failed)
+        for stale in decision.stale:  # the live one serves, the dead one restarts as a standby
+            self.cluster.set_role(stale, Role.STANDBY)
+        match decision.action:
+            case ResolveSplitBrain(live):
+                what = f"resolving {len(live)} primaries"
+                return self.executor.run(group, what, self.resolve_split_brain(group, live))
+            case FailOver(old, reason) if not self.executor.backing_off(group, "failover"):
+                what = f"failing over from {old.id} ({reason})"
+                return self.executor.run(group, what, self._failover(snap, group, old, reason), kind="failover")
+        return None
 
     async def _failover(self, snap: Snapshot, group: int, old: MemberView, reason: str) -> Outcome:
         sentence, details = await self.failover(snap, group, old, reason, "automatic")
@@ -307,9 +307,9 @@ class Ha:
             sentence += f"; {await self._restart_slot(snap, old.id)}"
         return sentence, details | {"ok": True, "new_primary": candidate.id, "message": sentence} | timings
 
-    async def resolve_split_brain(self, group: int, live: list[MemberView]) -> Outcome:
-        """Keep the serving one that has run longest; fence the others (they restart as standbys)."""
-        keep = max(live, key=lambda m: (m.is_serving_primary, m.age_s))
+    async def resolve_split_brain(self, group: int, live: Sequence[MemberView]) -> Outcome:
+        """Keep one (``keep_in_split_brain``); fence the others (they restart as standbys)."""
+        keep = keep_in_split_brain(live)
         fenced = [m.id for m in live if m is not keep]
         for member_id in fenced:
             await self.cluster.fence(member_id)
@@ -318,14 +318,9 @@ class Ha:
         return Outcome(message)
 
     def best_standby(self, snap: Snapshot, group: int) -> MemberView | None:
-        """A ready standby with the fewest failed checks; ties go to the lowest slot (snapshot order). During a
-        model update, those of the group's current weight generation first; one of an older generation only
-        while no engine of the current one has been primary (answers switch generation once, never back)."""
+        """``decide.best_standby`` of the group, by its weight generations."""
         weights = self.cluster.weights[group]
-        ready = [m for m in snap.group(group) if m.is_ready_standby]
-        if any(m.generation == weights.current.number for m in ready) or weights.served:
-            ready = [m for m in ready if m.generation == weights.current.number]
-        return min(ready, key=lambda m: m.health.consecutive_failures, default=None)
+        return best_standby(snap.group(group), weights.current.number, weights.served)
 
     async def promote(self, candidate: MemberView) -> tuple[bool, float, str]:
         """POST /promote, then confirm /primary answers 200; returns (done, ms, the engine's message)."""
@@ -409,17 +404,17 @@ class Ha:
 
     # --- 2. REST intents ------------------------------------------------------------------------
 
-    async def request(self, action: str, timeout: float, **params: Any) -> dict[str, Any]:
+    async def request(self, intent: Intent, timeout: float, **params: Any) -> dict[str, Any]:
         """Queue an intent for the loop and wait for its outcome (raises Refused: NotFound at once for an
         unknown engine or group)."""
         group = self._intent_group(self.cluster.snapshot(), params)
         future = asyncio.get_running_loop().create_future()
-        self.intents.append(Intent(action, group, params, future))
+        self.intents.append(Queued(intent, group, params, future))
         self.wakeup()
         try:
             return await asyncio.wait_for(future, timeout)
         except TimeoutError:
-            raise Unavailable(f"the controller did not finish {action} within {timeout:g} s; see GET /events") from None
+            raise Unavailable(f"the controller did not finish {intent} within {timeout:g} s; see GET /events") from None
 
     def _intent_group(self, snap: Snapshot, params: dict[str, Any]) -> int:
         """The group an intent acts on: its engine's (``engine_id``, ``candidate``), else ``group`` (default 0)."""
@@ -433,27 +428,28 @@ class Ha:
 
     async def process_intent(self, snap: Snapshot, group: int) -> str | None:
         """Start the group's oldest queued intent (one its requester still waits for) in the background."""
-        for intent in list(self.intents):
-            if intent.future.done():  # the requester gave up before we got to it
-                self.intents.remove(intent)
-            elif intent.group == group:
-                self.intents.remove(intent)
-                return self.executor.run(group, f"{intent.action} (requested)", self._carry_out(snap, intent))
+        for queued in list(self.intents):
+            if queued.future.done():  # the requester gave up before we got to it
+                self.intents.remove(queued)
+            elif queued.group == group:
+                self.intents.remove(queued)
+                return self.executor.run(group, f"{queued.intent} (requested)", self._carry_out(snap, queued))
         return None
 
-    async def _carry_out(self, snap: Snapshot, intent: Intent) -> Outcome:
+    async def _carry_out(self, snap: Snapshot, queued: Queued) -> Outcome:
+        future = queued.future
         try:
-            sentence, result = await self.actions[intent.action](snap, **intent.params)
+            sentence, result = await self.actions[queued.intent](snap, **queued.params)
         except Refused as exc:
-            if not intent.future.done():
-                intent.future.set_exception(exc)
-            return Outcome(f"refused {intent.action}: {exc}")
+            if not future.done():
+                future.set_exception(exc)
+            return Outcome(f"refused {queued.intent}: {exc}")
         except Exception as exc:
-            if not intent.future.done():
-                intent.future.set_exception(exc)
+            if not future.done():
+                future.set_exception(exc)
             raise
-        if not intent.future.done():
-            intent.future.set_result({"message": sentence} | result)
+        if not future.done():
+            future.set_result({"message": sentence} | result)
         return Outcome(sentence)
 
     def _member(self, snap: Snapshot, member_id: str) -> MemberView:
@@ -627,7 +623,7 @@ class Ha:
         progress = self.rollouts[group] = RolloutProgress(group)
         try:
             wait_s = rollout_wait_s(snap.group(group), switchover_wait_s) + (SERVICE_START_TIMEOUT_S if model else 0)
-            return await self.request("rollout", wait_s, group=group, model=model)
+            return await self.request(Intent.ROLLOUT, wait_s, group=group, model=model)
         finally:
             if not progress.started:  # withdrawn before it began; once begun, do_rollout ends it
                 self.rollouts.pop(group, None)
@@ -790,68 +786,47 @@ class Ha:
     # --- 3. engine slots -----------------------------------------------------------------------
 
     async def process_members(self, snap: Snapshot, group: int) -> str | None:
-        """Fence standbys that failed; (re)start absent or exited slots once the daemon serves, an engine
-        that exited before ever being ready only after its backoff."""
-        now = time.monotonic()
-        fence: list[tuple[MemberView, str]] = []
-        start: list[MemberView] = []
-        for view in snap.group(group):
-            restarts = self.restarts.setdefault(view.id, SlotRestarts())
-            if view.alive:
-                if view.status == "healthy":
-                    restarts.failures = 0
-                elif view.role == Role.STANDBY and (reason := self.is_failed(view)):
-                    fence.append((view, reason))
-                continue
-            if view.role == Role.PRIMARY:
-                continue  # a dead primary is failover's business (step 1)
-            if view.status == "exited" and restarts.seen_exit_at != view.exited_at:  # first look at this exit
-                restarts.seen_exit_at = view.exited_at
-                if not view.health.ever_ok:
-                    restarts.failures += 1
-                delay = backoff_s(restarts.failures) if restarts.failures else 0.0
-                restarts.next_start_at = view.exited_at + delay
-                self.events.record(
-                    "exit", f"standby {view.id} {view.exit_reason}; restarting in {delay:.1f} s",
-                    member=view.id, group=view.group,
-                )  # fmt: skip
-            if snap.daemons_serve(group) and now >= restarts.next_start_at:
-                start.append(view)
-        if (not fence and not start) or self.executor.backing_off(group, "members"):
+        """``decide.plan_slots`` for the group: record the exits it saw first, keep the backoffs, tend the slots."""
+        plan = plan_slots(snap.group(group), self.restarts, time.monotonic(), snap.daemons_serve(group), self.is_failed)
+        self.restarts.update(plan.restarts)
+        for seen in plan.exits:
+            view = seen.member
+            self.events.record(
+                "exit", f"standby {view.id} {view.exit_reason}; restarting in {seen.delay_s:.1f} s",
+                member=view.id, group=view.group,
+            )  # fmt: skip
+        tend = plan.tend
+        if tend is None or self.executor.backing_off(group, "members"):
             return None
-        what = ", ".join([f"fencing standby {v.id} ({why})" for v, why in fence] + [f"starting {v.id}" for v in start])
-        return self.executor.run(group, what, self._tend(fence, start), kind="members")
+        fence = [f"fencing standby {v.id} ({why})" for v, why in tend.fence]
+        what = ", ".join(fence + [f"starting {v.id}" for v in tend.start])
+        return self.executor.run(group, what, self._tend(tend), kind="members")
 
-    async def _tend(self, fence: list[tuple[MemberView, str]], start: list[MemberView]) -> Outcome:
+    async def _tend(self, tend: TendSlots) -> Outcome:
         done, ok = [], True
-        for view, reason in fence:
+        for view, reason in tend.fence:
             if await self.cluster.fence(view.id):
                 self.events.record("fence", f"standby {view.id} {reason}", member=view.id, group=view.group)
                 done.append(f"fenced standby {view.id} ({reason})")
             else:
                 done.append(f"standby {view.id} ({reason}) is still alive {FENCE_TIMEOUT_S:g} s after SIGKILL")
                 ok = False
-        for view in start:
+        for view in tend.start:
             done.append(f"started standby {await self._start_standby(view.id)}")
         return Outcome("; ".join(done), ok)
 
     # --- 4. a group without a primary -------------------------------------------------------------
 
     async def process_missing_primary(self, snap: Snapshot, group: int) -> str | None:
-        if snap.primaries(group):
-            return None
-        if refusal := self.leadership.refusal(group):
-            return f"group {group} has no primary here: {refusal}"
-        unchecked = [m.id for m in snap.group(group) if m.alive and m.health.ok is None]
-        if unchecked:
-            return f"group {group} has no known primary; waiting for the first checks of {unchecked}"
-        candidate = self.best_standby(snap, group)
-        if candidate is None:
-            states = ", ".join(f"{m.id} {m.status}" for m in snap.group(group))
-            return f"group {group} has no primary and no ready standby yet ({states})"
-        if self.executor.backing_off(group, "elect"):
-            return None
-        return self.executor.run(group, f"electing {candidate.id}", self._elect(snap, group, candidate), kind="elect")
+        members = snap.group(group)
+        refusal = self.leadership.refusal(group)
+        match missing_primary(group, members, refusal, self.best_standby(snap, group)):
+            case Wait(sentence):
+                return sentence
+            case Elect(candidate) if not self.executor.backing_off(group, "elect"):
+                what = f"electing {candidate.id}"
+                return self.executor.run(group, what, self._elect(snap, group, candidate), kind="elect")
+        return None
 
     async def _elect(self, snap: Snapshot, group: int, candidate: MemberView) -> Outcome:
         # a primary our checks have not seen (yet): never add a second one
