@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from hotweights.contract import read_token, refuse_open_listener
+from hotweights.controller.ids import engine_id
 from hotweights.dtypes import MODEL_DTYPES
 from hotweights.errors import ConfigError
 from hotweights.paths import hotweights_home
@@ -264,7 +265,7 @@ class ClusterConfig:
         ``listen_base_port + index`` (when set)."""
         return [
             EngineSpec(
-                id=f"g{g}-e{i}",
+                id=engine_id(g, i),
                 group=g,
                 device=group.device,
                 port=group.base_port + i,

@@ -67,6 +67,7 @@ from hotweights.controller.spares import is_spare
 from hotweights.controller.supervisor import FENCE_TIMEOUT_S
 from hotweights.errors import ConfigError, HotweightsError
 from hotweights.standby.generate import load_tokenizer, stop_token_ids
+from hotweights.state import ServiceKind
 from hotweights.stats import ms
 
 log = logging.getLogger(__name__)
@@ -725,7 +726,7 @@ class Ha:
             if view.pid is not None and not view.alive:
                 self.events.record("exit", f"{view.id} {view.exit_reason}", service=view.id, group=view.group)
                 actions.append(f"{view.id} {view.exit_reason}: respawning it")
-                if view.kind == "daemon":
+                if view.kind == ServiceKind.DAEMON:
                     self.metrics.daemon_restarts.labels(str(view.group)).inc()
             elif view.alive:
                 actions.append(f"waiting for {view.id} (pid {view.pid}) to serve")
@@ -773,7 +774,7 @@ class Ha:
                 await self.cluster.start_service(service_id)
         service = self.cluster.services[service_id]
         duration_ms = ms(time.monotonic() - start)
-        fill = await self.cluster.fill_report(service_id) if service.kind == "daemon" else {}
+        fill = await self.cluster.fill_report(service_id) if service.kind == ServiceKind.DAEMON else {}
         spare = " (its spare, imports done)" if service.from_spare else ""
         message = f"{service_id} (pid {service.process.pid}){spare} serving after {duration_ms} ms{filled(fill)}"
         self.events.record(

@@ -19,6 +19,7 @@ from hotweights.cache.pipeline import LoadSpec, check_spec
 from hotweights.cache.vllm_format import VLLM_FORMAT
 from hotweights.contract import Role
 from hotweights.controller.config import REFERENCE, VLLM, ClusterConfig, EngineSpec
+from hotweights.controller.ids import spare_engine_id
 from hotweights.dtypes import MODEL_DTYPES, config_name
 from hotweights.errors import ConfigError, HotweightsError
 from hotweights.spawn import hotweights_command
@@ -36,11 +37,6 @@ class Generation:
 
     number: int
     model_dir: Path
-
-
-def spare_engine_id(group: int) -> str:
-    """The engine id in the command of the group's spare engines (the slot each starts as comes with its start)."""
-    return f"g{group}-spare"
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from hotweights.controller.decide import (
 )
 from hotweights.controller.executor import backoff_s
 from hotweights.controller.health import HealthRecord, checks_failed, not_ready_within, process_exited
+from hotweights.controller.ids import engine_id, engine_slot
 
 pytestmark = pytest.mark.unit
 
@@ -189,3 +190,14 @@ def test_slots_a_standby_never_ready_within_its_start_timeout_is_fenced() -> Non
 def test_intents_are_the_words_of_the_rest_api() -> None:
     assert Intent("restart_cache") is Intent.RESTART_CACHE
     assert f"{Intent.SWITCHOVER} (requested)" == "switchover (requested)"
+
+
+@pytest.mark.parametrize(("group", "index"), [(0, 0), (3, 12)])
+def test_an_engine_id_is_built_and_parsed_in_one_place(group: int, index: int) -> None:
+    assert engine_slot(engine_id(group, index)) == (group, index)
+
+
+@pytest.mark.parametrize("text", ["g0-spare", "g0-cache", "g-e1", "g0-e", "g0-e1x", "x-g0-e1"])
+def test_what_is_not_an_engine_id_is_refused(text: str) -> None:
+    with pytest.raises(ValueError, match="is not an engine id"):
+        engine_slot(text)
