@@ -16,6 +16,7 @@ import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field, replace
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +114,17 @@ class Weights:
     served: bool = True
 
 
+class Status(StrEnum):
+    """The controller's word on an engine slot (``MemberView.status``), from its process and its checks."""
+
+    ABSENT = "absent"  # no process
+    STARTING = "starting"  # not healthy yet, never was
+    HEALTHY = "healthy"
+    FAILING = "failing"  # its last check failed, after it had been healthy
+    EXITING = "exiting"  # a watched primary: every thread has begun to exit
+    EXITED = "exited"
+
+
 @dataclass(frozen=True)
 class MemberView:
     id: str
@@ -122,7 +134,7 @@ class MemberView:
     url: str
     role: str  # primary | standby (the engine's word when it has answered, else ours)
     state: str  # the engine's: ready | draining | drained | unknown
-    status: str  # ours: absent | starting | healthy | failing | exited
+    status: Status
     pid: int | None
     alive: bool
     exit_reason: str | None
@@ -400,15 +412,15 @@ class Cluster:
         body = health.body or {}
         alive = bool(process and process.alive)
         if process is None:
-            status = "absent"
+            status = Status.ABSENT
         elif not alive:
-            status = "exited"
+            status = Status.EXITED
         elif process.exiting_at is not None:
-            status = "exiting"
+            status = Status.EXITING
         elif health.ok:
-            status = "healthy"
+            status = Status.HEALTHY
         else:
-            status = "failing" if health.ever_ok else "starting"
+            status = Status.FAILING if health.ever_ok else Status.STARTING
         return MemberView(
             id=member.spec.id,
             group=member.spec.group,

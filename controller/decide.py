@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from hotweights.contract import Role
-from hotweights.controller.cluster import MemberView
+from hotweights.controller.cluster import MemberView, Status
 from hotweights.controller.executor import backoff_s
 
 Verdict = Callable[[MemberView], str | None]  # why an engine counts as failed (``controller.health``), or None
@@ -134,12 +134,12 @@ def plan_slots(
     for view in members:
         slot = after.get(view.id, SlotRestarts())
         if view.alive:
-            if view.status == "healthy":
+            if view.status == Status.HEALTHY:
                 slot = replace(slot, failures=0)
             elif view.role == Role.STANDBY and (reason := is_failed(view)):
                 fence.append((view, reason))
         elif view.role != Role.PRIMARY:
-            if view.status == "exited" and slot.seen_exit_at != view.exited_at:  # first look at this exit
+            if view.status == Status.EXITED and slot.seen_exit_at != view.exited_at:  # first look at this exit
                 failures = slot.failures + (not view.health.ever_ok)
                 delay = backoff_s(failures) if failures else 0.0
                 slot = SlotRestarts(failures, (view.exited_at or now) + delay, view.exited_at)
