@@ -75,6 +75,7 @@ log = logging.getLogger(__name__)
 SERVICE_PROBE_S = 1.0  # how often a serving daemon or gateway must answer its probe
 SERVICE_HUNG_PROBES = 5  # probes in a row it may leave unanswered before it is killed and respawned
 STOP_TIMEOUT_S = 15.0  # how long stop() lets a cycle in progress finish
+POST_MARGIN_S = 10.0  # an engine's answer to a role change may come this long after the wait it was given
 
 
 class Refused(Exception):
@@ -128,7 +129,6 @@ class Ha:
         self.on_ready = on_ready
         self.interval_s = health.interval_ms / 1000
         self.check_timeout_s = health.timeout_ms / 1000
-        self.drain_timeout_s = cluster.config.engine.drain_timeout_s
         self.is_failed = process_exited() | checks_failed(health.failure_threshold) | not_ready_within()
         self.executor = GroupExecutor(self.wakeup)
         self.intents: deque[Queued] = deque()
@@ -375,10 +375,10 @@ class Ha:
         """Members of ``group`` (absent ones too: a stranger may hold a slot's port) answering /primary 200."""
         return [m.id for m in snap.group(group) if await self.engines.is_primary(m.url, self.check_timeout_s)]
 
-    async def _resume(self, old: MemberView) -> str:
+    async def _resume(self, old: MemberView, drain_s: float) -> str:
         """Undo a drain of ``old`` (a drained primary resumes serving); says what happened."""
         try:
-            status, body = await self._post(old, Endpoint.PROMOTE)
+            status, body = await self._post(old, Endpoint.PROMOTE, drain_s)
         except Unavailable as exc:
             status, body = 0, {"message": str(exc)}
         if status == 200:
@@ -495,14 +495,15 @@ class Ha:
                 raise NotPossible(f"group {group} has no ready standby to switch over to")
         # The new primary's KV cache is allocated while the old one still holds its own.
         await self.cluster.batch.make_room(group, f"a switchover from {old.id} to {new.id}")
+        drain_s = self.drain_timeout_s()
         start = time.monotonic()
         try:
-            status, body = await self._post(old, Endpoint.DRAIN, {"timeout_s": self.drain_timeout_s})
+            status, body = await self._post(old, Endpoint.DRAIN, drain_s, {"timeout_s": drain_s})
         except Unavailable as exc:  # it may have drained part way: undo that too
-            raise Unavailable(f"{exc}; {await self._resume(old)}") from None
+            raise Unavailable(f"{exc}; {await self._resume(old, drain_s)}") from None
         drain_ms = ms(time.monotonic() - start)
         if status != 200:
-            raise Conflict(f"{old.id} refused to drain: {body.get('message')}; {await self._resume(old)}")
+            raise Conflict(f"{old.id} refused to drain: {body.get('message')}; {await self._resume(old, drain_s)}")
         promoted, promote_ms, message = await self.promote(new)
         if not promoted:
             # The candidate may have taken the role unseen: resume the old primary only once it is gone.
@@ -511,10 +512,10 @@ class Ha:
                     f"promoting {new.id} failed ({message}) and it is still alive after SIGKILL; {old.id} stays "
                     f"drained so that the two never both serve: POST /engines/{old.id}/promote resumes it"
                 )
-            raise Conflict(f"promoting {new.id} failed ({message}); {await self._resume(old)}")
+            raise Conflict(f"promoting {new.id} failed ({message}); {await self._resume(old, drain_s)}")
         demote_start = time.monotonic()
         try:
-            status, body = await self._post(old, Endpoint.DEMOTE, {"timeout_s": self.drain_timeout_s})
+            status, body = await self._post(old, Endpoint.DEMOTE, drain_s, {"timeout_s": drain_s})
         except Unavailable as exc:
             status, body = 0, {"message": str(exc)}
         if status == 200:
@@ -550,9 +551,8 @@ class Ha:
 
     async def do_drain(self, snap: Snapshot, engine_id: str, timeout_s: float | None = None) -> tuple[str, dict]:
         member = self._member(snap, engine_id)
-        status, body = await self._post(
-            member, Endpoint.DRAIN, {"timeout_s": self.drain_timeout_s if timeout_s is None else timeout_s}
-        )
+        wait_s = self.drain_timeout_s() if timeout_s is None else timeout_s
+        status, body = await self._post(member, Endpoint.DRAIN, wait_s, {"timeout_s": wait_s})
         if status != 200:
             raise Conflict(f"{member.id} refused to drain: {body.get('message')}")
         sentence = f"drained {member.id}: {body.get('message')}"
@@ -563,7 +563,7 @@ class Ha:
         """A primary: resume (if drained); a standby: only when its group has no live primary."""
         member = self._member(snap, engine_id)
         if member.role == Role.PRIMARY:
-            status, body = await self._post(member, Endpoint.PROMOTE)
+            status, body = await self._post(member, Endpoint.PROMOTE, self.drain_timeout_s())
             if status != 200:
                 raise Conflict(f"{member.id} refused: {body.get('message')}")
             return f"{member.id}: {body.get('message')}", body
@@ -696,7 +696,6 @@ class Ha:
         if self.best_standby(snap, group) is None:
             raise NotPossible(f"group {group} has no ready standby to switch over to; nothing restarted")
         self.cluster.reconfigure(config)
-        self.drain_timeout_s = config.engine.drain_timeout_s
         return primary, changed
 
     async def _rollout_switch(self, group: int) -> str:
@@ -707,9 +706,17 @@ class Ha:
             raise StepFailed(str(exc)) from None
         return result["new_primary"]
 
-    async def _post(self, member: MemberView, path: str, body: dict | None = None) -> tuple[int, dict[str, Any]]:
+    def drain_timeout_s(self) -> float:
+        """The engines' drain timeout now; an action reads it once, at its start, so a rollout that changes it
+        (``Cluster.reconfigure``) never changes an action of another group in flight."""
+        return self.cluster.config.engine.drain_timeout_s
+
+    async def _post(
+        self, member: MemberView, path: str, wait_s: float, body: dict | None = None
+    ) -> tuple[int, dict[str, Any]]:
+        """POST to an engine that may take ``wait_s`` to answer (a drain's); Unavailable when it does not answer."""
         try:
-            return await self.engines.post(member.url, path, body, timeout=self.drain_timeout_s + 10)
+            return await self.engines.post(member.url, path, body, timeout=wait_s + POST_MARGIN_S)
         except EngineUnreachable as exc:
             raise Unavailable(str(exc)) from None
 
