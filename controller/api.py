@@ -25,7 +25,8 @@ from hotweights.contract import UNAUTHORIZED, Endpoint, bearer_check
 from hotweights.controller.cluster import Cluster
 from hotweights.controller.decide import Intent
 from hotweights.controller.events import EventLog
-from hotweights.controller.ha import Conflict, Ha, NotFound, NotPossible, Refused, Unavailable
+from hotweights.controller.ha import Ha
+from hotweights.controller.intents import Conflict, NotFound, NotPossible, Refused, Unavailable
 from hotweights.controller.metrics import ControllerMetrics
 
 STATUS = {NotFound: 404, NotPossible: 412, Conflict: 409, Unavailable: 503}

@@ -2,7 +2,8 @@
 
 For each failover group, a cycle takes the first decision that applies, in the order and by the rules of
 ``controller.decide`` (the pure decision core): a failed primary, a queued REST intent, engine slots to fence or
-(re)start, a group without a primary. This module carries the decisions out.
+(re)start, a group without a primary. This module carries the decisions out; a REST intent's action is in
+``controller.intents``.
 
 The decision's action runs in the background, one at a time per group (``GroupExecutor``): while a
 group's action runs, the loop says so and leaves that group alone, but keeps deciding for the
@@ -29,17 +30,12 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
 
-from hotweights.cache.arena import plan_layout
-from hotweights.cache.checkpoint import read_checkpoint
-from hotweights.cache.daemon import pipeline_source
 from hotweights.contract import Endpoint, Role
 from hotweights.controller.cluster import SERVICE_START_TIMEOUT_S, Cluster, MemberView, ServiceFailed, Snapshot, filled
-from hotweights.controller.config import REFERENCE, load_config, rollout_changes
 from hotweights.controller.dcs import Solo
 from hotweights.controller.decide import (
     Elect,
@@ -55,18 +51,16 @@ from hotweights.controller.decide import (
     missing_primary,
     plan_slots,
 )
-from hotweights.controller.devices import free_bytes
 from hotweights.controller.engineapi import EngineApi, EngineUnreachable
 from hotweights.controller.events import EventLog
 from hotweights.controller.executor import BACKOFF, GroupExecutor, Outcome
 from hotweights.controller.health import checks_failed, not_ready_within, process_exited
+from hotweights.controller.intents import Actions, Conflict, Refused, Unavailable, check_group, member_of
 from hotweights.controller.metrics import ControllerMetrics
 from hotweights.controller.redundancy import Tracker, assess
-from hotweights.controller.rollout import Rollout, RolloutProgress, StepFailed, rollout_wait_s
+from hotweights.controller.rollout import RolloutProgress, rollout_wait_s
 from hotweights.controller.spares import is_spare
 from hotweights.controller.supervisor import FENCE_TIMEOUT_S
-from hotweights.errors import ConfigError, HotweightsError
-from hotweights.standby.generate import load_tokenizer, stop_token_ids
 from hotweights.state import ServiceKind
 from hotweights.stats import ms
 
@@ -75,27 +69,6 @@ log = logging.getLogger(__name__)
 SERVICE_PROBE_S = 1.0  # how often a serving daemon or gateway must answer its probe
 SERVICE_HUNG_PROBES = 5  # probes in a row it may leave unanswered before it is killed and respawned
 STOP_TIMEOUT_S = 15.0  # how long stop() lets a cycle in progress finish
-POST_MARGIN_S = 10.0  # an engine's answer to a role change may come this long after the wait it was given
-
-
-class Refused(Exception):
-    """A request the loop will not carry out; the message says why and what to do instead."""
-
-
-class NotFound(Refused):
-    """No such engine or group."""
-
-
-class NotPossible(Refused):
-    """The cluster is not in a state that allows it (e.g. the candidate is not a ready standby)."""
-
-
-class Conflict(Refused):
-    """It clashes with the current roles, or an engine refused the role change."""
-
-
-class Unavailable(Refused):
-    """An engine did not answer, or the loop did not finish in time."""
 
 
 @dataclass
@@ -132,15 +105,16 @@ class Ha:
         self.is_failed = process_exited() | checks_failed(health.failure_threshold) | not_ready_within()
         self.executor = GroupExecutor(self.wakeup)
         self.intents: deque[Queued] = deque()
+        actions = Actions(self)
         self.actions: dict[Intent, Callable[..., Awaitable[tuple[str, dict[str, Any]]]]] = {
-            Intent.SWITCHOVER: self.do_switchover,
-            Intent.FAILOVER: self.do_failover,
-            Intent.DRAIN: self.do_drain,
-            Intent.PROMOTE: self.do_promote,
-            Intent.ADD: self.do_add,
-            Intent.DELETE: self.do_delete,
-            Intent.RESTART_CACHE: self.do_restart_cache,
-            Intent.ROLLOUT: self.do_rollout,
+            Intent.SWITCHOVER: actions.do_switchover,
+            Intent.FAILOVER: actions.do_failover,
+            Intent.DRAIN: actions.do_drain,
+            Intent.PROMOTE: actions.do_promote,
+            Intent.ADD: actions.do_add,
+            Intent.DELETE: actions.do_delete,
+            Intent.RESTART_CACHE: actions.do_restart_cache,
+            Intent.ROLLOUT: actions.do_rollout,
         }
         self.rollouts: dict[int, RolloutProgress] = {}  # per group: the rollout queued or running
         self.restarts: dict[str, SlotRestarts] = {}  # the start backoff of each engine slot
@@ -284,18 +258,18 @@ class Ha:
                 stranger = f"{old.url} still answers /primary 200 (a process we do not supervise): stop it"
                 return f"{prefix}; not promoting another: {stranger}", details
         else:  # nothing fenced: never promote beside an engine our checks do not know as primary (yet)
-            if serving := await self._answering_primary(snap, group):
+            if serving := await self.answering_primary(snap, group):
                 return f"{prefix}; not promoting: {serving} answer /primary 200", details
         candidate = candidate or self.best_standby(snap, group)
         if candidate is None:
             self.events.record("no_standby", f"group {group} has no ready standby to promote", group=group)
             await self.leadership.release(group)  # another host's standby may take over now
-            restart = await self._restart_slot(snap, old.id) if old else "nothing to restart"
+            restart = await self.restart_slot(snap, old.id) if old else "nothing to restart"
             return f"{prefix}; no ready standby to promote: {restart}", details
         promoted, promote_ms, message = await self.promote(candidate)
         timings["promote_ms"] = promote_ms
         if not promoted:
-            restart = await self._restart_slot(snap, old.id) if old else ""
+            restart = await self.restart_slot(snap, old.id) if old else ""
             return f"{prefix}; promoting {candidate.id} failed ({message}), will retry; {restart}", details
         timings["total_ms"] = ms(time.monotonic() - failed_at)
         self.metrics.failovers.labels(str(group), kind).inc()
@@ -305,7 +279,7 @@ class Ha:
             "failover", sentence, group=group, mode=kind, old=details["old_primary"], new=candidate.id, **timings
         )
         if old is not None:
-            sentence += f"; {await self._restart_slot(snap, old.id)}"
+            sentence += f"; {await self.restart_slot(snap, old.id)}"
         return sentence, details | {"ok": True, "new_primary": candidate.id, "message": sentence} | timings
 
     async def resolve_split_brain(self, group: int, live: Sequence[MemberView]) -> Outcome:
@@ -371,25 +345,11 @@ class Ha:
             return await self.cluster.others_listen(old.id)
         return await self.engines.is_primary(old.url, self.check_timeout_s)
 
-    async def _answering_primary(self, snap: Snapshot, group: int) -> list[str]:
+    async def answering_primary(self, snap: Snapshot, group: int) -> list[str]:
         """Members of ``group`` (absent ones too: a stranger may hold a slot's port) answering /primary 200."""
         return [m.id for m in snap.group(group) if await self.engines.is_primary(m.url, self.check_timeout_s)]
 
-    async def _resume(self, old: MemberView, drain_s: float) -> str:
-        """Undo a drain of ``old`` (a drained primary resumes serving); says what happened."""
-        try:
-            status, body = await self._post(old, Endpoint.PROMOTE, drain_s)
-        except Unavailable as exc:
-            status, body = 0, {"message": str(exc)}
-        if status == 200:
-            self.cluster.set_role(old.id, Role.PRIMARY)
-            return f"{old.id} resumed serving"
-        return (
-            f"{old.id} did not resume ({body.get('message')}) and may stay drained: "
-            f"POST /engines/{old.id}/promote resumes it"
-        )
-
-    async def _restart_slot(self, snap: Snapshot, member_id: str) -> str:
+    async def restart_slot(self, snap: Snapshot, member_id: str) -> str:
         group = self.cluster.members[member_id].spec.group
         if not snap.daemons_serve(group):
             return f"{member_id} restarts once the cache daemons of group {group} serve"
@@ -421,10 +381,10 @@ class Ha:
         """The group an intent acts on: its engine's (``engine_id``, ``candidate``), else ``group`` (default 0)."""
         member_id = params.get("engine_id") or params.get("candidate")
         if member_id is not None:
-            return self._member(snap, member_id).group
+            return member_of(snap, member_id).group
         group = params.get("group")
         group = 0 if group is None else group
-        self._check_group(snap, group)
+        check_group(snap, group)
         return group
 
     async def process_intent(self, snap: Snapshot, group: int) -> str | None:
@@ -453,172 +413,13 @@ class Ha:
             future.set_result({"message": sentence} | result)
         return Outcome(sentence)
 
-    def _member(self, snap: Snapshot, member_id: str) -> MemberView:
-        member = snap.member(member_id)
-        if member is None:
-            known = ", ".join(m.id for m in snap.members)
-            raise NotFound(f"no engine {member_id!r}; known: {known}")
-        return member
-
-    def _check_group(self, snap: Snapshot, group: int) -> None:
-        if not 0 <= group < snap.groups:
-            raise NotFound(f"no group {group}; this cluster has groups 0..{snap.groups - 1}")
-
-    def _ready_standby(self, snap: Snapshot, member_id: str) -> MemberView:
-        member = self._member(snap, member_id)
-        if not member.is_ready_standby:
-            ready = [m.id for m in snap.group(member.group) if m.is_ready_standby]
-            raise NotPossible(
-                f"{member.id} is not a ready standby (role {member.role}, state {member.state}, status "
-                f"{member.status}); ready standbys of group {member.group}: {', '.join(ready) or 'none'}"
-            )
-        return member
-
-    async def do_switchover(
-        self, snap: Snapshot, group: int | None = None, candidate: str | None = None
-    ) -> tuple[str, dict[str, Any]]:
-        """Planned: drain the primary, promote the candidate, demote the old primary to standby (the group's batch
-        engine yields first)."""
-        if candidate is not None:
-            new = self._ready_standby(snap, candidate)
-            if group is not None and group != new.group:
-                raise NotPossible(f"candidate {new.id} is in group {new.group}, not {group}")
-            group = new.group
-        group = 0 if group is None else group
-        self._check_group(snap, group)
-        old = next((p for p in snap.primaries(group) if p.is_serving_primary), None)
-        if old is None:
-            raise NotPossible(f"group {group} has no serving primary to switch over from; use POST /failover")
-        if candidate is None:
-            new = self.best_standby(snap, group)
-            if new is None:
-                raise NotPossible(f"group {group} has no ready standby to switch over to")
-        # The new primary's KV cache is allocated while the old one still holds its own.
-        await self.cluster.batch.make_room(group, f"a switchover from {old.id} to {new.id}")
-        drain_s = self.drain_timeout_s()
-        start = time.monotonic()
-        try:
-            status, body = await self._post(old, Endpoint.DRAIN, drain_s, {"timeout_s": drain_s})
-        except Unavailable as exc:  # it may have drained part way: undo that too
-            raise Unavailable(f"{exc}; {await self._resume(old, drain_s)}") from None
-        drain_ms = ms(time.monotonic() - start)
-        if status != 200:
-            raise Conflict(f"{old.id} refused to drain: {body.get('message')}; {await self._resume(old, drain_s)}")
-        promoted, promote_ms, message = await self.promote(new)
-        if not promoted:
-            # The candidate may have taken the role unseen: resume the old primary only once it is gone.
-            if not await self.cluster.fence(new.id):
-                raise Conflict(
-                    f"promoting {new.id} failed ({message}) and it is still alive after SIGKILL; {old.id} stays "
-                    f"drained so that the two never both serve: POST /engines/{old.id}/promote resumes it"
-                )
-            raise Conflict(f"promoting {new.id} failed ({message}); {await self._resume(old, drain_s)}")
-        demote_start = time.monotonic()
-        try:
-            status, body = await self._post(old, Endpoint.DEMOTE, drain_s, {"timeout_s": drain_s})
-        except Unavailable as exc:
-            status, body = 0, {"message": str(exc)}
-        if status == 200:
-            self.cluster.set_role(old.id, Role.STANDBY)
-        else:  # still a (drained) primary: fence it rather than keep two primaries around
-            await self.cluster.fence(old.id)
-        timings = {
-            "drain_ms": drain_ms,
-            "promote_ms": promote_ms,
-            "demote_ms": ms(time.monotonic() - demote_start),
-            "total_ms": ms(time.monotonic() - start),
-        }
-        self.metrics.failovers.labels(str(group), "switchover").inc()
-        self.metrics.failover_duration.labels("switchover").observe(timings["total_ms"] / 1000)
-        sentence = (
-            f"switched over group {group} from {old.id} to {new.id} in {timings['total_ms']} ms "
-            f"(drain {drain_ms} ms, promote {promote_ms} ms); {old.id} "
-            + ("is a standby" if status == 200 else f"refused to demote ({body.get('message')}) and was fenced")
-        )
-        self.events.record("switchover", sentence, group=group, old=old.id, new=new.id, **timings)
-        return sentence, {"group": group, "old_primary": old.id, "new_primary": new.id} | timings
-
-    async def do_failover(self, snap: Snapshot, candidate: str) -> tuple[str, dict[str, Any]]:
-        """Forced: fence the primary whatever its state, promote ``candidate``."""
-        new = self._ready_standby(snap, candidate)
-        primaries = snap.primaries(new.group)
-        sentence, details = await self.failover(
-            snap, new.group, primaries[0] if primaries else None, "failover requested", "forced", new
-        )
-        if not details["ok"]:
-            raise Unavailable(sentence)
-        return sentence, details
-
-    async def do_drain(self, snap: Snapshot, engine_id: str, timeout_s: float | None = None) -> tuple[str, dict]:
-        member = self._member(snap, engine_id)
-        wait_s = self.drain_timeout_s() if timeout_s is None else timeout_s
-        status, body = await self._post(member, Endpoint.DRAIN, wait_s, {"timeout_s": wait_s})
-        if status != 200:
-            raise Conflict(f"{member.id} refused to drain: {body.get('message')}")
-        sentence = f"drained {member.id}: {body.get('message')}"
-        self.events.record("drain", sentence, member=member.id, group=member.group, duration_ms=body.get("duration_ms"))
-        return sentence, body
-
-    async def do_promote(self, snap: Snapshot, engine_id: str) -> tuple[str, dict]:
-        """A primary: resume (if drained); a standby: only when its group has no live primary."""
-        member = self._member(snap, engine_id)
-        if member.role == Role.PRIMARY:
-            status, body = await self._post(member, Endpoint.PROMOTE, self.drain_timeout_s())
-            if status != 200:
-                raise Conflict(f"{member.id} refused: {body.get('message')}")
-            return f"{member.id}: {body.get('message')}", body
-        live = [p.id for p in snap.primaries(member.group) if p.alive]
-        if live:
-            raise Conflict(f"group {member.group} already has primary {live[0]}; use POST /switchover to move the role")
-        member = self._ready_standby(snap, engine_id)
-        if serving := await self._answering_primary(snap, member.group):  # a primary our checks have not seen
-            raise Conflict(f"{serving} answer /primary 200 in group {member.group}; use POST /switchover")
-        promoted, promote_ms, message = await self.promote(member)
-        if not promoted:
-            raise Unavailable(f"promoting {member.id} failed: {message}")
-        return f"promoted {member.id} on request in {promote_ms} ms", {"member": member.id, "promote_ms": promote_ms}
-
-    async def do_add(self, snap: Snapshot, group: int = 0) -> tuple[str, dict]:
-        self._check_group(snap, group)
-        member = self.cluster.add_engine(group)
-        started = await self._restart_slot(snap, member.spec.id)
-        sentence = f"added standby {member.spec.id} on port {member.spec.port}: {started}"
-        self.events.record("add", sentence, member=member.spec.id, group=group)
-        return sentence, {"id": member.spec.id, "group": group, "port": member.spec.port, "url": member.spec.url}
-
-    async def do_delete(self, snap: Snapshot, engine_id: str) -> tuple[str, dict]:
-        member = self._member(snap, engine_id)
-        if member.role == Role.PRIMARY and member.alive:
-            raise Conflict(f"{member.id} is the primary of group {member.group}; switch over first")
-        how = await self.cluster.stop_engine(member.id)
-        process = self.cluster.members[member.id].process
-        if process is not None and process.alive:  # forgetting the slot would leave it running unsupervised
-            raise Unavailable(f"{member.id} (pid {process.pid}) {how}; its slot is kept")
-        self.cluster.remove_engine(member.id)
-        self.restarts.pop(member.id, None)
-        sentence = f"removed {member.id}: {how}"
-        self.events.record("delete", sentence, member=member.id, group=member.group)
-        return sentence, {"id": member.id}
-
-    async def do_restart_cache(self, snap: Snapshot, group: int) -> tuple[str, dict]:
-        """Stop the daemon gracefully and respawn it (re-adopting the arena from an engine, else a snapshot, else
-        the disk); engines keep their mappings."""
-        self._check_group(snap, group)
-        sentences = []
-        for service_id in snap.daemon_ids(group):  # one per rank in a tensor-parallel group
-            how = await self.cluster.stop_service(service_id)
-            self.cluster.respawn(service_id, partial(self.keep, service_id))
-            sentences.append(f"restarting cache daemon {service_id}: old one {how}; engines keep serving")
-            self.events.record("cache_restart", sentences[-1], service=service_id, group=group)
-        return "; ".join(sentences), {"service": snap.daemon(group).id}
-
     async def rollout(self, group: int | None, switchover_wait_s: float, model: str | None = None) -> dict[str, Any]:
         """POST /rollout: Conflict while a rollout of the group is queued or runs, else queued as an intent and
         awaited for as long as restarting every engine of the group may take (NotFound: unknown group). With
         ``model``, a model update (``controller.rollout``), awaited for a daemon's start longer."""
         snap = self.cluster.snapshot()
         group = 0 if group is None else group
-        self._check_group(snap, group)
+        check_group(snap, group)
         if running := self.rollouts.get(group):
             raise Conflict(f"a rollout of group {group} is already running ({running.describe()}); see GET /cluster")
         progress = self.rollouts[group] = RolloutProgress(group)
@@ -628,97 +429,6 @@ class Ha:
         finally:
             if not progress.started:  # withdrawn before it began; once begun, do_rollout ends it
                 self.rollouts.pop(group, None)
-
-    async def do_rollout(self, snap: Snapshot, group: int, model: str | None = None) -> tuple[str, dict[str, Any]]:
-        """Restart every engine of ``group`` one at a time with cluster.toml's current engine settings (see
-        ``controller.rollout``), onto ``model``'s weights if given. NotPossible before anything restarts: no
-        serving primary, no ready standby, a cluster.toml that is invalid or changes more than engine settings,
-        or a ``model`` that is invalid or does not fit; Unavailable: a step failed."""
-        progress = self.rollouts.setdefault(group, RolloutProgress(group))
-        progress.started = True
-        try:
-            new_model = await asyncio.to_thread(self._model_preconditions, group, model) if model else None
-            primary, changed = self._rollout_preconditions(snap, group)
-            standbys = [m for m in snap.group(group) if m.id != primary.id]
-            rollout = Rollout(
-                self.cluster, self.events, progress, self.is_failed, partial(self._rollout_switch, group),
-                partial(self.retire, group),
-            )  # fmt: skip
-            try:
-                sentence, steps = await rollout.run(primary, standbys, new_model)
-            except StepFailed as exc:
-                raise Unavailable(f"{exc}; the group keeps serving") from None
-        finally:
-            if self.rollouts.get(group) is progress:
-                del self.rollouts[group]
-        applied = f"; applied {', '.join(changed)}" if changed else ""
-        return sentence + applied, {"group": group, "steps": steps, "changed": changed}
-
-    def _model_preconditions(self, group: int, model: str) -> Path:
-        """``model`` as the group's next weight generation: a valid checkpoint for the group's load settings, with a
-        tokenizer the engines can read, not the one it runs, whose arena fits in the device's free memory beside the
-        current one. NotPossible naming the reason (the numbers, for memory), before anything starts."""
-        section, current = self.cluster.config.groups[group], self.cluster.weights[group].current
-        if section.engine != REFERENCE or section.tp_size != 1:
-            raise NotPossible(
-                f"group {group}: a model update needs reference engines with tp_size 1, found engine "
-                f"{section.engine!r} with tp_size {section.tp_size}; nothing restarted"
-            )
-        path = Path(model).expanduser().resolve()
-        try:
-            source = pipeline_source(read_checkpoint(path), self.cluster.layout.load_spec(group))
-            load_tokenizer(path)  # what every engine reads beside the weights: a bad one would fail every start
-            stop_token_ids(path)
-        except HotweightsError as exc:
-            raise NotPossible(f"model {model}: {exc}; nothing restarted") from None
-        if path == current.model_dir:
-            raise NotPossible(f"group {group} runs {path} already (generation {current.number}); nothing restarted")
-        need, free = plan_layout(source.specs())[1], free_bytes(section.device)
-        if free is not None and need > free:
-            raise NotPossible(
-                f"group {group}: the new generation's arena needs {need} bytes on {section.device}, beside the current "
-                f"one's, and {free} are free; stop standbys first to free their memory (DELETE /engines/<id>) and "
-                "roll with fewer, or free the device; nothing restarted"
-            )
-        return path
-
-    def _rollout_preconditions(self, snap: Snapshot, group: int) -> tuple[MemberView, list[str]]:
-        """The serving primary and the engine settings that changed; cluster.toml's settings are taken on.
-        NotPossible (nothing restarted) when a precondition does not hold."""
-        try:
-            config = load_config(self.cluster.layout.config_path)
-            changed = rollout_changes(self.cluster.config, config)
-        except ConfigError as exc:
-            raise NotPossible(f"{exc}; nothing restarted") from None
-        primary = next((p for p in snap.primaries(group) if p.is_serving_primary), None)
-        if primary is None:
-            raise NotPossible(f"group {group} has no serving primary; nothing restarted")
-        if self.best_standby(snap, group) is None:
-            raise NotPossible(f"group {group} has no ready standby to switch over to; nothing restarted")
-        self.cluster.reconfigure(config)
-        return primary, changed
-
-    async def _rollout_switch(self, group: int) -> str:
-        """A rollout's switchover (the planned one): the new primary's id, or StepFailed with the refusal."""
-        try:
-            _, result = await self.do_switchover(self.cluster.snapshot(), group)
-        except Refused as exc:
-            raise StepFailed(str(exc)) from None
-        return result["new_primary"]
-
-    def drain_timeout_s(self) -> float:
-        """The engines' drain timeout now; an action reads it once, at its start, so a rollout that changes it
-        (``Cluster.reconfigure``) never changes an action of another group in flight."""
-        return self.cluster.config.engine.drain_timeout_s
-
-    async def _post(
-        self, member: MemberView, path: str, wait_s: float, body: dict | None = None
-    ) -> tuple[int, dict[str, Any]]:
-        """POST to an engine that may take ``wait_s`` to answer (a drain's); Unavailable when it does not answer."""
-        try:
-            return await self.engines.post(member.url, path, body, timeout=wait_s + POST_MARGIN_S)
-        except EngineUnreachable as exc:
-            raise Unavailable(str(exc)) from None
 
     # --- daemons and the gateway (every cycle; their keepers run in the background) ---------------
 
@@ -838,7 +548,7 @@ class Ha:
 
     async def _elect(self, snap: Snapshot, group: int, candidate: MemberView) -> Outcome:
         # a primary our checks have not seen (yet): never add a second one
-        if serving := await self._answering_primary(snap, group):
+        if serving := await self.answering_primary(snap, group):
             return Outcome(f"group {group}: {serving} answer /primary 200; waiting for their health checks", False)
         promoted, promote_ms, message = await self.promote(candidate)
         if not promoted:

@@ -30,9 +30,11 @@ from hotweights.controller import supervisor
 from hotweights.controller.batch import BatchEngines
 from hotweights.controller.cluster import Cluster, Member, MemberView, Snapshot
 from hotweights.controller.config import EngineSpec, batch_spec, load_config
+from hotweights.controller.decide import Intent
 from hotweights.controller.events import EventLog
-from hotweights.controller.ha import Conflict, Ha
+from hotweights.controller.ha import Ha
 from hotweights.controller.health import HealthChecker, HealthRecord
+from hotweights.controller.intents import Conflict
 from hotweights.controller.metrics import ControllerMetrics
 from hotweights.controller.stack import Layout
 from hotweights.controller.supervisor import Identity, read_identity
@@ -715,7 +717,7 @@ def test_switchover_fences_an_unconfirmed_candidate_before_resuming_the_old_prim
     snap = Snapshot(0.0, 1, (old, new), ())
     ha = Ha(FakeCluster(), Engines(), EventLog(tmp_path / "events.jsonl"), ControllerMetrics(), None, print)
     with pytest.raises(Conflict, match="promoting g0-e1 failed"):
-        asyncio.run(ha.do_switchover(snap, candidate="g0-e1"))
+        asyncio.run(ha.actions[Intent.SWITCHOVER](snap, candidate="g0-e1"))
     resume = calls.index(("post", old.url, Endpoint.PROMOTE))
     assert ("fence", "g0-e1") in calls[:resume], calls
 

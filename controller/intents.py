@@ -1,0 +1,331 @@
+"""The REST intents' actions: what the HA loop does for a switchover, a forced failover, a drain, a promotion, an
+engine added or deleted, a cache daemon restarted, and a rollout or model update.
+
+``Ha`` queues each intent and runs its action here, one at a time per group, in its group's executor; the
+actions use the loop's own failover, promotion and slot restarts (``Actions.ha``). Each returns the loop's
+sentence and the JSON the request answers with, or raises a ``Refused`` whose class gives the HTTP status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hotweights.cache.arena import plan_layout
+from hotweights.cache.checkpoint import read_checkpoint
+from hotweights.cache.daemon import pipeline_source
+from hotweights.contract import Endpoint, Role
+from hotweights.controller.cluster import MemberView, Snapshot
+from hotweights.controller.config import REFERENCE, load_config, rollout_changes
+from hotweights.controller.devices import free_bytes
+from hotweights.controller.engineapi import EngineUnreachable
+from hotweights.controller.rollout import Rollout, RolloutProgress, StepFailed
+from hotweights.errors import ConfigError, HotweightsError
+from hotweights.standby.generate import load_tokenizer, stop_token_ids
+from hotweights.stats import ms
+
+if TYPE_CHECKING:
+    from hotweights.controller.ha import Ha
+
+POST_MARGIN_S = 10.0  # an engine's answer to a role change may come this long after the wait it was given
+
+
+class Refused(Exception):
+    """A request the loop will not carry out; the message says why and what to do instead."""
+
+
+class NotFound(Refused):
+    """No such engine or group."""
+
+
+class NotPossible(Refused):
+    """The cluster is not in a state that allows it (e.g. the candidate is not a ready standby)."""
+
+
+class Conflict(Refused):
+    """It clashes with the current roles, or an engine refused the role change."""
+
+
+class Unavailable(Refused):
+    """An engine did not answer, or the loop did not finish in time."""
+
+
+def member_of(snap: Snapshot, member_id: str) -> MemberView:
+    member = snap.member(member_id)
+    if member is None:
+        known = ", ".join(m.id for m in snap.members)
+        raise NotFound(f"no engine {member_id!r}; known: {known}")
+    return member
+
+
+def check_group(snap: Snapshot, group: int) -> None:
+    if not 0 <= group < snap.groups:
+        raise NotFound(f"no group {group}; this cluster has groups 0..{snap.groups - 1}")
+
+
+def ready_standby(snap: Snapshot, member_id: str) -> MemberView:
+    member = member_of(snap, member_id)
+    if not member.is_ready_standby:
+        ready = [m.id for m in snap.group(member.group) if m.is_ready_standby]
+        raise NotPossible(
+            f"{member.id} is not a ready standby (role {member.role}, state {member.state}, status "
+            f"{member.status}); ready standbys of group {member.group}: {', '.join(ready) or 'none'}"
+        )
+    return member
+
+
+class Actions:
+    """The intents' actions, on the loop ``ha`` (its cluster, events, metrics and engine API)."""
+
+    def __init__(self, ha: Ha) -> None:
+        self.ha = ha
+        self.cluster = ha.cluster
+        self.events = ha.events
+        self.metrics = ha.metrics
+        self.engines = ha.engines
+
+    async def _resume(self, old: MemberView, drain_s: float) -> str:
+        """Undo a drain of ``old`` (a drained primary resumes serving); says what happened."""
+        try:
+            status, body = await self._post(old, Endpoint.PROMOTE, drain_s)
+        except Unavailable as exc:
+            status, body = 0, {"message": str(exc)}
+        if status == 200:
+            self.cluster.set_role(old.id, Role.PRIMARY)
+            return f"{old.id} resumed serving"
+        return (
+            f"{old.id} did not resume ({body.get('message')}) and may stay drained: "
+            f"POST /engines/{old.id}/promote resumes it"
+        )
+
+    async def do_switchover(
+        self, snap: Snapshot, group: int | None = None, candidate: str | None = None
+    ) -> tuple[str, dict[str, Any]]:
+        """Planned: drain the primary, promote the candidate, demote the old primary to standby (the group's batch
+        engine yields first)."""
+        if candidate is not None:
+            new = ready_standby(snap, candidate)
+            if group is not None and group != new.group:
+                raise NotPossible(f"candidate {new.id} is in group {new.group}, not {group}")
+            group = new.group
+        group = 0 if group is None else group
+        check_group(snap, group)
+        old = next((p for p in snap.primaries(group) if p.is_serving_primary), None)
+        if old is None:
+            raise NotPossible(f"group {group} has no serving primary to switch over from; use POST /failover")
+        if candidate is None:
+            new = self.ha.best_standby(snap, group)
+            if new is None:
+                raise NotPossible(f"group {group} has no ready standby to switch over to")
+        # The new primary's KV cache is allocated while the old one still holds its own.
+        await self.cluster.batch.make_room(group, f"a switchover from {old.id} to {new.id}")
+        drain_s = self.drain_timeout_s()
+        start = time.monotonic()
+        try:
+            status, body = await self._post(old, Endpoint.DRAIN, drain_s, {"timeout_s": drain_s})
+        except Unavailable as exc:  # it may have drained part way: undo that too
+            raise Unavailable(f"{exc}; {await self._resume(old, drain_s)}") from None
+        drain_ms = ms(time.monotonic() - start)
+        if status != 200:
+            raise Conflict(f"{old.id} refused to drain: {body.get('message')}; {await self._resume(old, drain_s)}")
+        promoted, promote_ms, message = await self.ha.promote(new)
+        if not promoted:
+            # The candidate may have taken the role unseen: resume the old primary only once it is gone.
+            if not await self.cluster.fence(new.id):
+                raise Conflict(
+                    f"promoting {new.id} failed ({message}) and it is still alive after SIGKILL; {old.id} stays "
+                    f"drained so that the two never both serve: POST /engines/{old.id}/promote resumes it"
+                )
+            raise Conflict(f"promoting {new.id} failed ({message}); {await self._resume(old, drain_s)}")
+        demote_start = time.monotonic()
+        try:
+            status, body = await self._post(old, Endpoint.DEMOTE, drain_s, {"timeout_s": drain_s})
+        except Unavailable as exc:
+            status, body = 0, {"message": str(exc)}
+        if status == 200:
+            self.cluster.set_role(old.id, Role.STANDBY)
+        else:  # still a (drained) primary: fence it rather than keep two primaries around
+            await self.cluster.fence(old.id)
+        timings = {
+            "drain_ms": drain_ms,
+            "promote_ms": promote_ms,
+            "demote_ms": ms(time.monotonic() - demote_start),
+            "total_ms": ms(time.monotonic() - start),
+        }
+        self.metrics.failovers.labels(str(group), "switchover").inc()
+        self.metrics.failover_duration.labels("switchover").observe(timings["total_ms"] / 1000)
+        sentence = (
+            f"switched over group {group} from {old.id} to {new.id} in {timings['total_ms']} ms "
+            f"(drain {drain_ms} ms, promote {promote_ms} ms); {old.id} "
+            + ("is a standby" if status == 200 else f"refused to demote ({body.get('message')}) and was fenced")
+        )
+        self.events.record("switchover", sentence, group=group, old=old.id, new=new.id, **timings)
+        return sentence, {"group": group, "old_primary": old.id, "new_primary": new.id} | timings
+
+    async def do_failover(self, snap: Snapshot, candidate: str) -> tuple[str, dict[str, Any]]:
+        """Forced: fence the primary whatever its state, promote ``candidate``."""
+        new = ready_standby(snap, candidate)
+        primaries = snap.primaries(new.group)
+        sentence, details = await self.ha.failover(
+            snap, new.group, primaries[0] if primaries else None, "failover requested", "forced", new
+        )
+        if not details["ok"]:
+            raise Unavailable(sentence)
+        return sentence, details
+
+    async def do_drain(self, snap: Snapshot, engine_id: str, timeout_s: float | None = None) -> tuple[str, dict]:
+        member = member_of(snap, engine_id)
+        wait_s = self.drain_timeout_s() if timeout_s is None else timeout_s
+        status, body = await self._post(member, Endpoint.DRAIN, wait_s, {"timeout_s": wait_s})
+        if status != 200:
+            raise Conflict(f"{member.id} refused to drain: {body.get('message')}")
+        sentence = f"drained {member.id}: {body.get('message')}"
+        self.events.record("drain", sentence, member=member.id, group=member.group, duration_ms=body.get("duration_ms"))
+        return sentence, body
+
+    async def do_promote(self, snap: Snapshot, engine_id: str) -> tuple[str, dict]:
+        """A primary: resume (if drained); a standby: only when its group has no live primary."""
+        member = member_of(snap, engine_id)
+        if member.role == Role.PRIMARY:
+            status, body = await self._post(member, Endpoint.PROMOTE, self.drain_timeout_s())
+            if status != 200:
+                raise Conflict(f"{member.id} refused: {body.get('message')}")
+            return f"{member.id}: {body.get('message')}", body
+        live = [p.id for p in snap.primaries(member.group) if p.alive]
+        if live:
+            raise Conflict(f"group {member.group} already has primary {live[0]}; use POST /switchover to move the role")
+        member = ready_standby(snap, engine_id)
+        if serving := await self.ha.answering_primary(snap, member.group):  # a primary our checks have not seen
+            raise Conflict(f"{serving} answer /primary 200 in group {member.group}; use POST /switchover")
+        promoted, promote_ms, message = await self.ha.promote(member)
+        if not promoted:
+            raise Unavailable(f"promoting {member.id} failed: {message}")
+        return f"promoted {member.id} on request in {promote_ms} ms", {"member": member.id, "promote_ms": promote_ms}
+
+    async def do_add(self, snap: Snapshot, group: int = 0) -> tuple[str, dict]:
+        check_group(snap, group)
+        member = self.cluster.add_engine(group)
+        started = await self.ha.restart_slot(snap, member.spec.id)
+        sentence = f"added standby {member.spec.id} on port {member.spec.port}: {started}"
+        self.events.record("add", sentence, member=member.spec.id, group=group)
+        return sentence, {"id": member.spec.id, "group": group, "port": member.spec.port, "url": member.spec.url}
+
+    async def do_delete(self, snap: Snapshot, engine_id: str) -> tuple[str, dict]:
+        member = member_of(snap, engine_id)
+        if member.role == Role.PRIMARY and member.alive:
+            raise Conflict(f"{member.id} is the primary of group {member.group}; switch over first")
+        how = await self.cluster.stop_engine(member.id)
+        process = self.cluster.members[member.id].process
+        if process is not None and process.alive:  # forgetting the slot would leave it running unsupervised
+            raise Unavailable(f"{member.id} (pid {process.pid}) {how}; its slot is kept")
+        self.cluster.remove_engine(member.id)
+        self.ha.restarts.pop(member.id, None)
+        sentence = f"removed {member.id}: {how}"
+        self.events.record("delete", sentence, member=member.id, group=member.group)
+        return sentence, {"id": member.id}
+
+    async def do_restart_cache(self, snap: Snapshot, group: int) -> tuple[str, dict]:
+        """Stop the daemon gracefully and respawn it (re-adopting the arena from an engine, else a snapshot, else
+        the disk); engines keep their mappings."""
+        check_group(snap, group)
+        sentences = []
+        for service_id in snap.daemon_ids(group):  # one per rank in a tensor-parallel group
+            how = await self.cluster.stop_service(service_id)
+            self.cluster.respawn(service_id, partial(self.ha.keep, service_id))
+            sentences.append(f"restarting cache daemon {service_id}: old one {how}; engines keep serving")
+            self.events.record("cache_restart", sentences[-1], service=service_id, group=group)
+        return "; ".join(sentences), {"service": snap.daemon(group).id}
+
+    async def do_rollout(self, snap: Snapshot, group: int, model: str | None = None) -> tuple[str, dict[str, Any]]:
+        """Restart every engine of ``group`` one at a time with cluster.toml's current engine settings (see
+        ``controller.rollout``), onto ``model``'s weights if given. NotPossible before anything restarts: no
+        serving primary, no ready standby, a cluster.toml that is invalid or changes more than engine settings,
+        or a ``model`` that is invalid or does not fit; Unavailable: a step failed."""
+        progress = self.ha.rollouts.setdefault(group, RolloutProgress(group))
+        progress.started = True
+        try:
+            new_model = await asyncio.to_thread(self._model_preconditions, group, model) if model else None
+            primary, changed = self._rollout_preconditions(snap, group)
+            standbys = [m for m in snap.group(group) if m.id != primary.id]
+            rollout = Rollout(
+                self.cluster, self.events, progress, self.ha.is_failed, partial(self._rollout_switch, group),
+                partial(self.ha.retire, group),
+            )  # fmt: skip
+            try:
+                sentence, steps = await rollout.run(primary, standbys, new_model)
+            except StepFailed as exc:
+                raise Unavailable(f"{exc}; the group keeps serving") from None
+        finally:
+            if self.ha.rollouts.get(group) is progress:
+                del self.ha.rollouts[group]
+        applied = f"; applied {', '.join(changed)}" if changed else ""
+        return sentence + applied, {"group": group, "steps": steps, "changed": changed}
+
+    def _model_preconditions(self, group: int, model: str) -> Path:
+        """``model`` as the group's next weight generation: a valid checkpoint for the group's load settings, with a
+        tokenizer the engines can read, not the one it runs, whose arena fits in the device's free memory beside the
+        current one. NotPossible naming the reason (the numbers, for memory), before anything starts."""
+        section, current = self.cluster.config.groups[group], self.cluster.weights[group].current
+        if section.engine != REFERENCE or section.tp_size != 1:
+            raise NotPossible(
+                f"group {group}: a model update needs reference engines with tp_size 1, found engine "
+                f"{section.engine!r} with tp_size {section.tp_size}; nothing restarted"
+            )
+        path = Path(model).expanduser().resolve()
+        try:
+            source = pipeline_source(read_checkpoint(path), self.cluster.layout.load_spec(group))
+            load_tokenizer(path)  # what every engine reads beside the weights: a bad one would fail every start
+            stop_token_ids(path)
+        except HotweightsError as exc:
+            raise NotPossible(f"model {model}: {exc}; nothing restarted") from None
+        if path == current.model_dir:
+            raise NotPossible(f"group {group} runs {path} already (generation {current.number}); nothing restarted")
+        need, free = plan_layout(source.specs())[1], free_bytes(section.device)
+        if free is not None and need > free:
+            raise NotPossible(
+                f"group {group}: the new generation's arena needs {need} bytes on {section.device}, beside the current "
+                f"one's, and {free} are free; stop standbys first to free their memory (DELETE /engines/<id>) and "
+                "roll with fewer, or free the device; nothing restarted"
+            )
+        return path
+
+    def _rollout_preconditions(self, snap: Snapshot, group: int) -> tuple[MemberView, list[str]]:
+        """The serving primary and the engine settings that changed; cluster.toml's settings are taken on.
+        NotPossible (nothing restarted) when a precondition does not hold."""
+        try:
+            config = load_config(self.cluster.layout.config_path)
+            changed = rollout_changes(self.cluster.config, config)
+        except ConfigError as exc:
+            raise NotPossible(f"{exc}; nothing restarted") from None
+        primary = next((p for p in snap.primaries(group) if p.is_serving_primary), None)
+        if primary is None:
+            raise NotPossible(f"group {group} has no serving primary; nothing restarted")
+        if self.ha.best_standby(snap, group) is None:
+            raise NotPossible(f"group {group} has no ready standby to switch over to; nothing restarted")
+        self.cluster.reconfigure(config)
+        return primary, changed
+
+    async def _rollout_switch(self, group: int) -> str:
+        """A rollout's switchover (the planned one): the new primary's id, or StepFailed with the refusal."""
+        try:
+            _, result = await self.do_switchover(self.cluster.snapshot(), group)
+        except Refused as exc:
+            raise StepFailed(str(exc)) from None
+        return result["new_primary"]
+
+    def drain_timeout_s(self) -> float:
+        """The engines' drain timeout now; an action reads it once, at its start, so a rollout that changes it
+        (``Cluster.reconfigure``) never changes an action of another group in flight."""
+        return self.cluster.config.engine.drain_timeout_s
+
+    async def _post(
+        self, member: MemberView, path: str, wait_s: float, body: dict | None = None
+    ) -> tuple[int, dict[str, Any]]:
+        """POST to an engine that may take ``wait_s`` to answer (a drain's); Unavailable when it does not answer."""
+        try:
+            return await self.engines.post(member.url, path, body, timeout=wait_s + POST_MARGIN_S)
+        except EngineUnreachable as exc:
+            raise Unavailable(str(exc)) from None
