@@ -20,6 +20,8 @@ from tokenizers import Tokenizer
 from hotweights.standby.generate import TextStream
 from hotweights.standby.scheduler import Event, Finish, SamplingParams, Scheduler, Sequence
 
+Prompt = str | list[str] | list[int] | list[list[int]]
+
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -33,7 +35,7 @@ class CompletionRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
-    prompt: str | list[str]
+    prompt: str | list[str] | list[int] | list[list[int]]  # text, or token ids (as OpenAI allows)
     max_tokens: int = Field(default=16, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
@@ -41,12 +43,13 @@ class CompletionRequest(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    return_token_ids: bool = False  # each choice also carries ``token_ids`` (and ``prompt_token_ids`` once)
 
     @field_validator("prompt")
     @classmethod
-    def _some_prompt(cls, prompt: str | list[str]) -> str | list[str]:
-        if isinstance(prompt, list) and not prompt:
-            raise ValueError("needs at least one prompt")
+    def _some_prompt(cls, prompt: Prompt) -> Prompt:
+        if isinstance(prompt, list) and (not prompt or any(isinstance(p, list) and not p for p in prompt)):
+            raise ValueError("needs at least one prompt, each of at least one token")
         return prompt
 
     @field_validator("stop")
@@ -58,8 +61,11 @@ class CompletionRequest(BaseModel):
         return stop
 
     @property
-    def prompts(self) -> list[str]:
-        return [self.prompt] if isinstance(self.prompt, str) else self.prompt
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per choice: a text, or the token ids of one prompt."""
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return [self.prompt]
+        return list(self.prompt)
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -89,6 +95,7 @@ class Piece:
     index: int
     text: str
     finish_reason: str | None = None
+    token_ids: list[int] = field(default_factory=list)  # tokens whose text is now wholly sent
 
 
 @dataclass
@@ -98,6 +105,7 @@ class CompletionRun:
     request: CompletionRequest
     model_name: str
     choices: list[Choice] = field(default_factory=list)
+    prompt_ids: list[list[int]] = field(default_factory=list)
     id: str = field(default_factory=lambda: f"cmpl-{secrets.token_hex(12)}")
     created: int = field(default_factory=lambda: int(time.time()))
     started: float = field(default_factory=time.perf_counter)
@@ -114,7 +122,7 @@ class CompletionRun:
         stop_ids: frozenset[int],
         scheduler: Scheduler,
     ) -> CompletionRun:
-        run = cls(request, model_name)
+        run = cls(request, model_name, prompt_ids=prompt_ids)
         loop = asyncio.get_running_loop()
         params = SamplingParams(request.max_tokens, request.temperature, request.top_p, request.seed, stop_ids)
         for index, ids in enumerate(prompt_ids):
@@ -145,7 +153,8 @@ class CompletionRun:
                     raise GenerationAborted(event)
                 choice.finish_reason = event.reason
                 pending -= 1
-                yield Piece(index, choice.text.flush(), event.reason)
+                text = choice.text.flush()
+                yield Piece(index, text, event.reason, choice.text.take_released())
                 continue
             if self.first_token_s is None:
                 self.first_token_s = time.perf_counter() - self.started
@@ -155,9 +164,9 @@ class CompletionRun:
                 choice.sequence.cancel()
                 choice.finish_reason = "stop"
                 pending -= 1
-                yield Piece(index, text, "stop")
+                yield Piece(index, text, "stop", choice.text.take_released())
             elif text:
-                yield Piece(index, text)
+                yield Piece(index, text, token_ids=choice.text.take_released())
 
     def cancel(self) -> None:
         """Stop generating (client gone, request over); harmless for finished choices."""
@@ -167,20 +176,33 @@ class CompletionRun:
     async def collect(self) -> dict:
         """The whole non-streaming response body."""
         texts = [""] * len(self.choices)
+        ids: list[list[int]] = [[] for _ in self.choices]
         async for piece in self.pieces():
             texts[piece.index] += piece.text
+            ids[piece.index] += piece.token_ids
         choices = [
             {"index": c.index, "text": texts[c.index], "logprobs": None, "finish_reason": c.finish_reason}
+            | self._token_ids(c.index, ids[c.index], first=True)
             for c in self.choices
         ]
         return self._body(choices) | {"usage": self.usage()}
 
+    def _token_ids(self, index: int, token_ids: list[int], first: bool) -> dict:
+        """With ``return_token_ids``: the choice's generated ids, and its prompt's on its first chunk."""
+        if not self.request.return_token_ids:
+            return {}
+        return {"token_ids": token_ids} | ({"prompt_token_ids": self.prompt_ids[index]} if first else {})
+
     async def sse(self) -> AsyncIterator[str]:
         """Server-sent events: one chunk per piece, optional usage chunk, then ``[DONE]``."""
+        unseen = set(range(len(self.choices)))
         try:
             async for piece in self.pieces():
                 choice = {"index": piece.index, "text": piece.text, "logprobs": None}
-                yield _event(self._body([choice | {"finish_reason": piece.finish_reason}]))
+                choice |= {"finish_reason": piece.finish_reason}
+                choice |= self._token_ids(piece.index, piece.token_ids, piece.index in unseen)
+                unseen.discard(piece.index)
+                yield _event(self._body([choice]))
         except GenerationAborted as exc:
             yield _event({"error": {"message": str(exc), "type": "unavailable"}})
             return

@@ -130,10 +130,14 @@ def build_app(ctx: EngineContext) -> FastAPI:
             return error(
                 404, f"model {request.model!r} is not served here; try {ctx.model_name!r}", "not_found_error", "model"
             )
-        prompt_ids = [ctx.tokenizer.encode(prompt).ids for prompt in request.prompts]
+        prompt_ids = [ctx.tokenizer.encode(p).ids if isinstance(p, str) else p for p in request.prompts]
+        vocab = ctx.loaded.model.config.vocab_size
         for ids in prompt_ids:
             if not ids:
                 return error(400, "prompt is empty after tokenization", "invalid_request_error", "prompt")
+            if bad := [t for t in ids if not 0 <= t < vocab]:
+                message = f"prompt token ids {bad[:5]} are outside this model's vocabulary [0, {vocab})"
+                return error(400, message, "invalid_request_error", "prompt")
             if len(ids) + request.max_tokens > ctx.context_tokens:
                 message = (
                     f"prompt ({len(ids)} tokens) + max_tokens ({request.max_tokens}) exceeds this engine's "

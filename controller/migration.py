@@ -1,0 +1,184 @@
+"""Request migration: what a completion has sent its client, and how it continues on another engine.
+
+The gateway asks the engine for a stream with token ids (``return_token_ids``, as vLLM names it; the
+reference engine speaks the same): every chunk of a choice carries ``token_ids``, the tokens whose
+text is now wholly sent, and its first chunk ``prompt_token_ids``. A ``Ledger`` keeps, for the one
+choice of a request, the prompt ids, the tokens released so far and how many characters went to the
+client beyond them (text of tokens not yet released). When the upstream fails mid-way the request
+goes to the next primary as a completion of ``prompt ids + released ids`` with the budget left; the
+ledger drops the first characters the client already has, rewrites the chunks to the first segment's
+id and creation time, and counts ``usage`` over the whole request.
+
+Exactness: greedy decoding, and sampling with a ``seed`` (each token draws from a seed derived from
+the request's seed and its position, ``standby.model.token_seed``), continue with exactly the tokens
+of an uninterrupted run. Stop strings never span a released token (text that may start one is held
+back, so its tokens are not released), so the continuation sees all of any stop string it meets.
+
+Nothing here does I/O: ``controller.gateway`` sends the requests.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from hotweights.contract import Endpoint
+
+TOKEN_FIELDS = ("token_ids", "prompt_token_ids")  # what the gateway asks for, hidden unless the client did
+
+
+class Refusal(StrEnum):
+    """Why a request is relayed as it is, without migration (said in its error event if it fails)."""
+
+    NOT_JSON = "its body is not a JSON object"
+    SEVERAL_CHOICES = "it asks for several choices (n, best_of or several prompts)"
+    LOGPROBS = "it asks for logprobs"
+    ECHO = "it asks for the prompt echoed"
+    MAX_TOKENS = "its max_tokens is not a positive integer"
+
+
+@dataclass(frozen=True)
+class Migratable:
+    """A completion the gateway can continue elsewhere: the client's body and what it asked for."""
+
+    body: dict
+    stream: bool  # the client wants server-sent events
+    include_usage: bool  # ... ending with a usage chunk
+    wants_token_ids: bool  # the client asked for token ids itself
+
+    def upstream_body(self) -> dict:
+        """The first segment: the client's request, streamed with token ids and a usage chunk."""
+        forced = {"stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+        return self.body | forced
+
+
+def plan(method: str, path: str, body: bytes) -> Migratable | Refusal | None:
+    """A ``Migratable`` for a completion the gateway can continue; a ``Refusal`` for a completion it
+    cannot (relayed as it is); None for any other request."""
+    if method != "POST" or path != Endpoint.COMPLETIONS:
+        return None
+    try:
+        request = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return Refusal.NOT_JSON
+    if not isinstance(request, dict):
+        return Refusal.NOT_JSON
+    if refusal := refusal_of(request):
+        return refusal
+    options = request.get("stream_options") or {}
+    return Migratable(
+        request,
+        stream=bool(request.get("stream")),
+        include_usage=bool(isinstance(options, dict) and options.get("include_usage")),
+        wants_token_ids=bool(request.get("return_token_ids")),
+    )
+
+
+def refusal_of(request: dict) -> Refusal | None:
+    """None when the request has one choice and nothing a continuation could not reproduce."""
+    prompt = request.get("prompt")
+    several_prompts = isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) and len(prompt) > 1
+    if request.get("n", 1) != 1 or request.get("best_of", 1) != 1 or several_prompts:
+        return Refusal.SEVERAL_CHOICES
+    if request.get("logprobs") not in (None, False):
+        return Refusal.LOGPROBS
+    if request.get("echo"):
+        return Refusal.ECHO
+    max_tokens = request.get("max_tokens", 16)
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        return Refusal.MAX_TOKENS
+    return None
+
+
+@dataclass
+class Ledger:
+    """One migratable request's progress: what its client has been sent, as tokens and characters."""
+
+    request: Migratable
+    id: str | None = None  # the first segment's completion id and creation time, kept for the whole response
+    created: int | None = None
+    model: str | None = None
+    prompt_ids: list[int] | None = None
+    released: list[int] = field(default_factory=list)  # generated tokens whose text the client has
+    beyond: int = 0  # characters sent after the released tokens' text
+    skip: int = 0  # characters of the current segment's text the client already has
+    segment_start: int = 0  # released tokens when the current segment began
+    completion_tokens: int = 0  # completion tokens of the segments before the current one
+    segment_usage: dict | None = None  # the current segment's usage chunk
+    finish_reason: str | None = None
+    text: str = ""  # everything sent (kept for a non-streamed reply)
+    migrations: int = 0
+
+    @property
+    def max_tokens(self) -> int:
+        return self.request.body.get("max_tokens", 16)
+
+    @property
+    def remaining(self) -> int:
+        """Tokens the request may still generate."""
+        return self.max_tokens - len(self.released)
+
+    def take(self, chunk: dict) -> dict | None:
+        """The client's view of one upstream chunk, or None when it has nothing new for the client."""
+        self.id = self.id or chunk.get("id")
+        self.created = self.created or chunk.get("created")
+        self.model = self.model or chunk.get("model")
+        if usage := chunk.get("usage"):
+            self.segment_usage = usage
+        choices = [c for c in (self.take_choice(c) for c in chunk.get("choices") or ()) if c is not None]
+        if not choices:
+            return None
+        return chunk | {"id": self.id, "created": self.created, "choices": choices, "usage": None}
+
+    def take_choice(self, choice: dict) -> dict | None:
+        if self.prompt_ids is None and choice.get("prompt_token_ids") is not None:
+            self.prompt_ids = list(choice["prompt_token_ids"])
+        text = choice.get("text") or ""
+        dropped = min(self.skip, len(text))
+        text, self.skip = text[dropped:], self.skip - dropped
+        self.text += text
+        self.beyond += len(text)
+        if ids := choice.get("token_ids"):
+            self.released += ids
+            self.beyond = 0
+        self.finish_reason = choice.get("finish_reason")
+        if not text and self.finish_reason is None:
+            return None
+        shown = {k: v for k, v in choice.items() if k not in TOKEN_FIELDS or self.request.wants_token_ids}
+        if self.request.wants_token_ids and self.migrations:
+            shown.pop("prompt_token_ids", None)  # the client had it from the first segment
+        return shown | {"text": text}
+
+    def cut(self) -> dict | None:
+        """The upstream failed: the body of the continuation (None when nothing is left to generate:
+        the request ends with finish_reason ``length``)."""
+        self.completion_tokens += len(self.released) - self.segment_start
+        self.segment_start, self.segment_usage = len(self.released), None
+        self.skip, self.beyond = self.skip + self.beyond, 0
+        self.migrations += 1
+        if self.prompt_ids is None:  # nothing came back yet: the request as it was
+            return self.request.upstream_body()
+        if self.remaining <= 0:
+            self.finish_reason = "length"
+            return None
+        body = {k: v for k, v in self.request.upstream_body().items() if k != "prompt"}
+        return body | {"prompt": self.prompt_ids + self.released, "max_tokens": self.remaining}
+
+    def usage(self) -> dict[str, int]:
+        """Usage over the whole request: the prompt as the client sent it, every token generated."""
+        segment = (self.segment_usage or {}).get("completion_tokens", len(self.released) - self.segment_start)
+        prompt = len(self.prompt_ids or ())
+        completion = self.completion_tokens + segment
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def usage_chunk(self) -> dict:
+        base = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model}
+        return base | {"choices": [], "usage": self.usage()}
+
+    def whole(self) -> dict:
+        """The non-streamed reply."""
+        choice = {"index": 0, "text": self.text, "logprobs": None, "finish_reason": self.finish_reason}
+        if self.request.wants_token_ids:
+            choice |= {"token_ids": self.released, "prompt_token_ids": self.prompt_ids}
+        return self.usage_chunk() | {"choices": [choice]}
