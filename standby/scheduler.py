@@ -9,7 +9,8 @@ handed out lowest first, and a free slot below n rides along as a dummy row (tok
 0 of its own, unused slot). Each sequence keeps its own sampling generator (reseeded per token,
 ``model.token_seed``), and the computation is ``standby.model.generate``'s (prefill, then one
 decode step per token, with the same sampling function), so a sequence yields the tokens
-``generate`` yields for the same prompt, seed and temperature, up to the rounding differences of batched kernels (tests compare them exactly).
+``generate`` yields for the same prompt, seed and temperature, up to the rounding differences of
+batched kernels (tests compare them exactly).
 
 Events reach the caller through its sink, called on the worker thread: token ids as they are
 sampled, then one ``Finish``. A standby has no KV cache attached, and a sequence that reaches the
