@@ -1,0 +1,265 @@
+"""Completions in flight survive a failover: the gateway continues them on the next primary.
+
+Unit tests drive ``controller.migration``'s ledger through cut segments; the process tests run three
+engines and the gateway, SIGKILL then SIGSTOP the primary while greedy streams are under way, promote a
+standby as a controller would, and compare every text with the uninterrupted reference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from hotweights.contract import Endpoint
+from hotweights.controller.migration import Ledger, Migratable, Refusal, plan
+from hotweights.standby.model import token_seed
+from tests.cachehelpers import wait_until
+from tests.enginehelpers import EngineProcess
+from tests.gatewayhelpers import GatewayProcess, write_cluster
+
+STREAMS = 8
+MAX_TOKENS = 400
+FLAGS = ("--kv-cache-tokens", "512", "--max-batch", str(STREAMS))
+PROMPTS = [f"Stream {i} begins" for i in range(STREAMS)]
+
+
+def body(**fields: object) -> bytes:
+    return json.dumps({"prompt": "hi", "max_tokens": 8} | fields).encode()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("method", "path", "raw", "expected"),
+    [
+        ("GET", "/v1/models", b"", None),
+        ("POST", "/v1/embeddings", body(), None),
+        ("POST", "/v1/completions", b"not json", Refusal.NOT_JSON),
+        ("POST", "/v1/completions", b"[1, 2]", Refusal.NOT_JSON),
+        ("POST", "/v1/completions", body(n=2), Refusal.SEVERAL_CHOICES),
+        ("POST", "/v1/completions", body(best_of=3), Refusal.SEVERAL_CHOICES),
+        ("POST", "/v1/completions", body(prompt=["a", "b"]), Refusal.SEVERAL_CHOICES),
+        ("POST", "/v1/completions", body(logprobs=2), Refusal.LOGPROBS),
+        ("POST", "/v1/completions", body(echo=True), Refusal.ECHO),
+        ("POST", "/v1/completions", body(max_tokens="8"), Refusal.MAX_TOKENS),
+        ("POST", "/v1/completions", body(max_tokens=0), Refusal.MAX_TOKENS),
+        ("POST", "/v1/completions", body(prompt=[1, 2, 3]), Migratable),
+        ("POST", "/v1/completions", body(prompt=["one"]), Migratable),
+        ("POST", "/v1/completions", body(stream=True, logprobs=None), Migratable),
+    ],
+)
+def test_which_requests_migrate(method: str, path: str, raw: bytes, expected: object) -> None:
+    decided = plan(method, path, raw)
+    assert isinstance(decided, Migratable) if expected is Migratable else decided == expected
+
+
+def chunk(text: str, ids: list[int], finish: str | None = None, **choice: object) -> dict:
+    fields = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "token_ids": ids} | choice
+    return {"id": "cmpl-1", "object": "text_completion", "created": 7, "model": "m", "choices": [fields]}
+
+
+@pytest.mark.unit
+def test_a_cut_continues_from_the_released_tokens_and_drops_text_already_sent() -> None:
+    """Segment one sends "ab" (tokens 1, 2 released) then "c" whose token is held back (a possible stop
+    string); the continuation regenerates that token, whose "c" the client already has."""
+    ledger = Ledger(plan("POST", "/v1/completions", body(max_tokens=6, stream=True)))
+    shown = [
+        ledger.take(chunk("a", [1], prompt_token_ids=[9, 9])),
+        ledger.take(chunk("b", [2])),
+        ledger.take(chunk("c", [])),
+    ]
+    assert [c["choices"][0]["text"] for c in shown] == ["a", "b", "c"]
+    assert all("token_ids" not in c["choices"][0] and "prompt_token_ids" not in c["choices"][0] for c in shown)
+    continuation = ledger.cut()
+    assert continuation["prompt"] == [9, 9, 1, 2] and continuation["max_tokens"] == 4
+    assert continuation["return_token_ids"] and continuation["stream"]
+    second = {**chunk("cd", [3, 4]), "id": "cmpl-2", "created": 8}
+    shown = ledger.take(second)
+    assert shown["choices"][0]["text"] == "d" and (shown["id"], shown["created"]) == ("cmpl-1", 7)
+    assert ledger.take(chunk("", [], "length"))["choices"][0]["finish_reason"] == "length"
+    ledger.take({"id": "cmpl-2", "choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 2}})
+    assert (ledger.text, ledger.released, ledger.finish_reason) == ("abcd", [1, 2, 3, 4], "length")
+    assert ledger.usage() == {"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("released", "expected"),
+    [
+        (0, {"prompt": "hi", "max_tokens": 3}),  # nothing came back: the request as it was
+        (2, {"prompt": [5, 1, 2], "max_tokens": 1}),
+        (3, None),  # the budget is spent: the request ends with length
+    ],
+)
+def test_the_continuation_asks_for_the_budget_left(released: int, expected: dict | None) -> None:
+    ledger = Ledger(plan("POST", "/v1/completions", body(max_tokens=3)))
+    if released:
+        ledger.take(chunk("x" * released, list(range(1, released + 1)), prompt_token_ids=[5]))
+    continuation = ledger.cut()
+    if expected is None:
+        assert continuation is None and ledger.finish_reason == "length"
+    else:
+        assert {k: continuation[k] for k in expected} == expected
+
+
+@pytest.mark.unit
+def test_a_client_that_asked_for_token_ids_gets_them_once_per_request() -> None:
+    ledger = Ledger(plan("POST", "/v1/completions", body(return_token_ids=True)))
+    first = ledger.take(chunk("a", [1], prompt_token_ids=[5]))["choices"][0]
+    assert first["token_ids"] == [1] and first["prompt_token_ids"] == [5]
+    ledger.cut()
+    again = ledger.take(chunk("b", [2], prompt_token_ids=[5, 1]))["choices"][0]
+    assert again["token_ids"] == [2] and "prompt_token_ids" not in again
+    assert ledger.whole()["choices"][0] | {"text": ""} == {
+        "index": 0,
+        "text": "",
+        "logprobs": None,
+        "finish_reason": None,
+        "token_ids": [1, 2],
+        "prompt_token_ids": [5],
+    }
+
+
+@pytest.mark.unit
+def test_token_seeds_differ_by_position_and_by_seed() -> None:
+    seeds = {token_seed(seed, position) for seed in (0, 1, 2**62) for position in range(100)}
+    assert len(seeds) == 300 and all(0 <= s < 2**63 for s in seeds)
+
+
+# Process tests: three engines, the gateway, streams cut by SIGKILL and by SIGSTOP.
+
+
+@dataclass
+class Stream:
+    """One streamed completion through the gateway, read on a thread."""
+
+    prompt: str
+    text: str = ""
+    ids: set[str] = field(default_factory=set)
+    chunks: int = 0
+    outcome: str = ""  # "done", or what went wrong
+    finish_reason: str | None = None
+    usage: dict | None = None
+    thread: threading.Thread | None = None
+
+    def run(self, url: str, extra: dict) -> None:
+        request = {"prompt": self.prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "stream": True} | extra
+        try:
+            with (
+                httpx.Client(base_url=url, timeout=120.0) as client,
+                client.stream("POST", Endpoint.COMPLETIONS, json=request) as response,
+            ):
+                self.read(response)
+        except httpx.HTTPError as exc:
+            self.outcome = repr(exc)
+
+    def read(self, response: httpx.Response) -> None:
+        if response.status_code != 200:
+            self.outcome = f"{response.status_code}: {response.read()!r}"
+            return
+        for line in response.iter_lines():
+            if not line:
+                continue
+            payload = line.removeprefix("data: ")
+            if payload == "[DONE]":
+                self.outcome = "done"
+                return
+            event = json.loads(payload)
+            if "error" in event:
+                self.outcome = f"error event: {event['error']['message']}"
+                return
+            self.ids.add(event["id"])
+            self.usage = event.get("usage") or self.usage
+            for choice in event["choices"]:
+                self.text += choice["text"]
+                self.finish_reason = choice["finish_reason"] or self.finish_reason
+            self.chunks += 1
+        self.outcome = "ended without [DONE]"
+
+
+@contextlib.contextmanager
+def streaming(url: str, extra: dict | None = None) -> Iterator[list[Stream]]:
+    """STREAMS concurrent streams, one per prompt; joined when the block ends."""
+    streams = [Stream(prompt) for prompt in PROMPTS]
+    for stream in streams:
+        stream.thread = threading.Thread(target=stream.run, args=(url, extra or {}))
+        stream.thread.start()
+    try:
+        yield streams
+    finally:
+        for stream in streams:
+            stream.thread.join(timeout=120)
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model: Path) -> Iterator[list[EngineProcess]]:
+    """Engines "a" (primary), "b" and "c" (standbys)."""
+    with contextlib.ExitStack() as stack:
+        started = []
+        for engine_id, role in (("a", "primary"), ("b", "standby"), ("c", "standby")):
+            engine = stack.enter_context(EngineProcess(tiny_model, *FLAGS, "--engine-id", engine_id, "--role", role))
+            started.append(engine)
+        yield started
+
+
+@pytest.fixture(scope="module")
+def gateway(engines: list[EngineProcess], tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
+    config = write_cluster(tmp_path_factory.mktemp("migration") / "cluster.toml", [e.port for e in engines])
+    with GatewayProcess(config) as gateway:
+        gateway.wait_health(lambda h: len(h["primaries"]) == 1, what="the primary")
+        yield gateway
+
+
+def metric(gateway: GatewayProcess, name: str) -> float:
+    text = gateway.client.get(Endpoint.METRICS).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+
+
+def reference(engine: EngineProcess, extra: dict | None = None) -> list[str]:
+    """Each prompt's uninterrupted text, from the engine directly."""
+    request = {"max_tokens": MAX_TOKENS, "temperature": 0.0} | (extra or {})
+    return [engine.complete(prompt=p, **request).json()["choices"][0]["text"] for p in PROMPTS]
+
+
+def fail_over(
+    gateway: GatewayProcess, streams: list[Stream], fault: signal.Signals, old: EngineProcess, new: EngineProcess
+) -> int:
+    """Once every stream has text, send ``fault`` to the primary, then promote ``new`` as a controller
+    would once it has fenced the old one; the streams in flight at the fault."""
+    wait_until(lambda: all(s.chunks or s.outcome for s in streams), timeout=60, what="every stream under way")
+    old.process.send_signal(fault)
+    in_flight = sum(not s.outcome for s in streams)
+    gateway.wait_health(lambda h: old.url not in h["primaries"], what="the gateway to drop the old primary")
+    assert new.post(Endpoint.PROMOTE).status_code == 200
+    return in_flight
+
+
+@pytest.mark.timeout(180)
+def test_streams_survive_a_killed_and_then_a_hung_primary(
+    engines: list[EngineProcess], gateway: GatewayProcess
+) -> None:
+    """Greedy streams of MAX_TOKENS tokens: the primary SIGKILLed mid-stream, then the next one
+    SIGSTOPped: no stream breaks, every text equals the uninterrupted one, one id per stream, usage
+    for the whole request."""
+    a, b, c = engines
+    expected = reference(a)
+    figures = {}
+    for fault, old, new in ((signal.SIGKILL, a, b), (signal.SIGSTOP, b, c)):
+        migrated = metric(gateway, "hotweights_gateway_migrations_total")
+        with streaming(gateway.url, {"stream_options": {"include_usage": True}}) as streams:
+            in_flight = fail_over(gateway, streams, fault, old, new)
+        assert [s.outcome for s in streams] == ["done"] * STREAMS
+        assert [s.text for s in streams] == expected
+        assert all(len(s.ids) == 1 and s.finish_reason == "length" for s in streams)
+        assert all(s.usage["completion_tokens"] == MAX_TOKENS for s in streams)
+        figures[fault.name] = (in_flight, metric(gateway, "hotweights_gateway_migrations_total") - migrated)
+        assert figures[fault.name][1] >= 1, "no stream was cut: the fault came too late"
+    print(f"streams in flight and migrated at each fault: {figures}")
