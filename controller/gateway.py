@@ -491,25 +491,39 @@ class Gateway:
                 return unavailable(refusal + (f"; last upstream failure: {last_failure}" if last_failure else ""))
             upstream = self.discovery.pick()
             assert upstream is not None, "available is set and nothing ran since"
-            outgoing = self.client.build_request("POST", upstream.url + path, headers=headers, json=body)
             try:
-                response = await self.client.send(outgoing, stream=True)
-                if response.status_code == 503:
-                    await response.aread()
-                    raise UpstreamFailed("unavailable", _reason(response, path))
-            except httpx.TransportError as exc:
-                last_failure = f"{upstream.url}: {type(exc).__name__} {exc}".strip()
-                self.discovery.suspect(upstream, last_failure)
-                continue
+                return await self.open_stream(upstream, path, headers, body)
             except UpstreamFailed as exc:
                 last_failure = f"{upstream.url}: {exc}"
+                log.info("retrying on the next primary: %s", last_failure)
+                self.metrics.upstream_errors.labels(upstream.url, exc.kind).inc()
+                self.metrics.retries.inc()
                 self.discovery.suspect(upstream, str(exc))
-                continue
-            if response.status_code == 200:
-                return upstream, response
+
+    async def open_stream(
+        self, upstream: Upstream, path: str, headers: list[tuple[str, str]], body: dict
+    ) -> tuple[Upstream, httpx.Response] | Response:
+        """The upstream's event stream; any other answer read whole and returned as it is (an engine's
+        400, say); UpstreamFailed while it can go elsewhere (connection failed or cut, a 503)."""
+        outgoing = self.client.build_request("POST", upstream.url + path, headers=headers, json=body)
+        try:
+            response = await self.client.send(outgoing, stream=True)
+        except httpx.TransportError as exc:
+            kind = "connect" if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout) else "disconnected"
+            raise UpstreamFailed(kind, f"{type(exc).__name__} {exc}".strip()) from exc
+        if response.status_code == 200 and response.headers.get("content-type", "").startswith("text/event-stream"):
+            return upstream, response
+        try:
             content = await response.aread()
-            media = response.headers.get("content-type")
-            return Response(content, status_code=response.status_code, media_type=media)
+        except httpx.TransportError as exc:
+            raise UpstreamFailed("disconnected", f"{type(exc).__name__} {exc}".strip()) from exc
+        finally:
+            await response.aclose()
+        if response.status_code == 503:  # a standby or draining engine; the next primary may serve it
+            raise UpstreamFailed("unavailable", _reason(response, path))
+        media = response.headers.get("content-type")
+        headers = {"x-hotweights-upstream": upstream.url}
+        return Response(content, status_code=response.status_code, media_type=media, headers=headers)
 
     async def migrated_events(
         self, request: Request, ledger: Ledger, upstream: Upstream, response: httpx.Response

@@ -129,7 +129,8 @@ class Ledger:
         choices = [c for c in (self.take_choice(c) for c in chunk.get("choices") or ()) if c is not None]
         if not choices:
             return None
-        return chunk | {"id": self.id, "created": self.created, "choices": choices, "usage": None}
+        rest = {k: v for k, v in chunk.items() if k != "usage"}  # usage is the whole request's, at the end
+        return rest | {"id": self.id, "created": self.created, "choices": choices}
 
     def take_choice(self, choice: dict) -> dict | None:
         if self.prompt_ids is None and choice.get("prompt_token_ids") is not None:
