@@ -26,6 +26,15 @@ from enum import StrEnum
 from hotweights.contract import Endpoint
 
 TOKEN_FIELDS = ("token_ids", "prompt_token_ids")  # what the gateway asks for, hidden unless the client did
+FORCED = {"stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+DEFAULT_MAX_TOKENS = 16  # a completion's, as OpenAI's API (and every engine here) has it
+# What a chat request may hold to be continued as a completion of its rendered prompt's ids.
+CHAT_KEYS = frozenset(
+    {"messages", "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "seed"}
+    | {"stop", "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty"}
+    | {"stream", "stream_options", "return_token_ids", "user", "n"}
+)
+CHAT_ONLY = ("messages", "max_completion_tokens")  # left out of the continuation (a completion)
 
 
 class Refusal(StrEnum):
@@ -36,27 +45,52 @@ class Refusal(StrEnum):
     LOGPROBS = "it asks for logprobs"
     ECHO = "it asks for the prompt echoed"
     MAX_TOKENS = "its max_tokens is not a positive integer"
+    CHAT_FIELDS = f"it has chat fields a completion cannot carry on (only {', '.join(sorted(CHAT_KEYS))} can)"
+    NO_BUDGET = "a chat request without max_tokens has no budget to continue with"
 
 
 @dataclass(frozen=True)
 class Migratable:
     """A completion the gateway can continue elsewhere: the client's body and what it asked for."""
 
+    path: str  # Endpoint.COMPLETIONS or Endpoint.CHAT_COMPLETIONS: the shape the client gets
     body: dict
-    stream: bool  # the client wants server-sent events
-    include_usage: bool  # ... ending with a usage chunk
-    wants_token_ids: bool  # the client asked for token ids itself
+    max_tokens: int
+
+    @property
+    def is_chat(self) -> bool:
+        return self.path == Endpoint.CHAT_COMPLETIONS
+
+    @property
+    def stream(self) -> bool:
+        """The client wants server-sent events."""
+        return bool(self.body.get("stream"))
+
+    @property
+    def include_usage(self) -> bool:
+        """... ending with a usage chunk."""
+        options = self.body.get("stream_options")
+        return isinstance(options, dict) and bool(options.get("include_usage"))
+
+    @property
+    def wants_token_ids(self) -> bool:
+        """The client asked for token ids itself."""
+        return bool(self.body.get("return_token_ids"))
 
     def upstream_body(self) -> dict:
         """The first segment: the client's request, streamed with token ids and a usage chunk."""
-        forced = {"stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
-        return self.body | forced
+        return self.body | FORCED
+
+    def continuation(self, prompt_ids: list[int], max_tokens: int) -> dict:
+        """A later segment: a completion (a chat's too) of ``prompt_ids``."""
+        kept = {k: v for k, v in self.body.items() if k not in CHAT_ONLY}
+        return kept | FORCED | {"prompt": prompt_ids, "max_tokens": max_tokens}
 
 
 def plan(method: str, path: str, body: bytes) -> Migratable | Refusal | None:
     """A ``Migratable`` for a completion the gateway can continue; a ``Refusal`` for a completion it
     cannot (relayed as it is); None for any other request."""
-    if method != "POST" or path != Endpoint.COMPLETIONS:
+    if method != "POST" or path not in (Endpoint.COMPLETIONS, Endpoint.CHAT_COMPLETIONS):
         return None
     try:
         request = json.loads(body)
@@ -66,13 +100,22 @@ def plan(method: str, path: str, body: bytes) -> Migratable | Refusal | None:
         return Refusal.NOT_JSON
     if refusal := refusal_of(request):
         return refusal
-    options = request.get("stream_options") or {}
-    return Migratable(
-        request,
-        stream=bool(request.get("stream")),
-        include_usage=bool(isinstance(options, dict) and options.get("include_usage")),
-        wants_token_ids=bool(request.get("return_token_ids")),
-    )
+    if path == Endpoint.CHAT_COMPLETIONS and (refusal := chat_refusal(request)):
+        return refusal
+    return Migratable(path, request, budget(request))
+
+
+def budget(request: dict) -> int:
+    """The request's token budget (``max_completion_tokens`` is the newer name in chat)."""
+    return request.get("max_completion_tokens") or request.get("max_tokens", DEFAULT_MAX_TOKENS)
+
+
+def chat_refusal(request: dict) -> Refusal | None:
+    if not set(request) <= CHAT_KEYS:
+        return Refusal.CHAT_FIELDS
+    if request.get("max_tokens") is None and request.get("max_completion_tokens") is None:
+        return Refusal.NO_BUDGET
+    return None
 
 
 def refusal_of(request: dict) -> Refusal | None:
@@ -85,7 +128,7 @@ def refusal_of(request: dict) -> Refusal | None:
         return Refusal.LOGPROBS
     if request.get("echo"):
         return Refusal.ECHO
-    max_tokens = request.get("max_tokens", 16)
+    max_tokens = budget(request)
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         return Refusal.MAX_TOKENS
     return None
@@ -108,34 +151,40 @@ class Ledger:
     segment_usage: dict | None = None  # the current segment's usage chunk
     finish_reason: str | None = None
     text: str = ""  # everything sent (kept for a non-streamed reply)
+    shown: int = 0  # choices shown to the client so far
     migrations: int = 0
-
-    @property
-    def max_tokens(self) -> int:
-        return self.request.body.get("max_tokens", 16)
 
     @property
     def remaining(self) -> int:
         """Tokens the request may still generate."""
-        return self.max_tokens - len(self.released)
+        return self.request.max_tokens - len(self.released)
 
     def take(self, chunk: dict) -> dict | None:
         """The client's view of one upstream chunk, or None when it has nothing new for the client."""
         self.id = self.id or chunk.get("id")
         self.created = self.created or chunk.get("created")
         self.model = self.model or chunk.get("model")
+        if self.prompt_ids is None and chunk.get("prompt_token_ids") is not None:  # a chat's first chunk
+            self.prompt_ids = list(chunk["prompt_token_ids"])
         if usage := chunk.get("usage"):
             self.segment_usage = usage
         choices = [c for c in (self.take_choice(c) for c in chunk.get("choices") or ()) if c is not None]
         if not choices:
             return None
-        rest = {k: v for k, v in chunk.items() if k != "usage"}  # usage is the whole request's, at the end
-        return rest | {"id": self.id, "created": self.created, "choices": choices}
+        rest = {k: v for k, v in chunk.items() if k not in ("usage", "prompt_token_ids")}  # usage: at the end
+        shown = rest | {"id": self.id, "created": self.created, "object": self.chunk_object, "choices": choices}
+        if self.request.is_chat and self.request.wants_token_ids and self.shown == 1:
+            shown["prompt_token_ids"] = self.prompt_ids
+        return shown
+
+    @property
+    def chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.request.is_chat else "text_completion"
 
     def take_choice(self, choice: dict) -> dict | None:
         if self.prompt_ids is None and choice.get("prompt_token_ids") is not None:
             self.prompt_ids = list(choice["prompt_token_ids"])
-        text = choice.get("text") or ""
+        text = choice["text"] if "text" in choice else (choice.get("delta") or {}).get("content") or ""
         dropped = min(self.skip, len(text))
         text, self.skip = text[dropped:], self.skip - dropped
         self.text += text
@@ -144,12 +193,22 @@ class Ledger:
             self.released += ids
             self.beyond = 0
         self.finish_reason = choice.get("finish_reason")
-        if not text and self.finish_reason is None:
+        if not text and self.finish_reason is None and self.shown:
             return None
-        shown = {k: v for k, v in choice.items() if k not in TOKEN_FIELDS or self.request.wants_token_ids}
-        if self.request.wants_token_ids and self.migrations:
-            shown.pop("prompt_token_ids", None)  # the client had it from the first segment
-        return shown | {"text": text}
+        self.shown += 1
+        return self.client_choice(choice, text)
+
+    def client_choice(self, choice: dict, text: str) -> dict:
+        """``choice`` with ``text`` in the client's shape (a chat's delta, the first with the role)."""
+        wanted = self.request.wants_token_ids
+        if self.request.is_chat:
+            delta = ({"role": "assistant"} if self.shown == 1 else {}) | {"content": text}
+            shown = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": self.finish_reason}
+            return shown | ({"token_ids": choice.get("token_ids") or []} if wanted else {})
+        shown = {k: v for k, v in choice.items() if k not in TOKEN_FIELDS or wanted} | {"text": text}
+        if self.shown > 1:
+            shown.pop("prompt_token_ids", None)  # the client had it with its first chunk
+        return shown
 
     def cut(self) -> dict | None:
         """The upstream failed: the body of the continuation (None when nothing is left to generate:
@@ -163,8 +222,7 @@ class Ledger:
         if self.remaining <= 0:
             self.finish_reason = "length"
             return None
-        body = {k: v for k, v in self.request.upstream_body().items() if k != "prompt"}
-        return body | {"prompt": self.prompt_ids + self.released, "max_tokens": self.remaining}
+        return self.request.continuation(self.prompt_ids + self.released, self.remaining)
 
     def usage(self) -> dict[str, int]:
         """Usage over the whole request: the prompt as the client sent it, every token generated."""
@@ -174,12 +232,16 @@ class Ledger:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def usage_chunk(self) -> dict:
-        base = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model}
+        base = {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model}
         return base | {"choices": [], "usage": self.usage()}
 
     def whole(self) -> dict:
         """The non-streamed reply."""
-        choice = {"index": 0, "text": self.text, "logprobs": None, "finish_reason": self.finish_reason}
-        if self.request.wants_token_ids:
-            choice |= {"token_ids": self.released, "prompt_token_ids": self.prompt_ids}
-        return self.usage_chunk() | {"choices": [choice]}
+        ids = {"token_ids": self.released} if self.request.wants_token_ids else {}
+        prompt = {"prompt_token_ids": self.prompt_ids} if self.request.wants_token_ids else {}
+        choice = {"index": 0, "logprobs": None, "finish_reason": self.finish_reason}
+        if not self.request.is_chat:
+            choice = {"index": 0, "text": self.text} | choice | ids | prompt
+            return self.usage_chunk() | {"choices": [choice]}
+        choice |= {"message": {"role": "assistant", "content": self.text}} | ids
+        return self.usage_chunk() | {"object": "chat.completion", "choices": [choice]} | prompt

@@ -26,14 +26,17 @@ from tests.cachehelpers import wait_until
 from tests.enginehelpers import EngineProcess
 from tests.gatewayhelpers import GatewayProcess, write_cluster
 
-STREAMS = 8
 MAX_TOKENS = 400
-FLAGS = ("--kv-cache-tokens", "512", "--max-batch", str(STREAMS))
-PROMPTS = [f"Stream {i} begins" for i in range(STREAMS)]
+FLAGS = ("--kv-cache-tokens", "512", "--max-batch", "8")
 
 
 def body(**fields: object) -> bytes:
     return json.dumps({"prompt": "hi", "max_tokens": 8} | fields).encode()
+
+
+def chat(**fields: object) -> bytes:
+    request = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8} | fields
+    return json.dumps({k: v for k, v in request.items() if v is not None}).encode()
 
 
 @pytest.mark.unit
@@ -54,6 +57,12 @@ def body(**fields: object) -> bytes:
         ("POST", "/v1/completions", body(prompt=[1, 2, 3]), Migratable),
         ("POST", "/v1/completions", body(prompt=["one"]), Migratable),
         ("POST", "/v1/completions", body(stream=True, logprobs=None), Migratable),
+        ("POST", "/v1/chat/completions", chat(), Migratable),
+        ("POST", "/v1/chat/completions", chat(max_tokens=None, max_completion_tokens=9), Migratable),
+        ("POST", "/v1/chat/completions", chat(max_tokens=None), Refusal.NO_BUDGET),
+        ("POST", "/v1/chat/completions", chat(tools=[]), Refusal.CHAT_FIELDS),
+        ("POST", "/v1/chat/completions", chat(n=2), Refusal.SEVERAL_CHOICES),
+        ("POST", "/v1/chat/completions", chat(logprobs=True), Refusal.LOGPROBS),
     ],
 )
 def test_which_requests_migrate(method: str, path: str, raw: bytes, expected: object) -> None:
@@ -129,74 +138,138 @@ def test_a_client_that_asked_for_token_ids_gets_them_once_per_request() -> None:
 
 
 @pytest.mark.unit
+def test_a_chat_continues_as_a_completion_of_its_prompt_ids_and_keeps_its_shape() -> None:
+    ledger = Ledger(plan("POST", "/v1/chat/completions", chat(max_completion_tokens=5, stream=True)))
+    first = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 7, "model": "m", "prompt_token_ids": [5]}
+    role = ledger.take(
+        first | {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "token_ids": []}]}
+    )
+    assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""} and "prompt_token_ids" not in role
+    ledger.take(first | {"choices": [{"index": 0, "delta": {"content": "ab"}, "token_ids": [1, 2]}]})
+    continuation = ledger.cut()
+    assert continuation["prompt"] == [5, 1, 2] and continuation["max_tokens"] == 3
+    assert "messages" not in continuation and "max_completion_tokens" not in continuation
+    shown = ledger.take(chunk("c", [3], "stop"))
+    assert shown["object"] == "chat.completion.chunk" and shown["id"] == "chatcmpl-1"
+    assert shown["choices"] == [{"index": 0, "delta": {"content": "c"}, "logprobs": None, "finish_reason": "stop"}]
+    whole = ledger.whole()
+    assert whole["object"] == "chat.completion" and whole["choices"][0]["message"] == {
+        "role": "assistant",
+        "content": "abc",
+    }
+
+
+@pytest.mark.unit
 def test_token_seeds_differ_by_position_and_by_seed() -> None:
     seeds = {token_seed(seed, position) for seed in (0, 1, 2**62) for position in range(100)}
     assert len(seeds) == 300 and all(0 <= s < 2**63 for s in seeds)
 
 
-# Process tests: three engines, the gateway, streams cut by SIGKILL and by SIGSTOP.
+# Process tests: three engines, the gateway, requests cut by SIGKILL and by SIGSTOP.
 
 
 @dataclass
-class Stream:
-    """One streamed completion through the gateway, read on a thread."""
+class Case:
+    """One request through the gateway, read on a thread, and the text the engine gives it uncut."""
 
-    prompt: str
-    text: str = ""
+    path: str
+    request: dict
+    expected: dict = field(default_factory=dict)  # {"text", "finish_reason", "usage"} of the uncut run
+    got: dict = field(default_factory=lambda: {"text": "", "finish_reason": None, "usage": None})
     ids: set[str] = field(default_factory=set)
     chunks: int = 0
     outcome: str = ""  # "done", or what went wrong
-    finish_reason: str | None = None
-    usage: dict | None = None
     thread: threading.Thread | None = None
 
-    def run(self, url: str, extra: dict) -> None:
-        request = {"prompt": self.prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "stream": True} | extra
+    @property
+    def under_way(self) -> bool:
+        return bool(self.chunks or self.outcome or not self.request.get("stream"))
+
+    def run(self, url: str) -> None:
         try:
-            with (
-                httpx.Client(base_url=url, timeout=120.0) as client,
-                client.stream("POST", Endpoint.COMPLETIONS, json=request) as response,
-            ):
-                self.read(response)
+            with httpx.Client(base_url=url, timeout=120.0) as client:
+                if self.request.get("stream"):
+                    with client.stream("POST", self.path, json=self.request) as response:
+                        self.read(response)
+                else:
+                    self.read_whole(client.post(self.path, json=self.request))
         except httpx.HTTPError as exc:
             self.outcome = repr(exc)
+
+    def read_whole(self, response: httpx.Response) -> None:
+        if response.status_code != 200:
+            self.outcome = f"{response.status_code}: {response.text}"
+            return
+        self.ids.add(response.json()["id"])
+        self.got = uncut(response.json())
+        self.outcome = "done"
 
     def read(self, response: httpx.Response) -> None:
         if response.status_code != 200:
             self.outcome = f"{response.status_code}: {response.read()!r}"
             return
         for line in response.iter_lines():
-            if not line:
-                continue
             payload = line.removeprefix("data: ")
             if payload == "[DONE]":
                 self.outcome = "done"
                 return
-            event = json.loads(payload)
+            event = json.loads(payload) if payload else {}
             if "error" in event:
                 self.outcome = f"error event: {event['error']['message']}"
                 return
-            self.ids.add(event["id"])
-            self.usage = event.get("usage") or self.usage
-            for choice in event["choices"]:
-                self.text += choice["text"]
-                self.finish_reason = choice["finish_reason"] or self.finish_reason
-            self.chunks += 1
+            for choice in event.get("choices", ()):
+                self.got["text"] += choice["text"] if "text" in choice else choice["delta"]["content"]
+                self.got["finish_reason"] = choice["finish_reason"] or self.got["finish_reason"]
+                self.chunks += 1
+            self.ids.update([event["id"]] if event else [])
+            self.got["usage"] = event.get("usage") or self.got["usage"]
         self.outcome = "ended without [DONE]"
 
 
+def uncut(reply: dict) -> dict:
+    """Text, finish reason and usage of a whole (non-streamed) reply, completion or chat."""
+    choice = reply["choices"][0]
+    text = choice["text"] if "text" in choice else choice["message"]["content"]
+    return {"text": text, "finish_reason": choice["finish_reason"], "usage": reply["usage"]}
+
+
+def cases(engine: EngineProcess) -> list[Case]:
+    """Greedy completion and chat streams, one with a stop string met after the cut, one sampled with a
+    seed, and a non-streamed completion; each with its uncut reply, from ``engine`` directly."""
+    greedy = {"max_tokens": MAX_TOKENS, "temperature": 0.0}
+    streamed = {"stream": True, "stream_options": {"include_usage": True}}
+    made = [Case(Endpoint.COMPLETIONS, greedy | {"prompt": f"Stream {i} begins"}) for i in range(3)]
+    made += [
+        Case(Endpoint.CHAT_COMPLETIONS, greedy | {"messages": [{"role": "user", "content": f"Hi {i}"}]})
+        for i in range(2)
+    ]
+    made += [Case(Endpoint.COMPLETIONS, greedy | {"prompt": "Sampled", "temperature": 0.9, "top_p": 0.95, "seed": 7})]
+    for case in made:
+        case.request |= streamed
+    made += [Case(Endpoint.COMPLETIONS, greedy | {"prompt": "Not streamed"})]
+    for case in made:
+        case.expected = uncut(engine.client.post(case.path, json=case.request | {"stream": False}).json())
+    far = made[0].expected["text"]
+    stop = far[len(far) * 3 // 4 :][:6]  # met three quarters in: after the cut
+    made.append(Case(Endpoint.COMPLETIONS, made[0].request | {"stop": [stop]}))
+    made[-1].expected = uncut(
+        engine.client.post(Endpoint.COMPLETIONS, json=made[0].request | {"stop": [stop], "stream": False}).json()
+    )
+    assert made[-1].expected["finish_reason"] == "stop"
+    return made
+
+
 @contextlib.contextmanager
-def streaming(url: str, extra: dict | None = None) -> Iterator[list[Stream]]:
-    """STREAMS concurrent streams, one per prompt; joined when the block ends."""
-    streams = [Stream(prompt) for prompt in PROMPTS]
-    for stream in streams:
-        stream.thread = threading.Thread(target=stream.run, args=(url, extra or {}))
-        stream.thread.start()
+def running(url: str, made: list[Case]) -> Iterator[list[Case]]:
+    """Every case on its own thread; joined when the block ends."""
+    for case in made:
+        case.thread = threading.Thread(target=case.run, args=(url,))
+        case.thread.start()
     try:
-        yield streams
+        yield made
     finally:
-        for stream in streams:
-            stream.thread.join(timeout=120)
+        for case in made:
+            case.thread.join(timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -223,43 +296,36 @@ def metric(gateway: GatewayProcess, name: str) -> float:
     return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
 
 
-def reference(engine: EngineProcess, extra: dict | None = None) -> list[str]:
-    """Each prompt's uninterrupted text, from the engine directly."""
-    request = {"max_tokens": MAX_TOKENS, "temperature": 0.0} | (extra or {})
-    return [engine.complete(prompt=p, **request).json()["choices"][0]["text"] for p in PROMPTS]
-
-
 def fail_over(
-    gateway: GatewayProcess, streams: list[Stream], fault: signal.Signals, old: EngineProcess, new: EngineProcess
+    gateway: GatewayProcess, made: list[Case], fault: signal.Signals, old: EngineProcess, new: EngineProcess
 ) -> int:
     """Once every stream has text, send ``fault`` to the primary, then promote ``new`` as a controller
-    would once it has fenced the old one; the streams in flight at the fault."""
-    wait_until(lambda: all(s.chunks or s.outcome for s in streams), timeout=60, what="every stream under way")
+    would once it has fenced the old one; the requests in flight at the fault."""
+    wait_until(lambda: all(case.under_way for case in made), timeout=60, what="every stream under way")
     old.process.send_signal(fault)
-    in_flight = sum(not s.outcome for s in streams)
+    in_flight = sum(not case.outcome for case in made)
     gateway.wait_health(lambda h: old.url not in h["primaries"], what="the gateway to drop the old primary")
     assert new.post(Endpoint.PROMOTE).status_code == 200
     return in_flight
 
 
-@pytest.mark.timeout(180)
-def test_streams_survive_a_killed_and_then_a_hung_primary(
+@pytest.mark.timeout(240)
+def test_requests_survive_a_killed_and_then_a_hung_primary(
     engines: list[EngineProcess], gateway: GatewayProcess
 ) -> None:
-    """Greedy streams of MAX_TOKENS tokens: the primary SIGKILLed mid-stream, then the next one
-    SIGSTOPped: no stream breaks, every text equals the uninterrupted one, one id per stream, usage
-    for the whole request."""
+    """Completions and chats of MAX_TOKENS tokens: the primary SIGKILLed mid-stream, then the next one
+    SIGSTOPped: no request breaks, every reply equals the uncut one (text, finish reason, usage for the
+    whole request), one id per reply."""
     a, b, c = engines
-    expected = reference(a)
     figures = {}
     for fault, old, new in ((signal.SIGKILL, a, b), (signal.SIGSTOP, b, c)):
+        made = cases(old)
         migrated = metric(gateway, "hotweights_gateway_migrations_total")
-        with streaming(gateway.url, {"stream_options": {"include_usage": True}}) as streams:
-            in_flight = fail_over(gateway, streams, fault, old, new)
-        assert [s.outcome for s in streams] == ["done"] * STREAMS
-        assert [s.text for s in streams] == expected
-        assert all(len(s.ids) == 1 and s.finish_reason == "length" for s in streams)
-        assert all(s.usage["completion_tokens"] == MAX_TOKENS for s in streams)
+        with running(gateway.url, made):
+            in_flight = fail_over(gateway, made, fault, old, new)
+        assert [case.outcome for case in made] == ["done"] * len(made)
+        assert [case.got for case in made] == [case.expected for case in made]
+        assert all(len(case.ids) == 1 for case in made)
         figures[fault.name] = (in_flight, metric(gateway, "hotweights_gateway_migrations_total") - migrated)
-        assert figures[fault.name][1] >= 1, "no stream was cut: the fault came too late"
-    print(f"streams in flight and migrated at each fault: {figures}")
+        assert figures[fault.name][1] >= 1, "no request was cut: the fault came too late"
+    print(f"requests in flight and migrated at each fault: {figures}")
