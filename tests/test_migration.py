@@ -12,6 +12,7 @@ import json
 import signal
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,7 +28,9 @@ from tests.enginehelpers import EngineProcess
 from tests.gatewayhelpers import GatewayProcess, write_cluster
 
 MAX_TOKENS = 400
-FLAGS = ("--kv-cache-tokens", "512", "--max-batch", "8")
+COMPLETION_STREAMS = 24  # greedy; with the chats, the sampled, the stopped and the non-streamed: 32 requests
+CHAT_STREAMS = 5
+FLAGS = ("--kv-cache-tokens", "512", "--max-batch", "32")
 
 
 def body(**fields: object) -> bytes:
@@ -238,25 +241,27 @@ def cases(engine: EngineProcess) -> list[Case]:
     seed, and a non-streamed completion; each with its uncut reply, from ``engine`` directly."""
     greedy = {"max_tokens": MAX_TOKENS, "temperature": 0.0}
     streamed = {"stream": True, "stream_options": {"include_usage": True}}
-    made = [Case(Endpoint.COMPLETIONS, greedy | {"prompt": f"Stream {i} begins"}) for i in range(3)]
+    made = [Case(Endpoint.COMPLETIONS, greedy | {"prompt": f"Stream {i} begins"}) for i in range(COMPLETION_STREAMS)]
     made += [
         Case(Endpoint.CHAT_COMPLETIONS, greedy | {"messages": [{"role": "user", "content": f"Hi {i}"}]})
-        for i in range(2)
+        for i in range(CHAT_STREAMS)
     ]
     made += [Case(Endpoint.COMPLETIONS, greedy | {"prompt": "Sampled", "temperature": 0.9, "top_p": 0.95, "seed": 7})]
     for case in made:
         case.request |= streamed
     made += [Case(Endpoint.COMPLETIONS, greedy | {"prompt": "Not streamed"})]
-    for case in made:
-        case.expected = uncut(engine.client.post(case.path, json=case.request | {"stream": False}).json())
+    uncut_reply(engine, made[0])
     far = made[0].expected["text"]
     stop = far[len(far) * 3 // 4 :][:6]  # met three quarters in: after the cut
     made.append(Case(Endpoint.COMPLETIONS, made[0].request | {"stop": [stop]}))
-    made[-1].expected = uncut(
-        engine.client.post(Endpoint.COMPLETIONS, json=made[0].request | {"stop": [stop], "stream": False}).json()
-    )
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda case: uncut_reply(engine, case), made[1:]))
     assert made[-1].expected["finish_reason"] == "stop"
     return made
+
+
+def uncut_reply(engine: EngineProcess, case: Case) -> None:
+    case.expected = uncut(engine.client.post(case.path, json=case.request | {"stream": False}).json())
 
 
 @contextlib.contextmanager
@@ -318,8 +323,9 @@ def test_requests_survive_a_killed_and_then_a_hung_primary(
     whole request), one id per reply."""
     a, b, c = engines
     figures = {}
+    reference = cases(a)
     for fault, old, new in ((signal.SIGKILL, a, b), (signal.SIGSTOP, b, c)):
-        made = cases(old)
+        made = [Case(case.path, case.request, case.expected) for case in reference]
         migrated = metric(gateway, "hotweights_gateway_migrations_total")
         with running(gateway.url, made):
             in_flight = fail_over(gateway, made, fault, old, new)
