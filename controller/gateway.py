@@ -578,6 +578,8 @@ class Gateway:
                     raise SegmentFailed(f"the stream ended with an error: {chunk['error'].get('message')}")
                 if (shown := ledger.take(chunk)) is not None:
                     yield shown
+                if ledger.stopped:
+                    return  # at a stop string: closing the response ends the generation
             raise SegmentFailed("the stream ended before [DONE]")
         except (httpx.HTTPError, httpx.StreamError, ValueError) as exc:
             reason = "the engine is no longer primary" if upstream.lost.is_set() else type(exc).__name__

@@ -1,18 +1,19 @@
 """Request migration: what a completion has sent its client, and how it continues on another engine.
 
 The gateway asks the engine for a stream with token ids (``return_token_ids``, as vLLM names it; the
-reference engine speaks the same): every chunk of a choice carries ``token_ids``, the tokens whose
-text is now wholly sent, and its first chunk ``prompt_token_ids``. A ``Ledger`` keeps, for the one
-choice of a request, the prompt ids, the tokens released so far and how many characters went to the
-client beyond them (text of tokens not yet released). When the upstream fails mid-way the request
-goes to the next primary as a completion of ``prompt ids + released ids`` with the budget left; the
-ledger drops the first characters the client already has, rewrites the chunks to the first segment's
-id and creation time, and counts ``usage`` over the whole request.
+reference engine speaks the same): every chunk of a choice carries ``token_ids`` and its first chunk
+``prompt_token_ids``. A ``Ledger`` keeps, for the one choice of a request, the prompt ids, the tokens
+released so far and how many characters came back beyond their text (an engine may send a token's
+text in pieces). When the upstream fails mid-way the request goes to the next primary as a completion
+of ``prompt ids + released ids`` with the budget left; the ledger drops the first characters that
+came back before the cut, rewrites the chunks to the first segment's id and creation time, and counts
+``usage`` over the whole request.
 
 Exactness: greedy decoding, and sampling with a ``seed`` (each token draws from a seed derived from
 the request's seed and its position, ``standby.model.token_seed``), continue with exactly the tokens
-of an uninterrupted run. Stop strings never span a released token (text that may start one is held
-back, so its tokens are not released), so the continuation sees all of any stop string it meets.
+of an uninterrupted run. Stop strings are applied here, on the text as it comes back (``StopStrings``),
+and the engine is asked without them: no engine holds text back for them, and one met across the cut
+is found like any other.
 
 Nothing here does I/O: ``controller.gateway`` sends the requests.
 """
@@ -47,6 +48,7 @@ class Refusal(StrEnum):
     MAX_TOKENS = "its max_tokens is not a positive integer"
     CHAT_FIELDS = f"it has chat fields a completion cannot carry on (only {', '.join(sorted(CHAT_KEYS))} can)"
     NO_BUDGET = "a chat request without max_tokens has no budget to continue with"
+    BAD_STOP = "its stop is not a string or a list of strings (the engine says why)"
 
 
 @dataclass(frozen=True)
@@ -77,13 +79,19 @@ class Migratable:
         """The client asked for token ids itself."""
         return bool(self.body.get("return_token_ids"))
 
+    @property
+    def stop(self) -> tuple[str, ...]:
+        """The stop strings, which the gateway applies (``StopStrings``): the engine is asked without them."""
+        stop = self.body.get("stop")
+        return (stop,) if isinstance(stop, str) else tuple(stop or ())
+
     def upstream_body(self) -> dict:
         """The first segment: the client's request, streamed with token ids and a usage chunk."""
-        return self.body | FORCED
+        return {k: v for k, v in self.body.items() if k != "stop"} | FORCED
 
     def continuation(self, prompt_ids: list[int], max_tokens: int) -> dict:
         """A later segment: a completion (a chat's too) of ``prompt_ids``."""
-        kept = {k: v for k, v in self.body.items() if k not in CHAT_ONLY}
+        kept = {k: v for k, v in self.body.items() if k not in (*CHAT_ONLY, "stop")}
         return kept | FORCED | {"prompt": prompt_ids, "max_tokens": max_tokens}
 
 
@@ -131,7 +139,42 @@ def refusal_of(request: dict) -> Refusal | None:
     max_tokens = budget(request)
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         return Refusal.MAX_TOKENS
+    stop = request.get("stop")
+    strings = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else [None]
+    if not all(isinstance(s, str) and s for s in strings if stop is not None):
+        return Refusal.BAD_STOP
     return None
+
+
+@dataclass
+class StopStrings:
+    """Stop strings applied to the text as it arrives, so that an engine never holds text back for them
+    (whatever it does with token ids meanwhile): text that may start one is held here; the text ends just
+    before the first one met."""
+
+    stop: tuple[str, ...]
+    held: str = ""
+    hit: bool = False
+
+    def push(self, text: str) -> str:
+        """What may go to the client now; sets ``hit`` at a stop string."""
+        self.held += text
+        if hits := [i for s in self.stop if (i := self.held.find(s)) >= 0]:
+            self.hit = True
+            ready, self.held = self.held[: min(hits)], ""
+            return ready
+        end = len(self.held) - self.prefix_len()
+        ready, self.held = self.held[:end], self.held[end:]
+        return ready
+
+    def flush(self) -> str:
+        """The text held back, once the generation ended without a stop string."""
+        ready, self.held = self.held, ""
+        return ready
+
+    def prefix_len(self) -> int:
+        """Length of the longest tail of the held text that a stop string starts with."""
+        return max((n for s in self.stop for n in range(len(s) - 1, 0, -1) if self.held.endswith(s[:n])), default=0)
 
 
 @dataclass
@@ -143,9 +186,9 @@ class Ledger:
     created: int | None = None
     model: str | None = None
     prompt_ids: list[int] | None = None
-    released: list[int] = field(default_factory=list)  # generated tokens whose text the client has
-    beyond: int = 0  # characters sent after the released tokens' text
-    skip: int = 0  # characters of the current segment's text the client already has
+    released: list[int] = field(default_factory=list)  # generated tokens whose text came back
+    beyond: int = 0  # characters that came back after the released tokens' text
+    skip: int = 0  # characters of the current segment's text that came back before the cut
     segment_start: int = 0  # released tokens when the current segment began
     completion_tokens: int = 0  # completion tokens of the segments before the current one
     segment_usage: dict | None = None  # the current segment's usage chunk
@@ -153,6 +196,15 @@ class Ledger:
     text: str = ""  # everything sent (kept for a non-streamed reply)
     shown: int = 0  # choices shown to the client so far
     migrations: int = 0
+    stops: StopStrings = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.stops = StopStrings(self.request.stop)
+
+    @property
+    def stopped(self) -> bool:
+        """A stop string was met: the request is over, whatever the engine goes on generating."""
+        return self.stops.hit
 
     @property
     def remaining(self) -> int:
@@ -187,12 +239,15 @@ class Ledger:
         text = choice["text"] if "text" in choice else (choice.get("delta") or {}).get("content") or ""
         dropped = min(self.skip, len(text))
         text, self.skip = text[dropped:], self.skip - dropped
-        self.text += text
         self.beyond += len(text)
         if ids := choice.get("token_ids"):
             self.released += ids
             self.beyond = 0
-        self.finish_reason = choice.get("finish_reason")
+        text = self.stops.push(text)
+        self.finish_reason = "stop" if self.stops.hit else choice.get("finish_reason")
+        if self.finish_reason is not None and not self.stops.hit:
+            text += self.stops.flush()
+        self.text += text
         if not text and self.finish_reason is None and self.shown:
             return None
         self.shown += 1
@@ -205,7 +260,8 @@ class Ledger:
             delta = ({"role": "assistant"} if self.shown == 1 else {}) | {"content": text}
             shown = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": self.finish_reason}
             return shown | ({"token_ids": choice.get("token_ids") or []} if wanted else {})
-        shown = {k: v for k, v in choice.items() if k not in TOKEN_FIELDS or wanted} | {"text": text}
+        shown = {k: v for k, v in choice.items() if k not in TOKEN_FIELDS or wanted}
+        shown |= {"text": text, "finish_reason": self.finish_reason}
         if self.shown > 1:
             shown.pop("prompt_token_ids", None)  # the client had it with its first chunk
         return shown

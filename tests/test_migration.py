@@ -21,7 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from hotweights.contract import Endpoint
-from hotweights.controller.migration import Ledger, Migratable, Refusal, plan
+from hotweights.controller.migration import Ledger, Migratable, Refusal, StopStrings, plan
 from hotweights.standby.model import token_seed
 from tests.cachehelpers import wait_until
 from tests.enginehelpers import EngineProcess
@@ -57,6 +57,9 @@ def chat(**fields: object) -> bytes:
         ("POST", "/v1/completions", body(echo=True), Refusal.ECHO),
         ("POST", "/v1/completions", body(max_tokens="8"), Refusal.MAX_TOKENS),
         ("POST", "/v1/completions", body(max_tokens=0), Refusal.MAX_TOKENS),
+        ("POST", "/v1/completions", body(stop=[1]), Refusal.BAD_STOP),
+        ("POST", "/v1/completions", body(stop=[""]), Refusal.BAD_STOP),
+        ("POST", "/v1/completions", body(stop=[]), Migratable),
         ("POST", "/v1/completions", body(prompt=[1, 2, 3]), Migratable),
         ("POST", "/v1/completions", body(prompt=["one"]), Migratable),
         ("POST", "/v1/completions", body(stream=True, logprobs=None), Migratable),
@@ -160,6 +163,35 @@ def test_a_chat_continues_as_a_completion_of_its_prompt_ids_and_keeps_its_shape(
         "role": "assistant",
         "content": "abc",
     }
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("stop", "pieces", "sent", "hit"),
+    [
+        ((), ["ab", "c"], ["ab", "c"], False),
+        (("cd",), ["abc", "de"], ["ab", ""], True),  # "c" held back, then the stop string completes
+        (("cd",), ["abc", "x"], ["ab", "cx"], False),  # held back, then let go
+        (("xyz", "b"), ["axy", "zb"], ["a", ""], True),  # the first one met ends the text
+        (("cd",), ["a", "bcd!"], ["a", "b"], True),
+    ],
+)
+def test_stop_strings_hold_back_what_may_start_one(
+    stop: tuple[str, ...], pieces: list[str], sent: list[str], hit: bool
+) -> None:
+    stops = StopStrings(stop)
+    assert [stops.push(piece) for piece in pieces] == sent and stops.hit is hit
+
+
+@pytest.mark.unit
+def test_the_engine_is_asked_without_stop_strings_and_the_gateway_ends_at_one_across_a_cut() -> None:
+    ledger = Ledger(plan("POST", "/v1/completions", body(stop=["STOP"], max_tokens=9, stream=True)))
+    assert "stop" not in ledger.request.upstream_body()
+    assert ledger.take(chunk("aS", [1, 2], prompt_token_ids=[5]))["choices"][0]["text"] == "a"
+    continuation = ledger.cut()
+    assert "stop" not in continuation and continuation["prompt"] == [5, 1, 2]
+    shown = ledger.take(chunk("TOPb", [3]))["choices"][0]
+    assert (shown["text"], shown["finish_reason"], ledger.stopped, ledger.text) == ("", "stop", True, "a")
 
 
 @pytest.mark.unit
