@@ -57,6 +57,7 @@ from starlette.routing import Route
 from hotweights.contract import NOT_NORMALIZED, SERVING_PREFIX, Endpoint, forwardable_path, refuse_open_listener
 from hotweights.controller.config import GATEWAY_TOKEN_FIX, load_config
 from hotweights.controller.dcs import LeaderUrls
+from hotweights.controller.events import EventLog
 from hotweights.controller.migration import Ledger, Migratable, Refusal, plan
 from hotweights.errors import ConfigError
 from hotweights.proxying import HOP_BY_HOP, ProxiedStream
@@ -65,6 +66,7 @@ from hotweights.state import read_state
 
 log = logging.getLogger(__name__)
 
+GATEWAY_EVENTS_FILE = "gateway-events.jsonl"  # in the state dir, every worker appending
 STATE_POLL_S = 1.0  # how often the controller's state file is re-read for engines added at runtime
 
 BACKLOG = 4096  # connections the kernel queues while no worker accepts (one respawning); capped by somaxconn
@@ -72,6 +74,7 @@ SUPERVISOR_BACKLOG = 16
 
 HOLD_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 WHOLE_BODY_MAX = 1 << 20  # a non-streamed reply up to this size is read whole before it is relayed
+EVENTS_LIMIT = 100  # events GET /gateway/events returns by default
 KEEPALIVE_S = 2.0  # below uvicorn's 5 s, so a pooled connection is never reused as the engine closes it
 
 
@@ -318,7 +321,9 @@ class Gateway:
         state_file: Path | None = None,
         engine_host: str = "127.0.0.1",
         leaders: LeaderUrls | None = None,
+        events: EventLog | None = None,
     ) -> None:
+        self.events = events or EventLog(None)  # one event per migration, and per one that failed
         self.state_file = state_file  # the controller's state.json: engines added at runtime are routed too
         self.queue_limit = queue_limit
         self.hold_s = hold_s
@@ -530,7 +535,6 @@ class Gateway:
     ) -> AsyncIterator[dict]:
         """The client's chunks, across as many upstreams as it takes; SegmentFailed when the request
         cannot go on (no primary in time: the reason says so)."""
-        path = Endpoint.COMPLETIONS
         cut_at: float | None = None
         while True:
             try:
@@ -547,15 +551,34 @@ class Gateway:
             body = ledger.cut()
             if body is None:  # the budget was spent before the failure: nothing is left to generate
                 return
-            log.info("migrating %s after %d tokens: %s", ledger.id, len(ledger.released), failure)
-            self.metrics.tokens_replayed.inc(len(ledger.released))
-            opened = await self.open_segment(request, path, body, time.monotonic() + self.hold_s)
-            if isinstance(opened, Response):
-                self.metrics.migrations.labels("failed").inc()
-                reason = bytes(opened.body).decode(errors="replace")[:300]
-                raise SegmentFailed(f"the upstream {failure}; the request could not be migrated: {reason}")
-            self.metrics.migrations.labels("migrated").inc()
-            upstream, response = opened
+            upstream, response = await self.reopen(request, ledger, body, failure, cut_at)
+
+    async def reopen(
+        self, request: Request, ledger: Ledger, body: dict, failure: str, cut_at: float
+    ) -> tuple[Upstream, httpx.Response]:
+        """The continuation's stream on the next primary, held by the hold rules counted from the cut;
+        SegmentFailed when none serves it in time. Either way one event says so."""
+        replayed = len(ledger.released)
+        log.info("migrating %s after %d tokens: %s", ledger.id, replayed, failure)
+        self.metrics.tokens_replayed.inc(replayed)
+        opened = await self.open_segment(request, Endpoint.COMPLETIONS, body, cut_at + self.hold_s)
+        if isinstance(opened, Response):
+            self.metrics.migrations.labels("failed").inc()
+            reason = bytes(opened.body).decode(errors="replace")[:300]
+            message = f"the upstream {failure}; the request could not be migrated: {reason}"
+            self.events.record("migration_failed", message, request=ledger.id)
+            raise SegmentFailed(message)
+        self.metrics.migrations.labels("migrated").inc()
+        to = opened[0].url
+        self.events.record(
+            "migration",
+            f"{ledger.id} continues on {to} after {replayed} tokens: {failure}",
+            request=ledger.id,
+            to=to,
+            tokens_replayed=replayed,
+            reopen_ms=round((time.monotonic() - cut_at) * 1000, 1),
+        )
+        return opened
 
     async def segment(self, upstream: Upstream, response: httpx.Response, ledger: Ledger) -> AsyncIterator[dict]:
         """One upstream's chunks, as the client sees them; SegmentFailed unless it ends with ``[DONE]``.
@@ -636,6 +659,15 @@ def build_app(gateway: Gateway) -> Starlette:
     async def metrics(_: Request) -> Response:
         return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    async def events(request: Request) -> JSONResponse:
+        """200 and this worker's last migrations (``?limit=N``, default 100): kind ``migration`` (the
+        request, the upstreams, tokens replayed, cut to reopened) or ``migration_failed`` (why)."""
+        try:
+            limit = int(request.query_params.get("limit", EVENTS_LIMIT))
+        except ValueError:
+            return JSONResponse({"error": "limit: expected an integer"}, status_code=400)
+        return JSONResponse({"events": gateway.events.recent(limit)})
+
     async def wake(_: Request) -> Response:
         """204: every upstream is probed now. Harmless to anyone: a wake during a probe adds one probe."""
         gateway.discovery.wake_all()
@@ -646,6 +678,7 @@ def build_app(gateway: Gateway) -> Starlette:
         routes=[
             Route(Endpoint.GATEWAY_HEALTH, health, methods=["GET"]),
             Route(Endpoint.GATEWAY_WAKE, wake, methods=["POST"]),
+            Route(Endpoint.GATEWAY_EVENTS, events, methods=["GET"]),
             Route(Endpoint.METRICS, metrics, methods=["GET"]),
             Route(SERVING_PREFIX + "{path:path}", gateway.proxy, methods=methods),
         ],
@@ -701,6 +734,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         state_file=None if args.upstream else config.state_file,
         engine_host=config.dcs.address,
         leaders=LeaderUrls(config, httpx.AsyncClient(trust_env=False)) if config.dcs.enabled else None,
+        events=EventLog(None if args.upstream else config.state_dir / GATEWAY_EVENTS_FILE),
     )
     log.info("routing /v1 to the primary among %s", ", ".join(urls))
     server = AnnouncingServer(

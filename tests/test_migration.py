@@ -367,3 +367,7 @@ def test_requests_survive_a_killed_and_then_a_hung_primary(
         figures[fault.name] = (in_flight, metric(gateway, "hotweights_gateway_migrations_total") - migrated)
         assert figures[fault.name][1] >= 1, "no request was cut: the fault came too late"
     print(f"requests in flight and migrated at each fault: {figures}")
+    events = gateway.client.get(Endpoint.GATEWAY_EVENTS, params={"limit": 1000}).json()["events"]
+    migrations = [e for e in events if e["kind"] == "migration"]
+    assert len(migrations) == sum(migrated for _, migrated in figures.values())
+    assert all(e["to"] in (b.url, c.url) and e["tokens_replayed"] >= 0 for e in migrations)
