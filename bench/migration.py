@@ -126,7 +126,8 @@ async def fault(
     while not all(len(s.arrivals) >= args.cut_after or s.outcome for s in streams):
         await asyncio.sleep(0.005)
     at = time.monotonic()
-    send(target, SIGNALS[name])
+    if not send(target, SIGNALS[name]):
+        raise RuntimeError(f"the primary {target} was gone before the {name} signal")
     in_flight = sum(not s.outcome for s in streams)
     await asyncio.gather(*tasks)
     await wait_dead(target)
