@@ -26,7 +26,8 @@ from hotweights.cache.pipeline import (
     model_dir_from_args,
 )
 from hotweights.cache.snapshot import write_snapshot
-from hotweights.cache.vllm_format import FORMATS, VLLM_FORMAT, vllm_source
+from hotweights.cache.vllm_format import FORMATS, vllm_source
+from hotweights.engines import VLLM_FORMAT
 from hotweights.errors import ConfigError
 from hotweights.paths import runtime_dir
 from hotweights.spawn import add_spare_arguments, wait_for_start

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from hotweights.contract import UNAUTHORIZED, Endpoint, bearer_check
 from hotweights.controller.cluster import Cluster
+from hotweights.controller.decide import Intent
 from hotweights.controller.events import EventLog
 from hotweights.controller.ha import Conflict, Ha, NotFound, NotPossible, Refused, Unavailable
 from hotweights.controller.metrics import ControllerMetrics
@@ -94,7 +95,7 @@ def build_app(ha: Ha, cluster: Cluster, events: EventLog, metrics: ControllerMet
             return JSONResponse({"detail": str(exc)}, status_code=STATUS[type(exc)])
         return JSONResponse(result, status_code=success)
 
-    async def act(action: str, timeout: float, success: int = 200, **params: object) -> JSONResponse:
+    async def act(action: Intent, timeout: float, success: int = 200, **params: object) -> JSONResponse:
         return await answer(ha.request(action, timeout, **params), success)
 
     mutation = [Depends(bearer_check(token))]
@@ -167,7 +168,7 @@ def build_app(ha: Ha, cluster: Cluster, events: EventLog, metrics: ControllerMet
         request = request or SwitchoverRequest()
         # Its steps may take a drain, a promotion and a demotion (which drains again): wait for all of them.
         wait_s = 2 * drain_timeout_s + 2 * INTENT_TIMEOUT_S
-        return await act("switchover", wait_s, group=request.group, candidate=request.candidate)
+        return await act(Intent.SWITCHOVER, wait_s, group=request.group, candidate=request.candidate)
 
     @app.post(Endpoint.ROLLOUT, dependencies=mutation, responses=declare(400, 401, 404, 409, 412, 503))
     async def rollout(request: RolloutRequest | None = None) -> JSONResponse:
@@ -193,7 +194,7 @@ def build_app(ha: Ha, cluster: Cluster, events: EventLog, metrics: ControllerMet
 
         200 done; 401 token; 404 unknown candidate; 412 the candidate is not a ready standby; 503 the
         promotion failed; 422 bad body (``candidate`` is required)."""
-        return await act("failover", INTENT_TIMEOUT_S, candidate=request.candidate)
+        return await act(Intent.FAILOVER, INTENT_TIMEOUT_S, candidate=request.candidate)
 
     @app.post("/engines/{engine_id}/drain", dependencies=mutation, responses=declare(400, 401, 404, 409, 503))
     async def drain(engine_id: str, request: DrainRequest | None = None) -> JSONResponse:
@@ -203,7 +204,7 @@ def build_app(ha: Ha, cluster: Cluster, events: EventLog, metrics: ControllerMet
         drain); 503 the engine did not answer; 422 bad body."""
         timeout_s = request.timeout_s if request else None
         wait = (drain_timeout_s if timeout_s is None else timeout_s) + INTENT_TIMEOUT_S
-        return await act("drain", wait, engine_id=engine_id, timeout_s=timeout_s)
+        return await act(Intent.DRAIN, wait, engine_id=engine_id, timeout_s=timeout_s)
 
     @app.post("/engines/{engine_id}/promote", dependencies=mutation, responses=declare(401, 404, 409, 412, 503))
     async def promote(engine_id: str) -> JSONResponse:
@@ -211,14 +212,14 @@ def build_app(ha: Ha, cluster: Cluster, events: EventLog, metrics: ControllerMet
 
         200 done; 401 token; 404 unknown engine; 409 its group already has a live primary (use
         /switchover); 412 not a ready standby; 503 the promotion failed."""
-        return await act("promote", INTENT_TIMEOUT_S, engine_id=engine_id)
+        return await act(Intent.PROMOTE, INTENT_TIMEOUT_S, engine_id=engine_id)
 
     @app.post("/engines", dependencies=mutation, status_code=201, responses=declare(400, 401, 404, 503))
     async def add_engine(request: AddEngineRequest | None = None) -> JSONResponse:
         """Add a standby to ``group`` on the next free port; it starts once the group's daemon serves.
 
         201 added (id, port, url); 401 token; 404 unknown group; 503 no answer in time; 422 bad body."""
-        return await act("add", INTENT_TIMEOUT_S, success=201, group=(request or AddEngineRequest()).group)
+        return await act(Intent.ADD, INTENT_TIMEOUT_S, success=201, group=(request or AddEngineRequest()).group)
 
     @app.delete("/engines/{engine_id}", dependencies=mutation, responses=declare(401, 404, 409, 503))
     async def delete_engine(engine_id: str) -> JSONResponse:
@@ -226,7 +227,7 @@ def build_app(ha: Ha, cluster: Cluster, events: EventLog, metrics: ControllerMet
 
         200 removed; 401 token; 404 unknown engine; 409 it is a live primary (switch over first); 503 it
         did not stop."""
-        return await act("delete", INTENT_TIMEOUT_S, engine_id=engine_id)
+        return await act(Intent.DELETE, INTENT_TIMEOUT_S, engine_id=engine_id)
 
     @app.post("/cache/{group}/restart", dependencies=mutation, status_code=202, responses=declare(401, 404, 503))
     async def restart_cache(group: int) -> JSONResponse:
@@ -235,7 +236,7 @@ def build_app(ha: Ha, cluster: Cluster, events: EventLog, metrics: ControllerMet
 
         202 the old daemon stopped and a new one is loading (watch GET /events for "respawn"); 401
         token; 404 unknown group; 503 the old daemon did not stop; 422 ``group`` is not an integer."""
-        return await act("restart_cache", INTENT_TIMEOUT_S, success=202, group=group)
+        return await act(Intent.RESTART_CACHE, INTENT_TIMEOUT_S, success=202, group=group)
 
     @app.get(Endpoint.EVENTS)
     async def get_events(

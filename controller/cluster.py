@@ -16,6 +16,7 @@ import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field, replace
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +30,9 @@ from hotweights.controller.engineapi import EngineApi
 from hotweights.controller.events import EventLog
 from hotweights.controller.gateway import BACKLOG as GATEWAY_BACKLOG
 from hotweights.controller.health import HealthChecker, HealthRecord
+from hotweights.controller.ids import daemon_id, engine_id, engine_slot, spare_engine_id, spare_key
 from hotweights.controller.spares import Spares
-from hotweights.controller.stack import Generation, Layout, spare_engine_id
+from hotweights.controller.stack import Generation, Layout
 from hotweights.controller.supervisor import (
     Process,
     Supervisor,
@@ -46,6 +48,7 @@ from hotweights.state import (
     ClusterState,
     GroupRecord,
     MemberRecord,
+    ServiceKind,
     ServiceRecord,
     StateCorrupt,
     read_state,
@@ -57,11 +60,6 @@ log = logging.getLogger(__name__)
 SERVICE_START_TIMEOUT_S = 600.0  # a daemon loads the whole model from disk before it serves
 PROBE_INTERVAL_S = 0.05
 PROBE_TIMEOUT_S = 1.0  # a daemon's hello or the gateway's health page
-
-
-def spare_key(group: int) -> str:
-    """What the group's spare engines are for (any of its slots): their processes' name and log."""
-    return f"g{group}-engines"
 
 
 class ServiceFailed(Exception):
@@ -95,7 +93,7 @@ class Service:
     """A cache daemon (one per group) or the gateway: kept running, ``serving`` once its probe answered."""
 
     id: str
-    kind: str  # "daemon" | "gateway"
+    kind: ServiceKind
     group: int | None = None
     rank: int = 0  # a daemon's tensor-parallel rank
     process: Process | None = None
@@ -116,6 +114,17 @@ class Weights:
     served: bool = True
 
 
+class Status(StrEnum):
+    """The controller's word on an engine slot (``MemberView.status``), from its process and its checks."""
+
+    ABSENT = "absent"  # no process
+    STARTING = "starting"  # not healthy yet, never was
+    HEALTHY = "healthy"
+    FAILING = "failing"  # its last check failed, after it had been healthy
+    EXITING = "exiting"  # a watched primary: every thread has begun to exit
+    EXITED = "exited"
+
+
 @dataclass(frozen=True)
 class MemberView:
     id: str
@@ -125,7 +134,7 @@ class MemberView:
     url: str
     role: str  # primary | standby (the engine's word when it has answered, else ours)
     state: str  # the engine's: ready | draining | drained | unknown
-    status: str  # ours: absent | starting | healthy | failing | exited
+    status: Status
     pid: int | None
     alive: bool
     exit_reason: str | None
@@ -166,7 +175,7 @@ class MemberView:
 @dataclass(frozen=True)
 class ServiceView:
     id: str
-    kind: str
+    kind: ServiceKind
     group: int | None
     rank: int
     pid: int | None
@@ -210,17 +219,17 @@ class Snapshot:
 
     def daemon(self, group: int) -> ServiceView:
         """The group's daemon of its current generation (of rank 0, in a tensor-parallel group)."""
-        return next(s for s in self.services if s.kind == "daemon" and s.group == group and s.current)
+        return next(s for s in self.services if s.kind == ServiceKind.DAEMON and s.group == group and s.current)
 
     def daemon_ids(self, group: int) -> list[str]:
         """The group's daemons of its current generation: one, or one per rank of a tensor-parallel group
         (rank 0's first)."""
-        return [s.id for s in self.services if s.kind == "daemon" and s.group == group and s.current]
+        return [s.id for s in self.services if s.kind == ServiceKind.DAEMON and s.group == group and s.current]
 
     def daemons_serve(self, group: int) -> bool:
         """Whether every daemon of the group's current generation (one per rank) serves: new engines can
         attach."""
-        return all(s.serving for s in self.services if s.kind == "daemon" and s.group == group and s.current)
+        return all(s.serving for s in self.services if s.kind == ServiceKind.DAEMON and s.group == group and s.current)
 
 
 class Cluster:
@@ -273,11 +282,11 @@ class Cluster:
             generation = self.weights[group].current
             for rank in range(section.tp_size):
                 service_id = daemon_id(group, rank, generation.number)
-                self.services[service_id] = Service(service_id, "daemon", group, rank, generation=generation)
-        recorded_gateways = [name for name, row in state.services.items() if row.kind == "gateway"]
+                self.services[service_id] = Service(service_id, ServiceKind.DAEMON, group, rank, generation=generation)
+        recorded_gateways = [name for name, row in state.services.items() if row.kind == ServiceKind.GATEWAY]
         if with_gateway or recorded_gateways:
             for worker_id in dict.fromkeys([*self.config.gateway.worker_ids(), *recorded_gateways]):
-                self.services[worker_id] = Service(worker_id, "gateway")
+                self.services[worker_id] = Service(worker_id, ServiceKind.GATEWAY)
         adopted = []
         for member in self.members.values():
             row = state.members.get(member.spec.id)
@@ -296,13 +305,13 @@ class Cluster:
                 adopted.append(f"{service.id} (pid {process.pid})")
         batch_ids = {batch.spec.id: group for group, batch in self.batch.batches.items()}
         for name, row in state.services.items():
-            if row.kind != "batch" or name not in batch_ids or not row.process:
+            if row.kind != ServiceKind.BATCH or name not in batch_ids or not row.process:
                 continue
             if process := self.supervisor.adopt(name, row.process):
                 self.batch.adopt(batch_ids[name], process, self.weights[batch_ids[name]].current.number)
                 adopted.append(f"{name} (pid {process.pid})")
         for service in list(self.services.values()):
-            if service.kind == "gateway" and not with_gateway and service.process is None:
+            if service.kind == ServiceKind.GATEWAY and not with_gateway and service.process is None:
                 del self.services[service.id]  # a dead gateway worker from an earlier `up`: not ours to restart
         # Recorded daemons this stack no longer has (an older weight generation's, after a model update was cut
         # short): running engines keep what they mapped and new ones attach elsewhere, so they are stopped; so are
@@ -310,7 +319,7 @@ class Cluster:
         ours = {*self.services, *batch_ids}
         self.save()
         stopped = []
-        for kind, what in (("daemon", "daemon"), ("batch", "batch engine")):
+        for kind, what in ((ServiceKind.DAEMON, "daemon"), (ServiceKind.BATCH, "batch engine")):
             stale = [(name, row.process) for name, row in state.services.items()
                      if row.kind == kind and row.process and name not in ours]  # fmt: skip
             stopped += [f"{line} (a {what} this stack no longer has)" for line in stop_recorded(stale)]
@@ -348,7 +357,9 @@ class Cluster:
             for s in self.services.values()
         }
         for batch_id, process in self.batch.processes().items():
-            services[batch_id] = ServiceRecord("batch", process.record() if process and process.alive else None)
+            services[batch_id] = ServiceRecord(
+                ServiceKind.BATCH, process.record() if process and process.alive else None
+            )
         state = ClusterState(
             cluster=self.config.cluster.name,
             controller=me,
@@ -390,7 +401,7 @@ class Cluster:
                 s.restarts,
                 s.process.exit_reason if s.process else None,
                 s.generation.number if s.generation else 0,
-                s.kind != "daemon" or self._generation_of(s) == self.weights[s.group].current.number,
+                s.kind != ServiceKind.DAEMON or self._generation_of(s) == self.weights[s.group].current.number,
             )
             for s in self.services.values()
         )
@@ -401,15 +412,15 @@ class Cluster:
         body = health.body or {}
         alive = bool(process and process.alive)
         if process is None:
-            status = "absent"
+            status = Status.ABSENT
         elif not alive:
-            status = "exited"
+            status = Status.EXITED
         elif process.exiting_at is not None:
-            status = "exiting"
+            status = Status.EXITING
         elif health.ok:
-            status = "healthy"
+            status = Status.HEALTHY
         else:
-            status = "failing" if health.ever_ok else "starting"
+            status = Status.FAILING if health.ever_ok else Status.STARTING
         return MemberView(
             id=member.spec.id,
             group=member.spec.group,
@@ -494,7 +505,7 @@ class Cluster:
         if not self.keeps_daemon_spare(group):
             return None
         number = self.weights[group].current.number
-        serving = (s for s in self.services.values() if s.kind == "daemon" and s.group == group and s.serving)
+        serving = (s for s in self.services.values() if s.kind == ServiceKind.DAEMON and s.group == group and s.serving)
         return next((s for s in serving if self._generation_of(s) == number), None)
 
     def tend_daemon_spare(self, group: int) -> None:
@@ -580,9 +591,9 @@ class Cluster:
     def add_engine(self, group: int) -> Member:
         """A new standby slot in ``group``: next index, next port that nothing uses or listens on."""
         spec_group = self.config.groups[group]
-        indexes = [int(m.spec.id.rsplit("-e", 1)[1]) for m in self.members.values() if m.spec.group == group]
+        indexes = [engine_slot(m.spec.id)[1] for m in self.members.values() if m.spec.group == group]
         index = max(indexes, default=-1) + 1
-        while f"g{group}-e{index}" in self.removed:
+        while engine_id(group, index) in self.removed:
             index += 1
         taken = {p for m in self.members.values() for p in (m.spec.port, m.spec.listen_port)}
         taken |= {self.config.cluster.port, self.config.gateway.port}
@@ -590,7 +601,7 @@ class Cluster:
         port = spec_group.base_port + index
         while port in taken or not is_free(port):
             port += 1
-        spec = EngineSpec(f"g{group}-e{index}", group, spec_group.device, port, host=self.config.dcs.address)
+        spec = EngineSpec(engine_id(group, index), group, spec_group.device, port, host=self.config.dcs.address)
         member = Member(spec, start_timeout_s=spec_group.start_timeout())
         self.members[member.spec.id] = member
         self.save()
@@ -617,7 +628,7 @@ class Cluster:
         if spawned:
             if service.process is not None:
                 service.restarts += 1
-            if service.kind == "daemon":
+            if service.kind == ServiceKind.DAEMON:
                 command = self.layout.daemon_command(service.group, service.rank, service.generation)
                 env = self.layout.environment(service.group)
                 taken = self.daemon_spares.take(service.group, service.id, command, service.id)
@@ -678,7 +689,7 @@ class Cluster:
         """Tell every serving gateway worker to probe the engines now (a role just changed), in the
         background; a worker that misses it finds out at its next probe anyway."""
         for service in self.services.values():
-            if service.kind == "gateway" and service.serving:
+            if service.kind == ServiceKind.GATEWAY and service.serving:
                 task = asyncio.create_task(self._wake(service), name=f"wake-{service.id}")
                 self.pushes.add(task)
                 task.add_done_callback(self.pushes.discard)
@@ -726,7 +737,7 @@ class Cluster:
             service.fencing = False
 
     async def _probe(self, service: Service) -> bool:
-        if service.kind == "daemon":
+        if service.kind == ServiceKind.DAEMON:
             try:
                 socket_path = self.layout.socket(service.group, service.rank, self._generation_of(service))
                 await asyncio.to_thread(hello, socket_path, PROBE_TIMEOUT_S)
@@ -752,7 +763,7 @@ class Cluster:
         from now on; engines keep starting on the current generation until ``switch_generation``."""
         number = max(self._generation_of(s) for s in self.services.values() if s.group == group) + 1
         generation = Generation(number, model_dir)
-        service = Service(daemon_id(group, 0, number), "daemon", group, 0, generation=generation)
+        service = Service(daemon_id(group, 0, number), ServiceKind.DAEMON, group, 0, generation=generation)
         self.services[service.id] = service
         self.save()
         return service
@@ -782,7 +793,7 @@ class Cluster:
         return [
             s.id
             for s in self.services.values()
-            if s.kind == "daemon" and s.group == group and self._generation_of(s) not in (current, *live)
+            if s.kind == ServiceKind.DAEMON and s.group == group and self._generation_of(s) not in (current, *live)
         ]
 
     async def remove_service(self, service_id: str) -> str:
@@ -814,7 +825,7 @@ class Cluster:
         await self.checker.close()
         spares = [*self.spares.release_all(), *self.daemon_spares.release_all()]
         await asyncio.gather(*(self.supervisor.stop(spare) for spare in spares))
-        gateways = [s.id for s in self.services.values() if s.kind == "gateway"]
+        gateways = [s.id for s in self.services.values() if s.kind == ServiceKind.GATEWAY]
         results = await asyncio.gather(*(self.stop_service(service_id) for service_id in gateways))
         lines = [f"{service_id}: {how}" for service_id, how in zip(gateways, results, strict=True)]
         self.close_gateway_listener()
@@ -824,7 +835,7 @@ class Cluster:
             asyncio.gather(*(self.supervisor.stop(m.process, timeout) for m in engines)), self.batch.stop_all(timeout)
         )
         lines += [f"{m.spec.id}: {how}" for m, how in zip(engines, results, strict=True)] + batch
-        daemons = [s for s in self.services.values() if s.kind == "daemon"]
+        daemons = [s for s in self.services.values() if s.kind == ServiceKind.DAEMON]
         results = await asyncio.gather(*(self.stop_service(s.id) for s in daemons))
         lines += [f"{s.id}: {how}" for s, how in zip(daemons, results, strict=True)]
         self.save()
@@ -854,11 +865,5 @@ def filled(fill: dict[str, Any]) -> str:
     return f"; filled from {fill.get('source')} in {ms} ms ({fill.get('detail')})"
 
 
-def daemon_id(group: int, rank: int, generation: int = 0) -> str:
-    """``g<group>-cache``: the daemon of a group, or of rank 0 of a tensor-parallel one; ``g<group>-cache-r<rank>``
-    for its other ranks; ``-gen<n>`` after ``cache`` for a later weight generation's."""
-    return f"g{group}-cache" + (f"-gen{generation}" if generation else "") + (f"-r{rank}" if rank else "")
-
-
 def _slot_order(member: Member) -> tuple[int, int]:
-    return member.spec.group, int(member.spec.id.rsplit("-e", 1)[1])
+    return engine_slot(member.spec.id)

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from hotweights.contract import read_token, refuse_open_listener
-from hotweights.dtypes import MODEL_DTYPES
+from hotweights.controller.ids import engine_id
+from hotweights.dtypes import MODEL_DTYPE_NAMES
 from hotweights.errors import ConfigError
 from hotweights.paths import hotweights_home
 from hotweights.quant import QUANT_METHODS
@@ -264,7 +265,7 @@ class ClusterConfig:
         ``listen_base_port + index`` (when set)."""
         return [
             EngineSpec(
-                id=f"g{g}-e{i}",
+                id=engine_id(g, i),
                 group=g,
                 device=group.device,
                 port=group.base_port + i,
@@ -476,8 +477,9 @@ def validate(config: ClusterConfig) -> None:
         positive(where, value)
     if not 1 <= config.gateway.workers <= MAX_GATEWAY_WORKERS:
         raise ConfigError(f"{src}: gateway.workers must be 1..{MAX_GATEWAY_WORKERS}, found {config.gateway.workers}")
-    if config.model.dtype not in ("", *MODEL_DTYPES):
-        raise ConfigError(f"{src}: model.dtype must be one of {', '.join(MODEL_DTYPES)}, found {config.model.dtype!r}")
+    if config.model.dtype not in ("", *MODEL_DTYPE_NAMES):
+        names = ", ".join(MODEL_DTYPE_NAMES)
+        raise ConfigError(f"{src}: model.dtype must be one of {names}, found {config.model.dtype!r}")
     if config.model.quantize not in ("", *QUANT_METHODS):
         expected = " or ".join(repr(m) for m in ("", *QUANT_METHODS))
         raise ConfigError(f"{src}: model.quantize must be {expected}, found {config.model.quantize!r}")

@@ -1,14 +1,8 @@
 """The HA loop (policy): every cycle decides from one snapshot and returns one sentence.
 
-For each failover group, a cycle takes the first of these that applies:
-
-1. a primary that failed (exited, or failed ``failure_threshold`` health checks in a row): fail
-   over; two live primaries in a group: fence all but one;
-2. one queued REST intent for the group (switchover, failover, drain, promote, add, delete, cache
-   restart, rollout);
-3. engine slots that are absent, exited, hung or never got ready: fence and (re)start them, once
-   their group's daemon serves;
-4. no primary: promote the best ready standby.
+For each failover group, a cycle takes the first decision that applies, in the order and by the rules of
+``controller.decide`` (the pure decision core): a failed primary, a queued REST intent, engine slots to fence or
+(re)start, a group without a primary. This module carries the decisions out.
 
 The decision's action runs in the background, one at a time per group (``GroupExecutor``): while a
 group's action runs, the loop says so and leaves that group alone, but keeps deciding for the
@@ -32,7 +26,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -47,10 +41,24 @@ from hotweights.contract import Endpoint, Role
 from hotweights.controller.cluster import SERVICE_START_TIMEOUT_S, Cluster, MemberView, ServiceFailed, Snapshot, filled
 from hotweights.controller.config import REFERENCE, load_config, rollout_changes
 from hotweights.controller.dcs import Solo
+from hotweights.controller.decide import (
+    Elect,
+    FailOver,
+    Intent,
+    ResolveSplitBrain,
+    SlotRestarts,
+    TendSlots,
+    Wait,
+    best_standby,
+    failed_primary,
+    keep_in_split_brain,
+    missing_primary,
+    plan_slots,
+)
 from hotweights.controller.devices import free_bytes
 from hotweights.controller.engineapi import EngineApi, EngineUnreachable
 from hotweights.controller.events import EventLog
-from hotweights.controller.executor import BACKOFF, GroupExecutor, Outcome, backoff_s
+from hotweights.controller.executor import BACKOFF, GroupExecutor, Outcome
 from hotweights.controller.health import checks_failed, not_ready_within, process_exited
 from hotweights.controller.metrics import ControllerMetrics
 from hotweights.controller.redundancy import Tracker, assess
@@ -59,6 +67,7 @@ from hotweights.controller.spares import is_spare
 from hotweights.controller.supervisor import FENCE_TIMEOUT_S
 from hotweights.errors import ConfigError, HotweightsError
 from hotweights.standby.generate import load_tokenizer, stop_token_ids
+from hotweights.state import ServiceKind
 from hotweights.stats import ms
 
 log = logging.getLogger(__name__)
@@ -66,6 +75,7 @@ log = logging.getLogger(__name__)
 SERVICE_PROBE_S = 1.0  # how often a serving daemon or gateway must answer its probe
 SERVICE_HUNG_PROBES = 5  # probes in a row it may leave unanswered before it is killed and respawned
 STOP_TIMEOUT_S = 15.0  # how long stop() lets a cycle in progress finish
+POST_MARGIN_S = 10.0  # an engine's answer to a role change may come this long after the wait it was given
 
 
 class Refused(Exception):
@@ -89,20 +99,13 @@ class Unavailable(Refused):
 
 
 @dataclass
-class Intent:
-    action: str
+class Queued:
+    """A REST intent waiting for the loop, and the future its requester awaits."""
+
+    intent: Intent
     group: int
     params: dict[str, Any]
     future: asyncio.Future
-
-
-@dataclass
-class SlotRestarts:
-    """Backoff of an engine slot whose engines exit before ever being ready."""
-
-    failures: int = 0  # such exits in a row
-    next_start_at: float = 0.0  # time.monotonic()
-    seen_exit_at: float | None = None  # the exit already accounted for
 
 
 class Ha:
@@ -126,19 +129,18 @@ class Ha:
         self.on_ready = on_ready
         self.interval_s = health.interval_ms / 1000
         self.check_timeout_s = health.timeout_ms / 1000
-        self.drain_timeout_s = cluster.config.engine.drain_timeout_s
         self.is_failed = process_exited() | checks_failed(health.failure_threshold) | not_ready_within()
         self.executor = GroupExecutor(self.wakeup)
-        self.intents: deque[Intent] = deque()
-        self.actions: dict[str, Callable[..., Awaitable[tuple[str, dict[str, Any]]]]] = {
-            "switchover": self.do_switchover,
-            "failover": self.do_failover,
-            "drain": self.do_drain,
-            "promote": self.do_promote,
-            "add": self.do_add,
-            "delete": self.do_delete,
-            "restart_cache": self.do_restart_cache,
-            "rollout": self.do_rollout,
+        self.intents: deque[Queued] = deque()
+        self.actions: dict[Intent, Callable[..., Awaitable[tuple[str, dict[str, Any]]]]] = {
+            Intent.SWITCHOVER: self.do_switchover,
+            Intent.FAILOVER: self.do_failover,
+            Intent.DRAIN: self.do_drain,
+            Intent.PROMOTE: self.do_promote,
+            Intent.ADD: self.do_add,
+            Intent.DELETE: self.do_delete,
+            Intent.RESTART_CACHE: self.do_restart_cache,
+            Intent.ROLLOUT: self.do_rollout,
         }
         self.rollouts: dict[int, RolloutProgress] = {}  # per group: the rollout queued or running
         self.restarts: dict[str, SlotRestarts] = {}  # the start backoff of each engine slot
@@ -227,18 +229,17 @@ class Ha:
     # --- 1. failed primaries --------------------------------------------------------------------
 
     async def process_failed_primary(self, snap: Snapshot, group: int) -> str | None:
-        primaries = snap.primaries(group)
-        live = [p for p in primaries if p.alive]
-        if len(live) > 1:
-            return self.executor.run(group, f"resolving {len(live)} primaries", self.resolve_split_brain(group, live))
-        for dead in primaries[1:] if live else ():  # a stale record: the live one serves, the dead one restarts
-            self.cluster.set_role(dead.id, Role.STANDBY)
-        old = primaries[0] if primaries else None
-        reason = old and self.is_failed(old)
-        if old is None or not reason or self.executor.backing_off(group, "failover"):
-            return None
-        what = f"failing over from {old.id} ({reason})"
-        return self.executor.run(group, what, self._failover(snap, group, old, reason), kind="failover")
+        decision = failed_primary(snap.primaries(group), self.is_failed)
+        for stale in decision.stale:  # the live one serves, the dead one restarts as a standby
+            self.cluster.set_role(stale, Role.STANDBY)
+        match decision.action:
+            case ResolveSplitBrain(live):
+                what = f"resolving {len(live)} primaries"
+                return self.executor.run(group, what, self.resolve_split_brain(group, live))
+            case FailOver(old, reason) if not self.executor.backing_off(group, "failover"):
+                what = f"failing over from {old.id} ({reason})"
+                return self.executor.run(group, what, self._failover(snap, group, old, reason), kind="failover")
+        return None
 
     async def _failover(self, snap: Snapshot, group: int, old: MemberView, reason: str) -> Outcome:
         sentence, details = await self.failover(snap, group, old, reason, "automatic")
@@ -307,9 +308,9 @@ class Ha:
             sentence += f"; {await self._restart_slot(snap, old.id)}"
         return sentence, details | {"ok": True, "new_primary": candidate.id, "message": sentence} | timings
 
-    async def resolve_split_brain(self, group: int, live: list[MemberView]) -> Outcome:
-        """Keep the serving one that has run longest; fence the others (they restart as standbys)."""
-        keep = max(live, key=lambda m: (m.is_serving_primary, m.age_s))
+    async def resolve_split_brain(self, group: int, live: Sequence[MemberView]) -> Outcome:
+        """Keep one (``keep_in_split_brain``); fence the others (they restart as standbys)."""
+        keep = keep_in_split_brain(live)
         fenced = [m.id for m in live if m is not keep]
         for member_id in fenced:
             await self.cluster.fence(member_id)
@@ -318,14 +319,9 @@ class Ha:
         return Outcome(message)
 
     def best_standby(self, snap: Snapshot, group: int) -> MemberView | None:
-        """A ready standby with the fewest failed checks; ties go to the lowest slot (snapshot order). During a
-        model update, those of the group's current weight generation first; one of an older generation only
-        while no engine of the current one has been primary (answers switch generation once, never back)."""
+        """``decide.best_standby`` of the group, by its weight generations."""
         weights = self.cluster.weights[group]
-        ready = [m for m in snap.group(group) if m.is_ready_standby]
-        if any(m.generation == weights.current.number for m in ready) or weights.served:
-            ready = [m for m in ready if m.generation == weights.current.number]
-        return min(ready, key=lambda m: m.health.consecutive_failures, default=None)
+        return best_standby(snap.group(group), weights.current.number, weights.served)
 
     async def promote(self, candidate: MemberView) -> tuple[bool, float, str]:
         """POST /promote, then confirm /primary answers 200; returns (done, ms, the engine's message)."""
@@ -379,10 +375,10 @@ class Ha:
         """Members of ``group`` (absent ones too: a stranger may hold a slot's port) answering /primary 200."""
         return [m.id for m in snap.group(group) if await self.engines.is_primary(m.url, self.check_timeout_s)]
 
-    async def _resume(self, old: MemberView) -> str:
+    async def _resume(self, old: MemberView, drain_s: float) -> str:
         """Undo a drain of ``old`` (a drained primary resumes serving); says what happened."""
         try:
-            status, body = await self._post(old, Endpoint.PROMOTE)
+            status, body = await self._post(old, Endpoint.PROMOTE, drain_s)
         except Unavailable as exc:
             status, body = 0, {"message": str(exc)}
         if status == 200:
@@ -409,17 +405,17 @@ class Ha:
 
     # --- 2. REST intents ------------------------------------------------------------------------
 
-    async def request(self, action: str, timeout: float, **params: Any) -> dict[str, Any]:
+    async def request(self, intent: Intent, timeout: float, **params: Any) -> dict[str, Any]:
         """Queue an intent for the loop and wait for its outcome (raises Refused: NotFound at once for an
         unknown engine or group)."""
         group = self._intent_group(self.cluster.snapshot(), params)
         future = asyncio.get_running_loop().create_future()
-        self.intents.append(Intent(action, group, params, future))
+        self.intents.append(Queued(intent, group, params, future))
         self.wakeup()
         try:
             return await asyncio.wait_for(future, timeout)
         except TimeoutError:
-            raise Unavailable(f"the controller did not finish {action} within {timeout:g} s; see GET /events") from None
+            raise Unavailable(f"the controller did not finish {intent} within {timeout:g} s; see GET /events") from None
 
     def _intent_group(self, snap: Snapshot, params: dict[str, Any]) -> int:
         """The group an intent acts on: its engine's (``engine_id``, ``candidate``), else ``group`` (default 0)."""
@@ -433,27 +429,28 @@ class Ha:
 
     async def process_intent(self, snap: Snapshot, group: int) -> str | None:
         """Start the group's oldest queued intent (one its requester still waits for) in the background."""
-        for intent in list(self.intents):
-            if intent.future.done():  # the requester gave up before we got to it
-                self.intents.remove(intent)
-            elif intent.group == group:
-                self.intents.remove(intent)
-                return self.executor.run(group, f"{intent.action} (requested)", self._carry_out(snap, intent))
+        for queued in list(self.intents):
+            if queued.future.done():  # the requester gave up before we got to it
+                self.intents.remove(queued)
+            elif queued.group == group:
+                self.intents.remove(queued)
+                return self.executor.run(group, f"{queued.intent} (requested)", self._carry_out(snap, queued))
         return None
 
-    async def _carry_out(self, snap: Snapshot, intent: Intent) -> Outcome:
+    async def _carry_out(self, snap: Snapshot, queued: Queued) -> Outcome:
+        future = queued.future
         try:
-            sentence, result = await self.actions[intent.action](snap, **intent.params)
+            sentence, result = await self.actions[queued.intent](snap, **queued.params)
         except Refused as exc:
-            if not intent.future.done():
-                intent.future.set_exception(exc)
-            return Outcome(f"refused {intent.action}: {exc}")
+            if not future.done():
+                future.set_exception(exc)
+            return Outcome(f"refused {queued.intent}: {exc}")
         except Exception as exc:
-            if not intent.future.done():
-                intent.future.set_exception(exc)
+            if not future.done():
+                future.set_exception(exc)
             raise
-        if not intent.future.done():
-            intent.future.set_result({"message": sentence} | result)
+        if not future.done():
+            future.set_result({"message": sentence} | result)
         return Outcome(sentence)
 
     def _member(self, snap: Snapshot, member_id: str) -> MemberView:
@@ -498,14 +495,15 @@ class Ha:
                 raise NotPossible(f"group {group} has no ready standby to switch over to")
         # The new primary's KV cache is allocated while the old one still holds its own.
         await self.cluster.batch.make_room(group, f"a switchover from {old.id} to {new.id}")
+        drain_s = self.drain_timeout_s()
         start = time.monotonic()
         try:
-            status, body = await self._post(old, Endpoint.DRAIN, {"timeout_s": self.drain_timeout_s})
+            status, body = await self._post(old, Endpoint.DRAIN, drain_s, {"timeout_s": drain_s})
         except Unavailable as exc:  # it may have drained part way: undo that too
-            raise Unavailable(f"{exc}; {await self._resume(old)}") from None
+            raise Unavailable(f"{exc}; {await self._resume(old, drain_s)}") from None
         drain_ms = ms(time.monotonic() - start)
         if status != 200:
-            raise Conflict(f"{old.id} refused to drain: {body.get('message')}; {await self._resume(old)}")
+            raise Conflict(f"{old.id} refused to drain: {body.get('message')}; {await self._resume(old, drain_s)}")
         promoted, promote_ms, message = await self.promote(new)
         if not promoted:
             # The candidate may have taken the role unseen: resume the old primary only once it is gone.
@@ -514,10 +512,10 @@ class Ha:
                     f"promoting {new.id} failed ({message}) and it is still alive after SIGKILL; {old.id} stays "
                     f"drained so that the two never both serve: POST /engines/{old.id}/promote resumes it"
                 )
-            raise Conflict(f"promoting {new.id} failed ({message}); {await self._resume(old)}")
+            raise Conflict(f"promoting {new.id} failed ({message}); {await self._resume(old, drain_s)}")
         demote_start = time.monotonic()
         try:
-            status, body = await self._post(old, Endpoint.DEMOTE, {"timeout_s": self.drain_timeout_s})
+            status, body = await self._post(old, Endpoint.DEMOTE, drain_s, {"timeout_s": drain_s})
         except Unavailable as exc:
             status, body = 0, {"message": str(exc)}
         if status == 200:
@@ -553,9 +551,8 @@ class Ha:
 
     async def do_drain(self, snap: Snapshot, engine_id: str, timeout_s: float | None = None) -> tuple[str, dict]:
         member = self._member(snap, engine_id)
-        status, body = await self._post(
-            member, Endpoint.DRAIN, {"timeout_s": self.drain_timeout_s if timeout_s is None else timeout_s}
-        )
+        wait_s = self.drain_timeout_s() if timeout_s is None else timeout_s
+        status, body = await self._post(member, Endpoint.DRAIN, wait_s, {"timeout_s": wait_s})
         if status != 200:
             raise Conflict(f"{member.id} refused to drain: {body.get('message')}")
         sentence = f"drained {member.id}: {body.get('message')}"
@@ -566,7 +563,7 @@ class Ha:
         """A primary: resume (if drained); a standby: only when its group has no live primary."""
         member = self._member(snap, engine_id)
         if member.role == Role.PRIMARY:
-            status, body = await self._post(member, Endpoint.PROMOTE)
+            status, body = await self._post(member, Endpoint.PROMOTE, self.drain_timeout_s())
             if status != 200:
                 raise Conflict(f"{member.id} refused: {body.get('message')}")
             return f"{member.id}: {body.get('message')}", body
@@ -627,7 +624,7 @@ class Ha:
         progress = self.rollouts[group] = RolloutProgress(group)
         try:
             wait_s = rollout_wait_s(snap.group(group), switchover_wait_s) + (SERVICE_START_TIMEOUT_S if model else 0)
-            return await self.request("rollout", wait_s, group=group, model=model)
+            return await self.request(Intent.ROLLOUT, wait_s, group=group, model=model)
         finally:
             if not progress.started:  # withdrawn before it began; once begun, do_rollout ends it
                 self.rollouts.pop(group, None)
@@ -699,7 +696,6 @@ class Ha:
         if self.best_standby(snap, group) is None:
             raise NotPossible(f"group {group} has no ready standby to switch over to; nothing restarted")
         self.cluster.reconfigure(config)
-        self.drain_timeout_s = config.engine.drain_timeout_s
         return primary, changed
 
     async def _rollout_switch(self, group: int) -> str:
@@ -710,9 +706,17 @@ class Ha:
             raise StepFailed(str(exc)) from None
         return result["new_primary"]
 
-    async def _post(self, member: MemberView, path: str, body: dict | None = None) -> tuple[int, dict[str, Any]]:
+    def drain_timeout_s(self) -> float:
+        """The engines' drain timeout now; an action reads it once, at its start, so a rollout that changes it
+        (``Cluster.reconfigure``) never changes an action of another group in flight."""
+        return self.cluster.config.engine.drain_timeout_s
+
+    async def _post(
+        self, member: MemberView, path: str, wait_s: float, body: dict | None = None
+    ) -> tuple[int, dict[str, Any]]:
+        """POST to an engine that may take ``wait_s`` to answer (a drain's); Unavailable when it does not answer."""
         try:
-            return await self.engines.post(member.url, path, body, timeout=self.drain_timeout_s + 10)
+            return await self.engines.post(member.url, path, body, timeout=wait_s + POST_MARGIN_S)
         except EngineUnreachable as exc:
             raise Unavailable(str(exc)) from None
 
@@ -729,7 +733,7 @@ class Ha:
             if view.pid is not None and not view.alive:
                 self.events.record("exit", f"{view.id} {view.exit_reason}", service=view.id, group=view.group)
                 actions.append(f"{view.id} {view.exit_reason}: respawning it")
-                if view.kind == "daemon":
+                if view.kind == ServiceKind.DAEMON:
                     self.metrics.daemon_restarts.labels(str(view.group)).inc()
             elif view.alive:
                 actions.append(f"waiting for {view.id} (pid {view.pid}) to serve")
@@ -777,7 +781,7 @@ class Ha:
                 await self.cluster.start_service(service_id)
         service = self.cluster.services[service_id]
         duration_ms = ms(time.monotonic() - start)
-        fill = await self.cluster.fill_report(service_id) if service.kind == "daemon" else {}
+        fill = await self.cluster.fill_report(service_id) if service.kind == ServiceKind.DAEMON else {}
         spare = " (its spare, imports done)" if service.from_spare else ""
         message = f"{service_id} (pid {service.process.pid}){spare} serving after {duration_ms} ms{filled(fill)}"
         self.events.record(
@@ -790,68 +794,47 @@ class Ha:
     # --- 3. engine slots -----------------------------------------------------------------------
 
     async def process_members(self, snap: Snapshot, group: int) -> str | None:
-        """Fence standbys that failed; (re)start absent or exited slots once the daemon serves, an engine
-        that exited before ever being ready only after its backoff."""
-        now = time.monotonic()
-        fence: list[tuple[MemberView, str]] = []
-        start: list[MemberView] = []
-        for view in snap.group(group):
-            restarts = self.restarts.setdefault(view.id, SlotRestarts())
-            if view.alive:
-                if view.status == "healthy":
-                    restarts.failures = 0
-                elif view.role == Role.STANDBY and (reason := self.is_failed(view)):
-                    fence.append((view, reason))
-                continue
-            if view.role == Role.PRIMARY:
-                continue  # a dead primary is failover's business (step 1)
-            if view.status == "exited" and restarts.seen_exit_at != view.exited_at:  # first look at this exit
-                restarts.seen_exit_at = view.exited_at
-                if not view.health.ever_ok:
-                    restarts.failures += 1
-                delay = backoff_s(restarts.failures) if restarts.failures else 0.0
-                restarts.next_start_at = view.exited_at + delay
-                self.events.record(
-                    "exit", f"standby {view.id} {view.exit_reason}; restarting in {delay:.1f} s",
-                    member=view.id, group=view.group,
-                )  # fmt: skip
-            if snap.daemons_serve(group) and now >= restarts.next_start_at:
-                start.append(view)
-        if (not fence and not start) or self.executor.backing_off(group, "members"):
+        """``decide.plan_slots`` for the group: record the exits it saw first, keep the backoffs, tend the slots."""
+        plan = plan_slots(snap.group(group), self.restarts, time.monotonic(), snap.daemons_serve(group), self.is_failed)
+        self.restarts.update(plan.restarts)
+        for seen in plan.exits:
+            view = seen.member
+            self.events.record(
+                "exit", f"standby {view.id} {view.exit_reason}; restarting in {seen.delay_s:.1f} s",
+                member=view.id, group=view.group,
+            )  # fmt: skip
+        tend = plan.tend
+        if tend is None or self.executor.backing_off(group, "members"):
             return None
-        what = ", ".join([f"fencing standby {v.id} ({why})" for v, why in fence] + [f"starting {v.id}" for v in start])
-        return self.executor.run(group, what, self._tend(fence, start), kind="members")
+        fence = [f"fencing standby {v.id} ({why})" for v, why in tend.fence]
+        what = ", ".join(fence + [f"starting {v.id}" for v in tend.start])
+        return self.executor.run(group, what, self._tend(tend), kind="members")
 
-    async def _tend(self, fence: list[tuple[MemberView, str]], start: list[MemberView]) -> Outcome:
+    async def _tend(self, tend: TendSlots) -> Outcome:
         done, ok = [], True
-        for view, reason in fence:
+        for view, reason in tend.fence:
             if await self.cluster.fence(view.id):
                 self.events.record("fence", f"standby {view.id} {reason}", member=view.id, group=view.group)
                 done.append(f"fenced standby {view.id} ({reason})")
             else:
                 done.append(f"standby {view.id} ({reason}) is still alive {FENCE_TIMEOUT_S:g} s after SIGKILL")
                 ok = False
-        for view in start:
+        for view in tend.start:
             done.append(f"started standby {await self._start_standby(view.id)}")
         return Outcome("; ".join(done), ok)
 
     # --- 4. a group without a primary -------------------------------------------------------------
 
     async def process_missing_primary(self, snap: Snapshot, group: int) -> str | None:
-        if snap.primaries(group):
-            return None
-        if refusal := self.leadership.refusal(group):
-            return f"group {group} has no primary here: {refusal}"
-        unchecked = [m.id for m in snap.group(group) if m.alive and m.health.ok is None]
-        if unchecked:
-            return f"group {group} has no known primary; waiting for the first checks of {unchecked}"
-        candidate = self.best_standby(snap, group)
-        if candidate is None:
-            states = ", ".join(f"{m.id} {m.status}" for m in snap.group(group))
-            return f"group {group} has no primary and no ready standby yet ({states})"
-        if self.executor.backing_off(group, "elect"):
-            return None
-        return self.executor.run(group, f"electing {candidate.id}", self._elect(snap, group, candidate), kind="elect")
+        members = snap.group(group)
+        refusal = self.leadership.refusal(group)
+        match missing_primary(group, members, refusal, self.best_standby(snap, group)):
+            case Wait(sentence):
+                return sentence
+            case Elect(candidate) if not self.executor.backing_off(group, "elect"):
+                what = f"electing {candidate.id}"
+                return self.executor.run(group, what, self._elect(snap, group, candidate), kind="elect")
+        return None
 
     async def _elect(self, snap: Snapshot, group: int, candidate: MemberView) -> Outcome:
         # a primary our checks have not seen (yet): never add a second one

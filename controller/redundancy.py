@@ -14,10 +14,9 @@ has been full: until then it is starting, not degraded.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from hotweights.controller.cluster import MemberView, Snapshot
+from hotweights.controller.cluster import MemberView, Snapshot, Status
 
 
 @dataclass(frozen=True)
@@ -53,9 +52,9 @@ def slot_state(member: MemberView) -> str:
     """Why ``member`` is neither a ready standby nor a serving primary, in a few words."""
     if not member.alive:
         return f"{member.id} {member.exit_reason or member.status}" if member.pid is not None else f"{member.id} absent"
-    if member.status == "starting":
+    if member.status == Status.STARTING:
         return f"{member.id} starting ({member.age_s:.1f} s)"
-    if member.status in ("failing", "exiting"):
+    if member.status in (Status.FAILING, Status.EXITING):
         failed = member.health.consecutive_failures
         return f"{member.id} {member.status} ({failed} failed check{'s' if failed != 1 else ''})"
     return f"{member.id} {member.role} {member.state}"

@@ -16,15 +16,14 @@ from hotweights.cache.launcher import daemon_command
 from hotweights.cache.makemodel import ensure_default_model
 from hotweights.cache.paths import DaemonPaths
 from hotweights.cache.pipeline import LoadSpec, check_spec
-from hotweights.cache.vllm_format import VLLM_FORMAT
 from hotweights.contract import Role
 from hotweights.controller.config import REFERENCE, VLLM, ClusterConfig, EngineSpec
+from hotweights.controller.ids import spare_engine_id
 from hotweights.dtypes import MODEL_DTYPES, config_name
+from hotweights.engines import KINDS, LOAD_FORMAT, PORT_PLACEHOLDER, SOCKET_RANK, VLLM_FORMAT
 from hotweights.errors import ConfigError, HotweightsError
 from hotweights.spawn import hotweights_command
-from hotweights.standby.agent import KINDS, PORT_PLACEHOLDER
-from hotweights.standby.tpgroup import SOCKET_RANK, check_group
-from hotweights.standby.vllm_loader import LOAD_FORMAT
+from hotweights.standby.tpgroup import check_group
 
 MAX_SOCKET_PATH = 107  # sun_path is 108 bytes including the NUL
 
@@ -36,11 +35,6 @@ class Generation:
 
     number: int
     model_dir: Path
-
-
-def spare_engine_id(group: int) -> str:
-    """The engine id in the command of the group's spare engines (the slot each starts as comes with its start)."""
-    return f"g{group}-spare"
 
 
 @dataclass(frozen=True)

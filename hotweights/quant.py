@@ -8,7 +8,10 @@ historical: it holds s, the multiplier, not 1/s).
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 FP8_BLOCK = "fp8-block"
 QUANT_METHODS: tuple[str, ...] = (FP8_BLOCK,)
@@ -24,7 +27,6 @@ REFUSED_QUANTIZATION = {
 }
 
 BLOCK = 128
-FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 SCALE_SUFFIX = "_scale_inv"  # weight -> weight_scale_inv
 QUANT_CONFIG = {
@@ -34,6 +36,16 @@ QUANT_CONFIG = {
     "weight_block_size": [BLOCK, BLOCK],
 }
 """The ``quantization_config`` of a block-FP8 ``config.json``."""
+
+
+def __getattr__(name: str) -> torch.dtype:
+    """``FP8_DTYPE``: torch's ``float8_e4m3fn``, imported on first use (the vocabulary above needs no torch: the
+    controller's config and the gateway read it)."""
+    if name != "FP8_DTYPE":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import torch
+
+    return torch.float8_e4m3fn
 
 
 def scale_shape(rows: int, cols: int) -> tuple[int, int]:
@@ -49,6 +61,8 @@ def check_method(quant: str | None, where: str) -> None:
 
 def _blocked(x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     """Pad [N, K] up to whole blocks and view it as [nb, BLOCK, kb, BLOCK]."""
+    import torch
+
     rows, cols = x.shape
     nb, kb = scale_shape(rows, cols)
     padded = torch.nn.functional.pad(x, (0, kb * BLOCK - cols, 0, nb * BLOCK - rows))
@@ -57,19 +71,23 @@ def _blocked(x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
 
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a 2-D weight: s = amax(block) / 448, q = e4m3(x / s). Returns (q, s)."""
+    import torch
+
     if weight.dim() != 2:
         raise ValueError(f"block FP8 needs a 2-D weight, got shape {tuple(weight.shape)}")
     rows, cols = weight.shape
     blocks, _, _ = _blocked(weight.float())
     amax = blocks.abs().amax(dim=(1, 3))
     scale = (amax / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
-    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     q = q.view(blocks.shape[0] * BLOCK, blocks.shape[2] * BLOCK)[:rows, :cols].contiguous()
     return q, scale.contiguous()
 
 
-def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """W = float(q) * S[i // 128, j // 128], computed without materialising the expanded scale twice."""
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """W = float(q) * S[i // 128, j // 128] in ``dtype`` (float32 by default), computed without materialising the
+    expanded scale twice."""
     rows, cols = q.shape
     expanded = scale.repeat_interleave(BLOCK, dim=0)[:rows].repeat_interleave(BLOCK, dim=1)[:, :cols]
-    return (q.float() * expanded).to(dtype)
+    product = q.float() * expanded
+    return product if dtype is None else product.to(dtype)

@@ -19,14 +19,22 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from hotweights.contract import Role
 from hotweights.errors import ConfigError
 
 STATE_VERSION = 1
-ROLES = ("primary", "standby")
-SERVICE_KINDS = ("daemon", "gateway", "batch")  # batch: a group's co-located batch engine
+
+
+class ServiceKind(StrEnum):
+    """A supervised process that is not an engine slot."""
+
+    DAEMON = "daemon"  # a group's cache daemon (one per rank of a tensor-parallel group)
+    GATEWAY = "gateway"
+    BATCH = "batch"  # a group's co-located batch engine
 
 
 class StateCorrupt(ConfigError):
@@ -61,7 +69,7 @@ class MemberRecord:
 
 @dataclass(frozen=True)
 class ServiceRecord:
-    kind: str  # daemon | gateway | batch
+    kind: ServiceKind
     process: ProcessRecord | None = None
 
 
@@ -179,8 +187,8 @@ class _Reader:
     def member(self, value: Any, where: str) -> MemberRecord:
         row = self.object(value, where)
         role = row.get("role", "standby")
-        if role not in ROLES:
-            raise self.fail(f"{where}.role", " or ".join(ROLES), role)
+        if role not in set(Role):
+            raise self.fail(f"{where}.role", " or ".join(Role), role)
         return MemberRecord(
             group=self.typed(row.get("group"), int, f"{where}.group"),
             device=self.typed(row.get("device"), str, f"{where}.device"),
@@ -205,9 +213,9 @@ class _Reader:
     def service(self, value: Any, where: str) -> ServiceRecord:
         row = self.object(value, where)
         kind = row.get("kind")
-        if kind not in SERVICE_KINDS:
-            raise self.fail(f"{where}.kind", " or ".join(SERVICE_KINDS), kind)
-        return ServiceRecord(kind=kind, process=self.process(row.get("process"), f"{where}.process"))
+        if kind not in set(ServiceKind):
+            raise self.fail(f"{where}.kind", " or ".join(ServiceKind), kind)
+        return ServiceRecord(kind=ServiceKind(kind), process=self.process(row.get("process"), f"{where}.process"))
 
 
 _JSON_NAMES = {dict: "object", list: "array", str: "string", int: "integer", bool: "boolean"}

@@ -36,6 +36,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from hotweights.contract import NOT_NORMALIZED, Endpoint, Role, forwardable_path, read_token, refuse_open_listener
+from hotweights.engines import KINDS, PORT_PLACEHOLDER, EngineKind
 from hotweights.errors import ConfigError
 from hotweights.ports import free_port
 from hotweights.proxying import HOP_BY_HOP, ProxiedStream
@@ -47,28 +48,11 @@ from hotweights.standby.serving import AnnouncingServer, bind_port, run_until_si
 
 log = logging.getLogger(__name__)
 
-PORT_PLACEHOLDER = "{port}"
 PROBE_INTERVAL_S = 1.0
 PROBE_TIMEOUT_S = 5.0
 LIVE_FAILURES = 3  # probes in a row the engine may miss before /health/live turns 503
 LOG_TAIL_LINES = 15
 KEEPALIVE_S = 2.0  # below the engine's (uvicorn's 5 s), so a pooled connection is never reused as it closes
-
-
-@dataclass(frozen=True)
-class EngineKind:
-    """How the agent talks to one kind of engine."""
-
-    name: str
-    server_module: str  # python -m this serves the OpenAI API
-    health: str  # the engine's own health endpoint
-    running_metric: str  # its Prometheus gauge of requests being generated
-
-
-KINDS = {
-    "vllm": EngineKind("vllm", "vllm.entrypoints.openai.api_server", "/health", "vllm:num_requests_running"),
-    "sglang": EngineKind("sglang", "sglang.launch_server", "/health", "sglang:num_running_reqs"),
-}
 
 
 class PassThrough:

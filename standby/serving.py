@@ -56,7 +56,9 @@ def bind_port(host: str, port: int, *, reuse_port: bool = False) -> socket.socke
 
 
 class AnnouncingServer(uvicorn.Server):
-    """uvicorn printing ``{"event": "ready", "port", "pid", **ready}`` on stdout once it listens."""
+    """uvicorn printing ``{"event": "ready", "port", "pid", **ready}`` on stdout once it listens. It reads
+    ``uvicorn.Server``'s ``started`` and ``servers``, which are not uvicorn's public API: pyproject.toml pins the
+    uvicorn release this is tested with."""
 
     def __init__(self, config: uvicorn.Config, ready: dict[str, object] | None = None) -> None:
         super().__init__(config)

@@ -50,6 +50,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
+from hotweights.engines import SOCKET_RANK
 from hotweights.errors import ConfigError, HotweightsError
 from hotweights.spawn import hotweights_command
 from hotweights.standby.decoder import Decoder, bucket
@@ -62,7 +63,6 @@ IDLE_LIMIT = timedelta(days=365)  # a follower waits this long for rank 0's next
 BROKEN_GRACE_S = 3.0  # how long a failed collective waits for the follower exit that likely caused it
 STOP_TIMEOUT_S = 10.0  # how long rank 0 waits for a stopped follower before it kills it
 STEP_STALL_S = 10.0  # a step of the group running this long means a rank hangs: rank 0 is then not ready
-SOCKET_RANK = "{rank}"  # --socket's placeholder for the rank, with --tp-size > 1
 
 
 class GroupError(HotweightsError):

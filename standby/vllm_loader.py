@@ -27,11 +27,11 @@ from torch import nn
 
 from hotweights.cache.client import Attachment, attach, request
 from hotweights.cache.vllm_format import skip_cpu_packing, vllm_fingerprint
+from hotweights.engines import LOAD_FORMAT
 from hotweights.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-LOAD_FORMAT = "hotweights"
 LINEAR_MODES = ("shared", "packed")
 
 

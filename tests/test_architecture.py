@@ -13,6 +13,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+import torch
+
 REPO = Path(__file__).resolve().parent.parent
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 
@@ -52,3 +54,22 @@ def test_an_upward_import_breaks_the_contract(tmp_path: Path) -> None:
     result = lint_imports(root)
     assert result.returncode != 0
     assert "hotweights.cache.arena -> hotweights.standby.model" in result.stdout
+
+
+def test_the_gateway_and_the_config_import_no_torch() -> None:
+    """A gateway's start (and its respawn after a crash) never waits for torch's second of imports."""
+    code = (
+        "import sys; import hotweights.controller.gateway, hotweights.controller.config; "
+        "from hotweights.dtypes import MODEL_DTYPE_NAMES; from hotweights.quant import QUANT_METHODS; "
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert result.stdout.strip() == "[]", result.stdout[:500]
+
+
+def test_the_torch_tables_come_on_first_use() -> None:
+    from hotweights import dtypes, quant
+
+    assert dtypes.MODEL_DTYPES["bf16"] is torch.bfloat16 and dtypes.ARENA_DTYPES["float8_e4m3fn"] is quant.FP8_DTYPE
+    assert tuple(dtypes.MODEL_DTYPES) == dtypes.MODEL_DTYPE_NAMES
+    assert dtypes.config_name(torch.float16) == "float16" and dtypes.short_name(torch.float32) == "fp32"

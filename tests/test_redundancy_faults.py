@@ -20,12 +20,12 @@ from tests.cachehelpers import ENV
 BENCH = Path(__file__).resolve().parent.parent / "bench" / "redundancy.py"
 
 
-@pytest.mark.timeout(540)
+@pytest.mark.timeout(300)
 def test_full_redundancy_returns_after_every_fault_of_a_storm_without_client_errors(default_model: Path) -> None:
     command = [sys.executable, str(BENCH), "--faults", "6", "--interval", "8", "--signals", "kill,stop", "--quiet", "3"]
     bench = subprocess.Popen(command, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        stdout, stderr = bench.communicate(timeout=480)
+        stdout, stderr = bench.communicate(timeout=240)
     except BaseException:
         bench.terminate()  # the bench tears its stack down on SIGTERM
         bench.communicate(timeout=60)

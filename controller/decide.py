@@ -1,0 +1,194 @@
+"""The HA loop's decision core: from one group's part of a snapshot to what to do, with no I/O.
+
+Every function here is pure: it reads immutable views (``Snapshot``'s members), the few facts the loop keeps
+between cycles (each slot's restart backoff, a leadership refusal) and a clock reading, and returns a typed
+decision. ``controller.ha`` carries the decisions out (fence, promote, start, record), one group at a time; these
+functions never touch a process, a socket or the event log, so each can be read alone and is tested with tables of
+situations and the decisions expected (``tests/test_decide.py``).
+
+For each failover group the loop takes the first of these that applies (``controller.ha`` has the order):
+
+1. ``failed_primary``: two live primaries: resolve (keep one); a primary that failed: fail over from it;
+2. a queued REST intent (``Intent``), one at a time per group;
+3. ``plan_slots``: standbys that failed are fenced, absent or exited slots (re)started once the group's daemons
+   serve, a slot whose engines exit before ever being ready only after its backoff;
+4. ``missing_primary``: no primary: elect the best ready standby (``best_standby``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from enum import StrEnum
+
+from hotweights.contract import Role
+from hotweights.controller.cluster import MemberView, Status
+from hotweights.controller.executor import backoff_s
+
+Verdict = Callable[[MemberView], str | None]  # why an engine counts as failed (``controller.health``), or None
+
+
+class Intent(StrEnum):
+    """What a REST request asks the loop to do (``Ha.request``); each one is an action of ``controller.ha``."""
+
+    SWITCHOVER = "switchover"
+    FAILOVER = "failover"
+    DRAIN = "drain"
+    PROMOTE = "promote"
+    ADD = "add"
+    DELETE = "delete"
+    RESTART_CACHE = "restart_cache"
+    ROLLOUT = "rollout"
+
+
+@dataclass(frozen=True)
+class ResolveSplitBrain:
+    """Two or more live primaries in one group: keep one, fence the others."""
+
+    live: tuple[MemberView, ...]
+
+
+@dataclass(frozen=True)
+class FailOver:
+    """Fence ``old`` (a primary that failed, for ``reason``) and promote the best ready standby."""
+
+    old: MemberView
+    reason: str
+
+
+@dataclass(frozen=True)
+class PrimaryDecision:
+    """Step 1's answer: ``action`` (None: the primary is fine, or the group has none), and ``stale``: records of
+    dead primaries beside a live one, to be set back to standby (they restart as standbys)."""
+
+    action: ResolveSplitBrain | FailOver | None
+    stale: tuple[str, ...] = ()
+
+
+def failed_primary(primaries: Sequence[MemberView], is_failed: Verdict) -> PrimaryDecision:
+    """Step 1 for a group whose primaries (by the records, in slot order) are ``primaries``. With one live primary
+    the dead records are stale and the live one is judged; with none, the first record is (a dead primary is
+    failed over from)."""
+    live = [p for p in primaries if p.alive]
+    if len(live) > 1:
+        return PrimaryDecision(ResolveSplitBrain(tuple(live)))
+    stale = tuple(p.id for p in primaries if not p.alive) if live else ()
+    old = live[0] if live else (primaries[0] if primaries else None)
+    reason = is_failed(old) if old is not None else None
+    return PrimaryDecision(FailOver(old, reason) if old is not None and reason else None, stale)
+
+
+def keep_in_split_brain(live: Sequence[MemberView]) -> MemberView:
+    """Of several live primaries, the one to keep: a serving one before one that is not, then the oldest."""
+    return max(live, key=lambda m: (m.is_serving_primary, m.age_s))
+
+
+@dataclass(frozen=True)
+class SlotRestarts:
+    """Backoff of an engine slot whose engines exit before ever being ready."""
+
+    failures: int = 0  # such exits in a row
+    next_start_at: float = 0.0  # time.monotonic()
+    seen_exit_at: float | None = None  # the exit already accounted for
+
+
+@dataclass(frozen=True)
+class SlotExit:
+    """A standby's exit seen for the first time; its slot restarts ``delay_s`` after the exit."""
+
+    member: MemberView
+    delay_s: float
+
+
+@dataclass(frozen=True)
+class TendSlots:
+    """Fence the standbys that failed (each with its reason), then start the slots named."""
+
+    fence: tuple[tuple[MemberView, str], ...]
+    start: tuple[MemberView, ...]
+
+
+@dataclass(frozen=True)
+class SlotPlan:
+    """Step 3's answer: ``tend`` (None: nothing to do), every slot's backoff after this cycle, the new exits."""
+
+    tend: TendSlots | None
+    restarts: dict[str, SlotRestarts]
+    exits: tuple[SlotExit, ...]
+
+
+def plan_slots(
+    members: Sequence[MemberView],
+    restarts: Mapping[str, SlotRestarts],
+    now: float,
+    daemons_serve: bool,
+    is_failed: Verdict,
+) -> SlotPlan:
+    """Step 3 for one group's ``members``: a live standby that failed is fenced; a healthy engine clears its slot's
+    backoff; an absent or exited standby slot is started once ``daemons_serve``, at once after an engine that was
+    ever ready, else after ``backoff_s`` of the exits in a row that never were (a dead primary is step 1's)."""
+    after = dict(restarts)
+    fence: list[tuple[MemberView, str]] = []
+    start: list[MemberView] = []
+    exits: list[SlotExit] = []
+    for view in members:
+        slot = after.get(view.id, SlotRestarts())
+        if view.alive:
+            if view.status == Status.HEALTHY:
+                slot = replace(slot, failures=0)
+            elif view.role == Role.STANDBY and (reason := is_failed(view)):
+                fence.append((view, reason))
+        elif view.role != Role.PRIMARY:
+            if view.status == Status.EXITED and slot.seen_exit_at != view.exited_at:  # first look at this exit
+                failures = slot.failures + (not view.health.ever_ok)
+                delay = backoff_s(failures) if failures else 0.0
+                slot = SlotRestarts(failures, (view.exited_at or now) + delay, view.exited_at)
+                exits.append(SlotExit(view, delay))
+            if daemons_serve and now >= slot.next_start_at:
+                start.append(view)
+        after[view.id] = slot
+    tend = TendSlots(tuple(fence), tuple(start)) if fence or start else None
+    return SlotPlan(tend, after, tuple(exits))
+
+
+@dataclass(frozen=True)
+class Elect:
+    """The group has no primary: promote ``candidate``."""
+
+    candidate: MemberView
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Nothing to do yet, for the reason given (the loop's sentence)."""
+
+    sentence: str
+
+
+def missing_primary(
+    group: int, members: Sequence[MemberView], refusal: str | None, candidate: MemberView | None
+) -> Elect | Wait | None:
+    """Step 4 for a group: None while it has a primary record; wait while another host leads it (``refusal``) or
+    a live engine has not been checked yet (it may be a primary we do not know of); else elect ``candidate`` (the
+    best ready standby), or wait for one."""
+    if any(m.role == Role.PRIMARY for m in members):
+        return None
+    if refusal:
+        return Wait(f"group {group} has no primary here: {refusal}")
+    if unchecked := [m.id for m in members if m.alive and m.health.ok is None]:
+        return Wait(f"group {group} has no known primary; waiting for the first checks of {unchecked}")
+    if candidate is None:
+        states = ", ".join(f"{m.id} {m.status}" for m in members)
+        return Wait(f"group {group} has no primary and no ready standby yet ({states})")
+    return Elect(candidate)
+
+
+def best_standby(members: Sequence[MemberView], generation: int, served: bool) -> MemberView | None:
+    """A ready standby with the fewest failed checks; ties go to the lowest slot (``members``' order). During a
+    model update (``generation``: the group's current weight generation; ``served``: whether an engine of it has
+    been primary), those of the current generation first; one of an older generation only while none of the
+    current one has been primary (answers switch generation once, never back)."""
+    ready = [m for m in members if m.is_ready_standby]
+    if served or any(m.generation == generation for m in ready):
+        ready = [m for m in ready if m.generation == generation]
+    return min(ready, key=lambda m: m.health.consecutive_failures, default=None)

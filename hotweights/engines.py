@@ -1,0 +1,30 @@
+"""The words the controller and the engines it starts share: the kinds of foreign engine the agent fronts, and the
+placeholders and names that travel in their command lines.
+
+Here, in the shared vocabulary, so that the controller builds those command lines without importing the engines'
+modules (and torch with them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PORT_PLACEHOLDER = "{port}"  # the agent's engine command: replaced by the port the agent picks
+SOCKET_RANK = "{rank}"  # --socket's placeholder for the rank, with --tp-size > 1
+LOAD_FORMAT = "hotweights"  # vLLM's --load-format that maps the daemon's arena (standby.vllm_loader)
+VLLM_FORMAT = "vllm"  # cache serve --format: vLLM's own loader fills the arena (cache.vllm_format)
+
+
+@dataclass(frozen=True)
+class EngineKind:
+    """How the agent talks to one kind of engine."""
+
+    name: str
+    server_module: str  # python -m this serves the OpenAI API
+    health: str  # the engine's own health endpoint
+    running_metric: str  # its Prometheus gauge of requests being generated
+
+
+KINDS = {
+    "vllm": EngineKind("vllm", "vllm.entrypoints.openai.api_server", "/health", "vllm:num_requests_running"),
+    "sglang": EngineKind("sglang", "sglang.launch_server", "/health", "sglang:num_running_reqs"),
+}
