@@ -346,6 +346,24 @@ def fail_over(
     return in_flight
 
 
+def test_the_engine_takes_token_ids_and_continues_from_the_tokens_it_released(engines: list[EngineProcess]) -> None:
+    """A token-id prompt is the text prompt's equal; a stream's released tokens, appended to its prompt's
+    ids, continue it with exactly the rest of the text (sampled with a seed too); ids outside the
+    vocabulary are one 400 naming the prompt."""
+    a = engines[0]
+    sampled = {"max_tokens": 40, "temperature": 0.9, "seed": 3}
+    whole = a.complete(prompt="Token ids", return_token_ids=True, **sampled).json()["choices"][0]
+    by_ids = a.complete(prompt=whole["prompt_token_ids"], **sampled).json()["choices"][0]
+    assert by_ids["text"] == whole["text"]
+    chunks = a.stream(prompt="Token ids", return_token_ids=True, **sampled)
+    released = [i for c in chunks[:10] for i in c["choices"][0]["token_ids"]]
+    sent = "".join(c["choices"][0]["text"] for c in chunks[:10])
+    rest = a.complete(prompt=whole["prompt_token_ids"] + released, **sampled | {"max_tokens": 40 - len(released)})
+    assert sent + rest.json()["choices"][0]["text"] == whole["text"]
+    bad = a.complete(prompt=[1, 10**9])
+    assert (bad.status_code, bad.json()["error"]["param"]) == (400, "prompt")
+
+
 @pytest.mark.timeout(240)
 def test_requests_survive_a_killed_and_then_a_hung_primary(
     engines: list[EngineProcess], gateway: GatewayProcess
