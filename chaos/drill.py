@@ -36,7 +36,7 @@ from hotweights.chaos import memory
 from hotweights.chaos.clusterview import ControlApi, lb_retries
 from hotweights.chaos.hosts import HostsStack
 from hotweights.chaos.hostscenarios import HOST_DEFAULT, SCENARIOS
-from hotweights.chaos.load import LoadGenerator, reference_completion
+from hotweights.chaos.load import STREAM_EVERY, LoadGenerator, reference_completion
 from hotweights.chaos.measure import RoundResult, apply_events, apply_requests
 from hotweights.chaos.report import write_report
 from hotweights.chaos.scenarios import SCENARIOS as ONE_HOST_SCENARIOS
@@ -157,7 +157,7 @@ async def drill(args: argparse.Namespace, stack: DrillStack | HostsStack) -> int
             reference = await until(stop, reference_completion(client, stack.lb_url))
             updates = isinstance(stack, DrillStack) and stack.owned and any(isinstance(s, ModelUpdate) for s in rounds)
             also = (await asyncio.to_thread(stack.make_other_model),) if updates else ()
-            load = LoadGenerator(stack.lb_url, args.rps, reference, also=also)
+            load = LoadGenerator(stack.lb_url, args.rps, reference, also=also, stream_every=args.stream_every)
             detector = SplitBrainDetector(stack.direct_urls())
             d = Drill(stack, api, detector, load, client, args.recovery_timeout)
             began = time.time()
@@ -220,6 +220,8 @@ def cmd_drill(args: argparse.Namespace) -> int:
         raise ConfigError("--attach-running needs --config: the cluster.toml of the running stack")
     if args.rps <= 0:
         raise ConfigError(f"--rps must be > 0, found {args.rps}")
+    if args.stream_every < 0:
+        raise ConfigError(f"--stream-every must be >= 0 (0: no streams), found {args.stream_every}")
     if args.storm_faults < 1 or args.storm_interval <= 0:
         found = f"{args.storm_faults} and {args.storm_interval}"
         raise ConfigError(f"--storm-faults must be >= 1 and --storm-interval > 0, found {found}")
@@ -277,6 +279,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--lb", choices=["gateway", "haproxy"], default="gateway", help="load balancer (default gateway)")
     p.add_argument("--rounds", type=int, help="rounds in all, cycling through the scenarios (default: one each)")
     p.add_argument("--rps", type=float, default=10.0, help="client requests per second (default 10)")
+    p.add_argument(
+        "--stream-every",
+        type=int,
+        default=STREAM_EVERY,
+        metavar="N",
+        help=f"stream every Nth request; a stream cut mid-way fails the round (0: none; default {STREAM_EVERY})",
+    )
     p.add_argument(
         "--recovery-timeout",
         type=float,

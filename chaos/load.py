@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ from hotweights.contract import Endpoint
 
 PROMPT = "The quick brown fox"
 MAX_TOKENS = 8
+STREAM_EVERY = 2  # a drill streams every other request
+BROKEN_STREAM = "broken stream"  # how a record of a stream cut mid-way begins its error
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,12 @@ class RequestRecord:
     error: str  # "" for a correct 200
     correct: bool | None  # None: no completion to compare
     text: str = ""  # the completion of a 200
+    streamed: bool = False  # asked as a stream
+
+    @property
+    def broken_stream(self) -> bool:
+        """A stream that began (200) and did not end with ``[DONE]``: cut mid-way."""
+        return self.streamed and self.status == 200 and self.error.startswith(BROKEN_STREAM)
 
     @property
     def ok(self) -> bool:
@@ -73,12 +82,21 @@ async def reference_completion(client: httpx.AsyncClient, base_url: str, timeout
 
 class LoadGenerator:
     """``rps`` greedy completions a second through ``base_url``; each answer is correct when it is
-    ``reference`` or one of ``also`` (a model update's other weights)."""
+    ``reference`` or one of ``also`` (a model update's other weights). With ``stream_every`` N > 0 every
+    Nth request is streamed; one that does not end with ``[DONE]`` is a broken stream."""
 
     def __init__(
-        self, base_url: str, rps: float, reference: str, timeout_s: float = 30.0, also: tuple[str, ...] = ()
+        self,
+        base_url: str,
+        rps: float,
+        reference: str,
+        timeout_s: float = 30.0,
+        also: tuple[str, ...] = (),
+        stream_every: int = 0,
     ) -> None:
         self.base_url = base_url.rstrip("/")
+        self.stream_every = stream_every
+        self.started = 0
         self.rps = rps
         self.reference = reference
         self.also = also
@@ -98,22 +116,45 @@ class LoadGenerator:
             await asyncio.sleep(next_start - time.monotonic())
 
     async def one(self, client: httpx.AsyncClient) -> None:
+        self.started += 1
+        streamed = self.stream_every > 0 and self.started % self.stream_every == 0
         start = time.time()
         status, correct, error, text = None, None, "", ""
         try:
-            response = await client.post(
-                self.base_url + Endpoint.COMPLETIONS, json=completion_body(), timeout=self.timeout_s
-            )
-            status = response.status_code
-            if status == 200:
-                text = response.json()["choices"][0]["text"]
+            read = self.read_stream if streamed else self.read_whole
+            status, text, error = await read(client)
+            if status == 200 and not error:
                 correct = text == self.reference or text in self.also
                 error = "" if correct else f"wrong output {text!r}, expected {self.reference!r}"
-            else:
-                error = response.text[:300]
         except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
             error = f"{type(exc).__name__}: {exc}"[:300]
-        self.records.append(RequestRecord(start, time.time(), status, error, correct, text))
+        self.records.append(RequestRecord(start, time.time(), status, error, correct, text, streamed))
+
+    async def read_whole(self, client: httpx.AsyncClient) -> tuple[int, str, str]:
+        """(status, text, error) of a plain completion."""
+        response = await client.post(
+            self.base_url + Endpoint.COMPLETIONS, json=completion_body(), timeout=self.timeout_s
+        )
+        if response.status_code != 200:
+            return response.status_code, "", response.text[:300]
+        return 200, response.json()["choices"][0]["text"], ""
+
+    async def read_stream(self, client: httpx.AsyncClient) -> tuple[int, str, str]:
+        """(status, text, error) of a streamed completion; a 200 without ``[DONE]`` is a broken stream."""
+        body = completion_body() | {"stream": True}
+        url = self.base_url + Endpoint.COMPLETIONS
+        async with client.stream("POST", url, json=body, timeout=self.timeout_s) as response:
+            if response.status_code != 200:
+                return response.status_code, "", (await response.aread()).decode(errors="replace")[:300]
+            text, last = "", ""
+            async for line in response.aiter_lines():
+                payload = line.removeprefix("data: ")
+                if payload == "[DONE]":
+                    return 200, text, ""
+                if payload:
+                    last = payload
+                    text += "".join(choice["text"] for choice in json.loads(payload).get("choices", ()))
+        return 200, text, f"{BROKEN_STREAM}: no [DONE]; last event {last[:200]}"
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[LoadGenerator]:

@@ -58,6 +58,7 @@ class RoundResult:
     fault_outages_ms: list[float] = field(default_factory=list)  # each fault's outage, in order
     requests: int = 0
     failed: int = 0
+    broken_streams: int = 0  # of the failed: streams cut mid-way
     refused: int = 0  # of the failed: no connection at all (the load balancer's port refused it)
     retried: int | None = None  # the gateway's re-sent requests; None for another load balancer
     wrong: int = 0
@@ -82,6 +83,8 @@ class RoundResult:
             found.append(self.problem)
         if judge_client_errors and self.failed and not self.client_errors_expected:
             found.append(f"{self.failed} client-visible error(s)")
+        if judge_client_errors and self.broken_streams and not self.client_errors_expected:
+            found.append(f"{self.broken_streams} broken stream(s)")
         return found
 
     def to_json(self) -> dict[str, Any]:
@@ -118,6 +121,7 @@ def apply_requests(result: RoundResult, records: Sequence[RequestRecord], until:
     result.requests = len(mine)
     bad = [r for r in mine if not r.ok]
     result.failed = len(bad)
+    result.broken_streams = sum(r.broken_stream for r in bad)
     result.refused = sum(r.status is None and r.error.startswith("ConnectError") for r in bad)
     result.wrong = sum(r.correct is False for r in mine)
     result.errors = [f"{r.status}: {r.error}" for r in bad[:3]]

@@ -35,6 +35,8 @@ ENGINES = 3  # one primary and two standbys
 # the load on its cores; on a GPU host the drill runs the shipped defaults.
 CPU_HEALTH = "[health]\ntimeout_ms = 250\n"
 DOWN_TIMEOUT_S = 30.0
+KV_CACHE_TOKENS = 256  # per sequence slot: the drills' requests are short
+MAX_BATCH = 4
 
 CONFIG_TEMPLATE = """\
 # Written by `hotweights drill` for its own stack.
@@ -53,8 +55,8 @@ tp_size = {tp_size}
 base_port = {base_port}
 {listen_base_port}{batch_port}{spares}
 [engine]
-kv_cache_tokens = 256
-max_batch = 4
+kv_cache_tokens = {kv_cache_tokens}
+max_batch = {max_batch}
 drain_timeout_s = 5.0
 
 {health}
@@ -91,10 +93,13 @@ class DrillStack:
         batch: bool = False,
         spare_engines: int | None = None,
         spare_duty: float | None = None,
+        kv_cache_tokens: int = KV_CACHE_TOKENS,
+        max_batch: int = MAX_BATCH,
     ) -> DrillStack:
         """Write the config of a fresh stack in ``workdir`` (default: the embedded tiny model on CPU; engines of
         ``tp_size`` ranks, a daemon per rank; ``batch``: with a co-located batch engine; ``spare_engines``,
-        ``spare_duty``: the group's, instead of the defaults)."""
+        ``spare_duty``: the group's, instead of the defaults; ``kv_cache_tokens`` and ``max_batch``: each
+        engine's)."""
         workdir.mkdir(parents=True, exist_ok=True)
         controller_port, gateway_port, lb_port, batch_port = free_ports(4)
         ports = free_ports(2 * ENGINES if proxied else ENGINES, consecutive=True)  # public, then private
@@ -116,6 +121,8 @@ class DrillStack:
                     if proxied
                     else ""
                 ),
+                kv_cache_tokens=kv_cache_tokens,
+                max_batch=max_batch,
                 batch_port=f"batch_port = {batch_port}  # a co-located batch engine\n" if batch else "",
                 spares=(f"spare_engines = {spare_engines}\n" if spare_engines is not None else "")
                 + (f"spare_duty = {spare_duty}\n" if spare_duty is not None else ""),

@@ -3,7 +3,8 @@
 The last ``keep`` events stay in memory for ``GET /events``; every event is also appended to
 ``events.jsonl`` in the state dir, one JSON object a line, so the history survives restarts. The
 file is bounded: once it holds ``max_bytes`` it becomes ``events.jsonl.1`` (replacing the previous
-one) and a new file begins, so the history on disk never exceeds twice ``max_bytes``.
+one) and a new file begins, so the history on disk never exceeds twice ``max_bytes``. With no path
+the events are kept in memory only. The gateway keeps a log of its own (its migrations) the same way.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ MAX_BYTES = 8 << 20  # events.jsonl rotates to events.jsonl.1 at this size
 
 
 class EventLog:
-    def __init__(self, path: Path, keep: int = 1000, max_bytes: int = MAX_BYTES) -> None:
+    def __init__(self, path: Path | None, keep: int = 1000, max_bytes: int = MAX_BYTES) -> None:
         self.path = path
         self.max_bytes = max_bytes
         self.events: deque[dict[str, Any]] = deque(maxlen=keep)
@@ -35,6 +36,8 @@ class EventLog:
         event = {"seq": self.seq, "time": datetime.fromtimestamp(now, UTC).isoformat(timespec="milliseconds")}
         event |= {"kind": kind, "message": message} | fields
         self.events.append(event)
+        if self.path is None:
+            return event
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.path, "a") as out:

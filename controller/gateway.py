@@ -14,9 +14,14 @@ failover because of three rules:
   whole before its first byte is relayed, so a connection cut between its headers and its body (a
   partition) is retried, not relayed as a truncated body. Completions have no side effects, so running
   one twice is safe.
-- Once bytes have been relayed, a failure cannot be hidden: an SSE stream ends with a
+- A completion of one choice (``controller.migration``) is migrated when its upstream fails mid-way
+  (connection lost, the engine no longer primary, or its stream ending in an error event): the
+  gateway continues it on the next primary from the tokens already sent, within the hold rules
+  (counted from the cut), and the client sees one uninterrupted response.
+- Any other request whose bytes have been relayed cannot hide a failure: an SSE stream ends with a
   ``data: {"error": ...}`` event and no ``[DONE]`` (as the engine itself ends a cancelled stream);
   any other body is cut off, so the client sees a truncated response, never a silently short one.
+  So does a migration that finds no primary in time: its error event says why.
 
 Only normalized ``/v1/...`` paths are forwarded: each segment of the raw path (as the client sent it,
 before percent-decoding) is a plain RFC 3986 word, so ``..``, ``.``, empty segments and any percent
@@ -46,12 +51,14 @@ import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from hotweights.contract import NOT_NORMALIZED, SERVING_PREFIX, Endpoint, forwardable_path, refuse_open_listener
 from hotweights.controller.config import GATEWAY_TOKEN_FIX, load_config
 from hotweights.controller.dcs import LeaderUrls
+from hotweights.controller.events import EventLog
+from hotweights.controller.migration import Ledger, Migratable, Refusal, plan
 from hotweights.errors import ConfigError
 from hotweights.proxying import HOP_BY_HOP, ProxiedStream
 from hotweights.standby.serving import AnnouncingServer, bind_port, is_listening, run_until_signal
@@ -59,6 +66,7 @@ from hotweights.state import read_state
 
 log = logging.getLogger(__name__)
 
+GATEWAY_EVENTS_FILE = "gateway-events.jsonl"  # in the state dir, every worker appending
 STATE_POLL_S = 1.0  # how often the controller's state file is re-read for engines added at runtime
 
 BACKLOG = 4096  # connections the kernel queues while no worker accepts (one respawning); capped by somaxconn
@@ -66,6 +74,7 @@ SUPERVISOR_BACKLOG = 16
 
 HOLD_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 WHOLE_BODY_MAX = 1 << 20  # a non-streamed reply up to this size is read whole before it is relayed
+EVENTS_LIMIT = 100  # events GET /gateway/events returns by default
 KEEPALIVE_S = 2.0  # below uvicorn's 5 s, so a pooled connection is never reused as the engine closes it
 
 
@@ -79,6 +88,7 @@ class Upstream:
     checked: float = 0.0  # wall-clock time of the last probe
     is_primary: bool = False
     wake: asyncio.Event = field(default_factory=asyncio.Event)  # set to probe now instead of next interval
+    lost: asyncio.Event = field(default_factory=asyncio.Event)  # set while it is not primary: cut its streams
 
     def describe(self) -> dict[str, object]:
         return {
@@ -207,6 +217,10 @@ class Discovery:
         if is_primary != upstream.is_primary:
             log.info("%s %s", upstream.url, "is primary" if is_primary else f"is no longer primary: {reason}")
         upstream.is_primary, upstream.reason = is_primary, reason
+        if is_primary:
+            upstream.lost.clear()
+        else:
+            upstream.lost.set()
         if self.primaries():
             self.available.set()
         else:
@@ -251,6 +265,27 @@ class GatewayMetrics:
             "hotweights_gateway_hold_seconds", "time a request waited for a primary", buckets=HOLD_BUCKETS, registry=r
         )
         self.primaries = Gauge("hotweights_gateway_primaries", "upstreams answering 200 on /primary", registry=r)
+        self.migrations = Counter(
+            "hotweights_gateway_migrations",
+            "completions whose upstream failed mid-way, by outcome (migrated, failed)",
+            ["outcome"],
+            registry=r,
+        )
+        self.tokens_replayed = Counter(
+            "hotweights_gateway_tokens_replayed",
+            "generated tokens re-sent as prompt to continue a completion",
+            registry=r,
+        )
+        self.cut_to_next_token = Histogram(
+            "hotweights_gateway_migration_gap_seconds",
+            "time from a completion's upstream failure to its next text on the new primary",
+            buckets=HOLD_BUCKETS,
+            registry=r,
+        )
+
+
+class SegmentFailed(Exception):
+    """A migratable completion's upstream failed after its response began: the request continues elsewhere."""
 
 
 class UpstreamFailed(Exception):
@@ -259,6 +294,10 @@ class UpstreamFailed(Exception):
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
         self.kind = kind
+
+
+def _sse(payload: dict) -> bytes:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
 
 
 def not_found(message: str) -> JSONResponse:
@@ -282,7 +321,9 @@ class Gateway:
         state_file: Path | None = None,
         engine_host: str = "127.0.0.1",
         leaders: LeaderUrls | None = None,
+        events: EventLog | None = None,
     ) -> None:
+        self.events = events or EventLog(None)  # one event per migration, and per one that failed
         self.state_file = state_file  # the controller's state.json: engines added at runtime are routed too
         self.queue_limit = queue_limit
         self.hold_s = hold_s
@@ -307,6 +348,9 @@ class Gateway:
             return self.answer(not_found(NOT_NORMALIZED))
         body = await request.body()  # kept, so the request can be re-sent
         deadline = time.monotonic() + self.hold_s
+        migration = plan(request.method, path, body)
+        if isinstance(migration, Migratable):
+            return self.answer(await self.migrating(request, path, Ledger(migration), deadline))
         last_failure = ""
         while True:
             if refusal := await self.wait_for_primary(deadline):
@@ -316,7 +360,7 @@ class Gateway:
             upstream = self.discovery.pick()
             assert upstream is not None, "available is set and nothing ran since"
             try:
-                return self.answer(await self.send(upstream, request, path, body))
+                return self.answer(await self.send(upstream, request, path, body, migration))
             except UpstreamFailed as exc:
                 last_failure = f"{upstream.url}: {exc}"
                 log.info("retrying on the next primary: %s", last_failure)
@@ -351,7 +395,9 @@ class Gateway:
         self.metrics.requests.labels(str(response.status_code)).inc()
         return response
 
-    async def send(self, upstream: Upstream, request: Request, path: str, body: bytes) -> Response:
+    async def send(
+        self, upstream: Upstream, request: Request, path: str, body: bytes, refusal: Refusal | None = None
+    ) -> Response:
         """Open the upstream response and read its first chunk: until then a failure can be retried."""
         headers = [(k, v) for k, v in request.headers.items() if k not in HOP_BY_HOP]
         query = f"?{request.url.query}" if request.url.query else ""
@@ -377,10 +423,16 @@ class Gateway:
             raise
         reply_headers = {k: v for k, v in response.headers.items() if k not in HOP_BY_HOP - {"content-length"}}
         reply_headers["x-hotweights-upstream"] = upstream.url
-        return ProxiedStream(self.relay(upstream, first, chunks, is_sse), response.status_code, reply_headers, response)
+        relayed = self.relay(upstream, first, chunks, is_sse, refusal)
+        return ProxiedStream(relayed, response.status_code, reply_headers, response)
 
     async def relay(
-        self, upstream: Upstream, first: bytes, chunks: AsyncIterator[bytes], is_sse: bool
+        self,
+        upstream: Upstream,
+        first: bytes,
+        chunks: AsyncIterator[bytes],
+        is_sse: bool,
+        refusal: Refusal | None = None,
     ) -> AsyncIterator[bytes]:
         # An SSE stream is relayed whole events at a time, so that the error event that ends a failed one
         # never lands in the middle of an event that was cut off (a read may end anywhere).
@@ -404,7 +456,8 @@ class Gateway:
             if partial:
                 yield partial
         except httpx.TransportError as exc:
-            message = f"the upstream {upstream.url} failed mid-response ({type(exc).__name__}); it cannot be retried"
+            why = f"it is not migrated: {refusal}" if refusal else "it cannot be retried"
+            message = f"the upstream {upstream.url} failed mid-response ({type(exc).__name__}); {why}"
             log.warning("%s", message)
             self.metrics.upstream_errors.labels(upstream.url, "mid_stream").inc()
             self.discovery.suspect(upstream, message)
@@ -412,6 +465,165 @@ class Gateway:
                 raise  # the server aborts the connection: a truncated body, never a silently short one
             event = {"error": {"message": message, "type": "unavailable", "param": None}}
             yield f"data: {json.dumps(event)}\n\n".encode()
+
+    async def migrating(self, request: Request, path: str, ledger: Ledger, deadline: float) -> Response:
+        """A migratable completion: streamed from the engine with token ids, continued on the next primary
+        whenever its upstream fails mid-way; the client's stream, or its whole JSON reply, is built here."""
+        opened = await self.open_segment(request, path, ledger.request.upstream_body(), deadline)
+        if isinstance(opened, Response):
+            return opened
+        events = self.migrated_events(request, ledger, *opened)
+        if ledger.request.stream:
+            headers = {"cache-control": "no-cache", "x-hotweights-upstream": opened[0].url}
+            return StreamingResponse(self.client_sse(ledger, events), media_type="text/event-stream", headers=headers)
+        try:
+            async for _ in events:
+                pass
+        except SegmentFailed as exc:
+            return unavailable(str(exc))
+        return JSONResponse(ledger.whole(), headers={"x-hotweights-upstream": opened[0].url})
+
+    async def open_segment(
+        self, request: Request, path: str, body: dict, deadline: float
+    ) -> tuple[Upstream, httpx.Response] | Response:
+        """An upstream's event stream for ``body``, retried on the next primary until ``deadline`` while it
+        fails before its first byte; an engine's own non-200 answer (a 400, say) as it is; 503 at the
+        deadline."""
+        headers = [(k, v) for k, v in request.headers.items() if k not in HOP_BY_HOP]
+        last_failure = ""
+        while True:
+            if refusal := await self.wait_for_primary(deadline):
+                return unavailable(refusal + (f"; last upstream failure: {last_failure}" if last_failure else ""))
+            upstream = self.discovery.pick()
+            assert upstream is not None, "available is set and nothing ran since"
+            try:
+                return await self.open_stream(upstream, path, headers, body)
+            except UpstreamFailed as exc:
+                last_failure = f"{upstream.url}: {exc}"
+                log.info("retrying on the next primary: %s", last_failure)
+                self.metrics.upstream_errors.labels(upstream.url, exc.kind).inc()
+                self.metrics.retries.inc()
+                self.discovery.suspect(upstream, str(exc))
+
+    async def open_stream(
+        self, upstream: Upstream, path: str, headers: list[tuple[str, str]], body: dict
+    ) -> tuple[Upstream, httpx.Response] | Response:
+        """The upstream's event stream; any other answer read whole and returned as it is (an engine's
+        400, say); UpstreamFailed while it can go elsewhere (connection failed or cut, a 503)."""
+        outgoing = self.client.build_request("POST", upstream.url + path, headers=headers, json=body)
+        try:
+            response = await self.client.send(outgoing, stream=True)
+        except httpx.TransportError as exc:
+            kind = "connect" if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout) else "disconnected"
+            raise UpstreamFailed(kind, f"{type(exc).__name__} {exc}".strip()) from exc
+        if response.status_code == 200 and response.headers.get("content-type", "").startswith("text/event-stream"):
+            return upstream, response
+        try:
+            content = await response.aread()
+        except httpx.TransportError as exc:
+            raise UpstreamFailed("disconnected", f"{type(exc).__name__} {exc}".strip()) from exc
+        finally:
+            await response.aclose()
+        if response.status_code == 503:  # a standby or draining engine; the next primary may serve it
+            raise UpstreamFailed("unavailable", _reason(response, path))
+        media = response.headers.get("content-type")
+        headers = {"x-hotweights-upstream": upstream.url}
+        return Response(content, status_code=response.status_code, media_type=media, headers=headers)
+
+    async def migrated_events(
+        self, request: Request, ledger: Ledger, upstream: Upstream, response: httpx.Response
+    ) -> AsyncIterator[dict]:
+        """The client's chunks, across as many upstreams as it takes; SegmentFailed when the request
+        cannot go on (no primary in time: the reason says so)."""
+        cut_at: float | None = None
+        while True:
+            try:
+                async for chunk in self.segment(upstream, response, ledger):
+                    if cut_at is not None:
+                        self.metrics.cut_to_next_token.observe(time.monotonic() - cut_at)
+                        cut_at = None
+                    yield chunk
+                return
+            except SegmentFailed as exc:
+                cut_at, failure = time.monotonic(), f"{upstream.url}: {exc}"
+                self.metrics.upstream_errors.labels(upstream.url, "mid_stream").inc()
+                self.discovery.suspect(upstream, str(exc))
+            body = ledger.cut()
+            if body is None:  # the budget was spent before the failure: nothing is left to generate
+                return
+            upstream, response = await self.reopen(request, ledger, body, failure, cut_at)
+
+    async def reopen(
+        self, request: Request, ledger: Ledger, body: dict, failure: str, cut_at: float
+    ) -> tuple[Upstream, httpx.Response]:
+        """The continuation's stream on the next primary, held by the hold rules counted from the cut;
+        SegmentFailed when none serves it in time. Either way one event says so."""
+        replayed = len(ledger.released)
+        log.info("migrating %s after %d tokens: %s", ledger.id, replayed, failure)
+        self.metrics.tokens_replayed.inc(replayed)
+        opened = await self.open_segment(request, Endpoint.COMPLETIONS, body, cut_at + self.hold_s)
+        if isinstance(opened, Response):
+            self.metrics.migrations.labels("failed").inc()
+            reason = bytes(opened.body).decode(errors="replace")[:300]
+            message = f"the upstream {failure}; the request could not be migrated: {reason}"
+            self.events.record("migration_failed", message, request=ledger.id)
+            raise SegmentFailed(message)
+        self.metrics.migrations.labels("migrated").inc()
+        to = opened[0].url
+        self.events.record(
+            "migration",
+            f"{ledger.id} continues on {to} after {replayed} tokens: {failure}",
+            request=ledger.id,
+            to=to,
+            tokens_replayed=replayed,
+            reopen_ms=round((time.monotonic() - cut_at) * 1000, 1),
+        )
+        return opened
+
+    async def segment(self, upstream: Upstream, response: httpx.Response, ledger: Ledger) -> AsyncIterator[dict]:
+        """One upstream's chunks, as the client sees them; SegmentFailed unless it ends with ``[DONE]``.
+        The response is closed however this ends, and at once when the upstream stops being primary."""
+
+        async def close_when_lost() -> None:
+            await upstream.lost.wait()
+            await response.aclose()
+
+        watch = asyncio.create_task(close_when_lost())
+        try:
+            async for line in response.aiter_lines():
+                payload = line.removeprefix("data: ").strip()
+                if not line.startswith("data: ") or not payload:
+                    continue
+                if payload == "[DONE]":
+                    return
+                chunk = json.loads(payload)
+                if "error" in chunk:
+                    raise SegmentFailed(f"the stream ended with an error: {chunk['error'].get('message')}")
+                if (shown := ledger.take(chunk)) is not None:
+                    yield shown
+                if ledger.stopped:
+                    return  # at a stop string: closing the response ends the generation
+            raise SegmentFailed("the stream ended before [DONE]")
+        except (httpx.HTTPError, httpx.StreamError, ValueError) as exc:
+            reason = "the engine is no longer primary" if upstream.lost.is_set() else type(exc).__name__
+            raise SegmentFailed(reason) from exc
+        finally:
+            watch.cancel()
+            await response.aclose()
+
+    async def client_sse(self, ledger: Ledger, events: AsyncIterator[dict]) -> AsyncIterator[bytes]:
+        """A migrated completion as server-sent events: its chunks, the usage chunk if asked, ``[DONE]``;
+        an error event (and no ``[DONE]``) when it could not be migrated."""
+        try:
+            async for chunk in events:
+                yield _sse(chunk)
+        except SegmentFailed as exc:
+            log.warning("%s", exc)
+            yield _sse({"error": {"message": str(exc), "type": "unavailable", "param": None}})
+            return
+        if ledger.request.include_usage:
+            yield _sse(ledger.usage_chunk())
+        yield b"data: [DONE]\n\n"
 
     def health(self) -> dict[str, object]:
         return {
@@ -447,6 +659,15 @@ def build_app(gateway: Gateway) -> Starlette:
     async def metrics(_: Request) -> Response:
         return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    async def events(request: Request) -> JSONResponse:
+        """200 and this worker's last migrations (``?limit=N``, default 100): kind ``migration`` (the
+        request, the upstreams, tokens replayed, cut to reopened) or ``migration_failed`` (why)."""
+        try:
+            limit = int(request.query_params.get("limit", EVENTS_LIMIT))
+        except ValueError:
+            return JSONResponse({"error": "limit: expected an integer"}, status_code=400)
+        return JSONResponse({"events": gateway.events.recent(limit)})
+
     async def wake(_: Request) -> Response:
         """204: every upstream is probed now. Harmless to anyone: a wake during a probe adds one probe."""
         gateway.discovery.wake_all()
@@ -457,6 +678,7 @@ def build_app(gateway: Gateway) -> Starlette:
         routes=[
             Route(Endpoint.GATEWAY_HEALTH, health, methods=["GET"]),
             Route(Endpoint.GATEWAY_WAKE, wake, methods=["POST"]),
+            Route(Endpoint.GATEWAY_EVENTS, events, methods=["GET"]),
             Route(Endpoint.METRICS, metrics, methods=["GET"]),
             Route(SERVING_PREFIX + "{path:path}", gateway.proxy, methods=methods),
         ],
@@ -512,6 +734,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         state_file=None if args.upstream else config.state_file,
         engine_host=config.dcs.address,
         leaders=LeaderUrls(config, httpx.AsyncClient(trust_env=False)) if config.dcs.enabled else None,
+        events=EventLog(None if args.upstream else config.state_dir / GATEWAY_EVENTS_FILE),
     )
     log.info("routing /v1 to the primary among %s", ", ".join(urls))
     server = AnnouncingServer(

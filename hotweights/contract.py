@@ -49,7 +49,9 @@ class Endpoint(StrEnum):
     METRICS = "/metrics"  # Prometheus text format (also the controller's and the gateway's)
     MODELS = "/v1/models"
     COMPLETIONS = "/v1/completions"
+    CHAT_COMPLETIONS = "/v1/chat/completions"
     GATEWAY_HEALTH = "/gateway/health"  # the gateway's own view: upstreams, primaries, held requests
+    GATEWAY_EVENTS = "/gateway/events"  # the gateway's own timeline: its request migrations
     GATEWAY_WAKE = "/gateway/wake"  # POST: probe every upstream now (the controller's push after a role change)
     ROLLOUT = "/rollout"  # the controller's: POST restarts every engine of a group one at a time
     EVENTS = "/events"  # the controller's timeline

@@ -13,6 +13,8 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from tokenizers import Tokenizer
@@ -20,20 +22,36 @@ from tokenizers import Tokenizer
 from hotweights.standby.generate import TextStream
 from hotweights.standby.scheduler import Event, Finish, SamplingParams, Scheduler, Sequence
 
+Prompt = str | list[str] | list[int] | list[list[int]]
+
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
 
 
-class CompletionRequest(BaseModel):
-    """The supported subset of OpenAI's ``POST /v1/completions``; unknown fields are refused by name
-    rather than silently ignored."""
+class Api(StrEnum):
+    """Which OpenAI endpoint a run answers; its value is the ``object`` of a whole reply."""
+
+    COMPLETIONS = "text_completion"
+    CHAT = "chat.completion"
+
+    @property
+    def chunk_object(self) -> str:
+        return "text_completion" if self is Api.COMPLETIONS else "chat.completion.chunk"
+
+    @property
+    def id_prefix(self) -> str:
+        return "cmpl" if self is Api.COMPLETIONS else "chatcmpl"
+
+
+class SamplingRequest(BaseModel):
+    """What completions and chat completions share; unknown fields are refused by name rather than
+    silently ignored."""
 
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
-    prompt: str | list[str]
     max_tokens: int = Field(default=16, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
@@ -41,13 +59,7 @@ class CompletionRequest(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-
-    @field_validator("prompt")
-    @classmethod
-    def _some_prompt(cls, prompt: str | list[str]) -> str | list[str]:
-        if isinstance(prompt, list) and not prompt:
-            raise ValueError("needs at least one prompt")
-        return prompt
+    return_token_ids: bool = False  # each choice also carries ``token_ids`` (and ``prompt_token_ids`` once)
 
     @field_validator("stop")
     @classmethod
@@ -58,12 +70,40 @@ class CompletionRequest(BaseModel):
         return stop
 
     @property
-    def prompts(self) -> list[str]:
-        return [self.prompt] if isinstance(self.prompt, str) else self.prompt
-
-    @property
     def stop_strings(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+
+class CompletionRequest(SamplingRequest):
+    """The supported subset of OpenAI's ``POST /v1/completions``."""
+
+    prompt: Prompt  # text, or token ids (as OpenAI allows)
+
+    @field_validator("prompt")
+    @classmethod
+    def _some_prompt(cls, prompt: Prompt) -> Prompt:
+        if isinstance(prompt, list) and (not prompt or any(isinstance(p, list) and not p for p in prompt)):
+            raise ValueError("needs at least one prompt, each of at least one token")
+        return prompt
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per choice: a text, or the token ids of one prompt."""
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return [self.prompt]
+        return list(self.prompt)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class ChatRequest(SamplingRequest):
+    """The supported subset of OpenAI's ``POST /v1/chat/completions``: one choice, text messages."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
 
 
 class GenerationAborted(Exception):
@@ -89,32 +129,39 @@ class Piece:
     index: int
     text: str
     finish_reason: str | None = None
+    token_ids: list[int] = field(default_factory=list)  # tokens whose text is now wholly sent
 
 
 @dataclass
 class CompletionRun:
     """One request's choices, submitted to the scheduler at construction, consumed as ``Piece``s."""
 
-    request: CompletionRequest
+    request: SamplingRequest
     model_name: str
+    api: Api = Api.COMPLETIONS
     choices: list[Choice] = field(default_factory=list)
-    id: str = field(default_factory=lambda: f"cmpl-{secrets.token_hex(12)}")
+    prompt_ids: list[list[int]] = field(default_factory=list)
+    id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     started: float = field(default_factory=time.perf_counter)
     first_token_s: float | None = None  # seconds to the first generated token
     _events: asyncio.Queue[tuple[int, Event]] = field(default_factory=asyncio.Queue)
 
+    def __post_init__(self) -> None:
+        self.id = self.id or f"{self.api.id_prefix}-{secrets.token_hex(12)}"
+
     @classmethod
     def start(
         cls,
-        request: CompletionRequest,
+        request: SamplingRequest,
         model_name: str,
         prompt_ids: list[list[int]],
         tokenizer: Tokenizer,
         stop_ids: frozenset[int],
         scheduler: Scheduler,
+        api: Api = Api.COMPLETIONS,
     ) -> CompletionRun:
-        run = cls(request, model_name)
+        run = cls(request, model_name, api, prompt_ids=prompt_ids)
         loop = asyncio.get_running_loop()
         params = SamplingParams(request.max_tokens, request.temperature, request.top_p, request.seed, stop_ids)
         for index, ids in enumerate(prompt_ids):
@@ -145,7 +192,8 @@ class CompletionRun:
                     raise GenerationAborted(event)
                 choice.finish_reason = event.reason
                 pending -= 1
-                yield Piece(index, choice.text.flush(), event.reason)
+                text = choice.text.flush()
+                yield Piece(index, text, event.reason, choice.text.take_released())
                 continue
             if self.first_token_s is None:
                 self.first_token_s = time.perf_counter() - self.started
@@ -155,9 +203,9 @@ class CompletionRun:
                 choice.sequence.cancel()
                 choice.finish_reason = "stop"
                 pending -= 1
-                yield Piece(index, text, "stop")
+                yield Piece(index, text, "stop", choice.text.take_released())
             elif text:
-                yield Piece(index, text)
+                yield Piece(index, text, token_ids=choice.text.take_released())
 
     def cancel(self) -> None:
         """Stop generating (client gone, request over); harmless for finished choices."""
@@ -167,25 +215,49 @@ class CompletionRun:
     async def collect(self) -> dict:
         """The whole non-streaming response body."""
         texts = [""] * len(self.choices)
+        ids: list[list[int]] = [[] for _ in self.choices]
         async for piece in self.pieces():
             texts[piece.index] += piece.text
+            ids[piece.index] += piece.token_ids
         choices = [
-            {"index": c.index, "text": texts[c.index], "logprobs": None, "finish_reason": c.finish_reason}
-            for c in self.choices
+            self._choice(c.index, texts[c.index], c.finish_reason, ids[c.index], whole=True) for c in self.choices
         ]
-        return self._body(choices) | {"usage": self.usage()}
+        return self._body(choices, Api(self.api).value, first=True) | {"usage": self.usage()}
+
+    def _choice(
+        self, index: int, text: str, finish: str | None, ids: list[int], *, whole: bool, first: bool = True
+    ) -> dict:
+        """One choice in this API's shape; with ``return_token_ids`` its ids, and on its first chunk
+        (a completion's) its prompt's."""
+        if self.api is Api.COMPLETIONS:
+            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+        elif whole:
+            message = {"role": "assistant", "content": text}
+            choice = {"index": index, "message": message, "logprobs": None, "finish_reason": finish}
+        else:
+            delta = ({"role": "assistant"} if first else {}) | {"content": text}
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        if not self.request.return_token_ids:
+            return choice
+        prompt = {"prompt_token_ids": self.prompt_ids[index]} if first and self.api is Api.COMPLETIONS else {}
+        return choice | {"token_ids": ids} | prompt
 
     async def sse(self) -> AsyncIterator[str]:
         """Server-sent events: one chunk per piece, optional usage chunk, then ``[DONE]``."""
+        unseen = set(range(len(self.choices)))
         try:
             async for piece in self.pieces():
-                choice = {"index": piece.index, "text": piece.text, "logprobs": None}
-                yield _event(self._body([choice | {"finish_reason": piece.finish_reason}]))
+                first = piece.index in unseen
+                unseen.discard(piece.index)
+                choice = self._choice(
+                    piece.index, piece.text, piece.finish_reason, piece.token_ids, whole=False, first=first
+                )
+                yield _event(self._body([choice], self.api.chunk_object, first))
         except GenerationAborted as exc:
             yield _event({"error": {"message": str(exc), "type": "unavailable"}})
             return
         if self.request.stream_options and self.request.stream_options.include_usage:
-            yield _event(self._body([]) | {"usage": self.usage()})
+            yield _event(self._body([], self.api.chunk_object, first=False) | {"usage": self.usage()})
         yield "data: [DONE]\n\n"
 
     def usage(self) -> dict[str, int]:
@@ -193,14 +265,12 @@ class CompletionRun:
         completion = sum(c.completion_tokens for c in self.choices)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
-    def _body(self, choices: list[dict]) -> dict:
-        return {
-            "id": self.id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.model_name,
-            "choices": choices,
-        }
+    def _body(self, choices: list[dict], kind: str, first: bool) -> dict:
+        """A reply or chunk; a chat's (one choice) carries its prompt's ids at the top, on its first chunk."""
+        body = {"id": self.id, "object": kind, "created": self.created, "model": self.model_name, "choices": choices}
+        if first and self.api is Api.CHAT and self.request.return_token_ids:
+            body["prompt_token_ids"] = self.prompt_ids[0]
+        return body
 
 
 def _event(payload: dict) -> str:

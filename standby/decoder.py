@@ -214,8 +214,8 @@ class Decoder:
                 for kv_len in self.lengths:
                     self.decode([0] * n, [kv_len - 1] * n)
                     pace()
-        sample_token(logits[0], 1.0, 0.9, torch.Generator(device=device).manual_seed(0))
-        sample_token(logits[0], 0.0, 1.0, torch.Generator(device=device))
+        sample_token(logits[0], 1.0, 0.9, torch.Generator(device=device), 0, 0)
+        sample_token(logits[0], 0.0, 1.0, torch.Generator(device=device), 0, 0)
         if self.graphs_enabled:
             self._capture(pace)
         if device.type == "cuda":

@@ -51,7 +51,12 @@ def stop_token_ids(model_dir: Path) -> tuple[int, ...]:
 
 class TextStream:
     """Token ids in, text pieces out. Holds back an incomplete UTF-8 sequence and any tail that may
-    be the start of a stop string; at a stop string, ends the text just before it."""
+    be the start of a stop string; at a stop string, ends the text just before it.
+
+    A token is *released* once all of its text has been handed out and nothing after it has: the
+    text handed out is then exactly the decoding of the released tokens (``take_released``). Text
+    held back never belongs to a released token, so a generation resumed from the prompt plus the
+    released tokens hands out what this one would have, stop strings that span the cut included."""
 
     def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...]) -> None:
         self.tokenizer = tokenizer
@@ -59,6 +64,13 @@ class TextStream:
         self.ids: list[int] = []
         self.sent = 0  # characters handed out so far
         self.stopped = False
+        self.released = 0  # tokens of ``ids`` whose text is wholly handed out (and no more than that)
+        self.taken = 0  # released tokens already returned by ``take_released``
+
+    def take_released(self) -> list[int]:
+        """The tokens released since the last call."""
+        ids, self.taken = self.ids[self.taken : self.released], self.released
+        return ids
 
     def push(self, token: int) -> str:
         self.ids.append(token)
@@ -81,6 +93,8 @@ class TextStream:
     def _advance(self, text: str, end: int) -> str:
         piece = text[self.sent : end]
         self.sent = max(self.sent, end)
+        if self.sent == len(text) and not self.stopped:
+            self.released = len(self.ids)
         return piece
 
     def _stop_prefix_len(self, text: str) -> int:

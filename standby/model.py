@@ -402,10 +402,25 @@ class Transformer(nn.Module):
         return self.logits(self.norm.add(x, delta)[1])
 
 
-def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
-    """One token id from (V,) logits: argmax at temperature 0, else nucleus sampling."""
+SEED_MIX = 0x9E3779B97F4A7C15  # the golden-ratio constant: positions far apart in the seed space
+SEED_MASK = (1 << 63) - 1
+
+
+def token_seed(seed: int, position: int) -> int:
+    """The seed of the token sampled at ``position`` (the prompt's length plus the tokens generated before
+    it) of a request seeded with ``seed``. Each token draws from its own seed, so a generation resumed
+    from ``prompt + generated`` with the same seed samples what the uninterrupted one would have."""
+    return (seed ^ (position * SEED_MIX)) & SEED_MASK
+
+
+def sample_token(
+    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator, seed: int, position: int
+) -> int:
+    """One token id from (V,) logits: argmax at temperature 0, else nucleus sampling drawn with
+    ``generator`` reseeded to ``token_seed(seed, position)``."""
     if temperature == 0.0:
         return int(logits.argmax())
+    generator.manual_seed(token_seed(seed, position))
     # In float64 and from the maximum down, so a tiny temperature saturates instead of giving inf - inf.
     probs = torch.softmax((logits.double() - logits.max()) / temperature, dim=-1)
     sorted_probs, order = probs.sort(descending=True)
@@ -466,17 +481,15 @@ def generate(
         )
     if seed is None:
         seed = _shared_seed(model) if temperature > 0 else 0  # greedy never draws from it
-    generator = torch.Generator(device=model.device).manual_seed(seed)
-    return _decode(model, prompt_ids, max_new_tokens, temperature, top_p, generator, set(stop_ids), cache, limit)
+    sampling = (temperature, top_p, torch.Generator(device=model.device), seed)
+    return _decode(model, prompt_ids, max_new_tokens, sampling, set(stop_ids), cache, limit)
 
 
 def _decode(
     model: Transformer,
     prompt_ids: list[int],
     max_new_tokens: int,
-    temperature: float,
-    top_p: float,
-    generator: torch.Generator,
+    sampling: tuple[float, float, torch.Generator, int],  # temperature, top_p, generator, seed
     stop_ids: set[int],
     cache: KVCache,
     limit: int,
@@ -487,7 +500,7 @@ def _decode(
     logits = model.logits(model.hidden(ids, 0, cache)[0, -1])
     pos = len(prompt_ids)  # where the next fed token goes
     for step in range(max_new_tokens):
-        token = sample_token(logits, temperature, top_p, generator)
+        token = sample_token(logits, *sampling, pos)
         if token in stop_ids:
             return
         yield token

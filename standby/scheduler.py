@@ -6,10 +6,11 @@ sequence is prefilled alone as soon as a slot is free; then every round samples 
 each active sequence from its pending logits and runs ONE batched decode step
 (``Decoder.decode``) over slots 0 .. n-1, where n is one past the highest slot in use: slots are
 handed out lowest first, and a free slot below n rides along as a dummy row (token 0 at position
-0 of its own, unused slot). Each sequence keeps its own sampling generator, and the computation
-is ``standby.model.generate``'s (prefill, then one decode step per token, with the same sampling
-function), so a sequence yields the tokens ``generate`` yields for the same prompt, seed and
-temperature, up to the rounding differences of batched kernels (tests compare them exactly).
+0 of its own, unused slot). Each sequence keeps its own sampling generator (reseeded per token,
+``model.token_seed``), and the computation is ``standby.model.generate``'s (prefill, then one
+decode step per token, with the same sampling function), so a sequence yields the tokens
+``generate`` yields for the same prompt, seed and temperature, up to the rounding differences of
+batched kernels (tests compare them exactly).
 
 Events reach the caller through its sink, called on the worker thread: token ids as they are
 sampled, then one ``Finish``. A standby has no KV cache attached, and a sequence that reaches the
@@ -74,6 +75,7 @@ class Sequence:
         self.token = 0  # the last token sampled: the next one fed
         self.generated = 0
         self.generator: torch.Generator | None = None
+        self.seed = 0  # the request's seed, or a fresh one (see ``model.token_seed``)
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -229,7 +231,7 @@ class Scheduler:
             seed = seq.params.seed
             if seed is None:
                 seed = secrets.randbits(62) if seq.params.temperature > 0 else 0
-            seq.generator = torch.Generator(device=decoder.model.device).manual_seed(seed)
+            seq.seed, seq.generator = seed, torch.Generator(device=decoder.model.device)
         logits = decoder.prefill(group[0].slot, [seq.prompt_ids for seq in group])
         for seq, row in zip(group, logits, strict=True):
             seq.logits, seq.greedy = row, None
@@ -255,7 +257,7 @@ class Scheduler:
         if params.temperature == 0.0 and seq.greedy is not None:
             token = seq.greedy  # what sample_token would return, computed with the step
         else:
-            token = sample_token(seq.logits, params.temperature, params.top_p, seq.generator)
+            token = sample_token(seq.logits, params.temperature, params.top_p, seq.generator, seq.seed, seq.pos)
         if token in params.stop_ids:
             self._retire(seq, Finish("stop"))
             return

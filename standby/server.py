@@ -19,7 +19,15 @@ from starlette.types import Receive, Scope, Send
 from tokenizers import Tokenizer
 
 from hotweights.contract import Endpoint
-from hotweights.standby.completions import CompletionRequest, CompletionRun, GenerationAborted
+from hotweights.standby.chat import ChatTemplate
+from hotweights.standby.completions import (
+    Api,
+    ChatRequest,
+    CompletionRequest,
+    CompletionRun,
+    GenerationAborted,
+    SamplingRequest,
+)
 from hotweights.standby.contract_routes import SERVING, add_contract_routes, declare, error, finish_app, unavailable
 from hotweights.standby.metrics import EngineMetrics
 from hotweights.standby.roles import Roles
@@ -112,36 +120,57 @@ def build_app(ctx: EngineContext) -> FastAPI:
         model = {"id": ctx.model_name, "object": "model", "created": ctx.created, "owned_by": "hotweights"}
         return JSONResponse({"object": "list", "data": [model]})
 
-    @app.post(
-        Endpoint.COMPLETIONS,
-        response_model=None,
-        responses=declare(400, 404, 500, 503)
-        | {200: {"content": {"application/json": {}, "text/event-stream": {}}, "description": "the completion"}},
-    )
+    chat_template = ChatTemplate.load(ctx.loaded.checkpoint.path)
+    answers = declare(400, 404, 500, 503) | {
+        200: {"content": {"application/json": {}, "text/event-stream": {}}, "description": "the completion"}
+    }
+
+    @app.post(Endpoint.COMPLETIONS, response_model=None, responses=answers)
     async def completions(request: CompletionRequest) -> Response:
         """OpenAI completions; ``stream`` gives server-sent events ending in ``data: [DONE]``.
 
         200 the completion (or the stream); 400 a bad field, named in ``error.param``; 404 an unknown
         ``model``; 503 not serving (standby, draining, drained) or cancelled by a drain deadline or
         shutdown; 500 the generation failed."""
+        prompt_ids = [ctx.tokenizer.encode(p).ids if isinstance(p, str) else p for p in request.prompts]
+        return await serve(request, prompt_ids, Api.COMPLETIONS)
+
+    @app.post(Endpoint.CHAT_COMPLETIONS, response_model=None, responses=answers)
+    async def chat_completions(request: ChatRequest) -> Response:
+        """OpenAI chat completions (one choice), the messages rendered by the checkpoint's chat template
+        or the built-in one (``standby.chat``); answers as ``/v1/completions`` does."""
+        text = chat_template.render([m.model_dump() for m in request.messages])
+        ids = ctx.tokenizer.encode(text, add_special_tokens=not chat_template.from_checkpoint).ids
+        return await serve(request, [ids], Api.CHAT)
+
+    def refusal(request: SamplingRequest, prompt_ids: list[list[int]]) -> JSONResponse | None:
+        """Why the request is not run here (an error reply), or None."""
         if reason := roles.serving_refusal():
             return unavailable(reason)
         if request.model is not None and request.model != ctx.model_name:
             return error(
                 404, f"model {request.model!r} is not served here; try {ctx.model_name!r}", "not_found_error", "model"
             )
-        prompt_ids = [ctx.tokenizer.encode(prompt).ids for prompt in request.prompts]
+        vocab = ctx.loaded.model.config.vocab_size
         for ids in prompt_ids:
             if not ids:
                 return error(400, "prompt is empty after tokenization", "invalid_request_error", "prompt")
+            if bad := [t for t in ids if not 0 <= t < vocab]:
+                message = f"prompt token ids {bad[:5]} are outside this model's vocabulary [0, {vocab})"
+                return error(400, message, "invalid_request_error", "prompt")
             if len(ids) + request.max_tokens > ctx.context_tokens:
                 message = (
                     f"prompt ({len(ids)} tokens) + max_tokens ({request.max_tokens}) exceeds this engine's "
                     f"{ctx.context_tokens}-token context (--kv-cache-tokens)"
                 )
                 return error(400, message, "invalid_request_error", "max_tokens")
+        return None
+
+    async def serve(request: SamplingRequest, prompt_ids: list[list[int]], api: Api) -> Response:
+        if refused := refusal(request, prompt_ids):
+            return refused
         roles.admit()
-        run = CompletionRun.start(request, ctx.model_name, prompt_ids, ctx.tokenizer, ctx.stop_ids, ctx.scheduler)
+        run = CompletionRun.start(request, ctx.model_name, prompt_ids, ctx.tokenizer, ctx.stop_ids, ctx.scheduler, api)
 
         def close() -> None:
             run.cancel()

@@ -144,6 +144,19 @@ def test_a_round_of_several_faults_reports_its_worst_outage() -> None:
     assert result.lb_convergence_ms == pytest.approx(1350 - 420)
 
 
+def test_a_stream_cut_mid_way_fails_the_round_as_a_broken_stream() -> None:
+    records = [
+        RequestRecord(0.0, 0.1, 200, "", True, "x", streamed=True),
+        RequestRecord(0.2, 0.3, 200, "broken stream: no [DONE]; last event {}", None, "x", streamed=True),
+        RequestRecord(0.2, 0.3, 503, "no primary", None),
+    ]
+    result = RoundResult("kill-primary", 0, started_at=0.0)
+    apply_requests(result, records, until=1.0)
+    assert (result.failed, result.broken_streams) == (2, 1)
+    assert "1 broken stream(s)" in result.failures(judge_client_errors=True)
+    assert result.failures(judge_client_errors=False) == []
+
+
 def test_a_rounds_redundancy_runs_from_its_last_fault_to_the_next_restored_event() -> None:
     """A storm of two faults: full redundancy after the first is not the round's; the one after the last is."""
     result = RoundResult("storm", 0, started_at=0.0, fault_at=100.0, later_faults=[103.0])

@@ -1,0 +1,212 @@
+"""Streams in flight across a failover: broken streams, wrong texts and the longest stall at the cut.
+
+    python bench/migration.py                                   # tiny model on CPU, 16 streams
+    python bench/migration.py --preset xl --device cuda:0 --streams 64 --max-tokens 256
+
+Starts its own stack (``hotweights up``: controller, daemon, a primary and two standbys, the gateway; torn
+down at the end, on SIGINT/SIGTERM too), takes each prompt's greedy text through the gateway while nothing
+fails, then for each of ``--signals`` (kill: SIGKILL, stop: SIGSTOP of the primary, which the controller
+detects as hung and fences) opens ``--streams`` greedy streams through the gateway, sends the signal to the
+primary once every stream has ``--cut-after`` chunks, and reads every stream to its end. Per fault: the
+streams in flight at the fault, the broken ones (an error event, no ``[DONE]``, a failed connection), the
+mismatched ones (text other than the reference), and the largest gap between two chunks of a stream that
+spans the fault (cut to next token, in ms). Between faults it waits for the stack to be whole again. The
+last stdout line is one JSON object. Targets on the H200 (``xl``, 64 streams of 256 tokens): 0 broken, 0
+mismatched, largest gap <= 500 ms (kill) and <= 900 ms (stop).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from hotweights.cache.makemodel import PRESETS, write_checkpoint
+from hotweights.chaos.clusterview import ControlApi
+from hotweights.chaos.faults import Target, send
+from hotweights.chaos.scenarios import wait_dead
+from hotweights.chaos.stack import DrillStack
+from hotweights.contract import Endpoint
+
+START_TIMEOUT_S = 900.0
+SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
+PROMPT_WIDTH = 8  # prompts are padded so every one is about as long
+
+
+@dataclass
+class Stream:
+    """One greedy stream through the gateway: its text and when each chunk came."""
+
+    prompt: str
+    text: str = ""
+    arrivals: list[float] = field(default_factory=list)  # time.monotonic() of each chunk with text
+    outcome: str = ""  # "done", or what broke it
+
+    async def run(self, client: httpx.AsyncClient, max_tokens: int) -> None:
+        request = {"prompt": self.prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True}
+        try:
+            async with client.stream("POST", Endpoint.COMPLETIONS, json=request) as response:
+                if response.status_code != 200:
+                    self.outcome = f"{response.status_code}: {(await response.aread())[:200]!r}"
+                    return
+                await self.read(response)
+        except httpx.HTTPError as exc:
+            self.outcome = f"{type(exc).__name__}: {exc}"
+
+    async def read(self, response: httpx.Response) -> None:
+        async for line in response.aiter_lines():
+            payload = line.removeprefix("data: ")
+            if not payload:
+                continue
+            if payload == "[DONE]":
+                self.outcome = "done"
+                return
+            event = json.loads(payload)
+            if "error" in event:
+                self.outcome = f"error event: {event['error']['message'][:200]}"
+                return
+            if text := "".join(choice["text"] for choice in event["choices"]):
+                self.text += text
+                self.arrivals.append(time.monotonic())
+        self.outcome = "ended without [DONE]"
+
+    def gap_across(self, at: float) -> float | None:
+        """The longest wait for a chunk across ``at`` (seconds): from the chunk before it to the one after."""
+        before = [t for t in self.arrivals if t <= at]
+        after = [t for t in self.arrivals if t > at]
+        return after[0] - before[-1] if before and after else None
+
+
+def prompts(n: int) -> list[str]:
+    return [f"Stream {i:0{PROMPT_WIDTH}d} of the migration bench" for i in range(n)]
+
+
+async def references(client: httpx.AsyncClient, texts: list[str], max_tokens: int) -> list[str]:
+    """Each prompt's greedy text through the gateway, before any fault."""
+
+    async def one(prompt: str) -> str:
+        request = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
+        response = await client.post(Endpoint.COMPLETIONS, json=request)
+        response.raise_for_status()
+        return response.json()["choices"][0]["text"]
+
+    return list(await asyncio.gather(*(one(p) for p in texts)))
+
+
+async def primary_target(api: ControlApi) -> Target:
+    view = await api.cluster()
+    assert view is not None, "the controller does not answer"
+    (primary,) = view.primaries()
+    target = view.target(primary["id"])
+    assert target is not None, f"the primary {primary['id']} has no live process"
+    return target
+
+
+async def fault(
+    api: ControlApi, client: httpx.AsyncClient, args: argparse.Namespace, name: str, expected: list[str]
+) -> dict[str, Any]:
+    """One round: streams opened, the primary signalled once each has ``--cut-after`` chunks, every stream read
+    to its end; the round's figures."""
+    if missing := await api.wait_complete(START_TIMEOUT_S):
+        raise RuntimeError(f"the stack was not whole before the {name} round: {missing}")
+    target = await primary_target(api)
+    streams = [Stream(p) for p in prompts(args.streams)]
+    tasks = [asyncio.create_task(s.run(client, args.max_tokens)) for s in streams]
+    while not all(len(s.arrivals) >= args.cut_after or s.outcome for s in streams):
+        await asyncio.sleep(0.005)
+    at = time.monotonic()
+    if not send(target, SIGNALS[name]):
+        raise RuntimeError(f"the primary {target} was gone before the {name} signal")
+    in_flight = sum(not s.outcome for s in streams)
+    await asyncio.gather(*tasks)
+    await wait_dead(target)
+    gaps = [g for s in streams if (g := s.gap_across(at)) is not None]
+    return {
+        "signal": name,
+        "in_flight": in_flight,
+        "broken": sum(s.outcome != "done" for s in streams),
+        "mismatched": sum(s.outcome == "done" and s.text != want for s, want in zip(streams, expected, strict=True)),
+        "max_gap_ms": round(max(gaps) * 1000, 1) if gaps else None,
+        "errors": sorted({s.outcome for s in streams if s.outcome != "done"})[:3],
+    }
+
+
+async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    model = args.model
+    if model is None and args.preset != "tiny":
+        device = "cuda" if args.device.startswith("cuda") else "cpu"
+        model = str(write_checkpoint(workdir / args.preset, PRESETS[args.preset], device=device, progress=False))
+    kv_tokens = args.max_tokens + 64  # the prompt and the budget, with room
+    stack = DrillStack.create(
+        workdir / "stack", "gateway", proxied=False, model=model or "", device=args.device,
+        kv_cache_tokens=kv_tokens, max_batch=args.streams,
+    )  # fmt: skip
+    api = stack.control_api()
+    rounds = []
+    try:
+        stack.start()
+        if missing := await api.wait_complete(START_TIMEOUT_S):
+            raise RuntimeError(f"the stack did not start within {START_TIMEOUT_S:g} s: {missing}")
+        async with httpx.AsyncClient(base_url=stack.lb_url, timeout=httpx.Timeout(120.0)) as client:
+            expected = await references(client, prompts(args.streams), args.max_tokens)
+            for name in args.signals.split(","):
+                rounds.append(await fault(api, client, args, name, expected))
+    finally:
+        await api.aclose()
+        await asyncio.to_thread(stack.teardown)
+    return {
+        "preset": args.preset if args.model is None else args.model,
+        "device": args.device,
+        "streams": args.streams,
+        "max_tokens": args.max_tokens,
+        "broken": sum(r["broken"] for r in rounds),
+        "mismatched": sum(r["mismatched"] for r in rounds),
+        "max_gap_ms": {r["signal"]: r["max_gap_ms"] for r in rounds},
+        "in_flight": {r["signal"]: r["in_flight"] for r in rounds},
+        "rounds": rounds,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="checkpoint to serve (default: --preset, written to a temp dir)")
+    parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--streams", type=int, default=16, help="concurrent streams at each fault (default 16)")
+    parser.add_argument("--max-tokens", type=int, default=256, help="tokens per stream (default 256)")
+    parser.add_argument("--cut-after", type=int, default=16, help="chunks every stream has at the fault (default 16)")
+    parser.add_argument("--signals", default="kill,stop", help="comma-separated kill/stop, in order (default both)")
+    args = parser.parse_args()
+    if unknown := [s for s in args.signals.split(",") if s not in SIGNALS]:
+        parser.error(f"--signals: unknown {unknown}; choose from {sorted(SIGNALS)}")
+    if not 0 < args.cut_after < args.max_tokens:
+        parser.error(f"--cut-after must be in [1, --max-tokens), found {args.cut_after}")
+    with tempfile.TemporaryDirectory(prefix="hw-migration-") as workdir:
+        loop = asyncio.new_event_loop()
+        task = loop.create_task(run(args, Path(workdir)))
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, task.cancel)
+        try:
+            result = loop.run_until_complete(task)
+        except asyncio.CancelledError:
+            print("interrupted; the stack was torn down", file=sys.stderr)
+            return 130
+        finally:
+            loop.close()
+    print(json.dumps(result))
+    return 0 if result["broken"] == 0 and result["mismatched"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,392 @@
+"""Completions in flight survive a failover: the gateway continues them on the next primary.
+
+Unit tests drive ``controller.migration``'s ledger through cut segments; the process tests run three
+engines and the gateway, SIGKILL then SIGSTOP the primary while greedy streams are under way, promote a
+standby as a controller would, and compare every text with the uninterrupted reference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from hotweights.contract import Endpoint
+from hotweights.controller.migration import Ledger, Migratable, Refusal, StopStrings, plan
+from hotweights.standby.model import token_seed
+from tests.cachehelpers import wait_until
+from tests.enginehelpers import EngineProcess
+from tests.gatewayhelpers import GatewayProcess, write_cluster
+
+MAX_TOKENS = 400
+COMPLETION_STREAMS = 24  # greedy; with the chats, the sampled, the stopped and the non-streamed: 32 requests
+CHAT_STREAMS = 5
+FLAGS = ("--kv-cache-tokens", "512", "--max-batch", "32")
+
+
+def body(**fields: object) -> bytes:
+    return json.dumps({"prompt": "hi", "max_tokens": 8} | fields).encode()
+
+
+def chat(**fields: object) -> bytes:
+    request = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8} | fields
+    return json.dumps({k: v for k, v in request.items() if v is not None}).encode()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("method", "path", "raw", "expected"),
+    [
+        ("GET", "/v1/models", b"", None),
+        ("POST", "/v1/embeddings", body(), None),
+        ("POST", "/v1/completions", b"not json", Refusal.NOT_JSON),
+        ("POST", "/v1/completions", b"[1, 2]", Refusal.NOT_JSON),
+        ("POST", "/v1/completions", body(n=2), Refusal.SEVERAL_CHOICES),
+        ("POST", "/v1/completions", body(best_of=3), Refusal.SEVERAL_CHOICES),
+        ("POST", "/v1/completions", body(prompt=["a", "b"]), Refusal.SEVERAL_CHOICES),
+        ("POST", "/v1/completions", body(logprobs=2), Refusal.LOGPROBS),
+        ("POST", "/v1/completions", body(echo=True), Refusal.ECHO),
+        ("POST", "/v1/completions", body(max_tokens="8"), Refusal.MAX_TOKENS),
+        ("POST", "/v1/completions", body(max_tokens=0), Refusal.MAX_TOKENS),
+        ("POST", "/v1/completions", body(stop=[1]), Refusal.BAD_STOP),
+        ("POST", "/v1/completions", body(stop=[""]), Refusal.BAD_STOP),
+        ("POST", "/v1/completions", body(stop=[]), Migratable),
+        ("POST", "/v1/completions", body(prompt=[1, 2, 3]), Migratable),
+        ("POST", "/v1/completions", body(prompt=["one"]), Migratable),
+        ("POST", "/v1/completions", body(stream=True, logprobs=None), Migratable),
+        ("POST", "/v1/chat/completions", chat(), Migratable),
+        ("POST", "/v1/chat/completions", chat(max_tokens=None, max_completion_tokens=9), Migratable),
+        ("POST", "/v1/chat/completions", chat(max_tokens=None), Refusal.NO_BUDGET),
+        ("POST", "/v1/chat/completions", chat(tools=[]), Refusal.CHAT_FIELDS),
+        ("POST", "/v1/chat/completions", chat(n=2), Refusal.SEVERAL_CHOICES),
+        ("POST", "/v1/chat/completions", chat(logprobs=True), Refusal.LOGPROBS),
+    ],
+)
+def test_which_requests_migrate(method: str, path: str, raw: bytes, expected: object) -> None:
+    decided = plan(method, path, raw)
+    assert isinstance(decided, Migratable) if expected is Migratable else decided == expected
+
+
+def chunk(text: str, ids: list[int], finish: str | None = None, **choice: object) -> dict:
+    fields = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "token_ids": ids} | choice
+    return {"id": "cmpl-1", "object": "text_completion", "created": 7, "model": "m", "choices": [fields]}
+
+
+@pytest.mark.unit
+def test_a_cut_continues_from_the_released_tokens_and_drops_text_already_sent() -> None:
+    """Segment one sends "ab" (tokens 1, 2 released) then "c" whose token is held back (a possible stop
+    string); the continuation regenerates that token, whose "c" the client already has."""
+    ledger = Ledger(plan("POST", "/v1/completions", body(max_tokens=6, stream=True)))
+    shown = [
+        ledger.take(chunk("a", [1], prompt_token_ids=[9, 9])),
+        ledger.take(chunk("b", [2])),
+        ledger.take(chunk("c", [])),
+    ]
+    assert [c["choices"][0]["text"] for c in shown] == ["a", "b", "c"]
+    assert all("token_ids" not in c["choices"][0] and "prompt_token_ids" not in c["choices"][0] for c in shown)
+    continuation = ledger.cut()
+    assert continuation["prompt"] == [9, 9, 1, 2] and continuation["max_tokens"] == 4
+    assert continuation["return_token_ids"] and continuation["stream"]
+    second = {**chunk("cd", [3, 4]), "id": "cmpl-2", "created": 8}
+    shown = ledger.take(second)
+    assert shown["choices"][0]["text"] == "d" and (shown["id"], shown["created"]) == ("cmpl-1", 7)
+    assert ledger.take(chunk("", [], "length"))["choices"][0]["finish_reason"] == "length"
+    ledger.take({"id": "cmpl-2", "choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 2}})
+    assert (ledger.text, ledger.released, ledger.finish_reason) == ("abcd", [1, 2, 3, 4], "length")
+    assert ledger.usage() == {"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("released", "expected"),
+    [
+        (0, {"prompt": "hi", "max_tokens": 3}),  # nothing came back: the request as it was
+        (2, {"prompt": [5, 1, 2], "max_tokens": 1}),
+        (3, None),  # the budget is spent: the request ends with length
+    ],
+)
+def test_the_continuation_asks_for_the_budget_left(released: int, expected: dict | None) -> None:
+    ledger = Ledger(plan("POST", "/v1/completions", body(max_tokens=3)))
+    if released:
+        ledger.take(chunk("x" * released, list(range(1, released + 1)), prompt_token_ids=[5]))
+    continuation = ledger.cut()
+    if expected is None:
+        assert continuation is None and ledger.finish_reason == "length"
+    else:
+        assert {k: continuation[k] for k in expected} == expected
+
+
+@pytest.mark.unit
+def test_a_client_that_asked_for_token_ids_gets_them_once_per_request() -> None:
+    ledger = Ledger(plan("POST", "/v1/completions", body(return_token_ids=True)))
+    first = ledger.take(chunk("a", [1], prompt_token_ids=[5]))["choices"][0]
+    assert first["token_ids"] == [1] and first["prompt_token_ids"] == [5]
+    ledger.cut()
+    again = ledger.take(chunk("b", [2], prompt_token_ids=[5, 1]))["choices"][0]
+    assert again["token_ids"] == [2] and "prompt_token_ids" not in again
+    assert ledger.whole()["choices"][0] | {"text": ""} == {
+        "index": 0,
+        "text": "",
+        "logprobs": None,
+        "finish_reason": None,
+        "token_ids": [1, 2],
+        "prompt_token_ids": [5],
+    }
+
+
+@pytest.mark.unit
+def test_a_chat_continues_as_a_completion_of_its_prompt_ids_and_keeps_its_shape() -> None:
+    ledger = Ledger(plan("POST", "/v1/chat/completions", chat(max_completion_tokens=5, stream=True)))
+    first = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 7, "model": "m", "prompt_token_ids": [5]}
+    role = ledger.take(
+        first | {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "token_ids": []}]}
+    )
+    assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""} and "prompt_token_ids" not in role
+    ledger.take(first | {"choices": [{"index": 0, "delta": {"content": "ab"}, "token_ids": [1, 2]}]})
+    continuation = ledger.cut()
+    assert continuation["prompt"] == [5, 1, 2] and continuation["max_tokens"] == 3
+    assert "messages" not in continuation and "max_completion_tokens" not in continuation
+    shown = ledger.take(chunk("c", [3], "stop"))
+    assert shown["object"] == "chat.completion.chunk" and shown["id"] == "chatcmpl-1"
+    assert shown["choices"] == [{"index": 0, "delta": {"content": "c"}, "logprobs": None, "finish_reason": "stop"}]
+    whole = ledger.whole()
+    assert whole["object"] == "chat.completion" and whole["choices"][0]["message"] == {
+        "role": "assistant",
+        "content": "abc",
+    }
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("stop", "pieces", "sent", "hit"),
+    [
+        ((), ["ab", "c"], ["ab", "c"], False),
+        (("cd",), ["abc", "de"], ["ab", ""], True),  # "c" held back, then the stop string completes
+        (("cd",), ["abc", "x"], ["ab", "cx"], False),  # held back, then let go
+        (("xyz", "b"), ["axy", "zb"], ["a", ""], True),  # the first one met ends the text
+        (("cd",), ["a", "bcd!"], ["a", "b"], True),
+    ],
+)
+def test_stop_strings_hold_back_what_may_start_one(
+    stop: tuple[str, ...], pieces: list[str], sent: list[str], hit: bool
+) -> None:
+    stops = StopStrings(stop)
+    assert [stops.push(piece) for piece in pieces] == sent and stops.hit is hit
+
+
+@pytest.mark.unit
+def test_the_engine_is_asked_without_stop_strings_and_the_gateway_ends_at_one_across_a_cut() -> None:
+    ledger = Ledger(plan("POST", "/v1/completions", body(stop=["STOP"], max_tokens=9, stream=True)))
+    assert "stop" not in ledger.request.upstream_body()
+    assert ledger.take(chunk("aS", [1, 2], prompt_token_ids=[5]))["choices"][0]["text"] == "a"
+    continuation = ledger.cut()
+    assert "stop" not in continuation and continuation["prompt"] == [5, 1, 2]
+    shown = ledger.take(chunk("TOPb", [3]))["choices"][0]
+    assert (shown["text"], shown["finish_reason"], ledger.stopped, ledger.text) == ("", "stop", True, "a")
+
+
+@pytest.mark.unit
+def test_token_seeds_differ_by_position_and_by_seed() -> None:
+    seeds = {token_seed(seed, position) for seed in (0, 1, 2**62) for position in range(100)}
+    assert len(seeds) == 300 and all(0 <= s < 2**63 for s in seeds)
+
+
+# Process tests: three engines, the gateway, requests cut by SIGKILL and by SIGSTOP.
+
+
+@dataclass
+class Case:
+    """One request through the gateway, read on a thread, and the text the engine gives it uncut."""
+
+    path: str
+    request: dict
+    expected: dict = field(default_factory=dict)  # {"text", "finish_reason", "usage"} of the uncut run
+    got: dict = field(default_factory=lambda: {"text": "", "finish_reason": None, "usage": None})
+    ids: set[str] = field(default_factory=set)
+    chunks: int = 0
+    outcome: str = ""  # "done", or what went wrong
+    thread: threading.Thread | None = None
+
+    @property
+    def under_way(self) -> bool:
+        return bool(self.chunks or self.outcome or not self.request.get("stream"))
+
+    def run(self, url: str) -> None:
+        try:
+            with httpx.Client(base_url=url, timeout=120.0) as client:
+                if self.request.get("stream"):
+                    with client.stream("POST", self.path, json=self.request) as response:
+                        self.read(response)
+                else:
+                    self.read_whole(client.post(self.path, json=self.request))
+        except httpx.HTTPError as exc:
+            self.outcome = repr(exc)
+
+    def read_whole(self, response: httpx.Response) -> None:
+        if response.status_code != 200:
+            self.outcome = f"{response.status_code}: {response.text}"
+            return
+        self.ids.add(response.json()["id"])
+        self.got = uncut(response.json())
+        self.outcome = "done"
+
+    def read(self, response: httpx.Response) -> None:
+        if response.status_code != 200:
+            self.outcome = f"{response.status_code}: {response.read()!r}"
+            return
+        for line in response.iter_lines():
+            payload = line.removeprefix("data: ")
+            if payload == "[DONE]":
+                self.outcome = "done"
+                return
+            event = json.loads(payload) if payload else {}
+            if "error" in event:
+                self.outcome = f"error event: {event['error']['message']}"
+                return
+            for choice in event.get("choices", ()):
+                self.got["text"] += choice["text"] if "text" in choice else choice["delta"]["content"]
+                self.got["finish_reason"] = choice["finish_reason"] or self.got["finish_reason"]
+                self.chunks += 1
+            self.ids.update([event["id"]] if event else [])
+            self.got["usage"] = event.get("usage") or self.got["usage"]
+        self.outcome = "ended without [DONE]"
+
+
+def uncut(reply: dict) -> dict:
+    """Text, finish reason and usage of a whole (non-streamed) reply, completion or chat."""
+    choice = reply["choices"][0]
+    text = choice["text"] if "text" in choice else choice["message"]["content"]
+    return {"text": text, "finish_reason": choice["finish_reason"], "usage": reply["usage"]}
+
+
+def cases(engine: EngineProcess) -> list[Case]:
+    """Greedy completion and chat streams, one with a stop string met after the cut, one sampled with a
+    seed, and a non-streamed completion; each with its uncut reply, from ``engine`` directly."""
+    greedy = {"max_tokens": MAX_TOKENS, "temperature": 0.0}
+    streamed = {"stream": True, "stream_options": {"include_usage": True}}
+    made = [Case(Endpoint.COMPLETIONS, greedy | {"prompt": f"Stream {i} begins"}) for i in range(COMPLETION_STREAMS)]
+    made += [
+        Case(Endpoint.CHAT_COMPLETIONS, greedy | {"messages": [{"role": "user", "content": f"Hi {i}"}]})
+        for i in range(CHAT_STREAMS)
+    ]
+    made += [Case(Endpoint.COMPLETIONS, greedy | {"prompt": "Sampled", "temperature": 0.9, "top_p": 0.95, "seed": 7})]
+    for case in made:
+        case.request |= streamed
+    made += [Case(Endpoint.COMPLETIONS, greedy | {"prompt": "Not streamed"})]
+    uncut_reply(engine, made[0])
+    far = made[0].expected["text"]
+    stop = far[len(far) * 3 // 4 :][:6]  # met three quarters in: after the cut
+    made.append(Case(Endpoint.COMPLETIONS, made[0].request | {"stop": [stop]}))
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda case: uncut_reply(engine, case), made[1:]))
+    assert made[-1].expected["finish_reason"] == "stop"
+    return made
+
+
+def uncut_reply(engine: EngineProcess, case: Case) -> None:
+    case.expected = uncut(engine.client.post(case.path, json=case.request | {"stream": False}).json())
+
+
+@contextlib.contextmanager
+def running(url: str, made: list[Case]) -> Iterator[list[Case]]:
+    """Every case on its own thread; joined when the block ends."""
+    for case in made:
+        case.thread = threading.Thread(target=case.run, args=(url,))
+        case.thread.start()
+    try:
+        yield made
+    finally:
+        for case in made:
+            case.thread.join(timeout=120)
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model: Path) -> Iterator[list[EngineProcess]]:
+    """Engines "a" (primary), "b" and "c" (standbys)."""
+    with contextlib.ExitStack() as stack:
+        started = []
+        for engine_id, role in (("a", "primary"), ("b", "standby"), ("c", "standby")):
+            engine = stack.enter_context(EngineProcess(tiny_model, *FLAGS, "--engine-id", engine_id, "--role", role))
+            started.append(engine)
+        yield started
+
+
+@pytest.fixture(scope="module")
+def gateway(engines: list[EngineProcess], tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
+    config = write_cluster(tmp_path_factory.mktemp("migration") / "cluster.toml", [e.port for e in engines])
+    with GatewayProcess(config) as gateway:
+        gateway.wait_health(lambda h: len(h["primaries"]) == 1, what="the primary")
+        yield gateway
+
+
+def metric(gateway: GatewayProcess, name: str) -> float:
+    text = gateway.client.get(Endpoint.METRICS).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+
+
+def fail_over(
+    gateway: GatewayProcess, made: list[Case], fault: signal.Signals, old: EngineProcess, new: EngineProcess
+) -> int:
+    """Once every stream has text, send ``fault`` to the primary, then promote ``new`` as a controller
+    would once it has fenced the old one; the requests in flight at the fault."""
+    wait_until(lambda: all(case.under_way for case in made), timeout=60, what="every stream under way")
+    old.process.send_signal(fault)
+    in_flight = sum(not case.outcome for case in made)
+    gateway.wait_health(lambda h: old.url not in h["primaries"], what="the gateway to drop the old primary")
+    assert new.post(Endpoint.PROMOTE).status_code == 200
+    return in_flight
+
+
+def test_the_engine_takes_token_ids_and_continues_from_the_tokens_it_released(engines: list[EngineProcess]) -> None:
+    """A token-id prompt is the text prompt's equal; a stream's released tokens, appended to its prompt's
+    ids, continue it with exactly the rest of the text (sampled with a seed too); ids outside the
+    vocabulary are one 400 naming the prompt."""
+    a = engines[0]
+    sampled = {"max_tokens": 40, "temperature": 0.9, "seed": 3}
+    whole = a.complete(prompt="Token ids", return_token_ids=True, **sampled).json()["choices"][0]
+    by_ids = a.complete(prompt=whole["prompt_token_ids"], **sampled).json()["choices"][0]
+    assert by_ids["text"] == whole["text"]
+    chunks = a.stream(prompt="Token ids", return_token_ids=True, **sampled)
+    released = [i for c in chunks[:10] for i in c["choices"][0]["token_ids"]]
+    sent = "".join(c["choices"][0]["text"] for c in chunks[:10])
+    rest = a.complete(prompt=whole["prompt_token_ids"] + released, **sampled | {"max_tokens": 40 - len(released)})
+    assert sent + rest.json()["choices"][0]["text"] == whole["text"]
+    bad = a.complete(prompt=[1, 10**9])
+    assert (bad.status_code, bad.json()["error"]["param"]) == (400, "prompt")
+
+
+@pytest.mark.timeout(240)
+def test_requests_survive_a_killed_and_then_a_hung_primary(
+    engines: list[EngineProcess], gateway: GatewayProcess
+) -> None:
+    """Completions and chats of MAX_TOKENS tokens: the primary SIGKILLed mid-stream, then the next one
+    SIGSTOPped: no request breaks, every reply equals the uncut one (text, finish reason, usage for the
+    whole request), one id per reply."""
+    a, b, c = engines
+    figures = {}
+    reference = cases(a)
+    for fault, old, new in ((signal.SIGKILL, a, b), (signal.SIGSTOP, b, c)):
+        made = [Case(case.path, case.request, case.expected) for case in reference]
+        migrated = metric(gateway, "hotweights_gateway_migrations_total")
+        with running(gateway.url, made):
+            in_flight = fail_over(gateway, made, fault, old, new)
+        assert [case.outcome for case in made] == ["done"] * len(made)
+        assert [case.got for case in made] == [case.expected for case in made]
+        assert all(len(case.ids) == 1 for case in made)
+        figures[fault.name] = (in_flight, metric(gateway, "hotweights_gateway_migrations_total") - migrated)
+        assert figures[fault.name][1] >= 1, "no request was cut: the fault came too late"
+    print(f"requests in flight and migrated at each fault: {figures}")
+    events = gateway.client.get(Endpoint.GATEWAY_EVENTS, params={"limit": 1000}).json()["events"]
+    migrations = [e for e in events if e["kind"] == "migration"]
+    assert len(migrations) == sum(migrated for _, migrated in figures.values())
+    # A primary whose probe timed out under load is cut too, and its requests may go back to it: any engine.
+    assert all(e["to"] in (a.url, b.url, c.url) and e["tokens_replayed"] >= 0 for e in migrations)
