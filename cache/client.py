@@ -27,6 +27,7 @@ reacts: an engine must never kill itself because its daemon went away.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
@@ -61,6 +62,9 @@ from hotweights.errors import HotweightsError
 log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 10.0  # one deadline for connect, request and the whole reply
+CONNECT_RETRY_FIRST_S = 0.005  # the first pause after a refused connect; doubles up to CONNECT_RETRY_MAX_S
+CONNECT_RETRY_MAX_S = 0.2
+RETRIED_CONNECT_ERRORS = frozenset({errno.EAGAIN, errno.ECONNREFUSED})
 
 
 class DaemonUnavailable(HotweightsError):
@@ -154,10 +158,8 @@ def connect(
     socket_path = Path(socket_path)
     trusted = trusted_daemon_uids() if trusted is None else trusted
     check_socket_path(socket_path, trusted)
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-    conn.settimeout(timeout)
+    conn = _connect_retrying(socket_path, time.monotonic() + timeout)
     try:
-        conn.connect(str(socket_path))
         pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
     except OSError as exc:
         conn.close()
@@ -168,6 +170,29 @@ def connect(
             f"the process serving {socket_path} (pid {pid}) runs as uid {uid}; engines trust uids {sorted(trusted)}"
         )
     return conn
+
+
+def _connect_retrying(socket_path: Path, deadline: float) -> socket.socket:
+    """A connected socket with the time left to ``deadline`` as its timeout. A refused connect (a full
+    backlog answers EAGAIN, a daemon between sockets ECONNREFUSED) is retried, backing off, until the
+    deadline; DaemonUnavailable after it, or at once on any other error."""
+    pause = CONNECT_RETRY_FIRST_S
+    while True:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        conn.settimeout(max(deadline - time.monotonic(), 0.001))
+        try:
+            conn.connect(str(socket_path))
+            return conn
+        except OSError as exc:
+            conn.close()
+            left = deadline - time.monotonic()
+            if exc.errno not in RETRIED_CONNECT_ERRORS or left <= pause:
+                raise DaemonUnavailable(
+                    f"no weight cache daemon answers on {socket_path}: {exc.strerror or exc}"
+                ) from None
+            log.debug("connect to %s refused (%s): retrying in %.3f s", socket_path, exc.strerror, pause)
+        time.sleep(pause)
+        pause = min(pause * 2, CONNECT_RETRY_MAX_S)
 
 
 def call(

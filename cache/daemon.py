@@ -60,6 +60,7 @@ log = logging.getLogger(__name__)
 
 REQUEST_TIMEOUT_S = 10.0  # for each whole request from a client that has not attached
 MAX_CONNECTIONS = 128  # open connections (attached engines included); one thread each
+LISTEN_BACKLOG = 4096  # connections the kernel queues before accept (a connect storm must not refuse engines)
 MAX_SOCKET_PATH = 107  # sun_path is 108 bytes including the NUL
 FILL_SOURCES = ("readopt", "snapshot", "disk")  # the order a daemon tries them in, unless told otherwise
 
@@ -342,7 +343,7 @@ class CacheDaemon:
             listener.bind(str(self.paths.socket))
         finally:
             os.umask(old_umask)
-        listener.listen(64)
+        listener.listen(LISTEN_BACKLOG)
         listener.settimeout(0.2)
         self._listener = listener
 

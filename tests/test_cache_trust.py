@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -23,8 +24,10 @@ from typing import Any
 import pytest
 
 from hotweights.cache import arena as arena_layout
+from hotweights.cache import client as client_module
 from hotweights.cache.checkpoint import read_checkpoint
 from hotweights.cache.client import AttachRefused, DaemonUnavailable, attach, hello
+from hotweights.cache.client import connect as client_connect
 from hotweights.cache.daemon import pipeline_source
 from hotweights.cache.pipeline import LoadSpec
 from hotweights.cache.protocol import PROTOCOL_VERSION, recv_message, send_message
@@ -469,3 +472,46 @@ def test_the_daemon_takes_only_its_exact_protocol_version(tiny_model: Path, sock
             for op in ("hello", "attach"):
                 reply = request(sock, {"op": op, "version": version, "fingerprint": fingerprint})
                 assert reply["error"] == "version_mismatch", (op, version, reply)
+
+
+def test_a_connect_refused_by_a_full_backlog_is_retried_within_the_deadline(
+    sock: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    retrying = threading.Event()
+
+    class Retried(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "retrying" in record.getMessage():
+                retrying.set()
+
+    caplog.set_level(logging.DEBUG, logger=client_module.__name__)
+    handler = Retried()
+    client_module.log.addHandler(handler)
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(sock))
+    listener.listen(0)
+    queued: list[socket.socket] = []
+    result: dict[str, Any] = {}
+    try:
+        while True:  # fill the backlog until the kernel answers EAGAIN
+            conn = socket.socket(socket.AF_UNIX)
+            conn.setblocking(False)
+            queued.append(conn)
+            try:
+                conn.connect(str(sock))
+            except BlockingIOError:
+                break
+        worker = threading.Thread(target=lambda: result.update(conn=client_connect(sock, timeout=10.0)))
+        worker.start()
+        assert retrying.wait(10), "a connect refused by a full backlog should be retried"
+        accepted = [listener.accept()[0] for _ in queued[:-1]]
+        worker.join(10)
+        assert isinstance(result.get("conn"), socket.socket)
+        result["conn"].close()
+        for conn in accepted:
+            conn.close()
+    finally:
+        client_module.log.removeHandler(handler)
+        for conn in queued:
+            conn.close()
+        listener.close()
