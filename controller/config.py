@@ -41,6 +41,7 @@ quantize = ""                 # "" or "fp8-block"
 [[groups]]
 device = "cpu"                # cpu or cuda:N (with tp_size > 1: cpu or cuda:0, rank r then runs on cuda:r)
 engines = 3                   # 1 primary + 2 standbys
+max_engines = 8               # the most engines POST /engines may grow the group to (409 above it; >= engines)
 tp_size = 1                   # ranks per engine (tensor parallel): a daemon per rank, each engine a group of
                               # tp_size rank processes, failed over as one (reference engine only)
 base_port = 8200              # engine i answers on base_port + i (health checks, gateway, HAProxy)
@@ -142,6 +143,7 @@ class ModelSection:
 class GroupSection:
     device: str = "cpu"
     engines: int = 3
+    max_engines: int = 8  # POST /engines adds standbys up to this many engines in the group
     tp_size: int = 1  # ranks per engine: a daemon per rank, each engine a tensor-parallel group of rank processes
     base_port: int = 8200
     listen_base_port: int = 0  # 0: engines listen on their client ports (base_port + i)
@@ -448,6 +450,8 @@ def _check_batch(config: ClusterConfig, i: int, ports: dict[int, str]) -> None:
 
 
 def _check_spares(group: GroupSection, where: str) -> None:
+    if group.max_engines < group.engines:
+        raise ConfigError(f"{where}.max_engines must be >= engines ({group.engines}), found {group.max_engines}")
     if not 0 <= group.spare_engines <= MAX_SPARE_ENGINES:
         raise ConfigError(f"{where}.spare_engines must be 0..{MAX_SPARE_ENGINES}, found {group.spare_engines}")
     if not 0 < group.spare_duty <= 1:
