@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from hotweights.contract import Endpoint
 from hotweights.controller.supervisor import read_identity
@@ -291,5 +292,44 @@ def test_cache_commands_find_a_running_stacks_daemon_and_a_stand_alone_one(tiny_
         assert down.returncode == 0, down.stderr
         stack.controller.wait(timeout=30)
         assert list((own_world / "run").glob("*.sock")) == []
+    finally:
+        stack.close()
+
+
+def _signal_at(stack: ControllerStack, start: int, event: str, sig: signal.Signals) -> None:
+    """Send ``sig`` to ``up`` once ``event`` is in its log after offset ``start``."""
+    wait_until(lambda: event in stack.logs(10**8)[start:], 90, repr(event), interval=0.005)
+    stack.controller.send_signal(sig)
+
+
+def _stopped_cleanly(stack: ControllerStack, start: int) -> None:
+    assert stack.controller.wait(timeout=60) == 0, stack.logs()
+    assert "Traceback" not in stack.logs(10**8)[start:], stack.logs()
+    assert stack.recorded_pids() == []
+
+
+@pytest.mark.timeout(240)
+def test_signals_stop_up_cleanly_at_any_moment(tiny_model: Path) -> None:
+    """SIGINT or SIGTERM before anything started, during the start-up, during an adoption, during the stop
+    (a second one escalates: what is left is killed) and after it: `up` exits 0, no traceback, nothing left."""
+    stack = ControllerStack(tiny_model, engines=2)
+    try:
+        stack.start_controller("up")  # before the event loop: the lock is taken, nothing started yet
+        wait_until(lambda: (stack.config.state_dir / "controller.lock").exists(), 60, "the lock", interval=0.001)
+        stack.controller.send_signal(signal.SIGINT)
+        _stopped_cleanly(stack, 0)
+        start = len(stack.logs(10**8))
+        stack.start_controller("up")  # start-up, then a second signal while it stops
+        _signal_at(stack, start, "starting g0-cache", signal.SIGTERM)
+        _signal_at(stack, start, "Shutting down", signal.SIGINT)
+        _stopped_cleanly(stack, start)
+        stack.start_controller("up")
+        _up_serves(stack, 1)
+        stack.kill_controller()
+        start = len(stack.logs(10**8))
+        stack.start_controller("up")  # adopting the running stack, then a signal once all is stopped
+        _signal_at(stack, start, "Started server process", signal.SIGINT)
+        _signal_at(stack, start, "stopped g0-cache", signal.SIGTERM)
+        _stopped_cleanly(stack, start)
     finally:
         stack.close()
