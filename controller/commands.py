@@ -45,6 +45,7 @@ from hotweights.controller.metrics import ControllerMetrics
 from hotweights.controller.stack import Layout
 from hotweights.controller.supervisor import STOP_TIMEOUT_S, ControllerLock, stack_orphans, stop_recorded
 from hotweights.errors import ConfigError
+from hotweights.paths import private_dir
 from hotweights.state import StateCorrupt, read_state, write_state
 
 log = logging.getLogger(__name__)
@@ -267,6 +268,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 def cmd_down(args: argparse.Namespace) -> int:
     config = load_config(args.config)
+    if config.state_dir.exists():  # its state.json names the processes to signal: only ours may write it
+        private_dir(config.state_dir, "state directory")
     lines = stop_everything(config, args.timeout, Path(args.config) if args.config else None)
     for line in lines:
         print(line, file=sys.stderr)

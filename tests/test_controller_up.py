@@ -333,3 +333,35 @@ def test_signals_stop_up_cleanly_at_any_moment(tiny_model: Path) -> None:
         _stopped_cleanly(stack, start)
     finally:
         stack.close()
+
+
+@pytest.mark.parametrize(
+    ("command", "directory", "fault"),
+    [
+        ("up", "runtime", "writable"),
+        ("controller", "state", "writable"),
+        ("up", "state", "owned"),
+        ("down", "state", "writable"),
+    ],
+)
+def test_a_directory_others_control_is_refused_in_one_line(
+    tiny_model: Path, own_world: Path, command: str, directory: str, fault: str
+) -> None:
+    """A runtime or state directory someone else owns or may write to could have its sockets, pid records or
+    state.json replaced: refused before anything starts, as `cache serve` refuses its socket directory."""
+    if fault == "owned" and os.getuid() != 0:
+        pytest.skip("giving a directory to another uid needs root")
+    stack = ControllerStack(tiny_model, engines=1)
+    try:
+        path = own_world / "run" if directory == "runtime" else stack.config.state_dir
+        path.mkdir(parents=True)
+        if fault == "owned":
+            os.chown(path, 65534, 65534)
+        else:
+            path.chmod(0o777)
+        result = run_hotweights(command, "--config", str(stack.config_path))
+        problem = "is owned by uid 65534" if fault == "owned" else "is writable by others (mode 777)"
+        assert result.returncode == 2 and len(result.stderr.splitlines()) == 1, result.stderr
+        assert result.stderr.startswith(f"hotweights {command}: error: {directory} directory {path} {problem}")
+    finally:
+        stack.close()
