@@ -64,7 +64,6 @@ log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 10.0  # one deadline for connect, request and the whole reply
 CONNECT_RETRY_FIRST_S = 0.005  # the first pause after a refused connect; doubles up to CONNECT_RETRY_MAX_S
 CONNECT_RETRY_MAX_S = 0.2
-RETRIED_CONNECT_ERRORS = frozenset({errno.EAGAIN, errno.ECONNREFUSED})
 
 
 class DaemonUnavailable(HotweightsError):
@@ -173,9 +172,9 @@ def connect(
 
 
 def _connect_retrying(socket_path: Path, deadline: float) -> socket.socket:
-    """A connected socket with the time left to ``deadline`` as its timeout. A refused connect (a full
-    backlog answers EAGAIN, a daemon between sockets ECONNREFUSED) is retried, backing off, until the
-    deadline; DaemonUnavailable after it, or at once on any other error."""
+    """A connected socket with the time left to ``deadline`` as its timeout. A connect refused with EAGAIN
+    (the listen backlog is full: a connect storm) is retried, backing off, until the deadline;
+    DaemonUnavailable after it, or at once on any other error (ECONNREFUSED: nobody listens there)."""
     pause = CONNECT_RETRY_FIRST_S
     while True:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
@@ -186,7 +185,7 @@ def _connect_retrying(socket_path: Path, deadline: float) -> socket.socket:
         except OSError as exc:
             conn.close()
             left = deadline - time.monotonic()
-            if exc.errno not in RETRIED_CONNECT_ERRORS or left <= pause:
+            if exc.errno != errno.EAGAIN or left <= pause:
                 raise DaemonUnavailable(
                     f"no weight cache daemon answers on {socket_path}: {exc.strerror or exc}"
                 ) from None
