@@ -54,6 +54,7 @@ from hotweights.cache.snapshot import load_snapshot
 from hotweights.dtypes import ARENA_DTYPES
 from hotweights.errors import BindingError, ConfigError, HotweightsError
 from hotweights.layout import processed_tensors
+from hotweights.limits import ACCEPT_BACKOFF_S
 from hotweights.pidlock import LockHeld, PidLock
 
 log = logging.getLogger(__name__)
@@ -367,7 +368,7 @@ class CacheDaemon:
                 continue
             except OSError as exc:  # EMFILE, ENFILE, ECONNABORTED...: keep serving, retry shortly
                 log.warning("accept on %s failed: %s", self.paths.socket, exc)
-                self._should_exit.wait(0.1)
+                self._should_exit.wait(ACCEPT_BACKOFF_S)
                 continue
             client = self._admit(conn)
             if client is not None:

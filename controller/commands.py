@@ -45,6 +45,7 @@ from hotweights.controller.metrics import ControllerMetrics
 from hotweights.controller.stack import Layout
 from hotweights.controller.supervisor import STOP_TIMEOUT_S, ControllerLock, stack_orphans, stop_recorded
 from hotweights.errors import ConfigError
+from hotweights.limits import raise_open_files
 from hotweights.paths import private_dir
 from hotweights.state import StateCorrupt, read_state, write_state
 
@@ -115,6 +116,7 @@ def run_controller(config_arg: str | None, *, with_gateway: bool, owns_stack: bo
     flags.capture()
     config_path = Path(config_arg) if config_arg else None
     config = load_config(config_path)
+    raise_open_files(config.open_files_needed(), f"cluster {config.cluster.name!r}")
     layout = Layout.create(config, config_path)
     lock = ControllerLock(layout.lock_file)
     lock.acquire()

@@ -117,6 +117,9 @@ retry_timeout_s = 0.5         # how long one etcd request may take; ttl_s >= loo
 GATEWAY_TOKEN_FIX = "set cluster.token_file so that the engines behind the gateway need it for role changes"
 
 
+OPEN_FILES_BASE = 256  # ClusterConfig.open_files_needed: the controller, daemons, logs, pipes
+OPEN_FILES_PER_ENGINE = 64  # its health checks, spare pipes, clients
+OPEN_FILES_PER_HELD_REQUEST = 4  # the gateway's client and upstream sockets, with room for those in flight
 MAX_GATEWAY_WORKERS = 16
 MAX_SPARE_ENGINES = 16
 REFERENCE, VLLM = "reference", "vllm"
@@ -291,6 +294,15 @@ class ClusterConfig:
     def state_file(self) -> Path:
         """The controller's persisted state; the gateway reads it too (engines added at runtime)."""
         return self.state_dir / "state.json"
+
+    def open_files_needed(self) -> int:
+        """The open-files limit a stack needs (its processes inherit the controller's): a base for the
+        controller, daemons and logs, some per engine (health checks, pipes, its clients), and for the
+        gateway's clients and upstream connections a few per request it may hold."""
+        engines = sum(group.engines + group.spare_engines for group in self.groups)
+        return (
+            OPEN_FILES_BASE + OPEN_FILES_PER_ENGINE * engines + OPEN_FILES_PER_HELD_REQUEST * self.gateway.queue_limit
+        )
 
     def token(self) -> str | None:
         """The bearer token from ``token_file`` (None when unset)."""
