@@ -140,6 +140,35 @@ def test_a_gateway_crash_refuses_no_connection(tiny_model: Path) -> None:
         stack.close()
 
 
+@pytest.mark.timeout(240)
+def test_a_hung_gateway_costs_only_the_requests_it_had_accepted(tiny_model: Path) -> None:
+    """SIGSTOP of one worker under steady load: its peer accepts every new connection, and the controller
+    replaces the stopped one after two unanswered probes. Then SIGSTOP of both: new connections wait in the
+    kernel's queue until the replacements take them. Only requests the stopped workers had accepted fail."""
+    stack = ControllerStack(tiny_model, engines=2)
+    try:
+        stack.start_controller("up")
+        wait_until(lambda: "is up" in stack.logs(), 90, "the ready summary", interval=0.1)
+        url = f"http://127.0.0.1:{stack.config.gateway.port}/v1/completions"
+        with SteadyClients(url) as clients:
+            clients.wait_successes(5)
+            first = {"gateway": _gateway_workers(stack)["gateway"]["pid"]}
+            os.kill(first["gateway"], signal.SIGSTOP)
+            clients.wait_successes(5)  # while it is stopped: its peer serves
+            wait_until(lambda: _respawned(stack, first), 60, "the hung worker replaced")
+            both = {worker_id: s["pid"] for worker_id, s in _gateway_workers(stack).items()}
+            for pid in both.values():
+                os.kill(pid, signal.SIGSTOP)
+            wait_until(lambda: _respawned(stack, both), 60, "both hung workers replaced")
+            clients.wait_successes(5)
+        hung = [e["message"] for e in stack.events("hung")]
+        assert len(hung) == 3 and all("answered none of 2 probes" in m for m in hung), hung
+        assert clients.refused == []
+        assert len(clients.failed) <= 3 * SteadyClients.THREADS, clients.failed  # three hangs, one request each
+    finally:
+        stack.close()
+
+
 def _worker_primaries(stack: ControllerStack) -> dict[str, list[str]]:
     """Each gateway worker's primaries, asked on its own Unix socket (the shared port reaches either)."""
     found = {}
