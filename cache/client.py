@@ -243,9 +243,12 @@ def attach(
     timeout: float = CONNECT_TIMEOUT_S,
     *,
     offer_handover: bool = False,
+    check_content: bool = True,
 ) -> Attachment:
-    """Attach to the arena on ``socket_path`` if the daemon and its manifest pass every check. With
-    ``offer_handover``, keep the arena fd and offer it to a daemon that replaces this one (``cache.handover``)."""
+    """Attach to the arena on ``socket_path`` if the daemon and its manifest pass every check, the mapped
+    bytes' content hash included (``check_content`` False: the caller reports it, as ``cache verify`` does).
+    With ``offer_handover``, keep the arena fd and offer it to a daemon that replaces this one
+    (``cache.handover``)."""
     start = time.perf_counter()
     deadline = time.monotonic() + timeout
     device = torch.device(device)
@@ -263,6 +266,9 @@ def attach(
         replied = time.perf_counter()
         imported = _import(reply, fds, device, socket_path)
         try:
+            mapped = time.perf_counter()
+            if check_content:
+                _check_content(imported.tensor, reply["manifest"], socket_path)
             tensors = arena_layout.views(imported.tensor, entries)
         except BaseException:
             imported.close()
@@ -273,11 +279,29 @@ def attach(
             os.close(kept)
         raise
     conn.settimeout(None)
-    mapped = time.perf_counter()
+    checked = time.perf_counter()
     offer = _offer(Path(socket_path), expected, reply["handle"], kept) if kept >= 0 else None
     end = time.perf_counter()
-    parts = {"reply": (replied - start) * 1e3, "map": (mapped - replied) * 1e3, "offer": (end - mapped) * 1e3}
+    parts = {
+        "reply": (replied - start) * 1e3,
+        "map": (mapped - replied) * 1e3,
+        "digest": (checked - mapped) * 1e3,
+        "offer": (end - checked) * 1e3,
+    }
     return Attachment(tensors, reply["manifest"], imported, end - start, conn, offer, parts, Path(socket_path))
+
+
+def _check_content(data: torch.Tensor, manifest: dict[str, Any], socket_path: str | Path) -> None:
+    """AttachRefused unless the mapped bytes have the manifest's content hash: recomputed here, on the arena's
+    device (at the memory bus's speed on a GPU), from our own mapping, so a daemon cannot serve other bytes
+    (zeros, another model's) under a manifest that describes the real ones."""
+    recorded = manifest.get("content_hash")
+    actual = content_hash(data, manifest["used_bytes"])
+    if actual != recorded:
+        raise AttachRefused(
+            f"daemon on {socket_path} serves an arena whose content hash is {actual}, but its manifest says "
+            f"{str(recorded)[:80]}: its bytes are not the ones it describes"
+        )
 
 
 def _keep_for_handover(handle: dict[str, Any], fds: list[int]) -> int:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from hotweights.cache import arena as arena_layout
 from hotweights.cache import client as client_module
@@ -29,6 +30,7 @@ from hotweights.cache.checkpoint import read_checkpoint
 from hotweights.cache.client import AttachRefused, DaemonUnavailable, attach, hello
 from hotweights.cache.client import connect as client_connect
 from hotweights.cache.daemon import pipeline_source
+from hotweights.cache.digest import content_hash
 from hotweights.cache.pipeline import LoadSpec
 from hotweights.cache.protocol import PROTOCOL_VERSION, recv_message, send_message
 from hotweights.spawn import hotweights_command
@@ -56,15 +58,17 @@ def sock(runtime: Path) -> Path:
 
 
 def honest_replies(model: Path) -> dict[str, Any]:
-    """What a real daemon for ``model`` on cpu-shm would answer, with an all-zero arena."""
+    """What a real daemon for ``model`` on cpu-shm would answer, with an all-zero arena (and a manifest that
+    says so: its content hash is the zeros')."""
     source = pipeline_source(read_checkpoint(model), LoadSpec())
     entries, used = arena_layout.plan_layout(source.specs())
     arena_bytes = -(-used // 4096) * 4096
+    zeros = content_hash(torch.zeros(arena_bytes, dtype=torch.uint8), used)
     manifest = {
         "format": source.fingerprint.arena_format,
         "alignment": arena_layout.ALIGNMENT,
         "fingerprint": source.fingerprint.to_json(),
-        "content_hash": "0" * 64,
+        "content_hash": zeros,
         "used_bytes": used,
         "arena_bytes": arena_bytes,
         "device": "cpu",
@@ -134,6 +138,16 @@ def test_the_honest_fake_is_attached(tiny_model: Path, sock: Path) -> None:
         attachment = attach(sock, fingerprint_of(tiny_model), "cpu")
         assert float(attachment.tensors["norm.weight"].abs().sum()) == 0.0
         attachment.close()
+
+
+def test_zeros_under_the_real_manifest_are_refused(tiny_model: Path, sock: Path, runtime: Path) -> None:
+    """A daemon of our own uid that serves an all-zero arena under the manifest of the real weights (content
+    hash included, copied from a real daemon) is refused on attach: the engine recomputes the content hash."""
+    with ThreadDaemon(tiny_model, runtime / "real.sock") as real:
+        real_hash = real.manifest["content_hash"]
+    refused = pytest.raises(AttachRefused, match=f"manifest says {real_hash}: its bytes are not the ones")
+    with hostile(tiny_model, sock, attach=lie(tiny_model, "manifest.content_hash", real_hash)), refused:
+        attach(sock, fingerprint_of(tiny_model), "cpu")
 
 
 NORM = 2  # the manifest row of a small tensor, whichever it is
