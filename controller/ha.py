@@ -481,7 +481,8 @@ class Ha:
 
     def _hung_after(self, service_id: str) -> int:
         """Probes in a row a service may leave unanswered before it is judged hung."""
-        return GATEWAY_HUNG_PROBES if self.cluster.services[service_id].kind == "gateway" else SERVICE_HUNG_PROBES
+        gateway = self.cluster.services[service_id].kind == ServiceKind.GATEWAY
+        return GATEWAY_HUNG_PROBES if gateway else SERVICE_HUNG_PROBES
 
     async def keep(self, service_id: str) -> None:
         """(Re)start a service until it serves, backing off between failed attempts."""
