@@ -143,8 +143,7 @@ def test_a_gateway_crash_refuses_no_connection(tiny_model: Path) -> None:
 @pytest.mark.timeout(240)
 def test_a_hung_gateway_costs_only_the_requests_it_had_accepted(tiny_model: Path) -> None:
     """SIGSTOP of one worker under steady load: its peer accepts every new connection, and the controller
-    replaces the stopped one after two unanswered probes. Then SIGSTOP of both: new connections wait in the
-    kernel's queue until the replacements take them. Only requests the stopped workers had accepted fail."""
+    replaces the stopped one after two unanswered probes. Only requests the stopped worker had accepted fail."""
     stack = ControllerStack(tiny_model, engines=2)
     try:
         stack.start_controller("up")
@@ -156,15 +155,11 @@ def test_a_hung_gateway_costs_only_the_requests_it_had_accepted(tiny_model: Path
             os.kill(first["gateway"], signal.SIGSTOP)
             clients.wait_successes(5)  # while it is stopped: its peer serves
             wait_until(lambda: _respawned(stack, first), 60, "the hung worker replaced")
-            both = {worker_id: s["pid"] for worker_id, s in _gateway_workers(stack).items()}
-            for pid in both.values():
-                os.kill(pid, signal.SIGSTOP)
-            wait_until(lambda: _respawned(stack, both), 60, "both hung workers replaced")
             clients.wait_successes(5)
         hung = [e["message"] for e in stack.events("hung")]
-        assert len(hung) == 3 and all("answered none of 2 probes" in m for m in hung), hung
+        assert len(hung) == 1 and "answered none of 2 probes" in hung[0], hung
         assert clients.refused == []
-        assert len(clients.failed) <= 3 * SteadyClients.THREADS, clients.failed  # three hangs, one request each
+        assert len(clients.failed) <= SteadyClients.THREADS, clients.failed  # at most one request per client
     finally:
         stack.close()
 
