@@ -12,7 +12,7 @@
    and completes the same text.
 3. Attach inside each freshly started engine, from the engine's own log line (total and its parts:
    checkpoint headers, waiting for the CUDA context, attach, bind; the attach's own: the daemon's reply, map,
-   offer). The new engine of 2 is a spare
+   the content hash recomputed over the mapping, offer). The new engine of 2 is a spare
    (prepared, attached and warmed up before the kill, started by one byte once the daemon serves again, as the
    controller does; ``spare_engine_start_to_ready_s`` runs from that byte to its ready answer);
    after it, a new process and a spare prepared then, both attaching to the re-adopted arena.
@@ -43,10 +43,11 @@ REPO = Path(__file__).resolve().parent.parent
 PROMPT = "The weight cache keeps"
 ATTACHED = re.compile(
     r"attached \d+ tensors from \S+ in ([\d.]+) ms \(checkpoint headers ([\d.]+), waiting for the CUDA context "
-    r"([\d.]+), attach ([\d.]+), bind ([\d.]+); attach: daemon's reply ([\d.]+), map ([\d.]+), offer ([\d.]+)\)"
+    r"([\d.]+), attach ([\d.]+), bind ([\d.]+); attach: daemon's reply ([\d.]+), map ([\d.]+), content hash ([\d.]+), "
+    r"offer ([\d.]+)\)"
     r"(; prepared before this spare was started)?"
 )
-PARTS = ("total", "checkpoint_headers", "cuda_context_wait", "attach", "bind", "reply", "map", "offer")
+PARTS = ("total", "checkpoint_headers", "cuda_context_wait", "attach", "bind", "reply", "map", "digest", "offer")
 
 
 def attach_times(workdir: Path) -> list[dict[str, float]]:

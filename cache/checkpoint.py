@@ -224,7 +224,23 @@ def _weight_map(path: Path) -> _Shards:
     for file_name in by_file:
         if not (path / file_name).is_file():
             raise CheckpointError(f"{index_path.name} names {file_name}, which does not exist in {path}")
+        _check_inside(path, file_name)
     return _Shards(index_path, by_file, placed)
+
+
+def _check_inside(path: Path, file_name: str) -> None:
+    """CheckpointError unless shard ``file_name`` (symbolic links, its own or its directories', resolved)
+    lies inside the checkpoint directory ``path``, or, for a Hugging Face cache snapshot
+    (``<repo>/snapshots/<revision>``), inside that repository's ``blobs`` directory."""
+    roots = [path]
+    if path.parent.name == "snapshots":
+        roots.append(path.parent.parent / "blobs")
+    target = (path / file_name).resolve()
+    if not any(target.is_relative_to(root) for root in roots):
+        raise CheckpointError(
+            f"{path / file_name}: a symbolic link to {target}, outside the checkpoint directory {path}; "
+            "copy the shard into it or link only within it"
+        )
 
 
 def _read_headers(path: Path, shards: _Shards) -> dict[str, TensorInfo]:
@@ -242,7 +258,7 @@ def _read_headers(path: Path, shards: _Shards) -> dict[str, TensorInfo]:
 
 def _shard_name(index_path: Path, tensor: str, file: object) -> str:
     """A weight_map entry must name a file inside the checkpoint: a relative path without ``..``.
-    (Symlinks inside the directory are followed, as in a Hugging Face cache snapshot.)"""
+    (Where symbolic links may lead: ``_check_inside``.)"""
     if not isinstance(file, str) or not file:
         raise CheckpointError(f"{index_path}: weight_map entry {tensor!r} must be a file name, found {file!r}")
     parts = PurePosixPath(file).parts

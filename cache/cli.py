@@ -18,7 +18,7 @@ from hotweights.cache.checkpoint import read_checkpoint
 from hotweights.cache.client import AttachRefused, DaemonUnavailable, attach, request
 from hotweights.cache.daemon import FILL_SOURCES, ArenaSource, load_arena, pipeline_source, serve
 from hotweights.cache.fingerprint import Fingerprint, compute_fingerprint
-from hotweights.cache.paths import paths_for
+from hotweights.cache.paths import paths_for, remove_if_stale
 from hotweights.cache.pipeline import (
     add_load_spec_arguments,
     add_read_arguments,
@@ -29,7 +29,7 @@ from hotweights.cache.snapshot import write_snapshot
 from hotweights.cache.vllm_format import FORMATS, vllm_source
 from hotweights.engines import VLLM_FORMAT
 from hotweights.errors import ConfigError
-from hotweights.paths import runtime_dir
+from hotweights.paths import private_dir, runtime_dir
 from hotweights.spawn import add_spare_arguments, wait_for_start
 from hotweights.stats import ms
 
@@ -94,6 +94,7 @@ def _sockets(args: argparse.Namespace) -> list[Path]:
     (``paths.publish``)."""
     if args.socket:
         return [Path(args.socket)]
+    private_dir(runtime_dir(), "runtime directory")
     if args.model:
         checkpoint = read_checkpoint(args.model, headers=False)
         spec = load_spec_from_args(args)
@@ -110,6 +111,10 @@ def _status(socket_path: Path) -> dict[str, Any]:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    """Every daemon's status; exit 1 when one named or found does not answer. A leftover found in the runtime
+    dir (nothing listens, no daemon holds its lock: a killed daemon's, often another cluster's) is reported
+    as stale and removed, and is no failure."""
+    listing = not (args.socket or args.model)
     sockets = _sockets(args)
     if not sockets:
         raise ConfigError(f"no daemon sockets in {runtime_dir()}; pass --socket or --model")
@@ -118,6 +123,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         try:
             statuses.append(_status(path))
         except (DaemonUnavailable, AttachRefused) as exc:
+            if listing and remove_if_stale(path):
+                statuses.append({"socket": str(path), "stale": "nothing listens and no daemon holds its lock"})
+                continue
             failures += 1
             statuses.append({"socket": str(path), "error": str(exc)})
     if args.json:
@@ -131,6 +139,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 def _format_status(status: dict[str, Any]) -> str:
     if "error" in status:
         return f"{status['socket']}: DOWN ({status['error']})"
+    if "stale" in status:
+        return f"{status['socket']}: STALE, removed ({status['stale']})"
     fp = status["fingerprint"]
     attached = sum(1 for c in status["clients"] if c["attached"])
     lines = [
@@ -155,7 +165,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise DaemonUnavailable(f"{sockets[0]}: the daemon's status has a bad fingerprint: {exc}") from None
     start = time.perf_counter()
-    attachment = attach(sockets[0], fingerprint, status["device"])
+    attachment = attach(sockets[0], fingerprint, status["device"], check_content=False)
     try:
         actual = attachment.verify()
     finally:

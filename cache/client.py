@@ -27,6 +27,7 @@ reacts: an engine must never kill itself because its daemon went away.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
@@ -61,6 +62,8 @@ from hotweights.errors import HotweightsError
 log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 10.0  # one deadline for connect, request and the whole reply
+CONNECT_RETRY_FIRST_S = 0.005  # the first pause after a refused connect; doubles up to CONNECT_RETRY_MAX_S
+CONNECT_RETRY_MAX_S = 0.2
 
 
 class DaemonUnavailable(HotweightsError):
@@ -154,10 +157,8 @@ def connect(
     socket_path = Path(socket_path)
     trusted = trusted_daemon_uids() if trusted is None else trusted
     check_socket_path(socket_path, trusted)
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-    conn.settimeout(timeout)
+    conn = _connect_retrying(socket_path, time.monotonic() + timeout)
     try:
-        conn.connect(str(socket_path))
         pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
     except OSError as exc:
         conn.close()
@@ -168,6 +169,29 @@ def connect(
             f"the process serving {socket_path} (pid {pid}) runs as uid {uid}; engines trust uids {sorted(trusted)}"
         )
     return conn
+
+
+def _connect_retrying(socket_path: Path, deadline: float) -> socket.socket:
+    """A connected socket with the time left to ``deadline`` as its timeout. A connect refused with EAGAIN
+    (the listen backlog is full: a connect storm) is retried, backing off, until the deadline;
+    DaemonUnavailable after it, or at once on any other error (ECONNREFUSED: nobody listens there)."""
+    pause = CONNECT_RETRY_FIRST_S
+    while True:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        conn.settimeout(max(deadline - time.monotonic(), 0.001))
+        try:
+            conn.connect(str(socket_path))
+            return conn
+        except OSError as exc:
+            conn.close()
+            left = deadline - time.monotonic()
+            if exc.errno != errno.EAGAIN or left <= pause:
+                raise DaemonUnavailable(
+                    f"no weight cache daemon answers on {socket_path}: {exc.strerror or exc}"
+                ) from None
+            log.debug("connect to %s refused (%s): retrying in %.3f s", socket_path, exc.strerror, pause)
+        time.sleep(pause)
+        pause = min(pause * 2, CONNECT_RETRY_MAX_S)
 
 
 def call(
@@ -219,9 +243,12 @@ def attach(
     timeout: float = CONNECT_TIMEOUT_S,
     *,
     offer_handover: bool = False,
+    check_content: bool = True,
 ) -> Attachment:
-    """Attach to the arena on ``socket_path`` if the daemon and its manifest pass every check. With
-    ``offer_handover``, keep the arena fd and offer it to a daemon that replaces this one (``cache.handover``)."""
+    """Attach to the arena on ``socket_path`` if the daemon and its manifest pass every check, the mapped
+    bytes' content hash included (``check_content`` False: the caller reports it, as ``cache verify`` does).
+    With ``offer_handover``, keep the arena fd and offer it to a daemon that replaces this one
+    (``cache.handover``)."""
     start = time.perf_counter()
     deadline = time.monotonic() + timeout
     device = torch.device(device)
@@ -239,6 +266,9 @@ def attach(
         replied = time.perf_counter()
         imported = _import(reply, fds, device, socket_path)
         try:
+            mapped = time.perf_counter()
+            if check_content:
+                _check_content(imported.tensor, reply["manifest"], socket_path)
             tensors = arena_layout.views(imported.tensor, entries)
         except BaseException:
             imported.close()
@@ -249,11 +279,29 @@ def attach(
             os.close(kept)
         raise
     conn.settimeout(None)
-    mapped = time.perf_counter()
+    checked = time.perf_counter()
     offer = _offer(Path(socket_path), expected, reply["handle"], kept) if kept >= 0 else None
     end = time.perf_counter()
-    parts = {"reply": (replied - start) * 1e3, "map": (mapped - replied) * 1e3, "offer": (end - mapped) * 1e3}
+    parts = {
+        "reply": (replied - start) * 1e3,
+        "map": (mapped - replied) * 1e3,
+        "digest": (checked - mapped) * 1e3,
+        "offer": (end - checked) * 1e3,
+    }
     return Attachment(tensors, reply["manifest"], imported, end - start, conn, offer, parts, Path(socket_path))
+
+
+def _check_content(data: torch.Tensor, manifest: dict[str, Any], socket_path: str | Path) -> None:
+    """AttachRefused unless the mapped bytes have the manifest's content hash: recomputed here, on the arena's
+    device (at the memory bus's speed on a GPU), from our own mapping, so a daemon cannot serve other bytes
+    (zeros, another model's) under a manifest that describes the real ones."""
+    recorded = manifest.get("content_hash")
+    actual = content_hash(data, manifest["used_bytes"])
+    if actual != recorded:
+        raise AttachRefused(
+            f"daemon on {socket_path} serves an arena whose content hash is {actual}, but its manifest says "
+            f"{str(recorded)[:80]}: its bytes are not the ones it describes"
+        )
 
 
 def _keep_for_handover(handle: dict[str, Any], fds: list[int]) -> int:

@@ -54,12 +54,14 @@ from hotweights.cache.snapshot import load_snapshot
 from hotweights.dtypes import ARENA_DTYPES
 from hotweights.errors import BindingError, ConfigError, HotweightsError
 from hotweights.layout import processed_tensors
+from hotweights.limits import ACCEPT_BACKOFF_S
 from hotweights.pidlock import LockHeld, PidLock
 
 log = logging.getLogger(__name__)
 
 REQUEST_TIMEOUT_S = 10.0  # for each whole request from a client that has not attached
 MAX_CONNECTIONS = 128  # open connections (attached engines included); one thread each
+LISTEN_BACKLOG = 4096  # connections the kernel queues before accept (a connect storm must not refuse engines)
 MAX_SOCKET_PATH = 107  # sun_path is 108 bytes including the NUL
 FILL_SOURCES = ("readopt", "snapshot", "disk")  # the order a daemon tries them in, unless told otherwise
 
@@ -342,7 +344,7 @@ class CacheDaemon:
             listener.bind(str(self.paths.socket))
         finally:
             os.umask(old_umask)
-        listener.listen(64)
+        listener.listen(LISTEN_BACKLOG)
         listener.settimeout(0.2)
         self._listener = listener
 
@@ -366,7 +368,7 @@ class CacheDaemon:
                 continue
             except OSError as exc:  # EMFILE, ENFILE, ECONNABORTED...: keep serving, retry shortly
                 log.warning("accept on %s failed: %s", self.paths.socket, exc)
-                self._should_exit.wait(0.1)
+                self._should_exit.wait(ACCEPT_BACKOFF_S)
                 continue
             client = self._admit(conn)
             if client is not None:

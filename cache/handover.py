@@ -38,6 +38,7 @@ from hotweights.cache.protocol import (
     reply_ok,
     send_message,
 )
+from hotweights.limits import ACCEPT_BACKOFF_S, is_out_of_descriptors
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +95,11 @@ class HandoverOffer:
         while True:
             try:
                 conn, _ = self._listener.accept()
-            except OSError:
-                return  # closed by ``close``
+            except OSError as exc:
+                if not is_out_of_descriptors(exc):
+                    return  # closed by ``close``
+                time.sleep(ACCEPT_BACKOFF_S)  # out of descriptors: keep offering once some are free
+                continue
             with conn:
                 self._serve(conn)
 

@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 
 from hotweights.errors import ConfigError
-from hotweights.paths import runtime_dir
+from hotweights.paths import private_dir, runtime_dir
+from hotweights.pidlock import LockHeld, PidLock
 
 log = logging.getLogger(__name__)
 
@@ -37,12 +38,8 @@ def ensure_private_dir(path: Path, *, shared: bool = False) -> Path:
     owns it or others can write to it (they could replace the socket), or, when ``shared``, if others
     cannot traverse it."""
     path.mkdir(mode=0o711 if shared else 0o700, parents=True, exist_ok=True)
-    info = path.stat()
-    mode = stat.S_IMODE(info.st_mode)
-    if info.st_uid != os.getuid():
-        raise ConfigError(f"socket directory {path} is owned by uid {info.st_uid}, not by us ({os.getuid()})")
-    if mode & 0o022:
-        raise ConfigError(f"socket directory {path} is writable by others (mode {mode:o}): use one only we can write")
+    private_dir(path, "socket directory")
+    mode = stat.S_IMODE(path.stat().st_mode)
     if shared and not mode & 0o001:
         raise ConfigError(
             f"--allow-uid needs other users to reach the socket, but {path} (mode {mode:o}) is not traversable "
@@ -125,6 +122,36 @@ def publish(paths: DaemonPaths, device: torch.device, fingerprint_digest: str) -
         return None
     log.info("published as %s", link)
     return link
+
+
+def remove_if_stale(path: Path) -> bool:
+    """Remove the socket, or published link, at ``path`` (and a socket's ready marker) and return True when
+    it is a leftover of ours: nothing accepts connections on it and no daemon holds the lock beside the
+    socket it names (we hold that lock while we look and remove, so no daemon starts there meanwhile). False,
+    touching nothing, for a live or starting daemon's, another user's, or one we cannot tell. A link's
+    target is left alone (it is in its stack's state directory, which cleans it up on its next start)."""
+    try:
+        info = os.lstat(path)
+        target = path.parent / os.readlink(path) if stat.S_ISLNK(info.st_mode) else path
+    except OSError:
+        return False
+    if info.st_uid != os.getuid():
+        return False
+    lock = PidLock(DaemonPaths(target).lock)
+    try:
+        if lock.path.parent.is_dir():  # else nothing can serve there: no daemon runs without its lock
+            lock.acquire()
+    except (LockHeld, OSError):
+        return False
+    try:
+        if _answers(path):
+            return False
+        for leftover in (path, DaemonPaths(path).ready):
+            with contextlib.suppress(FileNotFoundError):
+                leftover.unlink()
+    finally:
+        lock.release()
+    return True
 
 
 def unpublish(link: Path | None, target: Path) -> None:

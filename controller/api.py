@@ -215,11 +215,12 @@ def build_app(ha: Ha, cluster: Cluster, events: EventLog, metrics: ControllerMet
         /switchover); 412 not a ready standby; 503 the promotion failed."""
         return await act(Intent.PROMOTE, INTENT_TIMEOUT_S, engine_id=engine_id)
 
-    @app.post("/engines", dependencies=mutation, status_code=201, responses=declare(400, 401, 404, 503))
+    @app.post("/engines", dependencies=mutation, status_code=201, responses=declare(400, 401, 404, 409, 503))
     async def add_engine(request: AddEngineRequest | None = None) -> JSONResponse:
         """Add a standby to ``group`` on the next free port; it starts once the group's daemon serves.
 
-        201 added (id, port, url); 401 token; 404 unknown group; 503 no answer in time; 422 bad body."""
+        201 added (id, port, url); 401 token; 404 unknown group; 409 the group has ``max_engines`` engines;
+        503 no answer in time; 422 bad body."""
         return await act(Intent.ADD, INTENT_TIMEOUT_S, success=201, group=(request or AddEngineRequest()).group)
 
     @app.delete("/engines/{engine_id}", dependencies=mutation, responses=declare(401, 404, 409, 503))

@@ -705,7 +705,9 @@ class Cluster:
         if client is None:
             path = str(self.layout.gateway_probe_socket(service.id))
             transport = httpx.AsyncHTTPTransport(uds=path, limits=httpx.Limits(max_keepalive_connections=0))
-            client = httpx.AsyncClient(transport=transport, base_url="http://gateway", trust_env=False)
+            token = self.config.token()
+            headers = {"Authorization": f"Bearer {token}"} if token else {}
+            client = httpx.AsyncClient(transport=transport, base_url="http://gateway", headers=headers, trust_env=False)
             self.worker_clients[service.id] = client
         return client
 

@@ -22,7 +22,7 @@ import logging
 import signal
 import socket
 import sys
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
@@ -45,6 +45,8 @@ from hotweights.controller.metrics import ControllerMetrics
 from hotweights.controller.stack import Layout
 from hotweights.controller.supervisor import STOP_TIMEOUT_S, ControllerLock, stack_orphans, stop_recorded
 from hotweights.errors import ConfigError
+from hotweights.limits import raise_open_files
+from hotweights.paths import private_dir
 from hotweights.state import StateCorrupt, read_state, write_state
 
 log = logging.getLogger(__name__)
@@ -63,16 +65,37 @@ class ApiServer(uvicorn.Server):
 
 @dataclass
 class ShutdownFlags:
-    server: uvicorn.Server
+    """SIGINT and SIGTERM for the controller's whole life, from before its configuration is read until
+    the process exits; the handlers only set flags and the code that runs next acts on them."""
+
+    server: uvicorn.Server | None = None  # the API server, once there is one
     signals: list[int] = field(default_factory=list)
-    force: asyncio.Event = field(default_factory=asyncio.Event)
+    force: asyncio.Event | None = None  # set by a second signal, once the event loop runs
+
+    def capture(self) -> None:
+        """Route both signals here until the event loop takes them over."""
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda sig, _frame: self.handle(sig))
+
+    def attach(self, loop: asyncio.AbstractEventLoop, server: uvicorn.Server) -> None:
+        """The loop's handlers call ``handle`` from now on; a signal that came before stops the server at once."""
+        self.server, self.force = server, asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self.handle, sig)
+        if self.signals:
+            server.should_exit = True
+        if len(self.signals) > 1:
+            self.force.set()
 
     def handle(self, sig: int) -> None:
-        """Only flags: the first signal ends the API server, a second one asks for SIGKILL."""
-        if self.signals:
+        """Only flags: the first signal ends the API server, a second one asks for SIGKILL of what is
+        left (and stops waiting for the API's open connections)."""
+        if self.signals and self.force is not None:
             self.force.set()
         self.signals.append(sig)
-        self.server.should_exit = True
+        if self.server is not None:
+            self.server.should_exit = True
+            self.server.force_exit = len(self.signals) > 1
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -87,22 +110,44 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def run_controller(config_arg: str | None, *, with_gateway: bool, owns_stack: bool) -> int:
+    """Run until SIGINT or SIGTERM, which may come at any moment: before anything started (nothing is
+    then started or adopted), during the start-up, adoption or the stop itself (a second one escalates)."""
+    flags = ShutdownFlags()
+    flags.capture()
     config_path = Path(config_arg) if config_arg else None
     config = load_config(config_path)
+    raise_open_files(config.open_files_needed(), f"cluster {config.cluster.name!r}")
     layout = Layout.create(config, config_path)
     lock = ControllerLock(layout.lock_file)
     lock.acquire()
     try:
         listener = bind(config.cluster.host, config.cluster.port)
         try:
-            return asyncio.run(serve(layout, listener, with_gateway=with_gateway, owns_stack=owns_stack))
+            return asyncio.run(serve(layout, listener, flags, with_gateway=with_gateway, owns_stack=owns_stack))
         finally:
             listener.close()
     finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):  # all stopped: nothing left to act on while the process exits
+            signal.signal(sig, signal.SIG_IGN)
         lock.release()
 
 
-async def serve(layout: Layout, listener: socket.socket, *, with_gateway: bool, owns_stack: bool) -> int:
+async def until_forced(work: Awaitable[None], flags: ShutdownFlags) -> None:
+    """Await ``work``, cancelled by a second signal (the stop then kills what is left)."""
+    assert flags.force is not None
+    task, forced = asyncio.ensure_future(work), asyncio.create_task(flags.force.wait())
+    await asyncio.wait({task, forced}, return_when=asyncio.FIRST_COMPLETED)
+    forced.cancel()
+    if not task.done():
+        log.warning("second signal: not waiting for the HA loop's actions in progress")
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def serve(
+    layout: Layout, listener: socket.socket, flags: ShutdownFlags, *, with_gateway: bool, owns_stack: bool
+) -> int:
     config = layout.config
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health check would drown the decisions
     wake = asyncio.Event()
@@ -125,10 +170,11 @@ async def serve(layout: Layout, listener: socket.socket, *, with_gateway: bool, 
         ha = Ha(cluster, engines, events, metrics, wake, on_ready, leader_keys)
         app = build_app(ha, cluster, events, metrics, config.token())
         server = ApiServer(uvicorn.Config(app, log_config=None, access_log=False, lifespan="off"))
-        flags = ShutdownFlags(server)
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, flags.handle, sig)
+        flags.attach(asyncio.get_running_loop(), server)
+        if flags.signals:
+            log.info("stopped by signal %d before starting or adopting anything", flags.signals[0])
+            await leader_keys.stop(revoke=False)
+            return 0
         adopted = cluster.load(with_gateway)
         events.record(
             "controller_start",
@@ -138,7 +184,7 @@ async def serve(layout: Layout, listener: socket.socket, *, with_gateway: bool, 
         )
         ha.start()
         await server.serve(sockets=[listener])
-        await ha.stop()
+        await until_forced(ha.stop(), flags)
         if owns_stack:
             for line in await stop_stack(cluster, flags):
                 log.info("stopped %s", line)
@@ -155,6 +201,7 @@ async def serve(layout: Layout, listener: socket.socket, *, with_gateway: bool, 
 async def stop_stack(cluster: Cluster, flags: ShutdownFlags) -> list[str]:
     """Stop everything in order; a second signal fences (SIGKILLs) whatever is still running."""
     stopping = asyncio.create_task(cluster.stop_all(STOP_TIMEOUT_S))
+    assert flags.force is not None
     forced = asyncio.create_task(flags.force.wait())
     await asyncio.wait({stopping, forced}, return_when=asyncio.FIRST_COMPLETED)
     forced.cancel()
@@ -223,6 +270,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 def cmd_down(args: argparse.Namespace) -> int:
     config = load_config(args.config)
+    if config.state_dir.exists():  # its state.json names the processes to signal: only ours may write it
+        private_dir(config.state_dir, "state directory")
     lines = stop_everything(config, args.timeout, Path(args.config) if args.config else None)
     for line in lines:
         print(line, file=sys.stderr)

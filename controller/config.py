@@ -41,6 +41,7 @@ quantize = ""                 # "" or "fp8-block"
 [[groups]]
 device = "cpu"                # cpu or cuda:N (with tp_size > 1: cpu or cuda:0, rank r then runs on cuda:r)
 engines = 3                   # 1 primary + 2 standbys
+max_engines = 8               # the most engines POST /engines may grow the group to (409 above it; >= engines)
 tp_size = 1                   # ranks per engine (tensor parallel): a daemon per rank, each engine a group of
                               # tp_size rank processes, failed over as one (reference engine only)
 base_port = 8200              # engine i answers on base_port + i (health checks, gateway, HAProxy)
@@ -116,6 +117,9 @@ retry_timeout_s = 0.5         # how long one etcd request may take; ttl_s >= loo
 GATEWAY_TOKEN_FIX = "set cluster.token_file so that the engines behind the gateway need it for role changes"
 
 
+OPEN_FILES_BASE = 256  # ClusterConfig.open_files_needed: the controller, daemons, logs, pipes
+OPEN_FILES_PER_ENGINE = 64  # its health checks, spare pipes, clients
+OPEN_FILES_PER_HELD_REQUEST = 4  # the gateway's client and upstream sockets, with room for those in flight
 MAX_GATEWAY_WORKERS = 16
 MAX_SPARE_ENGINES = 16
 REFERENCE, VLLM = "reference", "vllm"
@@ -142,6 +146,7 @@ class ModelSection:
 class GroupSection:
     device: str = "cpu"
     engines: int = 3
+    max_engines: int = 8  # POST /engines adds standbys up to this many engines in the group
     tp_size: int = 1  # ranks per engine: a daemon per rank, each engine a tensor-parallel group of rank processes
     base_port: int = 8200
     listen_base_port: int = 0  # 0: engines listen on their client ports (base_port + i)
@@ -289,6 +294,15 @@ class ClusterConfig:
     def state_file(self) -> Path:
         """The controller's persisted state; the gateway reads it too (engines added at runtime)."""
         return self.state_dir / "state.json"
+
+    def open_files_needed(self) -> int:
+        """The open-files limit a stack needs (its processes inherit the controller's): a base for the
+        controller, daemons and logs, some per engine (health checks, pipes, its clients), and for the
+        gateway's clients and upstream connections a few per request it may hold."""
+        engines = sum(group.engines + group.spare_engines for group in self.groups)
+        return (
+            OPEN_FILES_BASE + OPEN_FILES_PER_ENGINE * engines + OPEN_FILES_PER_HELD_REQUEST * self.gateway.queue_limit
+        )
 
     def token(self) -> str | None:
         """The bearer token from ``token_file`` (None when unset)."""
@@ -448,6 +462,8 @@ def _check_batch(config: ClusterConfig, i: int, ports: dict[int, str]) -> None:
 
 
 def _check_spares(group: GroupSection, where: str) -> None:
+    if group.max_engines < group.engines:
+        raise ConfigError(f"{where}.max_engines must be >= engines ({group.engines}), found {group.max_engines}")
     if not 0 <= group.spare_engines <= MAX_SPARE_ENGINES:
         raise ConfigError(f"{where}.spare_engines must be 0..{MAX_SPARE_ENGINES}, found {group.spare_engines}")
     if not 0 < group.spare_duty <= 1:

@@ -54,7 +54,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from hotweights.contract import NOT_NORMALIZED, SERVING_PREFIX, Endpoint, forwardable_path, refuse_open_listener
+from hotweights.contract import (
+    CHALLENGE,
+    NOT_NORMALIZED,
+    SERVING_PREFIX,
+    TOKEN_REQUIRED,
+    Endpoint,
+    bearer_credentials,
+    forwardable_path,
+    refuse_open_listener,
+    token_matches,
+)
 from hotweights.controller.config import GATEWAY_TOKEN_FIX, load_config
 from hotweights.controller.dcs import LeaderUrls
 from hotweights.controller.events import EventLog
@@ -651,7 +661,9 @@ class Gateway:
             await self.probe_client.aclose()
 
 
-def build_app(gateway: Gateway) -> Starlette:
+def build_app(gateway: Gateway, token: str | None = None) -> Starlette:
+    """The gateway's routes; with ``token``, POST /gateway/wake (its one mutation) needs it as a bearer token."""
+
     async def health(_: Request) -> JSONResponse:
         """200 and the gateway's view: each upstream's last /primary answer, the primaries, held requests."""
         return JSONResponse(gateway.health())
@@ -668,8 +680,10 @@ def build_app(gateway: Gateway) -> Starlette:
             return JSONResponse({"error": "limit: expected an integer"}, status_code=400)
         return JSONResponse({"events": gateway.events.recent(limit)})
 
-    async def wake(_: Request) -> Response:
-        """204: every upstream is probed now. Harmless to anyone: a wake during a probe adds one probe."""
+    async def wake(request: Request) -> Response:
+        """204: every upstream is probed now (a wake during a probe adds one probe); 401 without the token."""
+        if not token_matches(bearer_credentials(request.headers.get("authorization")), token):
+            return JSONResponse({"detail": TOKEN_REQUIRED}, status_code=401, headers=CHALLENGE)
         gateway.discovery.wake_all()
         return Response(status_code=204)
 
@@ -739,7 +753,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     log.info("routing /v1 to the primary among %s", ", ".join(urls))
     server = AnnouncingServer(
         uvicorn.Config(
-            build_app(gateway),
+            build_app(gateway, config.token()),
             host=host,
             port=port,
             log_config=None,

@@ -68,6 +68,9 @@ log = logging.getLogger(__name__)
 
 SERVICE_PROBE_S = 1.0  # how often a serving daemon or gateway must answer its probe
 SERVICE_HUNG_PROBES = 5  # probes in a row it may leave unanswered before it is killed and respawned
+# A gateway worker sooner: the requests it accepted wait on it, while its peers accept every new connection on
+# the shared socket; a wrong kill costs only its own requests.
+GATEWAY_HUNG_PROBES = 2
 STOP_TIMEOUT_S = 15.0  # how long stop() lets a cycle in progress finish
 
 
@@ -465,7 +468,7 @@ class Ha:
             self.unanswered[service_id] = 0
         else:
             missed = self.unanswered[service_id] = self.unanswered.get(service_id, 0) + 1
-            if missed >= SERVICE_HUNG_PROBES and not self.stopping:
+            if missed >= self._hung_after(service_id) and not self.stopping:
                 self.unanswered[service_id] = 0
                 self.events.record(
                     "hung", f"{service_id} answered none of {missed} probes {SERVICE_PROBE_S:g} s apart: killing it",
@@ -475,6 +478,11 @@ class Ha:
                 self.wakeup()
                 return
         await asyncio.sleep(max(0.0, SERVICE_PROBE_S - (time.monotonic() - started)))
+
+    def _hung_after(self, service_id: str) -> int:
+        """Probes in a row a service may leave unanswered before it is judged hung."""
+        gateway = self.cluster.services[service_id].kind == ServiceKind.GATEWAY
+        return GATEWAY_HUNG_PROBES if gateway else SERVICE_HUNG_PROBES
 
     async def keep(self, service_id: str) -> None:
         """(Re)start a service until it serves, backing off between failed attempts."""

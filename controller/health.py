@@ -3,7 +3,8 @@
 Healthy means "answered ``GET /health/ready`` with 200 within the timeout", not "the process
 exists": a SIGSTOPped primary is alive and fails every check. A failed check is repeated at once (not
 after the interval) until the failure threshold, so a hang is judged in about threshold x timeout. A
-timeout that fired late because the controller itself was starved of CPU is not counted either way.
+timeout that fired late because the controller itself was starved of CPU is not counted either way, nor
+is a check that failed because the controller ran out of file descriptors.
 Each engine process gets its own check task, so one hung engine never delays the checks of the
 others. The reply body (role, state, pid) is kept: the engines, not the controller, are the truth
 about who is primary.
@@ -24,6 +25,7 @@ from typing import Any, Protocol
 import httpx
 
 from hotweights.contract import Endpoint
+from hotweights.limits import is_out_of_descriptors
 
 # A check that timed out counts only if this controller woke up on time for its deadline: later than this
 # fraction of the timeout, our own event loop was starved (a saturated CPU), which says nothing of the engine.
@@ -135,6 +137,9 @@ class HealthChecker:
                 ok = None
         except httpx.HTTPError as exc:  # any other failure: a check that raised would end this engine's checks
             ok, record.status_code, record.error = False, None, f"{type(exc).__name__}: {exc}"
+            if is_out_of_descriptors(exc):  # our own shortage: it says nothing of the engine
+                record.error += ": this controller is out of file descriptors, not counted"
+                ok = None
         latency = time.monotonic() - start
         if ok is None:  # we could not wait on time (a starved CPU): the engine is neither judged ok nor failed
             record.latency_ms = round(latency * 1000, 3)

@@ -207,6 +207,9 @@ class Actions:
 
     async def do_add(self, snap: Snapshot, group: int = 0) -> tuple[str, dict]:
         check_group(snap, group)
+        limit = self.cluster.config.groups[group].max_engines
+        if len(snap.group(group)) >= limit:
+            raise Conflict(f"group {group} has {len(snap.group(group))} engines, its max_engines is {limit}")
         member = self.cluster.add_engine(group)
         started = await self.ha.restart_slot(snap, member.spec.id)
         sentence = f"added standby {member.spec.id} on port {member.spec.port}: {started}"

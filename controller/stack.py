@@ -22,6 +22,7 @@ from hotweights.controller.ids import spare_engine_id
 from hotweights.dtypes import MODEL_DTYPES, config_name
 from hotweights.engines import KINDS, LOAD_FORMAT, PORT_PLACEHOLDER, SOCKET_RANK, VLLM_FORMAT
 from hotweights.errors import ConfigError, HotweightsError
+from hotweights.paths import private_dir, runtime_dir
 from hotweights.spawn import hotweights_command
 from hotweights.standby.tpgroup import check_group
 
@@ -35,6 +36,14 @@ class Generation:
 
     number: int
     model_dir: Path
+
+
+def check_directories(config: ClusterConfig) -> None:
+    """ConfigError in one line unless the state directory (state.json, pid records, sockets, logs) and the
+    runtime directory (where the daemons publish themselves) are ours and only we can write them; each is
+    made owner-only if missing."""
+    private_dir(config.state_dir, "state directory")
+    private_dir(runtime_dir(), "runtime directory")
 
 
 @dataclass(frozen=True)
@@ -54,6 +63,7 @@ class Layout:
         else:
             model_dir = ensure_default_model()
         layout = cls(config, config_path.resolve() if config_path else None, model_dir.resolve())
+        check_directories(config)
         layout.check_tensor_parallel()
         longest = max(
             (layout.socket(len(config.groups) - 1), layout.gateway_probe_socket(config.gateway.worker_ids()[-1])),

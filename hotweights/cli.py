@@ -13,6 +13,7 @@ from collections.abc import Callable
 from importlib import import_module
 
 from hotweights.errors import HotweightsError
+from hotweights.limits import RepeatFilter
 
 # Subcommand -> the module whose add_parser registers it, in the order --help lists them. Only the chosen
 # subcommand's module is imported, so a light one (agent-guard, down) starts without torch.
@@ -58,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    for handler in logging.getLogger().handlers:  # a failure that repeats (EMFILE on accept) must not flood the log
+        handler.addFilter(RepeatFilter())
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

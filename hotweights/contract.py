@@ -76,13 +76,26 @@ def bearer_check(token: str | None) -> Callable[..., Awaitable[None]]:
     the bearer security scheme in the OpenAPI document."""
 
     async def require_token(credentials: HTTPAuthorizationCredentials | None = CREDENTIALS) -> None:
-        if token is None:
-            return
-        given = credentials.credentials if credentials else ""
-        if not secrets.compare_digest(given.encode(), token.encode()):
-            raise HTTPException(401, "a valid bearer token is required", headers={"WWW-Authenticate": "Bearer"})
+        if not token_matches(credentials.credentials if credentials else "", token):
+            raise HTTPException(401, TOKEN_REQUIRED, headers=CHALLENGE)
 
     return require_token
+
+
+TOKEN_REQUIRED = "a valid bearer token is required"
+CHALLENGE = {"WWW-Authenticate": "Bearer"}
+
+
+def token_matches(given: str, token: str | None) -> bool:
+    """Whether ``given`` (the bearer credentials, "" when none) passes: anything when ``token`` is None,
+    else exactly ``token``, compared in constant time."""
+    return token is None or secrets.compare_digest(given.encode(), token.encode())
+
+
+def bearer_credentials(authorization: str | None) -> str:
+    """The credentials of an ``Authorization: Bearer <credentials>`` header ("" for none or another scheme)."""
+    scheme, _, credentials = (authorization or "").partition(" ")
+    return credentials.strip() if scheme.lower() == "bearer" else ""
 
 
 def is_loopback(host: str) -> bool:

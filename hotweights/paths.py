@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
+
+from hotweights.errors import ConfigError
 
 
 def hotweights_home() -> Path:
@@ -18,3 +21,21 @@ def runtime_dir() -> Path:
         return Path(explicit)
     xdg = os.environ.get("XDG_RUNTIME_DIR")
     return Path(xdg) / "hotweights" if xdg else Path(f"/tmp/hotweights-{os.getuid()}")
+
+
+def private_dir(path: Path, what: str) -> Path:
+    """``path``, created owner-only (0700) if missing; ConfigError in one line if another user owns it or
+    others can write to it (they could replace what hotweights keeps there: sockets, pid records, state).
+    An existing directory is never chmod'ed; ``what`` names it in the refusal ("runtime directory")."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = path.stat()
+    mode = stat.S_IMODE(info.st_mode)
+    if info.st_uid != os.getuid():
+        raise ConfigError(
+            f"{what} {path} is owned by uid {info.st_uid}, not by us ({os.getuid()}): use a directory of ours"
+        )
+    if mode & 0o022:
+        raise ConfigError(
+            f"{what} {path} is writable by others (mode {mode:o}): chmod go-w it or use one only we can write"
+        )
+    return path

@@ -22,9 +22,12 @@ import torch
 
 from hotweights.cache.client import AttachRefused, DaemonUnavailable, attach, hello, request
 from hotweights.cache.fingerprint import Fingerprint
+from hotweights.cache.paths import DaemonPaths
 from hotweights.cache.pipeline import LoadSpec, load_processed
 from hotweights.cache.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, recv_message, send_message
+from hotweights.cli import main as cli_main
 from hotweights.errors import ConfigError
+from hotweights.pidlock import PidLock
 from hotweights.standby.weights import load_model, prepare
 from tests.cachehelpers import ENV, Engine, ProcessDaemon, ThreadDaemon, fingerprint_of, wait_until
 from tests.conftest import make_checkpoint
@@ -480,3 +483,43 @@ def test_daemon_refuses_a_tensor_that_does_not_fit_its_slot(tiny_model: Path, so
     with pytest.raises(BindingError, match=r"'norm\.weight' as \[256\] torch.float16, the arena expects"):
         daemon.load()
     assert daemon.arena is None  # the half-filled arena was closed, never served
+
+
+def _leftover_socket(path: Path) -> None:
+    """A socket file nobody listens on: what a SIGKILLed daemon leaves."""
+    with socket.socket(socket.AF_UNIX) as dead:
+        dead.bind(str(path))
+
+
+def test_cache_status_reports_leftovers_as_stale_and_removes_only_those(
+    tiny_model: Path, own_world: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Other clusters' killed daemons leave sockets and published links in the shared runtime dir: they are
+    reported as stale and removed, and the status of the live daemon is a success. A leftover whose lock a
+    starting daemon holds is left alone (and is a failure: that daemon does not answer yet)."""
+    run = own_world / "run"
+    run.mkdir(mode=0o700)
+    elsewhere = own_world / "other-cluster"
+    elsewhere.mkdir()
+    _leftover_socket(elsewhere / "g0.sock")
+    (run / "cpu-aaaa.sock").symlink_to(elsewhere / "g0.sock")  # a stack's published link, its daemon killed
+    (run / "cpu-bbbb.sock").symlink_to(own_world / "gone" / "g0.sock")  # its whole state dir removed since
+    _leftover_socket(run / "cpu-cccc.sock")  # a stand-alone daemon's own socket
+    (run / "cpu-cccc.ready").write_text('{"pid": 999999999}')
+    with ThreadDaemon(tiny_model, run / "live.sock"):
+        assert cli_main(["cache", "status", "--json"]) == 0
+        statuses = {Path(s["socket"]).name: s for s in json.loads(capsys.readouterr().out)}
+        assert sorted(statuses) == ["cpu-aaaa.sock", "cpu-bbbb.sock", "cpu-cccc.sock", "live.sock"]
+        assert all("stale" in statuses[name] for name in ["cpu-aaaa.sock", "cpu-bbbb.sock", "cpu-cccc.sock"])
+        assert statuses["live.sock"]["pid"] == os.getpid()
+        assert sorted(p.name for p in run.iterdir() if p.suffix in (".sock", ".ready")) == ["live.ready", "live.sock"]
+        assert (elsewhere / "g0.sock").exists(), "a link's target belongs to its stack, left alone"
+        _leftover_socket(run / "cpu-dddd.sock")
+        starting = PidLock(DaemonPaths(run / "cpu-dddd.sock").lock)
+        starting.acquire()  # a daemon that took its lock and is loading: its socket is not ours to remove
+        try:
+            assert cli_main(["cache", "status"]) == 1
+            assert "cpu-dddd.sock: DOWN" in capsys.readouterr().out
+            assert (run / "cpu-dddd.sock").exists()
+        finally:
+            starting.release()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -21,11 +22,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from hotweights.cache import arena as arena_layout
+from hotweights.cache import client as client_module
 from hotweights.cache.checkpoint import read_checkpoint
 from hotweights.cache.client import AttachRefused, DaemonUnavailable, attach, hello
+from hotweights.cache.client import connect as client_connect
 from hotweights.cache.daemon import pipeline_source
+from hotweights.cache.digest import content_hash
 from hotweights.cache.pipeline import LoadSpec
 from hotweights.cache.protocol import PROTOCOL_VERSION, recv_message, send_message
 from hotweights.spawn import hotweights_command
@@ -53,15 +58,17 @@ def sock(runtime: Path) -> Path:
 
 
 def honest_replies(model: Path) -> dict[str, Any]:
-    """What a real daemon for ``model`` on cpu-shm would answer, with an all-zero arena."""
+    """What a real daemon for ``model`` on cpu-shm would answer, with an all-zero arena (and a manifest that
+    says so: its content hash is the zeros')."""
     source = pipeline_source(read_checkpoint(model), LoadSpec())
     entries, used = arena_layout.plan_layout(source.specs())
     arena_bytes = -(-used // 4096) * 4096
+    zeros = content_hash(torch.zeros(arena_bytes, dtype=torch.uint8), used)
     manifest = {
         "format": source.fingerprint.arena_format,
         "alignment": arena_layout.ALIGNMENT,
         "fingerprint": source.fingerprint.to_json(),
-        "content_hash": "0" * 64,
+        "content_hash": zeros,
         "used_bytes": used,
         "arena_bytes": arena_bytes,
         "device": "cpu",
@@ -131,6 +138,16 @@ def test_the_honest_fake_is_attached(tiny_model: Path, sock: Path) -> None:
         attachment = attach(sock, fingerprint_of(tiny_model), "cpu")
         assert float(attachment.tensors["norm.weight"].abs().sum()) == 0.0
         attachment.close()
+
+
+def test_zeros_under_the_real_manifest_are_refused(tiny_model: Path, sock: Path, runtime: Path) -> None:
+    """A daemon of our own uid that serves an all-zero arena under the manifest of the real weights (content
+    hash included, copied from a real daemon) is refused on attach: the engine recomputes the content hash."""
+    with ThreadDaemon(tiny_model, runtime / "real.sock") as real:
+        real_hash = real.manifest["content_hash"]
+    refused = pytest.raises(AttachRefused, match=f"manifest says {real_hash}: its bytes are not the ones")
+    with hostile(tiny_model, sock, attach=lie(tiny_model, "manifest.content_hash", real_hash)), refused:
+        attach(sock, fingerprint_of(tiny_model), "cpu")
 
 
 NORM = 2  # the manifest row of a small tensor, whichever it is
@@ -469,3 +486,46 @@ def test_the_daemon_takes_only_its_exact_protocol_version(tiny_model: Path, sock
             for op in ("hello", "attach"):
                 reply = request(sock, {"op": op, "version": version, "fingerprint": fingerprint})
                 assert reply["error"] == "version_mismatch", (op, version, reply)
+
+
+def test_a_connect_refused_by_a_full_backlog_is_retried_within_the_deadline(
+    sock: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    retrying = threading.Event()
+
+    class Retried(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "retrying" in record.getMessage():
+                retrying.set()
+
+    caplog.set_level(logging.DEBUG, logger=client_module.__name__)
+    handler = Retried()
+    client_module.log.addHandler(handler)
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(sock))
+    listener.listen(0)
+    queued: list[socket.socket] = []
+    result: dict[str, Any] = {}
+    try:
+        while True:  # fill the backlog until the kernel answers EAGAIN
+            conn = socket.socket(socket.AF_UNIX)
+            conn.setblocking(False)
+            queued.append(conn)
+            try:
+                conn.connect(str(sock))
+            except BlockingIOError:
+                break
+        worker = threading.Thread(target=lambda: result.update(conn=client_connect(sock, timeout=10.0)))
+        worker.start()
+        assert retrying.wait(10), "a connect refused by a full backlog should be retried"
+        accepted = [listener.accept()[0] for _ in queued[:-1]]
+        worker.join(10)
+        assert isinstance(result.get("conn"), socket.socket)
+        result["conn"].close()
+        for conn in accepted:
+            conn.close()
+    finally:
+        client_module.log.removeHandler(handler)
+        for conn in queued:
+            conn.close()
+        listener.close()

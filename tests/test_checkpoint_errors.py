@@ -239,3 +239,33 @@ def test_unreadable_tokenizer_is_one_line(ckpt: Path, content: str) -> None:
     assert "Traceback" not in result.stderr
     assert f"{ckpt / 'tokenizer.json'}: not a tokenizer" in result.stderr
     assert len([line for line in result.stderr.splitlines() if "error" in line.lower()]) == 1, result.stderr
+
+
+@pytest.mark.parametrize("link", ["shard", "directory"])
+def test_a_symlink_out_of_the_checkpoint_is_refused(ckpt: Path, tmp_path: Path, link: str) -> None:
+    """A shard, or a directory holding one, that links to a (valid) file elsewhere would be read from outside."""
+    shard = first_shard(ckpt)
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    shutil.move(shard, outside / shard.name)
+    if link == "shard":
+        shard.symlink_to(outside / shard.name)
+    else:
+        index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+        index["weight_map"] = {k: f"sub/{v}" if v == shard.name else v for k, v in index["weight_map"].items()}
+        (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+        (ckpt / "sub").symlink_to(outside)
+    with pytest.raises(CheckpointError, match="outside the checkpoint directory") as refused:
+        read_checkpoint(ckpt)
+    assert str(outside) in str(refused.value)
+
+
+def test_a_hugging_face_cache_snapshot_links_to_its_blobs(ckpt: Path, tmp_path: Path) -> None:
+    """``<repo>/snapshots/<rev>/<shard>`` -> ``<repo>/blobs/<hash>`` is how the hub cache stores files."""
+    repo = tmp_path / "models--x--tiny"
+    snapshot = Path(shutil.copytree(ckpt, repo / "snapshots" / "abc"))
+    (repo / "blobs").mkdir()
+    for shard in snapshot.glob("*.safetensors"):
+        shutil.move(shard, repo / "blobs" / shard.name)
+        shard.symlink_to(repo / "blobs" / shard.name)
+    assert read_checkpoint(snapshot).files

@@ -18,7 +18,9 @@ def test_a_held_drain_in_one_group_does_not_delay_failover_in_another(tiny_model
     SIGKILLed. Group 1 must fail over while group 0's drain is still held open."""
     # A high failure threshold: the stopped primary of group 0 must stay its primary (not fail over) for
     # the whole test, so that the only thing going on in group 0 is the held drain.
-    stack = ControllerStack(tiny_model, engines=2, groups=2, failure_threshold=10_000, drain_timeout_s=30.0)
+    stack = ControllerStack(
+        tiny_model, engines=2, groups=2, failure_threshold=10_000, drain_timeout_s=30.0, group_extra="max_engines = 2\n"
+    )
     try:
         stack.start_controller()
         stack.wait_steady()
@@ -50,5 +52,7 @@ def test_a_held_drain_in_one_group_does_not_delay_failover_in_another(tiny_model
         assert resumed.status_code == 200, resumed.text
         members = stack.wait_steady()
         assert stack.primary(0)["id"] == held["id"] and members[held["id"]]["pid"] == held["pid"]
+        refused = stack.client.post("/engines", json={"group": 1})  # max_engines bounds what a client may add
+        assert refused.status_code == 409 and "max_engines is 2" in refused.json()["detail"], refused.text
     finally:
         stack.close()

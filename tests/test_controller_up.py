@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from hotweights.contract import Endpoint
 from hotweights.controller.supervisor import read_identity
@@ -135,6 +136,30 @@ def test_a_gateway_crash_refuses_no_connection(tiny_model: Path) -> None:
             clients.wait_successes(5)
         assert clients.refused == []
         assert len(clients.failed) <= 3 * SteadyClients.THREADS, clients.failed  # three kills, one request each
+    finally:
+        stack.close()
+
+
+@pytest.mark.timeout(240)
+def test_a_hung_gateway_costs_only_the_requests_it_had_accepted(tiny_model: Path) -> None:
+    """SIGSTOP of one worker under steady load: its peer accepts every new connection, and the controller
+    replaces the stopped one after two unanswered probes. Only requests the stopped worker had accepted fail."""
+    stack = ControllerStack(tiny_model, engines=2)
+    try:
+        stack.start_controller("up")
+        wait_until(lambda: "is up" in stack.logs(), 90, "the ready summary", interval=0.1)
+        url = f"http://127.0.0.1:{stack.config.gateway.port}/v1/completions"
+        with SteadyClients(url) as clients:
+            clients.wait_successes(5)
+            first = {"gateway": _gateway_workers(stack)["gateway"]["pid"]}
+            os.kill(first["gateway"], signal.SIGSTOP)
+            clients.wait_successes(5)  # while it is stopped: its peer serves
+            wait_until(lambda: _respawned(stack, first), 60, "the hung worker replaced")
+            clients.wait_successes(5)
+        hung = [e["message"] for e in stack.events("hung")]
+        assert len(hung) == 1 and "answered none of 2 probes" in hung[0], hung
+        assert clients.refused == []
+        assert len(clients.failed) <= SteadyClients.THREADS, clients.failed  # at most one request per client
     finally:
         stack.close()
 
@@ -291,5 +316,76 @@ def test_cache_commands_find_a_running_stacks_daemon_and_a_stand_alone_one(tiny_
         assert down.returncode == 0, down.stderr
         stack.controller.wait(timeout=30)
         assert list((own_world / "run").glob("*.sock")) == []
+    finally:
+        stack.close()
+
+
+def _signal_at(stack: ControllerStack, start: int, event: str, sig: signal.Signals) -> None:
+    """Send ``sig`` to ``up`` once ``event`` is in its log after offset ``start``."""
+    wait_until(lambda: event in stack.logs(10**8)[start:], 90, repr(event), interval=0.005)
+    stack.controller.send_signal(sig)
+
+
+def _stopped_cleanly(stack: ControllerStack, start: int) -> None:
+    assert stack.controller.wait(timeout=60) == 0, stack.logs()
+    assert "Traceback" not in stack.logs(10**8)[start:], stack.logs()
+    assert stack.recorded_pids() == []
+
+
+@pytest.mark.timeout(240)
+def test_signals_stop_up_cleanly_at_any_moment(tiny_model: Path) -> None:
+    """SIGINT or SIGTERM before anything started, during the start-up, during an adoption, during the stop
+    (a second one escalates: what is left is killed) and after it: `up` exits 0, no traceback, nothing left."""
+    stack = ControllerStack(tiny_model, engines=2)
+    try:
+        stack.start_controller("up")  # before the event loop: the lock is taken, nothing started yet
+        wait_until(lambda: (stack.config.state_dir / "controller.lock").exists(), 60, "the lock", interval=0.001)
+        stack.controller.send_signal(signal.SIGINT)
+        _stopped_cleanly(stack, 0)
+        start = len(stack.logs(10**8))
+        stack.start_controller("up")  # start-up, then a second signal while it stops
+        _signal_at(stack, start, "starting g0-cache", signal.SIGTERM)
+        _signal_at(stack, start, "Shutting down", signal.SIGINT)
+        _stopped_cleanly(stack, start)
+        stack.start_controller("up")
+        _up_serves(stack, 1)
+        stack.kill_controller()
+        start = len(stack.logs(10**8))
+        stack.start_controller("up")  # adopting the running stack, then a signal once all is stopped
+        _signal_at(stack, start, "Started server process", signal.SIGINT)
+        _signal_at(stack, start, "stopped g0-cache", signal.SIGTERM)
+        _stopped_cleanly(stack, start)
+    finally:
+        stack.close()
+
+
+@pytest.mark.parametrize(
+    ("command", "directory", "fault"),
+    [
+        ("up", "runtime", "writable"),
+        ("controller", "state", "writable"),
+        ("up", "state", "owned"),
+        ("down", "state", "writable"),
+    ],
+)
+def test_a_directory_others_control_is_refused_in_one_line(
+    tiny_model: Path, own_world: Path, command: str, directory: str, fault: str
+) -> None:
+    """A runtime or state directory someone else owns or may write to could have its sockets, pid records or
+    state.json replaced: refused before anything starts, as `cache serve` refuses its socket directory."""
+    if fault == "owned" and os.getuid() != 0:
+        pytest.skip("giving a directory to another uid needs root")
+    stack = ControllerStack(tiny_model, engines=1)
+    try:
+        path = own_world / "run" if directory == "runtime" else stack.config.state_dir
+        path.mkdir(parents=True)
+        if fault == "owned":
+            os.chown(path, 65534, 65534)
+        else:
+            path.chmod(0o777)
+        result = run_hotweights(command, "--config", str(stack.config_path))
+        problem = "is owned by uid 65534" if fault == "owned" else "is writable by others (mode 777)"
+        assert result.returncode == 2 and len(result.stderr.splitlines()) == 1, result.stderr
+        assert result.stderr.startswith(f"hotweights {command}: error: {directory} directory {path} {problem}")
     finally:
         stack.close()

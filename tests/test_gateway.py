@@ -421,3 +421,17 @@ def test_failovers_under_load_show_no_client_errors(engines: list[EngineProcess]
     # The stream under way at the crash was migrated: it ends as any other does.
     assert rest[-1] == "data: [DONE]"
     assert metric(gateway, "hotweights_gateway_migrations_total") >= 1
+
+
+def test_wake_needs_the_token_when_the_cluster_has_one(tmp_path: Path) -> None:
+    """POST /gateway/wake is the gateway's one mutation: over TCP it needs the cluster's token, like every other."""
+    config = write_cluster(tmp_path / "cluster.toml", [])
+    (tmp_path / "token").write_text("s3cret\n")
+    (tmp_path / "token").chmod(0o600)
+    config.write_text(config.read_text().replace("[cluster]\n", f'[cluster]\ntoken_file = "{tmp_path / "token"}"\n'))
+    with GatewayProcess(config, "--upstream", f"http://127.0.0.1:{free_port()}") as gateway:
+        for headers in ({}, {"Authorization": "Bearer nope"}):
+            refused = gateway.client.post(Endpoint.GATEWAY_WAKE, headers=headers)
+            assert (refused.status_code, refused.headers["www-authenticate"]) == (401, "Bearer"), refused.text
+        woken = gateway.client.post(Endpoint.GATEWAY_WAKE, headers={"Authorization": "Bearer s3cret"})
+        assert woken.status_code == 204, woken.text

@@ -100,7 +100,7 @@ def test_controller_document_declares_what_the_controller_answers(controller: Co
     doc = document(controller.url)
     assert_bearer_and_text_metrics(doc, ("/switchover", "post"))
     assert declared(doc, "/switchover", "post") == {"200", "400", "401", "404", "409", "412", "422", "503"}
-    assert declared(doc, "/engines", "post") == {"201", "400", "401", "404", "422", "503"}
+    assert declared(doc, "/engines", "post") == {"201", "400", "401", "404", "409", "422", "503"}
     assert declared(doc, "/cache/{group}/restart", "post") == {"202", "401", "404", "422", "503"}
     assert declared(doc, Endpoint.ROLLOUT, "post") == {"200", "400", "401", "404", "409", "412", "422", "503"}
 
