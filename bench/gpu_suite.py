@@ -1,4 +1,4 @@
-"""Every GPU check of the weight cache in one run on the lent H200 (CI has no GPU).
+"""Every GPU check of the weight cache in one run on an H200 (CI has no GPU).
 
     python bench/gpu_suite.py --out DIR [--workdir /tmp/hw-gpu] [--skip STEP ...] [--only STEP ...]
 
@@ -45,7 +45,7 @@ Steps, each a subprocess with its own time limit, so one failure or hang cannot 
             warm up
   storm_xl  the same with a fault every 3 s, SIGKILL and SIGSTOP alternating, 8 warmed spares
 Results go to DIR/gpu_suite.json and every step's output to DIR/steps.log; the drills' report folders
-are packed into DIR/reports.tar (the lent machine returns at most 8 files); the last stdout line is
+are packed into DIR/reports.tar (a few files to copy back from a remote GPU machine); the last stdout line is
 one JSON object. Exits 1 if any step failed.
 """
 
@@ -104,18 +104,18 @@ def steps(workdir: Path, out: Path) -> dict[str, tuple[list[str], int]]:
         "engine_medium": (f"{make('medium', medium)} && {engine_bench} --model {medium}", 240),
         "engine_xl": (f"{make('xl', xl)} && {engine_bench} --model {xl}", 420),
         "engine_xl_nographs": (f"{make('xl', xl)} && {engine_bench} --model {xl} --no-cuda-graphs", 300),
-        # Issue 14's loads: medium at 20 requests/s, xl at 10 (batched decode serves them).
+        # Drill loads: medium at 20 requests/s, xl at 10 (batched decode serves them).
         "drill_medium": (f"{make('medium', medium)} && {drill_at('medium', medium, 20)}", 300),
         "drill_xl": (f"{make('xl', xl)} && {drill_at('xl', xl, 10)}", 420),
         "attach_ipc": (f"{bench}/attach.py {synthetic} --repeats 5 --backend cuda-ipc", 300),
-        # Issue 16: rollouts, model updates and a co-located batch engine on the GPU.
+        # Rollouts, model updates and a co-located batch engine on the GPU.
         "rollout_medium": (f"{make('medium', medium)} && {rollout} --model {medium} --preset medium", 420),
         "rollout_xl": (
             f"{make('medium', medium)} && {make('xl', xl)} && {rollout} --model {medium} --new-model {xl}",
             600,
         ),
         "drill_batch": (f"{make('medium', medium)} && {drill_batch}", 300),
-        # Issue 15: re-adoption and snapshots at the device's speed; issue 14: what a kill costs the survivors.
+        # Re-adoption and snapshots at the device's speed; what a kill costs the survivors.
         "digest_tests": (f"{pytest} tests/test_digest.py tests/test_recover.py tests/test_loader.py", 300),
         "teardown": (f"{bench}/teardown.py && {bench}/teardown.py --no-import", 120),
         "recover_xl": (f"{make('xl', xl)} && {bench}/recover.py --device cuda:0 --model {xl} --tmp /dev/shm", 500),

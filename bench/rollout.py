@@ -17,7 +17,7 @@ The last stdout line is one JSON object: ``client_errors`` (failed or wrong answ
 ``answer_switches``, ``requests``, ``batch_back_ms`` (the batch engine yields its KV cache before each engine
 start: the slowest of its returns after the rolling restart, from the group settling to serving again) and
 ``batch_update_back_ms`` (the same after the model update, where it restarts to map the new weights).
-Targets (issue 16): 0 client errors, one answer switch (where the texts differ); on the H200, ``batch_back_ms``
+Targets: 0 client errors, one answer switch (where the texts differ); on the H200, ``batch_back_ms``
 <= 1000.
 """
 

@@ -1,4 +1,4 @@
-"""How long a SIGKILLed engine's CUDA context holds up the engines that live on (issue 14's kill-primary on xl).
+"""How long a SIGKILLed engine's CUDA context holds up the engines that live on (kill-primary on xl).
 
     python bench/teardown.py --device cuda:0 [--arena-gib 32] [--victim-gib 4] [--no-import]
 

@@ -8,14 +8,14 @@ bytes where they go:
 - onto a CUDA device, buffered, with ``register=True`` (the checkpoint pipeline): each file is mapped read-only
   and registered with CUDA (``cudaHostRegister``, read-only: its page-cache pages are locked), and copies go
   from the page cache to the device with no host copy at all, on a side stream; where registering is refused
-  (logged once a load), as below. Measured on an H200 (docs/benchmarks.md): the xl checkpoint's warm load went
-  to 24.9 GB/s, but a 32 GB snapshot on tmpfs filled slower registered (6.6 GB/s) than through the ring (16.3),
-  so snapshots are read through the ring;
+  (logged once a load), as below. Measured on an H200 (docs/architecture.md, "Measured facts"): the xl
+  checkpoint's warm load went to 24.9 GB/s, but a 32 GB snapshot on tmpfs filled slower registered (6.6 GB/s)
+  than through the ring (16.3), so snapshots are read through the ring;
 - onto a CUDA device otherwise: through a ring of pinned host buffers allocated once per load (on first use, up to
   RING_BUFFERS of them). Within one ``read_into`` the reads of the next pieces run while earlier pieces' host-to-
   device copies do (a piece's copy is queued on a side stream once its read is done), and a buffer is read into
   again only once its copy has finished (a CUDA event per buffer). Measured on an H200 (``bench/snapshot_read.py``,
-  docs/benchmarks.md): 16 threads and 4 buffers without a wait between pieces move a tmpfs file at ~30 GB/s,
+  docs/architecture.md): 16 threads and 4 buffers without a wait between pieces move a tmpfs file at 32-33 GB/s,
   8 threads reading one piece at a time at 14-20. Processing (slicing, casting, quantizing) then runs on the
   device, queued behind the copies.
 

@@ -26,7 +26,7 @@ launches (on ``xl`` ~36 ms, against ~11 ms of device time), and every sequence i
 newcomer's prefill. Graphs point at this cache's memory, which is why a graphed ``Decoder`` is kept for the
 engine's whole life (reserved at start-up, standby included) rather than allocated on promote. KV lengths
 stay bucketed with graphs too: attention over all ``max_tokens`` positions at every step would cost an
-``xl`` step 8 ms more at 4096 (measured on an H200, ``docs/benchmarks.md``).
+``xl`` step 8 ms more at 4096 (measured on an H200: "Measured facts" in ``docs/architecture.md``).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The elementwise steps of a decoder layer, each one kernel on CUDA.
 
 A decode step at batch 1 reads every weight once, so its matrix products run near the memory bound;
-measured on an H200 (``docs/benchmarks.md``), what kept the ``xl`` step at 11.7 ms of GPU time rather
-than 8 was some 40 small kernels per layer (RMSNorm's casts and reduction, RoPE's halves, SwiGLU,
+measured on an H200 ("Measured facts" in ``docs/architecture.md``), what kept the ``xl`` step at 11.7 ms
+of GPU time rather than 8 was some 40 small kernels per layer (RMSNorm's casts and reduction, RoPE's halves, SwiGLU,
 the residual adds), each a few microseconds even inside a CUDA graph. The functions here are those
 steps written once in plain torch; on a CUDA tensor each runs as ``torch.compile`` (Inductor) fuses
 it, one kernel per call, compiled on first use (so during an engine's warm-up) and cached on disk by

@@ -13,7 +13,7 @@ table in ``docs/architecture.md``. The model holds parameters only, no buffers.
 Two entry points. ``forward`` runs T tokens of every row from one start position (a prefill, or
 any chunk): attention is ``F.scaled_dot_product_attention`` with cuDNN's backend excluded, because
 on CUDA cuDNN builds a plan for every new KV length (~57 ms each on an H200, see
-``../shared/facts/gpu_attention.md``); a chunk at position 0 is causal with no mask, so it stays
+"Measured facts" in ``docs/architecture.md``); a chunk at position 0 is causal with no mask, so it stays
 on flash attention. ``decode`` runs one token per row, each row at its own position (continuous
 batching): keys and values are written into each row's slot at its position (``index_put_`` with
 index tensors, which neither syncs nor depends on the values), and attention reads a fixed number

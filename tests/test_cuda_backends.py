@@ -3,7 +3,7 @@
 The cross-process machinery and the four checks live once, in bench/gpu_backends_check.py; these tests run
 its check functions and assert on what they return. Every helper process there is spawned daemonic, every
 wait has a timeout, and children are killed on the way out: a child left alive keeps a GPU run from exiting
-until its time limit (../shared/facts/ipc_probe.md).
+until its time limit (docs/architecture.md, "Measured facts").
 """
 
 from __future__ import annotations

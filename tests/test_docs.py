@@ -14,3 +14,37 @@ def test_example_config_in_docs_matches_the_code_and_loads() -> None:
     assert path.read_text() == EXAMPLE_CONFIG, "regenerate docs/cluster.example.toml from hotweights.controller.config"
     config = load_config(path)
     assert [spec.id for spec in config.engines()] == ["g0-e0", "g0-e1", "g0-e2"]
+
+
+def module_map() -> dict[str, list[str]]:
+    """The rows of docs/architecture.md's module map: module path -> its other cells."""
+    text = (DOCS / "architecture.md").read_text().split("## Module map", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in text.splitlines():
+        if line.startswith("| `"):
+            cells = [cell.strip() for cell in line.strip().strip("|").split(" | ")]
+            rows[cells[0].strip("`")] = cells[1:]
+    return rows
+
+
+def test_the_module_map_lists_every_module_with_its_job_and_what_it_may_import() -> None:
+    root = DOCS.parent
+    modules = {
+        path.relative_to(root).as_posix()
+        for package in ("hotweights", "cache", "standby", "controller", "chaos")
+        for path in (root / package).rglob("*.py")
+        if path.name != "__init__.py" or path.parent.name == "backends"
+    }
+    rows = module_map()
+    missing = sorted(modules - rows.keys())
+    assert not missing, f"add these modules to docs/architecture.md's module map: {missing}"
+    stale = {name for name in rows.keys() - modules if name.endswith(".py")}
+    assert not stale, f"these modules of docs/architecture.md's module map no longer exist: {sorted(stale)}"
+    for name, cells in rows.items():
+        assert len(cells) == 2 and all(cells), f"{name}: give the module its one job and what it may import"
+
+
+def test_the_docs_point_at_no_file_outside_the_repository() -> None:
+    root = DOCS.parent
+    for path in [root / "README.md", *DOCS.rglob("*.md")]:
+        assert "../shared" not in path.read_text(), f"{path.relative_to(root)} points outside the repository"

@@ -12,7 +12,7 @@ replayed by someone who merely read a message.
 
 Each ``export()`` takes one slot in torch's producer-side reference counter that the importer gives back
 when its tensor is freed, so call ``export()`` once per importer. Imported memory stays valid after the
-exporter dies (measured on an H200, ../shared/facts/ipc_probe.md); the driver frees it when the last
+exporter dies (measured on an H200: docs/architecture.md, "Measured facts"); the driver frees it when the last
 process holding it lets go.
 """
 

@@ -5,7 +5,7 @@ read-write for itself and exports it once as an fd. The fd travels over the daem
 (SCM_RIGHTS), so only a process that was handed it can map the memory, unlike a cudaIpcMemHandle.
 An engine imports the fd, reserves an address range, maps it and asks for read-only access
 (falling back to read-write where the driver refuses). Import cost is one handle, not one per byte:
-measured 1.1 ms for 4 GiB on an H200 (../shared/facts/ipc_probe.md).
+measured 1.1 ms for 4 GiB on an H200 (docs/architecture.md, "Measured facts").
 
 The driver frees the physical memory only when every mapping is unmapped and every handle and fd is
 released, so an engine's mapping survives the daemon's death.
