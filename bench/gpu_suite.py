@@ -44,6 +44,8 @@ Steps, each a subprocess with its own time limit, so one failure or hang cannot 
             spares: time to full redundancy per fault, clients' extra latency, the primary's slowdown while spares
             warm up
   storm_xl  the same with a fault every 3 s, SIGKILL and SIGSTOP alternating, 8 warmed spares
+  migration_xl  bench/migration.py on xl: 64 greedy streams of 256 tokens in flight through the gateway at a SIGKILL
+            and at a SIGSTOP of the primary (broken and mismatched streams, the largest gap at the cut)
 Results go to DIR/gpu_suite.json and every step's output to DIR/steps.log; the drills' report folders
 are packed into DIR/reports.tar (a few files to copy back from a remote GPU machine); the last stdout line is
 one JSON object. Exits 1 if any step failed.
@@ -130,6 +132,10 @@ def steps(workdir: Path, out: Path) -> dict[str, tuple[list[str], int]]:
             f"{make('xl', xl)} && {redundancy} {out / 'logs-storm-xl'} --spare-engines 8 --faults 10 --interval 3 "
             "--signals kill,stop",
             540,
+        ),
+        "migration_xl": (
+            f"{make('xl', xl)} && {bench}/migration.py --model {xl} --device cuda:0 --streams 64 --max-tokens 256",
+            420,
         ),
     }
     return {name: (["bash", "-c", command], limit) for name, (command, limit) in commands.items()}
