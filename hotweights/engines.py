@@ -10,8 +10,9 @@ from dataclasses import dataclass
 
 PORT_PLACEHOLDER = "{port}"  # the agent's engine command: replaced by the port the agent picks
 SOCKET_RANK = "{rank}"  # --socket's placeholder for the rank, with --tp-size > 1
-LOAD_FORMAT = "hotweights"  # vLLM's --load-format that maps the daemon's arena (standby.vllm_loader)
+LOAD_FORMAT = "hotweights"  # vLLM's and SGLang's --load-format that maps the daemon's arena (standby.*_loader)
 VLLM_FORMAT = "vllm"  # cache serve --format: vLLM's own loader fills the arena (cache.vllm_format)
+SGLANG_FORMAT = "sglang"  # cache serve --format: SGLang's own loader fills the arena (cache.sglang_format)
 
 
 @dataclass(frozen=True)
@@ -20,11 +21,12 @@ class EngineKind:
 
     name: str
     server_module: str  # python -m this serves the OpenAI API
+    model_flag: str  # the server's flag naming the checkpoint
     health: str  # the engine's own health endpoint
     running_metric: str  # its Prometheus gauge of requests being generated
 
 
 KINDS = {
-    "vllm": EngineKind("vllm", "vllm.entrypoints.openai.api_server", "/health", "vllm:num_requests_running"),
-    "sglang": EngineKind("sglang", "sglang.launch_server", "/health", "sglang:num_running_reqs"),
+    "vllm": EngineKind("vllm", "vllm.entrypoints.openai.api_server", "--model", "/health", "vllm:num_requests_running"),
+    "sglang": EngineKind("sglang", "sglang.launch_server", "--model-path", "/health", "sglang:num_running_reqs"),
 }
