@@ -1,0 +1,206 @@
+"""A real SGLang (CPU, in its own venv) under hotweights: the loader plugin, its fallback, and a failover group.
+
+SGLang's Python comes from ``HOTWEIGHTS_TEST_SGLANG_PYTHON`` (``.ci/run`` builds that venv and sets it,
+with ``HOTWEIGHTS_REQUIRE_SGLANG=1`` so that a missing SGLang fails CI instead of skipping). Where no
+NVIDIA driver is installed, the servers run with the stand-in ``libcuda.so.1``
+(``hotweights.standby.sglang_nodriver``). One pair of servers serves the loader tests: one maps the
+daemon's arena, the other was pointed at a socket no daemon serves and fell back to SGLang's own loading.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from hotweights.cache.makemodel import PRESETS, write_checkpoint
+from hotweights.contract import Endpoint
+from hotweights.ports import free_port
+from hotweights.spawn import hotweights_command
+from hotweights.standby import sglang_nodriver
+from tests.cachehelpers import ENV, wait_until
+from tests.controllerhelpers import ControllerStack
+from tests.test_vllm import PROMPT, Load
+
+pytestmark = pytest.mark.sglang
+SERVER_ARGS = ["--device", "cpu", "--max-total-tokens", "8192", "--enable-metrics"]
+PROMPTS = ("The weather", "Once upon a time", "hello")
+START_S = 600  # two shared cores: SGLang's start-up takes 20-60 s, more with other servers starting
+
+
+@pytest.fixture(scope="module")
+def sglang_python() -> str:
+    python = os.environ.get("HOTWEIGHTS_TEST_SGLANG_PYTHON", "")
+    if not python:
+        if os.environ.get("HOTWEIGHTS_REQUIRE_SGLANG") == "1":
+            pytest.fail("HOTWEIGHTS_REQUIRE_SGLANG=1 but HOTWEIGHTS_TEST_SGLANG_PYTHON is not set")
+        pytest.skip("no SGLang: set HOTWEIGHTS_TEST_SGLANG_PYTHON to a Python with sglang and hotweights")
+    return python
+
+
+@pytest.fixture(scope="module")
+def sglang_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """SGLang's CPU engine on, the stand-in driver library first where no driver is installed."""
+    return sglang_nodriver.environment(tmp_path_factory.mktemp("nodriver"), {"HF_HUB_OFFLINE": "1"})
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("sglang") / "tiny", PRESETS["tiny"], seed=0, progress=False)
+
+
+class Server:
+    """One SGLang server in a process group of its own (it forks a scheduler and a detokenizer)."""
+
+    def __init__(self, python: str, model: Path, env: dict[str, str], log: Path, *extra: str) -> None:
+        self.port, self.log = free_port(), log
+        command = [python, "-m", "sglang.launch_server", "--model-path", str(model), "--host", "127.0.0.1"]
+        command += ["--port", str(self.port), *SERVER_ARGS, *extra]
+        with log.open("wb") as out:
+            self.process = subprocess.Popen(
+                command, env={**ENV, **env}, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def ready(self) -> bool:
+        assert self.process.poll() is None, self.log.read_text(errors="replace")[-3000:]
+        try:
+            return httpx.get(self.url + "/health_generate", timeout=30).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def greedy_ids(self, prompt: str) -> list[int]:
+        body = {"text": prompt, "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}}
+        reply = httpx.post(self.url + "/generate", json=body, timeout=120)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["output_ids"]
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(60)
+        with contextlib.suppress(ProcessLookupError):  # the scheduler and detokenizer, should they outlive it
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+
+
+@pytest.fixture(scope="class")
+def pair(
+    sglang_python: str, sglang_env: dict[str, str], model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Server, Server, Path, Path]]:
+    """(mapped, fallback, mapped's report, fallback's report): both servers started at once."""
+    root = tmp_path_factory.mktemp("pair")
+    socket_path = root / "run" / "s.sock"
+    command = hotweights_command("cache", "serve", "--format", "sglang", "--model", str(model), python=sglang_python)
+    daemon = subprocess.Popen(
+        [*command, "--socket", str(socket_path)], env={**ENV, **sglang_env}, stderr=subprocess.PIPE, text=True
+    )
+    servers: list[Server] = []
+    try:
+        wait_until(lambda: socket_path.with_suffix(".ready").exists() or daemon.poll() is not None, START_S, "daemon")
+        assert daemon.poll() is None, daemon.stderr.read()
+        reports = root / "mapped.json", root / "fallback.json"
+        for name, socket, report in (("mapped", socket_path, reports[0]), ("fallback", root / "none.sock", reports[1])):
+            extra = json.dumps({"socket": str(socket), "report": str(report)})
+            load = ["--load-format", "hotweights", "--model-loader-extra-config", extra]
+            servers.append(Server(sglang_python, model, sglang_env, root / f"{name}.log", *load))
+        for server in servers:
+            wait_until(server.ready, START_S, f"SGLang on {server.log.name}", interval=0.5)
+        yield servers[0], servers[1], *reports
+    finally:
+        for server in servers:
+            server.stop()
+        daemon.terminate()
+        daemon.wait(60)
+
+
+class TestLoader:
+    def test_sglang_on_the_arena_generates_what_its_own_loading_does(self, pair: tuple) -> None:
+        mapped, fallback, report, _ = pair
+        for prompt in PROMPTS:
+            ids = mapped.greedy_ids(prompt)
+            assert len(ids) == 24
+            assert ids == fallback.greedy_ids(prompt), prompt
+        sharing = json.loads(report.read_text())
+        assert "model.layers.0.self_attn.qkv_proj.weight" in sharing["shared"]
+        assert "model.layers.0.mlp.gate_up_proj.weight" in sharing["shared"]
+        assert "model.embed_tokens.weight" in sharing["shared"]
+        assert all(name.endswith("cos_sin_cache") for name in sharing["copied"]), sharing["copied"]
+        assert sharing["shared_bytes"] > 4 * sharing["copied_bytes"]
+        log = mapped.log.read_text(errors="replace")
+        assert "hotweights: mapped 16 tensors from" in log
+        assert "falling back" not in log
+
+    def test_without_a_daemon_the_loader_says_so_in_one_line_and_sglang_loads_itself(self, pair: tuple) -> None:
+        _, fallback, _, report = pair
+        lines = [line for line in fallback.log.read_text(errors="replace").splitlines() if "hotweights:" in line]
+        assert len(lines) == 1, lines
+        assert "hotweights: falling back to SGLang's own loading: daemon on " in lines[0]
+        assert "none.sock" in lines[0]
+        assert "fallback" in json.loads(report.read_text())
+        assert httpx.get(fallback.url + "/v1/models", timeout=30).json()["data"]
+
+
+def test_with_fallback_refuse_a_missing_daemon_stops_the_load(
+    sglang_python: str, sglang_env: dict[str, str], model: Path, tmp_path: Path
+) -> None:
+    """SGLang's own LoadConfig and get_model_loader, as its model runner calls them, with the plugin loaded."""
+    script = (
+        "import sys\n"
+        "from sglang.srt.plugins import load_plugins\n"
+        "load_plugins()\n"
+        "from sglang.srt.configs.device_config import DeviceConfig\n"
+        "from sglang.srt.configs.load_config import LoadConfig\n"
+        "from sglang.srt.configs.model_config import ModelConfig\n"
+        "from sglang.srt.model_loader.loader import get_model_loader\n"
+        "extra = {'socket': sys.argv[2], 'fallback': 'refuse'}\n"
+        "loader = get_model_loader(LoadConfig(load_format='hotweights', model_loader_extra_config=extra))\n"
+        "loader.load_model(model_config=ModelConfig(model_path=sys.argv[1]), device_config=DeviceConfig('cpu'))\n"
+    )
+    missing = tmp_path / "none.sock"
+    result = subprocess.run(
+        [sglang_python, "-c", script, str(model), str(missing)],
+        env={**ENV, **sglang_env, "SGLANG_PLUGINS": "hotweights"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 1
+    assert f"ConfigError: hotweights: the daemon on {missing} gave no weights" in result.stderr
+
+
+def test_an_sglang_group_fails_over_under_load_with_no_client_errors(
+    sglang_python: str, sglang_env: dict[str, str], model: Path
+) -> None:
+    group = (
+        f'engine = "sglang"\nengine_python = "{sglang_python}"\nengine_args = {json.dumps(SERVER_ARGS)}\n'
+        f"engine_env = {{ {', '.join(f'{k} = {json.dumps(v)}' for k, v in sglang_env.items())} }}\n"
+    )
+    stack = ControllerStack(model, engines=3, group_extra=group, failure_threshold=3)
+    try:
+        stack.start_controller("up")
+        wait_until(lambda: "is up" in stack.logs(), 900, "an SGLang primary and two standbys", interval=0.5)
+        stack.wait_steady(900)
+        gateway = f"http://127.0.0.1:{stack.config.gateway.port}/v1"
+        old = stack.primary()
+        load = Load(f"{gateway}/completions")
+        wait_until(lambda: load.ok >= 5, 120, "load flowing")
+        engine_pid = httpx.get(old["url"] + Endpoint.PRIMARY).json()["engine"]["pid"]
+        os.kill(engine_pid, signal.SIGKILL)  # the SGLang server crashes; its agent reports it and exits
+        wait_until(lambda: stack.primary()["id"] != old["id"], 60, "a promoted standby")
+        served = load.ok
+        wait_until(lambda: load.ok >= served + 5, 120, "load served by the new primary")
+        load.finish()
+        assert load.errors == []
+        reply = httpx.post(f"{gateway}/completions", json={"prompt": PROMPT, "max_tokens": 4}, timeout=60)
+        assert reply.status_code == 200, reply.text
+    finally:
+        stack.close()
