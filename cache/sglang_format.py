@@ -132,6 +132,11 @@ def load_sglang_model(args: Any, device: torch.device) -> torch.nn.Module:
     publish(args, role="weight_cache_daemon", ranks=SpawnRanks(world_rank=0, gpu_id=0))
     initialize_moe_config()
     model_config = model_config_of(args)
+    if model_config.quantization:
+        raise ConfigError(
+            f"--format sglang: {model_config.quantization} checkpoints are not supported (their processed form "
+            "keeps state outside the tensors an arena holds); use SGLang's own loading"
+        )
     init_distributed_environment(
         world_size=1,
         rank=0,

