@@ -311,7 +311,7 @@ def simultaneous(groups: int, rounds: int, device: str, model: str | None) -> in
 VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
 ENGINE_ARGS = {
     "vllm": ["--max-model-len", "256", "--enforce-eager"],
-    "sglang": ["--device", "cpu", "--max-total-tokens", "8192", "--enable-metrics"],
+    "sglang": ["--device", "cpu", "--max-total-tokens", "8192", "--enable-metrics", "--sleep-on-idle"],
 }
 ENGINES = {"vllm": 2, "sglang": 3}  # per group: vLLM's CPU servers take more memory each
 

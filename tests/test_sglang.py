@@ -30,7 +30,7 @@ from tests.controllerhelpers import ControllerStack
 from tests.test_vllm import PROMPT, Load
 
 pytestmark = pytest.mark.sglang
-SERVER_ARGS = ["--device", "cpu", "--max-total-tokens", "8192", "--enable-metrics"]
+SERVER_ARGS = ["--device", "cpu", "--max-total-tokens", "8192", "--enable-metrics", "--sleep-on-idle"]
 PROMPTS = ("The weather", "Once upon a time", "hello")
 START_S = 600  # two shared cores: SGLang's start-up takes 20-60 s, more with other servers starting
 
