@@ -154,6 +154,30 @@ def test_a_vllm_group_runs_its_daemon_and_agents_with_vllms_python(tmp_path: Pat
     assert layout.config.groups[0].start_timeout() == 600.0
 
 
+def test_an_sglang_group_runs_its_daemon_and_agents_with_sglangs_python(tmp_path: Path, tiny_model: Path) -> None:
+    """The command lines the controller would start for an SGLang group (nothing is started here)."""
+    path = tmp_path / "cluster.toml"
+    python = sys.executable
+    path.write_text(
+        f'[model]\npath = "{tiny_model}"\ndtype = "bf16"\n[[groups]]\nengines = 3\nengine = "sglang"\n'
+        f'engine_python = "{python}"\nengine_args = ["--device", "cpu"]\n'
+        'engine_env = { SGLANG_USE_CPU_ENGINE = "1" }\n'
+    )
+    layout = Layout.create(load_config(path), path)
+    assert layout.daemon_command(0)[-2:] == ["--format", "sglang"]
+    agent = layout.engine_command(layout.config.engines()[2])
+    separator = agent.index("--")
+    assert agent[agent.index("--kind") + 1] == "sglang" and agent[agent.index("--role") + 1] == "standby"
+    engine = agent[separator + 1 :]
+    assert engine[:4] == [python, "-m", "sglang.launch_server", "--model-path"]
+    assert engine[engine.index("--port") + 1] == "{port}" and engine[-2:] == ["--device", "cpu"]
+    assert engine[engine.index("--dtype") + 1] == "bfloat16"
+    socket = json.loads(engine[engine.index("--model-loader-extra-config") + 1])["socket"]
+    assert socket == str(layout.socket(0)) and engine[engine.index("--load-format") + 1] == "hotweights"
+    assert layout.environment(0)["SGLANG_USE_CPU_ENGINE"] == "1"
+    assert layout.config.groups[0].start_timeout() == 600.0
+
+
 def test_direct_io_reaches_the_daemon_and_the_batch_engine_has_no_graphs(tmp_path: Path, tiny_model: Path) -> None:
     path = tmp_path / "cluster.toml"
     group = "[[groups]]\nbase_port = 8200\ndirect_io = true\nbatch_port = 8300\n"
