@@ -62,7 +62,7 @@ direct_io = false             # the daemons read checkpoint and snapshot with O_
 spare = true                  # keep a spare engine process for the primary's slot, its imports done (most of
                               # a start), that replaces the primary as a standby as soon as it is fenced,
                               # and a spare daemon process that a respawn of the daemon starts (reference
-                              # engines, tp_size 1; a vllm group has neither)
+                              # engines, tp_size 1; a vllm or sglang group has neither)
 spare_warm_up = true          # the spare engine (tp_size 1) also attaches and warms up while it waits, so that
                               # it replaces the primary in milliseconds, not seconds; it then holds a
                               # standby's device memory (its KV cache and CUDA graphs) meanwhile
@@ -166,7 +166,7 @@ class GroupSection:
     batch_yield_timeout_s: float = 1.0  # a yielding batch engine's drain, before its requests are cancelled
 
     def start_timeout(self) -> float:
-        """How long an engine of this group may take to become ready (vLLM compiles and profiles first)."""
+        """How long an engine of this group may take to become ready (vLLM and SGLang profile and warm up first)."""
         return self.start_timeout_s or START_TIMEOUTS_S[self.engine]
 
 
@@ -408,7 +408,7 @@ def _typed(value: object, kind: str, where: str) -> object:
 
 
 def _check_engine(group: GroupSection, where: str) -> None:
-    """The engine kind of a group, and what a vLLM group needs."""
+    """The engine kind of a group, and what a vLLM or SGLang group needs."""
     if group.engine not in START_TIMEOUTS_S:
         raise ConfigError(f"{where}.engine must be one of {sorted(START_TIMEOUTS_S)}, found {group.engine!r}")
     if group.start_timeout_s < 0:
