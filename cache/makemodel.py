@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from hotweights.dtypes import MODEL_DTYPES, config_name
 from hotweights.errors import CheckpointError, ConfigError
-from hotweights.layout import ModelConfig, TensorSpec, checkpoint_tensors
+from hotweights.layout import ROLE_LINES_TEMPLATE, ModelConfig, TensorSpec, checkpoint_tensors
 from hotweights.paths import hotweights_home
 from hotweights.quant import FP8_BLOCK, FP8_DTYPE, QUANT_CONFIG, QUANT_METHODS, SCALE_SUFFIX, quantize, scale_shape
 
@@ -256,6 +256,7 @@ def write_tokenizer(out: Path, config: ModelConfig) -> tuple[int, int]:
             "eos_token": EOS_TOKEN,
             "model_max_length": config.max_position_embeddings,
             "clean_up_tokenization_spaces": False,
+            "chat_template": "{{ bos_token }}" + ROLE_LINES_TEMPLATE,
         },
     )
     return tokenizer.token_to_id(BOS_TOKEN), tokenizer.token_to_id(EOS_TOKEN)
