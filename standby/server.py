@@ -1,12 +1,15 @@
 """The engine's HTTP face: OpenAI completions, Patroni-style health checks, role changes, metrics.
 
-Handlers never touch the model: compute runs on the scheduler's thread, and the health endpoints
-read plain attributes, so they answer in milliseconds during long generations. Every error body
-is OpenAI-shaped: ``{"error": {"message", "type", "param"}}``.
+Handlers never touch the model: compute runs on the scheduler's thread, tokenization in a worker
+thread (``encode_batch`` releases the GIL, so a prompt of megabytes never holds up the event loop), and
+the health endpoints read plain attributes, so they answer in milliseconds during long generations.
+Completions pass ``admission`` first: beyond the generating and waiting requests it allows, 429 at once.
+Every error body is OpenAI-shaped: ``{"error": {"message", "type", "param"}}``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -18,7 +21,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 from tokenizers import Tokenizer
 
+from hotweights.admission import RETRY_AFTER_S, Admission
 from hotweights.contract import Endpoint
+from hotweights.httpguard import short
 from hotweights.standby.completions import CompletionRequest, CompletionRun, GenerationAborted
 from hotweights.standby.contract_routes import SERVING, add_contract_routes, declare, error, finish_app, unavailable
 from hotweights.standby.metrics import EngineMetrics
@@ -49,6 +54,7 @@ class EngineContext:
     cuda_graph_bytes: int  # device memory the decode and prefill CUDA graphs hold; 0 without graphs
     rank_pids: tuple[int, ...]  # every rank's pid, rank 0's (this process's) first; one without --tp-size
     group_refusal: Callable[[], str | None]  # why the other ranks of a tensor-parallel group are not ready
+    admission: Admission  # completions generating and waiting at once; the rest get 429
     fingerprint: str = field(init=False)  # the weights' digest, computed once
     started: float = field(default_factory=time.monotonic)
     created: int = field(default_factory=lambda: int(time.time()))
@@ -115,37 +121,57 @@ def build_app(ctx: EngineContext) -> FastAPI:
     @app.post(
         Endpoint.COMPLETIONS,
         response_model=None,
-        responses=declare(400, 404, 500, 503)
+        responses=declare(400, 404, 408, 413, 429, 500, 503)
         | {200: {"content": {"application/json": {}, "text/event-stream": {}}, "description": "the completion"}},
     )
     async def completions(request: CompletionRequest) -> Response:
         """OpenAI completions; ``stream`` gives server-sent events ending in ``data: [DONE]``.
 
         200 the completion (or the stream); 400 a bad field, named in ``error.param``; 404 an unknown
-        ``model``; 503 not serving (standby, draining, drained) or cancelled by a drain deadline or
-        shutdown; 500 the generation failed."""
+        ``model``; 408/413 a body too slow or too large; 429 overloaded (with ``Retry-After``); 503 not
+        serving (standby, draining, drained) or cancelled by a drain deadline or shutdown; 500 the
+        generation failed."""
         if reason := roles.serving_refusal():
             return unavailable(reason)
         if request.model is not None and request.model != ctx.model_name:
-            return error(
-                404, f"model {request.model!r} is not served here; try {ctx.model_name!r}", "not_found_error", "model"
-            )
-        prompt_ids = [ctx.tokenizer.encode(prompt).ids for prompt in request.prompts]
+            message = f"model {short(request.model)!r} is not served here; try {ctx.model_name!r}"
+            return error(404, message, "not_found_error", "model")
+        if reason := await ctx.admission.enter():
+            return overloaded(reason)
+        handed_over = False  # to the run, whose close gives the admission slot back
+        try:
+            encoded = await asyncio.to_thread(ctx.tokenizer.encode_batch, request.prompts)
+            prompt_ids = [encoding.ids for encoding in encoded]
+            if refused := prompt_refusal(prompt_ids, request.max_tokens):
+                return refused
+            if reason := roles.serving_refusal():  # it may have changed while the request waited
+                return unavailable(reason)
+            handed_over = True
+            return await generate(request, prompt_ids)
+        finally:
+            if not handed_over:
+                ctx.admission.leave()
+
+    def prompt_refusal(prompt_ids: list[list[int]], max_tokens: int) -> JSONResponse | None:
         for ids in prompt_ids:
             if not ids:
                 return error(400, "prompt is empty after tokenization", "invalid_request_error", "prompt")
-            if len(ids) + request.max_tokens > ctx.context_tokens:
+            if len(ids) + max_tokens > ctx.context_tokens:
                 message = (
-                    f"prompt ({len(ids)} tokens) + max_tokens ({request.max_tokens}) exceeds this engine's "
+                    f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds this engine's "
                     f"{ctx.context_tokens}-token context (--kv-cache-tokens)"
                 )
                 return error(400, message, "invalid_request_error", "max_tokens")
+        return None
+
+    async def generate(request: CompletionRequest, prompt_ids: list[list[int]]) -> Response:
         roles.admit()
         run = CompletionRun.start(request, ctx.model_name, prompt_ids, ctx.tokenizer, ctx.stop_ids, ctx.scheduler)
 
         def close() -> None:
             run.cancel()
             roles.release()
+            ctx.admission.leave()
             usage = run.usage()
             metrics.prompt_tokens.inc(usage["prompt_tokens"])
             metrics.completion_tokens.inc(usage["completion_tokens"])
@@ -165,3 +191,10 @@ def build_app(ctx: EngineContext) -> FastAPI:
             close()
 
     return finish_app(app, metrics)
+
+
+def overloaded(reason: str) -> JSONResponse:
+    """429 for a completion beyond what admission allows, with ``Retry-After``."""
+    response = error(429, reason, "overloaded")
+    response.headers["Retry-After"] = str(RETRY_AFTER_S)
+    return response
