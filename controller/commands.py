@@ -45,6 +45,7 @@ from hotweights.controller.metrics import ControllerMetrics
 from hotweights.controller.stack import Layout
 from hotweights.controller.supervisor import STOP_TIMEOUT_S, ControllerLock, stack_orphans, stop_recorded
 from hotweights.errors import ConfigError
+from hotweights.httpguard import ErrorShape, HttpLimits, server_config
 from hotweights.state import StateCorrupt, read_state, write_state
 
 log = logging.getLogger(__name__)
@@ -124,7 +125,8 @@ async def serve(layout: Layout, listener: socket.socket, *, with_gateway: bool, 
         await leader_keys.start(wake.set)  # ConfigError: etcd out of reach, or its prefix is another cluster's
         ha = Ha(cluster, engines, events, metrics, wake, on_ready, leader_keys)
         app = build_app(ha, cluster, events, metrics, config.token())
-        server = ApiServer(uvicorn.Config(app, log_config=None, access_log=False, lifespan="off"))
+        limits = HttpLimits(body_bytes=config.cluster.api_max_body_bytes)
+        server = ApiServer(server_config(app, limits, ErrorShape.DETAIL, lifespan="off"))
         flags = ShutdownFlags(server)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
