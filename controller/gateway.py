@@ -367,7 +367,7 @@ class Gateway:
         body = await request.body()  # kept, so the request can be re-sent
         deadline = time.monotonic() + self.hold_s
         last_failure = ""
-        failed_serving: list[str] = []  # engines that failed with this request in flight
+        failed_serving: dict[str, str] = {}  # engine -> how it failed with this request in flight
         while True:
             if refusal := await self.wait_for_primary(deadline):
                 if last_failure:
@@ -382,9 +382,9 @@ class Gateway:
                 self.metrics.upstream_errors.labels(upstream.url, exc.kind).inc()
                 self.discovery.suspect(upstream, str(exc))
                 if exc.kind == "disconnected":
-                    failed_serving.append(last_failure)
+                    failed_serving[upstream.url] = last_failure
                 if len(failed_serving) >= self.suspect_after:
-                    return self.record_suspect(failed_serving, body)
+                    return self.record_suspect(list(failed_serving.values()), body)
                 log.info("retrying on the next primary: %s", last_failure)
                 self.metrics.retries.inc()
 
