@@ -39,7 +39,7 @@ STRICT = ConfigDict(extra="forbid", strict=True)  # strict: a bool is not a numb
 
 STATUS_DESCRIPTIONS: dict[int, dict[str, object]] = {
     201: {"description": "added"},
-    400: {"description": "a body that is not even text (FastAPI cannot decode it)"},
+    400: {"description": "a body that is not plain JSON (not UTF-8, NaN or out-of-range numbers, duplicate keys, ...)"},
     202: {"description": "accepted: it goes on in the background (watch GET /events)"},
     404: {"description": "unknown group or engine"},
     409: {"description": "conflicts with the cluster's state; `detail` says why"},
