@@ -104,9 +104,9 @@ workers = 2                   # gateway processes sharing one listening socket t
 probe_interval_ms = 200       # how often each worker asks every engine GET /primary (the controller also
                               # pushes a probe at once after each role change)
 max_body_bytes = 4194304      # largest completion body (prompt included) at the gateway and the engines: 413
-max_in_flight = 0             # requests each gateway worker proxies at once; as many more wait for a slot (at
-                              # most engine.queue_timeout_s), the rest are answered 429 (503 while no primary)
-                              # at once (0: every group's max_batch + max_queue)
+max_in_flight = 0             # requests each gateway worker proxies at once; more are answered 429 at once
+                              # (0: every group's max_batch + max_queue; while no primary is known, the hold
+                              # rules above apply instead)
 suspect_after = 2             # a request in flight on this many engines that failed while serving it is not
                               # re-sent again: it is answered 422 and logged as suspect
 

@@ -19,7 +19,7 @@ failover because of three rules:
   any other body is cut off, so the client sees a truncated response, never a silently short one.
 
 Admission bounds what a worker takes on while a primary is known (``gateway.max_in_flight`` proxied at
-once, as many more waiting for a slot): the rest is answered at once, 429 with ``Retry-After``; while
+once): the rest is answered at once, 429 with ``Retry-After``; while
 none is known, the hold rules above apply instead (their 503s carry ``Retry-After`` too). A
 request that was in flight on ``gateway.suspect_after`` engines that failed while serving it is not
 re-sent to a third: it may be what kills them, so it is answered 422, saying so, and logged as suspect.
@@ -575,9 +575,9 @@ def probe_listener(path: Path) -> socket.socket:
 
 
 def default_admission(config: ClusterConfig) -> Admission:
-    """As many requests proxied at once as ``config`` derives, as many more waiting (each at most
-    ``engine.queue_timeout_s``)."""
-    return Admission(config.gateway_in_flight(), config.gateway_in_flight(), config.engine.queue_timeout_s)
+    """As many requests proxied at once as ``config`` derives, none waiting here: the engines queue (what
+    they generate and queue is what the gateway passes on), so a second queue would only add latency."""
+    return Admission(config.gateway_in_flight(), 0, config.engine.queue_timeout_s)
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
