@@ -33,6 +33,7 @@ from hotweights.standby.weights import LoadedModel
 
 log = logging.getLogger(__name__)
 
+INLINE_PROMPT_CHARS = 4096  # prompts up to this are tokenized on the event loop (about a millisecond)
 STALL_S = 30.0  # an inference thread that has not gone round its loop for this long is not ready
 
 
@@ -140,7 +141,11 @@ def build_app(ctx: EngineContext) -> FastAPI:
             return overloaded(reason)
         handed_over = False  # to the run, whose close gives the admission slot back
         try:
-            encoded = await asyncio.to_thread(ctx.tokenizer.encode_batch, request.prompts)
+            prompts = request.prompts
+            if sum(map(len, prompts)) <= INLINE_PROMPT_CHARS:
+                encoded = ctx.tokenizer.encode_batch(prompts)
+            else:  # encode_batch releases the GIL: the event loop runs on meanwhile
+                encoded = await asyncio.to_thread(ctx.tokenizer.encode_batch, prompts)
             prompt_ids = [encoding.ids for encoding in encoded]
             if refused := prompt_refusal(prompt_ids, request.max_tokens):
                 return refused
