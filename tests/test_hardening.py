@@ -49,8 +49,8 @@ CONTROLLER_MUTATIONS = [
 @pytest.fixture(scope="module")
 def stack(tiny_model: Path) -> Iterator[ControllerStack]:
     """``up`` with the health timings a cluster ships with, and a gateway that proxies one request at a
-    time (one more waits), so that overload is easy to make."""
-    stack = ControllerStack(tiny_model, engines=2, gateway_extra="max_in_flight = 1")
+    time (one worker), so that overload is easy to make."""
+    stack = ControllerStack(tiny_model, engines=2, gateway_extra="max_in_flight = 1\nworkers = 1")
     shipped = HealthSection()
     health = f"[health]\ninterval_ms = {shipped.interval_ms}\ntimeout_ms = {shipped.timeout_ms}\n"
     text = stack.config_path.read_text()
@@ -122,14 +122,22 @@ def test_echoed_values_are_cut_short(stack: ControllerStack) -> None:
     assert_short_4xx(response, "model")
 
 
-def test_overload_is_refused_at_once_with_retry_after(stack: ControllerStack) -> None:
+def flood(url: str) -> list[httpx.Response]:
+    """16 completions of 200 tokens sent at once."""
     body = {"prompt": "hello", "max_tokens": 200}
     with httpx.Client(timeout=60) as client, concurrent.futures.ThreadPoolExecutor(16) as pool:
-        responses = list(pool.map(lambda _: client.post(gateway(stack) + Endpoint.COMPLETIONS, json=body), range(16)))
+        return list(pool.map(lambda _: client.post(url + Endpoint.COMPLETIONS, json=body), range(16)))
+
+
+@pytest.mark.parametrize("where", ["gateway", "engine"])
+def test_overload_is_refused_at_once_with_retry_after(stack: ControllerStack, where: str) -> None:
+    """The gateway proxies one request at a time here; the engine generates max_batch (2) and queues 2."""
+    url = gateway(stack) if where == "gateway" else stack.primary()["url"]
+    responses = flood(url)
     statuses = sorted(r.status_code for r in responses)
     assert set(statuses) <= {200, 429}, statuses
     refused = [r for r in responses if r.status_code == 429]
     assert refused and all(r.headers["retry-after"] == "1" for r in refused), statuses
     assert all(r.json()["error"]["type"] == "overloaded" for r in refused)
-    metrics = httpx.get(gateway(stack) + Endpoint.METRICS).text
-    assert 'hotweights_gateway_admission_total{verdict="refused"}' in metrics
+    metrics = httpx.get(url + Endpoint.METRICS).text
+    assert f'hotweights_{where}_admission_total{{verdict="refused"}}' in metrics
