@@ -45,6 +45,7 @@ from hotweights.controller.metrics import ControllerMetrics
 from hotweights.controller.stack import Layout
 from hotweights.controller.supervisor import STOP_TIMEOUT_S, ControllerLock, stack_orphans, stop_recorded
 from hotweights.errors import ConfigError
+from hotweights.httpguard import ErrorShape, HttpLimits, server_config
 from hotweights.limits import raise_open_files
 from hotweights.paths import private_dir
 from hotweights.state import StateCorrupt, read_state, write_state
@@ -169,7 +170,8 @@ async def serve(
         await leader_keys.start(wake.set)  # ConfigError: etcd out of reach, or its prefix is another cluster's
         ha = Ha(cluster, engines, events, metrics, wake, on_ready, leader_keys)
         app = build_app(ha, cluster, events, metrics, config.token())
-        server = ApiServer(uvicorn.Config(app, log_config=None, access_log=False, lifespan="off"))
+        limits = HttpLimits(body_bytes=config.cluster.api_max_body_bytes)
+        server = ApiServer(server_config(app, limits, ErrorShape.DETAIL, lifespan="off"))
         flags.attach(asyncio.get_running_loop(), server)
         if flags.signals:
             log.info("stopped by signal %d before starting or adopting anything", flags.signals[0])

@@ -435,3 +435,64 @@ def test_wake_needs_the_token_when_the_cluster_has_one(tmp_path: Path) -> None:
             assert (refused.status_code, refused.headers["www-authenticate"]) == (401, "Bearer"), refused.text
         woken = gateway.client.post(Endpoint.GATEWAY_WAKE, headers={"Authorization": "Bearer s3cret"})
         assert woken.status_code == 204, woken.text
+
+
+class DyingUpstreams:
+    """Three upstreams on threads, each primary until a completion reaches it; then it closes the connection
+    without an answer and stops being primary (as an engine that the request itself brought down)."""
+
+    def __init__(self) -> None:
+        self.dead: set[str] = set()
+        self.servers = [ThreadingHTTPServer(("127.0.0.1", 0), self.handler(name)) for name in ("a", "b", "c")]
+        self.urls = [f"http://127.0.0.1:{server.server_address[1]}" for server in self.servers]
+
+    def handler(self, name: str) -> type[BaseHTTPRequestHandler]:
+        dead = self.dead
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self) -> None:  # /primary
+                status = 503 if name in dead else 200
+                self.send_response(status)
+                self.send_header("content-length", "2")
+                self.end_headers()
+                self.wfile.write(b"{}")
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers["content-length"]))
+                dead.add(name)
+                self.close_connection = True  # no answer at all
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+        return Handler
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[DyingUpstreams]:
+        threads = [threading.Thread(target=server.serve_forever, daemon=True) for server in self.servers]
+        for thread in threads:
+            thread.start()
+        try:
+            yield self
+        finally:
+            for server in self.servers:
+                server.shutdown()
+                server.server_close()
+
+
+def test_a_request_that_engines_fail_serving_is_not_resent_past_suspect_after(tmp_path: Path) -> None:
+    """With gateway.suspect_after = 2, the second engine failing with the request in flight ends it: 422 saying
+    so, counted as suspect; the third engine never sees it."""
+    config = write_cluster(tmp_path / "cluster.toml", [])
+    with DyingUpstreams().running() as upstreams:
+        urls = [arg for url in upstreams.urls for arg in ("--upstream", url)]
+        with GatewayProcess(config, *urls) as gateway:
+            gateway.wait_health(lambda h: len(h["primaries"]) == 3, what="three primaries")
+            response = gateway.client.post(Endpoint.COMPLETIONS, json={"prompt": "x"})
+            assert response.status_code == 422, response.text
+            assert response.json()["error"]["type"] == "suspect_request"
+            assert "2 engines failed while serving this request" in response.json()["error"]["message"]
+            assert len(upstreams.dead) == 2
+            assert metric(gateway, "hotweights_gateway_suspect_requests_total") == 1
