@@ -44,6 +44,7 @@ Steps, each a subprocess with its own time limit, so one failure or hang cannot 
             spares: time to full redundancy per fault, clients' extra latency, the primary's slowdown while spares
             warm up
   storm_xl  the same with a fault every 3 s, SIGKILL and SIGSTOP alternating, 8 warmed spares
+  overload_medium  bench/overload.py on medium: admitted latency and refusals at 1x, 2x and 5x the measured capacity
   migration_xl  bench/migration.py on xl: 64 greedy streams of 256 tokens in flight through the gateway at a SIGKILL
             and at a SIGSTOP of the primary (broken and mismatched streams, the largest gap at the cut)
 Results go to DIR/gpu_suite.json and every step's output to DIR/steps.log; the drills' report folders
@@ -133,6 +134,7 @@ def steps(workdir: Path, out: Path) -> dict[str, tuple[list[str], int]]:
             "--signals kill,stop",
             540,
         ),
+        "overload_medium": (f"{make('medium', medium)} && {bench}/overload.py --device cuda:0 --model {medium}", 300),
         "migration_xl": (
             f"{make('xl', xl)} && {bench}/migration.py --model {xl} --device cuda:0 --streams 64 --max-tokens 256",
             420,
