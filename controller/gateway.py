@@ -566,7 +566,7 @@ class Gateway:
     async def migrating(self, request: Request, path: str, ledger: Ledger, deadline: float) -> Response:
         """A migratable completion: streamed from the engine with token ids, continued on the next primary
         whenever its upstream fails mid-way; the client's stream, or its whole JSON reply, is built here."""
-        opened = await self.open_segment(request, path, ledger.request.upstream_body(), deadline)
+        opened = await self.open_segment(request, path, ledger.request.upstream_body(), deadline, ledger)
         if isinstance(opened, Response):
             return opened
         events = self.migrated_events(request, ledger, *opened)
@@ -581,11 +581,11 @@ class Gateway:
         return JSONResponse(ledger.whole(), headers={"x-hotweights-upstream": opened[0].url})
 
     async def open_segment(
-        self, request: Request, path: str, body: dict, deadline: float
+        self, request: Request, path: str, body: dict, deadline: float, ledger: Ledger
     ) -> tuple[Upstream, httpx.Response] | Response:
         """An upstream's event stream for ``body``, retried on the next primary until ``deadline`` while it
         fails before its first byte; an engine's own non-200 answer (a 400, say) as it is; 503 at the
-        deadline."""
+        deadline; 422 once ``suspect_after`` engines have failed with the request in flight."""
         headers = [(k, v) for k, v in request.headers.items() if k not in HOP_BY_HOP]
         last_failure = ""
         while True:
@@ -597,10 +597,14 @@ class Gateway:
                 return await self.open_stream(upstream, path, headers, body)
             except UpstreamFailed as exc:
                 last_failure = f"{upstream.url}: {exc}"
-                log.info("retrying on the next primary: %s", last_failure)
                 self.metrics.upstream_errors.labels(upstream.url, exc.kind).inc()
-                self.metrics.retries.inc()
                 self.discovery.suspect(upstream, str(exc))
+                if exc.kind == "disconnected":
+                    ledger.failed_on[upstream.url] = last_failure
+                if len(ledger.failed_on) >= self.suspect_after:
+                    return self.record_suspect(list(ledger.failed_on.values()), json.dumps(body).encode())
+                log.info("retrying on the next primary: %s", last_failure)
+                self.metrics.retries.inc()
 
     async def open_stream(
         self, upstream: Upstream, path: str, headers: list[tuple[str, str]], body: dict
@@ -645,6 +649,10 @@ class Gateway:
                 cut_at, failure = time.monotonic(), f"{upstream.url}: {exc}"
                 self.metrics.upstream_errors.labels(upstream.url, "mid_stream").inc()
                 self.discovery.suspect(upstream, str(exc))
+                ledger.failed_on[upstream.url] = failure
+            if len(ledger.failed_on) >= self.suspect_after:
+                suspect = self.record_suspect(list(ledger.failed_on.values()), json.dumps(ledger.request.body).encode())
+                raise SegmentFailed(json.loads(bytes(suspect.body))["error"]["message"])
             body = ledger.cut()
             if body is None:  # the budget was spent before the failure: nothing is left to generate
                 return
@@ -658,7 +666,7 @@ class Gateway:
         replayed = len(ledger.released)
         log.info("migrating %s after %d tokens: %s", ledger.id, replayed, failure)
         self.metrics.tokens_replayed.inc(replayed)
-        opened = await self.open_segment(request, Endpoint.COMPLETIONS, body, cut_at + self.hold_s)
+        opened = await self.open_segment(request, Endpoint.COMPLETIONS, body, cut_at + self.hold_s, ledger)
         if isinstance(opened, Response):
             self.metrics.migrations.labels("failed").inc()
             reason = bytes(opened.body).decode(errors="replace")[:300]

@@ -203,6 +203,7 @@ class Ledger:
     text: str = ""  # everything sent (kept for a non-streamed reply)
     shown: int = 0  # choices shown to the client so far
     migrations: int = 0
+    failed_on: dict[str, str] = field(default_factory=dict)  # engine -> how it failed with this request in flight
     stops: StopStrings = field(init=False)
 
     def __post_init__(self) -> None:

@@ -337,7 +337,9 @@ def engines(tiny_model: Path) -> Iterator[list[EngineProcess]]:
 
 @pytest.fixture(scope="module")
 def gateway(engines: list[EngineProcess], tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
-    config = write_cluster(tmp_path_factory.mktemp("migration") / "cluster.toml", [e.port for e in engines])
+    # Every request at once is admitted: as many as one engine batches (FLAGS), whichever group it serves.
+    ports = [e.port for e in engines]
+    config = write_cluster(tmp_path_factory.mktemp("migration") / "cluster.toml", ports, max_in_flight=32)
     with GatewayProcess(config) as gateway:
         gateway.wait_health(lambda h: len(h["primaries"]) == 1, what="the primary")
         yield gateway
