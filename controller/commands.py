@@ -35,6 +35,7 @@ import uvicorn
 from hotweights.contract import Endpoint, Role
 from hotweights.controller.api import build_app
 from hotweights.controller.cluster import Cluster, Snapshot
+from hotweights.controller.clusterctl import controller_client, controller_url
 from hotweights.controller.config import ClusterConfig, load_config
 from hotweights.controller.dcs import leadership
 from hotweights.controller.engineapi import EngineApi
@@ -282,15 +283,6 @@ def cmd_down(args: argparse.Namespace) -> int:
     return 0
 
 
-def controller_client(config: ClusterConfig) -> httpx.Client:
-    """A client of the cluster's controller, with its bearer token when ``cluster.token_file`` is set; no
-    timeout (the controller bounds each action itself)."""
-    host = "127.0.0.1" if config.cluster.host in ("0.0.0.0", "::") else config.cluster.host
-    token = config.token()
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    return httpx.Client(base_url=f"http://{host}:{config.cluster.port}", headers=headers, timeout=None, trust_env=False)
-
-
 def print_new_events(client: httpx.Client, after: int) -> int:
     """Print the ``rollout`` events newer than sequence number ``after``; returns the newest one's."""
     for event in client.get(Endpoint.EVENTS, params={"kind": "rollout"}).json()["events"]:
@@ -309,7 +301,7 @@ def cmd_rollout(args: argparse.Namespace) -> int:
         body["model"] = str(Path(args.model).expanduser().resolve())  # the controller's cwd is not ours
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per poll would drown the steps
     try:
-        with controller_client(config) as client, ThreadPoolExecutor(1) as pool:
+        with controller_client(controller_url(config), config.token()) as client, ThreadPoolExecutor(1) as pool:
             latest = client.get(Endpoint.EVENTS, params={"limit": 1}).json()["events"]
             seen = latest[-1]["seq"] if latest else 0
             reply = pool.submit(client.post, Endpoint.ROLLOUT, json=body)
