@@ -316,6 +316,10 @@ class GatewayMetrics:
 class SegmentFailed(Exception):
     """A migratable completion's upstream failed after its response began: the request continues elsewhere."""
 
+    def __init__(self, message: str, *, while_serving: bool = False) -> None:
+        super().__init__(message)
+        self.while_serving = while_serving  # its connection failed while it was primary (counted for suspects)
+
 
 class UpstreamFailed(Exception):
     """The upstream failed before any byte reached the client: the request may go elsewhere."""
@@ -649,7 +653,8 @@ class Gateway:
                 cut_at, failure = time.monotonic(), f"{upstream.url}: {exc}"
                 self.metrics.upstream_errors.labels(upstream.url, "mid_stream").inc()
                 self.discovery.suspect(upstream, str(exc))
-                ledger.failed_on[upstream.url] = failure
+                if exc.while_serving:
+                    ledger.failed_on[upstream.url] = failure
             if len(ledger.failed_on) >= self.suspect_after:
                 suspect = self.record_suspect(list(ledger.failed_on.values()), json.dumps(ledger.request.body).encode())
                 raise SegmentFailed(json.loads(bytes(suspect.body))["error"]["message"])
@@ -710,8 +715,9 @@ class Gateway:
                     return  # at a stop string: closing the response ends the generation
             raise SegmentFailed("the stream ended before [DONE]")
         except (httpx.HTTPError, httpx.StreamError, ValueError) as exc:
-            reason = "the engine is no longer primary" if upstream.lost.is_set() else type(exc).__name__
-            raise SegmentFailed(reason) from exc
+            if upstream.lost.is_set():  # cut here: a switchover or a hang, not the request's doing
+                raise SegmentFailed("the engine is no longer primary") from exc
+            raise SegmentFailed(type(exc).__name__, while_serving=True) from exc
         finally:
             watch.cancel()
             await response.aclose()
