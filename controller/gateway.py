@@ -65,6 +65,7 @@ from hotweights.contract import (
     CHALLENGE,
     NOT_NORMALIZED,
     SERVING_PREFIX,
+    SUSPECT_REQUEST,
     TOKEN_REQUIRED,
     Endpoint,
     bearer_credentials,
@@ -316,9 +317,19 @@ class GatewayMetrics:
 class SegmentFailed(Exception):
     """A migratable completion's upstream failed after its response began: the request continues elsewhere."""
 
-    def __init__(self, message: str, *, while_serving: bool = False) -> None:
+    def __init__(self, message: str, *, while_serving: bool = False, suspect: bool = False) -> None:
         super().__init__(message)
         self.while_serving = while_serving  # its connection failed while it was primary (counted for suspects)
+        self.suspect = suspect  # the request is not migrated because it is suspect (gateway.suspect_after)
+
+    def answer(self) -> JSONResponse:
+        """The error a non-streamed client gets: 422 when the request is suspect, else 503."""
+        return suspect_answer(str(self)) if self.suspect else unavailable(str(self))
+
+    def event(self) -> bytes:
+        """The error event that ends a streamed client's response."""
+        kind = SUSPECT_REQUEST if self.suspect else "unavailable"
+        return _sse({"error": {"message": str(self), "type": kind, "param": None}})
 
 
 class UpstreamFailed(Exception):
@@ -347,13 +358,16 @@ def unavailable(message: str) -> JSONResponse:
     return refusal(503, message, "unavailable")
 
 
-def suspect_request(failures: list[str]) -> JSONResponse:
-    """422: the request was in flight on every engine of ``failures`` as it failed; it is not re-sent."""
-    message = (
+def suspect_message(failures: list[str]) -> str:
+    """Why a request is not re-sent: it was in flight on every engine of ``failures`` as it failed."""
+    return (
         f"not re-sent: {len(failures)} engines failed while serving this request (gateway.suspect_after), so it "
         f"may be what made them fail; last: {failures[-1]}"
     )
-    return JSONResponse({"error": {"message": message, "type": "suspect_request", "param": None}}, status_code=422)
+
+
+def suspect_answer(message: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": SUSPECT_REQUEST, "param": None}}, status_code=422)
 
 
 class Gateway:
@@ -452,12 +466,12 @@ class Gateway:
                 if exc.kind == "disconnected":
                     failed_serving[upstream.url] = last_failure
                 if len(failed_serving) >= self.suspect_after:
-                    return self.record_suspect(list(failed_serving.values()), body)
+                    return suspect_answer(self.record_suspect(list(failed_serving.values()), body))
                 log.info("retrying on the next primary: %s", last_failure)
                 self.metrics.retries.inc()
 
-    def record_suspect(self, failures: list[str], body: bytes) -> Response:
-        """Log the request as suspect (its size and digest, never its content) and answer 422."""
+    def record_suspect(self, failures: list[str], body: bytes) -> str:
+        """Log the request as suspect (its size and digest, never its content); the client's message."""
         digest = hashlib.sha256(body).hexdigest()[:16]
         log.warning(
             "suspect request (%d bytes, sha256 %s): %d engines failed while serving it: %s",
@@ -467,7 +481,7 @@ class Gateway:
             "; ".join(failures),
         )
         self.metrics.suspects.inc()
-        return suspect_request(failures)
+        return suspect_message(failures)
 
     async def wait_for_primary(self, deadline: float) -> str | None:
         """None once a primary is known; else why the request gives up (queue full or deadline)."""
@@ -581,7 +595,7 @@ class Gateway:
             async for _ in events:
                 pass
         except SegmentFailed as exc:
-            return unavailable(str(exc))
+            return exc.answer()
         return JSONResponse(ledger.whole(), headers={"x-hotweights-upstream": opened[0].url})
 
     async def open_segment(
@@ -606,7 +620,9 @@ class Gateway:
                 if exc.kind == "disconnected":
                     ledger.failed_on[upstream.url] = last_failure
                 if len(ledger.failed_on) >= self.suspect_after:
-                    return self.record_suspect(list(ledger.failed_on.values()), json.dumps(body).encode())
+                    return suspect_answer(
+                        self.record_suspect(list(ledger.failed_on.values()), json.dumps(body).encode())
+                    )
                 log.info("retrying on the next primary: %s", last_failure)
                 self.metrics.retries.inc()
 
@@ -656,8 +672,8 @@ class Gateway:
                 if exc.while_serving:
                     ledger.failed_on[upstream.url] = failure
             if len(ledger.failed_on) >= self.suspect_after:
-                suspect = self.record_suspect(list(ledger.failed_on.values()), json.dumps(ledger.request.body).encode())
-                raise SegmentFailed(json.loads(bytes(suspect.body))["error"]["message"])
+                failures, body = list(ledger.failed_on.values()), json.dumps(ledger.request.body).encode()
+                raise SegmentFailed(self.record_suspect(failures, body), suspect=True)
             body = ledger.cut()
             if body is None:  # the budget was spent before the failure: nothing is left to generate
                 return
@@ -677,7 +693,7 @@ class Gateway:
             reason = bytes(opened.body).decode(errors="replace")[:300]
             message = f"the upstream {failure}; the request could not be migrated: {reason}"
             self.events.record("migration_failed", message, request=ledger.id)
-            raise SegmentFailed(message)
+            raise SegmentFailed(message, suspect=opened.status_code == 422)
         self.metrics.migrations.labels("migrated").inc()
         to = opened[0].url
         self.events.record(
@@ -730,7 +746,7 @@ class Gateway:
                 yield _sse(chunk)
         except SegmentFailed as exc:
             log.warning("%s", exc)
-            yield _sse({"error": {"message": str(exc), "type": "unavailable", "param": None}})
+            yield exc.event()
             return
         if ledger.request.include_usage:
             yield _sse(ledger.usage_chunk())
