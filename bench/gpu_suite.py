@@ -137,7 +137,7 @@ def steps(workdir: Path, out: Path) -> dict[str, tuple[list[str], int]]:
         "overload_medium": (f"{make('medium', medium)} && {bench}/overload.py --device cuda:0 --model {medium}", 300),
         "migration_xl": (
             f"{make('xl', xl)} && {bench}/migration.py --model {xl} --device cuda:0 --streams 64 --max-tokens 256",
-            420,
+            540,
         ),
     }
     return {name: (["bash", "-c", command], limit) for name, (command, limit) in commands.items()}

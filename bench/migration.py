@@ -42,6 +42,12 @@ from hotweights.contract import Endpoint
 START_TIMEOUT_S = 900.0
 SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
 PROMPT_WIDTH = 8  # prompts are padded so every one is about as long
+BEGAN = time.monotonic()
+
+
+def progress(what: str) -> None:
+    """One line on stderr with the seconds since the bench began, so a run cut short shows where it was."""
+    print(f"[{time.monotonic() - BEGAN:7.1f} s] {what}", file=sys.stderr, flush=True)
 
 
 @dataclass
@@ -147,6 +153,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     if model is None and args.preset != "tiny":
         device = "cuda" if args.device.startswith("cuda") else "cpu"
         model = str(write_checkpoint(workdir / args.preset, PRESETS[args.preset], device=device, progress=False))
+        progress(f"wrote the {args.preset} checkpoint")
     kv_tokens = args.max_tokens + 64  # the prompt and the budget, with room
     stack = DrillStack.create(
         workdir / "stack", "gateway", proxied=False, model=model or "", device=args.device,
@@ -158,10 +165,13 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         stack.start()
         if missing := await api.wait_complete(START_TIMEOUT_S):
             raise RuntimeError(f"the stack did not start within {START_TIMEOUT_S:g} s: {missing}")
+        progress("the stack is whole")
         async with httpx.AsyncClient(base_url=stack.lb_url, timeout=httpx.Timeout(120.0)) as client:
             expected = await references(client, prompts(args.streams), args.max_tokens)
+            progress(f"{args.streams} reference texts")
             for name in args.signals.split(","):
                 rounds.append(await fault(api, client, args, name, expected))
+                progress(f"{name}: {json.dumps(rounds[-1])}")
     finally:
         await api.aclose()
         await asyncio.to_thread(stack.teardown)
