@@ -44,6 +44,7 @@ Steps, each a subprocess with its own time limit, so one failure or hang cannot 
             spares: time to full redundancy per fault, clients' extra latency, the primary's slowdown while spares
             warm up
   storm_xl  the same with a fault every 3 s, SIGKILL and SIGSTOP alternating, 8 warmed spares
+  overload_medium  bench/overload.py on medium: admitted latency and refusals at 1x, 2x and 5x the measured capacity
   migration_xl  bench/migration.py on xl: 64 greedy streams of 256 tokens in flight through the gateway at a SIGKILL
             and at a SIGSTOP of the primary (broken and mismatched streams, the largest gap at the cut)
 Results go to DIR/gpu_suite.json and every step's output to DIR/steps.log; the drills' report folders
@@ -133,30 +134,37 @@ def steps(workdir: Path, out: Path) -> dict[str, tuple[list[str], int]]:
             "--signals kill,stop",
             540,
         ),
+        "overload_medium": (f"{make('medium', medium)} && {bench}/overload.py --device cuda:0 --model {medium}", 300),
         "migration_xl": (
             f"{make('xl', xl)} && {bench}/migration.py --model {xl} --device cuda:0 --streams 64 --max-tokens 256",
-            420,
+            540,
         ),
     }
     return {name: (["bash", "-c", command], limit) for name, (command, limit) in commands.items()}
 
 
-def run_step(command: list[str], env: dict[str, str], limit: int) -> tuple[int, str, str]:
-    """(exit code, stdout, stderr); past ``limit`` the step's whole process group is killed (rc 124).
-    Whatever the step left running in its group (an engine, a daemon) is killed when it ends."""
-    step = subprocess.Popen(
-        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
-    try:
-        stdout, stderr = step.communicate(timeout=limit)
-        return step.returncode, stdout, stderr
-    except subprocess.TimeoutExpired:
-        os.killpg(step.pid, signal.SIGKILL)
-        stdout, stderr = step.communicate()
-        return 124, stdout, stderr
-    finally:
-        with contextlib.suppress(ProcessLookupError):
+def run_step(command: list[str], env: dict[str, str], limit: int, log: Path) -> tuple[int, str]:
+    """(exit code, stdout); past ``limit`` the step's whole process group is killed (rc 124). Its stderr goes
+    to ``log`` as it comes (so a run cut short keeps how far each step got), its stdout after it ends. Whatever
+    the step left running in its group (an engine, a daemon) is killed when it ends."""
+    with log.open("a") as errors:
+        errors.write(f"$ {' '.join(command)}\n--- stderr\n")
+        errors.flush()
+        step = subprocess.Popen(
+            command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=errors, text=True, start_new_session=True
+        )
+        try:
+            stdout, _ = step.communicate(timeout=limit)
+            rc = step.returncode
+        except subprocess.TimeoutExpired:
             os.killpg(step.pid, signal.SIGKILL)
+            stdout, _ = step.communicate()
+            rc = 124
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(step.pid, signal.SIGKILL)
+        errors.write(f"--- stdout\n{stdout}\n")
+    return rc, stdout
 
 
 def selected(name: str, names: list[str]) -> bool:
@@ -201,12 +209,13 @@ def main() -> int:
             if selected(name, args.skip) or (args.only and not selected(name, args.only)):
                 continue
             start = time.perf_counter()
-            rc, stdout, stderr = run_step(command, env, limit)
+            log = args.out / "steps.log"  # one file: the device returns at most 8
+            with log.open("a") as header:
+                header.write(f"=== {name}\n")
+            rc, stdout = run_step(command, env, limit, log)
             if name.endswith("tests") and rc == 0 and "skipped" in stdout:
                 rc = 3  # on the GPU every CUDA test must run
             seconds = round(time.perf_counter() - start, 1)
-            with (args.out / "steps.log").open("a") as log:  # one file: the device returns at most 8
-                log.write(f"=== {name}\n$ {' '.join(command)}\n--- stdout\n{stdout}\n--- stderr\n{stderr}\n")
             results[name] = {"rc": rc, "seconds": seconds, "result": last_json(stdout)}
             print(f"{name:12s} rc={rc} {seconds:7.1f} s  {json.dumps(results[name]['result'])[:300]}", flush=True)
     finally:

@@ -5,9 +5,11 @@
 
 Starts its own stack (``hotweights up``: controller, daemon, a primary and two standbys, the gateway; torn
 down at the end, on SIGINT/SIGTERM too), takes each prompt's greedy text through the gateway while nothing
-fails, then for each of ``--signals`` (kill: SIGKILL, stop: SIGSTOP of the primary, which the controller
-detects as hung and fences) opens ``--streams`` greedy streams through the gateway, sends the signal to the
-primary once every stream has ``--cut-after`` chunks, and reads every stream to its end. Per fault: the
+fails, then, once with no fault (the uncut round: its mismatches are the engine's own floor, greedy text
+that changes with how requests were batched) and once for each of ``--signals`` (kill: SIGKILL, stop:
+SIGSTOP of the primary, which the controller detects as hung and fences), opens ``--streams`` greedy
+streams through the gateway, sends the signal to the primary once every stream has ``--cut-after`` chunks,
+and reads every stream to its end. Per fault: the
 streams in flight at the fault, the broken ones (an error event, no ``[DONE]``, a failed connection), the
 mismatched ones (text other than the reference), and the largest gap between two chunks of a stream that
 spans the fault (cut to next token, in ms). Between faults it waits for the stack to be whole again. The
@@ -35,13 +37,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from hotweights.cache.makemodel import PRESETS, write_checkpoint
 from hotweights.chaos.clusterview import ControlApi
 from hotweights.chaos.faults import Target, send
-from hotweights.chaos.scenarios import wait_dead
+from hotweights.chaos.scenarios import serving_primary, wait_dead
 from hotweights.chaos.stack import DrillStack
 from hotweights.contract import Endpoint
 
 START_TIMEOUT_S = 900.0
 SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
+UNCUT = "uncut"  # the first round: the same streams with no fault, its mismatches the engine's own floor
 PROMPT_WIDTH = 8  # prompts are padded so every one is about as long
+BEGAN = time.monotonic()
+
+
+def progress(what: str) -> None:
+    """One line on stderr with the seconds since the bench began, so a run cut short shows where it was."""
+    print(f"[{time.monotonic() - BEGAN:7.1f} s] {what}", file=sys.stderr, flush=True)
 
 
 @dataclass
@@ -116,8 +125,8 @@ async def primary_target(api: ControlApi) -> Target:
 async def fault(
     api: ControlApi, client: httpx.AsyncClient, args: argparse.Namespace, name: str, expected: list[str]
 ) -> dict[str, Any]:
-    """One round: streams opened, the primary signalled once each has ``--cut-after`` chunks, every stream read
-    to its end; the round's figures."""
+    """One round: streams opened, the primary signalled once each has ``--cut-after`` chunks (``UNCUT``: no
+    signal at all), every stream read to its end; the round's figures."""
     if missing := await api.wait_complete(START_TIMEOUT_S):
         raise RuntimeError(f"the stack was not whole before the {name} round: {missing}")
     target = await primary_target(api)
@@ -126,11 +135,14 @@ async def fault(
     while not all(len(s.arrivals) >= args.cut_after or s.outcome for s in streams):
         await asyncio.sleep(0.005)
     at = time.monotonic()
-    if not send(target, SIGNALS[name]):
+    if name != UNCUT and not send(target, SIGNALS[name]):
         raise RuntimeError(f"the primary {target} was gone before the {name} signal")
     in_flight = sum(not s.outcome for s in streams)
     await asyncio.gather(*tasks)
-    await wait_dead(target)
+    if name != UNCUT:
+        await wait_dead(target)
+        if await serving_primary(api, {f"{target.name}:{target.pid}"}) is None:  # the next round needs it
+            raise RuntimeError(f"no new primary served after the {name} of {target.name}")
     gaps = [g for s in streams if (g := s.gap_across(at)) is not None]
     return {
         "signal": name,
@@ -147,6 +159,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     if model is None and args.preset != "tiny":
         device = "cuda" if args.device.startswith("cuda") else "cpu"
         model = str(write_checkpoint(workdir / args.preset, PRESETS[args.preset], device=device, progress=False))
+        progress(f"wrote the {args.preset} checkpoint")
     kv_tokens = args.max_tokens + 64  # the prompt and the budget, with room
     stack = DrillStack.create(
         workdir / "stack", "gateway", proxied=False, model=model or "", device=args.device,
@@ -158,21 +171,26 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         stack.start()
         if missing := await api.wait_complete(START_TIMEOUT_S):
             raise RuntimeError(f"the stack did not start within {START_TIMEOUT_S:g} s: {missing}")
+        progress("the stack is whole")
         async with httpx.AsyncClient(base_url=stack.lb_url, timeout=httpx.Timeout(120.0)) as client:
             expected = await references(client, prompts(args.streams), args.max_tokens)
-            for name in args.signals.split(","):
+            progress(f"{args.streams} reference texts")
+            for name in [UNCUT, *args.signals.split(",")]:
                 rounds.append(await fault(api, client, args, name, expected))
+                progress(f"{name}: {json.dumps(rounds[-1])}")
     finally:
         await api.aclose()
         await asyncio.to_thread(stack.teardown)
+    cut = rounds[1:]
     return {
         "preset": args.preset if args.model is None else args.model,
         "device": args.device,
         "streams": args.streams,
         "max_tokens": args.max_tokens,
-        "broken": sum(r["broken"] for r in rounds),
-        "mismatched": sum(r["mismatched"] for r in rounds),
-        "max_gap_ms": {r["signal"]: r["max_gap_ms"] for r in rounds},
+        "broken": sum(r["broken"] for r in cut),
+        "mismatched": sum(r["mismatched"] for r in cut),
+        "mismatched_uncut": rounds[0]["mismatched"] if rounds else None,
+        "max_gap_ms": {r["signal"]: r["max_gap_ms"] for r in cut},
         "in_flight": {r["signal"]: r["in_flight"] for r in rounds},
         "rounds": rounds,
     }

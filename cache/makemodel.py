@@ -34,13 +34,14 @@ from tqdm import tqdm
 
 from hotweights.dtypes import MODEL_DTYPES, config_name
 from hotweights.errors import CheckpointError, ConfigError
-from hotweights.layout import ModelConfig, TensorSpec, checkpoint_tensors
+from hotweights.layout import ROLE_LINES_TEMPLATE, ModelConfig, TensorSpec, checkpoint_tensors
 from hotweights.paths import hotweights_home
 from hotweights.quant import FP8_BLOCK, FP8_DTYPE, QUANT_CONFIG, QUANT_METHODS, SCALE_SUFFIX, quantize, scale_shape
 
 BOS_TOKEN = "<|begin_of_text|>"
 EOS_TOKEN = "<|end_of_text|>"
 MAX_TOKENIZER_VOCAB = 4096  # the corpus is small; more merges would only learn whole sentences
+VOCAB_ROWS = ("model.embed_tokens.weight", "lm_head.weight")  # one row per token id
 MIN_VOCAB = 300  # 256 byte tokens + 2 specials + room for some merges
 DEFAULT_SHARD_SIZE = 2 * 10**9
 DEFAULT_MODEL_NAME = "tiny-bf16-seed0"
@@ -135,10 +136,15 @@ def init_tensor(spec: TensorSpec, *, seed: int, device: str = "cpu") -> torch.Te
 
     Scales keep a random model lively: unit-variance embeddings, 1/sqrt(fan_in) linears (so
     attention scores and logits have unit spread and greedy decoding does not lock onto one
-    token), and norm weights near 1.
+    token), and norm weights near 1. Rows of the embeddings and the output head past the
+    tokenizer's MAX_TOKENIZER_VOCAB ids are zero: their logit is then 0, far below the best of
+    thousands of unit-spread ones, so greedy decoding writes text at every token instead of ids
+    that decode to nothing (as a real model never generates its padding ids).
     """
     gen = torch.Generator(device=device).manual_seed(tensor_seed(seed, spec.name))
     x = torch.randn(spec.shape, generator=gen, device=device, dtype=torch.float32)
+    if spec.name in VOCAB_ROWS:
+        x[MAX_TOKENIZER_VOCAB:] = 0.0
     if spec.kind == "linear":
         return x.mul_(spec.shape[1] ** -0.5)
     if spec.kind == "norm":
@@ -256,6 +262,7 @@ def write_tokenizer(out: Path, config: ModelConfig) -> tuple[int, int]:
             "eos_token": EOS_TOKEN,
             "model_max_length": config.max_position_embeddings,
             "clean_up_tokenization_spaces": False,
+            "chat_template": "{{ bos_token }}" + ROLE_LINES_TEMPLATE,
         },
     )
     return tokenizer.token_to_id(BOS_TOKEN), tokenizer.token_to_id(EOS_TOKEN)

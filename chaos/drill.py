@@ -65,7 +65,13 @@ class Drill:
     results: list[RoundResult] = field(default_factory=list)
 
     async def run_round(self, scenario: Scenario, index: int) -> RoundResult:
-        result = RoundResult(scenario.name, index, time.time(), client_errors_expected=scenario.client_errors_expected)
+        result = RoundResult(
+            scenario.name,
+            index,
+            time.time(),
+            client_errors_expected=scenario.client_errors_expected,
+            suspects_expected=scenario.suspects_expected,
+        )
         if reason := scenario.skip_reason(self.stack):
             result.skipped = reason
             return result

@@ -20,12 +20,13 @@ from typing import Any
 
 import httpx
 
-from hotweights.contract import Endpoint
+from hotweights.contract import SUSPECT_REQUEST, Endpoint
 
 PROMPT = "The quick brown fox"
 MAX_TOKENS = 8
 STREAM_EVERY = 2  # a drill streams every other request
 BROKEN_STREAM = "broken stream"  # how a record of a stream cut mid-way begins its error
+SUSPECT = "suspect"  # how a record of a request the gateway refused as suspect begins its error
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,11 @@ class RequestRecord:
     def broken_stream(self) -> bool:
         """A stream that began (200) and did not end with ``[DONE]``: cut mid-way."""
         return self.streamed and self.status == 200 and self.error.startswith(BROKEN_STREAM)
+
+    @property
+    def suspect(self) -> bool:
+        """Refused by the gateway because engines failed while serving it (gateway.suspect_after)."""
+        return self.error.startswith(SUSPECT)
 
     @property
     def ok(self) -> bool:
@@ -78,6 +84,15 @@ async def reference_completion(client: httpx.AsyncClient, base_url: str, timeout
         if time.monotonic() > deadline:
             raise TimeoutError(f"no reference completion from {base_url} within {timeout_s} s: {failure}")
         await asyncio.sleep(0.2)
+
+
+def refusal_text(body: str) -> str:
+    """A failed answer's body as a record's error: led by ``SUSPECT`` when it is the gateway's suspect refusal."""
+    with contextlib.suppress(ValueError, KeyError, TypeError):
+        error = json.loads(body)["error"]
+        if error["type"] == SUSPECT_REQUEST:
+            return f"{SUSPECT}: {error['message']}"[:300]
+    return body[:300]
 
 
 class LoadGenerator:
@@ -136,7 +151,7 @@ class LoadGenerator:
             self.base_url + Endpoint.COMPLETIONS, json=completion_body(), timeout=self.timeout_s
         )
         if response.status_code != 200:
-            return response.status_code, "", response.text[:300]
+            return response.status_code, "", refusal_text(response.text)
         return 200, response.json()["choices"][0]["text"], ""
 
     async def read_stream(self, client: httpx.AsyncClient) -> tuple[int, str, str]:
@@ -145,7 +160,7 @@ class LoadGenerator:
         url = self.base_url + Endpoint.COMPLETIONS
         async with client.stream("POST", url, json=body, timeout=self.timeout_s) as response:
             if response.status_code != 200:
-                return response.status_code, "", (await response.aread()).decode(errors="replace")[:300]
+                return response.status_code, "", refusal_text((await response.aread()).decode(errors="replace"))
             text, last = "", ""
             async for line in response.aiter_lines():
                 payload = line.removeprefix("data: ")
@@ -154,6 +169,8 @@ class LoadGenerator:
                 if payload:
                     last = payload
                     text += "".join(choice["text"] for choice in json.loads(payload).get("choices", ()))
+        if (why := refusal_text(last)).startswith(SUSPECT):
+            return 200, text, why
         return 200, text, f"{BROKEN_STREAM}: no [DONE]; last event {last[:200]}"
 
     @contextlib.asynccontextmanager
@@ -179,6 +196,11 @@ class BatchAnswer:
     status: int | None  # None: no HTTP answer (what failed is in ``error``)
     retry_after: str | None = None
     error: str = ""
+
+    @property
+    def suspect(self) -> bool:
+        """Refused by the gateway because engines failed while serving it (gateway.suspect_after)."""
+        return self.error.startswith(SUSPECT)
 
     @property
     def ok(self) -> bool:

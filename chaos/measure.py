@@ -60,12 +60,14 @@ class RoundResult:
     failed: int = 0
     broken_streams: int = 0  # of the failed: streams cut mid-way
     refused: int = 0  # of the failed: no connection at all (the load balancer's port refused it)
+    suspects: int = 0  # of the failed: refused by the gateway as suspect (gateway.suspect_after)
     retried: int | None = None  # the gateway's re-sent requests; None for another load balancer
     wrong: int = 0
     split_brain: int = 0
     leak: str | None = None
     problem: str | None = None
     client_errors_expected: bool = False
+    suspects_expected: bool = False
     memory_before: dict[str, Any] = field(default_factory=dict)
     memory_after: dict[str, Any] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)  # the first few, for the report
@@ -81,8 +83,9 @@ class RoundResult:
             found.append(f"leak: {self.leak}")
         if self.problem:
             found.append(self.problem)
-        if judge_client_errors and self.failed and not self.client_errors_expected:
-            found.append(f"{self.failed} client-visible error(s)")
+        errors = self.failed - (self.suspects if self.suspects_expected else 0)
+        if judge_client_errors and errors and not self.client_errors_expected:
+            found.append(f"{errors} client-visible error(s)")
         if judge_client_errors and self.broken_streams and not self.client_errors_expected:
             found.append(f"{self.broken_streams} broken stream(s)")
         return found
@@ -123,6 +126,7 @@ def apply_requests(result: RoundResult, records: Sequence[RequestRecord], until:
     result.failed = len(bad)
     result.broken_streams = sum(r.broken_stream for r in bad)
     result.refused = sum(r.status is None and r.error.startswith("ConnectError") for r in bad)
+    result.suspects = sum(r.suspect for r in bad)
     result.wrong = sum(r.correct is False for r in mine)
     result.errors = [f"{r.status}: {r.error}" for r in bad[:3]]
     if result.fault_at is None:

@@ -55,6 +55,7 @@ def totals(ran: Sequence[RoundResult], judge: bool) -> dict[str, int]:
         "requests": sum(r.requests for r in ran),
         "failed": sum(r.failed for r in ran),
         "refused": sum(r.refused for r in ran),
+        "suspects": sum(r.suspects for r in ran),
         "retried": sum(r.retried or 0 for r in ran),
         "wrong": sum(r.wrong for r in ran),
         "split_brain": sum(r.split_brain for r in ran),
@@ -145,7 +146,8 @@ def render_markdown(
         f"{meta['duration_s']:g} s; split-brain detector: {meta['split_brain_sweeps']} sweeps of GET /primary "
         f"on every engine. Host: {meta['host']}.",
         "",
-        f"**Totals:** {t['requests']} requests, {t['failed']} failed ({t['refused']} refused a connection), "
+        f"**Totals:** {t['requests']} requests, {t['failed']} failed ({t['refused']} refused a connection, "
+        f"{t['suspects']} refused as suspect), "
         f"{t['retried']} retried by the gateway, "
         f"{t['wrong']} wrong outputs, {t['split_brain']} split-brain samples, {t['leaks']} leaks, "
         f"{t['failed_rounds']} failed rounds.",
@@ -172,14 +174,16 @@ def render_markdown(
             lines.append(f"{first}| {measure.removesuffix('_ms')} | {cells} |")
     lines += [
         "",
-        "| scenario | what it measures | requests | failed | refused | retried | wrong | split brain | leaks |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| scenario | what it measures | requests | failed | refused | suspect | retried | wrong | split brain "
+        "| leaks |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, row in summary["scenarios"].items():
         tt = row["totals"]
         note = " (errors expected: the fault is the load balancer)" if SCENARIOS[name].client_errors_expected else ""
         lines.append(
             f"| {name} | {SCENARIOS[name].measures}{note} | {tt['requests']} | {tt['failed']} | {tt['refused']} "
+            f"| {tt['suspects']} "
             f"| {tt['retried']} "
             f"| {tt['wrong']} | {tt['split_brain']} | {tt['leaks']} |"
         )

@@ -84,6 +84,9 @@ class Scenario:
     needs_proxy: ClassVar[bool] = False
     needs_batch: ClassVar[bool] = False  # the drill's own stack then gets a co-located batch engine
     client_errors_expected: ClassVar[bool] = False  # the fault takes the load balancer itself down
+    # the faults hit a re-sent request on engine after engine, as a request of death would: the gateway may
+    # refuse it as suspect (gateway.suspect_after), which the drill counts apart and accepts
+    suspects_expected: ClassVar[bool] = False
     respawns_daemon: ClassVar[bool] = False
 
     def skip_reason(self, stack: DrillStack) -> str | None:
@@ -325,6 +328,7 @@ class DoubleFailure(Scenario):
 class Flapping(Scenario):
     name = "flapping"
     measures = f"{FLAP_KILLS} primary kills in quick succession, each as soon as a new primary serves"
+    suspects_expected = True
 
     async def inject(self, r: Round) -> None:
         killed: set[str] = set()

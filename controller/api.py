@@ -5,8 +5,9 @@ Reads come from a fresh snapshot. Mutations need ``Authorization: Bearer <token>
 and wait for its answer, so they are serialised and never interleave with a failover. The loop's
 refusals become status codes here and only here: NotFound 404, NotPossible 412, Conflict 409,
 Unavailable 503 (also when the loop did not answer in time). A malformed body is 422 (FastAPI's
-validation; the request models are strict, so ``{"group": false}`` is not group 0), one that is not
-even text 400. Each route
+validation; the request models are strict, so ``{"group": false}`` is not group 0; the reason never
+quotes the input), one that is not plain JSON 400 and one above ``cluster.api_max_body_bytes`` 413
+(``hotweights.httpguard``). Each route
 declares in ``responses`` every status code it answers, so the OpenAPI document is the whole truth.
 """
 
@@ -16,7 +17,8 @@ import time
 from collections.abc import Awaitable
 from typing import Any
 
-from fastapi import Depends, FastAPI, Query
+from fastapi import Depends, FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
@@ -28,15 +30,18 @@ from hotweights.controller.events import EventLog
 from hotweights.controller.ha import Ha
 from hotweights.controller.intents import Conflict, NotFound, NotPossible, Refused, Unavailable
 from hotweights.controller.metrics import ControllerMetrics
+from hotweights.httpguard import short
 
 STATUS = {NotFound: 404, NotPossible: 412, Conflict: 409, Unavailable: 503}
 INTENT_TIMEOUT_S = 30.0  # plus the drain timeout for actions that drain
 STALE_LOOP_S = 5.0  # /health turns 503 when the HA loop has not finished a cycle for this long
+MAX_PROBLEMS = 10  # a 422 names at most this many bad fields
+DETAIL_CHARS = 2000  # a refusal's detail (it may quote an engine name from the request) is cut to this
 STRICT = ConfigDict(extra="forbid", strict=True)  # strict: a bool is not a number
 
 STATUS_DESCRIPTIONS: dict[int, dict[str, object]] = {
     201: {"description": "added"},
-    400: {"description": "a body that is not even text (FastAPI cannot decode it)"},
+    400: {"description": "a body that is not plain JSON (not UTF-8, NaN or out-of-range numbers, duplicate keys, ...)"},
     202: {"description": "accepted: it goes on in the background (watch GET /events)"},
     404: {"description": "unknown group or engine"},
     409: {"description": "conflicts with the cluster's state; `detail` says why"},
@@ -93,7 +98,7 @@ def build_app(ha: Ha, cluster: Cluster, events: EventLog, metrics: ControllerMet
         try:
             result = await outcome
         except Refused as exc:
-            return JSONResponse({"detail": str(exc)}, status_code=STATUS[type(exc)])
+            return JSONResponse({"detail": short(exc, DETAIL_CHARS)}, status_code=STATUS[type(exc)])
         return JSONResponse(result, status_code=success)
 
     async def act(action: Intent, timeout: float, success: int = 200, **params: object) -> JSONResponse:
@@ -252,5 +257,15 @@ def build_app(ha: Ha, cluster: Cluster, events: EventLog, metrics: ControllerMet
     async def prometheus() -> Response:
         """200: the controller's metrics in the Prometheus text format."""
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
+        """422 naming each bad field (cut short) and what it needs, never quoting the input: it may be
+        large, or a value JSON cannot encode."""
+        problems = [
+            {"loc": [p if isinstance(p, int) else short(p, 80) for p in e["loc"]], "msg": e["msg"], "type": e["type"]}
+            for e in exc.errors()[:MAX_PROBLEMS]
+        ]
+        return JSONResponse({"detail": problems}, status_code=422)
 
     return app

@@ -35,6 +35,7 @@ import uvicorn
 from hotweights.contract import Endpoint, Role
 from hotweights.controller.api import build_app
 from hotweights.controller.cluster import Cluster, Snapshot
+from hotweights.controller.clusterctl import controller_client, controller_url
 from hotweights.controller.config import ClusterConfig, load_config
 from hotweights.controller.dcs import leadership
 from hotweights.controller.engineapi import EngineApi
@@ -45,6 +46,7 @@ from hotweights.controller.metrics import ControllerMetrics
 from hotweights.controller.stack import Layout
 from hotweights.controller.supervisor import STOP_TIMEOUT_S, ControllerLock, stack_orphans, stop_recorded
 from hotweights.errors import ConfigError
+from hotweights.httpguard import ErrorShape, HttpLimits, server_config
 from hotweights.limits import raise_open_files
 from hotweights.paths import private_dir
 from hotweights.state import StateCorrupt, read_state, write_state
@@ -169,7 +171,8 @@ async def serve(
         await leader_keys.start(wake.set)  # ConfigError: etcd out of reach, or its prefix is another cluster's
         ha = Ha(cluster, engines, events, metrics, wake, on_ready, leader_keys)
         app = build_app(ha, cluster, events, metrics, config.token())
-        server = ApiServer(uvicorn.Config(app, log_config=None, access_log=False, lifespan="off"))
+        limits = HttpLimits(body_bytes=config.cluster.api_max_body_bytes)
+        server = ApiServer(server_config(app, limits, ErrorShape.DETAIL, lifespan="off"))
         flags.attach(asyncio.get_running_loop(), server)
         if flags.signals:
             log.info("stopped by signal %d before starting or adopting anything", flags.signals[0])
@@ -280,15 +283,6 @@ def cmd_down(args: argparse.Namespace) -> int:
     return 0
 
 
-def controller_client(config: ClusterConfig) -> httpx.Client:
-    """A client of the cluster's controller, with its bearer token when ``cluster.token_file`` is set; no
-    timeout (the controller bounds each action itself)."""
-    host = "127.0.0.1" if config.cluster.host in ("0.0.0.0", "::") else config.cluster.host
-    token = config.token()
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    return httpx.Client(base_url=f"http://{host}:{config.cluster.port}", headers=headers, timeout=None, trust_env=False)
-
-
 def print_new_events(client: httpx.Client, after: int) -> int:
     """Print the ``rollout`` events newer than sequence number ``after``; returns the newest one's."""
     for event in client.get(Endpoint.EVENTS, params={"kind": "rollout"}).json()["events"]:
@@ -307,7 +301,7 @@ def cmd_rollout(args: argparse.Namespace) -> int:
         body["model"] = str(Path(args.model).expanduser().resolve())  # the controller's cwd is not ours
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per poll would drown the steps
     try:
-        with controller_client(config) as client, ThreadPoolExecutor(1) as pool:
+        with controller_client(controller_url(config), config.token()) as client, ThreadPoolExecutor(1) as pool:
             latest = client.get(Endpoint.EVENTS, params={"limit": 1}).json()["events"]
             seen = latest[-1]["seq"] if latest else 0
             reply = pool.submit(client.post, Endpoint.ROLLOUT, json=body)

@@ -17,10 +17,12 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from hotweights.admission import QUEUE_WAIT_S, queue_or_default
 from hotweights.contract import read_token, refuse_open_listener
 from hotweights.controller.ids import engine_id
 from hotweights.dtypes import MODEL_DTYPE_NAMES
 from hotweights.errors import ConfigError
+from hotweights.httpguard import COMPLETION_BODY_BYTES, CONTROLLER_BODY_BYTES
 from hotweights.paths import hotweights_home
 from hotweights.quant import QUANT_METHODS
 from hotweights.spawn import SPARE_DUTY
@@ -32,6 +34,7 @@ host = "127.0.0.1"            # controller REST API
 port = 8100
 token_file = ""               # bearer token for mutations; required for a non-loopback cluster or gateway host
 state_dir = ""                # default: $HOTWEIGHTS_HOME/clusters/<name>
+api_max_body_bytes = 65536    # largest body the REST API reads; larger ones are 413 before they are read
 
 [model]
 path = ""                     # default: the embedded tiny model, generated on first use
@@ -83,6 +86,9 @@ batch_yield_timeout_s = 1.0   # how long a yielding batch engine may drain befor
 kv_cache_tokens = 4096
 max_batch = 4
 drain_timeout_s = 30.0
+max_queue = 0                 # completions an engine lets wait beyond the max_batch it generates; more are
+                              # answered 429 with Retry-After at once (0: as many as max_batch)
+queue_timeout_s = 10.0        # a waiting completion not started by then is answered 429
 
 [health]
 interval_ms = 100             # between health checks of each engine; a failed check is repeated at once
@@ -99,6 +105,12 @@ hold_timeout_s = 10.0         # how long a held request waits for a primary
 workers = 2                   # gateway processes sharing one listening socket the controller holds (1..16)
 probe_interval_ms = 200       # how often each worker asks every engine GET /primary (the controller also
                               # pushes a probe at once after each role change)
+max_body_bytes = 4194304      # largest completion body (prompt included) at the gateway and the engines: 413
+max_in_flight = 0             # requests each gateway worker proxies at once; more are answered 429 at once
+                              # (0: every group's max_batch + max_queue; while no primary is known, the hold
+                              # rules above apply instead)
+suspect_after = 2             # a request in flight on this many engines that failed while serving it is not
+                              # re-sent again: it is answered 422 and logged as suspect
 
 [dcs]                         # several hosts, one controller each, coordinating through etcd (leave out: one host)
 etcd = []                     # etcd client URLs, e.g. ["http://10.0.0.1:2379", "http://10.0.0.2:2379"]
@@ -121,6 +133,7 @@ OPEN_FILES_BASE = 256  # ClusterConfig.open_files_needed: the controller, daemon
 OPEN_FILES_PER_ENGINE = 64  # its health checks, spare pipes, clients
 OPEN_FILES_PER_HELD_REQUEST = 4  # the gateway's client and upstream sockets, with room for those in flight
 MAX_GATEWAY_WORKERS = 16
+SUSPECT_AFTER = 2  # engines that may fail with a request in flight before the gateway stops re-sending it
 MAX_SPARE_ENGINES = 16
 REFERENCE, VLLM, SGLANG = "reference", "vllm", "sglang"
 START_TIMEOUTS_S = {REFERENCE: 120.0, VLLM: 600.0, SGLANG: 600.0}
@@ -133,6 +146,7 @@ class ClusterSection:
     port: int = 8100
     token_file: str = ""
     state_dir: str = ""
+    api_max_body_bytes: int = CONTROLLER_BODY_BYTES
 
 
 @dataclass(frozen=True)
@@ -175,6 +189,11 @@ class EngineSection:
     kv_cache_tokens: int = 4096
     max_batch: int = 4
     drain_timeout_s: float = 30.0
+    max_queue: int = 0  # completions waiting beyond max_batch (0: max_batch); more: 429
+    queue_timeout_s: float = QUEUE_WAIT_S  # a waiting completion not started by then: 429
+
+    def queue(self) -> int:
+        return queue_or_default(self.max_queue, self.max_batch)
 
 
 @dataclass(frozen=True)
@@ -193,6 +212,9 @@ class GatewaySection:
     hold_timeout_s: float = 10.0
     workers: int = 2  # one killed, the others accept at once; the socket queues while none runs
     probe_interval_ms: int = 200  # with 2 workers, the probes one worker sent every 100 ms
+    max_body_bytes: int = COMPLETION_BODY_BYTES  # completion bodies, at the gateway and the engines: 413 above
+    max_in_flight: int = 0  # proxied at once per worker (0: every group's max_batch + max_queue)
+    suspect_after: int = SUSPECT_AFTER  # engines that failed with a request in flight before it is refused
 
     def worker_ids(self) -> list[str]:
         """The gateway workers' service ids: ``gateway`` (the one a single-worker gateway always had),
@@ -280,6 +302,12 @@ class ClusterConfig:
             for g, group in enumerate(self.groups)
             for i in range(group.engines)
         ]
+
+    def gateway_in_flight(self) -> int:
+        """Requests each gateway worker proxies at once: ``gateway.max_in_flight``, by default what every
+        group's primary generates and queues."""
+        per_group = self.engine.max_batch + self.engine.queue()
+        return self.gateway.max_in_flight or per_group * len(self.groups)
 
     def engine_urls(self) -> list[str]:
         return [spec.url for spec in self.engines()]
@@ -491,8 +519,18 @@ def validate(config: ClusterConfig) -> None:
         ("gateway.queue_limit", config.gateway.queue_limit),
         ("gateway.hold_timeout_s", config.gateway.hold_timeout_s),
         ("gateway.probe_interval_ms", config.gateway.probe_interval_ms),
+        ("gateway.max_body_bytes", config.gateway.max_body_bytes),
+        ("gateway.suspect_after", config.gateway.suspect_after),
+        ("engine.queue_timeout_s", config.engine.queue_timeout_s),
+        ("cluster.api_max_body_bytes", config.cluster.api_max_body_bytes),
     ]:
         positive(where, value)
+    for where, count in [
+        ("engine.max_queue", config.engine.max_queue),
+        ("gateway.max_in_flight", config.gateway.max_in_flight),
+    ]:
+        if count < 0:
+            raise ConfigError(f"{src}: {where} must be >= 0, found {count}")
     if not 1 <= config.gateway.workers <= MAX_GATEWAY_WORKERS:
         raise ConfigError(f"{src}: gateway.workers must be 1..{MAX_GATEWAY_WORKERS}, found {config.gateway.workers}")
     if config.model.dtype not in ("", *MODEL_DTYPE_NAMES):

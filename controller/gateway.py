@@ -23,6 +23,12 @@ failover because of three rules:
   any other body is cut off, so the client sees a truncated response, never a silently short one.
   So does a migration that finds no primary in time: its error event says why.
 
+Admission bounds what a worker takes on while a primary is known (``gateway.max_in_flight`` proxied at
+once): the rest is answered at once, 429 with ``Retry-After``; while
+none is known, the hold rules above apply instead (their 503s carry ``Retry-After`` too). A
+request that was in flight on ``gateway.suspect_after`` engines that failed while serving it is not
+re-sent to a third: it may be what kills them, so it is answered 422, saying so, and logged as suspect.
+
 Only normalized ``/v1/...`` paths are forwarded: each segment of the raw path (as the client sent it,
 before percent-decoding) is a plain RFC 3986 word, so ``..``, ``.``, empty segments and any percent
 escape (``%2e%2e``, ``%2f``) are 404 here and never reach an engine's root endpoints.
@@ -36,6 +42,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import itertools
 import json
 import logging
@@ -47,17 +54,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from hotweights.admission import RETRY_AFTER_S, Admission
 from hotweights.contract import (
     CHALLENGE,
     NOT_NORMALIZED,
     SERVING_PREFIX,
+    SUSPECT_REQUEST,
     TOKEN_REQUIRED,
     Endpoint,
     bearer_credentials,
@@ -65,11 +73,12 @@ from hotweights.contract import (
     refuse_open_listener,
     token_matches,
 )
-from hotweights.controller.config import GATEWAY_TOKEN_FIX, load_config
+from hotweights.controller.config import GATEWAY_TOKEN_FIX, SUSPECT_AFTER, ClusterConfig, load_config
 from hotweights.controller.dcs import LeaderUrls
 from hotweights.controller.events import EventLog
 from hotweights.controller.migration import Ledger, Migratable, Refusal, plan
 from hotweights.errors import ConfigError
+from hotweights.httpguard import ErrorShape, HttpLimits, server_config
 from hotweights.proxying import HOP_BY_HOP, ProxiedStream
 from hotweights.standby.serving import AnnouncingServer, bind_port, is_listening, run_until_signal
 from hotweights.state import read_state
@@ -292,10 +301,35 @@ class GatewayMetrics:
             buckets=HOLD_BUCKETS,
             registry=r,
         )
+        self.admission = Counter(
+            "hotweights_gateway_admission",
+            "requests by admission verdict (admitted, queued, refused)",
+            ["verdict"],
+            registry=r,
+        )
+        self.suspects = Counter(
+            "hotweights_gateway_suspect_requests",
+            "requests not re-sent because engines failed while serving them (gateway.suspect_after)",
+            registry=r,
+        )
 
 
 class SegmentFailed(Exception):
     """A migratable completion's upstream failed after its response began: the request continues elsewhere."""
+
+    def __init__(self, message: str, *, while_serving: bool = False, suspect: bool = False) -> None:
+        super().__init__(message)
+        self.while_serving = while_serving  # its connection failed while it was primary (counted for suspects)
+        self.suspect = suspect  # the request is not migrated because it is suspect (gateway.suspect_after)
+
+    def answer(self) -> JSONResponse:
+        """The error a non-streamed client gets: 422 when the request is suspect, else 503."""
+        return suspect_answer(str(self)) if self.suspect else unavailable(str(self))
+
+    def event(self) -> bytes:
+        """The error event that ends a streamed client's response."""
+        kind = SUSPECT_REQUEST if self.suspect else "unavailable"
+        return _sse({"error": {"message": str(self), "type": kind, "param": None}})
 
 
 class UpstreamFailed(Exception):
@@ -314,8 +348,26 @@ def not_found(message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": "not_found_error", "param": None}}, status_code=404)
 
 
+def refusal(status: int, message: str, kind: str) -> JSONResponse:
+    """An OpenAI-shaped error that tells the client to come back (``Retry-After``)."""
+    body = {"error": {"message": message, "type": kind, "param": None}}
+    return JSONResponse(body, status_code=status, headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
 def unavailable(message: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "unavailable", "param": None}}, status_code=503)
+    return refusal(503, message, "unavailable")
+
+
+def suspect_message(failures: list[str]) -> str:
+    """Why a request is not re-sent: it was in flight on every engine of ``failures`` as it failed."""
+    return (
+        f"not re-sent: {len(failures)} engines failed while serving this request (gateway.suspect_after), so it "
+        f"may be what made them fail; last: {failures[-1]}"
+    )
+
+
+def suspect_answer(message: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": SUSPECT_REQUEST, "param": None}}, status_code=422)
 
 
 class Gateway:
@@ -332,6 +384,8 @@ class Gateway:
         engine_host: str = "127.0.0.1",
         leaders: LeaderUrls | None = None,
         events: EventLog | None = None,
+        admission: Admission | None = None,
+        suspect_after: int = SUSPECT_AFTER,
     ) -> None:
         self.events = events or EventLog(None)  # one event per migration, and per one that failed
         self.state_file = state_file  # the controller's state.json: engines added at runtime are routed too
@@ -346,6 +400,9 @@ class Gateway:
         )
         self.discovery = Discovery(urls, self.probe_client, interval_s, timeout_s, engine_host, leaders)
         self.metrics = GatewayMetrics()
+        self.suspect_after = suspect_after
+        self.admission = admission or default_admission(ClusterConfig())
+        self.admission.on_verdict = lambda verdict: self.metrics.admission.labels(verdict.value).inc()
         self.metrics.held.set_function(lambda: self.held)
         self.metrics.primaries.set_function(lambda: len(self.discovery.primaries()))
 
@@ -356,27 +413,75 @@ class Gateway:
         path = forwardable_path(request.scope.get("raw_path") or b"")
         if path is None:
             return self.answer(not_found(NOT_NORMALIZED))
+        if not self.discovery.available.is_set():  # held under the failover rules, not admission's
+            return self.answer(await self.forward(request, path))
+        if reason := await self.admission.enter():
+            return self.answer(refusal(429, reason, "overloaded"))
+        try:
+            response = await self.forward(request, path)
+        except BaseException:
+            self.admission.leave()
+            raise
+        if isinstance(response, ProxiedStream):
+            response.on_close = self.leave  # once the relay ends
+        elif isinstance(response, StreamingResponse):  # a migrating stream: once its last segment ends
+            response.body_iterator = self.leaving(response.body_iterator)
+        else:
+            self.admission.leave()
+        return self.answer(response)
+
+    async def leave(self) -> None:
+        self.admission.leave()
+
+    async def leaving(self, chunks: AsyncIterator) -> AsyncIterator:
+        """``chunks``, then the admission slot back (also when the client goes away)."""
+        try:
+            async for chunk in chunks:
+                yield chunk
+        finally:
+            self.admission.leave()
+
+    async def forward(self, request: Request, path: str) -> Response:
+        """The upstream's response, or the gateway's own refusal (503 no primary in time, 422 suspect)."""
         body = await request.body()  # kept, so the request can be re-sent
         deadline = time.monotonic() + self.hold_s
         migration = plan(request.method, path, body)
         if isinstance(migration, Migratable):
-            return self.answer(await self.migrating(request, path, Ledger(migration), deadline))
+            return await self.migrating(request, path, Ledger(migration), deadline)
         last_failure = ""
+        failed_serving: dict[str, str] = {}  # engine -> how it failed with this request in flight
         while True:
             if refusal := await self.wait_for_primary(deadline):
                 if last_failure:
                     refusal += f"; last upstream failure: {last_failure}"
-                return self.answer(unavailable(refusal))
+                return unavailable(refusal)
             upstream = self.discovery.pick()
             assert upstream is not None, "available is set and nothing ran since"
             try:
-                return self.answer(await self.send(upstream, request, path, body, migration))
+                return await self.send(upstream, request, path, body, migration)
             except UpstreamFailed as exc:
                 last_failure = f"{upstream.url}: {exc}"
-                log.info("retrying on the next primary: %s", last_failure)
                 self.metrics.upstream_errors.labels(upstream.url, exc.kind).inc()
-                self.metrics.retries.inc()
                 self.discovery.suspect(upstream, str(exc))
+                if exc.kind == "disconnected":
+                    failed_serving[upstream.url] = last_failure
+                if len(failed_serving) >= self.suspect_after:
+                    return suspect_answer(self.record_suspect(list(failed_serving.values()), body))
+                log.info("retrying on the next primary: %s", last_failure)
+                self.metrics.retries.inc()
+
+    def record_suspect(self, failures: list[str], body: bytes) -> str:
+        """Log the request as suspect (its size and digest, never its content); the client's message."""
+        digest = hashlib.sha256(body).hexdigest()[:16]
+        log.warning(
+            "suspect request (%d bytes, sha256 %s): %d engines failed while serving it: %s",
+            len(body),
+            digest,
+            len(failures),
+            "; ".join(failures),
+        )
+        self.metrics.suspects.inc()
+        return suspect_message(failures)
 
     async def wait_for_primary(self, deadline: float) -> str | None:
         """None once a primary is known; else why the request gives up (queue full or deadline)."""
@@ -479,7 +584,7 @@ class Gateway:
     async def migrating(self, request: Request, path: str, ledger: Ledger, deadline: float) -> Response:
         """A migratable completion: streamed from the engine with token ids, continued on the next primary
         whenever its upstream fails mid-way; the client's stream, or its whole JSON reply, is built here."""
-        opened = await self.open_segment(request, path, ledger.request.upstream_body(), deadline)
+        opened = await self.open_segment(request, path, ledger.request.upstream_body(), deadline, ledger)
         if isinstance(opened, Response):
             return opened
         events = self.migrated_events(request, ledger, *opened)
@@ -490,15 +595,15 @@ class Gateway:
             async for _ in events:
                 pass
         except SegmentFailed as exc:
-            return unavailable(str(exc))
+            return exc.answer()
         return JSONResponse(ledger.whole(), headers={"x-hotweights-upstream": opened[0].url})
 
     async def open_segment(
-        self, request: Request, path: str, body: dict, deadline: float
+        self, request: Request, path: str, body: dict, deadline: float, ledger: Ledger
     ) -> tuple[Upstream, httpx.Response] | Response:
         """An upstream's event stream for ``body``, retried on the next primary until ``deadline`` while it
         fails before its first byte; an engine's own non-200 answer (a 400, say) as it is; 503 at the
-        deadline."""
+        deadline; 422 once ``suspect_after`` engines have failed with the request in flight."""
         headers = [(k, v) for k, v in request.headers.items() if k not in HOP_BY_HOP]
         last_failure = ""
         while True:
@@ -510,10 +615,16 @@ class Gateway:
                 return await self.open_stream(upstream, path, headers, body)
             except UpstreamFailed as exc:
                 last_failure = f"{upstream.url}: {exc}"
-                log.info("retrying on the next primary: %s", last_failure)
                 self.metrics.upstream_errors.labels(upstream.url, exc.kind).inc()
-                self.metrics.retries.inc()
                 self.discovery.suspect(upstream, str(exc))
+                if exc.kind == "disconnected":
+                    ledger.failed_on[upstream.url] = last_failure
+                if len(ledger.failed_on) >= self.suspect_after:
+                    return suspect_answer(
+                        self.record_suspect(list(ledger.failed_on.values()), json.dumps(body).encode())
+                    )
+                log.info("retrying on the next primary: %s", last_failure)
+                self.metrics.retries.inc()
 
     async def open_stream(
         self, upstream: Upstream, path: str, headers: list[tuple[str, str]], body: dict
@@ -558,6 +669,11 @@ class Gateway:
                 cut_at, failure = time.monotonic(), f"{upstream.url}: {exc}"
                 self.metrics.upstream_errors.labels(upstream.url, "mid_stream").inc()
                 self.discovery.suspect(upstream, str(exc))
+                if exc.while_serving:
+                    ledger.failed_on[upstream.url] = failure
+            if len(ledger.failed_on) >= self.suspect_after:
+                failures, body = list(ledger.failed_on.values()), json.dumps(ledger.request.body).encode()
+                raise SegmentFailed(self.record_suspect(failures, body), suspect=True)
             body = ledger.cut()
             if body is None:  # the budget was spent before the failure: nothing is left to generate
                 return
@@ -571,13 +687,13 @@ class Gateway:
         replayed = len(ledger.released)
         log.info("migrating %s after %d tokens: %s", ledger.id, replayed, failure)
         self.metrics.tokens_replayed.inc(replayed)
-        opened = await self.open_segment(request, Endpoint.COMPLETIONS, body, cut_at + self.hold_s)
+        opened = await self.open_segment(request, Endpoint.COMPLETIONS, body, cut_at + self.hold_s, ledger)
         if isinstance(opened, Response):
             self.metrics.migrations.labels("failed").inc()
             reason = bytes(opened.body).decode(errors="replace")[:300]
             message = f"the upstream {failure}; the request could not be migrated: {reason}"
             self.events.record("migration_failed", message, request=ledger.id)
-            raise SegmentFailed(message)
+            raise SegmentFailed(message, suspect=opened.status_code == 422)
         self.metrics.migrations.labels("migrated").inc()
         to = opened[0].url
         self.events.record(
@@ -615,8 +731,9 @@ class Gateway:
                     return  # at a stop string: closing the response ends the generation
             raise SegmentFailed("the stream ended before [DONE]")
         except (httpx.HTTPError, httpx.StreamError, ValueError) as exc:
-            reason = "the engine is no longer primary" if upstream.lost.is_set() else type(exc).__name__
-            raise SegmentFailed(reason) from exc
+            if upstream.lost.is_set():  # cut here: a switchover or a hang, not the request's doing
+                raise SegmentFailed("the engine is no longer primary") from exc
+            raise SegmentFailed(type(exc).__name__, while_serving=True) from exc
         finally:
             watch.cancel()
             await response.aclose()
@@ -629,7 +746,7 @@ class Gateway:
                 yield _sse(chunk)
         except SegmentFailed as exc:
             log.warning("%s", exc)
-            yield _sse({"error": {"message": str(exc), "type": "unavailable", "param": None}})
+            yield exc.event()
             return
         if ledger.request.include_usage:
             yield _sse(ledger.usage_chunk())
@@ -641,6 +758,8 @@ class Gateway:
             "primaries": [u.url for u in self.discovery.primaries()],
             "held": self.held,
             "queue_limit": self.queue_limit,
+            "in_flight": self.admission.serving,
+            "waiting": self.admission.waiting,
             "hold_timeout_s": self.hold_s,
         }
 
@@ -731,6 +850,12 @@ def probe_listener(path: Path) -> socket.socket:
     return sock
 
 
+def default_admission(config: ClusterConfig) -> Admission:
+    """As many requests proxied at once as ``config`` derives, none waiting here: the engines queue (what
+    they generate and queue is what the gateway passes on), so a second queue would only add latency."""
+    return Admission(config.gateway_in_flight(), 0, config.engine.queue_timeout_s)
+
+
 def cmd_gateway(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     host, port = args.host or config.gateway.host, config.gateway.port if args.port is None else args.port
@@ -749,15 +874,17 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         engine_host=config.dcs.address,
         leaders=LeaderUrls(config, httpx.AsyncClient(trust_env=False)) if config.dcs.enabled else None,
         events=EventLog(None if args.upstream else config.state_dir / GATEWAY_EVENTS_FILE),
+        admission=default_admission(config),
+        suspect_after=config.gateway.suspect_after,
     )
     log.info("routing /v1 to the primary among %s", ", ".join(urls))
     server = AnnouncingServer(
-        uvicorn.Config(
+        server_config(
             build_app(gateway, config.token()),
+            HttpLimits(body_bytes=config.gateway.max_body_bytes),
+            ErrorShape.OPENAI,
             host=host,
             port=port,
-            log_config=None,
-            access_log=False,
             backlog=BACKLOG,
             timeout_graceful_shutdown=args.shutdown_timeout,
         )

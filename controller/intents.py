@@ -184,7 +184,7 @@ class Actions:
             raise Conflict(f"{member.id} refused to drain: {body.get('message')}")
         sentence = f"drained {member.id}: {body.get('message')}"
         self.events.record("drain", sentence, member=member.id, group=member.group, duration_ms=body.get("duration_ms"))
-        return sentence, body
+        return sentence, body | {"message": sentence}  # the engine's own message does not name it
 
     async def do_promote(self, snap: Snapshot, engine_id: str) -> tuple[str, dict]:
         """A primary: resume (if drained); a standby: only when its group has no live primary."""

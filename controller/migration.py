@@ -5,8 +5,9 @@ reference engine speaks the same): every chunk of a choice carries ``token_ids``
 ``prompt_token_ids``. A ``Ledger`` keeps, for the one choice of a request, the prompt ids, the tokens
 released so far and how many characters came back beyond their text (an engine may send a token's
 text in pieces). When the upstream fails mid-way the request goes to the next primary as a completion
-of ``prompt ids + released ids`` with the budget left; the ledger drops the first characters that
-came back before the cut, rewrites the chunks to the first segment's id and creation time, and counts
+of ``prompt ids + released ids`` with the budget left (the last tokens whose text has not come back
+at all are generated again, not replayed); the ledger drops the first characters that came back
+before the cut, rewrites the chunks to the first segment's id and creation time, and counts
 ``usage`` over the whole request.
 
 Exactness: greedy decoding, and sampling with a ``seed`` (each token draws from a seed derived from
@@ -177,6 +178,11 @@ class StopStrings:
         return max((n for s in self.stop for n in range(len(s) - 1, 0, -1) if self.held.endswith(s[:n])), default=0)
 
 
+def choice_text(choice: dict) -> str:
+    """A completion choice's text or a chat choice's content ('' when it has none)."""
+    return choice["text"] if "text" in choice else (choice.get("delta") or {}).get("content") or ""
+
+
 @dataclass
 class Ledger:
     """One migratable request's progress: what its client has been sent, as tokens and characters."""
@@ -186,7 +192,8 @@ class Ledger:
     created: int | None = None
     model: str | None = None
     prompt_ids: list[int] | None = None
-    released: list[int] = field(default_factory=list)  # generated tokens whose text came back
+    released: list[int] = field(default_factory=list)  # generated tokens that came back
+    held: int = 0  # the last released tokens whose text has not come back (a character's first bytes)
     beyond: int = 0  # characters that came back after the released tokens' text
     skip: int = 0  # characters of the current segment's text that came back before the cut
     segment_start: int = 0  # released tokens when the current segment began
@@ -196,6 +203,7 @@ class Ledger:
     text: str = ""  # everything sent (kept for a non-streamed reply)
     shown: int = 0  # choices shown to the client so far
     migrations: int = 0
+    failed_on: dict[str, str] = field(default_factory=dict)  # engine -> how it failed with this request in flight
     stops: StopStrings = field(init=False)
 
     def __post_init__(self) -> None:
@@ -236,11 +244,12 @@ class Ledger:
     def take_choice(self, choice: dict) -> dict | None:
         if self.prompt_ids is None and choice.get("prompt_token_ids") is not None:
             self.prompt_ids = list(choice["prompt_token_ids"])
-        text = choice["text"] if "text" in choice else (choice.get("delta") or {}).get("content") or ""
+        text = choice_text(choice)
         dropped = min(self.skip, len(text))
         text, self.skip = text[dropped:], self.skip - dropped
         self.beyond += len(text)
         if ids := choice.get("token_ids"):
+            self.held = 0 if choice_text(choice) else self.held + len(ids)
             self.released += ids
             self.beyond = 0
         text = self.stops.push(text)
@@ -268,7 +277,11 @@ class Ledger:
 
     def cut(self) -> dict | None:
         """The upstream failed: the body of the continuation (None when nothing is left to generate:
-        the request ends with finish_reason ``length``)."""
+        the request ends with finish_reason ``length``). Tokens whose text has not come back are not
+        replayed but generated again: an engine that decodes a token-id prompt ending inside a character
+        may send the whole prompt's text with its first token (vLLM does)."""
+        del self.released[len(self.released) - self.held :]
+        self.held = 0
         self.completion_tokens += len(self.released) - self.segment_start
         self.segment_start, self.segment_usage = len(self.released), None
         self.skip, self.beyond = self.skip + self.beyond, 0

@@ -180,6 +180,8 @@ class Layout:
         command += ["--role", Role.STANDBY, "--engine-id", spec.id]
         command += ["--kv-cache-tokens", str(engine.kv_cache_tokens), "--max-batch", str(engine.max_batch)]
         command += ["--drain-timeout", str(engine.drain_timeout_s)]
+        command += ["--max-queue", str(engine.queue()), "--queue-timeout", str(engine.queue_timeout_s)]
+        command += ["--max-body-bytes", str(self.config.gateway.max_body_bytes)]
         if model.dtype:
             command += ["--dtype", model.dtype]
         if model.quantize:

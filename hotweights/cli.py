@@ -30,9 +30,21 @@ COMMANDS: dict[str, str] = {
     "up": "hotweights.controller.commands",
     "down": "hotweights.controller.commands",
     "rollout": "hotweights.controller.commands",
+    "status": "hotweights.controller.clusterctl",
+    "switchover": "hotweights.controller.clusterctl",
+    "failover": "hotweights.controller.clusterctl",
+    "drain": "hotweights.controller.clusterctl",
     "drill": "hotweights.chaos.drill",
     "drill-proxy": "hotweights.chaos.proxy",
 }
+
+# Subcommands a higher layer adds under a lower layer's command (the cache layer cannot import the controller):
+# command -> (module, the function that adds them to that command's subparsers).
+NESTED: dict[str, tuple[str, str]] = {"cache": ("hotweights.controller.clusterctl", "add_cache_parser")}
+
+
+def nested_subparsers(parser: argparse.ArgumentParser) -> argparse._SubParsersAction:
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -47,6 +59,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     for module in dict.fromkeys(modules):
         add_parser: Callable[[argparse._SubParsersAction], None] = import_module(module).add_parser
         add_parser(subparsers)
+    for name, (module, function) in NESTED.items():
+        if name in subparsers.choices:
+            getattr(import_module(module), function)(nested_subparsers(subparsers.choices[name]))
     return parser
 
 

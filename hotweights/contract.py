@@ -57,6 +57,7 @@ class Endpoint(StrEnum):
     EVENTS = "/events"  # the controller's timeline
 
 
+SUSPECT_REQUEST = "suspect_request"  # the error type of a request the gateway will not re-send (gateway.suspect_after)
 SERVING_PREFIX = "/v1/"  # what a load balancer or the gateway forwards to the primary, and nothing else
 HEALTH_METHODS = ("GET", "HEAD", "OPTIONS")  # HAProxy checks with OPTIONS, Kubernetes with GET
 

@@ -18,6 +18,10 @@ from hotweights import quant
 TP_SPLIT_FIELDS = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
 """Config fields every tensor-parallel size must divide."""
 
+ROLE_LINES_TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
+"""A chat as one ``role: content`` line per message, then ``assistant:``: the generated checkpoints' chat
+template (after their BOS token) and the one an engine uses for a checkpoint that has none."""
+
 
 @dataclass(frozen=True)
 class ModelConfig:

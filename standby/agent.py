@@ -38,6 +38,7 @@ from fastapi.responses import Response
 from hotweights.contract import NOT_NORMALIZED, Endpoint, Role, forwardable_path, read_token, refuse_open_listener
 from hotweights.engines import KINDS, PORT_PLACEHOLDER, EngineKind
 from hotweights.errors import ConfigError
+from hotweights.httpguard import ErrorShape, HttpLimits, server_config
 from hotweights.ports import free_port
 from hotweights.proxying import HOP_BY_HOP, ProxiedStream
 from hotweights.spawn import hotweights_command
@@ -353,8 +354,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
     metrics = EngineMetrics()
     metrics.bind(roles, lambda: 0, {"engine_id": engine_id, "mode": "agent", "source": args.kind})
     ctx = AgentContext(engine_id, KINDS[args.kind], child, roles, metrics, token, capacity)
-    config = uvicorn.Config(
-        build_agent_app(ctx, client), host=args.host, log_config=None, access_log=False, lifespan="off"
+    config = server_config(
+        build_agent_app(ctx, client), HttpLimits(), ErrorShape.OPENAI, host=args.host, lifespan="off"
     )
     server = AgentServer(config, ctx, client, args.ready_timeout)
     try:

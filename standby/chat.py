@@ -3,8 +3,9 @@
 A checkpoint whose ``tokenizer_config.json`` has a ``chat_template`` (a Jinja string, the Hugging Face
 convention) gets it, rendered with ``messages``, ``add_generation_prompt=True``, ``bos_token`` and
 ``eos_token``; its text is tokenized without adding special tokens (the template writes them). Any other
-checkpoint (the generated ones) gets ``DEFAULT_TEMPLATE``: one ``role: content`` line per message, then
-``assistant:``, tokenized as a plain prompt.
+checkpoint gets ``ROLE_LINES_TEMPLATE``: one ``role: content`` line per message, then ``assistant:``,
+tokenized as a plain prompt. The generated checkpoints carry the same lines after their BOS token as their
+template, so every engine (vLLM and SGLang through ``transformers``) renders the same ids.
 """
 
 from __future__ import annotations
@@ -17,8 +18,7 @@ import jinja2
 import jinja2.sandbox
 
 from hotweights.errors import CheckpointError
-
-DEFAULT_TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
+from hotweights.layout import ROLE_LINES_TEMPLATE
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class ChatTemplate:
         special = {k: v for k in ("bos_token", "eos_token") if isinstance(v := config.get(k), str)}
         environment = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         try:
-            template = environment.from_string(source if isinstance(source, str) else DEFAULT_TEMPLATE)
+            template = environment.from_string(source if isinstance(source, str) else ROLE_LINES_TEMPLATE)
         except jinja2.TemplateSyntaxError as exc:
             raise CheckpointError(f"{path}: chat_template is not a Jinja template ({exc})") from None
         return cls(template, special, isinstance(source, str))

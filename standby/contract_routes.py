@@ -82,7 +82,10 @@ def unavailable(message: str) -> JSONResponse:
 STATUS_DESCRIPTIONS: dict[int, dict[str, object]] = {
     400: {"description": "a bad body or field, named in `error.param`"},
     404: {"description": "an unknown `model`"},
+    408: {"description": "the body did not arrive in time"},
     409: {"description": "refused in this role or state; `message` says why"},
+    413: {"description": "the body is larger than this server's limit (`--max-body-bytes`)"},
+    429: {"description": "overloaded: more requests than it serves and queues; `Retry-After` says when to retry"},
     500: {"description": "the generation failed"},
     503: {"description": "not ready, not in that role, or not serving; the body says why"},
 } | UNAUTHORIZED

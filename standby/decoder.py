@@ -16,14 +16,20 @@ it for the scheduler:
 So the shapes serving uses form a small fixed set, and ``warm_up`` runs every one of them (and the sampling
 path) before the engine reports ready (with graphs, the decode steps only as their captures' first runs):
 later requests find every kernel, allocator block and library plan already made. With ``graphs`` (CUDA only)
-the decode step at each batch size 1 .. ``batch`` and each KV length is captured as a CUDA graph during
-warm-up, its elementwise steps fused (``standby.fused``); a replay copies the step's tokens and positions
-into the graph's own input buffer first and returns a copy of its output, so it never reads a previous
-step's inputs nor hands out a buffer the next replay overwrites. Prefills of up to GRAPHED_PREFILL tokens
-per prompt (the short prompts most requests bring) are captured too, one graph per first slot, prompt count
-and length, with the eager path's own kernels: an eager pass over every layer is bound by the host's kernel
-launches (on ``xl`` ~36 ms, against ~11 ms of device time), and every sequence in a batch waits for each
-newcomer's prefill. Graphs point at this cache's memory, which is why a graphed ``Decoder`` is kept for the
+the decode step at each batch size of ``batch_buckets`` (1, 2, 4, 8, then every multiple of 8, then ``batch``)
+and each KV length is captured as a CUDA graph during warm-up, its elementwise steps fused
+(``standby.fused``); a step of n rows replays the smallest size that holds them, its extra rows the same dummy
+rows the scheduler already feeds free slots (token 0 at position 0 of a slot no sequence uses). A replay
+copies the step's tokens and positions into the graph's own input buffer first and returns a copy of its
+output, so it never reads a previous step's inputs nor hands out a buffer the next replay overwrites.
+Prefills of up to GRAPHED_PREFILL tokens per prompt (the short prompts most requests bring) are captured
+too, one graph per prompt count and length, with the eager path's own kernels: an eager pass over every
+layer is bound by the host's kernel launches (on ``xl`` ~36 ms, against ~11 ms of device time), and every
+sequence in a batch waits for each newcomer's prefill. A prefill from position 0 attends only to its own
+keys and values, never to what the cache held, so the graph writes them into a scratch area of its own and
+two copies move them into the prefill's slots: one capture serves every first slot. The number of graphs
+thus grows with ``batch`` and the lengths, not with their product (``batch`` 64 on ``xl`` would otherwise
+take minutes of captures). Graphs point at this cache's memory, which is why a graphed ``Decoder`` is kept for the
 engine's whole life (reserved at start-up, standby included) rather than allocated on promote. KV lengths
 stay bucketed with graphs too: attention over all ``max_tokens`` positions at every step would cost an
 ``xl`` step 8 ms more at 4096 (measured on an H200: "Measured facts" in ``docs/architecture.md``).
@@ -64,6 +70,12 @@ def bucket(lengths: list[int], n: int) -> int:
     if i == len(lengths):
         raise ValueError(f"{n} tokens exceed the KV slot's {lengths[-1]}")
     return lengths[i]
+
+
+def batch_buckets(batch: int) -> list[int]:
+    """The decode batch sizes captured as graphs: 1, 2, 4, 8, every multiple of 8 below ``batch``, ``batch``."""
+    sizes = [n for n in (1, 2, 4) if n < batch] + list(range(8, batch, 8))
+    return [*sizes, batch]
 
 
 def _step(model: Transformer, inputs: torch.Tensor, kv: KVCache, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,18 +120,25 @@ class DecodeGraph:
 
 
 class PrefillGraph:
-    """One prefill of ``rows`` padded prompts of ``length`` tokens into slots ``first`` .., captured as a CUDA
-    graph with the same kernels the eager pass runs (so the same results): its (rows, length, H) hidden states,
-    valid until the next replay."""
+    """One prefill of ``rows`` padded prompts of ``length`` tokens from position 0, captured as a CUDA graph with
+    the same kernels the eager pass runs (so the same results), its keys and values written into ``scratch``
+    (a flat (layers, N) pair, N >= rows * length * kv heads * head dim) and copied into the slots of a replay."""
 
-    def __init__(self, model: Transformer, kv: KVCache, first: int, rows: int, length: int, pool: object) -> None:
+    def __init__(self, model: Transformer, scratch: KVCache, rows: int, length: int, pool: object) -> None:
         self.ids = torch.zeros((rows, length), dtype=torch.long, device=model.device)
-        cache = kv.rows(first, rows)
-        self.graph, self.hidden = _captured(model.device, pool, lambda: model.hidden(self.ids, 0, cache))
+        shape = (scratch.k.shape[0], rows, model.config.num_key_value_heads // model.tp.size, length, -1)
+        n = rows * length * shape[2] * model.config.head_dim
+        self.written = KVCache(scratch.k[:, :n].view(shape), scratch.v[:, :n].view(shape))  # (L, rows, nkv, T, hd)
+        self.graph, self.hidden = _captured(model.device, pool, lambda: model.hidden(self.ids, 0, self.written))
 
-    def run(self, ids: torch.Tensor) -> torch.Tensor:
+    def run(self, ids: torch.Tensor, kv: KVCache, first: int) -> torch.Tensor:
+        """(rows, length, H) hidden states of ``ids``, valid until the next replay; their keys and values are
+        written into slots ``first`` .. of ``kv``."""
         self.ids.copy_(ids)
         self.graph.replay()
+        rows, length = self.ids.shape
+        kv.k[:, first : first + rows, :, :length].copy_(self.written.k)
+        kv.v[:, first : first + rows, :, :length].copy_(self.written.v)
         return self.hidden
 
 
@@ -134,8 +153,9 @@ class Decoder:
         self.graphs_enabled = graphs
         self.lengths = length_buckets(kv.max_tokens)  # of prefills and of the KV positions decode reads
         self.graph_bytes = 0  # device memory the captured graphs hold
+        self.graph_batches = batch_buckets(kv.batch)  # of the decode graphs
         self._graphs: dict[tuple[int, int], DecodeGraph] = {}  # (batch size, KV length) -> its captured step
-        self._prefills: dict[tuple[int, int, int], PrefillGraph] = {}  # (first slot, rows, length) -> its capture
+        self._prefills: dict[tuple[int, int], PrefillGraph] = {}  # (rows, length) -> its capture
         pinned = model.device.type == "cuda"
         self._host_argmax = torch.zeros(kv.batch, dtype=torch.long, pin_memory=pinned)  # a step's greedy tokens
 
@@ -167,9 +187,9 @@ class Decoder:
         ids = torch.zeros((rows, length), dtype=torch.long)
         for i, prompt in enumerate(prompts):
             ids[i, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
-        graph = self._prefills.get((first, rows, length))
+        graph = self._prefills.get((rows, length))
         if graph is not None:
-            hidden = graph.run(ids)
+            hidden = graph.run(ids, self.kv, first)
         else:
             hidden = self.model.hidden(ids.to(self.model.device), 0, self.kv.rows(first, rows))
         last = torch.tensor([len(prompt) - 1 for prompt in prompts], device=self.model.device)
@@ -177,13 +197,19 @@ class Decoder:
 
     def decode(self, tokens: list[int], positions: list[int]) -> tuple[torch.Tensor, list[int]]:
         """(n, V) float32 logits and each row's argmax (the greedy token): slot b is fed ``tokens[b]``
-        at ``positions[b]``, for b < n <= batch. Waits for the device without holding the GIL, so the
-        engine's HTTP thread runs meanwhile."""
+        at ``positions[b]``, for b < n <= batch. With graphs, the slots from n up to the replayed batch size must
+        be free: position 0 of each is written. Waits for the device without holding the GIL, so the engine's
+        HTTP thread runs meanwhile."""
+        n = len(tokens)
         inputs = torch.tensor([tokens, positions], dtype=torch.long)
         kv_len = bucket(self.lengths, max(positions) + 1)
-        graph = self._graphs.get((len(tokens), kv_len))
+        size = bucket(self.graph_batches, n)
+        graph = self._graphs.get((size, kv_len))
         if graph is not None:
-            logits, argmax = graph.run(inputs)
+            padded = torch.zeros((2, size), dtype=torch.long)  # rows past n: token 0 at position 0 of a free slot
+            padded[:, :n] = inputs
+            logits, argmax = graph.run(padded)
+            logits, argmax = logits[:n], argmax[:n]
         else:
             logits, argmax = _step(self.model, inputs.to(self.model.device), self.kv, kv_len)
         return logits, self._to_host(argmax)
@@ -227,34 +253,40 @@ class Decoder:
         device = self.model.device
         before = _reserved_in_use(device)
         pool = torch.cuda.graph_pool_handle()
-        for n in range(1, self.batch + 1):
+        for n in self.graph_batches:
             for kv_len in self.lengths:
                 graph = self._graphs[n, kv_len] = DecodeGraph(self.model, self.kv, n, kv_len, pool)
                 graph.run(torch.zeros((2, n), dtype=torch.long))  # a first replay, as serving's would be
                 pace()
-        for first, rows, length in self.graphed_prefills():
-            prefill = self._prefills[first, rows, length] = PrefillGraph(self.model, self.kv, first, rows, length, pool)
-            prefill.run(torch.zeros((rows, length), dtype=torch.long))
-            pace()
+        prefills = self.graphed_prefills()
+        if prefills:
+            scratch = self.prefill_scratch(prefills)
+            for rows, length in prefills:
+                prefill = self._prefills[rows, length] = PrefillGraph(self.model, scratch, rows, length, pool)
+                prefill.run(torch.zeros((rows, length), dtype=torch.long), self.kv, 0)
+                pace()
         self.graph_bytes = _reserved_in_use(device) - before
         log.info(
-            "captured %d decode CUDA graphs (batch 1..%d, KV lengths %s) and %d prefill graphs: %d bytes",
+            "captured %d decode CUDA graphs (batch sizes %s, KV lengths %s) and %d prefill graphs: %d bytes",
             len(self._graphs),
-            self.batch,
+            self.graph_batches,
             self.lengths,
             len(self._prefills),
             self.graph_bytes,
         )
 
-    def graphed_prefills(self) -> list[tuple[int, int, int]]:
-        """(first slot, rows, length) of every prefill captured with graphs: lengths up to GRAPHED_PREFILL."""
+    def prefill_scratch(self, prefills: list[tuple[int, int]]) -> KVCache:
+        """Flat (layers, N) keys and values that the largest of ``prefills`` (rows, length) fills."""
+        layers, _, heads, _, head_dim = self.kv.k.shape
+        size = max(rows * length for rows, length in prefills) * heads * head_dim
+        k, v = (torch.zeros((layers, size), dtype=self.kv.k.dtype, device=self.kv.k.device) for _ in range(2))
+        return KVCache(k, v)
+
+    def graphed_prefills(self) -> list[tuple[int, int]]:
+        """(rows, length) of every prefill captured with graphs: lengths up to GRAPHED_PREFILL."""
         short = [length for length in self.lengths if length <= GRAPHED_PREFILL]
         return [
-            (first, rows, length)
-            for first in range(self.batch)
-            for rows in range(1, self.batch - first + 1)
-            for length in short
-            if self.prefill_fits(rows, length)
+            (rows, length) for rows in range(1, self.batch + 1) for length in short if self.prefill_fits(rows, length)
         ]
 
 

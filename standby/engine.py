@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 import uvicorn
 
+from hotweights.admission import QUEUE_WAIT_S, Admission, queue_or_default
 from hotweights.cache.checkpoint import read_checkpoint
 from hotweights.cache.client import AttachRefused, DaemonUnavailable
 from hotweights.cache.pipeline import (
@@ -60,6 +61,7 @@ from hotweights.cache.pipeline import (
 )
 from hotweights.contract import Role, read_token, refuse_open_listener
 from hotweights.errors import ConfigError, HotweightsError
+from hotweights.httpguard import COMPLETION_BODY_BYTES, ErrorShape, HttpLimits, server_config
 from hotweights.ports import free_port
 from hotweights.spawn import SPARE_DUTY, add_spare_arguments, wait_for_start
 from hotweights.standby import tpgroup
@@ -184,6 +186,9 @@ def check_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--kv-cache-tokens must be >= 2, found {args.kv_cache_tokens}")
     if args.max_batch < 1:
         raise ConfigError(f"--max-batch must be >= 1, found {args.max_batch}")
+    if args.max_queue < 0 or args.queue_timeout <= 0 or args.max_body_bytes < 1:
+        found = f"{args.max_queue}, {args.queue_timeout}, {args.max_body_bytes}"
+        raise ConfigError(f"--max-queue >= 0, --queue-timeout > 0 and --max-body-bytes >= 1 expected, found {found}")
     for flag in ("drain_timeout", "shutdown_timeout"):
         if getattr(args, flag) < 0:
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= 0, found {getattr(args, flag)}")
@@ -429,13 +434,19 @@ def serve(
         cuda_graph_bytes=warmed.graph_bytes if graphs else 0,
         rank_pids=(os.getpid(), *(followers.pids if followers else ())),
         group_refusal=functools.partial(followers.refusal, channel) if followers else lambda: None,
+        admission=Admission(
+            args.max_batch,
+            queue_or_default(args.max_queue, args.max_batch),
+            args.queue_timeout,
+            lambda verdict: metrics.admission.labels(verdict.value).inc(),
+        ),
     )
-    config = uvicorn.Config(
+    config = server_config(
         build_app(ctx),
+        HttpLimits(body_bytes=args.max_body_bytes),
+        ErrorShape.OPENAI,
         host=args.host,
         port=args.port,
-        log_config=None,  # our stderr logging; uvicorn's default would put access logs on stdout
-        access_log=False,
         lifespan="off",
         timeout_graceful_shutdown=args.shutdown_timeout + CANCEL_GRACE_S,
     )
@@ -470,6 +481,25 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--token-file", help="file holding the bearer token that promote/drain/demote require")
     p.add_argument("--kv-cache-tokens", type=int, default=4096, help="KV cache tokens per sequence slot (default 4096)")
     p.add_argument("--max-batch", type=int, default=4, help="sequences generated concurrently (default 4)")
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=0,
+        help="completions that may wait beyond the --max-batch being generated; more are answered 429 at once "
+        "(default 0: as many as --max-batch)",
+    )
+    p.add_argument(
+        "--queue-timeout",
+        type=float,
+        default=QUEUE_WAIT_S,
+        help=f"seconds a waiting completion may wait before it is answered 429 (default {QUEUE_WAIT_S})",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=COMPLETION_BODY_BYTES,
+        help=f"largest request body, prompt included; larger ones are 413 (default {COMPLETION_BODY_BYTES})",
+    )
     p.add_argument(
         "--cuda-graphs",
         action=argparse.BooleanOptionalAction,

@@ -56,12 +56,18 @@ class TextStream:
     A token is *released* once all of its text has been handed out and nothing after it has: the
     text handed out is then exactly the decoding of the released tokens (``take_released``). Text
     held back never belongs to a released token, so a generation resumed from the prompt plus the
-    released tokens hands out what this one would have, stop strings that span the cut included."""
+    released tokens hands out what this one would have, stop strings that span the cut included.
+
+    Decoding is incremental: each token decodes only the ids since the last complete character (plus
+    the token before them, for context), so a long completion costs linear time, not quadratic."""
 
     def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...]) -> None:
         self.tokenizer = tokenizer
         self.stop = stop
         self.ids: list[int] = []
+        self.text = ""  # the decoded text of ids[:read], whole characters only
+        self.prefix = 0  # ids[prefix:read] decode to the tail of ``text`` the next decode starts from
+        self.read = 0
         self.sent = 0  # characters handed out so far
         self.stopped = False
         self.released = 0  # tokens of ``ids`` whose text is wholly handed out (and no more than that)
@@ -72,9 +78,14 @@ class TextStream:
         ids, self.taken = self.ids[self.taken : self.released], self.released
         return ids
 
+    def _pending(self) -> str:
+        """The text of ids[read:], decoded in the context of ids[prefix:read]."""
+        settled = self.tokenizer.decode(self.ids[self.prefix : self.read])
+        return self.tokenizer.decode(self.ids[self.prefix :])[len(settled) :]
+
     def push(self, token: int) -> str:
         self.ids.append(token)
-        text = self.tokenizer.decode(self.ids)
+        text = self.text + self._pending()
         if self.stop:
             longest = max(map(len, self.stop))
             hits = [i for s in self.stop if (i := text.find(s, max(0, self.sent - longest + 1))) >= 0]
@@ -82,12 +93,13 @@ class TextStream:
                 self.stopped = True
                 return self._advance(text, min(hits))
         if text.endswith("\ufffd"):
-            return ""
+            return ""  # an incomplete character: wait for the rest of its bytes
+        self.text, self.prefix, self.read = text, max(self.read - 1, 0), len(self.ids)
         return self._advance(text, len(text) - self._stop_prefix_len(text))
 
     def flush(self) -> str:
         """The rest of the text, once generation has ended without a stop string."""
-        text = self.tokenizer.decode(self.ids)
+        text = self.text + self._pending()
         return "" if self.stopped else self._advance(text, len(text))
 
     def _advance(self, text: str, end: int) -> str:

@@ -31,6 +31,12 @@ class EngineMetrics:
         )
         self.prompt_tokens = Counter("hotweights_engine_prompt_tokens", "prompt tokens processed", registry=r)
         self.completion_tokens = Counter("hotweights_engine_completion_tokens", "tokens generated", registry=r)
+        self.admission = Counter(
+            "hotweights_engine_admission",
+            "completions by admission verdict (admitted, queued, refused)",
+            ["verdict"],
+            registry=r,
+        )
         self.request_latency = Histogram(
             "hotweights_engine_request_duration_seconds",
             "completion request latency, to the last token",

@@ -1,12 +1,15 @@
 """The engine's HTTP face: OpenAI completions, Patroni-style health checks, role changes, metrics.
 
-Handlers never touch the model: compute runs on the scheduler's thread, and the health endpoints
-read plain attributes, so they answer in milliseconds during long generations. Every error body
-is OpenAI-shaped: ``{"error": {"message", "type", "param"}}``.
+Handlers never touch the model: compute runs on the scheduler's thread, tokenization in a worker
+thread (``encode_batch`` releases the GIL, so a prompt of megabytes never holds up the event loop), and
+the health endpoints read plain attributes, so they answer in milliseconds during long generations.
+Completions pass ``admission`` first: beyond the generating and waiting requests it allows, 429 at once.
+Every error body is OpenAI-shaped: ``{"error": {"message", "type", "param"}}``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -18,7 +21,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 from tokenizers import Tokenizer
 
+from hotweights.admission import RETRY_AFTER_S, Admission
 from hotweights.contract import Endpoint
+from hotweights.httpguard import short
 from hotweights.standby.chat import ChatTemplate
 from hotweights.standby.completions import (
     Api,
@@ -36,6 +41,7 @@ from hotweights.standby.weights import LoadedModel
 
 log = logging.getLogger(__name__)
 
+INLINE_PROMPT_CHARS = 4096  # prompts up to this are tokenized on the event loop (about a millisecond)
 STALL_S = 30.0  # an inference thread that has not gone round its loop for this long is not ready
 
 
@@ -57,6 +63,7 @@ class EngineContext:
     cuda_graph_bytes: int  # device memory the decode and prefill CUDA graphs hold; 0 without graphs
     rank_pids: tuple[int, ...]  # every rank's pid, rank 0's (this process's) first; one without --tp-size
     group_refusal: Callable[[], str | None]  # why the other ranks of a tensor-parallel group are not ready
+    admission: Admission  # completions generating and waiting at once; the rest get 429
     fingerprint: str = field(init=False)  # the weights' digest, computed once
     started: float = field(default_factory=time.monotonic)
     created: int = field(default_factory=lambda: int(time.time()))
@@ -121,7 +128,7 @@ def build_app(ctx: EngineContext) -> FastAPI:
         return JSONResponse({"object": "list", "data": [model]})
 
     chat_template = ChatTemplate.load(ctx.loaded.checkpoint.path)
-    answers = declare(400, 404, 500, 503) | {
+    answers = declare(400, 404, 408, 413, 429, 500, 503) | {
         200: {"content": {"application/json": {}, "text/event-stream": {}}, "description": "the completion"}
     }
 
@@ -130,27 +137,54 @@ def build_app(ctx: EngineContext) -> FastAPI:
         """OpenAI completions; ``stream`` gives server-sent events ending in ``data: [DONE]``.
 
         200 the completion (or the stream); 400 a bad field, named in ``error.param``; 404 an unknown
-        ``model``; 503 not serving (standby, draining, drained) or cancelled by a drain deadline or
-        shutdown; 500 the generation failed."""
-        prompt_ids = [ctx.tokenizer.encode(p).ids if isinstance(p, str) else p for p in request.prompts]
-        return await serve(request, prompt_ids, Api.COMPLETIONS)
+        ``model``; 408/413 a body too slow or too large; 429 overloaded (with ``Retry-After``); 503 not
+        serving (standby, draining, drained) or cancelled by a drain deadline or shutdown; 500 the
+        generation failed."""
+
+        def encode() -> list[list[int]]:
+            texts = iter(ctx.tokenizer.encode_batch([p for p in request.prompts if isinstance(p, str)]))
+            return [next(texts).ids if isinstance(p, str) else p for p in request.prompts]
+
+        return await admitted(request, Api.COMPLETIONS, encode, sum(map(len, request.prompts)))
 
     @app.post(Endpoint.CHAT_COMPLETIONS, response_model=None, responses=answers)
     async def chat_completions(request: ChatRequest) -> Response:
         """OpenAI chat completions (one choice), the messages rendered by the checkpoint's chat template
         or the built-in one (``standby.chat``); answers as ``/v1/completions`` does."""
-        text = chat_template.render([m.model_dump() for m in request.messages])
-        ids = ctx.tokenizer.encode(text, add_special_tokens=not chat_template.from_checkpoint).ids
-        return await serve(request, [ids], Api.CHAT)
 
-    def refusal(request: SamplingRequest, prompt_ids: list[list[int]]) -> JSONResponse | None:
-        """Why the request is not run here (an error reply), or None."""
+        def encode() -> list[list[int]]:
+            text = chat_template.render([m.model_dump() for m in request.messages])
+            return [ctx.tokenizer.encode(text, add_special_tokens=not chat_template.from_checkpoint).ids]
+
+        return await admitted(request, Api.CHAT, encode, sum(len(m.content) for m in request.messages))
+
+    async def admitted(
+        request: SamplingRequest, api: Api, encode: Callable[[], list[list[int]]], chars: int
+    ) -> Response:
+        """The request run once admission lets it in and its prompt (tokenized by ``encode``, in a worker
+        thread above ``INLINE_PROMPT_CHARS``) fits; the refusal otherwise."""
         if reason := roles.serving_refusal():
             return unavailable(reason)
         if request.model is not None and request.model != ctx.model_name:
-            return error(
-                404, f"model {request.model!r} is not served here; try {ctx.model_name!r}", "not_found_error", "model"
-            )
+            message = f"model {short(request.model)!r} is not served here; try {ctx.model_name!r}"
+            return error(404, message, "not_found_error", "model")
+        if reason := await ctx.admission.enter():
+            return overloaded(reason)
+        handed_over = False  # to the run, whose close gives the admission slot back
+        try:
+            # encode_batch releases the GIL: the event loop runs on meanwhile
+            prompt_ids = encode() if chars <= INLINE_PROMPT_CHARS else await asyncio.to_thread(encode)
+            if refused := prompt_refusal(prompt_ids, request.max_tokens):
+                return refused
+            if reason := roles.serving_refusal():  # it may have changed while the request waited
+                return unavailable(reason)
+            handed_over = True
+            return await serve(request, prompt_ids, api)
+        finally:
+            if not handed_over:
+                ctx.admission.leave()
+
+    def prompt_refusal(prompt_ids: list[list[int]], max_tokens: int) -> JSONResponse | None:
         vocab = ctx.loaded.model.config.vocab_size
         for ids in prompt_ids:
             if not ids:
@@ -158,23 +192,22 @@ def build_app(ctx: EngineContext) -> FastAPI:
             if bad := [t for t in ids if not 0 <= t < vocab]:
                 message = f"prompt token ids {bad[:5]} are outside this model's vocabulary [0, {vocab})"
                 return error(400, message, "invalid_request_error", "prompt")
-            if len(ids) + request.max_tokens > ctx.context_tokens:
+            if len(ids) + max_tokens > ctx.context_tokens:
                 message = (
-                    f"prompt ({len(ids)} tokens) + max_tokens ({request.max_tokens}) exceeds this engine's "
+                    f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds this engine's "
                     f"{ctx.context_tokens}-token context (--kv-cache-tokens)"
                 )
                 return error(400, message, "invalid_request_error", "max_tokens")
         return None
 
     async def serve(request: SamplingRequest, prompt_ids: list[list[int]], api: Api) -> Response:
-        if refused := refusal(request, prompt_ids):
-            return refused
         roles.admit()
         run = CompletionRun.start(request, ctx.model_name, prompt_ids, ctx.tokenizer, ctx.stop_ids, ctx.scheduler, api)
 
         def close() -> None:
             run.cancel()
             roles.release()
+            ctx.admission.leave()
             usage = run.usage()
             metrics.prompt_tokens.inc(usage["prompt_tokens"])
             metrics.completion_tokens.inc(usage["completion_tokens"])
@@ -194,3 +227,10 @@ def build_app(ctx: EngineContext) -> FastAPI:
             close()
 
     return finish_app(app, metrics)
+
+
+def overloaded(reason: str) -> JSONResponse:
+    """429 for a completion beyond what admission allows, with ``Retry-After``."""
+    response = error(429, reason, "overloaded")
+    response.headers["Retry-After"] = str(RETRY_AFTER_S)
+    return response

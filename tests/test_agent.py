@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -140,3 +141,28 @@ def test_an_sglang_daemon_in_a_python_without_sglang_is_one_line(tiny_model: Pat
     assert result.stderr.strip().splitlines() == [
         f"hotweights cache: error: --format sglang needs SGLang, and {sys.executable} has none (pip install sglang)"
     ]
+
+
+def test_the_agent_answers_hostile_bodies_with_a_short_4xx_and_never_relays_them(tmp_path: Path) -> None:
+    """Not plain JSON (NaN, a lone surrogate, duplicate keys, deep nesting, invalid UTF-8) is 400 at the agent, a
+    role change with the wrong types 400, a body announced beyond the limit 413: none reaches the engine."""
+    engine = Path(__file__).with_name("dropping_engine.py")
+    process = agent(tmp_path, sys.executable, str(engine), "{port}", role="primary")
+    try:
+        url = f"http://127.0.0.1:{process.port}"  # type: ignore[attr-defined]
+        ready = lambda: httpx.get(url + Endpoint.READY, timeout=5).status_code == 200  # noqa: E731
+        wait_until(lambda: _answers(ready), 60, "the agent ready")
+        hostile = [b'{"prompt": NaN}', b'{"prompt": "\\ud800"}', b'{"a": 1, "a": 2}', b"[" * 5000, b'"\xff"']
+        for body in hostile:
+            for path in (Endpoint.COMPLETIONS, Endpoint.DRAIN):
+                response = httpx.post(url + path, content=body, headers={"content-type": "application/json"})
+                assert response.status_code == 400 and len(response.content) < 500, (path, body[:20], response.text)
+        wrong = httpx.post(url + Endpoint.DRAIN, json={"timeout_s": "soon", "extra": 1})
+        assert wrong.status_code == 400, wrong.text
+        with socket.create_connection(("127.0.0.1", process.port), timeout=10) as conn:  # type: ignore[attr-defined]
+            conn.sendall(
+                f"POST {Endpoint.COMPLETIONS} HTTP/1.1\r\nhost: x\r\ncontent-length: {64 << 20}\r\n\r\n".encode()
+            )
+            assert conn.recv(100).split()[1] == b"413"  # announced, none of it sent: refused before it is read
+    finally:
+        process.kill()

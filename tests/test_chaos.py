@@ -17,13 +17,14 @@ from pathlib import Path
 import pytest
 
 from hotweights.chaos.clusterview import ClusterView
-from hotweights.chaos.load import LoadGenerator, RequestRecord, reference_completion
+from hotweights.chaos.load import LoadGenerator, RequestRecord, reference_completion, refusal_text
 from hotweights.chaos.measure import RoundResult, apply_events, apply_requests
 from hotweights.chaos.proxy import DelayProxy
 from hotweights.chaos.report import draw_timeline, label_rounds, mark_events, write_report
 from hotweights.chaos.scenarios import RANK_SCENARIOS, SCENARIOS
 from hotweights.chaos.splitbrain import SplitBrainDetector
 from hotweights.cli import main
+from hotweights.contract import SUSPECT_REQUEST
 from hotweights.spawn import hotweights_command
 from tests.cachehelpers import ENV
 from tests.enginehelpers import EngineProcess
@@ -155,6 +156,22 @@ def test_a_stream_cut_mid_way_fails_the_round_as_a_broken_stream() -> None:
     assert (result.failed, result.broken_streams) == (2, 1)
     assert "1 broken stream(s)" in result.failures(judge_client_errors=True)
     assert result.failures(judge_client_errors=False) == []
+
+
+@pytest.mark.parametrize("expected", [False, True])
+def test_suspect_refusals_are_counted_apart_and_fail_only_rounds_that_do_not_expect_them(expected: bool) -> None:
+    """Flapping kills a re-sent request on engine after engine: the gateway's suspect answer (a 422, or a
+    stream's last event) is counted apart and accepted there; any other failure still fails the round."""
+    refusal = json.dumps({"error": {"message": "not re-sent: 2 engines failed", "type": SUSPECT_REQUEST}})
+    records = [
+        RequestRecord(0.0, 0.1, 422, refusal_text(refusal), None),
+        RequestRecord(0.0, 0.1, 200, refusal_text(refusal), None, "a", streamed=True),
+        RequestRecord(0.0, 0.1, 503, refusal_text('{"error": {"message": "no primary", "type": "unavailable"}}'), None),
+    ]
+    result = RoundResult("flapping", 0, started_at=0.0, suspects_expected=expected)
+    apply_requests(result, records, until=1.0)
+    assert (result.failed, result.suspects, result.broken_streams) == (3, 2, 0)
+    assert result.failures(judge_client_errors=True) == [f"{1 if expected else 3} client-visible error(s)"]
 
 
 def test_a_rounds_redundancy_runs_from_its_last_fault_to_the_next_restored_event() -> None:

@@ -77,6 +77,12 @@ def wait_new_primary(urls: list[str], old: str, timeout: float) -> tuple[str, fl
     [
         ("[cluster]\nport = 'x'\n", "cluster.port must be int"),
         ("[health]\ntimeout_ms = 0\n", "health.timeout_ms must be > 0"),
+        ("[gateway]\nmax_body_bytes = 0\n", "gateway.max_body_bytes must be > 0"),
+        ("[gateway]\nsuspect_after = 0\n", "gateway.suspect_after must be > 0"),
+        ("[gateway]\nmax_in_flight = -1\n", "gateway.max_in_flight must be >= 0, found -1"),
+        ("[engine]\nmax_queue = -2\n", "engine.max_queue must be >= 0, found -2"),
+        ("[engine]\nqueue_timeout_s = 0\n", "engine.queue_timeout_s must be > 0"),
+        ("[cluster]\napi_max_body_bytes = 0\n", "cluster.api_max_body_bytes must be > 0"),
         ("[[groups]]\nengines = 0\n", "groups[0].engines must be >= 1"),
         ("[cluster]\nhost = '0.0.0.0'\n", "cluster.host '0.0.0.0' is not loopback"),
         ("[engine]\nkv_tokens = 3\n", "[engine] unknown key(s) ['kv_tokens']"),

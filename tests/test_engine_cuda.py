@@ -29,8 +29,8 @@ def model(tiny_model: Path) -> Transformer:
     return load_model(tiny_model, LoadSpec(device=DEVICE)).model
 
 
-def decoder(model: Transformer, graphs: bool) -> Decoder:
-    kv = KVCache.allocate(model.config, model.tp, 3, 64, model.device, model.dtype)
+def decoder(model: Transformer, graphs: bool, batch: int = 3) -> Decoder:
+    kv = KVCache.allocate(model.config, model.tp, batch, 64, model.device, model.dtype)
     made = Decoder(model, kv, graphs)
     made.warm_up()
     return made
@@ -51,15 +51,33 @@ def test_graph_replays_equal_eager_steps_and_never_hand_out_a_reused_buffer(mode
         assert greedy == logits.argmax(-1).tolist() == expected_greedy
 
 
+def test_a_step_between_captured_batch_sizes_replays_the_next_one_with_free_rows(model: Transformer) -> None:
+    """Batch 12 captures sizes 1, 2, 4, 8 and 12: steps of 11, 5 and 3 rows replay 12, 8 and 4, and each row's
+    logits are the eager step's. Fewer rows each time, as the scheduler guarantees: the extra rows are free."""
+    graphed, eager = decoder(model, graphs=True, batch=12), decoder(model, graphs=False, batch=12)
+    assert graphed.graph_batches == [1, 2, 4, 8, 12]
+    assert {n for n, _ in graphed._graphs} == {1, 2, 4, 8, 12}
+    for d in (graphed, eager):
+        for slot in range(11):
+            d.prefill(slot, [PROMPTS[slot % len(PROMPTS)]])
+    for n in (11, 5, 3):
+        step = ([20 + i for i in range(n)], [len(PROMPTS[i % len(PROMPTS)]) for i in range(n)])
+        logits, greedy = graphed.decode(*step)
+        expected, expected_greedy = eager.decode(*step)
+        assert logits.shape[0] == n
+        torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+        assert greedy == expected_greedy
+
+
 def test_prefill_graphs_write_and_return_what_the_eager_prefill_does(model: Transformer) -> None:
-    """Short prefills replay a capture per (first slot, rows, length): the same logits and keys as the eager pass
-    of a decoder without graphs, at every first slot, including prompts that wait together."""
+    """Short prefills replay a capture per (rows, length), whatever their first slot: the same logits and keys as
+    the eager pass of a decoder without graphs, at every first slot, including prompts that wait together."""
     graphed, eager = decoder(model, graphs=True), decoder(model, graphs=False)
     trio = [PROMPTS[0], PROMPTS[2], PROMPTS[4]]
     cases = [(0, PROMPTS[:1]), (2, PROMPTS[1:2]), (1, PROMPTS[2:4]), (0, trio), (1, PROMPTS[5:])]
     for first, prompts in cases:
         length = bucket(graphed.lengths, max(map(len, prompts)))
-        assert (first, len(prompts), length) in graphed.graphed_prefills()
+        assert (len(prompts), length) in graphed.graphed_prefills()
         got, expected = graphed.prefill(first, prompts), eager.prefill(first, prompts)
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
         assert got.argmax(-1).tolist() == expected.argmax(-1).tolist()

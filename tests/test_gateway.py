@@ -22,7 +22,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from hotweights.contract import Endpoint
+from hotweights.contract import SUSPECT_REQUEST, Endpoint
 from hotweights.ports import free_port
 from hotweights.spawn import hotweights_command
 from hotweights.standby.serving import bind_port
@@ -435,3 +435,98 @@ def test_wake_needs_the_token_when_the_cluster_has_one(tmp_path: Path) -> None:
             assert (refused.status_code, refused.headers["www-authenticate"]) == (401, "Bearer"), refused.text
         woken = gateway.client.post(Endpoint.GATEWAY_WAKE, headers={"Authorization": "Bearer s3cret"})
         assert woken.status_code == 204, woken.text
+
+
+class DyingUpstreams:
+    """Three upstreams on threads, each primary until a completion reaches it; then it closes the connection
+    without an answer (``mid_stream``: after one event of a stream) and stops being primary (as an engine that
+    the request itself brought down)."""
+
+    def __init__(self, mid_stream: bool = False) -> None:
+        self.dead: set[str] = set()
+        self.mid_stream = mid_stream
+        self.servers = [ThreadingHTTPServer(("127.0.0.1", 0), self.handler(name)) for name in ("a", "b", "c")]
+        self.urls = [f"http://127.0.0.1:{server.server_address[1]}" for server in self.servers]
+
+    def handler(self, name: str) -> type[BaseHTTPRequestHandler]:
+        dead, mid_stream = self.dead, self.mid_stream
+        event = b'data: {"id":"c","choices":[{"index":0,"text":"a","token_ids":[5],"finish_reason":null}]}\n\n'
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self) -> None:  # /primary
+                status = 503 if name in dead else 200
+                self.send_response(status)
+                self.send_header("content-length", "2")
+                self.end_headers()
+                self.wfile.write(b"{}")
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers["content-length"]))
+                dead.add(name)
+                self.close_connection = True  # no answer at all, or a chunked stream that never ends
+                if mid_stream:
+                    self.send_response(200)
+                    self.send_header("content-type", "text/event-stream")
+                    self.send_header("transfer-encoding", "chunked")
+                    self.end_headers()
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+        return Handler
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[DyingUpstreams]:
+        threads = [threading.Thread(target=server.serve_forever, daemon=True) for server in self.servers]
+        for thread in threads:
+            thread.start()
+        try:
+            yield self
+        finally:
+            for server in self.servers:
+                server.shutdown()
+                server.server_close()
+
+
+def test_a_request_that_engines_fail_serving_is_not_resent_past_suspect_after(tmp_path: Path) -> None:
+    """With gateway.suspect_after = 2, the second engine failing with the request in flight ends it: 422 saying
+    so, counted as suspect; the third engine never sees it."""
+    config = write_cluster(tmp_path / "cluster.toml", [])
+    with DyingUpstreams().running() as upstreams:
+        urls = [arg for url in upstreams.urls for arg in ("--upstream", url)]
+        with GatewayProcess(config, *urls) as gateway:
+            gateway.wait_health(lambda h: len(h["primaries"]) == 3, what="three primaries")
+            response = gateway.client.post(Endpoint.COMPLETIONS, json={"prompt": "x"})
+            assert response.status_code == 422, response.text
+            assert response.json()["error"]["type"] == SUSPECT_REQUEST
+            assert "2 engines failed while serving this request" in response.json()["error"]["message"]
+            assert len(upstreams.dead) == 2
+            assert metric(gateway, "hotweights_gateway_suspect_requests_total") == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_completion_cut_mid_way_on_suspect_after_engines_is_refused_as_suspect(tmp_path: Path, stream: bool) -> None:
+    """A migrating completion whose stream two engines cut as they fail is not continued on the third: the
+    whole reply is a 422 suspect_request, a stream ends with an error event of that type."""
+    config = write_cluster(tmp_path / "cluster.toml", [])
+    with DyingUpstreams(mid_stream=True).running() as upstreams:
+        urls = [arg for url in upstreams.urls for arg in ("--upstream", url)]
+        with GatewayProcess(config, *urls) as gateway:
+            gateway.wait_health(lambda h: len(h["primaries"]) == 3, what="three primaries")
+            body = {"prompt": "x", "max_tokens": 4, "stream": stream}
+            response = gateway.client.post(Endpoint.COMPLETIONS, json=body)
+            if stream:
+                assert response.status_code == 200, response.text
+                events = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: ")]
+                assert events[0]["choices"][0]["text"] == "a"
+                error = events[-1]["error"]
+            else:
+                assert response.status_code == 422, response.text
+                error = response.json()["error"]
+            assert error["type"] == SUSPECT_REQUEST
+            assert "2 engines failed while serving this request" in error["message"]
+            assert len(upstreams.dead) == 2
+            assert metric(gateway, "hotweights_gateway_suspect_requests_total") == 1

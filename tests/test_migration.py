@@ -106,6 +106,21 @@ def test_a_cut_continues_from_the_released_tokens_and_drops_text_already_sent() 
 
 
 @pytest.mark.unit
+def test_tokens_whose_text_has_not_come_back_are_generated_again_not_replayed() -> None:
+    """Tokens 3 and 4 are a character's first bytes (no text yet): the continuation starts after token 2,
+    as an uncut run would have, so an engine never decodes a prompt that ends inside a character; the
+    usage counts the tokens as the uncut run does."""
+    ledger = Ledger(plan("POST", "/v1/completions", body(max_tokens=8, stream=True)))
+    for piece in (chunk("a", [1], prompt_token_ids=[9]), chunk("b", [2]), chunk("", [3]), chunk("", [4])):
+        ledger.take(piece)
+    continuation = ledger.cut()
+    assert continuation["prompt"] == [9, 1, 2] and continuation["max_tokens"] == 6
+    assert ledger.take({**chunk("é", [3, 4], "length"), "id": "cmpl-2"})["choices"][0]["text"] == "é"
+    assert (ledger.text, ledger.released) == ("abé", [1, 2, 3, 4])
+    assert ledger.usage()["completion_tokens"] == 4
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("released", "expected"),
     [
@@ -322,7 +337,9 @@ def engines(tiny_model: Path) -> Iterator[list[EngineProcess]]:
 
 @pytest.fixture(scope="module")
 def gateway(engines: list[EngineProcess], tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
-    config = write_cluster(tmp_path_factory.mktemp("migration") / "cluster.toml", [e.port for e in engines])
+    # Every request at once is admitted: as many as one engine batches (FLAGS), whichever group it serves.
+    ports = [e.port for e in engines]
+    config = write_cluster(tmp_path_factory.mktemp("migration") / "cluster.toml", ports, max_in_flight=32)
     with GatewayProcess(config) as gateway:
         gateway.wait_health(lambda h: len(h["primaries"]) == 1, what="the primary")
         yield gateway

@@ -90,7 +90,7 @@ def test_engine_document_declares_what_the_engine_answers(engine: EngineProcess)
     assert declared(doc, Endpoint.PROMOTE, "post") == {"200", "400", "401", "409"}
     assert declared(doc, Endpoint.LEASE, "post") == {"200", "400", "401", "409"}
     assert declared(doc, Endpoint.DEMOTE, "post") == {"200", "400", "401", "409"}
-    assert declared(doc, Endpoint.COMPLETIONS, "post") == {"200", "400", "404", "500", "503"}
+    assert declared(doc, Endpoint.COMPLETIONS, "post") == {"200", "400", "404", "408", "413", "429", "500", "503"}
     for path in (Endpoint.LIVE, Endpoint.READY, Endpoint.PRIMARY, Endpoint.STANDBY):
         for method in ("get", "head", "options"):
             assert declared(doc, path, method) == {"200", "503"}, (path, method)

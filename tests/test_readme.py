@@ -114,5 +114,6 @@ def test_the_try_it_commands_run_as_written(default_model: Path, own_world: Path
     events = json.loads(output_of("curl -s localhost:8100/events"))["events"]
     assert [e for e in events if e["kind"] == "failover"], events
     assert "/run/g0.sock" in output_of("hotweights cache status")  # the stack's daemon, found without --socket
+    assert "last failover: automatic" in output_of("hotweights status")  # the kill above, with its duration
     summary = own_world / "drill-out" / "summary.md"
     assert "![timeline](timeline.png)" in summary.read_text() and (summary.parent / "timeline.png").exists()

@@ -27,7 +27,7 @@ class RecordingDecoder(Decoder):
     def __init__(self, *args: object) -> None:
         super().__init__(*args)
         self.prefills: list[tuple[int, int]] = []  # (prompts, padded length)
-        self.decodes: list[tuple[int, int]] = []  # (batch size, KV length)
+        self.decodes: list[tuple[int, int]] = []  # (batch size run, KV length)
 
     @property
     def batch_sizes(self) -> list[int]:
@@ -38,8 +38,14 @@ class RecordingDecoder(Decoder):
         return super().prefill(first, prompts)
 
     def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
-        self.decodes.append((len(tokens), bucket(self.lengths, max(positions) + 1)))
+        size = bucket(self.graph_batches, len(tokens)) if self.graphs_enabled else len(tokens)
+        self.decodes.append((size, bucket(self.lengths, max(positions) + 1)))
         return super().decode(tokens, positions)
+
+    def warmed_decodes(self) -> set[tuple[int, int]]:
+        """The decode shapes warm-up made ready: run eagerly, or (with graphs) captured."""
+        captured = {(n, kv) for n in self.graph_batches for kv in self.lengths} if self.graphs_enabled else set()
+        return set(self.decodes) | captured
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +77,7 @@ def run(
     kv = KVCache.allocate(model.config, model.tp, max_batch, 128, model.device, model.dtype)
     decoder = RecordingDecoder(model, kv, graphs)
     decoder.warm_up()
-    warmed = (set(decoder.prefills), set(decoder.decodes))
+    warmed = (set(decoder.prefills), decoder.warmed_decodes())
     decoder.prefills.clear()
     decoder.decodes.clear()
     scheduler = Scheduler()

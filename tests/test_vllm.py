@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -20,6 +21,7 @@ from openai import OpenAI
 
 from hotweights.cache.makemodel import PRESETS, write_checkpoint
 from hotweights.contract import Endpoint
+from hotweights.controller.migration import Ledger, Migratable, plan
 from hotweights.spawn import hotweights_command
 from tests.cachehelpers import ENV, wait_until
 from tests.controllerhelpers import ControllerStack
@@ -28,6 +30,12 @@ pytestmark = pytest.mark.vllm
 WORKER = Path(__file__).with_name("vllm_worker.py")
 VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
 PROMPT = "The weather"
+CUT_AFTER = 12  # chunks a stream has sent when its engine is killed
+LONG = {"max_tokens": 120, "temperature": 0, "ignore_eos": True}
+STREAMS = (  # a completion and a chat, each continued on the next primary as a completion of token ids
+    (Endpoint.COMPLETIONS, {"prompt": PROMPT, **LONG}),
+    (Endpoint.CHAT_COMPLETIONS, {"messages": [{"role": "user", "content": PROMPT}], **LONG}),
+)
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +86,36 @@ def test_the_plugin_maps_the_arena_and_computes_what_vllms_loader_does(
     assert sharing["shared_bytes"] > 4 * sharing["copied_bytes"]
 
 
+def sse(url: str, body: dict, chunks: int | None = None) -> Iterator[dict]:
+    """The chunks of a streamed completion (or chat) from ``url``; the connection closed after ``chunks``."""
+    with httpx.stream("POST", url, json=body, timeout=60) as response:
+        assert response.status_code == 200, response.read()
+        for n, line in enumerate(line for line in response.iter_lines() if line.startswith("data: {")):
+            if n == chunks:
+                return
+            yield json.loads(line.removeprefix("data: "))
+
+
+class Cut:
+    """What the gateway does with a stream that ``url``'s engine stops sending after ``CUT_AFTER`` chunks:
+    the same ``Ledger`` of released tokens, whose continuation ``finish`` asks of the next primary."""
+
+    def __init__(self, url: str, path: str, body: dict) -> None:
+        migratable = plan("POST", path, json.dumps(body).encode())
+        assert isinstance(migratable, Migratable), migratable
+        self.ledger = Ledger(migratable)
+        for chunk in sse(url + path, migratable.upstream_body(), CUT_AFTER):
+            self.ledger.take(chunk)
+        assert len(self.ledger.released) >= CUT_AFTER - 2  # the first chunks may carry a role, not tokens
+
+    def finish(self, url: str) -> str:
+        continuation = self.ledger.cut()
+        assert continuation is not None and isinstance(continuation["prompt"], list)
+        for chunk in sse(url + Endpoint.COMPLETIONS, continuation):
+            self.ledger.take(chunk)
+        return self.ledger.text
+
+
 class Load:
     """Clients sending greedy completions through the gateway until stopped; every failure is kept."""
 
@@ -105,6 +143,11 @@ class Load:
             thread.join(90)
 
 
+def reply_text(reply: dict) -> str:
+    choice = reply["choices"][0]
+    return choice["message"]["content"] if "message" in choice else choice["text"]
+
+
 def test_a_vllm_group_fails_over_and_switches_over_with_no_client_errors(vllm_python: str, bf16_model: Path) -> None:
     group = (
         f'engine = "vllm"\nengine_python = "{vllm_python}"\n'
@@ -119,9 +162,11 @@ def test_a_vllm_group_fails_over_and_switches_over_with_no_client_errors(vllm_py
         client = OpenAI(base_url=gateway, api_key="unused", max_retries=0, timeout=60)
         model = client.models.list().data[0].id
         before = client.completions.create(model=model, prompt=PROMPT, max_tokens=16, temperature=0).choices[0].text
+        uncut = [reply_text(httpx.post(f"{gateway}{path[3:]}", json=body, timeout=60).json()) for path, body in STREAMS]
         old = stack.primary()
         load = Load(f"{gateway}/completions")
         wait_until(lambda: load.ok >= 5, 120, "load flowing")
+        cuts = [Cut(old["url"], path, {**body, "model": model}) for path, body in STREAMS]
         engine_pid = httpx.get(old["url"] + Endpoint.PRIMARY).json()["engine"]["pid"]
         os.kill(engine_pid, signal.SIGKILL)  # the vLLM server crashes; its agent reports it and exits
         wait_until(lambda: stack.primary()["id"] != old["id"], 60, "a promoted standby")
@@ -129,6 +174,8 @@ def test_a_vllm_group_fails_over_and_switches_over_with_no_client_errors(vllm_py
         wait_until(lambda: load.ok >= served + 5, 120, "load served by the new primary")
         load.finish()
         assert load.errors == []
+        # The cut streams continue on the new primary from vLLM's own token ids: the uncut texts.
+        assert [cut.finish(stack.primary()["url"]) for cut in cuts] == uncut
         after = client.completions.create(model=model, prompt=PROMPT, max_tokens=16, temperature=0).choices[0].text
         assert after == before
         stack.wait_steady(900)  # the killed slot is back, as a standby

@@ -1,0 +1,229 @@
+"""Overload: what an engine behind the gateway answers when offered more than it can serve.
+
+    python bench/overload.py [--device cpu|cuda:N] [--model DIR] [--max-batch 4] [--max-queue 0]
+                             [--max-tokens 32] [--seconds 5] [--loads 1,2,5]
+
+Starts one ``hotweights engine`` (primary; the embedded tiny model unless --model) and a ``hotweights
+gateway`` in front of it, both with the admission defaults of a cluster whose ``engine.max_batch`` and
+``engine.max_queue`` are --max-batch and --max-queue, then measures through the gateway:
+
+- quiet: one request at a time (--quiet-requests): p50/p99 latency;
+- capacity: --max-batch clients in a closed loop for --seconds: completions per second;
+- for each multiple of that capacity in --loads: requests sent open-loop (evenly spaced) for --seconds:
+  the admitted ones' (200) p50/p99 and p99 over quiet p99 (target <= 2), the refused ones' (429 or 503)
+  count and answer time p50/p99/max (target <= 50 ms), and every other answer or transport error
+  (``errors``, must be 0).
+
+The last stdout line is one JSON object. Both processes are stopped at the end, on SIGINT/SIGTERM too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from hotweights.contract import Endpoint
+from hotweights.ports import free_port
+from hotweights.spawn import hotweights_command
+from hotweights.stats import percentile
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPT = "The quick brown fox jumps over the lazy dog"
+ADMITTED_P99_RATIO_TARGET = 2.0
+REFUSED_MS_TARGET = 50.0
+REFUSED = (429, 503)
+
+
+def start(command: list[str], log: Path) -> subprocess.Popen:
+    with log.open("w") as out:
+        return subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=out)
+
+
+def wait_serving(url: str, process: subprocess.Popen, log: Path, timeout_s: float = 300.0) -> None:
+    """Until ``url`` answers 200 (an engine's /primary, the gateway's health once it knows a primary)."""
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(timeout=5) as client:
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise SystemExit(f"{process.args[3:5]} exited with {process.returncode}:\n{log.read_text()}")
+            try:
+                response = client.get(url)
+                if response.status_code == 200 and response.json().get("primaries", True):
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+    raise SystemExit(f"{url} not serving after {timeout_s} s:\n{log.read_text()}")
+
+
+@contextmanager
+def stack(args: argparse.Namespace, workdir: Path) -> Iterator[str]:
+    """An engine and a gateway in front of it; yields the gateway's URL and stops both however it ends."""
+    engine_port, gateway_port = free_port(), free_port()
+    config = workdir / "cluster.toml"
+    config.write_text(
+        f'[cluster]\nstate_dir = "{workdir / "state"}"\n\n'
+        f"[engine]\nmax_batch = {args.max_batch}\nmax_queue = {args.max_queue}\n\n"
+        f"[gateway]\nport = {gateway_port}\n"
+    )
+    engine = hotweights_command("engine", "--port", str(engine_port), "--device", args.device)
+    engine += ["--max-batch", str(args.max_batch), "--max-queue", str(args.max_queue)]
+    engine += ["--model", args.model] if args.model else []
+    engine_url = f"http://127.0.0.1:{engine_port}"
+    gateway = hotweights_command("gateway", "--config", str(config), "--upstream", engine_url)
+    processes = [start(engine, workdir / "engine.log")]
+    try:
+        wait_serving(engine_url + Endpoint.PRIMARY, processes[0], workdir / "engine.log")
+        processes.append(start(gateway, workdir / "gateway.log"))
+        url = f"http://127.0.0.1:{gateway_port}"
+        wait_serving(url + Endpoint.GATEWAY_HEALTH, processes[1], workdir / "gateway.log", 60)
+        yield url
+    finally:
+        for process in processes:
+            process.send_signal(signal.SIGTERM)
+        for process in processes:
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+async def one(client: httpx.AsyncClient, url: str, max_tokens: int) -> tuple[int | str, float]:
+    """(status, or the transport error's name; seconds)."""
+    started = time.perf_counter()
+    try:
+        response = await client.post(url + Endpoint.COMPLETIONS, json={"prompt": PROMPT, "max_tokens": max_tokens})
+        status: int | str = response.status_code
+    except httpx.HTTPError as exc:
+        status = type(exc).__name__
+    return status, time.perf_counter() - started
+
+
+async def quiet(url: str, args: argparse.Namespace) -> list[float]:
+    async with httpx.AsyncClient(timeout=120) as client:
+        results = [await one(client, url, args.max_tokens) for _ in range(args.quiet_requests)]
+    bad = [status for status, _ in results if status != 200]
+    if bad:
+        raise SystemExit(f"quiet requests failed: {bad[:5]}")
+    return [seconds for _, seconds in results]
+
+
+async def capacity(url: str, args: argparse.Namespace) -> float:
+    """Completions per second with --max-batch clients in a closed loop."""
+    done = 0
+    deadline = time.perf_counter() + args.seconds
+
+    async def client_loop(client: httpx.AsyncClient) -> None:
+        nonlocal done
+        while time.perf_counter() < deadline:
+            status, _ = await one(client, url, args.max_tokens)
+            done += status == 200
+
+    started = time.perf_counter()
+    async with httpx.AsyncClient(timeout=120) as client:
+        await asyncio.gather(*(client_loop(client) for _ in range(args.max_batch)))
+    return done / (time.perf_counter() - started)
+
+
+async def offered(url: str, rate: float, args: argparse.Namespace) -> list[tuple[int | str, float]]:
+    """Requests sent open-loop, evenly spaced at ``rate`` per second for --seconds."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=1000)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+        tasks = []
+        started = time.perf_counter()
+        for i in range(max(1, round(rate * args.seconds))):
+            delay = started + i / rate - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(client, url, args.max_tokens)))
+        return await asyncio.gather(*tasks)
+
+
+def ms(seconds: list[float], q: float) -> float | None:
+    return round(percentile(seconds, q) * 1000, 1) if seconds else None
+
+
+def summarize(results: list[tuple[int | str, float]], quiet_p99_s: float) -> dict[str, object]:
+    admitted = [s for status, s in results if status == 200]
+    refused = [s for status, s in results if status in REFUSED]
+    errors = [status for status, _ in results if status != 200 and status not in REFUSED]
+    p99 = percentile(admitted, 99) if admitted else None
+    return {
+        "sent": len(results),
+        "admitted": len(admitted),
+        "admitted_p50_ms": ms(admitted, 50),
+        "admitted_p99_ms": ms(admitted, 99),
+        "admitted_p99_over_quiet": round(p99 / quiet_p99_s, 2) if p99 else None,
+        "refused": len(refused),
+        "refused_p50_ms": ms(refused, 50),
+        "refused_p99_ms": ms(refused, 99),
+        "refused_max_ms": ms(refused, 100),
+        "errors": len(errors),
+        "error_kinds": sorted({str(e) for e in errors}),
+    }
+
+
+async def measure(url: str, args: argparse.Namespace) -> dict[str, object]:
+    await quiet(url, args)  # warm-up
+    quiet_s = await quiet(url, args)
+    rate = await capacity(url, args)
+    print(f"quiet p50 {ms(quiet_s, 50)} ms p99 {ms(quiet_s, 99)} ms; capacity {rate:.1f}/s", file=sys.stderr)
+    result: dict[str, object] = {"quiet_p50_ms": ms(quiet_s, 50), "quiet_p99_ms": ms(quiet_s, 99)}
+    result["capacity_per_s"] = round(rate, 2)
+    loads = {}
+    for multiple in args.loads:
+        loads[f"{multiple:g}x"] = summary = summarize(
+            await offered(url, rate * multiple, args), percentile(quiet_s, 99)
+        )
+        print(f"{multiple:g}x: {summary}", file=sys.stderr)
+    result["loads"] = loads
+    worst = [s for s in loads.values() if s["admitted_p99_over_quiet"] is not None]
+    result["admitted_p99_over_quiet_max"] = max((s["admitted_p99_over_quiet"] for s in worst), default=None)
+    result["refused_max_ms"] = max((s["refused_max_ms"] or 0 for s in loads.values()), default=0)
+    result["errors"] = sum(s["errors"] for s in loads.values())
+    result["targets"] = {
+        "admitted_p99_over_quiet": ADMITTED_P99_RATIO_TARGET,
+        "refused_max_ms": REFUSED_MS_TARGET,
+        "errors": 0,
+    }
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--model", help="checkpoint directory (default: the embedded tiny model)")
+    parser.add_argument("--max-batch", type=int, default=4)
+    parser.add_argument("--max-queue", type=int, default=0, help="engine.max_queue (default 0: --max-batch)")
+    parser.add_argument("--max-tokens", type=int, default=32, help="tokens per completion (default 32)")
+    parser.add_argument("--seconds", type=float, default=5.0, help="per measurement (default 5)")
+    parser.add_argument("--quiet-requests", type=int, default=20)
+    parser.add_argument(
+        "--loads", type=lambda text: [float(x) for x in text.split(",")], default=[1.0, 2.0, 5.0], help="default 1,2,5"
+    )
+    args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the finally blocks stop what was started
+    with tempfile.TemporaryDirectory(prefix="hw-overload-") as tmp, stack(args, Path(tmp)) as url:
+        result = {"device": args.device, "model": args.model or "tiny", "max_batch": args.max_batch}
+        result["max_queue"] = args.max_queue
+        result |= {"max_tokens": args.max_tokens, "seconds": args.seconds} | asyncio.run(measure(url, args))
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

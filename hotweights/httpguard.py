@@ -1,0 +1,308 @@
+"""What every HTTP server of ours (controller, gateway, engine, agent) does before its handlers run.
+
+- Bodies are bounded: a ``Content-Length`` above the limit is 413 before a byte of the body is read; a
+  chunked body is counted as it arrives and refused with 413 as soon as it passes the limit; a body that
+  takes longer than ``body_timeout_s`` to arrive is 408.
+- A JSON body is parsed strictly once, before the handler: non-finite numbers (``NaN``, ``Infinity``,
+  ``1e999``), integers beyond 64 bits, nesting deeper than ``MAX_DEPTH``, duplicate keys, invalid UTF-8
+  and lone surrogates are 400 with one short reason. What passes is plain JSON every later step can
+  encode again (a validation error echoing it, a tokenizer, a log line).
+- Connections: one whose request headers have not all arrived ``header_timeout_s`` after it opened (or
+  after its previous response) is closed; beyond ``max_connections`` open at once, a new connection is
+  closed as soon as it is accepted, so those already open (health checks on keep-alive connections
+  among them) keep being served.
+
+Every refusal is a short JSON body in the server's own error shape (``ErrorShape``); values from the
+request are never echoed longer than ``ECHO_CHARS``. Work that scales with the body (the strict parse of
+a large one) runs in a worker thread, never on the event loop that answers health checks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import uvicorn
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.server import ServerState
+
+MIB = 1 << 20
+CONTROLLER_BODY_BYTES = 64 * 1024  # the controller's mutations carry a few small fields
+COMPLETION_BODY_BYTES = 4 * MIB  # a completion request (prompt included), at the gateway, engine and agent
+HEADER_TIMEOUT_S = 10.0
+BODY_TIMEOUT_S = 30.0
+MAX_CONNECTIONS = 4096  # per server; with two gateway workers and a few engines, well inside ulimit -n 65536
+MAX_DEPTH = 32  # JSON nesting; our bodies are two levels deep
+MAX_INT = 2**63  # integers beyond a signed 64-bit number are refused
+ECHO_CHARS = 200  # values from the request quoted in an answer are cut to this
+INLINE_PARSE_BYTES = 64 * 1024  # larger JSON bodies are checked in a worker thread
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # only a body with one can hold a lone surrogate
+
+
+class ErrorShape(enum.Enum):
+    """How a server words its errors: OpenAI's ``{"error": {...}}`` (engine, gateway, agent) or the
+    controller's ``{"detail": ...}``."""
+
+    OPENAI = "openai"
+    DETAIL = "detail"
+
+    def body(self, message: str, kind: str = "invalid_request_error") -> dict[str, object]:
+        if self is ErrorShape.DETAIL:
+            return {"detail": message}
+        return {"error": {"message": message, "type": kind, "param": None}}
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """One server's bounds on what a client may make it hold."""
+
+    body_bytes: int = COMPLETION_BODY_BYTES  # 413 above
+    body_timeout_s: float = BODY_TIMEOUT_S  # 408 when the whole body has not arrived by then
+    header_timeout_s: float = HEADER_TIMEOUT_S  # the connection is closed when headers take longer
+    max_connections: int = MAX_CONNECTIONS  # newer connections beyond this are closed at once
+
+
+def short(value: object, limit: int = ECHO_CHARS) -> str:
+    """``value`` as text, cut to ``limit`` characters (with the length it had) so an answer never
+    echoes a large input back."""
+    text = str(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+class BadJson(ValueError):
+    """A body that is not plain JSON; the message names the problem in a few words."""
+
+
+def _no_constant(name: str) -> Any:
+    raise BadJson(f"{name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise BadJson(f"number {short(text, 40)} is out of range")
+    return value
+
+
+def _bounded_int(text: str) -> int:
+    if len(text) > 20 or abs(value := int(text)) >= MAX_INT:
+        raise BadJson(f"integer {short(text, 40)} is out of range (64 bits)")
+    return value
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        seen: set[str] = set()
+        duplicate = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise BadJson(f"duplicate key {short(duplicate, 40)!r}")
+    return result
+
+
+def _check_tree(value: object, depth: int = 0) -> None:
+    """Nesting depth and lone surrogates (``"\\ud800"`` decodes, but no UTF-8 encoder takes it)."""
+    if depth > MAX_DEPTH:
+        raise BadJson(f"nested deeper than {MAX_DEPTH} levels")
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            raise BadJson("a string holds a lone surrogate (\\ud800-\\udfff)") from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_tree(key, depth + 1)
+            _check_tree(item, depth + 1)
+    elif isinstance(value, list):
+        for item in value:
+            _check_tree(item, depth + 1)
+
+
+def _depth_only(value: object, depth: int = 0) -> None:
+    if depth > MAX_DEPTH:
+        raise BadJson(f"nested deeper than {MAX_DEPTH} levels")
+    children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    for item in children:
+        _depth_only(item, depth + 1)
+
+
+def json_refusal(body: bytes) -> str | None:
+    """None when ``body`` is plain JSON (see the module docstring); else why not, in a few words."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return f"the body is not UTF-8 (byte {exc.start})"
+    try:
+        value = json.loads(
+            text,
+            parse_constant=_no_constant,
+            parse_float=_finite,
+            parse_int=_bounded_int,
+            object_pairs_hook=_unique_keys,
+        )
+        (_check_tree if SURROGATE_ESCAPE.search(body) else _depth_only)(value)
+    except BadJson as exc:
+        return f"invalid JSON: {exc}"
+    except RecursionError:
+        return f"invalid JSON: nested deeper than {MAX_DEPTH} levels"
+    except ValueError as exc:  # JSONDecodeError, and int()'s digit limit
+        return f"invalid JSON: {short(exc, 80)}"
+    return None
+
+
+def _is_json(scope: Scope) -> bool:
+    """FastAPI parses a body as JSON when its content type says so or when it has none."""
+    for name, value in scope["headers"]:
+        if name == b"content-type":
+            return b"json" in value.lower()
+    return True
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            return int(value) if value.isdigit() else -1
+    return None
+
+
+class TooLarge(Exception):
+    pass
+
+
+class BodyGuard:
+    """ASGI middleware: reads a request's body (bounded in size and time), checks JSON strictly, and
+    hands the app the body it read; refusals are answered here and the app never runs."""
+
+    def __init__(self, app: ASGIApp, limits: HttpLimits, shape: ErrorShape) -> None:
+        self.app, self.limits, self.shape = app, limits, shape
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            return await self.app(scope, receive, send)
+        length = _content_length(scope)
+        if length is not None and length > self.limits.body_bytes:
+            return await self._refuse(send, 413, self._too_large())
+        try:
+            async with asyncio.timeout(self.limits.body_timeout_s):
+                body = await self._read(receive)
+        except TooLarge:
+            return await self._refuse(send, 413, self._too_large())
+        except TimeoutError:
+            return await self._refuse(send, 408, f"the body did not arrive within {self.limits.body_timeout_s} s")
+        if body is None:
+            return None  # the client went away
+        if body and _is_json(scope):
+            check = json_refusal
+            reason = await asyncio.to_thread(check, body) if len(body) > INLINE_PARSE_BYTES else check(body)
+            if reason is not None:
+                return await self._refuse(send, 400, reason)
+        await self.app(scope, _replay(body, receive), send)
+
+    async def _read(self, receive: Receive) -> bytes | None:
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.limits.body_bytes:
+                raise TooLarge
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    def _too_large(self) -> str:
+        return f"the body is larger than this server's limit of {self.limits.body_bytes} bytes"
+
+    async def _refuse(self, send: Send, status: int, message: str) -> None:
+        await send_json(send, status, self.shape.body(message), {"connection": "close"})
+
+
+async def send_json(send: Send, status: int, body: dict[str, object], headers: dict[str, str] | None = None) -> None:
+    """A whole JSON response straight through ASGI (no framework in between)."""
+    payload = json.dumps(body).encode()
+    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+    raw += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": payload})
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A ``receive`` that gives the body once, then whatever the client does next (a disconnect)."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if sent:
+            return await receive()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replay
+
+
+def guarded_protocol(limits: HttpLimits) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with a header deadline and a cap on open connections (``HttpLimits``)."""
+
+    class GuardedProtocol(H11Protocol):
+        def __init__(self, config: uvicorn.Config, server_state: ServerState, *args: Any, **kwargs: Any) -> None:
+            super().__init__(config, server_state, *args, **kwargs)
+            self._header_timer: asyncio.TimerHandle | None = None
+            self._armed_for: object = None  # the request cycle current when the deadline was set
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            if len(self.connections) > limits.max_connections:
+                transport.abort()  # the newest goes: those open (health checks among them) stay served
+                return
+            self._arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.cycle is not None and self.cycle is not self._armed_for:
+                self._disarm()  # a request's headers arrived
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm()
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._armed_for = self.cycle
+            self._header_timer = self.loop.call_later(limits.header_timeout_s, self._headers_late)
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _headers_late(self) -> None:
+            self._header_timer = None
+            if self.cycle is self._armed_for and not self.transport.is_closing():
+                self.transport.close()
+
+    return GuardedProtocol
+
+
+def server_config(app: ASGIApp, limits: HttpLimits, shape: ErrorShape, **kwargs: Any) -> uvicorn.Config:
+    """A uvicorn config serving ``app`` behind ``BodyGuard`` and ``guarded_protocol``; ``kwargs`` as
+    for ``uvicorn.Config`` (our servers log through our handlers and write no access log)."""
+    return uvicorn.Config(
+        BodyGuard(app, limits, shape),
+        http=guarded_protocol(limits),
+        log_config=None,
+        access_log=False,
+        **kwargs,
+    )
