@@ -25,18 +25,11 @@ import json
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from hotweights.contract import Endpoint
+from hotweights.contract import CHAT_KEYS, CHAT_ONLY, Endpoint
 
 TOKEN_FIELDS = ("token_ids", "prompt_token_ids")  # what the gateway asks for, hidden unless the client did
 FORCED = {"stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
 DEFAULT_MAX_TOKENS = 16  # a completion's, as OpenAI's API (and every engine here) has it
-# What a chat request may hold to be continued as a completion of its rendered prompt's ids.
-CHAT_KEYS = frozenset(
-    {"messages", "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "seed"}
-    | {"stop", "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty"}
-    | {"stream", "stream_options", "return_token_ids", "user", "n"}
-)
-CHAT_ONLY = ("messages", "max_completion_tokens")  # left out of the continuation (a completion)
 
 
 class Refusal(StrEnum):

@@ -57,6 +57,14 @@ class Endpoint(StrEnum):
     EVENTS = "/events"  # the controller's timeline
 
 
+# What a chat request may hold to be continued as a completion of its rendered prompt's ids (the gateway's
+# migration, the agent's chat bridge).
+CHAT_KEYS = frozenset(
+    {"messages", "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "seed"}
+    | {"stop", "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty"}
+    | {"stream", "stream_options", "return_token_ids", "user", "n"}
+)
+CHAT_ONLY = ("messages", "max_completion_tokens")  # left out of a chat's continuation (a completion)
 SUSPECT_REQUEST = "suspect_request"  # the error type of a request the gateway will not re-send (gateway.suspect_after)
 SERVING_PREFIX = "/v1/"  # what a load balancer or the gateway forwards to the primary, and nothing else
 HEALTH_METHODS = ("GET", "HEAD", "OPTIONS")  # HAProxy checks with OPTIONS, Kubernetes with GET

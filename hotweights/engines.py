@@ -24,9 +24,19 @@ class EngineKind:
     model_flag: str  # the server's flag naming the checkpoint
     health: str  # the engine's own health endpoint
     running_metric: str  # its Prometheus gauge of requests being generated
+    chat_token_ids: bool  # streams a chat's token ids itself (else the agent bridges it: standby.chatbridge)
 
 
 KINDS = {
-    "vllm": EngineKind("vllm", "vllm.entrypoints.openai.api_server", "--model", "/health", "vllm:num_requests_running"),
-    "sglang": EngineKind("sglang", "sglang.launch_server", "--model-path", "/health", "sglang:num_running_reqs"),
+    "vllm": EngineKind(
+        "vllm",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        "/health",
+        "vllm:num_requests_running",
+        chat_token_ids=True,
+    ),
+    "sglang": EngineKind(
+        "sglang", "sglang.launch_server", "--model-path", "/health", "sglang:num_running_reqs", chat_token_ids=False
+    ),
 }

@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 from collections import deque
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +43,7 @@ from hotweights.httpguard import ErrorShape, HttpLimits, server_config
 from hotweights.ports import free_port
 from hotweights.proxying import HOP_BY_HOP, ProxiedStream
 from hotweights.spawn import hotweights_command
+from hotweights.standby.chatbridge import TOKENIZE, bridgeable, chat_events, completion_body, tokenize_body
 from hotweights.standby.contract_routes import SERVING, add_contract_routes, error, finish_app, unavailable
 from hotweights.standby.metrics import EngineMetrics
 from hotweights.standby.roles import Roles
@@ -246,6 +248,9 @@ def build_agent_app(ctx: AgentContext, client: httpx.AsyncClient) -> FastAPI:
         if reason := roles.serving_refusal() or ctx.readiness_refusal():
             response = unavailable(reason)
             return response
+        bridging = not ctx.kind.chat_token_ids and path == Endpoint.CHAT_COMPLETIONS and request.method == "POST"
+        if bridging and (chat := bridgeable(await request.body())) is not None:
+            return await bridge(ctx, client, request, chat)
         return await send(ctx, client, request, path)
 
     return finish_app(app, ctx.metrics)
@@ -263,14 +268,47 @@ async def send(ctx: AgentContext, client: httpx.AsyncClient, request: Request, p
         ctx.roles.release()
         response = unavailable(f"the engine did not answer: {type(exc).__name__} {exc}".strip())
         return response
+    reply_headers = {k: v for k, v in upstream.headers.items() if k not in HOP_BY_HOP}
+    return relayed(ctx, upstream, upstream.aiter_raw(), upstream.status_code, reply_headers)
+
+
+def relayed(
+    ctx: AgentContext, upstream: httpx.Response, content: AsyncIterator[bytes], status: int, headers: dict[str, str]
+) -> ProxiedStream:
+    """``content`` of the engine's ``upstream`` response as the reply; the roles stop counting the request
+    (``Roles.admit``) once it is closed."""
     ctx.capacity.relayed.add(upstream)
 
     async def closed() -> None:
         ctx.capacity.relayed.discard(upstream)
         ctx.roles.release()
 
-    reply_headers = {k: v for k, v in upstream.headers.items() if k not in HOP_BY_HOP}
-    return ProxiedStream(upstream.aiter_raw(), upstream.status_code, reply_headers, upstream, on_close=closed)
+    return ProxiedStream(content, status, headers, upstream, on_close=closed)
+
+
+async def bridge(ctx: AgentContext, client: httpx.AsyncClient, request: Request, chat: dict) -> Response:
+    """A streamed chat with token ids over the engine's completions (``standby.chatbridge``); the engine's
+    own answer when it refuses to encode the messages or to complete them."""
+    headers = [(k, v) for k, v in request.headers.items() if k not in HOP_BY_HOP]
+    ctx.roles.admit()
+    try:
+        encoded = await client.post(TOKENIZE, json=tokenize_body(chat), headers=headers)
+        if encoded.status_code != 200:
+            ctx.roles.release()
+            return Response(encoded.content, encoded.status_code, media_type=encoded.headers.get("content-type"))
+        prompt_ids = encoded.json()["tokens"]
+        body = completion_body(chat, prompt_ids)
+        upstream = await client.send(client.build_request("POST", Endpoint.COMPLETIONS, headers=headers, json=body))
+    except httpx.HTTPError as exc:
+        ctx.roles.release()
+        return unavailable(f"the engine did not answer: {type(exc).__name__} {exc}".strip())
+    if upstream.status_code != 200:
+        content = b"".join([chunk async for chunk in upstream.aiter_raw()])
+        await upstream.aclose()
+        ctx.roles.release()
+        return Response(content, upstream.status_code, media_type=upstream.headers.get("content-type"))
+    events = chat_events(upstream.aiter_lines(), prompt_ids)
+    return relayed(ctx, upstream, events, 200, {"content-type": "text/event-stream", "cache-control": "no-cache"})
 
 
 class AgentServer(AnnouncingServer):
