@@ -34,7 +34,7 @@ import uvicorn
 
 from hotweights.contract import Endpoint, Role
 from hotweights.controller.api import build_app
-from hotweights.controller.cluster import Cluster, Snapshot
+from hotweights.controller.cluster import Cluster
 from hotweights.controller.clusterctl import controller_client, controller_url
 from hotweights.controller.config import ClusterConfig, load_config
 from hotweights.controller.dcs import leadership
@@ -43,6 +43,7 @@ from hotweights.controller.events import EventLog
 from hotweights.controller.ha import Ha
 from hotweights.controller.health import HealthChecker
 from hotweights.controller.metrics import ControllerMetrics
+from hotweights.controller.snapshot import Snapshot
 from hotweights.controller.stack import Layout
 from hotweights.controller.supervisor import STOP_TIMEOUT_S, ControllerLock, stack_orphans, stop_recorded
 from hotweights.errors import ConfigError

@@ -22,8 +22,8 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from hotweights.contract import Role
-from hotweights.controller.cluster import MemberView, Status
 from hotweights.controller.executor import backoff_s
+from hotweights.controller.snapshot import MemberView, Status
 
 Verdict = Callable[[MemberView], str | None]  # why an engine counts as failed (``controller.health``), or None
 

@@ -35,7 +35,7 @@ from typing import Any
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
 
 from hotweights.contract import Endpoint, Role
-from hotweights.controller.cluster import SERVICE_START_TIMEOUT_S, Cluster, MemberView, ServiceFailed, Snapshot, filled
+from hotweights.controller.cluster import SERVICE_START_TIMEOUT_S, Cluster, ServiceFailed, filled
 from hotweights.controller.dcs import Solo
 from hotweights.controller.decide import (
     Elect,
@@ -59,6 +59,7 @@ from hotweights.controller.intents import Actions, Conflict, Refused, Unavailabl
 from hotweights.controller.metrics import ControllerMetrics
 from hotweights.controller.redundancy import Tracker, assess
 from hotweights.controller.rollout import RolloutProgress, rollout_wait_s
+from hotweights.controller.snapshot import MemberView, Snapshot
 from hotweights.controller.spares import is_spare
 from hotweights.controller.supervisor import FENCE_TIMEOUT_S
 from hotweights.state import ServiceKind

@@ -18,11 +18,11 @@ from hotweights.cache.arena import plan_layout
 from hotweights.cache.checkpoint import read_checkpoint
 from hotweights.cache.daemon import pipeline_source
 from hotweights.contract import Endpoint, Role
-from hotweights.controller.cluster import MemberView, Snapshot
 from hotweights.controller.config import REFERENCE, load_config, rollout_changes
 from hotweights.controller.devices import free_bytes
 from hotweights.controller.engineapi import EngineUnreachable
 from hotweights.controller.rollout import Rollout, RolloutProgress, StepFailed
+from hotweights.controller.snapshot import MemberView, Snapshot
 from hotweights.errors import ConfigError, HotweightsError
 from hotweights.standby.generate import load_tokenizer, stop_token_ids
 from hotweights.stats import ms

@@ -28,7 +28,7 @@ import pytest
 from hotweights.contract import Endpoint
 from hotweights.controller import supervisor
 from hotweights.controller.batch import BatchEngines
-from hotweights.controller.cluster import Cluster, Member, MemberView, Snapshot
+from hotweights.controller.cluster import Cluster, Member
 from hotweights.controller.config import EngineSpec, batch_spec, load_config
 from hotweights.controller.decide import Intent
 from hotweights.controller.events import EventLog
@@ -36,6 +36,7 @@ from hotweights.controller.ha import Ha
 from hotweights.controller.health import HealthChecker, HealthRecord
 from hotweights.controller.intents import Conflict
 from hotweights.controller.metrics import ControllerMetrics
+from hotweights.controller.snapshot import MemberView, Snapshot
 from hotweights.controller.stack import Layout
 from hotweights.controller.supervisor import Identity, read_identity
 from hotweights.errors import ConfigError

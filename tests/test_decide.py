@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 
-from hotweights.controller.cluster import MemberView
 from hotweights.controller.decide import (
     Elect,
     FailOver,
@@ -23,6 +22,7 @@ from hotweights.controller.decide import (
 from hotweights.controller.executor import backoff_s
 from hotweights.controller.health import HealthRecord, checks_failed, not_ready_within, process_exited
 from hotweights.controller.ids import engine_id, engine_slot
+from hotweights.controller.snapshot import MemberView
 
 pytestmark = pytest.mark.unit
 
