@@ -119,7 +119,7 @@ def run_controller(config_arg: str | None, *, with_gateway: bool, owns_stack: bo
     flags.capture()
     config_path = Path(config_arg) if config_arg else None
     config = load_config(config_path)
-    raise_open_files(config.open_files_needed(), f"cluster {config.cluster.name!r}")
+    raise_open_files(config.open_files_needed(), f"cluster {config.cluster.name!r}", config.open_files_wanted())
     layout = Layout.create(config, config_path)
     lock = ControllerLock(layout.lock_file)
     lock.acquire()
