@@ -1,16 +1,18 @@
 """Slow clients against the gateway: do the steady clients still get served, and does the group stay put?
 
-    python bench/slowloris.py                       # 20000 slow connections, tiny model on CPU
-    python bench/slowloris.py --connections 4000 --attack-s 15
+    python bench/slowloris.py                       # 20000 slow connections to the gateway, tiny model on CPU
+    python bench/slowloris.py --target primary      # to the primary engine's own port instead
 
 Starts its own stack (``hotweights up``: controller, daemon, three engines, the gateway; torn down at the
 end, on SIGINT/SIGTERM too). Steady clients send ``--rps`` short greedy completions a second through the
 gateway, each on a new connection (as a client that just arrived would). First ``--quiet-s`` seconds with
 nothing else, then ``--attack-s`` seconds while attacker processes hold ``--connections`` connections to the
-gateway that send the start of a request and never finish its headers (each one the server closes is
-opened again). Reports the steady clients' latency (p50, p99) and errors in both phases, how many slow
-connections were open at most, and what the controller did meanwhile (failovers, respawns). The last
-stdout line is one JSON object.
+gateway (``--target primary``: to the primary engine's port, where the controller's health checks go too)
+that send the start of a request and never finish its headers (each one the server closes is opened
+again). Reports the steady clients' latency (p50, p99) and errors in both phases, how many slow connections
+were open at most, and what the controller did meanwhile (failovers, respawns). The attackers run on the
+same machine, so on a small one their own CPU shows in the latency too. The last stdout line is one JSON
+object.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from hotweights.chaos.clusterview import ControlApi
 from hotweights.chaos.stack import DrillStack
 from hotweights.contract import Endpoint
 
@@ -101,6 +104,13 @@ async def steady(url: str, rps: float, seconds: float) -> tuple[list[float], lis
     return latencies, errors
 
 
+async def primary_url(api: ControlApi) -> str:
+    view = await api.cluster()
+    if view is None or not view.primaries():
+        raise RuntimeError("the controller names no primary")
+    return view.primaries()[0]["url"]
+
+
 def figures(latencies: list[float], errors: list[str]) -> dict[str, Any]:
     ms = sorted(x * 1000 for x in latencies)
     p99 = ms[min(len(ms) - 1, int(len(ms) * 0.99))] if ms else None
@@ -124,7 +134,8 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         url = stack.lb_url
         quiet = await steady(url, args.rps, args.quiet_s)
         since = time.time()
-        host, port = httpx.URL(url).host, httpx.URL(url).port
+        target = httpx.URL(url if args.target == "gateway" else await primary_url(api))
+        host, port = target.host, target.port
         left = args.connections
         while left > 0:
             count, left = min(left, PER_ATTACKER), left - PER_ATTACKER
@@ -144,6 +155,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     before, during = figures(*quiet), figures(*attacked)
     ratio = during["p99_ms"] / before["p99_ms"] if during["p99_ms"] and before["p99_ms"] else None
     return {
+        "target": args.target,
         "connections": args.connections,
         "slow_connections_open_max": most,
         "quiet": before,
@@ -156,6 +168,9 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--connections", type=int, default=20000, help="slow connections held (default 20000)")
+    parser.add_argument(
+        "--target", choices=("gateway", "primary"), default="gateway", help="where the slow connections go"
+    )
     parser.add_argument("--rps", type=float, default=10.0, help="steady completions a second (default 10)")
     parser.add_argument("--quiet-s", type=float, default=10.0, help="seconds measured with no attack (default 10)")
     parser.add_argument("--attack-s", type=float, default=20.0, help="seconds measured under attack (default 20)")
