@@ -29,7 +29,7 @@ from hotweights.spawn import SPARE_DUTY
 
 EXAMPLE_CONFIG = """\
 [cluster]
-name = "demo"
+name = "hotweights"
 host = "127.0.0.1"            # controller REST API
 port = 8100
 token_file = ""               # bearer token for mutations; required for a non-loopback cluster or gateway host
