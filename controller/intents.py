@@ -249,7 +249,7 @@ class Actions:
         sentences = []
         for service_id in snap.daemon_ids(group):  # one per rank in a tensor-parallel group
             how = await self.cluster.stop_service(service_id)
-            self.cluster.respawn(service_id, partial(self.ha.keep, service_id))
+            self.cluster.respawn(service_id, partial(self.ha.keepers.keep, service_id))
             sentences.append(f"restarting cache daemon {service_id}: old one {how}; engines keep serving")
             self.events.record("cache_restart", sentences[-1], service=service_id, group=group)
         return "; ".join(sentences), {"service": snap.daemon(group).id}
