@@ -13,20 +13,21 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from hotweights.cache.client import AttachRefused, DaemonUnavailable, hello, request
 from hotweights.contract import Role
 from hotweights.controller.batch import BatchEngines
-from hotweights.controller.config import REFERENCE, START_TIMEOUTS_S, ClusterConfig, EngineSpec, batch_spec
+from hotweights.controller.config import REFERENCE, ClusterConfig, EngineSpec, batch_spec
 from hotweights.controller.engineapi import EngineApi
 from hotweights.controller.events import EventLog
 from hotweights.controller.gatewayworkers import GatewayWorkers
-from hotweights.controller.health import HealthChecker, HealthRecord
+from hotweights.controller.health import HealthChecker
 from hotweights.controller.ids import daemon_id, engine_id, engine_slot, spare_engine_id, spare_key
-from hotweights.controller.snapshot import MemberView, ServiceView, Snapshot, Status
+from hotweights.controller.slots import Member, Service, Weights, member_view, service_view, slot_order
+from hotweights.controller.snapshot import Snapshot
 from hotweights.controller.spares import Spares
 from hotweights.controller.stack import Generation, Layout
 from hotweights.controller.supervisor import (
@@ -60,54 +61,6 @@ PROBE_TIMEOUT_S = 1.0  # a daemon's hello or the gateway's health page
 
 class ServiceFailed(Exception):
     """A daemon or gateway exited, or never served, after being started."""
-
-
-@dataclass
-class Member:
-    """One engine slot: the spec is permanent, the process behind it is replaced on failure."""
-
-    spec: EngineSpec
-    role: str = Role.STANDBY  # what we last set; the engine's own later health replies override it
-    role_set_at: float = 0.0  # time.monotonic() of our last role change: older replies are stale
-    process: Process | None = None
-    health: HealthRecord = field(default_factory=HealthRecord)
-    started_at: float = 0.0  # time.monotonic()
-    start_timeout_s: float = START_TIMEOUTS_S[REFERENCE]  # its group's: how long it may take to be ready
-    generation: int = 0  # the weight generation its process maps
-
-    def current_role(self) -> str:
-        """The engine's word when its latest reply postdates our last role change, else ours. By
-        ``body_at``, not ``sent_at``: a failed check keeps the previous body, which may predate it."""
-        body = self.health.body or {}
-        if body.get("role") in (Role.PRIMARY, Role.STANDBY) and self.health.body_at > self.role_set_at:
-            return body["role"]
-        return self.role
-
-
-@dataclass
-class Service:
-    """A cache daemon (one per group) or the gateway: kept running, ``serving`` once its probe answered."""
-
-    id: str
-    kind: ServiceKind
-    group: int | None = None
-    rank: int = 0  # a daemon's tensor-parallel rank
-    process: Process | None = None
-    serving: bool = False
-    restarts: int = 0  # replacements of a process that had exited
-    keeper: asyncio.Task | None = None  # the (re)start in progress
-    fencing: bool = False  # being killed for not answering; respawned once it is gone
-    generation: Generation | None = None  # a daemon's weights (None: the first generation)
-    from_spare: bool = False  # its process was its group's spare daemon, started when it was needed
-
-
-@dataclass
-class Weights:
-    """A group's current weight generation: what its engines start on. ``served``: one of its engines has
-    been primary, so no engine of an older generation may be promoted again (answers switch once)."""
-
-    current: Generation
-    served: bool = True
 
 
 class Cluster:
@@ -263,59 +216,10 @@ class Cluster:
     def snapshot(self) -> Snapshot:
         """The cluster now, read-only: taking it changes nothing."""
         now = time.monotonic()
-        members = tuple(self._view(m, now) for m in sorted(self.members.values(), key=_slot_order))
-        services = tuple(
-            ServiceView(
-                s.id,
-                s.kind,
-                s.group,
-                s.rank,
-                s.process.pid if s.process else None,
-                bool(s.process and s.process.alive),
-                s.serving,
-                s.fencing or bool(s.keeper and not s.keeper.done()),
-                s.restarts,
-                s.process.exit_reason if s.process else None,
-                s.generation.number if s.generation else 0,
-                s.kind != ServiceKind.DAEMON or self._generation_of(s) == self.weights[s.group].current.number,
-            )
-            for s in self.services.values()
-        )
+        members = tuple(member_view(m, now) for m in sorted(self.members.values(), key=slot_order))
+        current = {group: w.current.number for group, w in self.weights.items()}
+        services = tuple(service_view(s, current) for s in self.services.values())
         return Snapshot(now, len(self.config.groups), members, services)
-
-    def _view(self, member: Member, now: float) -> MemberView:
-        process, health = member.process, member.health
-        body = health.body or {}
-        alive = bool(process and process.alive)
-        if process is None:
-            status = Status.ABSENT
-        elif not alive:
-            status = Status.EXITED
-        elif process.exiting_at is not None:
-            status = Status.EXITING
-        elif health.ok:
-            status = Status.HEALTHY
-        else:
-            status = Status.FAILING if health.ever_ok else Status.STARTING
-        return MemberView(
-            id=member.spec.id,
-            group=member.spec.group,
-            port=member.spec.port,
-            device=member.spec.device,
-            url=member.spec.url,
-            role=member.current_role(),
-            state=body.get("state", "unknown") if health.ok is not None else "unknown",
-            status=status,
-            pid=process.pid if process else None,
-            alive=alive,
-            exit_reason=process.exit_reason if process else None,
-            exited_at=process.exited_at if process else None,
-            exiting_at=process.exiting_at if process else None,
-            age_s=now - member.started_at,
-            start_timeout_s=member.start_timeout_s,
-            health=replace(health),
-            generation=member.generation,
-        )
 
     # --- engines -------------------------------------------------------------------------------
 
@@ -688,7 +592,3 @@ def filled(fill: dict[str, Any]) -> str:
         return ""
     ms = round(fill.get("seconds", 0.0) * 1000, 1)
     return f"; filled from {fill.get('source')} in {ms} ms ({fill.get('detail')})"
-
-
-def _slot_order(member: Member) -> tuple[int, int]:
-    return engine_slot(member.spec.id)
