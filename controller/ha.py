@@ -495,8 +495,7 @@ class Ha:
         """Stop and forget every daemon of the group that ``Cluster.retiring_daemons`` names; the sentence."""
         done = []
         for service_id in self.cluster.retiring_daemons(group):
-            if task := self.liveness.pop(service_id, None):
-                task.cancel()
+            self.keepers.forget(service_id)
             how = await self.cluster.remove_service(service_id)
             message = f"{service_id}: no engine maps its generation any more; {how}"
             self.events.record("retire", message, service=service_id, group=group)

@@ -68,6 +68,12 @@ class ServiceKeepers:
             self.cluster.respawn(view.id, partial(self.keep, view.id))
         return "; ".join(actions) if actions else None
 
+    def forget(self, service_id: str) -> None:
+        """Stop probing a service that is being removed."""
+        if task := self.liveness.pop(service_id, None):
+            task.cancel()
+        self.unanswered.pop(service_id, None)
+
     def _check_liveness(self, service_id: str) -> None:
         """Probe a serving service every SERVICE_PROBE_S in the background (a hung one is alive but
         answers nothing: new standbys could not attach, or clients would wait on the gateway)."""
