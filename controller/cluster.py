@@ -9,28 +9,25 @@ adopts the running processes and starts only what is missing.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
-import socket
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass, field, replace
-from enum import StrEnum
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from hotweights.cache.client import AttachRefused, DaemonUnavailable, hello, request
-from hotweights.contract import Endpoint, Role, State
+from hotweights.contract import Role
 from hotweights.controller.batch import BatchEngines
-from hotweights.controller.config import REFERENCE, START_TIMEOUTS_S, ClusterConfig, EngineSpec, batch_spec
+from hotweights.controller.config import REFERENCE, ClusterConfig, EngineSpec, batch_spec
 from hotweights.controller.engineapi import EngineApi
 from hotweights.controller.events import EventLog
-from hotweights.controller.gateway import BACKLOG as GATEWAY_BACKLOG
-from hotweights.controller.health import HealthChecker, HealthRecord
+from hotweights.controller.gatewayworkers import GatewayWorkers
+from hotweights.controller.health import HealthChecker
 from hotweights.controller.ids import daemon_id, engine_id, engine_slot, spare_engine_id, spare_key
+from hotweights.controller.slots import Member, Service, Weights, member_view, service_view, slot_order
+from hotweights.controller.snapshot import Snapshot
 from hotweights.controller.spares import Spares
 from hotweights.controller.stack import Generation, Layout
 from hotweights.controller.supervisor import (
@@ -43,7 +40,7 @@ from hotweights.controller.supervisor import (
     stop_recorded,
 )
 from hotweights.ports import is_free
-from hotweights.standby.serving import PortUnavailable, bind_port
+from hotweights.standby.serving import PortUnavailable
 from hotweights.state import (
     ClusterState,
     GroupRecord,
@@ -64,172 +61,6 @@ PROBE_TIMEOUT_S = 1.0  # a daemon's hello or the gateway's health page
 
 class ServiceFailed(Exception):
     """A daemon or gateway exited, or never served, after being started."""
-
-
-@dataclass
-class Member:
-    """One engine slot: the spec is permanent, the process behind it is replaced on failure."""
-
-    spec: EngineSpec
-    role: str = Role.STANDBY  # what we last set; the engine's own later health replies override it
-    role_set_at: float = 0.0  # time.monotonic() of our last role change: older replies are stale
-    process: Process | None = None
-    health: HealthRecord = field(default_factory=HealthRecord)
-    started_at: float = 0.0  # time.monotonic()
-    start_timeout_s: float = START_TIMEOUTS_S[REFERENCE]  # its group's: how long it may take to be ready
-    generation: int = 0  # the weight generation its process maps
-
-    def current_role(self) -> str:
-        """The engine's word when its latest reply postdates our last role change, else ours. By
-        ``body_at``, not ``sent_at``: a failed check keeps the previous body, which may predate it."""
-        body = self.health.body or {}
-        if body.get("role") in (Role.PRIMARY, Role.STANDBY) and self.health.body_at > self.role_set_at:
-            return body["role"]
-        return self.role
-
-
-@dataclass
-class Service:
-    """A cache daemon (one per group) or the gateway: kept running, ``serving`` once its probe answered."""
-
-    id: str
-    kind: ServiceKind
-    group: int | None = None
-    rank: int = 0  # a daemon's tensor-parallel rank
-    process: Process | None = None
-    serving: bool = False
-    restarts: int = 0  # replacements of a process that had exited
-    keeper: asyncio.Task | None = None  # the (re)start in progress
-    fencing: bool = False  # being killed for not answering; respawned once it is gone
-    generation: Generation | None = None  # a daemon's weights (None: the first generation)
-    from_spare: bool = False  # its process was its group's spare daemon, started when it was needed
-
-
-@dataclass
-class Weights:
-    """A group's current weight generation: what its engines start on. ``served``: one of its engines has
-    been primary, so no engine of an older generation may be promoted again (answers switch once)."""
-
-    current: Generation
-    served: bool = True
-
-
-class Status(StrEnum):
-    """The controller's word on an engine slot (``MemberView.status``), from its process and its checks."""
-
-    ABSENT = "absent"  # no process
-    STARTING = "starting"  # not healthy yet, never was
-    HEALTHY = "healthy"
-    FAILING = "failing"  # its last check failed, after it had been healthy
-    EXITING = "exiting"  # a watched primary: every thread has begun to exit
-    EXITED = "exited"
-
-
-@dataclass(frozen=True)
-class MemberView:
-    id: str
-    group: int
-    port: int
-    device: str
-    url: str
-    role: str  # primary | standby (the engine's word when it has answered, else ours)
-    state: str  # the engine's: ready | draining | drained | unknown
-    status: Status
-    pid: int | None
-    alive: bool
-    exit_reason: str | None
-    exited_at: float | None
-    exiting_at: float | None  # a watched primary: when every thread was seen exiting (it is not reaped yet)
-    age_s: float
-    start_timeout_s: float  # its group's: not ready this long after its start means failed
-    health: HealthRecord
-    generation: int = 0  # the weight generation it maps
-
-    @property
-    def is_ready_standby(self) -> bool:
-        return self.alive and self.role == Role.STANDBY and self.state == State.READY and bool(self.health.ok)
-
-    @property
-    def is_serving_primary(self) -> bool:
-        return self.alive and self.role == Role.PRIMARY and self.state == State.READY and bool(self.health.ok)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "group": self.group,
-            "role": self.role,
-            "state": self.state,
-            "status": self.status,
-            "pid": self.pid,
-            "port": self.port,
-            "url": self.url,
-            "device": self.device,
-            "exit_reason": self.exit_reason,
-            "last_check": self.health.checked_at,
-            "consecutive_failures": self.health.consecutive_failures,
-            "health": self.health.to_json(),
-            "generation": self.generation,
-        }
-
-
-@dataclass(frozen=True)
-class ServiceView:
-    id: str
-    kind: ServiceKind
-    group: int | None
-    rank: int
-    pid: int | None
-    alive: bool
-    serving: bool
-    restarting: bool
-    restarts: int
-    exit_reason: str | None
-    generation: int = 0  # a daemon's weight generation
-    current: bool = True  # a daemon of its group's current generation (else retiring with its last engines)
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """The whole cluster at one instant: what one HA cycle decides from."""
-
-    taken_at: float
-    groups: int
-    members: tuple[MemberView, ...]
-    services: tuple[ServiceView, ...]
-
-    def member(self, member_id: str) -> MemberView | None:
-        return next((m for m in self.members if m.id == member_id), None)
-
-    def group(self, group: int) -> list[MemberView]:
-        return [m for m in self.members if m.group == group]
-
-    def primaries(self, group: int) -> list[MemberView]:
-        """Members that are (or were, until they died) the primary; live ones first."""
-        return sorted((m for m in self.group(group) if m.role == Role.PRIMARY), key=lambda m: not m.alive)
-
-    def is_whole(self, group: int) -> bool:
-        """A serving primary, and every other member of ``group`` a ready standby."""
-        members = self.group(group)
-        return any(m.is_serving_primary for m in members) and all(
-            m.is_serving_primary or m.is_ready_standby for m in members
-        )
-
-    def daemon(self, group: int) -> ServiceView:
-        """The group's daemon of its current generation (of rank 0, in a tensor-parallel group)."""
-        return next(s for s in self.services if s.kind == ServiceKind.DAEMON and s.group == group and s.current)
-
-    def daemon_ids(self, group: int) -> list[str]:
-        """The group's daemons of its current generation: one, or one per rank of a tensor-parallel group
-        (rank 0's first)."""
-        return [s.id for s in self.services if s.kind == ServiceKind.DAEMON and s.group == group and s.current]
-
-    def daemons_serve(self, group: int) -> bool:
-        """Whether every daemon of the group's current generation (one per rank) serves: new engines can
-        attach."""
-        return all(s.serving for s in self.services if s.kind == ServiceKind.DAEMON and s.group == group and s.current)
 
 
 class Cluster:
@@ -253,9 +84,7 @@ class Cluster:
         self.members: dict[str, Member] = {}
         self.services: dict[str, Service] = {}
         self.removed: set[str] = set()  # configured engines deleted through the API
-        self.listener: socket.socket | None = None  # the gateway's port, held for its workers
-        self.pushes: set[asyncio.Task] = set()  # wakes sent to gateway workers
-        self.worker_clients: dict[str, httpx.AsyncClient] = {}  # per gateway worker, over its Unix socket
+        self.gateways = GatewayWorkers(self.config, layout, PROBE_TIMEOUT_S)
 
     # --- load and persist ---------------------------------------------------------------------
 
@@ -387,59 +216,10 @@ class Cluster:
     def snapshot(self) -> Snapshot:
         """The cluster now, read-only: taking it changes nothing."""
         now = time.monotonic()
-        members = tuple(self._view(m, now) for m in sorted(self.members.values(), key=_slot_order))
-        services = tuple(
-            ServiceView(
-                s.id,
-                s.kind,
-                s.group,
-                s.rank,
-                s.process.pid if s.process else None,
-                bool(s.process and s.process.alive),
-                s.serving,
-                s.fencing or bool(s.keeper and not s.keeper.done()),
-                s.restarts,
-                s.process.exit_reason if s.process else None,
-                s.generation.number if s.generation else 0,
-                s.kind != ServiceKind.DAEMON or self._generation_of(s) == self.weights[s.group].current.number,
-            )
-            for s in self.services.values()
-        )
+        members = tuple(member_view(m, now) for m in sorted(self.members.values(), key=slot_order))
+        current = {group: w.current.number for group, w in self.weights.items()}
+        services = tuple(service_view(s, current) for s in self.services.values())
         return Snapshot(now, len(self.config.groups), members, services)
-
-    def _view(self, member: Member, now: float) -> MemberView:
-        process, health = member.process, member.health
-        body = health.body or {}
-        alive = bool(process and process.alive)
-        if process is None:
-            status = Status.ABSENT
-        elif not alive:
-            status = Status.EXITED
-        elif process.exiting_at is not None:
-            status = Status.EXITING
-        elif health.ok:
-            status = Status.HEALTHY
-        else:
-            status = Status.FAILING if health.ever_ok else Status.STARTING
-        return MemberView(
-            id=member.spec.id,
-            group=member.spec.group,
-            port=member.spec.port,
-            device=member.spec.device,
-            url=member.spec.url,
-            role=member.current_role(),
-            state=body.get("state", "unknown") if health.ok is not None else "unknown",
-            status=status,
-            pid=process.pid if process else None,
-            alive=alive,
-            exit_reason=process.exit_reason if process else None,
-            exited_at=process.exited_at if process else None,
-            exiting_at=process.exiting_at if process else None,
-            age_s=now - member.started_at,
-            start_timeout_s=member.start_timeout_s,
-            health=replace(health),
-            generation=member.generation,
-        )
 
     # --- engines -------------------------------------------------------------------------------
 
@@ -635,7 +415,10 @@ class Cluster:
                 service.process = taken or self.supervisor.spawn(service.id, command, env)
                 service.from_spare = taken is not None
             else:
-                fd = self.gateway_listener().fileno()
+                try:
+                    fd = self.gateways.listening().fileno()
+                except PortUnavailable as exc:
+                    raise ServiceFailed(f"the gateway's port: {exc}") from None
                 self.layout.gateway_probe_socket(service.id).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
                 command = self.layout.gateway_command(service.id, fd)
                 service.process = self.supervisor.spawn(service.id, command, pass_fds=(fd,))
@@ -664,57 +447,9 @@ class Cluster:
         fill = reply.get("status", {}).get("fill") if reply.get("ok") else None
         return fill if isinstance(fill, dict) else {}
 
-    def gateway_listener(self) -> socket.socket:
-        """The gateway's listening socket: bound and listening from the first worker's start until the
-        controller stops, and inherited by every worker. While no worker accepts (one respawning), the
-        kernel queues connections instead of refusing them. SO_REUSEPORT lets a restarted controller bind
-        beside the workers an earlier one started (they keep its socket). Raises ServiceFailed."""
-        if self.listener is None:
-            gateway = self.config.gateway
-            try:
-                sock = bind_port(gateway.host, gateway.port, reuse_port=True)
-            except PortUnavailable as exc:
-                raise ServiceFailed(f"the gateway's port: {exc}") from None
-            sock.listen(GATEWAY_BACKLOG)
-            self.listener = sock
-        return self.listener
-
-    def close_gateway_listener(self) -> None:
-        """Our copy only: workers that still run keep serving on theirs."""
-        if self.listener is not None:
-            self.listener.close()
-            self.listener = None
-
     def wake_gateways(self) -> None:
-        """Tell every serving gateway worker to probe the engines now (a role just changed), in the
-        background; a worker that misses it finds out at its next probe anyway."""
-        for service in self.services.values():
-            if service.kind == ServiceKind.GATEWAY and service.serving:
-                task = asyncio.create_task(self._wake(service), name=f"wake-{service.id}")
-                self.pushes.add(task)
-                task.add_done_callback(self.pushes.discard)
-
-    async def _wake(self, service: Service) -> None:
-        with contextlib.suppress(httpx.HTTPError):
-            await self._worker_client(service).post(Endpoint.GATEWAY_WAKE, timeout=PROBE_TIMEOUT_S)
-
-    def _worker_client(self, service: Service) -> httpx.AsyncClient:
-        """The client for one gateway worker, over its own Unix socket: made once (making one costs tens
-        of ms of CPU, on the event loop), with no pooled connection (a respawned worker is a new socket)."""
-        client = self.worker_clients.get(service.id)
-        if client is None:
-            path = str(self.layout.gateway_probe_socket(service.id))
-            transport = httpx.AsyncHTTPTransport(uds=path, limits=httpx.Limits(max_keepalive_connections=0))
-            token = self.config.token()
-            headers = {"Authorization": f"Bearer {token}"} if token else {}
-            client = httpx.AsyncClient(transport=transport, base_url="http://gateway", headers=headers, trust_env=False)
-            self.worker_clients[service.id] = client
-        return client
-
-    async def close_worker_clients(self) -> None:
-        for client in self.worker_clients.values():
-            await client.aclose()
-        self.worker_clients.clear()
+        """Tell every serving gateway worker to probe the engines now (a role just changed)."""
+        self.gateways.wake(s.id for s in self.services.values() if s.kind == ServiceKind.GATEWAY and s.serving)
 
     async def stop_service(self, service_id: str) -> str:
         service = self.services[service_id]
@@ -746,13 +481,7 @@ class Cluster:
             except (DaemonUnavailable, AttachRefused):
                 return False
             return True
-        # This worker's own socket, not the shared port (any worker answers there), and an HTTP answer,
-        # not a connect: the kernel accepts connections for a stopped process too.
-        try:
-            response = await self._worker_client(service).get(Endpoint.GATEWAY_HEALTH, timeout=PROBE_TIMEOUT_S)
-            return response.status_code == 200
-        except httpx.HTTPError:
-            return False
+        return await self.gateways.answers(service.id)
 
     @staticmethod
     def _generation_of(service: Service) -> int:
@@ -830,8 +559,7 @@ class Cluster:
         gateways = [s.id for s in self.services.values() if s.kind == ServiceKind.GATEWAY]
         results = await asyncio.gather(*(self.stop_service(service_id) for service_id in gateways))
         lines = [f"{service_id}: {how}" for service_id, how in zip(gateways, results, strict=True)]
-        self.close_gateway_listener()
-        await self.close_worker_clients()
+        await self.gateways.close()
         engines = [m for m in self.members.values() if m.process and m.process.alive]
         results, batch = await asyncio.gather(
             asyncio.gather(*(self.supervisor.stop(m.process, timeout) for m in engines)), self.batch.stop_all(timeout)
@@ -853,8 +581,7 @@ class Cluster:
         self.daemon_spares.release_all()
         await self.batch.release()
         self.save()
-        self.close_gateway_listener()
-        await self.close_worker_clients()
+        await self.gateways.close()
         for process in list(self.supervisor.processes.values()):
             self.supervisor.forget(process)
 
@@ -865,7 +592,3 @@ def filled(fill: dict[str, Any]) -> str:
         return ""
     ms = round(fill.get("seconds", 0.0) * 1000, 1)
     return f"; filled from {fill.get('source')} in {ms} ms ({fill.get('detail')})"
-
-
-def _slot_order(member: Member) -> tuple[int, int]:
-    return engine_slot(member.spec.id)

@@ -34,7 +34,7 @@ import uvicorn
 
 from hotweights.contract import Endpoint, Role
 from hotweights.controller.api import build_app
-from hotweights.controller.cluster import Cluster, Snapshot
+from hotweights.controller.cluster import Cluster
 from hotweights.controller.clusterctl import controller_client, controller_url
 from hotweights.controller.config import ClusterConfig, load_config
 from hotweights.controller.dcs import leadership
@@ -43,6 +43,7 @@ from hotweights.controller.events import EventLog
 from hotweights.controller.ha import Ha
 from hotweights.controller.health import HealthChecker
 from hotweights.controller.metrics import ControllerMetrics
+from hotweights.controller.snapshot import Snapshot
 from hotweights.controller.stack import Layout
 from hotweights.controller.supervisor import STOP_TIMEOUT_S, ControllerLock, stack_orphans, stop_recorded
 from hotweights.errors import ConfigError
@@ -118,7 +119,7 @@ def run_controller(config_arg: str | None, *, with_gateway: bool, owns_stack: bo
     flags.capture()
     config_path = Path(config_arg) if config_arg else None
     config = load_config(config_path)
-    raise_open_files(config.open_files_needed(), f"cluster {config.cluster.name!r}")
+    raise_open_files(config.open_files_needed(), f"cluster {config.cluster.name!r}", config.open_files_wanted())
     layout = Layout.create(config, config_path)
     lock = ControllerLock(layout.lock_file)
     lock.acquire()

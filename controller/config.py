@@ -22,14 +22,14 @@ from hotweights.contract import read_token, refuse_open_listener
 from hotweights.controller.ids import engine_id
 from hotweights.dtypes import MODEL_DTYPE_NAMES
 from hotweights.errors import ConfigError
-from hotweights.httpguard import COMPLETION_BODY_BYTES, CONTROLLER_BODY_BYTES
+from hotweights.httpguard import COMPLETION_BODY_BYTES, CONTROLLER_BODY_BYTES, MAX_CONNECTIONS
 from hotweights.paths import hotweights_home
 from hotweights.quant import QUANT_METHODS
 from hotweights.spawn import SPARE_DUTY
 
 EXAMPLE_CONFIG = """\
 [cluster]
-name = "demo"
+name = "hotweights"
 host = "127.0.0.1"            # controller REST API
 port = 8100
 token_file = ""               # bearer token for mutations; required for a non-loopback cluster or gateway host
@@ -331,6 +331,11 @@ class ClusterConfig:
         return (
             OPEN_FILES_BASE + OPEN_FILES_PER_ENGINE * engines + OPEN_FILES_PER_HELD_REQUEST * self.gateway.queue_limit
         )
+
+    def open_files_wanted(self) -> int:
+        """What a stack takes where the hard limit allows: its need, and room for each server's connection cap
+        (``httpguard.connection_cap``: half the limit) on top."""
+        return self.open_files_needed() + 2 * MAX_CONNECTIONS
 
     def token(self) -> str | None:
         """The bearer token from ``token_file`` (None when unset)."""

@@ -22,8 +22,8 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from hotweights.contract import Role
-from hotweights.controller.cluster import MemberView, Status
 from hotweights.controller.executor import backoff_s
+from hotweights.controller.snapshot import MemberView, Status
 
 Verdict = Callable[[MemberView], str | None]  # why an engine counts as failed (``controller.health``), or None
 
@@ -192,3 +192,31 @@ def best_standby(members: Sequence[MemberView], generation: int, served: bool) -
     if served or any(m.generation == generation for m in ready):
         ready = [m for m in ready if m.generation == generation]
     return min(ready, key=lambda m: m.health.consecutive_failures, default=None)
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """What one engine of a group holds, as measured on its live engines (the largest of each): resident host
+    memory (its process tree) and device memory (its CUDA processes); None where nothing could be read."""
+
+    host_bytes: int | None
+    device_bytes: int | None
+
+
+def room_refusal(
+    group: int, device: str, need: Footprint, host_free: int | None, device_free: int | None
+) -> str | None:
+    """Why ``POST /engines`` cannot add an engine to ``group`` (its 409 message): one more engine's ``need`` does
+    not fit in the host's or the device's free memory; None when it fits or a figure is unknown."""
+    gib = 1 << 30
+    if need.host_bytes is not None and host_free is not None and need.host_bytes > host_free:
+        return (
+            f"group {group}: one more engine needs about {need.host_bytes / gib:.2f} GiB of host memory "
+            f"(what a running one holds), {host_free / gib:.2f} GiB are available"
+        )
+    if need.device_bytes is not None and device_free is not None and need.device_bytes > device_free:
+        return (
+            f"group {group}: one more engine needs about {need.device_bytes / gib:.2f} GiB on {device} "
+            f"(what a running one holds), {device_free / gib:.2f} GiB are free"
+        )
+    return None

@@ -1,9 +1,14 @@
-"""Memory free on a device, read without touching it: what a model update and a batch engine's return check."""
+"""Memory free on a device and held by processes, read without touching the device: what a model update, a batch
+engine's return and ``POST /engines`` check."""
 
 from __future__ import annotations
 
+import os
 import subprocess
+from collections.abc import Iterable
 from pathlib import Path
+
+PROC = Path("/proc")
 
 
 def free_bytes(device: str) -> int | None:
@@ -21,3 +26,39 @@ def free_bytes(device: str) -> int | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return int(result.stdout.split()[0]) << 20  # MiB
+
+
+def tree_rss_bytes(pid: int) -> int | None:
+    """Resident memory of ``pid`` and every process below it (an agent's engine and its workers, say); None once
+    ``pid`` is gone."""
+    children: dict[int, list[int]] = {}
+    for stat in PROC.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    total, todo, page = 0, [pid], os.sysconf("SC_PAGE_SIZE")
+    while todo:
+        current = todo.pop()
+        try:
+            total += int((PROC / str(current) / "statm").read_text().split()[1]) * page
+        except OSError:
+            if current == pid:
+                return None
+            continue
+        todo += children.get(current, [])
+    return total
+
+
+def device_bytes_of(pids: Iterable[int]) -> int | None:
+    """The most device memory any of ``pids`` holds (``nvidia-smi``'s compute processes); None when none of
+    them is listed or it cannot be read."""
+    query = ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"]
+    try:
+        result = subprocess.run(query, capture_output=True, text=True, timeout=10, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    used = {int(pid): int(mib) << 20 for pid, mib in (line.split(",") for line in result.stdout.splitlines() if line)}
+    held = [used[pid] for pid in pids if pid in used]
+    return max(held) if held else None

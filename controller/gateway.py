@@ -39,279 +39,40 @@ takes); an engine that hangs mid-request is the controller's to fence, which clo
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import hashlib
-import itertools
 import json
 import logging
-import os
-import socket
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
 
 from hotweights.admission import RETRY_AFTER_S, Admission
 from hotweights.contract import (
-    CHALLENGE,
     NOT_NORMALIZED,
-    SERVING_PREFIX,
     SUSPECT_REQUEST,
-    TOKEN_REQUIRED,
     Endpoint,
-    bearer_credentials,
     forwardable_path,
-    refuse_open_listener,
-    token_matches,
 )
-from hotweights.controller.config import GATEWAY_TOKEN_FIX, SUSPECT_AFTER, ClusterConfig, load_config
+from hotweights.controller.config import SUSPECT_AFTER, ClusterConfig
 from hotweights.controller.dcs import LeaderUrls
+from hotweights.controller.discovery import Discovery, Upstream, reason_of
 from hotweights.controller.events import EventLog
+from hotweights.controller.gatewaymetrics import GatewayMetrics
 from hotweights.controller.migration import Ledger, Migratable, Refusal, plan
-from hotweights.errors import ConfigError
-from hotweights.httpguard import ErrorShape, HttpLimits, server_config
 from hotweights.proxying import HOP_BY_HOP, ProxiedStream
-from hotweights.standby.serving import AnnouncingServer, bind_port, is_listening, run_until_signal
-from hotweights.state import read_state
 
 log = logging.getLogger(__name__)
 
-GATEWAY_EVENTS_FILE = "gateway-events.jsonl"  # in the state dir, every worker appending
-STATE_POLL_S = 1.0  # how often the controller's state file is re-read for engines added at runtime
 
-BACKLOG = 4096  # connections the kernel queues while no worker accepts (one respawning); capped by somaxconn
-SUPERVISOR_BACKLOG = 16
-
-HOLD_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 WHOLE_BODY_MAX = 1 << 20  # a non-streamed reply up to this size is read whole before it is relayed
-EVENTS_LIMIT = 100  # events GET /gateway/events returns by default
 KEEPALIVE_S = 2.0  # below uvicorn's 5 s, so a pooled connection is never reused as the engine closes it
-
-
-@dataclass
-class Upstream:
-    """One engine, as the prober last saw it."""
-
-    url: str
-    status: int | None = None  # last /primary status; None: never answered or unreachable
-    reason: str = "not probed yet"  # why it is not primary ("" when it is)
-    checked: float = 0.0  # wall-clock time of the last probe
-    is_primary: bool = False
-    wake: asyncio.Event = field(default_factory=asyncio.Event)  # set to probe now instead of next interval
-    lost: asyncio.Event = field(default_factory=asyncio.Event)  # set while it is not primary: cut its streams
-
-    def describe(self) -> dict[str, object]:
-        return {
-            "url": self.url,
-            "primary_status": self.status,
-            "is_primary": self.is_primary,
-            "reason": self.reason or None,
-            "checked_ago_ms": round((time.time() - self.checked) * 1000) if self.checked else None,
-        }
-
-
-def engine_urls_in_state(state_file: Path, host: str = "127.0.0.1") -> list[str]:
-    """Engine URLs in the controller's ``state.json`` (its engines listen on ``host``); none while it is
-    missing or being replaced."""
-    try:
-        members = read_state(state_file).members
-    except ConfigError:  # corrupt or of another version: the controller will say so
-        return []
-    return [f"http://{host}:{member.port}" for member in members.values()]
-
-
-class Discovery:
-    """Which upstreams answer 200 on ``/primary``; ``available`` is set while at least one does."""
-
-    def __init__(
-        self,
-        urls: list[str],
-        client: httpx.AsyncClient,
-        interval_s: float,
-        timeout_s: float,
-        engine_host: str = "127.0.0.1",
-        leaders: LeaderUrls | None = None,
-    ) -> None:
-        self.engine_host = engine_host  # where the engines state.json lists listen ([dcs] address)
-        self.leaders = leaders  # multi-host: the leader keys' engines, followed by etcd watch
-        self.upstreams = [Upstream(url.rstrip("/")) for url in urls]
-        self.client = client
-        self.interval_s = interval_s
-        self.timeout_s = timeout_s
-        self.available = asyncio.Event()
-        self._turn = itertools.count()
-
-    def primaries(self) -> list[Upstream]:
-        return [u for u in self.upstreams if u.is_primary]
-
-    def pick(self) -> Upstream | None:
-        """Round-robin among the current primaries (several groups: one primary each)."""
-        primaries = self.primaries()
-        return primaries[next(self._turn) % len(primaries)] if primaries else None
-
-    async def wait_available(self, timeout_s: float) -> bool:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.available.wait(), max(timeout_s, 0.0))
-        return self.available.is_set()
-
-    def suspect(self, upstream: Upstream, reason: str) -> None:
-        """A proxied request failed there: stop routing to it until a probe says 200 again, and probe
-        every upstream now (one of them may just have been promoted)."""
-        self._mark(upstream, False, reason)
-        self.wake_all()
-
-    def wake_all(self) -> None:
-        """Probe every upstream now instead of at its next interval (a role just changed somewhere)."""
-        for upstream in self.upstreams:
-            upstream.wake.set()
-
-    async def probe_all(self) -> None:
-        """One probe of every upstream, all at once: what a gateway knows before it accepts a request."""
-        await asyncio.gather(*(self._probe(upstream) for upstream in self.upstreams))
-
-    async def run(self, state_file: Path | None = None) -> None:
-        """Probe every upstream; with a controller state file, also pick up engines added at runtime."""
-        async with asyncio.TaskGroup() as tasks:
-            for upstream in self.upstreams:
-                tasks.create_task(self._watch(upstream))
-            if state_file is not None:
-                tasks.create_task(self._follow(state_file, tasks))
-            if self.leaders is not None:
-                tasks.create_task(self._follow_leaders(self.leaders, tasks))
-
-    def _add(self, url: str, tasks: asyncio.TaskGroup, why: str) -> None:
-        upstream = Upstream(url)
-        self.upstreams.append(upstream)
-        tasks.create_task(self._watch(upstream))
-        log.info("%s joined (%s)", url, why)
-
-    async def _follow_leaders(self, leaders: LeaderUrls, tasks: asyncio.TaskGroup) -> None:
-        """At every change of the leader keys: probe the engines they name now (another host's too)."""
-        async for urls in leaders.follow():
-            known = {u.url for u in self.upstreams}
-            for url in dict.fromkeys(urls):
-                if url not in known:
-                    self._add(url, tasks, "named by a leader key in etcd")
-            self.wake_all()
-
-    async def _follow(self, state_file: Path, tasks: asyncio.TaskGroup) -> None:
-        """Read the controller's state file (not its API: the data path must not need the controller
-        to be up) and start probing any engine port it lists that we do not know yet."""
-        while True:
-            known = {u.url for u in self.upstreams}
-            for url in engine_urls_in_state(state_file, self.engine_host):
-                if url not in known:
-                    self._add(url, tasks, f"listed in {state_file}")
-            await asyncio.sleep(STATE_POLL_S)
-
-    async def _watch(self, upstream: Upstream) -> None:
-        while True:
-            await self._probe(upstream)
-            # While no primary is known a failover is in progress: learning of the new one is what matters.
-            interval = self.interval_s if self.available.is_set() else self.interval_s / 4
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(upstream.wake.wait(), interval)
-            upstream.wake.clear()
-
-    async def _probe(self, upstream: Upstream) -> None:
-        try:
-            response = await self.client.get(upstream.url + Endpoint.PRIMARY, timeout=self.timeout_s)
-            upstream.status = response.status_code
-            reason = "" if response.status_code == 200 else _reason(response, Endpoint.PRIMARY)
-        except httpx.HTTPError as exc:
-            upstream.status, reason = None, f"unreachable: {type(exc).__name__} {exc}".strip()
-        upstream.checked = time.time()
-        self._mark(upstream, upstream.status == 200, reason)
-
-    def _mark(self, upstream: Upstream, is_primary: bool, reason: str) -> None:
-        if is_primary != upstream.is_primary:
-            log.info("%s %s", upstream.url, "is primary" if is_primary else f"is no longer primary: {reason}")
-        upstream.is_primary, upstream.reason = is_primary, reason
-        if is_primary:
-            upstream.lost.clear()
-        else:
-            upstream.lost.set()
-        if self.primaries():
-            self.available.set()
-        else:
-            self.available.clear()
-
-
-def _reason(response: httpx.Response, what: str) -> str:
-    """The engine's one-sentence reason from a 503 body (health or OpenAI error shape)."""
-    try:
-        body = json.loads(response.content)
-        reason = body.get("reason") or body["error"]["message"]
-    except (ValueError, KeyError, TypeError, AttributeError):
-        reason = response.text[:200]
-    return f"{what} answered {response.status_code}: {reason}"
-
-
-class GatewayMetrics:
-    """Prometheus metrics in a registry of their own."""
-
-    def __init__(self) -> None:
-        self.registry = r = CollectorRegistry()
-        self.requests = Counter(
-            "hotweights_gateway_requests", "proxied requests, by status sent", ["status"], registry=r
-        )
-        self.retries = Counter(
-            "hotweights_gateway_retries", "requests re-sent after their upstream failed before any byte", registry=r
-        )
-        self.upstream_errors = Counter(
-            "hotweights_gateway_upstream_errors",
-            "failed proxied requests, by upstream and kind (connect, disconnected, unavailable, mid_stream)",
-            ["upstream", "kind"],
-            registry=r,
-        )
-        self.rejected = Counter(
-            "hotweights_gateway_rejected",
-            "503s because no primary came (queue_full, hold_timeout)",
-            ["reason"],
-            registry=r,
-        )
-        self.held = Gauge("hotweights_gateway_held_requests", "requests waiting for a primary now", registry=r)
-        self.hold_seconds = Histogram(
-            "hotweights_gateway_hold_seconds", "time a request waited for a primary", buckets=HOLD_BUCKETS, registry=r
-        )
-        self.primaries = Gauge("hotweights_gateway_primaries", "upstreams answering 200 on /primary", registry=r)
-        self.migrations = Counter(
-            "hotweights_gateway_migrations",
-            "completions whose upstream failed mid-way, by outcome (migrated, failed)",
-            ["outcome"],
-            registry=r,
-        )
-        self.tokens_replayed = Counter(
-            "hotweights_gateway_tokens_replayed",
-            "generated tokens re-sent as prompt to continue a completion",
-            registry=r,
-        )
-        self.cut_to_next_token = Histogram(
-            "hotweights_gateway_migration_gap_seconds",
-            "time from a completion's upstream failure to its next text on the new primary",
-            buckets=HOLD_BUCKETS,
-            registry=r,
-        )
-        self.admission = Counter(
-            "hotweights_gateway_admission",
-            "requests by admission verdict (admitted, queued, refused)",
-            ["verdict"],
-            registry=r,
-        )
-        self.suspects = Counter(
-            "hotweights_gateway_suspect_requests",
-            "requests not re-sent because engines failed while serving them (gateway.suspect_after)",
-            registry=r,
-        )
 
 
 class SegmentFailed(Exception):
@@ -528,7 +289,7 @@ class Gateway:
         try:
             if response.status_code == 503:  # a standby or draining engine; the next primary may serve it
                 await response.aread()
-                raise UpstreamFailed("unavailable", _reason(response, path))
+                raise UpstreamFailed("unavailable", reason_of(response, path))
             first = b"".join([chunk async for chunk in chunks]) if whole else await anext(chunks, b"")
         except httpx.TransportError as exc:
             await response.aclose()
@@ -646,7 +407,7 @@ class Gateway:
         finally:
             await response.aclose()
         if response.status_code == 503:  # a standby or draining engine; the next primary may serve it
-            raise UpstreamFailed("unavailable", _reason(response, path))
+            raise UpstreamFailed("unavailable", reason_of(response, path))
         media = response.headers.get("content-type")
         headers = {"x-hotweights-upstream": upstream.url}
         return Response(content, status_code=response.status_code, media_type=media, headers=headers)
@@ -780,147 +541,7 @@ class Gateway:
             await self.probe_client.aclose()
 
 
-def build_app(gateway: Gateway, token: str | None = None) -> Starlette:
-    """The gateway's routes; with ``token``, POST /gateway/wake (its one mutation) needs it as a bearer token."""
-
-    async def health(_: Request) -> JSONResponse:
-        """200 and the gateway's view: each upstream's last /primary answer, the primaries, held requests."""
-        return JSONResponse(gateway.health())
-
-    async def metrics(_: Request) -> Response:
-        return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    async def events(request: Request) -> JSONResponse:
-        """200 and this worker's last migrations (``?limit=N``, default 100): kind ``migration`` (the
-        request, the upstreams, tokens replayed, cut to reopened) or ``migration_failed`` (why)."""
-        try:
-            limit = int(request.query_params.get("limit", EVENTS_LIMIT))
-        except ValueError:
-            return JSONResponse({"error": "limit: expected an integer"}, status_code=400)
-        return JSONResponse({"events": gateway.events.recent(limit)})
-
-    async def wake(request: Request) -> Response:
-        """204: every upstream is probed now (a wake during a probe adds one probe); 401 without the token."""
-        if not token_matches(bearer_credentials(request.headers.get("authorization")), token):
-            return JSONResponse({"detail": TOKEN_REQUIRED}, status_code=401, headers=CHALLENGE)
-        gateway.discovery.wake_all()
-        return Response(status_code=204)
-
-    methods = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
-    return Starlette(
-        routes=[
-            Route(Endpoint.GATEWAY_HEALTH, health, methods=["GET"]),
-            Route(Endpoint.GATEWAY_WAKE, wake, methods=["POST"]),
-            Route(Endpoint.GATEWAY_EVENTS, events, methods=["GET"]),
-            Route(Endpoint.METRICS, metrics, methods=["GET"]),
-            Route(SERVING_PREFIX + "{path:path}", gateway.proxy, methods=methods),
-        ],
-        lifespan=gateway.running,
-    )
-
-
-def inherited_listener(fd: int) -> socket.socket:
-    """The listening TCP socket a supervisor handed over as ``fd`` (``--fd``); ConfigError if it is not one."""
-    try:
-        sock = socket.socket(fileno=fd)
-    except OSError as exc:
-        raise ConfigError(f"--fd {fd}: not an open socket ({exc.strerror})") from None
-    is_tcp = sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM
-    if not (is_tcp and is_listening(sock)):
-        sock.detach()
-        raise ConfigError(f"--fd {fd}: not a listening TCP socket; pass the fd of one bound and listening")
-    return sock
-
-
-def probe_listener(path: Path) -> socket.socket:
-    """A Unix socket at ``path`` (owner-only) where the supervisor reaches this one worker; a socket left
-    there by a killed predecessor is replaced. ConfigError when it cannot be made there."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old_umask = os.umask(0o177)
-    try:
-        if path.is_socket():
-            path.unlink()
-        sock.bind(str(path))
-    except OSError as exc:
-        sock.close()
-        raise ConfigError(f"--probe-socket {path}: {exc.strerror}; give a socket path in a directory of ours") from None
-    finally:
-        os.umask(old_umask)
-    sock.listen(SUPERVISOR_BACKLOG)
-    return sock
-
-
 def default_admission(config: ClusterConfig) -> Admission:
     """As many requests proxied at once as ``config`` derives, none waiting here: the engines queue (what
     they generate and queue is what the gateway passes on), so a second queue would only add latency."""
     return Admission(config.gateway_in_flight(), 0, config.engine.queue_timeout_s)
-
-
-def cmd_gateway(args: argparse.Namespace) -> int:
-    config = load_config(args.config)
-    host, port = args.host or config.gateway.host, config.gateway.port if args.port is None else args.port
-    refuse_open_listener(host, config.token() is not None, "--host", GATEWAY_TOKEN_FIX)  # gateway.host: by load_config
-    sock = bind_port(host, port) if args.fd is None else inherited_listener(args.fd)
-    sockets = [sock, *([probe_listener(Path(args.probe_socket))] if args.probe_socket else [])]
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per probe would drown the log
-    urls = args.upstream or config.engine_urls()
-    gateway = Gateway(
-        urls,
-        interval_s=config.gateway.probe_interval_ms / 1000,
-        timeout_s=config.health.timeout_ms / 1000,
-        queue_limit=config.gateway.queue_limit,
-        hold_s=config.gateway.hold_timeout_s,
-        state_file=None if args.upstream else config.state_file,
-        engine_host=config.dcs.address,
-        leaders=LeaderUrls(config, httpx.AsyncClient(trust_env=False)) if config.dcs.enabled else None,
-        events=EventLog(None if args.upstream else config.state_dir / GATEWAY_EVENTS_FILE),
-        admission=default_admission(config),
-        suspect_after=config.gateway.suspect_after,
-    )
-    log.info("routing /v1 to the primary among %s", ", ".join(urls))
-    server = AnnouncingServer(
-        server_config(
-            build_app(gateway, config.token()),
-            HttpLimits(body_bytes=config.gateway.max_body_bytes),
-            ErrorShape.OPENAI,
-            host=host,
-            port=port,
-            backlog=BACKLOG,
-            timeout_graceful_shutdown=args.shutdown_timeout,
-        )
-    )
-    run_until_signal(server, *sockets)
-    return 0
-
-
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "gateway",
-        help="proxy /v1 to the current primary engine, holding and retrying requests across a failover",
-        description="Find the primary by polling GET /primary on every engine (no controller needed), proxy "
-        "/v1/* to it (streaming included), hold requests while there is none and re-send those whose "
-        "upstream failed before any byte was relayed. GET /gateway/health and /metrics describe it.",
-    )
-    p.add_argument("--config", help="cluster TOML: engines, health timings, [gateway] (default: built-in defaults)")
-    p.add_argument("--host", help="address to listen on (default gateway.host)")
-    p.add_argument("--port", type=int, help="port to listen on; 0 picks a free one (default gateway.port)")
-    p.add_argument(
-        "--fd",
-        type=int,
-        help="serve on this inherited, already listening TCP socket instead of binding one (how the controller "
-        "starts its gateway workers: the socket outlives each of them, so a crash refuses no connection)",
-    )
-    p.add_argument("--probe-socket", help="also serve on this Unix socket, where a supervisor reaches this worker")
-    p.add_argument(
-        "--upstream",
-        action="append",
-        metavar="URL",
-        help="an engine's base URL, repeatable (default: every engine of the config)",
-    )
-    p.add_argument(
-        "--shutdown-timeout",
-        type=float,
-        default=30.0,
-        help="seconds open requests get after SIGTERM before they are cancelled (default 30)",
-    )
-    p.set_defaults(func=cmd_gateway)

@@ -9,7 +9,7 @@ The decision's action runs in the background, one at a time per group (``GroupEx
 group's action runs, the loop says so and leaves that group alone, but keeps deciding for the
 others, so a long drain in one group never delays a failover in another. A failed action holds its
 group back with exponential backoff (REST intents excepted: each is one request). Daemons and the
-gateway are (re)started by their own background keepers, with tenacity backoff.
+gateway are (re)started by their own background keepers (``controller.keepers``), with tenacity backoff.
 
 Otherwise the sentence is "no action: ...". The loop logs a sentence when it differs from the
 previous one. It sleeps ``health.interval_ms`` between cycles unless woken: by a supervised
@@ -29,13 +29,10 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
-
 from hotweights.contract import Endpoint, Role
-from hotweights.controller.cluster import SERVICE_START_TIMEOUT_S, Cluster, MemberView, ServiceFailed, Snapshot, filled
+from hotweights.controller.cluster import SERVICE_START_TIMEOUT_S, Cluster
 from hotweights.controller.dcs import Solo
 from hotweights.controller.decide import (
     Elect,
@@ -53,24 +50,20 @@ from hotweights.controller.decide import (
 )
 from hotweights.controller.engineapi import EngineApi, EngineUnreachable
 from hotweights.controller.events import EventLog
-from hotweights.controller.executor import BACKOFF, GroupExecutor, Outcome
+from hotweights.controller.executor import GroupExecutor, Outcome
 from hotweights.controller.health import checks_failed, not_ready_within, process_exited
 from hotweights.controller.intents import Actions, Conflict, Refused, Unavailable, check_group, member_of
+from hotweights.controller.keepers import ServiceKeepers
 from hotweights.controller.metrics import ControllerMetrics
 from hotweights.controller.redundancy import Tracker, assess
 from hotweights.controller.rollout import RolloutProgress, rollout_wait_s
+from hotweights.controller.snapshot import MemberView, Snapshot
 from hotweights.controller.spares import is_spare
 from hotweights.controller.supervisor import FENCE_TIMEOUT_S
-from hotweights.state import ServiceKind
 from hotweights.stats import ms
 
 log = logging.getLogger(__name__)
 
-SERVICE_PROBE_S = 1.0  # how often a serving daemon or gateway must answer its probe
-SERVICE_HUNG_PROBES = 5  # probes in a row it may leave unanswered before it is killed and respawned
-# A gateway worker sooner: the requests it accepted wait on it, while its peers accept every new connection on
-# the shared socket; a wrong kill costs only its own requests.
-GATEWAY_HUNG_PROBES = 2
 STOP_TIMEOUT_S = 15.0  # how long stop() lets a cycle in progress finish
 
 
@@ -126,8 +119,7 @@ class Ha:
         self.announced = False
         self.stopping = False
         self.task: asyncio.Task | None = None
-        self.liveness: dict[str, asyncio.Task] = {}  # the probe in flight (or last done) per service
-        self.unanswered: dict[str, int] = {}  # probes in a row each service left unanswered
+        self.keepers = ServiceKeepers(cluster, events, metrics, self.wakeup, lambda: self.stopping)
 
     # --- the loop -----------------------------------------------------------------------------
 
@@ -170,7 +162,7 @@ class Ha:
         snap = self.cluster.snapshot()
         self._export_gauges(snap)
         self._observe_redundancy(snap)
-        sentences = [sentence] if (sentence := self.process_services(snap)) else []
+        sentences = [sentence] if (sentence := self.keepers.process(snap)) else []
         steps = (
             self.process_failed_primary,
             self.process_intent,
@@ -433,82 +425,6 @@ class Ha:
             if not progress.started:  # withdrawn before it began; once begun, do_rollout ends it
                 self.rollouts.pop(group, None)
 
-    # --- daemons and the gateway (every cycle; their keepers run in the background) ---------------
-
-    def process_services(self, snap: Snapshot) -> str | None:
-        actions = []
-        for view in snap.services:
-            if view.serving and not view.restarting:
-                self._check_liveness(view.id)
-                continue
-            if view.restarting or self.stopping:
-                continue
-            if view.pid is not None and not view.alive:
-                self.events.record("exit", f"{view.id} {view.exit_reason}", service=view.id, group=view.group)
-                actions.append(f"{view.id} {view.exit_reason}: respawning it")
-                if view.kind == ServiceKind.DAEMON:
-                    self.metrics.daemon_restarts.labels(str(view.group)).inc()
-            elif view.alive:
-                actions.append(f"waiting for {view.id} (pid {view.pid}) to serve")
-            else:
-                actions.append(f"starting {view.id}")
-            self.cluster.respawn(view.id, partial(self.keep, view.id))
-        return "; ".join(actions) if actions else None
-
-    def _check_liveness(self, service_id: str) -> None:
-        """Probe a serving service every SERVICE_PROBE_S in the background (a hung one is alive but
-        answers nothing: new standbys could not attach, or clients would wait on the gateway)."""
-        task = self.liveness.get(service_id)
-        if task is None or task.done():
-            self.liveness[service_id] = asyncio.create_task(self._liveness(service_id), name=f"live-{service_id}")
-
-    async def _liveness(self, service_id: str) -> None:
-        started = time.monotonic()
-        if await self.cluster.probe(service_id):
-            self.unanswered[service_id] = 0
-        else:
-            missed = self.unanswered[service_id] = self.unanswered.get(service_id, 0) + 1
-            if missed >= self._hung_after(service_id) and not self.stopping:
-                self.unanswered[service_id] = 0
-                self.events.record(
-                    "hung", f"{service_id} answered none of {missed} probes {SERVICE_PROBE_S:g} s apart: killing it",
-                    service=service_id,
-                )  # fmt: skip
-                await self.cluster.fence_service(service_id)
-                self.wakeup()
-                return
-        await asyncio.sleep(max(0.0, SERVICE_PROBE_S - (time.monotonic() - started)))
-
-    def _hung_after(self, service_id: str) -> int:
-        """Probes in a row a service may leave unanswered before it is judged hung."""
-        gateway = self.cluster.services[service_id].kind == ServiceKind.GATEWAY
-        return GATEWAY_HUNG_PROBES if gateway else SERVICE_HUNG_PROBES
-
-    async def keep(self, service_id: str) -> None:
-        """(Re)start a service until it serves, backing off between failed attempts."""
-        start = time.monotonic()
-
-        def failed(state: RetryCallState) -> None:
-            error = state.outcome.exception() if state.outcome else None
-            delay = state.next_action.sleep if state.next_action else 0.0
-            self.events.record("start_failed", f"{error}; retrying in {delay:.1f} s", service=service_id)
-
-        retrying = AsyncRetrying(wait=BACKOFF, retry=retry_if_exception_type(ServiceFailed), before_sleep=failed)
-        async for attempt in retrying:
-            with attempt:
-                await self.cluster.start_service(service_id)
-        service = self.cluster.services[service_id]
-        duration_ms = ms(time.monotonic() - start)
-        fill = await self.cluster.fill_report(service_id) if service.kind == ServiceKind.DAEMON else {}
-        spare = " (its spare, imports done)" if service.from_spare else ""
-        message = f"{service_id} (pid {service.process.pid}){spare} serving after {duration_ms} ms{filled(fill)}"
-        self.events.record(
-            "respawn" if service.restarts else "start", message, service=service_id, group=service.group,
-            duration_ms=duration_ms, attempts=retrying.statistics.get("attempt_number", 1), spare=service.from_spare,
-            **({"fill_source": fill.get("source"), "fill_ms": ms(fill.get("seconds", 0.0))} if fill else {}),
-        )  # fmt: skip
-        self.wakeup()
-
     # --- 3. engine slots -----------------------------------------------------------------------
 
     async def process_members(self, snap: Snapshot, group: int) -> str | None:
@@ -579,8 +495,7 @@ class Ha:
         """Stop and forget every daemon of the group that ``Cluster.retiring_daemons`` names; the sentence."""
         done = []
         for service_id in self.cluster.retiring_daemons(group):
-            if task := self.liveness.pop(service_id, None):
-                task.cancel()
+            self.keepers.forget(service_id)
             how = await self.cluster.remove_service(service_id)
             message = f"{service_id}: no engine maps its generation any more; {how}"
             self.events.record("retire", message, service=service_id, group=group)

@@ -18,11 +18,12 @@ from hotweights.cache.arena import plan_layout
 from hotweights.cache.checkpoint import read_checkpoint
 from hotweights.cache.daemon import pipeline_source
 from hotweights.contract import Endpoint, Role
-from hotweights.controller.cluster import MemberView, Snapshot
 from hotweights.controller.config import REFERENCE, load_config, rollout_changes
-from hotweights.controller.devices import free_bytes
+from hotweights.controller.decide import Footprint, room_refusal
+from hotweights.controller.devices import device_bytes_of, free_bytes, tree_rss_bytes
 from hotweights.controller.engineapi import EngineUnreachable
 from hotweights.controller.rollout import Rollout, RolloutProgress, StepFailed
+from hotweights.controller.snapshot import MemberView, Snapshot
 from hotweights.errors import ConfigError, HotweightsError
 from hotweights.standby.generate import load_tokenizer, stop_token_ids
 from hotweights.stats import ms
@@ -210,11 +211,22 @@ class Actions:
         limit = self.cluster.config.groups[group].max_engines
         if len(snap.group(group)) >= limit:
             raise Conflict(f"group {group} has {len(snap.group(group))} engines, its max_engines is {limit}")
+        if refusal := await asyncio.to_thread(self.room_refusal, snap, group):
+            raise Conflict(refusal)
         member = self.cluster.add_engine(group)
         started = await self.ha.restart_slot(snap, member.spec.id)
         sentence = f"added standby {member.spec.id} on port {member.spec.port}: {started}"
         self.events.record("add", sentence, member=member.spec.id, group=group)
         return sentence, {"id": member.spec.id, "group": group, "port": member.spec.port, "url": member.spec.url}
+
+    def room_refusal(self, snap: Snapshot, group: int) -> str | None:
+        """Why one more engine does not fit beside the group's running ones (``decide.room_refusal``)."""
+        pids = [m.pid for m in snap.group(group) if m.alive and m.pid is not None]
+        hosts = [b for b in map(tree_rss_bytes, pids) if b is not None]
+        device = self.cluster.config.groups[group].device
+        on_gpu = device.startswith("cuda")
+        need = Footprint(max(hosts, default=None), device_bytes_of(pids) if on_gpu else None)
+        return room_refusal(group, device, need, free_bytes("cpu"), free_bytes(device) if on_gpu else None)
 
     async def do_delete(self, snap: Snapshot, engine_id: str) -> tuple[str, dict]:
         member = member_of(snap, engine_id)
@@ -237,7 +249,7 @@ class Actions:
         sentences = []
         for service_id in snap.daemon_ids(group):  # one per rank in a tensor-parallel group
             how = await self.cluster.stop_service(service_id)
-            self.cluster.respawn(service_id, partial(self.ha.keep, service_id))
+            self.cluster.respawn(service_id, partial(self.ha.keepers.keep, service_id))
             sentences.append(f"restarting cache daemon {service_id}: old one {how}; engines keep serving")
             self.events.record("cache_restart", sentences[-1], service=service_id, group=group)
         return "; ".join(sentences), {"service": snap.daemon(group).id}

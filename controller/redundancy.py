@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from hotweights.controller.cluster import MemberView, Snapshot, Status
+from hotweights.controller.snapshot import MemberView, Snapshot, Status
 
 
 @dataclass(frozen=True)

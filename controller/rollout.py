@@ -35,8 +35,9 @@ from pathlib import Path
 from typing import Any
 
 from hotweights.contract import Role
-from hotweights.controller.cluster import Cluster, MemberView, ServiceFailed, filled
+from hotweights.controller.cluster import Cluster, ServiceFailed, filled
 from hotweights.controller.events import EventLog
+from hotweights.controller.snapshot import MemberView
 from hotweights.controller.stack import Generation
 from hotweights.controller.supervisor import FENCE_TIMEOUT_S, STOP_TIMEOUT_S
 from hotweights.stats import ms

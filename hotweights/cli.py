@@ -24,7 +24,7 @@ COMMANDS: dict[str, str] = {
     "engine": "hotweights.standby.engine",
     "agent": "hotweights.standby.agent",
     "agent-guard": "hotweights.guard",
-    "gateway": "hotweights.controller.gateway",
+    "gateway": "hotweights.controller.gatewayserver",
     "haproxy-config": "hotweights.controller.haproxy",
     "controller": "hotweights.controller.commands",
     "up": "hotweights.controller.commands",

@@ -8,9 +8,12 @@
   and lone surrogates are 400 with one short reason. What passes is plain JSON every later step can
   encode again (a validation error echoing it, a tokenizer, a log line).
 - Connections: one whose request headers have not all arrived ``header_timeout_s`` after it opened (or
-  after its previous response) is closed; beyond ``max_connections`` open at once, a new connection is
-  closed as soon as it is accepted, so those already open (health checks on keep-alive connections
-  among them) keep being served.
+  after its previous response) is closed. At ``max_connections`` open at once, a new connection takes the
+  place of the one that has waited longest for a request's headers (a slow client, or a keep-alive
+  connection idle the longest; a health check's, renewed at every check, is among the last), so slow
+  clients cannot lock new ones out; when every open connection is mid-request, the new one is closed. The
+  cap is at most half the process's open-files limit (``connection_cap``), so it is reached before
+  ``accept`` runs out of descriptors.
 
 Every refusal is a short JSON body in the server's own error shape (``ErrorShape``); values from the
 request are never echoed longer than ``ECHO_CHARS``. Work that scales with the body (the strict parse of
@@ -24,7 +27,8 @@ import enum
 import json
 import math
 import re
-from dataclasses import dataclass
+import resource
+from dataclasses import dataclass, replace
 from typing import Any
 
 import uvicorn
@@ -37,7 +41,7 @@ CONTROLLER_BODY_BYTES = 64 * 1024  # the controller's mutations carry a few smal
 COMPLETION_BODY_BYTES = 4 * MIB  # a completion request (prompt included), at the gateway, engine and agent
 HEADER_TIMEOUT_S = 10.0
 BODY_TIMEOUT_S = 30.0
-MAX_CONNECTIONS = 4096  # per server; with two gateway workers and a few engines, well inside ulimit -n 65536
+MAX_CONNECTIONS = 4096  # per server, at most half its open-files limit (``connection_cap``)
 MAX_DEPTH = 32  # JSON nesting; our bodies are two levels deep
 MAX_INT = 2**63  # integers beyond a signed 64-bit number are refused
 ECHO_CHARS = 200  # values from the request quoted in an answer are cut to this
@@ -248,8 +252,17 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
+def connection_cap(wanted: int) -> int:
+    """``wanted``, or half this process's open-files limit if that is lower: the other half stays for upstream
+    connections, files and pipes, so the cap is reached before ``accept`` fails for lack of descriptors."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return wanted if soft == resource.RLIM_INFINITY else max(1, min(wanted, soft // 2))
+
+
 def guarded_protocol(limits: HttpLimits) -> type[H11Protocol]:
-    """uvicorn's h11 protocol with a header deadline and a cap on open connections (``HttpLimits``)."""
+    """uvicorn's h11 protocol with a header deadline and a cap on open connections (``HttpLimits``; the module
+    docstring says which connection goes at the cap)."""
+    waiting: dict[H11Protocol, None] = {}  # this server's connections awaiting a request's headers, oldest first
 
     class GuardedProtocol(H11Protocol):
         def __init__(self, config: uvicorn.Config, server_state: ServerState, *args: Any, **kwargs: Any) -> None:
@@ -260,8 +273,12 @@ def guarded_protocol(limits: HttpLimits) -> type[H11Protocol]:
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             if len(self.connections) > limits.max_connections:
-                transport.abort()  # the newest goes: those open (health checks among them) stay served
-                return
+                if not waiting:
+                    transport.abort()  # every open one is mid-request: the newest goes
+                    return
+                oldest = next(iter(waiting))
+                oldest._disarm()
+                oldest.transport.abort()
             self._arm()
 
         def connection_lost(self, exc: Exception | None) -> None:
@@ -282,14 +299,17 @@ def guarded_protocol(limits: HttpLimits) -> type[H11Protocol]:
             self._disarm()
             self._armed_for = self.cycle
             self._header_timer = self.loop.call_later(limits.header_timeout_s, self._headers_late)
+            waiting[self] = None
 
         def _disarm(self) -> None:
+            waiting.pop(self, None)
             if self._header_timer is not None:
                 self._header_timer.cancel()
                 self._header_timer = None
 
         def _headers_late(self) -> None:
             self._header_timer = None
+            waiting.pop(self, None)
             if self.cycle is self._armed_for and not self.transport.is_closing():
                 self.transport.close()
 
@@ -298,7 +318,9 @@ def guarded_protocol(limits: HttpLimits) -> type[H11Protocol]:
 
 def server_config(app: ASGIApp, limits: HttpLimits, shape: ErrorShape, **kwargs: Any) -> uvicorn.Config:
     """A uvicorn config serving ``app`` behind ``BodyGuard`` and ``guarded_protocol``; ``kwargs`` as
-    for ``uvicorn.Config`` (our servers log through our handlers and write no access log)."""
+    for ``uvicorn.Config`` (our servers log through our handlers and write no access log). The connection cap
+    is ``connection_cap`` of the one in ``limits``."""
+    limits = replace(limits, max_connections=connection_cap(limits.max_connections))
     return uvicorn.Config(
         BodyGuard(app, limits, shape),
         http=guarded_protocol(limits),

@@ -23,20 +23,25 @@ OUT_OF_DESCRIPTORS = frozenset({errno.EMFILE, errno.ENFILE})
 ACCEPT_BACKOFF_S = 0.1  # how long an accept loop waits after a failed accept (EMFILE...) before the next
 
 
-def raise_open_files(needed: int, why: str) -> int:
-    """Raise the soft open-files limit to ``needed`` (never lower it; capped by the hard limit) and return
-    the soft limit now. ConfigError in one line, naming ``ulimit -n`` and ``needed``, when the hard limit
-    is below it; ``why`` says what needs them."""
+def raise_open_files(needed: int, why: str, wanted: int = 0) -> int:
+    """Raise the soft open-files limit to ``needed`` (never lower it), and on to ``wanted`` where the hard limit
+    allows; return the soft limit now. ConfigError in one line, naming ``ulimit -n`` and ``needed``, when the
+    hard limit is below ``needed``; ``why`` says what needs them."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft >= needed or soft == resource.RLIM_INFINITY:
+    if soft == resource.RLIM_INFINITY:
         return soft
     if hard != resource.RLIM_INFINITY and hard < needed:
+        if soft >= needed:
+            return soft
         raise ConfigError(
             f"{why} needs {needed} open files, but the limit is {soft} (hard limit {hard}): "
             f"run `ulimit -n {needed}` (as root, or raise nofile in limits.conf) first"
         )
-    resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
-    return needed
+    target = max(needed, wanted if hard == resource.RLIM_INFINITY else min(wanted, hard))
+    if soft >= target:
+        return soft
+    resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    return target
 
 
 def is_out_of_descriptors(exc: BaseException | None) -> bool:

@@ -59,7 +59,7 @@ def test_an_upward_import_breaks_the_contract(tmp_path: Path) -> None:
 def test_the_gateway_and_the_config_import_no_torch() -> None:
     """A gateway's start (and its respawn after a crash) never waits for torch's second of imports."""
     code = (
-        "import sys; import hotweights.controller.gateway, hotweights.controller.config; "
+        "import sys; import hotweights.controller.gatewayserver, hotweights.controller.config; "
         "from hotweights.dtypes import MODEL_DTYPE_NAMES; from hotweights.quant import QUANT_METHODS; "
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
     )

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from hotweights.controller.cluster import MemberView
 from hotweights.controller.decide import (
     Elect,
     FailOver,
+    Footprint,
     Intent,
     ResolveSplitBrain,
     SlotRestarts,
@@ -19,10 +19,12 @@ from hotweights.controller.decide import (
     keep_in_split_brain,
     missing_primary,
     plan_slots,
+    room_refusal,
 )
 from hotweights.controller.executor import backoff_s
 from hotweights.controller.health import HealthRecord, checks_failed, not_ready_within, process_exited
 from hotweights.controller.ids import engine_id, engine_slot
+from hotweights.controller.snapshot import MemberView
 
 pytestmark = pytest.mark.unit
 
@@ -201,3 +203,26 @@ def test_an_engine_id_is_built_and_parsed_in_one_place(group: int, index: int) -
 def test_what_is_not_an_engine_id_is_refused(text: str) -> None:
     with pytest.raises(ValueError, match="is not an engine id"):
         engine_slot(text)
+
+
+GIB = 1 << 30
+
+
+@pytest.mark.parametrize(
+    ("need", "host_free", "device_free", "refused"),
+    [
+        (Footprint(2 * GIB, 5 * GIB), 8 * GIB, 80 * GIB, ""),  # fits both
+        (Footprint(2 * GIB, 5 * GIB), 1 * GIB, 80 * GIB, "2.00 GiB of host memory (what a running one holds), 1.00"),
+        (Footprint(2 * GIB, 5 * GIB), 8 * GIB, 4 * GIB, "5.00 GiB on cuda:0 (what a running one holds), 4.00 GiB"),
+        (Footprint(None, None), 0, 0, ""),  # no engine measured: nothing to judge by
+        (Footprint(2 * GIB, 5 * GIB), None, None, ""),  # memory unreadable: not a reason to refuse
+    ],
+)
+def test_post_engines_is_refused_when_one_more_engine_does_not_fit(
+    need: Footprint, host_free: int | None, device_free: int | None, refused: str
+) -> None:
+    refusal = room_refusal(0, "cuda:0", need, host_free, device_free)
+    if refused:
+        assert refusal is not None and refused in refusal, refusal
+    else:
+        assert refusal is None

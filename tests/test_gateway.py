@@ -249,7 +249,8 @@ def test_hold_deadline_and_queue_overflow_answer_503_with_the_reason(tmp_path: P
 
 def test_a_stream_cut_mid_event_ends_with_a_well_formed_error_event() -> None:
     """The relay never splices the error event into an event the upstream had only half sent."""
-    from hotweights.controller.gateway import Gateway, Upstream
+    from hotweights.controller.discovery import Upstream
+    from hotweights.controller.gateway import Gateway
 
     async def chunks() -> AsyncIterator[bytes]:
         yield b'ta: {"b":2}\n\ndata: {"c"'

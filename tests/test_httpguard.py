@@ -7,6 +7,8 @@ import asyncio
 import contextlib
 import json
 import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -136,6 +138,14 @@ def raw(url: str) -> socket.socket:
     return conn
 
 
+def closed_by_server(conn: socket.socket) -> bool:
+    """Whether the server closed ``conn`` (an end of stream, or a reset from an abort) before it answered."""
+    try:
+        return conn.recv(100) == b""
+    except ConnectionResetError:
+        return True
+
+
 def reply(conn: socket.socket) -> tuple[int, dict]:
     data = b""
     while b"\r\n\r\n" not in data or not data.endswith(b"}"):
@@ -192,15 +202,43 @@ def test_headers_that_do_not_arrive_in_time_close_the_connection(server: str) ->
         assert conn.recv(100) == b""  # closed by the server, well before the socket's 5 s timeout
 
 
-def test_connections_beyond_the_cap_are_closed_and_those_open_stay_served(server: str) -> None:
-    with httpx.Client(base_url=server) as client:
-        assert client.post("/echo", json=1).status_code == 200  # a kept-alive connection
-        idle = [raw(server) for _ in range(LIMITS.max_connections)]
-        try:
-            refused = raw(server)
-            assert refused.recv(100) == b""  # accepted and closed at once
-            refused.close()
-            assert client.post("/echo", json=2).status_code == 200
-        finally:
-            for conn in idle:
-                conn.close()
+def test_at_the_cap_a_new_connection_takes_the_place_of_the_one_waiting_longest_for_headers(server: str) -> None:
+    """Slow clients (headers never finished) fill the cap: a new client is served, the oldest slow one goes."""
+    slow = [raw(server) for _ in range(LIMITS.max_connections)]
+    try:
+        for conn in slow:
+            conn.sendall(b"GET /echo HTTP/1.1\r\nhost: x\r\n")
+        with httpx.Client(base_url=server) as client:
+            assert client.post("/echo", json=1).status_code == 200
+        assert closed_by_server(slow[0])  # evicted for the newcomer, before its header deadline
+    finally:
+        for conn in slow:
+            conn.close()
+
+
+def test_at_the_cap_with_every_connection_mid_request_the_new_one_is_closed(server: str) -> None:
+    """Connections whose requests are under way (headers in, body arriving) are never evicted."""
+    busy = [raw(server) for _ in range(LIMITS.max_connections)]
+    try:
+        for conn in busy:
+            conn.sendall(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 10\r\n\r\n12345")
+        refused = raw(server)
+        assert closed_by_server(refused)  # accepted and closed at once
+        refused.close()
+        for conn in busy:
+            conn.sendall(b"67890")
+            assert reply(conn)[0] == 200
+    finally:
+        for conn in busy:
+            conn.close()
+
+
+def test_the_cap_is_at_most_half_the_open_files_limit() -> None:
+    """In a child (the limit is per process): soft 200 -> a cap of 100, whatever was asked."""
+    script = (
+        "import resource; hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]; "
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (200, hard)); "
+        "from hotweights.httpguard import connection_cap; print(connection_cap(4096), connection_cap(50))"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
+    assert result.stdout.split() == ["100", "50"]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from hotweights.controller.cluster import MemberView, Snapshot
 from hotweights.controller.health import HealthRecord
 from hotweights.controller.redundancy import Redundancy, Tracker, assess
+from hotweights.controller.snapshot import MemberView, Snapshot
 from hotweights.controller.spares import plan
 from hotweights.errors import ConfigError
 from hotweights.spawn import parse_message

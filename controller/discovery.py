@@ -1,0 +1,186 @@
+"""Which engine is primary now, as each gateway worker learns it: ``GET /primary`` on every upstream, each on
+its own so one hung engine never slows the others; engines added at runtime come from the controller's state
+file (or, with several hosts, from the leader keys in etcd)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from hotweights.contract import (
+    Endpoint,
+)
+from hotweights.controller.dcs import LeaderUrls
+from hotweights.errors import ConfigError
+from hotweights.state import read_state
+
+log = logging.getLogger(__name__)
+
+STATE_POLL_S = 1.0  # how often the controller's state file is re-read for engines added at runtime
+
+
+@dataclass
+class Upstream:
+    """One engine, as the prober last saw it."""
+
+    url: str
+    status: int | None = None  # last /primary status; None: never answered or unreachable
+    reason: str = "not probed yet"  # why it is not primary ("" when it is)
+    checked: float = 0.0  # wall-clock time of the last probe
+    is_primary: bool = False
+    wake: asyncio.Event = field(default_factory=asyncio.Event)  # set to probe now instead of next interval
+    lost: asyncio.Event = field(default_factory=asyncio.Event)  # set while it is not primary: cut its streams
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "url": self.url,
+            "primary_status": self.status,
+            "is_primary": self.is_primary,
+            "reason": self.reason or None,
+            "checked_ago_ms": round((time.time() - self.checked) * 1000) if self.checked else None,
+        }
+
+
+def engine_urls_in_state(state_file: Path, host: str = "127.0.0.1") -> list[str]:
+    """Engine URLs in the controller's ``state.json`` (its engines listen on ``host``); none while it is
+    missing or being replaced."""
+    try:
+        members = read_state(state_file).members
+    except ConfigError:  # corrupt or of another version: the controller will say so
+        return []
+    return [f"http://{host}:{member.port}" for member in members.values()]
+
+
+class Discovery:
+    """Which upstreams answer 200 on ``/primary``; ``available`` is set while at least one does."""
+
+    def __init__(
+        self,
+        urls: list[str],
+        client: httpx.AsyncClient,
+        interval_s: float,
+        timeout_s: float,
+        engine_host: str = "127.0.0.1",
+        leaders: LeaderUrls | None = None,
+    ) -> None:
+        self.engine_host = engine_host  # where the engines state.json lists listen ([dcs] address)
+        self.leaders = leaders  # multi-host: the leader keys' engines, followed by etcd watch
+        self.upstreams = [Upstream(url.rstrip("/")) for url in urls]
+        self.client = client
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self.available = asyncio.Event()
+        self._turn = itertools.count()
+
+    def primaries(self) -> list[Upstream]:
+        return [u for u in self.upstreams if u.is_primary]
+
+    def pick(self) -> Upstream | None:
+        """Round-robin among the current primaries (several groups: one primary each)."""
+        primaries = self.primaries()
+        return primaries[next(self._turn) % len(primaries)] if primaries else None
+
+    async def wait_available(self, timeout_s: float) -> bool:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.available.wait(), max(timeout_s, 0.0))
+        return self.available.is_set()
+
+    def suspect(self, upstream: Upstream, reason: str) -> None:
+        """A proxied request failed there: stop routing to it until a probe says 200 again, and probe
+        every upstream now (one of them may just have been promoted)."""
+        self._mark(upstream, False, reason)
+        self.wake_all()
+
+    def wake_all(self) -> None:
+        """Probe every upstream now instead of at its next interval (a role just changed somewhere)."""
+        for upstream in self.upstreams:
+            upstream.wake.set()
+
+    async def probe_all(self) -> None:
+        """One probe of every upstream, all at once: what a gateway knows before it accepts a request."""
+        await asyncio.gather(*(self._probe(upstream) for upstream in self.upstreams))
+
+    async def run(self, state_file: Path | None = None) -> None:
+        """Probe every upstream; with a controller state file, also pick up engines added at runtime."""
+        async with asyncio.TaskGroup() as tasks:
+            for upstream in self.upstreams:
+                tasks.create_task(self._watch(upstream))
+            if state_file is not None:
+                tasks.create_task(self._follow(state_file, tasks))
+            if self.leaders is not None:
+                tasks.create_task(self._follow_leaders(self.leaders, tasks))
+
+    def _add(self, url: str, tasks: asyncio.TaskGroup, why: str) -> None:
+        upstream = Upstream(url)
+        self.upstreams.append(upstream)
+        tasks.create_task(self._watch(upstream))
+        log.info("%s joined (%s)", url, why)
+
+    async def _follow_leaders(self, leaders: LeaderUrls, tasks: asyncio.TaskGroup) -> None:
+        """At every change of the leader keys: probe the engines they name now (another host's too)."""
+        async for urls in leaders.follow():
+            known = {u.url for u in self.upstreams}
+            for url in dict.fromkeys(urls):
+                if url not in known:
+                    self._add(url, tasks, "named by a leader key in etcd")
+            self.wake_all()
+
+    async def _follow(self, state_file: Path, tasks: asyncio.TaskGroup) -> None:
+        """Read the controller's state file (not its API: the data path must not need the controller
+        to be up) and start probing any engine port it lists that we do not know yet."""
+        while True:
+            known = {u.url for u in self.upstreams}
+            for url in engine_urls_in_state(state_file, self.engine_host):
+                if url not in known:
+                    self._add(url, tasks, f"listed in {state_file}")
+            await asyncio.sleep(STATE_POLL_S)
+
+    async def _watch(self, upstream: Upstream) -> None:
+        while True:
+            await self._probe(upstream)
+            # While no primary is known a failover is in progress: learning of the new one is what matters.
+            interval = self.interval_s if self.available.is_set() else self.interval_s / 4
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(upstream.wake.wait(), interval)
+            upstream.wake.clear()
+
+    async def _probe(self, upstream: Upstream) -> None:
+        try:
+            response = await self.client.get(upstream.url + Endpoint.PRIMARY, timeout=self.timeout_s)
+            upstream.status = response.status_code
+            reason = "" if response.status_code == 200 else reason_of(response, Endpoint.PRIMARY)
+        except httpx.HTTPError as exc:
+            upstream.status, reason = None, f"unreachable: {type(exc).__name__} {exc}".strip()
+        upstream.checked = time.time()
+        self._mark(upstream, upstream.status == 200, reason)
+
+    def _mark(self, upstream: Upstream, is_primary: bool, reason: str) -> None:
+        if is_primary != upstream.is_primary:
+            log.info("%s %s", upstream.url, "is primary" if is_primary else f"is no longer primary: {reason}")
+        upstream.is_primary, upstream.reason = is_primary, reason
+        if is_primary:
+            upstream.lost.clear()
+        else:
+            upstream.lost.set()
+        if self.primaries():
+            self.available.set()
+        else:
+            self.available.clear()
+
+
+def reason_of(response: httpx.Response, what: str) -> str:
+    """The engine's one-sentence reason from a 503 body (health or OpenAI error shape)."""
+    try:
+        body = json.loads(response.content)
+        reason = body.get("reason") or body["error"]["message"]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        reason = response.text[:200]
+    return f"{what} answered {response.status_code}: {reason}"
