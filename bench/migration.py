@@ -38,7 +38,7 @@ from hotweights.cache.makemodel import PRESETS, write_checkpoint
 from hotweights.chaos.clusterview import ControlApi
 from hotweights.chaos.faults import Target, send
 from hotweights.chaos.scenarios import serving_primary, wait_dead
-from hotweights.chaos.stack import DrillStack
+from hotweights.chaos.stack import DrillStack, run_interruptible
 from hotweights.contract import Endpoint
 
 START_TIMEOUT_S = 900.0
@@ -211,17 +211,10 @@ def main() -> int:
     if not 0 < args.cut_after < args.max_tokens:
         parser.error(f"--cut-after must be in [1, --max-tokens), found {args.cut_after}")
     with tempfile.TemporaryDirectory(prefix="hw-migration-") as workdir:
-        loop = asyncio.new_event_loop()
-        task = loop.create_task(run(args, Path(workdir)))
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, task.cancel)
-        try:
-            result = loop.run_until_complete(task)
-        except asyncio.CancelledError:
-            print("interrupted; the stack was torn down", file=sys.stderr)
-            return 130
-        finally:
-            loop.close()
+        result = run_interruptible(run(args, Path(workdir)))
+    if result is None:
+        print("interrupted; the stack was torn down", file=sys.stderr)
+        return 130
     print(json.dumps(result))
     return 0 if result["broken"] == 0 and result["mismatched"] == 0 else 1
 
