@@ -201,17 +201,16 @@ class Decoder:
         be free: position 0 of each is written. Waits for the device without holding the GIL, so the engine's
         HTTP thread runs meanwhile."""
         n = len(tokens)
-        inputs = torch.tensor([tokens, positions], dtype=torch.long)
         kv_len = bucket(self.lengths, max(positions) + 1)
         size = bucket(self.graph_batches, n)
         graph = self._graphs.get((size, kv_len))
         if graph is not None:
-            padded = torch.zeros((2, size), dtype=torch.long)  # rows past n: token 0 at position 0 of a free slot
-            padded[:, :n] = inputs
-            logits, argmax = graph.run(padded)
+            free = [0] * (size - n)  # rows past n: token 0 at position 0 of a free slot
+            logits, argmax = graph.run(torch.tensor([tokens + free, positions + free], dtype=torch.long))
             logits, argmax = logits[:n], argmax[:n]
         else:
-            logits, argmax = _step(self.model, inputs.to(self.model.device), self.kv, kv_len)
+            inputs = torch.tensor([tokens, positions], dtype=torch.long, device=self.model.device)
+            logits, argmax = _step(self.model, inputs, self.kv, kv_len)
         return logits, self._to_host(argmax)
 
     def _to_host(self, argmax: torch.Tensor) -> list[int]:
