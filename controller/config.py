@@ -91,9 +91,9 @@ max_queue = 0                 # completions an engine lets wait beyond the max_b
 queue_timeout_s = 10.0        # a waiting completion not started by then is answered 429
 
 [health]
-interval_ms = 100             # between health checks of each engine; a failed check is repeated at once
+interval_ms = 50              # between health checks of each engine (sent whether the last has answered or not)
 timeout_ms = 200              # a check unanswered this long fails
-failure_threshold = 2         # failed checks in a row that make a primary failed: a hang is fenced in ~0.5 s
+failure_threshold = 2         # failed checks in a row that make a primary failed: a hang is fenced in ~0.3 s
 redundancy_alert_s = 30.0     # a group whose ready standbys stay fewer than its engines - 1 for longer than this
                               # is alerting (GET /cluster's redundancy, hotweights_controller_redundancy_alert)
 
@@ -198,7 +198,7 @@ class EngineSection:
 
 @dataclass(frozen=True)
 class HealthSection:
-    interval_ms: int = 100
+    interval_ms: int = 50
     timeout_ms: int = 200
     failure_threshold: int = 2
     redundancy_alert_s: float = 30.0  # degraded (fewer ready standbys than wanted) longer than this: alerting
