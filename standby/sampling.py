@@ -1,16 +1,17 @@
 """Choosing the next token of many sequences at once: greedy or nucleus sampling, each row seeded per token.
 
 ``sample_rows`` takes one step's logits for every sequence (a (n, V) tensor) and answers every row's token
-with one pass of batched kernels and one wait for the device, however many rows are sampled: sampling one
-row at a time (a softmax, a sort and a host sync per sequence) cost ~0.6 ms per sequence per step on an H200
-(``medium``: a 32-token completion took 66 ms alone and 141 ms as one of four), more than the batched decode
-step it followed.
+with one pass of batched kernels and one wait for the device, however many rows are sampled. Sampling one
+row at a time (a softmax, a sort and a host sync per sequence) made batching nearly useless for sampled
+requests: on an H200 (``medium``), a 32-token completion took 66 ms alone and 141 ms as one of four.
 
 Each sampled token draws one uniform number from its own seed, ``token_seed(seed, position)`` (the request's
-seed and the token's position), and picks by inverse CDF over the nucleus (the smallest prefix of the tokens,
-most likely first, whose mass reaches ``top_p``). So a sequence's draws depend on nothing but its seed and its
-logits: not on the rows next to it, and a generation resumed from ``prompt + generated`` with the same seed
-samples what the uninterrupted one would have.
+seed and the token's position), and picks by inverse CDF: over the whole distribution in token order at
+``top_p`` 1, else over the nucleus (the smallest prefix of the tokens, most likely first, whose mass reaches
+``top_p``). Only a nucleus needs the vocabulary sorted, so the sort runs only when some row asks for one.
+A sequence's draws depend on nothing but its seed, its parameters and its logits, not on the rows next to
+it; a generation resumed from ``prompt + generated`` with the same seed samples what the uninterrupted one
+would have.
 """
 
 from __future__ import annotations
@@ -59,21 +60,27 @@ def sample_rows(
     if not any(temperature):
         return to_host(logits.argmax(-1))
     device = logits.device
-    t = torch.tensor(temperature, dtype=torch.float64, device=device)[:, None]
-    p = torch.tensor(top_p, dtype=torch.float64, device=device)[:, None]
-    u = torch.tensor(draws, dtype=torch.float64, device=device)[:, None]
+    t, p, u = (torch.tensor(v, dtype=torch.float64, device=device)[:, None] for v in (temperature, top_p, draws))
     # In float64 and from each row's maximum down, so a tiny temperature saturates instead of giving inf - inf.
     x = logits.double()
-    scaled = (x - x.amax(-1, keepdim=True)) / torch.where(t > 0, t, 1.0)
-    sorted_probs, order = torch.softmax(scaled, dim=-1).sort(dim=-1, descending=True)
-    # Keep the smallest prefix whose mass reaches top_p; the most likely token always stays.
-    outside = sorted_probs.cumsum(-1) - sorted_probs >= p
-    outside[:, 0] = False
-    cdf = sorted_probs.masked_fill(outside, 0.0).cumsum(-1)
-    last = (~outside).sum(-1, keepdim=True) - 1  # the nucleus's last index: rounding never draws past it
-    pick = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_max(last)
-    tokens = torch.where(t[:, 0] > 0, order.gather(-1, pick)[:, 0], logits.argmax(-1))
-    return to_host(tokens)
+    probs = torch.softmax((x - x.amax(-1, keepdim=True)) / torch.where(t > 0, t, 1.0), dim=-1)
+    drawn = _inverse_cdf(probs, u, probs > 0)  # top_p 1: the whole distribution, in token order
+    if min(top_p) < 1.0:  # a nucleus needs the tokens most likely first: a sort, only when some row asks
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p; the most likely token always stays.
+        outside = sorted_probs.cumsum(-1) - sorted_probs >= p
+        outside[:, 0] = False
+        nucleus = order.gather(-1, _inverse_cdf(sorted_probs.masked_fill(outside, 0.0), u, ~outside)[:, None])
+        drawn = torch.where(p[:, 0] < 1.0, nucleus[:, 0], drawn)
+    return to_host(torch.where(t[:, 0] > 0, drawn, logits.argmax(-1)))
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """Each row's index where its cumulative ``probs`` first exceed ``u`` x its total: never past the last index
+    of ``kept`` (the entries that may be drawn), whatever the rounding."""
+    cdf = probs.cumsum(-1)
+    last = kept.shape[-1] - 1 - kept.flip(-1).int().argmax(-1, keepdim=True)
+    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_max(last)[:, 0]
 
 
 def sample_token(logits: torch.Tensor, temperature: float, top_p: float, seed: int, position: int) -> int:

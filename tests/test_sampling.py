@@ -26,7 +26,8 @@ def counts(top_p: float, temperature: float = 1.0) -> dict[int, int]:
 @pytest.mark.parametrize(
     ("top_p", "expected"),
     [
-        (1.0, {2: 500, 0: 300, 1: 200}),  # the whole distribution, by inverse CDF
+        (1.0, {2: 500, 0: 300, 1: 200}),  # the whole distribution, by inverse CDF in token order
+        (0.999, {2: 500, 0: 300, 1: 200}),  # the same, by inverse CDF over the tokens sorted
         (0.7, {2: 625, 0: 375}),  # the nucleus: 0.5 < 0.7 <= 0.8, renormalised
         (0.5, {2: 1000}),  # the most likely token's mass already reaches top_p
         (1e-9, {2: 1000}),  # the most likely token always stays
