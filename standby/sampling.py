@@ -60,7 +60,8 @@ def sample_rows(
     if not any(temperature):
         return to_host(logits.argmax(-1))
     device = logits.device
-    t, p, u = (torch.tensor(v, dtype=torch.float64, device=device)[:, None] for v in (temperature, top_p, draws))
+    params = torch.tensor([list(temperature), list(top_p), list(draws)], dtype=torch.float64)  # one copy over
+    t, p, u = params.to(device)[:, :, None]
     # In float64 and from each row's maximum down, so a tiny temperature saturates instead of giving inf - inf.
     x = logits.double()
     probs = torch.softmax((x - x.amax(-1, keepdim=True)) / torch.where(t > 0, t, 1.0), dim=-1)
