@@ -87,7 +87,7 @@ kv_cache_tokens = 4096
 max_batch = 4
 drain_timeout_s = 30.0
 max_queue = 0                 # completions an engine lets wait beyond the max_batch it generates; more are
-                              # answered 429 with Retry-After at once (0: as many as max_batch)
+                              # answered 429 with Retry-After at once (0: half of max_batch, at least 1)
 queue_timeout_s = 10.0        # a waiting completion not started by then is answered 429
 
 [health]
@@ -189,7 +189,7 @@ class EngineSection:
     kv_cache_tokens: int = 4096
     max_batch: int = 4
     drain_timeout_s: float = 30.0
-    max_queue: int = 0  # completions waiting beyond max_batch (0: max_batch); more: 429
+    max_queue: int = 0  # completions waiting beyond max_batch (0: max_batch // 2, at least 1); more: 429
     queue_timeout_s: float = QUEUE_WAIT_S  # a waiting completion not started by then: 429
 
     def queue(self) -> int:
