@@ -10,11 +10,13 @@ that changes with how requests were batched) and once for each of ``--signals`` 
 SIGSTOP of the primary, which the controller detects as hung and fences), opens ``--streams`` greedy
 streams through the gateway, sends the signal to the primary once every stream has ``--cut-after`` chunks,
 and reads every stream to its end. Per fault: the
-streams in flight at the fault, the broken ones (an error event, no ``[DONE]``, a failed connection), the
-mismatched ones (text other than the reference), and the largest gap between two chunks of a stream that
-spans the fault (cut to next token, in ms). Between faults it waits for the stack to be whole again. The
-last stdout line is one JSON object. Targets on the H200 (``xl``, 64 streams of 256 tokens): 0 broken, 0
-mismatched, largest gap <= 500 ms (kill) and <= 900 ms (stop).
+streams in flight at the fault, the migrated ones (continued on the new primary, from the gateway's event
+log: a stream in flight at the client but not migrated had been generated to its end before the fault, as
+happens when the engine outruns the client reading), the broken ones (an error event, no ``[DONE]``, a
+failed connection), the mismatched ones (text other than the reference), and the largest gap between two
+chunks of a stream that spans the fault (cut to next token, in ms). Between faults it waits for the stack
+to be whole again. The last stdout line is one JSON object. Targets on the H200 (``xl``, 64 streams of 256
+tokens): 0 broken, 0 mismatched, largest gap <= 500 ms (kill) and <= 900 ms (stop).
 """
 
 from __future__ import annotations
@@ -38,8 +40,9 @@ from hotweights.cache.makemodel import PRESETS, write_checkpoint
 from hotweights.chaos.clusterview import ControlApi
 from hotweights.chaos.faults import Target, send
 from hotweights.chaos.scenarios import serving_primary, wait_dead
-from hotweights.chaos.stack import DrillStack
+from hotweights.chaos.stack import DrillStack, run_interruptible
 from hotweights.contract import Endpoint
+from hotweights.controller.gatewayserver import GATEWAY_EVENTS_FILE
 
 START_TIMEOUT_S = 900.0
 SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
@@ -122,14 +125,25 @@ async def primary_target(api: ControlApi) -> Target:
     return target
 
 
+def migrations_after(events: Path, offset: int) -> int:
+    """How many completions the gateway workers continued on another engine (``migration`` events) in
+    ``events`` (their shared log) past byte ``offset``."""
+    if not events.exists():
+        return 0
+    with events.open("rb") as log:
+        log.seek(offset)
+        return sum(json.loads(line).get("kind") == "migration" for line in log if line.strip())
+
+
 async def fault(
-    api: ControlApi, client: httpx.AsyncClient, args: argparse.Namespace, name: str, expected: list[str]
+    api: ControlApi, client: httpx.AsyncClient, args: argparse.Namespace, name: str, expected: list[str], events: Path
 ) -> dict[str, Any]:
     """One round: streams opened, the primary signalled once each has ``--cut-after`` chunks (``UNCUT``: no
     signal at all), every stream read to its end; the round's figures."""
     if missing := await api.wait_complete(START_TIMEOUT_S):
         raise RuntimeError(f"the stack was not whole before the {name} round: {missing}")
     target = await primary_target(api)
+    logged = events.stat().st_size if events.exists() else 0
     streams = [Stream(p) for p in prompts(args.streams)]
     tasks = [asyncio.create_task(s.run(client, args.max_tokens)) for s in streams]
     while not all(len(s.arrivals) >= args.cut_after or s.outcome for s in streams):
@@ -147,6 +161,7 @@ async def fault(
     return {
         "signal": name,
         "in_flight": in_flight,
+        "migrated": migrations_after(events, logged),
         "broken": sum(s.outcome != "done" for s in streams),
         "mismatched": sum(s.outcome == "done" and s.text != want for s, want in zip(streams, expected, strict=True)),
         "max_gap_ms": round(max(gaps) * 1000, 1) if gaps else None,
@@ -176,7 +191,8 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             expected = await references(client, prompts(args.streams), args.max_tokens)
             progress(f"{args.streams} reference texts")
             for name in [UNCUT, *args.signals.split(",")]:
-                rounds.append(await fault(api, client, args, name, expected))
+                events = stack.config.state_dir / GATEWAY_EVENTS_FILE
+                rounds.append(await fault(api, client, args, name, expected, events))
                 progress(f"{name}: {json.dumps(rounds[-1])}")
     finally:
         await api.aclose()
@@ -192,6 +208,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "mismatched_uncut": rounds[0]["mismatched"] if rounds else None,
         "max_gap_ms": {r["signal"]: r["max_gap_ms"] for r in cut},
         "in_flight": {r["signal"]: r["in_flight"] for r in rounds},
+        "migrated": {r["signal"]: r["migrated"] for r in cut},
         "rounds": rounds,
     }
 
@@ -211,17 +228,10 @@ def main() -> int:
     if not 0 < args.cut_after < args.max_tokens:
         parser.error(f"--cut-after must be in [1, --max-tokens), found {args.cut_after}")
     with tempfile.TemporaryDirectory(prefix="hw-migration-") as workdir:
-        loop = asyncio.new_event_loop()
-        task = loop.create_task(run(args, Path(workdir)))
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, task.cancel)
-        try:
-            result = loop.run_until_complete(task)
-        except asyncio.CancelledError:
-            print("interrupted; the stack was torn down", file=sys.stderr)
-            return 130
-        finally:
-            loop.close()
+        result = run_interruptible(run(args, Path(workdir)))
+    if result is None:
+        print("interrupted; the stack was torn down", file=sys.stderr)
+        return 130
     print(json.dumps(result))
     return 0 if result["broken"] == 0 and result["mismatched"] == 0 else 1
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import shutil
 import signal
@@ -50,7 +49,7 @@ from hotweights.chaos.faults import Target, send
 from hotweights.chaos.load import LoadGenerator, RequestRecord, reference_completion
 from hotweights.chaos.scenarios import fault_storm, wait_dead
 from hotweights.chaos.splitbrain import SplitBrainDetector
-from hotweights.chaos.stack import DrillStack
+from hotweights.chaos.stack import DrillStack, run_interruptible
 from hotweights.controller.config import EngineSpec
 from hotweights.controller.stack import Layout
 from hotweights.ports import free_port
@@ -241,18 +240,10 @@ def main() -> int:
     if unknown := [s for s in args.signals.split(",") if s not in SIGNALS]:
         parser.error(f"--signals: unknown {unknown}; choose from {sorted(SIGNALS)}")
     with tempfile.TemporaryDirectory(prefix="hwredundancy-") as workdir:
-        loop = asyncio.new_event_loop()
-        task = loop.create_task(run(args, Path(workdir)))
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, task.cancel)
-        try:
-            result = loop.run_until_complete(task)
-        except asyncio.CancelledError:
-            print("interrupted: everything started was stopped", file=sys.stderr)
-            return 130
-        finally:
-            with contextlib.suppress(Exception):
-                loop.close()
+        result = run_interruptible(run(args, Path(workdir)))
+    if result is None:
+        print("interrupted: everything started was stopped", file=sys.stderr)
+        return 130
     print(json.dumps(result))
     return 0 if not result["problem"] else 1
 

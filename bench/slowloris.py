@@ -21,8 +21,6 @@ import argparse
 import asyncio
 import json
 import resource
-import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -35,8 +33,9 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hotweights.chaos.clusterview import ControlApi
-from hotweights.chaos.stack import DrillStack
+from hotweights.chaos.stack import DrillStack, run_interruptible
 from hotweights.contract import Endpoint
+from hotweights.stats import ms, percentile
 
 PER_ATTACKER = 8000  # connections one attacker process holds (its open-files limit must allow them)
 START_TIMEOUT_S = 300.0
@@ -112,13 +111,12 @@ async def primary_url(api: ControlApi) -> str:
 
 
 def figures(latencies: list[float], errors: list[str]) -> dict[str, Any]:
-    ms = sorted(x * 1000 for x in latencies)
-    p99 = ms[min(len(ms) - 1, int(len(ms) * 0.99))] if ms else None
+    """One phase's requests, errors, p50 and p99 latency (ms) and first errors."""
     return {
-        "requests": len(ms) + len(errors),
+        "requests": len(latencies) + len(errors),
         "errors": len(errors),
-        "p50_ms": round(statistics.median(ms), 1) if ms else None,
-        "p99_ms": round(p99, 1) if p99 is not None else None,
+        "p50_ms": ms(percentile(latencies, 50)) if latencies else None,
+        "p99_ms": ms(percentile(latencies, 99)) if latencies else None,
         "first_errors": errors[:3],
     }
 
@@ -184,17 +182,10 @@ def main() -> int:
         asyncio.run(hold(host, int(port), args.connections, args.attack_s))
         return 0
     with tempfile.TemporaryDirectory(prefix="hw-slowloris-") as workdir:
-        loop = asyncio.new_event_loop()
-        task = loop.create_task(run(args, Path(workdir)))
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, task.cancel)
-        try:
-            result = loop.run_until_complete(task)
-        except asyncio.CancelledError:
-            print("interrupted; the stack was torn down", file=sys.stderr)
-            return 130
-        finally:
-            loop.close()
+        result = run_interruptible(run(args, Path(workdir)))
+    if result is None:
+        print("interrupted; the stack was torn down", file=sys.stderr)
+        return 130
     print(json.dumps(result))
     return 0 if result["attack"]["errors"] == 0 and not result["controller_events"] else 1
 

@@ -11,12 +11,15 @@ SIGKILL to anything still naming its config or state dir.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
 import subprocess
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 from hotweights.cache.checkpoint import read_checkpoint
 from hotweights.cache.makemodel import ensure_default_model, write_checkpoint
@@ -64,6 +67,24 @@ drain_timeout_s = 5.0
 port = {gateway_port}
 hold_timeout_s = 15.0
 """
+
+
+T = TypeVar("T")
+
+
+def run_interruptible(work: Coroutine[Any, Any, T]) -> T | None:
+    """``work``'s result, run on an event loop of its own; SIGINT or SIGTERM cancels it, so that its ``finally``
+    blocks stop what it started (a bench killed by ``timeout`` leaves nothing running): None then."""
+    loop = asyncio.new_event_loop()
+    task = loop.create_task(work)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, task.cancel)
+    try:
+        return loop.run_until_complete(task)
+    except asyncio.CancelledError:
+        return None
+    finally:
+        loop.close()
 
 
 @dataclass

@@ -3,7 +3,7 @@
 Every failover group is one device (or, with ``tp_size`` N, N devices): a cache daemon per device and
 ``engines`` engines attached to the daemons, one primary and the rest warm standbys. Every error names
 the file, the key, what was expected and what was found; nothing starts until the whole file is valid.
-``EXAMPLE_CONFIG`` documents every key.
+``docs/cluster.example.toml`` documents every key, with these defaults (``tests/test_docs.py`` checks both).
 """
 
 from __future__ import annotations
@@ -26,103 +26,6 @@ from hotweights.httpguard import COMPLETION_BODY_BYTES, CONTROLLER_BODY_BYTES, M
 from hotweights.paths import hotweights_home
 from hotweights.quant import QUANT_METHODS
 from hotweights.spawn import SPARE_DUTY
-
-EXAMPLE_CONFIG = """\
-[cluster]
-name = "hotweights"
-host = "127.0.0.1"            # controller REST API
-port = 8100
-token_file = ""               # bearer token for mutations; required for a non-loopback cluster or gateway host
-state_dir = ""                # default: $HOTWEIGHTS_HOME/clusters/<name>
-api_max_body_bytes = 65536    # largest body the REST API reads; larger ones are 413 before they are read
-
-[model]
-path = ""                     # default: the embedded tiny model, generated on first use
-dtype = ""                    # bf16 | fp16 | fp32; default: the checkpoint's
-quantize = ""                 # "" or "fp8-block"
-
-[[groups]]
-device = "cpu"                # cpu or cuda:N (with tp_size > 1: cpu or cuda:0, rank r then runs on cuda:r)
-engines = 3                   # 1 primary + 2 standbys
-max_engines = 8               # the most engines POST /engines may grow the group to (409 above it; >= engines)
-tp_size = 1                   # ranks per engine (tensor parallel): a daemon per rank, each engine a group of
-                              # tp_size rank processes, failed over as one (reference engine only)
-base_port = 8200              # engine i answers on base_port + i (health checks, gateway, HAProxy)
-listen_base_port = 0          # engines listen here; clients use base_port; set when a proxy sits in front of
-                              # each engine, e.g. the chaos drill's fault proxy (0: same as base_port)
-backend = ""                  # arena backend; default per device
-engine = "reference"          # reference (hotweights engine) | vllm | sglang (a server behind `hotweights agent`)
-engine_python = ""            # vllm, sglang: the Python that has the engine and hotweights (its daemon runs there)
-engine_args = []              # vllm, sglang: more arguments for its server, e.g. ["--max-model-len", "512"]
-engine_env = {}               # vllm, sglang: environment of its daemon and servers, e.g. {VLLM_CPU_KVCACHE_SPACE = "1"}
-start_timeout_s = 0.0         # an engine not ready this long after its start is restarted (0: 120, vllm/sglang 600)
-snapshot = ""                 # a processed snapshot (`hotweights cache snapshot`) the daemon fills from when no
-                              # live engine hands its arena back, before reading the checkpoint; relative to
-                              # this file ("": none). A stale or corrupt one is refused, never served.
-                              # With tp_size > 1, "{rank}" in it stands for each daemon's rank.
-direct_io = false             # the daemons read checkpoint and snapshot with O_DIRECT (`cache serve --direct-io`):
-                              # faster from a cold disk, slower from a warm page cache
-spare = true                  # keep a spare engine process for the primary's slot, its imports done (most of
-                              # a start), that replaces the primary as a standby as soon as it is fenced,
-                              # and a spare daemon process that a respawn of the daemon starts (reference
-                              # engines, tp_size 1; a vllm or sglang group has neither)
-spare_warm_up = true          # the spare engine (tp_size 1) also attaches and warms up while it waits, so that
-                              # it replaces the primary in milliseconds, not seconds; it then holds a
-                              # standby's device memory (its KV cache and CUDA graphs) meanwhile
-spare_engines = 1             # how many spare engines the group keeps (spare = true, 0..16), for any of its
-                              # slots; they start one at a time, each once the others are ready. One absorbs
-                              # one fault; more absorb faults that come faster than a spare warms up, each
-                              # holding a standby's device memory (GET /cluster lists them with their bytes)
-spare_duty = 0.5              # the share of time a spare's warm-up may keep the device busy before it is
-                              # needed (it pauses for the rest; taken, it warms up without pauses), so that a
-                              # warming spare slows the engines serving beside it little; 1.0: no pauses
-batch_port = 0                # a co-located batch engine for low-priority clients on this port (0: none): a
-                              # reference engine on the group's device that maps the group's arena; it yields
-                              # its KV cache (drained for at most batch_yield_timeout_s) before the group starts
-                              # an engine or switches over, and serves again once the group is settled
-batch_yield_timeout_s = 1.0   # how long a yielding batch engine may drain before its requests are cancelled
-
-[engine]
-kv_cache_tokens = 4096
-max_batch = 4
-drain_timeout_s = 30.0
-max_queue = 0                 # completions an engine lets wait beyond the max_batch it generates; more are
-                              # answered 429 with Retry-After at once (0: as many as max_batch)
-queue_timeout_s = 10.0        # a waiting completion not started by then is answered 429
-
-[health]
-interval_ms = 100             # between health checks of each engine; a failed check is repeated at once
-timeout_ms = 200              # a check unanswered this long fails
-failure_threshold = 2         # failed checks in a row that make a primary failed: a hang is fenced in ~0.5 s
-redundancy_alert_s = 30.0     # a group whose ready standbys stay fewer than its engines - 1 for longer than this
-                              # is alerting (GET /cluster's redundancy, hotweights_controller_redundancy_alert)
-
-[gateway]
-host = "127.0.0.1"
-port = 8000
-queue_limit = 256             # requests held while no primary answers
-hold_timeout_s = 10.0         # how long a held request waits for a primary
-workers = 2                   # gateway processes sharing one listening socket the controller holds (1..16)
-probe_interval_ms = 200       # how often each worker asks every engine GET /primary (the controller also
-                              # pushes a probe at once after each role change)
-max_body_bytes = 4194304      # largest completion body (prompt included) at the gateway and the engines: 413
-max_in_flight = 0             # requests each gateway worker proxies at once; more are answered 429 at once
-                              # (0: every group's max_batch + max_queue; while no primary is known, the hold
-                              # rules above apply instead)
-suspect_after = 2             # a request in flight on this many engines that failed while serving it is not
-                              # re-sent again: it is answered 422 and logged as suspect
-
-[dcs]                         # several hosts, one controller each, coordinating through etcd (leave out: one host)
-etcd = []                     # etcd client URLs, e.g. ["http://10.0.0.1:2379", "http://10.0.0.2:2379"]
-prefix = "/hotweights"        # the cluster's keys live under <prefix>/<cluster.name>/
-host = ""                     # this host's name in the leader keys (default: the machine's host name); unique
-address = "127.0.0.1"         # where other hosts reach this host's engines: they listen on it (non-loopback
-                              # needs cluster.token_file)
-ttl_s = 2                     # the leader key's lease (whole seconds): a primary whose controller cannot renew it
-                              # stops serving within this, and another host takes over once it expired
-loop_wait_s = 0.5             # how often the controller renews the lease and reads the leader keys
-retry_timeout_s = 0.5         # how long one etcd request may take; ttl_s >= loop_wait_s + 2 * retry_timeout_s
-"""
 
 # Why an exposed gateway needs the cluster's token: it forwards only /v1, and the engines behind it then
 # refuse role changes without the token, whatever a client manages to send.
@@ -189,7 +92,7 @@ class EngineSection:
     kv_cache_tokens: int = 4096
     max_batch: int = 4
     drain_timeout_s: float = 30.0
-    max_queue: int = 0  # completions waiting beyond max_batch (0: max_batch); more: 429
+    max_queue: int = 0  # completions waiting beyond max_batch (0: max_batch // 2, at least 1); more: 429
     queue_timeout_s: float = QUEUE_WAIT_S  # a waiting completion not started by then: 429
 
     def queue(self) -> int:
@@ -198,7 +101,7 @@ class EngineSection:
 
 @dataclass(frozen=True)
 class HealthSection:
-    interval_ms: int = 100
+    interval_ms: int = 50
     timeout_ms: int = 200
     failure_threshold: int = 2
     redundancy_alert_s: float = 30.0  # degraded (fewer ready standbys than wanted) longer than this: alerting

@@ -8,7 +8,9 @@ import subprocess
 from collections.abc import Iterable
 from pathlib import Path
 
-PROC = Path("/proc")
+from hotweights.controller.supervisor import descendants
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def free_bytes(device: str) -> int | None:
@@ -31,23 +33,13 @@ def free_bytes(device: str) -> int | None:
 def tree_rss_bytes(pid: int) -> int | None:
     """Resident memory of ``pid`` and every process below it (an agent's engine and its workers, say); None once
     ``pid`` is gone."""
-    children: dict[int, list[int]] = {}
-    for stat in PROC.glob("[0-9]*/stat"):
+    total = 0
+    for member in (pid, *descendants(pid)):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
+            total += int(Path(f"/proc/{member}/statm").read_text().split()[1]) * PAGE
         except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    total, todo, page = 0, [pid], os.sysconf("SC_PAGE_SIZE")
-    while todo:
-        current = todo.pop()
-        try:
-            total += int((PROC / str(current) / "statm").read_text().split()[1]) * page
-        except OSError:
-            if current == pid:
+            if member == pid:
                 return None
-            continue
-        todo += children.get(current, [])
     return total
 
 

@@ -1,8 +1,10 @@
 """Engine health checks and the small policies that judge them.
 
 Healthy means "answered ``GET /health/ready`` with 200 within the timeout", not "the process
-exists": a SIGSTOPped primary is alive and fails every check. A failed check is repeated at once (not
-after the interval) until the failure threshold, so a hang is judged in about threshold x timeout. A
+exists": a SIGSTOPped primary is alive and fails every check. A check is sent every interval whether
+the last one has answered or not, so the checks of a hung engine overlap and the failure threshold is
+reached about timeout + (threshold - 1) x interval after it stopped answering (not threshold x timeout);
+a check refused at once is followed by the next at once. A
 timeout that fired late because the controller itself was starved of CPU is not counted either way, nor
 is a check that failed because the controller ran out of file descriptors.
 Each engine process gets its own check task, so one hung engine never delays the checks of the
@@ -103,55 +105,87 @@ class HealthChecker:
                 await task
 
     async def _watch(self, url: str, pid: int, record: HealthRecord) -> None:
-        """Check every ``interval_s``; after a failed check, check again at once until ``threshold``
-        failures are reached, so a hung engine is judged in about ``threshold x timeout_s``."""
-        while True:
-            was_ok = record.ok
-            await self.check(url, pid, record)
-            if record.ok != was_ok or record.consecutive_failures == self.threshold:
-                self.on_change()
-            if not 0 < record.consecutive_failures < self.threshold:
-                await asyncio.sleep(self.interval_s)
-
-    async def check(self, url: str, pid: int, record: HealthRecord) -> None:
-        start = time.monotonic()
-        ok: bool | None
+        """Send a check every ``interval_s``, each waiting up to ``timeout_s``, so while an engine hangs its checks
+        overlap and ``threshold`` of them have failed about ``timeout_s + (threshold - 1) x interval_s`` after it
+        stopped answering; a check that failed at once (a refused connection) is followed by the next at once."""
+        checks: set[asyncio.Task] = set()
+        failed_fast = asyncio.Event()
         try:
-            response = await self.client.get(url + Endpoint.READY, timeout=self.timeout_s)
-            record.status_code, record.error = response.status_code, None
-            body = {}
-            with contextlib.suppress(ValueError):
-                body = response.json()
-            if not isinstance(body, dict):  # not an engine's reply (a stranger on the port)
-                body = {"pid": None}
-            if body.get("pid", pid) != pid:
-                ok, record.error = False, f"answered by pid {body.get('pid')}, not by ours ({pid})"
-            else:
-                record.body, record.body_at, ok = body, start, response.status_code == 200
-                if not ok:
-                    record.error = body.get("reason", f"status {response.status_code}")
-        except httpx.TimeoutException:
-            ok, record.status_code, record.error = False, None, f"no answer within {self.timeout_s * 1000:g} ms"
-            if (stalled := time.monotonic() - start - self.timeout_s) > self.timeout_s * STALL_FRACTION:
-                record.error += f", but this controller was itself {stalled * 1000:.0f} ms late: not counted"
-                ok = None
-        except httpx.HTTPError as exc:  # any other failure: a check that raised would end this engine's checks
-            ok, record.status_code, record.error = False, None, f"{type(exc).__name__}: {exc}"
-            if is_out_of_descriptors(exc):  # our own shortage: it says nothing of the engine
-                record.error += ": this controller is out of file descriptors, not counted"
-                ok = None
+            while True:
+                failed_fast.clear()
+                task = asyncio.create_task(self._judge(url, pid, record, failed_fast))
+                checks.add(task)
+                task.add_done_callback(checks.discard)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(failed_fast.wait(), self.interval_s)
+        finally:
+            for task in checks:
+                task.cancel()
+
+    async def _judge(self, url: str, pid: int, record: HealthRecord, failed_fast: asyncio.Event) -> None:
+        """One check; ``on_change`` when the verdict may have changed, ``failed_fast`` set when it failed below
+        the threshold before the next check was due."""
+        was_ok = record.ok
+        start = time.monotonic()
+        counted = await self.check(url, pid, record)
+        if record.ok != was_ok or record.consecutive_failures == self.threshold:
+            self.on_change()
+        quick = time.monotonic() - start < self.interval_s
+        if counted and quick and 0 < record.consecutive_failures < self.threshold:
+            failed_fast.set()
+
+    async def check(self, url: str, pid: int, record: HealthRecord) -> bool:
+        """One check of ``url`` into ``record``; whether it counted (a check overtaken by a later one's answer,
+        or failed by this controller's own fault, changes no verdict)."""
+        start = time.monotonic()
+        ok, status, error, body = await self._ask(url, pid, start)
         latency = time.monotonic() - start
+        if start < record.sent_at:  # a later check has answered already: this one says nothing newer
+            return False
         if ok is None:  # we could not wait on time (a starved CPU): the engine is neither judged ok nor failed
-            record.latency_ms = round(latency * 1000, 3)
-            return
+            record.latency_ms, record.error = round(latency * 1000, 3), error
+            return False
         self.observe_latency(latency)
-        record.checked_at, record.sent_at = time.time(), start
+        if body is not None:
+            record.body, record.body_at = body, start
+        record.checked_at, record.sent_at, record.status_code, record.error = time.time(), start, status, error
         record.latency_ms, record.ok = round(latency * 1000, 3), ok
         if ok:
             record.consecutive_failures, record.failing_since, record.ever_ok = 0, None, True
         elif record.ever_ok:  # an engine that is starting refuses checks: not a failure yet
             record.consecutive_failures += 1
             record.failing_since = record.failing_since or start
+        return True
+
+    async def _ask(self, url: str, pid: int, start: float) -> tuple[bool | None, int | None, str | None, dict | None]:
+        """(ok, status code, error, the engine's body when it is ours to keep) of one ``GET /health/ready``; ok
+        is None when the failure was this controller's own (starved of CPU, out of descriptors)."""
+        try:
+            response = await self.client.get(url + Endpoint.READY, timeout=self.timeout_s)
+        except httpx.TimeoutException:
+            error = f"no answer within {self.timeout_s * 1000:g} ms"
+            if (stalled := time.monotonic() - start - self.timeout_s) > self.timeout_s * STALL_FRACTION:
+                return (
+                    None,
+                    None,
+                    f"{error}, but this controller was itself {stalled * 1000:.0f} ms late: not counted",
+                    None,
+                )
+            return False, None, error, None
+        except httpx.HTTPError as exc:  # any other failure: a check that raised would end this engine's checks
+            error = f"{type(exc).__name__}: {exc}"
+            if is_out_of_descriptors(exc):  # our own shortage: it says nothing of the engine
+                return None, None, f"{error}: this controller is out of file descriptors, not counted", None
+            return False, None, error, None
+        body = {}
+        with contextlib.suppress(ValueError):
+            body = response.json()
+        if not isinstance(body, dict):  # not an engine's reply (a stranger on the port)
+            body = {"pid": None}
+        if body.get("pid", pid) != pid:
+            return False, response.status_code, f"answered by pid {body.get('pid')}, not by ours ({pid})", None
+        ok = response.status_code == 200
+        return ok, response.status_code, None if ok else body.get("reason", f"status {response.status_code}"), body
 
 
 class Observed(Protocol):

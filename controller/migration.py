@@ -11,7 +11,7 @@ before the cut, rewrites the chunks to the first segment's id and creation time,
 ``usage`` over the whole request.
 
 Exactness: greedy decoding, and sampling with a ``seed`` (each token draws from a seed derived from
-the request's seed and its position, ``standby.model.token_seed``), continue with exactly the tokens
+the request's seed and its position, ``standby.sampling.token_seed``), continue with exactly the tokens
 of an uninterrupted run. Stop strings are applied here, on the text as it comes back (``StopStrings``),
 and the engine is asked without them: no engine holds text back for them, and one met across the cut
 is found like any other.

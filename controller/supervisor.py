@@ -380,7 +380,7 @@ def listening_pids(port: int, owner: int | None = None) -> set[int]:
     if not inodes:
         return set()
     if owner is not None and inodes <= _fd_targets(owner):
-        return {pid for pid in {owner, *_descendants(owner)} if _fd_targets(pid) & inodes}
+        return {pid for pid in {owner, *descendants(owner)} if _fd_targets(pid) & inodes}
     pids = (int(proc.name) for proc in Path("/proc").iterdir() if proc.name.isdigit())
     return {pid for pid in pids if _fd_targets(pid) & inodes}
 
@@ -390,7 +390,7 @@ def inheritors(port: int, pid: int) -> set[int]:
     without SO_REUSEPORT) still holds its port, even as it exits, no other socket can listen there, so
     these are the only other processes that could answer on it."""
     inodes = _listening_inodes(port)
-    return {child for child in _descendants(pid) if _fd_targets(child) & inodes} if inodes else set()
+    return {child for child in descendants(pid) if _fd_targets(child) & inodes} if inodes else set()
 
 
 def _listening_inodes(port: int) -> set[str]:
@@ -415,7 +415,7 @@ def _fd_targets(pid: int) -> set[str]:
     return targets
 
 
-def _descendants(pid: int) -> set[int]:
+def descendants(pid: int) -> set[int]:
     """Every live descendant of ``pid`` (from each thread's /proc children list)."""
     found: set[int] = set()
     parents = [pid]

@@ -30,9 +30,7 @@ def raise_open_files(needed: int, why: str, wanted: int = 0) -> int:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         return soft
-    if hard != resource.RLIM_INFINITY and hard < needed:
-        if soft >= needed:
-            return soft
+    if hard != resource.RLIM_INFINITY and hard < needed:  # and so is soft
         raise ConfigError(
             f"{why} needs {needed} open files, but the limit is {soft} (hard limit {hard}): "
             f"run `ulimit -n {needed}` (as root, or raise nofile in limits.conf) first"

@@ -45,7 +45,8 @@ from typing import TypeVar
 import torch
 
 from hotweights.standby.fused import fusing
-from hotweights.standby.model import KVCache, Transformer, sample_token
+from hotweights.standby.model import KVCache, Transformer
+from hotweights.standby.sampling import sample_rows, to_host
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -156,8 +157,6 @@ class Decoder:
         self.graph_batches = batch_buckets(kv.batch)  # of the decode graphs
         self._graphs: dict[tuple[int, int], DecodeGraph] = {}  # (batch size, KV length) -> its captured step
         self._prefills: dict[tuple[int, int], PrefillGraph] = {}  # (rows, length) -> its capture
-        pinned = model.device.type == "cuda"
-        self._host_argmax = torch.zeros(kv.batch, dtype=torch.long, pin_memory=pinned)  # a step's greedy tokens
 
     @property
     def batch(self) -> int:
@@ -201,28 +200,17 @@ class Decoder:
         be free: position 0 of each is written. Waits for the device without holding the GIL, so the engine's
         HTTP thread runs meanwhile."""
         n = len(tokens)
-        inputs = torch.tensor([tokens, positions], dtype=torch.long)
         kv_len = bucket(self.lengths, max(positions) + 1)
         size = bucket(self.graph_batches, n)
         graph = self._graphs.get((size, kv_len))
         if graph is not None:
-            padded = torch.zeros((2, size), dtype=torch.long)  # rows past n: token 0 at position 0 of a free slot
-            padded[:, :n] = inputs
-            logits, argmax = graph.run(padded)
+            free = [0] * (size - n)  # rows past n: token 0 at position 0 of a free slot
+            logits, argmax = graph.run(torch.tensor([tokens + free, positions + free], dtype=torch.long))
             logits, argmax = logits[:n], argmax[:n]
         else:
-            logits, argmax = _step(self.model, inputs.to(self.model.device), self.kv, kv_len)
-        return logits, self._to_host(argmax)
-
-    def _to_host(self, argmax: torch.Tensor) -> list[int]:
-        if argmax.device.type != "cuda":
-            return argmax.tolist()
-        host = self._host_argmax[: argmax.shape[0]]
-        host.copy_(argmax, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        done.synchronize()  # releases the GIL, unlike .tolist()'s implicit wait
-        return host.tolist()
+            inputs = torch.tensor([tokens, positions], dtype=torch.long, device=self.model.device)
+            logits, argmax = _step(self.model, inputs, self.kv, kv_len)
+        return logits, to_host(argmax)
 
     def warm_up(self, pace: Callable[[], object] = lambda: None) -> None:
         """Run every shape serving uses (module docstring) and the sampling path once; with graphs, capture the
@@ -240,8 +228,9 @@ class Decoder:
                 for kv_len in self.lengths:
                     self.decode([0] * n, [kv_len - 1] * n)
                     pace()
-        sample_token(logits[0], 1.0, 0.9, torch.Generator(device=device), 0, 0)
-        sample_token(logits[0], 0.0, 1.0, torch.Generator(device=device), 0, 0)
+        for rows in (1, self.batch):  # the sampling path: one row, and every slot at once
+            sample_rows(logits[:1].expand(rows, -1), [1.0] * rows, [0.9] * rows, [0.5] * rows)
+            sample_rows(logits[:1].expand(rows, -1), [0.0] * rows, [1.0] * rows, [0.5] * rows)
         if self.graphs_enabled:
             self._capture(pace)
         if device.type == "cuda":

@@ -486,7 +486,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         default=0,
         help="completions that may wait beyond the --max-batch being generated; more are answered 429 at once "
-        "(default 0: as many as --max-batch)",
+        "(default 0: half of --max-batch, at least 1)",
     )
     p.add_argument(
         "--queue-timeout",

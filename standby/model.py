@@ -41,6 +41,7 @@ from hotweights import quant
 from hotweights.layout import ModelConfig, check_tensor_parallel
 from hotweights.quant import dequantize, scale_shape
 from hotweights.standby import fused
+from hotweights.standby.sampling import sample_token
 
 # Every SDPA backend but cuDNN's (module docstring): these take any length without a per-shape plan.
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -402,36 +403,6 @@ class Transformer(nn.Module):
         return self.logits(self.norm.add(x, delta)[1])
 
 
-SEED_MIX = 0x9E3779B97F4A7C15  # the golden-ratio constant: positions far apart in the seed space
-SEED_MASK = (1 << 63) - 1
-
-
-def token_seed(seed: int, position: int) -> int:
-    """The seed of the token sampled at ``position`` (the prompt's length plus the tokens generated before
-    it) of a request seeded with ``seed``. Each token draws from its own seed, so a generation resumed
-    from ``prompt + generated`` with the same seed samples what the uninterrupted one would have."""
-    return (seed ^ (position * SEED_MIX)) & SEED_MASK
-
-
-def sample_token(
-    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator, seed: int, position: int
-) -> int:
-    """One token id from (V,) logits: argmax at temperature 0, else nucleus sampling drawn with
-    ``generator`` reseeded to ``token_seed(seed, position)``."""
-    if temperature == 0.0:
-        return int(logits.argmax())
-    generator.manual_seed(token_seed(seed, position))
-    # In float64 and from the maximum down, so a tiny temperature saturates instead of giving inf - inf.
-    probs = torch.softmax((logits.double() - logits.max()) / temperature, dim=-1)
-    sorted_probs, order = probs.sort(descending=True)
-    # Keep the smallest prefix whose mass reaches top_p; the most likely token always stays.
-    outside = sorted_probs.cumsum(-1) - sorted_probs >= top_p
-    outside[0] = False
-    sorted_probs = sorted_probs.masked_fill(outside, 0.0)
-    choice = torch.multinomial(sorted_probs / sorted_probs.sum(), 1, generator=generator)
-    return int(order[choice])
-
-
 def _shared_seed(model: Transformer) -> int:
     """A fresh random seed, the same on every tensor-parallel rank (rank 0's) so they sample alike."""
     seed = torch.tensor([secrets.randbits(62)], device=model.device)
@@ -481,7 +452,7 @@ def generate(
         )
     if seed is None:
         seed = _shared_seed(model) if temperature > 0 else 0  # greedy never draws from it
-    sampling = (temperature, top_p, torch.Generator(device=model.device), seed)
+    sampling = (temperature, top_p, seed)
     return _decode(model, prompt_ids, max_new_tokens, sampling, set(stop_ids), cache, limit)
 
 
@@ -489,7 +460,7 @@ def _decode(
     model: Transformer,
     prompt_ids: list[int],
     max_new_tokens: int,
-    sampling: tuple[float, float, torch.Generator, int],  # temperature, top_p, generator, seed
+    sampling: tuple[float, float, int],  # temperature, top_p, seed
     stop_ids: set[int],
     cache: KVCache,
     limit: int,

@@ -6,8 +6,9 @@ sequence is prefilled alone as soon as a slot is free; then every round samples 
 each active sequence from its pending logits and runs ONE batched decode step
 (``Decoder.decode``) over slots 0 .. n-1, where n is one past the highest slot in use: slots are
 handed out lowest first, and a free slot below n rides along as a dummy row (token 0 at position
-0 of its own, unused slot). Each sequence keeps its own sampling generator (reseeded per token,
-``model.token_seed``), and the computation is ``standby.model.generate``'s (prefill, then one
+0 of its own, unused slot). The round's tokens are chosen for every sequence at once
+(``standby.sampling.sample_rows``: each sequence draws from its own seed per token, whatever rows
+share the step), and the computation is ``standby.model.generate``'s (prefill, then one
 decode step per token, with the same sampling function), so a sequence yields the tokens
 ``generate`` yields for the same prompt, seed and temperature, up to the rounding differences of
 batched kernels (tests compare them exactly).
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from hotweights.standby.decoder import Decoder
-from hotweights.standby.model import sample_token
+from hotweights.standby.sampling import sample_rows, uniform
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +75,7 @@ class Sequence:
         self.pos = 0  # where the next fed token goes
         self.token = 0  # the last token sampled: the next one fed
         self.generated = 0
-        self.generator: torch.Generator | None = None
-        self.seed = 0  # the request's seed, or a fresh one (see ``model.token_seed``)
+        self.seed = 0  # the request's seed, or a fresh one (see ``sampling.token_seed``)
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -231,7 +231,7 @@ class Scheduler:
             seed = seq.params.seed
             if seed is None:
                 seed = secrets.randbits(62) if seq.params.temperature > 0 else 0
-            seq.seed, seq.generator = seed, torch.Generator(device=decoder.model.device)
+            seq.seed = seed
         logits = decoder.prefill(group[0].slot, [seq.prompt_ids for seq in group])
         for seq, row in zip(group, logits, strict=True):
             seq.logits, seq.greedy = row, None
@@ -239,11 +239,10 @@ class Scheduler:
 
     def _step(self) -> None:
         """One token for every active sequence, then one batched decode step for those that go on."""
-        for seq in list(self._active):
-            if seq.cancelled:
-                self._retire(seq, Finish("cancelled"))
-            else:
-                self._emit(seq)
+        for seq in [s for s in self._active if s.cancelled]:
+            self._retire(seq, Finish("cancelled"))
+        for seq, token in zip(list(self._active), self._next_tokens(), strict=True):
+            self._emit(seq, token)
         if self._active:
             try:
                 self._decode_all(self._decoder)
@@ -251,13 +250,22 @@ class Scheduler:
                 for seq in list(self._active):
                     self._fail(seq, exc)
 
-    def _emit(self, seq: Sequence) -> None:
-        """Sample one token from the pending logits and hand it over, or retire the sequence."""
+    def _next_tokens(self) -> list[int]:
+        """Each active sequence's next token from its pending logits: the greedy ones the step computed as they
+        are, the rest sampled together (``sample_rows``)."""
+        chosen = [seq.greedy if seq.params.temperature == 0.0 else None for seq in self._active]
+        rest = [seq for seq, token in zip(self._active, chosen, strict=True) if token is None]
+        if rest:
+            logits = torch.stack([seq.logits for seq in rest])
+            params = [seq.params for seq in rest]
+            draws = [uniform(seq.seed, seq.pos) for seq in rest]
+            sampled = iter(sample_rows(logits, [p.temperature for p in params], [p.top_p for p in params], draws))
+            chosen = [next(sampled) if token is None else token for token in chosen]
+        return chosen
+
+    def _emit(self, seq: Sequence, token: int) -> None:
+        """Hand ``token`` over, or retire the sequence at a stop id or its ``max_tokens``."""
         params = seq.params
-        if params.temperature == 0.0 and seq.greedy is not None:
-            token = seq.greedy  # what sample_token would return, computed with the step
-        else:
-            token = sample_token(seq.logits, params.temperature, params.top_p, seq.generator, seq.seed, seq.pos)
         if token in params.stop_ids:
             self._retire(seq, Finish("stop"))
             return

@@ -608,6 +608,54 @@ def test_a_timeout_counts_only_when_the_controller_waited_on_time() -> None:
     assert "ms late: not counted" in record.error
 
 
+def test_checks_of_a_hung_engine_overlap() -> None:
+    """A check goes out every interval whether the last has answered or not: the two failures that make the
+    threshold were sent an interval apart, not a timeout apart (a hang is judged in timeout + interval)."""
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # nobody accepts: every check times out
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+
+        async def run() -> HealthRecord:
+            judged = asyncio.Event()
+            async with httpx.AsyncClient() as client:
+                checker = HealthChecker(client, 0.05, 0.5, 2, judged.set, lambda _: None)
+                record = checker.track("g0-e0", url, 7)
+                record.ever_ok = True  # as a primary that served before it hung
+                while record.consecutive_failures < 2:
+                    judged.clear()
+                    await asyncio.wait_for(judged.wait(), 5)
+                await checker.close()
+            return record
+
+        record = asyncio.run(run())
+    assert record.sent_at - record.failing_since < 0.25, "the second check waited for the first to time out"
+
+
+def test_an_overtaken_check_changes_no_verdict() -> None:
+    """A slow check that fails after a later one has answered is older news: the engine stays healthy."""
+    calls = 0
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            await asyncio.sleep(0.1)
+            raise httpx.ReadTimeout("slow")
+        return httpx.Response(200, json={"role": "primary", "state": "ready", "pid": 7})
+
+    checker, client = _health_checker(handler)
+    record = HealthRecord(ever_ok=True)
+
+    async def run() -> None:
+        async with client:
+            first = asyncio.create_task(checker.check("http://engine", 7, record))
+            await asyncio.sleep(0.02)
+            assert await checker.check("http://engine", 7, record)
+            assert not await first
+
+    asyncio.run(run())
+    assert (record.ok, record.consecutive_failures, record.error) == (True, 0, None)
+
+
 def test_a_failed_check_does_not_undo_a_role_change() -> None:
     """The body a failed check keeps predates our last role change: it must not bring the old role back."""
     member = Member(EngineSpec("g0-e0", 0, "cpu", 8200))

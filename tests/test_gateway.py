@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Self
 
 import httpx
 import pytest
@@ -272,7 +273,25 @@ def test_a_stream_cut_mid_event_ends_with_a_well_formed_error_event() -> None:
     assert "failed mid-response" in payloads[2]["error"]["message"]
 
 
-class CutUpstreams:
+class ThreadedUpstreams:
+    """Fake engines, each a ``ThreadingHTTPServer`` in ``servers``, served on threads while ``running``."""
+
+    servers: list[ThreadingHTTPServer]
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[Self]:
+        threads = [threading.Thread(target=server.serve_forever, daemon=True) for server in self.servers]
+        for thread in threads:
+            thread.start()
+        try:
+            yield self
+        finally:
+            for server in self.servers:
+                server.shutdown()
+                server.server_close()
+
+
+class CutUpstreams(ThreadedUpstreams):
     """Two upstreams on threads: A is primary until it answers a completion with its headers and the first
     bytes of its body, then closes the connection (a partition mid-reply); from then on B is, and serves."""
 
@@ -315,18 +334,6 @@ class CutUpstreams:
                 pass
 
         return Handler
-
-    @contextlib.contextmanager
-    def running(self) -> Iterator[CutUpstreams]:
-        threads = [threading.Thread(target=server.serve_forever, daemon=True) for server in self.servers]
-        for thread in threads:
-            thread.start()
-        try:
-            yield self
-        finally:
-            for server in self.servers:
-                server.shutdown()
-                server.server_close()
 
 
 def test_a_reply_cut_before_its_whole_body_is_retried_on_the_next_primary(tmp_path: Path) -> None:
@@ -438,7 +445,7 @@ def test_wake_needs_the_token_when_the_cluster_has_one(tmp_path: Path) -> None:
         assert woken.status_code == 204, woken.text
 
 
-class DyingUpstreams:
+class DyingUpstreams(ThreadedUpstreams):
     """Three upstreams on threads, each primary until a completion reaches it; then it closes the connection
     without an answer (``mid_stream``: after one event of a stream) and stops being primary (as an engine that
     the request itself brought down)."""
@@ -478,18 +485,6 @@ class DyingUpstreams:
                 pass
 
         return Handler
-
-    @contextlib.contextmanager
-    def running(self) -> Iterator[DyingUpstreams]:
-        threads = [threading.Thread(target=server.serve_forever, daemon=True) for server in self.servers]
-        for thread in threads:
-            thread.start()
-        try:
-            yield self
-        finally:
-            for server in self.servers:
-                server.shutdown()
-                server.server_close()
 
 
 def test_a_request_that_engines_fail_serving_is_not_resent_past_suspect_after(tmp_path: Path) -> None:

@@ -131,7 +131,7 @@ def flood(url: str) -> list[httpx.Response]:
 
 @pytest.mark.parametrize("where", ["gateway", "engine"])
 def test_overload_is_refused_at_once_with_retry_after(stack: ControllerStack, where: str) -> None:
-    """The gateway proxies one request at a time here; the engine generates max_batch (2) and queues 2."""
+    """The gateway proxies one request at a time here; the engine generates max_batch (2) and queues 1."""
     url = gateway(stack) if where == "gateway" else stack.primary()["url"]
     responses = flood(url)
     statuses = sorted(r.status_code for r in responses)

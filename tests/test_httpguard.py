@@ -106,9 +106,9 @@ async def echo(request: Request) -> JSONResponse:
 LIMITS = HttpLimits(body_bytes=1000, body_timeout_s=0.5, header_timeout_s=0.3, max_connections=4)
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[str]:
-    """A real uvicorn, guarded with small limits, on a thread of this process."""
+@contextlib.contextmanager
+def serving() -> Iterator[str]:
+    """A real uvicorn, guarded with small limits, on a thread of this process: its URL."""
     app = Starlette(routes=[Route("/echo", echo, methods=["POST", "GET"])])
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -126,10 +126,25 @@ def server() -> Iterator[str]:
                 client.get(url + "/echo")
                 break
             threading.Event().wait(0.01)
-    yield url
-    instance.should_exit = True
-    thread.join(10)
-    sock.close()
+    try:
+        yield url
+    finally:
+        instance.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[str]:
+    with serving() as url:
+        yield url
+
+
+@pytest.fixture
+def own_server() -> Iterator[str]:
+    """A server of the test's own: the cap tests count every connection it has open."""
+    with serving() as url:
+        yield url
 
 
 def raw(url: str) -> socket.socket:
@@ -202,8 +217,9 @@ def test_headers_that_do_not_arrive_in_time_close_the_connection(server: str) ->
         assert conn.recv(100) == b""  # closed by the server, well before the socket's 5 s timeout
 
 
-def test_at_the_cap_a_new_connection_takes_the_place_of_the_one_waiting_longest_for_headers(server: str) -> None:
+def test_at_the_cap_a_new_connection_takes_the_place_of_the_one_waiting_longest_for_headers(own_server: str) -> None:
     """Slow clients (headers never finished) fill the cap: a new client is served, the oldest slow one goes."""
+    server = own_server
     slow = [raw(server) for _ in range(LIMITS.max_connections)]
     try:
         for conn in slow:
@@ -216,17 +232,18 @@ def test_at_the_cap_a_new_connection_takes_the_place_of_the_one_waiting_longest_
             conn.close()
 
 
-def test_at_the_cap_with_every_connection_mid_request_the_new_one_is_closed(server: str) -> None:
-    """Connections whose requests are under way (headers in, body arriving) are never evicted."""
-    busy = [raw(server) for _ in range(LIMITS.max_connections)]
+def test_at_the_cap_with_every_connection_mid_request_the_new_one_is_closed(own_server: str) -> None:
+    """Connections whose requests are under way (headers in, body awaited) are never evicted."""
+    busy = [raw(own_server) for _ in range(LIMITS.max_connections)]
     try:
-        for conn in busy:
-            conn.sendall(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 10\r\n\r\n12345")
-        refused = raw(server)
+        for conn in busy:  # each request under way once the handler asks for its body: 100 Continue
+            conn.sendall(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 10\r\nexpect: 100-continue\r\n\r\n")
+            assert conn.recv(100).startswith(b"HTTP/1.1 100 ")
+        refused = raw(own_server)
         assert closed_by_server(refused)  # accepted and closed at once
         refused.close()
         for conn in busy:
-            conn.sendall(b"67890")
+            conn.sendall(b"1234567890")
             assert reply(conn)[0] == 200
     finally:
         for conn in busy:

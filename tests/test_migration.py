@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from hotweights.contract import Endpoint
 from hotweights.controller.migration import Ledger, Migratable, Refusal, StopStrings, plan
-from hotweights.standby.model import token_seed
+from hotweights.standby.sampling import token_seed
 from tests.cachehelpers import wait_until
 from tests.enginehelpers import EngineProcess
 from tests.gatewayhelpers import GatewayProcess, write_cluster

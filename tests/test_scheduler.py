@@ -112,7 +112,7 @@ def test_batched_greedy_equals_one_at_a_time(model: Transformer) -> None:
 
 
 def test_batched_seeded_sampling_equals_generate(model: Transformer) -> None:
-    """Each sequence keeps its own generator: batching does not change which random numbers it draws."""
+    """Each sequence draws from its own seed per token: batching does not change what it samples."""
     params = [SamplingParams(n, temperature=0.9, top_p=0.95, seed=i) for i, n in enumerate(MAX_TOKENS)]
     batched, _, _ = run(model, 3, params)
     for prompt, p, b in zip(PROMPTS, params, batched, strict=True):
