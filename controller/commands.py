@@ -90,6 +90,14 @@ class ShutdownFlags:
         if len(self.signals) > 1:
             self.force.set()
 
+    def detach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Back to ``capture``'s handlers before the loop closes: asyncio closes its wake-up pipe before it
+        removes its own handlers, and a signal in between is written to a closed descriptor (a traceback)."""
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        self.force = None
+        self.capture()
+
     def handle(self, sig: int) -> None:
         """Only flags: the first signal ends the API server, a second one asks for SIGKILL of what is
         left (and stops waiting for the API's open connections)."""
@@ -175,30 +183,33 @@ async def serve(
         limits = HttpLimits(body_bytes=config.cluster.api_max_body_bytes)
         server = ApiServer(server_config(app, limits, ErrorShape.DETAIL, lifespan="off"))
         flags.attach(asyncio.get_running_loop(), server)
-        if flags.signals:
-            log.info("stopped by signal %d before starting or adopting anything", flags.signals[0])
-            await leader_keys.stop(revoke=False)
-            return 0
-        adopted = cluster.load(with_gateway)
-        events.record(
-            "controller_start",
-            f"controller started; adopted {len(adopted)} running process(es)"
-            + (f": {', '.join(adopted)}" if adopted else ""),
-            adopted=adopted,
-        )
-        ha.start()
-        await server.serve(sockets=[listener])
-        await until_forced(ha.stop(), flags)
-        if owns_stack:
-            for line in await stop_stack(cluster, flags):
-                log.info("stopped %s", line)
-            events.record("controller_stop", "controller stopped with its stack")
-        else:
-            await cluster.release()
-            kept = ", ".join(sorted(cluster.members) + sorted(cluster.services))
-            log.info("controller stopped; left the data path running (%s); `hotweights down` stops it", kept)
-            events.record("controller_stop", "controller stopped; the data path keeps running")
-        await leader_keys.stop(revoke=owns_stack)
+        try:
+            if flags.signals:
+                log.info("stopped by signal %d before starting or adopting anything", flags.signals[0])
+                await leader_keys.stop(revoke=False)
+                return 0
+            adopted = cluster.load(with_gateway)
+            events.record(
+                "controller_start",
+                f"controller started; adopted {len(adopted)} running process(es)"
+                + (f": {', '.join(adopted)}" if adopted else ""),
+                adopted=adopted,
+            )
+            ha.start()
+            await server.serve(sockets=[listener])
+            await until_forced(ha.stop(), flags)
+            if owns_stack:
+                for line in await stop_stack(cluster, flags):
+                    log.info("stopped %s", line)
+                events.record("controller_stop", "controller stopped with its stack")
+            else:
+                await cluster.release()
+                kept = ", ".join(sorted(cluster.members) + sorted(cluster.services))
+                log.info("controller stopped; left the data path running (%s); `hotweights down` stops it", kept)
+                events.record("controller_stop", "controller stopped; the data path keeps running")
+            await leader_keys.stop(revoke=owns_stack)
+        finally:
+            flags.detach(asyncio.get_running_loop())
     return 0
 
 

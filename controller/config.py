@@ -17,8 +17,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from hotweights.admission import QUEUE_WAIT_S, queue_or_default
-from hotweights.contract import read_token, refuse_open_listener
+from hotweights.admission import ServingLimits
+from hotweights.contract import ENGINE_PORT, read_token, refuse_open_listener
 from hotweights.controller.ids import engine_id
 from hotweights.dtypes import MODEL_DTYPE_NAMES
 from hotweights.errors import ConfigError
@@ -65,7 +65,7 @@ class GroupSection:
     engines: int = 3
     max_engines: int = 8  # POST /engines adds standbys up to this many engines in the group
     tp_size: int = 1  # ranks per engine: a daemon per rank, each engine a tensor-parallel group of rank processes
-    base_port: int = 8200
+    base_port: int = ENGINE_PORT
     listen_base_port: int = 0  # 0: engines listen on their client ports (base_port + i)
     backend: str = ""
     engine: str = REFERENCE
@@ -88,15 +88,8 @@ class GroupSection:
 
 
 @dataclass(frozen=True)
-class EngineSection:
-    kv_cache_tokens: int = 4096
-    max_batch: int = 4
-    drain_timeout_s: float = 30.0
-    max_queue: int = 0  # completions waiting beyond max_batch (0: max_batch // 2, at least 1); more: 429
-    queue_timeout_s: float = QUEUE_WAIT_S  # a waiting completion not started by then: 429
-
-    def queue(self) -> int:
-        return queue_or_default(self.max_queue, self.max_batch)
+class EngineSection(ServingLimits):
+    """``[engine]``: every group's engines' limits (``hotweights.admission.ServingLimits``)."""
 
 
 @dataclass(frozen=True)

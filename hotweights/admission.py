@@ -17,6 +17,21 @@ RETRY_AFTER_S = 1  # what a refusal tells the client to wait before it tries aga
 QUEUE_WAIT_S = 10.0  # how long a queued request waits for a slot by default
 
 
+@dataclass(frozen=True)
+class ServingLimits:
+    """How much one engine takes on: the defaults of ``hotweights engine``'s flags, ``hotweights agent``'s and
+    ``[engine]`` of ``cluster.toml``, defined here once."""
+
+    kv_cache_tokens: int = 4096  # KV cache positions per sequence slot (prompt and generated tokens)
+    max_batch: int = 4  # sequences generated at once
+    drain_timeout_s: float = 30.0  # how long a drain waits for what is generating before it cancels it
+    max_queue: int = 0  # completions waiting beyond max_batch (0: ``queue_or_default``); more: 429 at once
+    queue_timeout_s: float = QUEUE_WAIT_S  # a waiting completion not started by then: 429
+
+    def queue(self) -> int:
+        return queue_or_default(self.max_queue, self.max_batch)
+
+
 def queue_or_default(queue: int, running: int) -> int:
     """A configured queue depth (0: half as many as are served at once, at least one, so a queued request
     waits at most about half a request's time and what is admitted stays within about twice the latency of

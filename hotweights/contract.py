@@ -66,6 +66,9 @@ CHAT_KEYS = frozenset(
 )
 CHAT_ONLY = ("messages", "max_completion_tokens")  # left out of a chat's continuation (a completion)
 SUSPECT_REQUEST = "suspect_request"  # the error type of a request the gateway will not re-send (gateway.suspect_after)
+ENGINE_PORT = (
+    8200  # an engine's, and a cluster's first engine's (``base_port``); the controller's 8100, the gateway's 8000
+)
 SERVING_PREFIX = "/v1/"  # what a load balancer or the gateway forwards to the primary, and nothing else
 HEALTH_METHODS = ("GET", "HEAD", "OPTIONS")  # HAProxy checks with OPTIONS, Kubernetes with GET
 

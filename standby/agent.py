@@ -36,7 +36,16 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from hotweights.contract import NOT_NORMALIZED, Endpoint, Role, forwardable_path, read_token, refuse_open_listener
+from hotweights.admission import ServingLimits
+from hotweights.contract import (
+    ENGINE_PORT,
+    NOT_NORMALIZED,
+    Endpoint,
+    Role,
+    forwardable_path,
+    read_token,
+    refuse_open_listener,
+)
 from hotweights.engines import KINDS, PORT_PLACEHOLDER, EngineKind
 from hotweights.errors import ConfigError
 from hotweights.httpguard import ErrorShape, HttpLimits, server_config
@@ -416,11 +425,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--kind", choices=sorted(KINDS), default="vllm", help="the engine's kind (default vllm)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8200, help="port to listen on (default 8200)")
+    p.add_argument("--port", type=int, default=ENGINE_PORT, help=f"port to listen on (default {ENGINE_PORT})")
     p.add_argument("--role", choices=[r.value for r in Role], default="standby", help="starting role (default standby)")
     p.add_argument("--engine-id", help="name in health replies and logs (default HOST-PID)")
     p.add_argument("--token-file", help="file holding the bearer token that promote/drain/demote require")
-    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds a drain waits (default 30)")
+    drain = ServingLimits.drain_timeout_s
+    p.add_argument("--drain-timeout", type=float, default=drain, help=f"seconds a drain waits (default {drain:g})")
     p.add_argument("--ready-timeout", type=float, default=900.0, help="seconds the engine gets to be ready (900)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds the engine gets to stop (30)")
     p.add_argument("--log-dir", default=".", help="where the engine's log goes (default: here)")

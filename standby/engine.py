@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 import uvicorn
 
-from hotweights.admission import QUEUE_WAIT_S, Admission, queue_or_default
+from hotweights.admission import Admission, ServingLimits, queue_or_default
 from hotweights.cache.checkpoint import read_checkpoint
 from hotweights.cache.client import AttachRefused, DaemonUnavailable
 from hotweights.cache.pipeline import (
@@ -59,7 +59,7 @@ from hotweights.cache.pipeline import (
     load_spec_from_args,
     model_dir_from_args,
 )
-from hotweights.contract import Role, read_token, refuse_open_listener
+from hotweights.contract import ENGINE_PORT, Role, read_token, refuse_open_listener
 from hotweights.errors import ConfigError, HotweightsError
 from hotweights.httpguard import COMPLETION_BODY_BYTES, ErrorShape, HttpLimits, server_config
 from hotweights.ports import free_port
@@ -78,7 +78,7 @@ from hotweights.standby.weights import LoadedModel, Prepared, add_weight_cache_a
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PORT = 8200  # a cluster's first engine's (controller base_port); the gateway's is 8000
+LIMITS = ServingLimits()  # the flags' defaults
 # How long a thread may keep the GIL while another waits for it (Python: 5 ms, a third of an xl decode
 # step): the inference thread gets it back this soon from the HTTP thread to launch its next step.
 GIL_SWITCH_S = 0.0005
@@ -475,24 +475,26 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_weight_cache_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument(
-        "--port", type=int, default=DEFAULT_PORT, help=f"port to listen on; 0 picks a free one (default {DEFAULT_PORT})"
+        "--port", type=int, default=ENGINE_PORT, help=f"port to listen on; 0 picks a free one (default {ENGINE_PORT})"
     )
     p.add_argument("--role", choices=[r.value for r in Role], default="primary", help="starting role (default primary)")
     p.add_argument("--token-file", help="file holding the bearer token that promote/drain/demote require")
-    p.add_argument("--kv-cache-tokens", type=int, default=4096, help="KV cache tokens per sequence slot (default 4096)")
-    p.add_argument("--max-batch", type=int, default=4, help="sequences generated concurrently (default 4)")
+    tokens = LIMITS.kv_cache_tokens
+    p.add_argument("--kv-cache-tokens", type=int, default=tokens, help=f"KV cache tokens per sequence slot ({tokens})")
+    batch = LIMITS.max_batch
+    p.add_argument("--max-batch", type=int, default=batch, help=f"sequences generated concurrently (default {batch})")
     p.add_argument(
         "--max-queue",
         type=int,
-        default=0,
+        default=LIMITS.max_queue,
         help="completions that may wait beyond the --max-batch being generated; more are answered 429 at once "
         "(default 0: half of --max-batch, at least 1)",
     )
     p.add_argument(
         "--queue-timeout",
         type=float,
-        default=QUEUE_WAIT_S,
-        help=f"seconds a waiting completion may wait before it is answered 429 (default {QUEUE_WAIT_S})",
+        default=LIMITS.queue_timeout_s,
+        help=f"seconds a waiting completion may wait before it is answered 429 (default {LIMITS.queue_timeout_s})",
     )
     p.add_argument(
         "--max-body-bytes",
@@ -528,7 +530,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tp-port", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--tp-leader", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument(
-        "--drain-timeout", type=float, default=30.0, help="seconds a drain waits before cancelling (default 30)"
+        "--drain-timeout",
+        type=float,
+        default=LIMITS.drain_timeout_s,
+        help=f"seconds a drain waits before cancelling (default {LIMITS.drain_timeout_s:g})",
     )
     p.add_argument(
         "--shutdown-timeout",
