@@ -66,7 +66,6 @@ from hotweights.ports import free_port
 from hotweights.spawn import SPARE_DUTY, add_spare_arguments, wait_for_start
 from hotweights.standby import tpgroup
 from hotweights.standby.decoder import Decoder
-from hotweights.standby.generate import load_tokenizer, stop_token_ids
 from hotweights.standby.metrics import EngineMetrics
 from hotweights.standby.model import KVCache, Transformer
 from hotweights.standby.pacing import CpuShare, Pacer, readable
@@ -75,6 +74,7 @@ from hotweights.standby.scheduler import Scheduler
 from hotweights.standby.server import EngineContext, build_app
 from hotweights.standby.serving import AnnouncingServer, bind_port, run_until_signal
 from hotweights.standby.weights import LoadedModel, Prepared, add_weight_cache_arguments, load_model, prepare
+from hotweights.tokenizer import load_tokenizer, stop_token_ids
 
 log = logging.getLogger(__name__)
 
