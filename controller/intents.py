@@ -25,8 +25,8 @@ from hotweights.controller.engineapi import EngineUnreachable
 from hotweights.controller.rollout import Rollout, RolloutProgress, StepFailed
 from hotweights.controller.snapshot import MemberView, Snapshot
 from hotweights.errors import ConfigError, HotweightsError
-from hotweights.standby.generate import load_tokenizer, stop_token_ids
 from hotweights.stats import ms
+from hotweights.tokenizer import load_tokenizer, stop_token_ids
 
 if TYPE_CHECKING:
     from hotweights.controller.ha import Ha

@@ -66,7 +66,7 @@ from hotweights.ports import free_port
 from hotweights.spawn import SPARE_DUTY, add_spare_arguments, wait_for_start
 from hotweights.standby import tpgroup
 from hotweights.standby.decoder import Decoder
-from hotweights.standby.generate import load_tokenizer, stop_token_ids
+from hotweights.standby.engineoptions import EngineOptions
 from hotweights.standby.metrics import EngineMetrics
 from hotweights.standby.model import KVCache, Transformer
 from hotweights.standby.pacing import CpuShare, Pacer, readable
@@ -75,6 +75,7 @@ from hotweights.standby.scheduler import Scheduler
 from hotweights.standby.server import EngineContext, build_app
 from hotweights.standby.serving import AnnouncingServer, bind_port, run_until_signal
 from hotweights.standby.weights import LoadedModel, Prepared, add_weight_cache_arguments, load_model, prepare
+from hotweights.tokenizer import load_tokenizer, stop_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -124,19 +125,19 @@ def warm_up(
     return None
 
 
-def uses_graphs(args: argparse.Namespace, model: Transformer) -> bool:
+def uses_graphs(options: EngineOptions, model: Transformer) -> bool:
     """Whether the engine captures CUDA graphs: --cuda-graphs, on a CUDA device."""
-    return args.cuda_graphs and model.device.type == "cuda"
+    return options.cuda_graphs and model.device.type == "cuda"
 
 
 def warm(
-    args: argparse.Namespace, model: Transformer, channel: tpgroup.Channel | None, pacer: Pacer | None = None
+    options: EngineOptions, model: Transformer, channel: tpgroup.Channel | None, pacer: Pacer | None = None
 ) -> Decoder | None:
     """``warm_up`` at the flags' shapes, on this rank or (``channel``) on the whole group; the decoder to keep.
     ``pacer``: a spare's, on one rank."""
-    graphs = uses_graphs(args, model)
-    make = functools.partial(new_decoder, model, args.max_batch, args.kv_cache_tokens, graphs)
-    keep = Role(args.role) is Role.PRIMARY
+    graphs = uses_graphs(options, model)
+    make = functools.partial(new_decoder, model, options.max_batch, options.kv_cache_tokens, graphs)
+    keep = options.role is Role.PRIMARY
     if channel is None:
         return warm_up(make, graphs, keep=keep, pace=pacer.step if pacer else lambda: None)
     free = functools.partial(channel.send, tpgroup.Op.FREE)
@@ -179,27 +180,27 @@ def duty(text: str) -> float:
     return value
 
 
-def check_args(args: argparse.Namespace) -> None:
-    if args.tp_size < 1:
-        raise ConfigError(f"--tp-size must be >= 1, found {args.tp_size}")
-    if args.kv_cache_tokens < 2:
-        raise ConfigError(f"--kv-cache-tokens must be >= 2, found {args.kv_cache_tokens}")
-    if args.max_batch < 1:
-        raise ConfigError(f"--max-batch must be >= 1, found {args.max_batch}")
-    if args.max_queue < 0 or args.queue_timeout <= 0 or args.max_body_bytes < 1:
-        found = f"{args.max_queue}, {args.queue_timeout}, {args.max_body_bytes}"
+def check_options(options: EngineOptions) -> None:
+    if options.tp_size < 1:
+        raise ConfigError(f"--tp-size must be >= 1, found {options.tp_size}")
+    if options.kv_cache_tokens < 2:
+        raise ConfigError(f"--kv-cache-tokens must be >= 2, found {options.kv_cache_tokens}")
+    if options.max_batch < 1:
+        raise ConfigError(f"--max-batch must be >= 1, found {options.max_batch}")
+    if options.max_queue < 0 or options.queue_timeout <= 0 or options.max_body_bytes < 1:
+        found = f"{options.max_queue}, {options.queue_timeout}, {options.max_body_bytes}"
         raise ConfigError(f"--max-queue >= 0, --queue-timeout > 0 and --max-body-bytes >= 1 expected, found {found}")
     for flag in ("drain_timeout", "shutdown_timeout"):
-        if getattr(args, flag) < 0:
-            raise ConfigError(f"--{flag.replace('_', '-')} must be >= 0, found {getattr(args, flag)}")
+        if getattr(options, flag) < 0:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be >= 0, found {getattr(options, flag)}")
     fix = "pass --token-file so that role changes need it, or listen on 127.0.0.1"
-    refuse_open_listener(args.host, bool(args.token_file), "--host", fix)
+    refuse_open_listener(options.host, bool(options.token_file), "--host", fix)
 
 
-def rank_spec(args: argparse.Namespace, rank: int) -> LoadSpec:
+def rank_spec(options: EngineOptions, rank: int) -> LoadSpec:
     """Rank ``rank``'s load spec: the flags', on the rank's device."""
-    spec = load_spec_from_args(args, tp_rank=rank)
-    return replace(spec, device=tpgroup.rank_device(args.device, args.tp_size, rank))
+    spec = load_spec_from_args(options, tp_rank=rank)
+    return replace(spec, device=tpgroup.rank_device(options.device, options.tp_size, rank))
 
 
 @dataclass
@@ -210,10 +211,10 @@ class Ahead:
     loaded: LoadedModel
     warmed: Decoder | None
 
-    def still_current(self, args: argparse.Namespace) -> bool:
+    def still_current(self, options: EngineOptions) -> bool:
         """Whether the start can use it: no file of the checkpoint changed and the daemon, if one answers, still
         serves the allocation it maps (module docstring)."""
-        if not self.prepared.still_valid(model_dir_from_args(args), rank_spec(args, 0)):
+        if not self.prepared.still_valid(model_dir_from_args(options), rank_spec(options, 0)):
             log.info("spare: the checkpoint changed since it attached: attaching again")
             return False
         assert self.loaded.attachment is not None
@@ -243,18 +244,18 @@ class Ahead:
         attachment.close()
 
 
-def prepare_spare(args: argparse.Namespace) -> tuple[Prepared | None, Ahead | None]:
+def prepare_spare(options: EngineOptions) -> tuple[Prepared | None, Ahead | None]:
     """A spare's load before its start: the CUDA context (made and warmed up), the checkpoint's headers, the
     fingerprint, the model skeleton, then (module docstring) the attach and the warm-up, paced by --spare-duty
     until a start message waits (``standby.pacing``). (None, None) where the preparation fails and (prepared,
     None) where the attach does: the load after the start reports it."""
     try:
-        prepared = prepare(model_dir_from_args(args), rank_spec(args, 0), skeleton=args.tp_size == 1)
+        prepared = prepare(model_dir_from_args(options), rank_spec(options, 0), skeleton=options.tp_size == 1)
     except HotweightsError as exc:
         log.info("spare: nothing prepared (%s)", exc)
         return None, None
     prepared.context.join()
-    if not (args.spare_warm_up and args.weight_cache == "client" and args.tp_size == 1):
+    if not (options.spare_warm_up and options.weight_cache == "client" and options.tp_size == 1):
         return prepared, None
     start = time.perf_counter()
     try:
@@ -262,7 +263,7 @@ def prepare_spare(args: argparse.Namespace) -> tuple[Prepared | None, Ahead | No
             prepared.model_dir,
             prepared.spec,
             weight_cache="client",
-            socket_path=tpgroup.rank_socket(args.socket, 0),
+            socket_path=tpgroup.rank_socket(options.socket, 0),
             prepared=prepared,
         )
     except HotweightsError as exc:
@@ -270,9 +271,9 @@ def prepare_spare(args: argparse.Namespace) -> tuple[Prepared | None, Ahead | No
         return prepared, None
     device = loaded.model.device
     sync = functools.partial(torch.cuda.synchronize, device) if device.type == "cuda" else lambda: None
-    pacer = Pacer(args.spare_duty, functools.partial(readable, args.start_fd), sync)
+    pacer = Pacer(options.spare_duty, functools.partial(readable, options.start_fd), sync)
     try:
-        ahead = Ahead(prepared, loaded, warm(args, loaded.model, None, pacer))
+        ahead = Ahead(prepared, loaded, warm(options, loaded.model, None, pacer))
     except torch.OutOfMemoryError as exc:
         first_line = str(exc).splitlines()[0]
         log.warning("spare: no device memory to warm up before its start, it will at its start: %s", first_line)
@@ -283,63 +284,63 @@ def prepare_spare(args: argparse.Namespace) -> tuple[Prepared | None, Ahead | No
     return prepared, ahead
 
 
-def load_rank(args: argparse.Namespace, rank: int, group: str, prepared: Prepared | None = None) -> LoadedModel:
+def load_rank(options: EngineOptions, rank: int, group: str, prepared: Prepared | None = None) -> LoadedModel:
     """Load or attach rank ``rank``'s weights (its device, its daemon); errors of a group name it and the rank."""
     try:
-        spec = rank_spec(args, rank)
+        spec = rank_spec(options, rank)
         return load_model(
-            model_dir_from_args(args),
+            model_dir_from_args(options),
             spec,
-            weight_cache=args.weight_cache,
-            socket_path=tpgroup.rank_socket(args.socket, rank),
-            fallback=args.weight_cache_fallback,
-            group=dist.group.WORLD if args.tp_size > 1 else None,
-            daemon_timeout=args.weight_cache_timeout,
+            weight_cache=options.weight_cache,
+            socket_path=tpgroup.rank_socket(options.socket, rank),
+            fallback=options.weight_cache_fallback,
+            group=dist.group.WORLD if options.tp_size > 1 else None,
+            daemon_timeout=options.weight_cache_timeout,
             prepared=prepared,
         )
     except HotweightsError as exc:
-        if args.tp_size == 1:
+        if options.tp_size == 1:
             raise
         raise tpgroup.in_group(exc, group, rank) from None
 
 
-def start_followers(args: argparse.Namespace, group: str) -> tuple[tpgroup.Followers, tpgroup.Channel]:
+def start_followers(options: EngineOptions, group: str) -> tuple[tpgroup.Followers, tpgroup.Channel]:
     """Rank 0 of a group: check what can be checked once, start ranks 1..N-1 and join them."""
     try:
-        tpgroup.check_group(args.tp_size, args.device, args.socket)
-        args.model = str(model_dir_from_args(args))
-        check_spec(read_checkpoint(args.model), load_spec_from_args(args))
+        tpgroup.check_group(options.tp_size, options.device, options.socket)
+        options = replace(options, model=str(model_dir_from_args(options)))
+        check_spec(read_checkpoint(options.model), load_spec_from_args(options))
     except HotweightsError as exc:
         raise tpgroup.in_group(exc, group, 0) from None
     port = free_port()
-    commands = [tpgroup.follower_command(args, group, rank, port) for rank in range(1, args.tp_size)]
+    commands = [tpgroup.follower_command(options, group, rank, port) for rank in range(1, options.tp_size)]
     followers = tpgroup.Followers(commands, group)
-    tpgroup.init_group(args.tp_size, 0, port, tpgroup.rank_device(args.device, args.tp_size, 0))
+    tpgroup.init_group(options.tp_size, 0, port, tpgroup.rank_device(options.device, options.tp_size, 0))
     return followers, tpgroup.Channel(followers.broken)
 
 
-def run_follower(args: argparse.Namespace) -> int:
+def run_follower(options: EngineOptions) -> int:
     """Ranks 1..N-1 of a group: attach, then run rank 0's commands until it stops them or dies. Bad input
     is one line and exit code 2 at once (the process group is not torn down first), so that rank 0, which
     sees the connection close, finds the exit it names."""
-    tpgroup.die_with_leader(args.tp_leader)
+    tpgroup.die_with_leader(options.tp_leader)
     try:
-        device = tpgroup.rank_device(args.device, args.tp_size, args.tp_rank)
-        tpgroup.init_group(args.tp_size, args.tp_rank, args.tp_port, device)
+        device = tpgroup.rank_device(options.device, options.tp_size, options.tp_rank)
+        tpgroup.init_group(options.tp_size, options.tp_rank, options.tp_port, device)
         channel = tpgroup.Channel()
-        model = load_rank(args, args.tp_rank, args.engine_id).model
+        model = load_rank(options, options.tp_rank, options.engine_id).model
     except HotweightsError as exc:
-        tpgroup.exit_refused(tpgroup.in_group(exc, args.engine_id, args.tp_rank))
-    tpgroup.Follower(functools.partial(new_decoder, model, args.max_batch, args.kv_cache_tokens)).run(channel)
+        tpgroup.exit_refused(tpgroup.in_group(exc, options.engine_id, options.tp_rank))
+    tpgroup.Follower(functools.partial(new_decoder, model, options.max_batch, options.kv_cache_tokens)).run(channel)
     dist.destroy_process_group()
     return 0
 
 
-def take_slot(args: argparse.Namespace, slot: dict[str, object]) -> None:
+def take_slot(options: EngineOptions, slot: dict[str, object]) -> EngineOptions:
     """A spare's start message: the slot it starts as (``{"port": P, "engine_id": ID, "log": PATH}``, each
-    optional). The port and engine id replace --port and --engine-id in ``args``; stdout and stderr go on in the
-    slot's log file (appended to). ConfigError for a malformed message."""
-    port, engine_id, log_file = slot.get("port", args.port), slot.get("engine_id"), slot.get("log")
+    optional). Returns ``options`` with the slot's port and engine id for --port and --engine-id; stdout and
+    stderr go on in the slot's log file (appended to). ConfigError for a malformed message."""
+    port, engine_id, log_file = slot.get("port", options.port), slot.get("engine_id"), slot.get("log")
     if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
         raise ConfigError(f"the start message's port must be an integer in 0..65535, found {port!r}")
     for name, value in (("engine_id", engine_id), ("log", log_file)):
@@ -352,33 +353,33 @@ def take_slot(args: argparse.Namespace, slot: dict[str, object]) -> None:
         for target in (1, 2):
             os.dup2(fd, target)
         os.close(fd)
-    args.port = port
-    args.engine_id = engine_id or args.engine_id
+    return replace(options, port=port, engine_id=engine_id or options.engine_id)
 
 
 def cmd_engine(args: argparse.Namespace) -> int:
-    check_args(args)
-    if args.tp_rank > 0:
-        return run_follower(args)
+    options = EngineOptions.from_args(args)
+    check_options(options)
+    if options.tp_rank > 0:
+        return run_follower(options)
     prepared = ahead = None
-    if args.start_fd is not None:  # a spare: prepare (and attach ahead), then wait to be started
+    if options.start_fd is not None:  # a spare: prepare (and attach ahead), then wait to be started
         threads, cpus = torch.get_num_threads(), CpuShare()
-        prepared, ahead = prepare_spare(args)
-        slot = wait_for_start(args.start_fd, args.ready_fd, ahead.held() if ahead else {})
+        prepared, ahead = prepare_spare(options)
+        slot = wait_for_start(options.start_fd, options.ready_fd, ahead.held() if ahead else {})
         if slot is None:
             return 0
         cpus.restore()
         torch.set_num_threads(threads)
-        take_slot(args, slot)
-        if ahead is not None and not ahead.still_current(args):
+        options = take_slot(options, slot)
+        if ahead is not None and not ahead.still_current(options):
             ahead.release()
             prepared = ahead = None
-    engine_id = args.engine_id or f"{socket.gethostname()}-{os.getpid()}"
-    token = read_token(Path(args.token_file), "--token-file") if args.token_file else None
-    sock = bind_port(args.host, args.port)
-    followers, channel = start_followers(args, engine_id) if args.tp_size > 1 else (None, None)
+    engine_id = options.engine_id or f"{socket.gethostname()}-{os.getpid()}"
+    token = read_token(Path(options.token_file), "--token-file") if options.token_file else None
+    sock = bind_port(options.host, options.port)
+    followers, channel = start_followers(options, engine_id) if options.tp_size > 1 else (None, None)
     try:
-        return serve(args, sock, engine_id, token, channel, followers, prepared, ahead)
+        return serve(options, sock, engine_id, token, channel, followers, prepared, ahead)
     finally:
         if followers is not None:
             followers.stop(channel)
@@ -386,7 +387,7 @@ def cmd_engine(args: argparse.Namespace) -> int:
 
 
 def serve(
-    args: argparse.Namespace,
+    options: EngineOptions,
     sock: socket.socket,
     engine_id: str,
     token: str | None,
@@ -400,13 +401,13 @@ def serve(
     if ahead is not None:
         loaded, warmed = ahead.loaded, ahead.warmed
     else:
-        loaded = load_rank(args, 0, engine_id, prepared)
+        loaded = load_rank(options, 0, engine_id, prepared)
         log.info("weights from %s (--weight-cache %s) in %.3f s", loaded.source, loaded.mode, loaded.seconds)
-        warmed = warm(args, loaded.model, channel)
+        warmed = warm(options, loaded.model, channel)
     model = loaded.model
-    role = Role(args.role)
-    graphs = uses_graphs(args, model)
-    make = functools.partial(new_decoder, model, args.max_batch, args.kv_cache_tokens)
+    role = options.role
+    graphs = uses_graphs(options, model)
+    make = functools.partial(new_decoder, model, options.max_batch, options.kv_cache_tokens)
     scheduler = Scheduler()
     if channel is None:
         capacity = KvCapacity(scheduler, make, reserved=warmed if graphs else None)
@@ -415,7 +416,7 @@ def serve(
         capacity = tpgroup.GroupKvCapacity(scheduler, allocate, reserved=warmed if graphs else None, channel=channel)
     if warmed is not None and role is Role.PRIMARY:
         scheduler.attach_kv(warmed)
-    roles = Roles(role, capacity, args.drain_timeout)
+    roles = Roles(role, capacity, options.drain_timeout)
     metrics = EngineMetrics()
     info = {"engine_id": engine_id, "mode": loaded.mode, "source": loaded.source}
     metrics.bind(roles, capacity.held_bytes, info | {"fingerprint": loaded.fingerprint.digest()})
@@ -425,7 +426,7 @@ def serve(
         loaded=loaded,
         tokenizer=load_tokenizer(loaded.checkpoint.path),
         stop_ids=frozenset(stop_token_ids(loaded.checkpoint.path)),
-        context_tokens=min(args.kv_cache_tokens, model.config.max_position_embeddings),
+        context_tokens=min(options.kv_cache_tokens, model.config.max_position_embeddings),
         scheduler=scheduler,
         roles=roles,
         metrics=metrics,
@@ -435,32 +436,32 @@ def serve(
         rank_pids=(os.getpid(), *(followers.pids if followers else ())),
         group_refusal=functools.partial(followers.refusal, channel) if followers else lambda: None,
         admission=Admission(
-            args.max_batch,
-            queue_or_default(args.max_queue, args.max_batch),
-            args.queue_timeout,
+            options.max_batch,
+            queue_or_default(options.max_queue, options.max_batch),
+            options.queue_timeout,
             lambda verdict: metrics.admission.labels(verdict.value).inc(),
         ),
     )
     config = server_config(
         build_app(ctx),
-        HttpLimits(body_bytes=args.max_body_bytes),
+        HttpLimits(body_bytes=options.max_body_bytes),
         ErrorShape.OPENAI,
-        host=args.host,
-        port=args.port,
+        host=options.host,
+        port=options.port,
         lifespan="off",
-        timeout_graceful_shutdown=args.shutdown_timeout + CANCEL_GRACE_S,
+        timeout_graceful_shutdown=options.shutdown_timeout + CANCEL_GRACE_S,
     )
     ready = {"engine_id": engine_id, "role": role.value, "fingerprint": ctx.fingerprint}
     ready |= {"kv_cache_bytes": capacity.held_bytes(), "cuda_graph_bytes": ctx.cuda_graph_bytes}
     ready |= {"rank_pids": list(ctx.rank_pids)}
-    server = EngineServer(config, ready, scheduler.cancel_all, args.shutdown_timeout)
+    server = EngineServer(config, ready, scheduler.cancel_all, options.shutdown_timeout)
 
     sys.setswitchinterval(GIL_SWITCH_S)
     scheduler.start()
     try:
         run_until_signal(server, sock)
     finally:
-        scheduler.stop(args.shutdown_timeout + 5)
+        scheduler.stop(options.shutdown_timeout + 5)
     return 0
 
 

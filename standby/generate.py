@@ -9,12 +9,10 @@ NCCL (CUDA), rank 0 printing.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Iterator
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -22,31 +20,11 @@ from tokenizers import Tokenizer
 
 from hotweights.cache.checkpoint import read_checkpoint
 from hotweights.cache.pipeline import add_load_spec_arguments, load_spec_from_args, model_dir_from_args
-from hotweights.errors import CheckpointError, ConfigError
+from hotweights.errors import ConfigError
 from hotweights.ports import free_port
 from hotweights.standby.model import Transformer, generate
 from hotweights.standby.weights import add_weight_cache_arguments, load_model
-
-
-def load_tokenizer(model_dir: Path) -> Tokenizer:
-    path = model_dir / "tokenizer.json"
-    if not path.is_file():
-        raise CheckpointError(f"{path} is missing: the checkpoint has no tokenizer")
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as exc:  # the tokenizers library raises a bare Exception for any bad file
-        raise CheckpointError(f"{path}: not a tokenizer the tokenizers library can read ({exc})") from None
-
-
-def stop_token_ids(model_dir: Path) -> tuple[int, ...]:
-    """eos_token_id from generation_config.json or config.json (an int or a list)."""
-    for name in ("generation_config.json", "config.json"):
-        path = model_dir / name
-        if path.is_file():
-            eos = json.loads(path.read_text()).get("eos_token_id")
-            if eos is not None:
-                return tuple(eos) if isinstance(eos, list) else (int(eos),)
-    return ()
+from hotweights.tokenizer import load_tokenizer, stop_token_ids
 
 
 class TextStream:

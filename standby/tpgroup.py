@@ -29,7 +29,6 @@ The group lives and dies as one (nothing is left holding memory or a port):
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import ctypes
 import itertools
@@ -54,6 +53,7 @@ from hotweights.engines import SOCKET_RANK
 from hotweights.errors import ConfigError, HotweightsError
 from hotweights.spawn import hotweights_command
 from hotweights.standby.decoder import Decoder, bucket
+from hotweights.standby.engineoptions import EngineOptions
 from hotweights.standby.roles import KvCapacity
 
 log = logging.getLogger(__name__)
@@ -221,17 +221,17 @@ def group_allocator(channel: Channel, make: Callable[[], Decoder], graphs: bool)
 # --- rank 0: the followers ------------------------------------------------------------------------
 
 
-def follower_command(args: argparse.Namespace, group: str, rank: int, port: int) -> list[str]:
+def follower_command(options: EngineOptions, group: str, rank: int, port: int) -> list[str]:
     """The argv of follower ``rank``: the load, weight-cache and decoder flags rank 0 was given."""
-    command = hotweights_command(*(["-v"] if args.verbose else []), "engine", "--engine-id", group)
-    command += ["--tp-size", str(args.tp_size), "--tp-rank", str(rank), "--tp-port", str(port)]
-    command += ["--tp-leader", str(os.getpid()), "--device", rank_device(args.device, args.tp_size, rank)]
-    command += ["--weight-cache", args.weight_cache]
-    command += ["--weight-cache-timeout", str(args.weight_cache_timeout)]
-    command += ["--kv-cache-tokens", str(args.kv_cache_tokens), "--max-batch", str(args.max_batch)]
-    command += ["--cuda-graphs" if args.cuda_graphs else "--no-cuda-graphs"]
+    command = hotweights_command(*(["-v"] if options.verbose else []), "engine", "--engine-id", group)
+    command += ["--tp-size", str(options.tp_size), "--tp-rank", str(rank), "--tp-port", str(port)]
+    command += ["--tp-leader", str(os.getpid()), "--device", rank_device(options.device, options.tp_size, rank)]
+    command += ["--weight-cache", options.weight_cache]
+    command += ["--weight-cache-timeout", str(options.weight_cache_timeout)]
+    command += ["--kv-cache-tokens", str(options.kv_cache_tokens), "--max-batch", str(options.max_batch)]
+    command += ["--cuda-graphs" if options.cuda_graphs else "--no-cuda-graphs"]
     for flag in ("model", "dtype", "quantize", "socket", "weight_cache_fallback"):
-        if value := getattr(args, flag):
+        if value := getattr(options, flag):
             command += [f"--{flag.replace('_', '-')}", str(value)]
     return command
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 
 from hotweights.cache.pipeline import LoadSpec
-from hotweights.standby.generate import load_tokenizer
 from hotweights.standby.model import generate
 from hotweights.standby.weights import load_model
+from hotweights.tokenizer import load_tokenizer
 
 PROMPT = "The failover took"
 

@@ -23,9 +23,9 @@ from hotweights.cache.pipeline import LoadSpec
 from hotweights.contract import Endpoint
 from hotweights.ports import free_port
 from hotweights.spawn import SparePipes, hotweights_command, parse_message, send_message
-from hotweights.standby.generate import load_tokenizer, stop_token_ids
 from hotweights.standby.model import generate
 from hotweights.standby.weights import load_model
+from hotweights.tokenizer import load_tokenizer, stop_token_ids
 from tests.cachehelpers import ENV
 
 

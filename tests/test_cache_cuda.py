@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from hotweights.cache.pipeline import LoadSpec, load_processed
-from hotweights.standby.generate import load_tokenizer
 from hotweights.standby.model import generate
 from hotweights.standby.weights import load_model
+from hotweights.tokenizer import load_tokenizer
 from tests.attach_worker import PROMPT, tensor_digest
 from tests.cachehelpers import Engine, ProcessDaemon, ThreadDaemon
 

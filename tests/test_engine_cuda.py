@@ -12,10 +12,10 @@ import torch
 from hotweights.cache.pipeline import LoadSpec
 from hotweights.contract import Endpoint
 from hotweights.standby.decoder import Decoder, bucket
-from hotweights.standby.generate import load_tokenizer
 from hotweights.standby.model import KVCache, Transformer, generate
 from hotweights.standby.scheduler import SamplingParams
 from hotweights.standby.weights import load_model
+from hotweights.tokenizer import load_tokenizer
 from tests.enginehelpers import EngineProcess
 from tests.test_scheduler import MAX_TOKENS, PROMPTS, run
 

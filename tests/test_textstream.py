@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from hotweights.standby.generate import TextStream, load_tokenizer
+from hotweights.standby.generate import TextStream
+from hotweights.tokenizer import load_tokenizer
 
 STOPS = ["fox", "ü", " the", "🙂", "o", "語"]
 
