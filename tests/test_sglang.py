@@ -26,7 +26,7 @@ from hotweights.contract import Endpoint
 from hotweights.ports import free_port
 from hotweights.spawn import hotweights_command
 from hotweights.standby import sglang_nodriver
-from tests.cachehelpers import ENV, wait_until
+from tests.cachehelpers import ENV, engine_python, wait_until
 from tests.controllerhelpers import ControllerStack
 from tests.test_vllm import PROMPT, STREAMS, Cut, Load, reply_text
 
@@ -38,12 +38,7 @@ START_S = 600  # two shared cores: SGLang's start-up takes 20-60 s, more with ot
 
 @pytest.fixture(scope="module")
 def sglang_python() -> str:
-    python = os.environ.get("HOTWEIGHTS_TEST_SGLANG_PYTHON", "")
-    if not python:
-        if os.environ.get("HOTWEIGHTS_REQUIRE_SGLANG") == "1":
-            pytest.fail("HOTWEIGHTS_REQUIRE_SGLANG=1 but HOTWEIGHTS_TEST_SGLANG_PYTHON is not set")
-        pytest.skip("no SGLang: set HOTWEIGHTS_TEST_SGLANG_PYTHON to a Python with sglang and hotweights")
-    return python
+    return engine_python("SGLang", "sglang")
 
 
 @pytest.fixture(scope="module")

