@@ -16,7 +16,6 @@ architectures, never share an arena.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import sys
 from importlib import metadata
@@ -26,14 +25,7 @@ from typing import Any
 import torch
 
 from hotweights.cache.daemon import ArenaSource
-from hotweights.cache.fingerprint import (
-    ARENA_FORMAT_VERSION,
-    Fingerprint,
-    compute_capability,
-    device_kind,
-    sha256_hex,
-    weights_index_hash,
-)
+from hotweights.cache.fingerprint import Fingerprint, engine_layout_fingerprint
 from hotweights.cache.pipeline import LoadSpec
 from hotweights.cache.vllm_format import export_tensors
 from hotweights.dtypes import config_name
@@ -60,28 +52,9 @@ def sglang_version() -> str:
 
 def sglang_fingerprint(model_config: Any, tp_size: int, tp_rank: int, device: torch.device) -> Fingerprint:
     """The fingerprint of SGLang's processed weights for ``model_config`` (``sglang...ModelConfig``)."""
-    model_dir = Path(model_config.model_path).resolve()
-    hf_quant = getattr(model_config.hf_config, "quantization_config", None)
     architecture = (model_config.hf_config.architectures or ["unknown"])[0]
-    return Fingerprint(
-        model_path=str(model_dir),
-        config_hash=sha256_hex((model_dir / "config.json").read_bytes()),
-        weights_index_hash=weights_index_hash(model_dir, sorted(model_dir.glob("*.safetensors"))),
-        tp_size=tp_size,
-        tp_rank=tp_rank,
-        pp_size=1,
-        pp_rank=0,
-        dp_size=1,
-        dp_rank=0,
-        quantization=str(model_config.quantization or "none"),
-        quantization_config_hash=sha256_hex(json.dumps(hf_quant, sort_keys=True, default=str).encode()),
-        dtype=str(model_config.dtype).removeprefix("torch."),
-        device_kind=device_kind(device),
-        compute_capability=compute_capability(device),
-        torch_version=torch.__version__,
-        arena_format=ARENA_FORMAT_VERSION,
-        layout=f"sglang-{sglang_version()}:{architecture}",
-    )
+    layout = f"sglang-{sglang_version()}:{architecture}"
+    return engine_layout_fingerprint(Path(model_config.model_path), model_config, layout, tp_size, tp_rank, device)
 
 
 def refuse_repacked(model: torch.nn.Module) -> None:
