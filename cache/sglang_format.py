@@ -15,7 +15,6 @@ architectures, never share an arena.
 
 from __future__ import annotations
 
-import functools
 import logging
 import sys
 from importlib import metadata
@@ -27,7 +26,7 @@ import torch
 from hotweights.cache.daemon import ArenaSource
 from hotweights.cache.fingerprint import Fingerprint, engine_layout_fingerprint
 from hotweights.cache.pipeline import LoadSpec
-from hotweights.cache.vllm_format import export_tensors
+from hotweights.cache.vllm_format import exported_source
 from hotweights.dtypes import config_name
 from hotweights.errors import ConfigError
 from hotweights.ports import free_port
@@ -128,21 +127,9 @@ def load_sglang_model(args: Any, device: torch.device) -> torch.nn.Module:
 
 def sglang_source(model_dir: Path, spec: LoadSpec) -> ArenaSource:
     """The daemon's ``ArenaSource`` for ``--format sglang``: the fingerprint now (SGLang's config), the model
-    when the daemon loads (after its socket-path checks)."""
+    when the daemon loads (``vllm_format.exported_source``)."""
     sglang_version()
     args = server_args(model_dir, spec)
     device = torch.device(spec.device)
-
-    @functools.cache
-    def exported() -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-        tensors, aliases = export_tensors(load_sglang_model(args, device))
-        log.info("SGLang built %d tensors (%d tied names) for %s", len(tensors), len(aliases), model_dir)
-        return tensors, aliases
-
-    return ArenaSource(
-        fingerprint=sglang_fingerprint(model_config_of(args), spec.tp_size, spec.tp_rank, device),
-        specs=lambda: {name: (tuple(t.shape), t.dtype) for name, t in exported()[0].items()},
-        tensors=lambda: iter(exported()[0].items()),
-        device=device,
-        aliases=lambda: exported()[1],
-    )
+    fingerprint = sglang_fingerprint(model_config_of(args), spec.tp_size, spec.tp_rank, device)
+    return exported_source(fingerprint, device, lambda: load_sglang_model(args, device), "SGLang", model_dir)

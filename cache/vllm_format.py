@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import logging
 import sys
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -137,23 +138,32 @@ def load_vllm_model(vllm_config: Any, spec: LoadSpec) -> torch.nn.Module:
     return model.eval()
 
 
-def vllm_source(model_dir: Path, spec: LoadSpec) -> ArenaSource:
-    """The daemon's ``ArenaSource`` for ``--format vllm``: the fingerprint now (vLLM's config), the
-    model when the daemon loads (after its socket-path checks)."""
-    vllm_version()
-    vllm_config = engine_config(model_dir, spec)
-    device = torch.device(spec.device)
+def exported_source(
+    fingerprint: Fingerprint, device: torch.device, build: Callable[[], torch.nn.Module], engine: str, model_dir: Path
+) -> ArenaSource:
+    """The daemon's ``ArenaSource`` of the model ``build`` makes (once, when the daemon loads, after its
+    socket-path checks), laid out by ``export_tensors``; ``engine`` and ``model_dir`` name it in the log."""
 
     @functools.cache
     def exported() -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-        tensors, aliases = export_tensors(load_vllm_model(vllm_config, spec))
-        log.info("vLLM built %d tensors (%d tied names) for %s", len(tensors), len(aliases), model_dir)
+        tensors, aliases = export_tensors(build())
+        log.info("%s built %d tensors (%d tied names) for %s", engine, len(tensors), len(aliases), model_dir)
         return tensors, aliases
 
     return ArenaSource(
-        fingerprint=vllm_fingerprint(vllm_config.model_config, spec.tp_size, spec.tp_rank, device),
+        fingerprint=fingerprint,
         specs=lambda: {name: (tuple(t.shape), t.dtype) for name, t in exported()[0].items()},
         tensors=lambda: iter(exported()[0].items()),
         device=device,
         aliases=lambda: exported()[1],
     )
+
+
+def vllm_source(model_dir: Path, spec: LoadSpec) -> ArenaSource:
+    """The daemon's ``ArenaSource`` for ``--format vllm``: the fingerprint now (vLLM's config), the
+    model when the daemon loads (``exported_source``)."""
+    vllm_version()
+    vllm_config = engine_config(model_dir, spec)
+    device = torch.device(spec.device)
+    fingerprint = vllm_fingerprint(vllm_config.model_config, spec.tp_size, spec.tp_rank, device)
+    return exported_source(fingerprint, device, lambda: load_vllm_model(vllm_config, spec), "vLLM", model_dir)
