@@ -12,6 +12,7 @@ import json
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -138,3 +139,33 @@ def compute_capability(device: torch.device) -> str:
 
 def sha256_hex(blob: bytes) -> str:
     return hashlib.sha256(blob).hexdigest()[:32]
+
+
+def engine_layout_fingerprint(
+    model_dir: Path, model_config: Any, layout: str, tp_size: int, tp_rank: int, device: torch.device
+) -> Fingerprint:
+    """The fingerprint of an engine's own processed weights (``--format vllm`` or ``sglang``): the checkpoint in
+    ``model_dir``, the quantization and dtype of the engine's ``model_config`` (its ``quantization``, ``dtype``
+    and ``hf_config``), the device, and ``layout``, whose processed weights they are (engine, release and
+    architecture)."""
+    model_dir = model_dir.resolve()
+    hf_quant = getattr(model_config.hf_config, "quantization_config", None)
+    return Fingerprint(
+        model_path=str(model_dir),
+        config_hash=sha256_hex((model_dir / "config.json").read_bytes()),
+        weights_index_hash=weights_index_hash(model_dir, sorted(model_dir.glob("*.safetensors"))),
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+        pp_size=1,
+        pp_rank=0,
+        dp_size=1,
+        dp_rank=0,
+        quantization=str(model_config.quantization or "none"),
+        quantization_config_hash=sha256_hex(json.dumps(hf_quant, sort_keys=True, default=str).encode()),
+        dtype=str(model_config.dtype).removeprefix("torch."),
+        device_kind=device_kind(device),
+        compute_capability=compute_capability(device),
+        torch_version=torch.__version__,
+        arena_format=ARENA_FORMAT_VERSION,
+        layout=layout,
+    )

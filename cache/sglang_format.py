@@ -15,8 +15,6 @@ architectures, never share an arena.
 
 from __future__ import annotations
 
-import functools
-import json
 import logging
 import sys
 from importlib import metadata
@@ -26,16 +24,9 @@ from typing import Any
 import torch
 
 from hotweights.cache.daemon import ArenaSource
-from hotweights.cache.fingerprint import (
-    ARENA_FORMAT_VERSION,
-    Fingerprint,
-    compute_capability,
-    device_kind,
-    sha256_hex,
-    weights_index_hash,
-)
+from hotweights.cache.fingerprint import Fingerprint, engine_layout_fingerprint
 from hotweights.cache.pipeline import LoadSpec
-from hotweights.cache.vllm_format import export_tensors
+from hotweights.cache.vllm_format import exported_source
 from hotweights.dtypes import config_name
 from hotweights.errors import ConfigError
 from hotweights.ports import free_port
@@ -60,28 +51,9 @@ def sglang_version() -> str:
 
 def sglang_fingerprint(model_config: Any, tp_size: int, tp_rank: int, device: torch.device) -> Fingerprint:
     """The fingerprint of SGLang's processed weights for ``model_config`` (``sglang...ModelConfig``)."""
-    model_dir = Path(model_config.model_path).resolve()
-    hf_quant = getattr(model_config.hf_config, "quantization_config", None)
     architecture = (model_config.hf_config.architectures or ["unknown"])[0]
-    return Fingerprint(
-        model_path=str(model_dir),
-        config_hash=sha256_hex((model_dir / "config.json").read_bytes()),
-        weights_index_hash=weights_index_hash(model_dir, sorted(model_dir.glob("*.safetensors"))),
-        tp_size=tp_size,
-        tp_rank=tp_rank,
-        pp_size=1,
-        pp_rank=0,
-        dp_size=1,
-        dp_rank=0,
-        quantization=str(model_config.quantization or "none"),
-        quantization_config_hash=sha256_hex(json.dumps(hf_quant, sort_keys=True, default=str).encode()),
-        dtype=str(model_config.dtype).removeprefix("torch."),
-        device_kind=device_kind(device),
-        compute_capability=compute_capability(device),
-        torch_version=torch.__version__,
-        arena_format=ARENA_FORMAT_VERSION,
-        layout=f"sglang-{sglang_version()}:{architecture}",
-    )
+    layout = f"sglang-{sglang_version()}:{architecture}"
+    return engine_layout_fingerprint(Path(model_config.model_path), model_config, layout, tp_size, tp_rank, device)
 
 
 def refuse_repacked(model: torch.nn.Module) -> None:
@@ -155,21 +127,9 @@ def load_sglang_model(args: Any, device: torch.device) -> torch.nn.Module:
 
 def sglang_source(model_dir: Path, spec: LoadSpec) -> ArenaSource:
     """The daemon's ``ArenaSource`` for ``--format sglang``: the fingerprint now (SGLang's config), the model
-    when the daemon loads (after its socket-path checks)."""
+    when the daemon loads (``vllm_format.exported_source``)."""
     sglang_version()
     args = server_args(model_dir, spec)
     device = torch.device(spec.device)
-
-    @functools.cache
-    def exported() -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-        tensors, aliases = export_tensors(load_sglang_model(args, device))
-        log.info("SGLang built %d tensors (%d tied names) for %s", len(tensors), len(aliases), model_dir)
-        return tensors, aliases
-
-    return ArenaSource(
-        fingerprint=sglang_fingerprint(model_config_of(args), spec.tp_size, spec.tp_rank, device),
-        specs=lambda: {name: (tuple(t.shape), t.dtype) for name, t in exported()[0].items()},
-        tensors=lambda: iter(exported()[0].items()),
-        device=device,
-        aliases=lambda: exported()[1],
-    )
+    fingerprint = sglang_fingerprint(model_config_of(args), spec.tp_size, spec.tp_rank, device)
+    return exported_source(fingerprint, device, lambda: load_sglang_model(args, device), "SGLang", model_dir)

@@ -15,9 +15,9 @@ architectures, never share an arena.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import sys
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -25,14 +25,7 @@ from typing import Any
 import torch
 
 from hotweights.cache.daemon import ArenaSource
-from hotweights.cache.fingerprint import (
-    ARENA_FORMAT_VERSION,
-    Fingerprint,
-    compute_capability,
-    device_kind,
-    sha256_hex,
-    weights_index_hash,
-)
+from hotweights.cache.fingerprint import Fingerprint, engine_layout_fingerprint
 from hotweights.cache.pipeline import LoadSpec
 from hotweights.dtypes import config_name
 from hotweights.errors import ConfigError
@@ -60,28 +53,9 @@ def vllm_version() -> str:
 
 def vllm_fingerprint(model_config: Any, tp_size: int, tp_rank: int, device: torch.device) -> Fingerprint:
     """The fingerprint of vLLM's processed weights for ``model_config`` (a ``vllm.config.ModelConfig``)."""
-    model_dir = Path(model_config.model).resolve()
-    hf_quant = getattr(model_config.hf_config, "quantization_config", None)
     architecture = (model_config.architectures or ["unknown"])[0]
-    return Fingerprint(
-        model_path=str(model_dir),
-        config_hash=sha256_hex((model_dir / "config.json").read_bytes()),
-        weights_index_hash=weights_index_hash(model_dir, sorted(model_dir.glob("*.safetensors"))),
-        tp_size=tp_size,
-        tp_rank=tp_rank,
-        pp_size=1,
-        pp_rank=0,
-        dp_size=1,
-        dp_rank=0,
-        quantization=str(model_config.quantization or "none"),
-        quantization_config_hash=sha256_hex(json.dumps(hf_quant, sort_keys=True, default=str).encode()),
-        dtype=str(model_config.dtype).removeprefix("torch."),
-        device_kind=device_kind(device),
-        compute_capability=compute_capability(device),
-        torch_version=torch.__version__,
-        arena_format=ARENA_FORMAT_VERSION,
-        layout=f"vllm-{vllm_version()}:{architecture}",
-    )
+    layout = f"vllm-{vllm_version()}:{architecture}"
+    return engine_layout_fingerprint(Path(model_config.model), model_config, layout, tp_size, tp_rank, device)
 
 
 def skip_cpu_packing(model: torch.nn.Module) -> int:
@@ -164,23 +138,32 @@ def load_vllm_model(vllm_config: Any, spec: LoadSpec) -> torch.nn.Module:
     return model.eval()
 
 
-def vllm_source(model_dir: Path, spec: LoadSpec) -> ArenaSource:
-    """The daemon's ``ArenaSource`` for ``--format vllm``: the fingerprint now (vLLM's config), the
-    model when the daemon loads (after its socket-path checks)."""
-    vllm_version()
-    vllm_config = engine_config(model_dir, spec)
-    device = torch.device(spec.device)
+def exported_source(
+    fingerprint: Fingerprint, device: torch.device, build: Callable[[], torch.nn.Module], engine: str, model_dir: Path
+) -> ArenaSource:
+    """The daemon's ``ArenaSource`` of the model ``build`` makes (once, when the daemon loads, after its
+    socket-path checks), laid out by ``export_tensors``; ``engine`` and ``model_dir`` name it in the log."""
 
     @functools.cache
     def exported() -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-        tensors, aliases = export_tensors(load_vllm_model(vllm_config, spec))
-        log.info("vLLM built %d tensors (%d tied names) for %s", len(tensors), len(aliases), model_dir)
+        tensors, aliases = export_tensors(build())
+        log.info("%s built %d tensors (%d tied names) for %s", engine, len(tensors), len(aliases), model_dir)
         return tensors, aliases
 
     return ArenaSource(
-        fingerprint=vllm_fingerprint(vllm_config.model_config, spec.tp_size, spec.tp_rank, device),
+        fingerprint=fingerprint,
         specs=lambda: {name: (tuple(t.shape), t.dtype) for name, t in exported()[0].items()},
         tensors=lambda: iter(exported()[0].items()),
         device=device,
         aliases=lambda: exported()[1],
     )
+
+
+def vllm_source(model_dir: Path, spec: LoadSpec) -> ArenaSource:
+    """The daemon's ``ArenaSource`` for ``--format vllm``: the fingerprint now (vLLM's config), the
+    model when the daemon loads (``exported_source``)."""
+    vllm_version()
+    vllm_config = engine_config(model_dir, spec)
+    device = torch.device(spec.device)
+    fingerprint = vllm_fingerprint(vllm_config.model_config, spec.tp_size, spec.tp_rank, device)
+    return exported_source(fingerprint, device, lambda: load_vllm_model(vllm_config, spec), "vLLM", model_dir)
