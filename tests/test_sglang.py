@@ -22,13 +22,12 @@ import pytest
 import torch
 
 from hotweights.cache.makemodel import PRESETS, write_checkpoint
-from hotweights.contract import Endpoint
 from hotweights.ports import free_port
 from hotweights.spawn import hotweights_command
 from hotweights.standby import sglang_nodriver
 from tests.cachehelpers import ENV, engine_python, wait_until
 from tests.controllerhelpers import ControllerStack
-from tests.test_vllm import PROMPT, STREAMS, Cut, Load, reply_text
+from tests.test_vllm import PROMPT, STREAMS, engine_killed_under_load, reply_text
 
 pytestmark = pytest.mark.sglang
 SERVER_ARGS = ["--device", "cpu", "--max-total-tokens", "8192", "--enable-metrics", "--sleep-on-idle"]
@@ -190,19 +189,7 @@ def test_an_sglang_group_fails_over_under_load_with_no_client_errors(
         stack.wait_steady(900)
         gateway = f"http://127.0.0.1:{stack.config.gateway.port}/v1"
         uncut = [reply_text(httpx.post(f"{gateway}{path[3:]}", json=body, timeout=60).json()) for path, body in STREAMS]
-        old = stack.primary()
-        load = Load(f"{gateway}/completions")
-        wait_until(lambda: load.ok >= 5, 120, "load flowing")
-        cuts = [Cut(old["url"], path, body) for path, body in STREAMS]  # the chat through the agent's bridge
-        engine_pid = httpx.get(old["url"] + Endpoint.PRIMARY).json()["engine"]["pid"]
-        os.kill(engine_pid, signal.SIGKILL)  # the SGLang server crashes; its agent reports it and exits
-        wait_until(lambda: stack.primary()["id"] != old["id"], 60, "a promoted standby")
-        served = load.ok
-        wait_until(lambda: load.ok >= served + 5, 120, "load served by the new primary")
-        load.finish()
-        assert load.errors == []
-        # The cut streams continue on the new primary from SGLang's own token ids: the uncut texts.
-        assert [cut.finish(stack.primary()["url"]) for cut in cuts] == uncut
+        engine_killed_under_load(stack, gateway, uncut)  # the chat through the agent's bridge
         reply = httpx.post(f"{gateway}/completions", json={"prompt": PROMPT, "max_tokens": 4}, timeout=60)
         assert reply.status_code == 200, reply.text
     finally:

@@ -138,6 +138,24 @@ class Load:
             thread.join(90)
 
 
+def engine_killed_under_load(stack: ControllerStack, gateway: str, uncut: list[str], extra: dict | None = None) -> None:
+    """SIGKILL the primary's engine server (its agent reports it and exits) under load through ``gateway``, with
+    ``STREAMS`` (``extra`` added to each body) cut from it: no client error, a standby promoted, and the cut
+    streams continued on it from the engine's own token ids to the ``uncut`` texts."""
+    old = stack.primary()
+    load = Load(f"{gateway}/completions")
+    wait_until(lambda: load.ok >= 5, 120, "load flowing")
+    cuts = [Cut(old["url"], path, body | (extra or {})) for path, body in STREAMS]
+    engine_pid = httpx.get(old["url"] + Endpoint.PRIMARY).json()["engine"]["pid"]
+    os.kill(engine_pid, signal.SIGKILL)
+    wait_until(lambda: stack.primary()["id"] != old["id"], 60, "a promoted standby")
+    served = load.ok
+    wait_until(lambda: load.ok >= served + 5, 120, "load served by the new primary")
+    load.finish()
+    assert load.errors == []
+    assert [cut.finish(stack.primary()["url"]) for cut in cuts] == uncut
+
+
 def reply_text(reply: dict) -> str:
     choice = reply["choices"][0]
     return choice["message"]["content"] if "message" in choice else choice["text"]
@@ -158,19 +176,7 @@ def test_a_vllm_group_fails_over_and_switches_over_with_no_client_errors(vllm_py
         model = client.models.list().data[0].id
         before = client.completions.create(model=model, prompt=PROMPT, max_tokens=16, temperature=0).choices[0].text
         uncut = [reply_text(httpx.post(f"{gateway}{path[3:]}", json=body, timeout=60).json()) for path, body in STREAMS]
-        old = stack.primary()
-        load = Load(f"{gateway}/completions")
-        wait_until(lambda: load.ok >= 5, 120, "load flowing")
-        cuts = [Cut(old["url"], path, {**body, "model": model}) for path, body in STREAMS]
-        engine_pid = httpx.get(old["url"] + Endpoint.PRIMARY).json()["engine"]["pid"]
-        os.kill(engine_pid, signal.SIGKILL)  # the vLLM server crashes; its agent reports it and exits
-        wait_until(lambda: stack.primary()["id"] != old["id"], 60, "a promoted standby")
-        served = load.ok
-        wait_until(lambda: load.ok >= served + 5, 120, "load served by the new primary")
-        load.finish()
-        assert load.errors == []
-        # The cut streams continue on the new primary from vLLM's own token ids: the uncut texts.
-        assert [cut.finish(stack.primary()["url"]) for cut in cuts] == uncut
+        engine_killed_under_load(stack, gateway, uncut, {"model": model})
         after = client.completions.create(model=model, prompt=PROMPT, max_tokens=16, temperature=0).choices[0].text
         assert after == before
         stack.wait_steady(900)  # the killed slot is back, as a standby
