@@ -107,32 +107,30 @@ class HealthChecker:
     async def _watch(self, url: str, pid: int, record: HealthRecord) -> None:
         """Send a check every ``interval_s``, each waiting up to ``timeout_s``, so while an engine hangs its checks
         overlap and ``threshold`` of them have failed about ``timeout_s + (threshold - 1) x interval_s`` after it
-        stopped answering; a check that failed at once (a refused connection) is followed by the next at once."""
+        stopped answering."""
         checks: set[asyncio.Task] = set()
-        failed_fast = asyncio.Event()
         try:
             while True:
-                failed_fast.clear()
-                task = asyncio.create_task(self._judge(url, pid, record, failed_fast))
+                task = asyncio.create_task(self._judge(url, pid, record))
                 checks.add(task)
                 task.add_done_callback(checks.discard)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(failed_fast.wait(), self.interval_s)
+                await asyncio.sleep(self.interval_s)
         finally:
             for task in checks:
                 task.cancel()
 
-    async def _judge(self, url: str, pid: int, record: HealthRecord, failed_fast: asyncio.Event) -> None:
-        """One check; ``on_change`` when the verdict may have changed, ``failed_fast`` set when it failed below
-        the threshold before the next check was due."""
-        was_ok = record.ok
-        start = time.monotonic()
-        counted = await self.check(url, pid, record)
-        if record.ok != was_ok or record.consecutive_failures == self.threshold:
-            self.on_change()
-        quick = time.monotonic() - start < self.interval_s
-        if counted and quick and 0 < record.consecutive_failures < self.threshold:
-            failed_fast.set()
+    async def _judge(self, url: str, pid: int, record: HealthRecord) -> None:
+        """One check, ``on_change`` when the verdict may have changed; one that failed below the threshold before
+        the next was due (a refused connection) is repeated at once."""
+        while True:
+            was_ok = record.ok
+            start = time.monotonic()
+            counted = await self.check(url, pid, record)
+            if record.ok != was_ok or record.consecutive_failures == self.threshold:
+                self.on_change()
+            quick = time.monotonic() - start < self.interval_s
+            if not (counted and quick and 0 < record.consecutive_failures < self.threshold):
+                return
 
     async def check(self, url: str, pid: int, record: HealthRecord) -> bool:
         """One check of ``url`` into ``record``; whether it counted (a check overtaken by a later one's answer,
