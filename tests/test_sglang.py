@@ -182,7 +182,10 @@ def test_an_sglang_group_fails_over_under_load_with_no_client_errors(
         f'engine = "sglang"\nengine_python = "{sglang_python}"\nengine_args = {json.dumps(SERVER_ARGS)}\n'
         f"engine_env = {{ {', '.join(f'{k} = {json.dumps(v)}' for k, v in sglang_env.items())} }}\n"
     )
-    stack = ControllerStack(model, engines=3, group_extra=group, failure_threshold=3)
+    # Three SGLang servers share two cores here: a promotion under load has taken longer than the default hold.
+    stack = ControllerStack(
+        model, engines=3, group_extra=group, failure_threshold=3, gateway_extra="hold_timeout_s = 60"
+    )
     try:
         stack.start_controller("up")
         wait_until(lambda: "is up" in stack.logs(), 900, "an SGLang primary and two standbys", interval=0.5)
