@@ -425,8 +425,8 @@ def test_failovers_under_load_show_no_client_errors(engines: list[EngineProcess]
         f"longest request {max(load.latencies) * 1000:.0f} ms"
     )
     assert load.failures == []
-    assert retries >= 1  # the crash was hidden by a retry, not missed
-    # The stream under way at the crash was migrated: it ends as any other does.
+    # The stream under way at the crash was migrated (the crash was met, not missed): it ends as any other does.
+    # (A load request may or may not have been on the killed engine at that instant: retries are not asserted.)
     assert rest[-1] == "data: [DONE]"
     assert metric(gateway, "hotweights_gateway_migrations_total") >= 1
 
