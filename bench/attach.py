@@ -30,7 +30,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hotweights.cache.checkpoint import read_checkpoint
-from hotweights.cache.client import attach, hello
+from hotweights.cache.client import attach
+from hotweights.cache.connection import hello
 from hotweights.cache.daemon import ArenaSource, CacheDaemon, pipeline_source
 from hotweights.cache.fingerprint import ARENA_FORMAT_VERSION, REFERENCE_LAYOUT, Fingerprint, compute_fingerprint
 from hotweights.cache.makemodel import write_checkpoint

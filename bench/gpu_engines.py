@@ -34,7 +34,7 @@ from pathlib import Path
 
 import httpx
 
-from hotweights.cache.client import request
+from hotweights.cache.connection import request
 from hotweights.contract import Endpoint
 from hotweights.spawn import SparePipes, hotweights_command, read_message, send_message
 from hotweights.waiting import wait_until

@@ -40,7 +40,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hotweights.cache.checkpoint import read_checkpoint
-from hotweights.cache.client import attach, request
+from hotweights.cache.client import attach
+from hotweights.cache.connection import request
 from hotweights.cache.digest import fill_digests
 from hotweights.cache.fingerprint import compute_fingerprint
 from hotweights.cache.makemodel import PRESETS, write_checkpoint

@@ -15,7 +15,8 @@ import torch
 
 from hotweights.cache.backends import BACKENDS, default_backend_name, device_context, get_backend
 from hotweights.cache.checkpoint import read_checkpoint
-from hotweights.cache.client import AttachRefused, DaemonUnavailable, attach, request
+from hotweights.cache.client import attach
+from hotweights.cache.connection import AttachRefused, DaemonUnavailable, request
 from hotweights.cache.daemon import FILL_SOURCES, ArenaSource, load_arena, pipeline_source, serve
 from hotweights.cache.fingerprint import Fingerprint, compute_fingerprint
 from hotweights.cache.paths import paths_for, remove_if_stale

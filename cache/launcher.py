@@ -12,7 +12,7 @@ import threading
 import time
 from pathlib import Path
 
-from hotweights.cache.client import AttachRefused, DaemonUnavailable, hello
+from hotweights.cache.connection import AttachRefused, DaemonUnavailable, hello
 from hotweights.cache.paths import DaemonPaths, ensure_private_dir
 from hotweights.cache.pipeline import LoadSpec
 from hotweights.dtypes import short_name

@@ -17,7 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from hotweights.cache.client import AttachRefused, DaemonUnavailable, hello, request
+from hotweights.cache.connection import AttachRefused, DaemonUnavailable, hello, request
 from hotweights.contract import Role
 from hotweights.controller.batch import BatchEngines
 from hotweights.controller.config import REFERENCE, ClusterConfig, EngineSpec, batch_spec

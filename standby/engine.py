@@ -51,7 +51,7 @@ import uvicorn
 
 from hotweights.admission import Admission, ServingLimits, queue_or_default
 from hotweights.cache.checkpoint import read_checkpoint
-from hotweights.cache.client import AttachRefused, DaemonUnavailable
+from hotweights.cache.connection import AttachRefused, DaemonUnavailable
 from hotweights.cache.pipeline import (
     LoadSpec,
     add_load_spec_arguments,

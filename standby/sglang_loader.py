@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from hotweights.cache.client import AttachRefused, DaemonUnavailable, attach
+from hotweights.cache.client import attach
+from hotweights.cache.connection import AttachRefused, DaemonUnavailable
 from hotweights.cache.sglang_format import sglang_fingerprint
 from hotweights.engines import LOAD_FORMAT
 from hotweights.errors import ConfigError

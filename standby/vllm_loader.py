@@ -25,7 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from hotweights.cache.client import Attachment, attach, request
+from hotweights.cache.client import Attachment, attach
+from hotweights.cache.connection import request
 from hotweights.cache.vllm_format import skip_cpu_packing, vllm_fingerprint
 from hotweights.engines import LOAD_FORMAT
 from hotweights.errors import ConfigError

@@ -22,7 +22,8 @@ from torch import nn
 
 from hotweights.cache.backends import device_context
 from hotweights.cache.checkpoint import Checkpoint, read_checkpoint
-from hotweights.cache.client import Attachment, AttachRefused, DaemonUnavailable, attach
+from hotweights.cache.client import Attachment, attach
+from hotweights.cache.connection import AttachRefused, DaemonUnavailable
 from hotweights.cache.fingerprint import Fingerprint, compute_fingerprint
 from hotweights.cache.launcher import ensure_daemon
 from hotweights.cache.paths import paths_for

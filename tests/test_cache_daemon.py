@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hotweights.cache.client import AttachRefused, DaemonUnavailable, attach, hello, request
+from hotweights.cache.client import attach
+from hotweights.cache.connection import AttachRefused, DaemonUnavailable, hello, request
 from hotweights.cache.fingerprint import Fingerprint
 from hotweights.cache.paths import DaemonPaths
 from hotweights.cache.pipeline import LoadSpec, load_processed

@@ -25,10 +25,11 @@ import pytest
 import torch
 
 from hotweights.cache import arena as arena_layout
-from hotweights.cache import client as client_module
+from hotweights.cache import connection as connection_module
 from hotweights.cache.checkpoint import read_checkpoint
-from hotweights.cache.client import AttachRefused, DaemonUnavailable, attach, hello
-from hotweights.cache.client import connect as client_connect
+from hotweights.cache.client import attach
+from hotweights.cache.connection import AttachRefused, DaemonUnavailable, hello
+from hotweights.cache.connection import connect as client_connect
 from hotweights.cache.daemon import pipeline_source
 from hotweights.cache.digest import content_hash
 from hotweights.cache.pipeline import LoadSpec
@@ -478,7 +479,7 @@ def test_a_stale_socket_is_replaced(tiny_model: Path, sock: Path) -> None:
 
 def test_the_daemon_takes_only_its_exact_protocol_version(tiny_model: Path, sock: Path) -> None:
     """1.0 and true compare equal to 1 in Python; on the wire they are other versions."""
-    from hotweights.cache.client import request
+    from hotweights.cache.connection import request
 
     fingerprint = fingerprint_of(tiny_model).to_json()
     with ThreadDaemon(tiny_model, sock):
@@ -498,9 +499,9 @@ def test_a_connect_refused_by_a_full_backlog_is_retried_within_the_deadline(
             if "retrying" in record.getMessage():
                 retrying.set()
 
-    caplog.set_level(logging.DEBUG, logger=client_module.__name__)
+    caplog.set_level(logging.DEBUG, logger=connection_module.__name__)
     handler = Retried()
-    client_module.log.addHandler(handler)
+    connection_module.log.addHandler(handler)
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(str(sock))
     listener.listen(0)
@@ -525,7 +526,7 @@ def test_a_connect_refused_by_a_full_backlog_is_retried_within_the_deadline(
         for conn in accepted:
             conn.close()
     finally:
-        client_module.log.removeHandler(handler)
+        connection_module.log.removeHandler(handler)
         for conn in queued:
             conn.close()
         listener.close()

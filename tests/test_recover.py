@@ -31,7 +31,7 @@ from hotweights.cache.backends import get_backend
 from hotweights.cache.backends.base import BackendUnavailable
 from hotweights.cache.backends.cpu_shm import ARENA_SEALS
 from hotweights.cache.checkpoint import read_checkpoint
-from hotweights.cache.client import request
+from hotweights.cache.connection import request
 from hotweights.cache.daemon import load_arena, pipeline_source
 from hotweights.cache.fingerprint import compute_fingerprint
 from hotweights.cache.handover import HandoverOffer, offer_path
