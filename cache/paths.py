@@ -21,12 +21,14 @@ import socket
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from hotweights.errors import ConfigError
 from hotweights.paths import private_dir, runtime_dir
 from hotweights.pidlock import LockHeld, PidLock
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +51,11 @@ def ensure_private_dir(path: Path, *, shared: bool = False) -> Path:
 
 
 def device_identity(device: torch.device) -> str:
+    """What a daemon's default socket name says of its device: the GPU's UUID, or the device type. Only a CUDA
+    device imports torch (its caller has a torch device, so torch is loaded already)."""
     if device.type == "cuda":
+        import torch
+
         return f"GPU-{torch.cuda.get_device_properties(device).uuid}"
     return device.type
 
