@@ -34,9 +34,10 @@ from hotweights.cache.client import attach
 from hotweights.cache.connection import hello
 from hotweights.cache.daemon import ArenaSource, CacheDaemon, pipeline_source
 from hotweights.cache.fingerprint import ARENA_FORMAT_VERSION, REFERENCE_LAYOUT, Fingerprint, compute_fingerprint
+from hotweights.cache.loadspec import LoadSpec
 from hotweights.cache.makemodel import write_checkpoint
 from hotweights.cache.paths import DaemonPaths
-from hotweights.cache.pipeline import LoadSpec, load_processed
+from hotweights.cache.pipeline import load_processed
 from hotweights.layout import ModelConfig
 from hotweights.standby.model import TensorParallel
 from hotweights.standby.weights import bind, build_meta_model, expected_tensors

@@ -26,8 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.recover import evict, sequential_read_gbps
 from hotweights.cache.checkpoint import read_checkpoint
+from hotweights.cache.loadspec import LoadSpec
 from hotweights.cache.makemodel import PRESETS, write_checkpoint
-from hotweights.cache.pipeline import LoadSpec, load_processed
+from hotweights.cache.pipeline import load_processed
 from hotweights.quant import QUANT_METHODS
 
 

@@ -44,9 +44,9 @@ from hotweights.cache.client import attach
 from hotweights.cache.connection import request
 from hotweights.cache.digest import fill_digests
 from hotweights.cache.fingerprint import compute_fingerprint
+from hotweights.cache.loadspec import LoadSpec
 from hotweights.cache.makemodel import PRESETS, write_checkpoint
 from hotweights.cache.paths import DaemonPaths
-from hotweights.cache.pipeline import LoadSpec
 from hotweights.cache.snapshot import write_snapshot
 from hotweights.spawn import hotweights_command
 

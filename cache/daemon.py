@@ -38,8 +38,9 @@ from hotweights.cache.backends.base import ArenaBackend, ExportedArena
 from hotweights.cache.checkpoint import Checkpoint, read_checkpoint
 from hotweights.cache.digest import fill_digests
 from hotweights.cache.fingerprint import Fingerprint, compute_fingerprint, describe_differences
+from hotweights.cache.loadspec import LoadSpec
 from hotweights.cache.paths import DaemonPaths, ensure_private_dir, publish, unpublish
-from hotweights.cache.pipeline import LoadSpec, check_spec, iter_processed, processed_config, processed_dtype
+from hotweights.cache.pipeline import check_spec, iter_processed, processed_config, processed_dtype
 from hotweights.cache.protocol import (
     PROTOCOL_VERSION,
     PeerClosed,

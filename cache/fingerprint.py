@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from hotweights.cache.checkpoint import INDEX_FILE, Checkpoint
-from hotweights.cache.pipeline import LoadSpec, processed_config, processed_dtype
+from hotweights.cache.loadspec import LoadSpec
+from hotweights.cache.pipeline import processed_config, processed_dtype
 
 ARENA_FORMAT_VERSION = 1
 REFERENCE_LAYOUT = "hotweights-reference"

@@ -13,9 +13,8 @@ import time
 from pathlib import Path
 
 from hotweights.cache.connection import AttachRefused, DaemonUnavailable, hello
+from hotweights.cache.loadspec import LoadSpec
 from hotweights.cache.paths import DaemonPaths, ensure_private_dir
-from hotweights.cache.pipeline import LoadSpec
-from hotweights.dtypes import short_name
 from hotweights.pidlock import is_held
 from hotweights.spawn import hotweights_command
 
@@ -32,7 +31,7 @@ def daemon_command(
     command += ["--device", spec.device, "--tp-size", str(spec.tp_size), "--tp-rank", str(spec.tp_rank)]
     command += ["--socket", str(paths.socket)]
     if spec.dtype is not None:
-        command += ["--dtype", short_name(spec.dtype)]
+        command += ["--dtype", spec.dtype]
     if spec.quantize:
         command += ["--quantize", spec.quantize]
     if backend:

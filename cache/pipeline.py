@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -19,22 +19,12 @@ import torch
 from hotweights import quant
 from hotweights.cache.checkpoint import Checkpoint, read_checkpoint
 from hotweights.cache.loader import Loader, progress_bar
+from hotweights.cache.loadspec import LoadSpec
 from hotweights.cache.makemodel import ensure_default_model
-from hotweights.dtypes import MODEL_DTYPES
+from hotweights.dtypes import MODEL_DTYPE_NAMES
 from hotweights.errors import ConfigError
 from hotweights.layout import ModelConfig, processed_tensors
 from hotweights.quant import FP8_BLOCK, QUANT_METHODS
-
-
-@dataclass(frozen=True)
-class LoadSpec:
-    """Everything besides the checkpoint that decides what the pipeline produces."""
-
-    device: str = "cpu"
-    dtype: torch.dtype | None = None  # None: the checkpoint's torch_dtype
-    tp_size: int = 1
-    tp_rank: int = 0
-    quantize: str | None = None  # a method of QUANT_METHODS: quantize an unquantized checkpoint at load
 
 
 def processed_config(checkpoint: Checkpoint, spec: LoadSpec) -> ModelConfig:
@@ -45,7 +35,7 @@ def processed_config(checkpoint: Checkpoint, spec: LoadSpec) -> ModelConfig:
 
 
 def processed_dtype(checkpoint: Checkpoint, spec: LoadSpec) -> torch.dtype:
-    return spec.dtype or checkpoint.dtype
+    return spec.torch_dtype or checkpoint.dtype
 
 
 def check_spec(checkpoint: Checkpoint, spec: LoadSpec) -> None:
@@ -221,7 +211,7 @@ def add_load_spec_arguments(parser: argparse.ArgumentParser, *, with_rank: bool 
     """The flags that decide what the pipeline produces, shared by daemon, engine and generate."""
     parser.add_argument("--model", help="checkpoint directory (default: the embedded tiny model, made on first use)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda:N (default cpu)")
-    parser.add_argument("--dtype", choices=sorted(MODEL_DTYPES), help="weights dtype (default: the checkpoint's)")
+    parser.add_argument("--dtype", choices=sorted(MODEL_DTYPE_NAMES), help="weights dtype (default: the checkpoint's)")
     parser.add_argument("--tp-size", type=int, default=1, help="tensor-parallel size (default 1)")
     if with_rank:
         parser.add_argument("--tp-rank", type=int, default=0, help="tensor-parallel rank of this process (default 0)")
@@ -242,7 +232,7 @@ def add_read_arguments(parser: argparse.ArgumentParser) -> None:
 def load_spec_from_args(args: argparse.Namespace, *, tp_rank: int | None = None) -> LoadSpec:
     return LoadSpec(
         device=args.device,
-        dtype=MODEL_DTYPES[args.dtype] if args.dtype else None,
+        dtype=args.dtype,
         tp_size=args.tp_size,
         tp_rank=getattr(args, "tp_rank", 0) if tp_rank is None else tp_rank,
         quantize=args.quantize,

@@ -25,9 +25,9 @@ import torch
 
 from hotweights.cache.daemon import ArenaSource
 from hotweights.cache.fingerprint import Fingerprint, engine_layout_fingerprint
-from hotweights.cache.pipeline import LoadSpec
+from hotweights.cache.loadspec import LoadSpec
 from hotweights.cache.vllm_format import exported_source
-from hotweights.dtypes import config_name
+from hotweights.dtypes import model_config_name
 from hotweights.errors import ConfigError
 from hotweights.ports import free_port
 
@@ -76,7 +76,7 @@ def server_args(model_dir: Path, spec: LoadSpec) -> Any:
         raise ConfigError("--format sglang: --quantize does not apply (SGLang reads the checkpoint's quantization)")
     device = torch.device(spec.device)
     argv = ["--model-path", str(model_dir), "--device", device.type]
-    argv += ["--dtype", config_name(spec.dtype)] if spec.dtype is not None else []
+    argv += ["--dtype", model_config_name(spec.dtype)] if spec.dtype is not None else []
     args = prepare_server_args(argv)
     args.resolve_once()
     return args

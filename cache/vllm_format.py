@@ -26,8 +26,8 @@ import torch
 
 from hotweights.cache.daemon import ArenaSource
 from hotweights.cache.fingerprint import Fingerprint, engine_layout_fingerprint
-from hotweights.cache.pipeline import LoadSpec
-from hotweights.dtypes import config_name
+from hotweights.cache.loadspec import LoadSpec
+from hotweights.dtypes import model_config_name
 from hotweights.errors import ConfigError
 from hotweights.ports import free_port
 
@@ -95,7 +95,7 @@ def engine_config(model_dir: Path, spec: LoadSpec) -> Any:
     """The ``VllmConfig`` an engine started with ``--model model_dir --dtype ... -tp ...`` would build."""
     from vllm.engine.arg_utils import EngineArgs
 
-    dtype = config_name(spec.dtype) if spec.dtype is not None else "auto"
+    dtype = model_config_name(spec.dtype) if spec.dtype is not None else "auto"
     args = EngineArgs(
         model=str(model_dir),
         dtype=dtype,

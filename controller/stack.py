@@ -13,13 +13,14 @@ from pathlib import Path
 
 from hotweights.cache.checkpoint import read_checkpoint
 from hotweights.cache.launcher import daemon_command
+from hotweights.cache.loadspec import LoadSpec
 from hotweights.cache.makemodel import ensure_default_model
 from hotweights.cache.paths import DaemonPaths
-from hotweights.cache.pipeline import LoadSpec, check_spec
+from hotweights.cache.pipeline import check_spec
 from hotweights.contract import Role
 from hotweights.controller.config import REFERENCE, ClusterConfig, EngineSpec
 from hotweights.controller.ids import spare_engine_id
-from hotweights.dtypes import MODEL_DTYPES, config_name
+from hotweights.dtypes import model_config_name
 from hotweights.engines import KINDS, LOAD_FORMAT, PORT_PLACEHOLDER, SOCKET_RANK
 from hotweights.errors import ConfigError, HotweightsError
 from hotweights.paths import private_dir, runtime_dir
@@ -130,7 +131,7 @@ class Layout:
         model, config = self.config.model, self.config.groups[group]
         return LoadSpec(
             device=f"cuda:{rank}" if config.device.startswith("cuda") and config.tp_size > 1 else config.device,
-            dtype=MODEL_DTYPES[model.dtype] if model.dtype else None,
+            dtype=model.dtype or None,
             tp_size=config.tp_size,
             tp_rank=rank,
             quantize=model.quantize or None,
@@ -218,7 +219,7 @@ class Layout:
         command += ["--", group.engine_python, "-m", kind.server_module, kind.model_flag, str(self.model_dir)]
         command += ["--host", "127.0.0.1", "--port", PORT_PLACEHOLDER]
         command += ["--load-format", LOAD_FORMAT, "--model-loader-extra-config", loader]
-        command += ["--dtype", config_name(MODEL_DTYPES[model.dtype])] if model.dtype else []
+        command += ["--dtype", model_config_name(model.dtype)] if model.dtype else []
         return [*command, *group.engine_args]
 
     def gateway_probe_socket(self, worker_id: str) -> Path:

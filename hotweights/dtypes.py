@@ -56,9 +56,10 @@ def __getattr__(name: str) -> Any:
     return tables[name]
 
 
-def short_name(dtype: torch.dtype) -> str:
-    """The ``--dtype`` name of a model dtype (``bf16``); StopIteration for others."""
-    return next(short for name, short, _, _ in _TABLE if name == arena_name(dtype) and short)
+def model_config_name(short: str) -> str:
+    """The ``config.json`` name of a ``--dtype`` name (``bf16`` -> ``bfloat16``), without torch; StopIteration for
+    others."""
+    return next(hf for _, name, hf, _ in _TABLE if name == short and hf)
 
 
 def config_name(dtype: torch.dtype) -> str:

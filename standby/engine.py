@@ -52,8 +52,8 @@ import uvicorn
 from hotweights.admission import Admission, ServingLimits, queue_or_default
 from hotweights.cache.checkpoint import read_checkpoint
 from hotweights.cache.connection import AttachRefused, DaemonUnavailable
+from hotweights.cache.loadspec import LoadSpec
 from hotweights.cache.pipeline import (
-    LoadSpec,
     add_load_spec_arguments,
     check_spec,
     load_spec_from_args,

@@ -26,8 +26,9 @@ from hotweights.cache.client import Attachment, attach
 from hotweights.cache.connection import AttachRefused, DaemonUnavailable
 from hotweights.cache.fingerprint import Fingerprint, compute_fingerprint
 from hotweights.cache.launcher import ensure_daemon
+from hotweights.cache.loadspec import LoadSpec
 from hotweights.cache.paths import paths_for
-from hotweights.cache.pipeline import LoadSpec, check_spec, load_processed, processed_config, processed_dtype
+from hotweights.cache.pipeline import check_spec, load_processed, processed_config, processed_dtype
 from hotweights.errors import BindingError, ConfigError, HotweightsError
 from hotweights.layout import ModelConfig
 from hotweights.standby.model import TensorParallel, Transformer

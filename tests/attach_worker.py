@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from hotweights.cache.pipeline import LoadSpec
+from hotweights.cache.loadspec import LoadSpec
 from hotweights.standby.model import generate
 from hotweights.standby.weights import load_model
 from hotweights.tokenizer import load_tokenizer

@@ -16,8 +16,8 @@ import pytest
 from hotweights.cache.checkpoint import read_checkpoint
 from hotweights.cache.daemon import CacheDaemon, pipeline_source
 from hotweights.cache.fingerprint import compute_fingerprint
+from hotweights.cache.loadspec import LoadSpec
 from hotweights.cache.paths import DaemonPaths
-from hotweights.cache.pipeline import LoadSpec
 from hotweights.spawn import hotweights_command
 from hotweights.waiting import wait_until
 

@@ -19,7 +19,7 @@ from typing import Self
 import httpx
 import pytest
 
-from hotweights.cache.pipeline import LoadSpec
+from hotweights.cache.loadspec import LoadSpec
 from hotweights.contract import Endpoint
 from hotweights.ports import free_port
 from hotweights.spawn import SparePipes, hotweights_command, parse_message, send_message

@@ -72,4 +72,4 @@ def test_the_torch_tables_come_on_first_use() -> None:
 
     assert dtypes.MODEL_DTYPES["bf16"] is torch.bfloat16 and dtypes.ARENA_DTYPES["float8_e4m3fn"] is quant.FP8_DTYPE
     assert tuple(dtypes.MODEL_DTYPES) == dtypes.MODEL_DTYPE_NAMES
-    assert dtypes.config_name(torch.float16) == "float16" and dtypes.short_name(torch.float32) == "fp32"
+    assert dtypes.config_name(torch.float16) == "float16" and dtypes.model_config_name("fp32") == "float32"

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hotweights.cache.pipeline import LoadSpec, load_processed
+from hotweights.cache.loadspec import LoadSpec
+from hotweights.cache.pipeline import load_processed
 from hotweights.standby.model import generate
 from hotweights.standby.weights import load_model
 from hotweights.tokenizer import load_tokenizer

@@ -23,8 +23,9 @@ import torch
 from hotweights.cache.client import attach
 from hotweights.cache.connection import AttachRefused, DaemonUnavailable, hello, request
 from hotweights.cache.fingerprint import Fingerprint
+from hotweights.cache.loadspec import LoadSpec
 from hotweights.cache.paths import DaemonPaths
-from hotweights.cache.pipeline import LoadSpec, load_processed
+from hotweights.cache.pipeline import load_processed
 from hotweights.cache.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, recv_message, send_message
 from hotweights.cli import main as cli_main
 from hotweights.errors import ConfigError
@@ -193,9 +194,9 @@ def test_a_spares_prepared_load_is_used_only_while_the_checkpoint_is_unchanged(
 def test_fingerprint_mismatch_refuses_or_falls_back(tiny_model: Path, sock: Path) -> None:
     with ThreadDaemon(tiny_model, sock):
         with pytest.raises(AttachRefused, match="dtype: daemon has 'float32', engine expects 'bfloat16'"):
-            load_model(tiny_model, LoadSpec(dtype=torch.bfloat16), weight_cache="client", socket_path=str(sock))
+            load_model(tiny_model, LoadSpec(dtype="bf16"), weight_cache="client", socket_path=str(sock))
         loaded = load_model(
-            tiny_model, LoadSpec(dtype=torch.bfloat16), weight_cache="client", socket_path=str(sock), fallback="disk"
+            tiny_model, LoadSpec(dtype="bf16"), weight_cache="client", socket_path=str(sock), fallback="disk"
         )
         assert loaded.source == "disk"
 

@@ -32,7 +32,7 @@ from hotweights.cache.connection import AttachRefused, DaemonUnavailable, hello
 from hotweights.cache.connection import connect as client_connect
 from hotweights.cache.daemon import pipeline_source
 from hotweights.cache.digest import content_hash
-from hotweights.cache.pipeline import LoadSpec
+from hotweights.cache.loadspec import LoadSpec
 from hotweights.cache.protocol import PROTOCOL_VERSION, recv_message, send_message
 from hotweights.spawn import hotweights_command
 from tests.cachehelpers import ENV, ProcessDaemon, ThreadDaemon, fingerprint_of, wait_until

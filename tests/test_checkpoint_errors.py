@@ -183,7 +183,8 @@ def test_llama_variant_the_model_does_not_implement_is_refused(ckpt: Path, field
 def test_index_decides_where_a_duplicated_tensor_is_read_from(ckpt: Path) -> None:
     from safetensors.torch import load_file, save_file
 
-    from hotweights.cache.pipeline import LoadSpec, load_processed
+    from hotweights.cache.loadspec import LoadSpec
+    from hotweights.cache.pipeline import load_processed
 
     weight_map = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
     last = list(dict.fromkeys(weight_map.values()))[-1]

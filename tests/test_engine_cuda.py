@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hotweights.cache.pipeline import LoadSpec
+from hotweights.cache.loadspec import LoadSpec
 from hotweights.contract import Endpoint
 from hotweights.standby.decoder import Decoder, bucket
 from hotweights.standby.model import KVCache, Transformer, generate

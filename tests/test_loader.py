@@ -26,7 +26,8 @@ from hotweights.cache.backends import get_backend
 from hotweights.cache.checkpoint import read_checkpoint
 from hotweights.cache.daemon import load_arena, pipeline_source
 from hotweights.cache.loader import Loader, ReadError
-from hotweights.cache.pipeline import LoadSpec, load_processed
+from hotweights.cache.loadspec import LoadSpec
+from hotweights.cache.pipeline import load_processed
 from hotweights.cache.snapshot import load_snapshot, write_snapshot
 from hotweights.layout import ModelConfig
 from hotweights.spawn import hotweights_command
@@ -122,9 +123,9 @@ def reference(hf: dict[str, torch.Tensor], config: ModelConfig, spec: LoadSpec, 
 @pytest.mark.parametrize(
     "which, spec",
     [
-        ("tiny", LoadSpec(tp_size=2, tp_rank=1, dtype=torch.bfloat16)),
+        ("tiny", LoadSpec(tp_size=2, tp_rank=1, dtype="bf16")),
         ("tiny", LoadSpec(tp_size=2, tp_rank=0)),
-        ("tiny_fp8", LoadSpec(dtype=torch.float16)),
+        ("tiny_fp8", LoadSpec(dtype="fp16")),
     ],
     ids=["tp2-rank1-bf16", "tp2-rank0", "fp8-on-disk"],
 )
@@ -134,7 +135,7 @@ def test_the_pipeline_reads_what_safetensors_reads(
     checkpoint = read_checkpoint(tiny_model if which == "tiny" else tiny_fp8_model)
     assert len(checkpoint.files) > 1
     hf = {name: tensor for file in checkpoint.files for name, tensor in load_file(file).items()}
-    expected = reference(hf, checkpoint.config, spec, spec.dtype or checkpoint.dtype)
+    expected = reference(hf, checkpoint.config, spec, spec.torch_dtype or checkpoint.dtype)
     got = load_processed(checkpoint, spec, progress=False, direct_io=direct)
     assert got.keys() == expected.keys()
     for name, tensor in got.items():
@@ -254,7 +255,7 @@ def test_the_pinned_ring_gives_the_cpu_paths_tensors_on_cuda(
     """Small pieces make a tensor many copies through the ring, each buffer reused many times. (Quantizing at
     load is left out: its scales on CUDA differ from the CPU's in the last bits, whatever reads the bytes.)"""
     for model, spec in (
-        (tiny_model, LoadSpec(tp_size=2, tp_rank=1, dtype=torch.bfloat16)),
+        (tiny_model, LoadSpec(tp_size=2, tp_rank=1, dtype="bf16")),
         (tiny_fp8_model, LoadSpec()),
     ):
         on_cpu = load_processed(model, spec, progress=False)

@@ -10,7 +10,8 @@ import torch
 
 from hotweights import quant
 from hotweights.cache.checkpoint import read_checkpoint
-from hotweights.cache.pipeline import LoadSpec, load_processed, processed_config
+from hotweights.cache.loadspec import LoadSpec
+from hotweights.cache.pipeline import load_processed, processed_config
 from hotweights.errors import BindingError, ConfigError
 from hotweights.layout import ModelConfig
 from hotweights.spawn import hotweights_command

@@ -35,8 +35,8 @@ from hotweights.cache.connection import request
 from hotweights.cache.daemon import load_arena, pipeline_source
 from hotweights.cache.fingerprint import compute_fingerprint
 from hotweights.cache.handover import HandoverOffer, offer_path
+from hotweights.cache.loadspec import LoadSpec
 from hotweights.cache.paths import DaemonPaths
-from hotweights.cache.pipeline import LoadSpec
 from hotweights.cache.recovery import SourceRefused, SourceSkipped, readopt
 from hotweights.cache.snapshot import LENGTH, MAGIC, load_snapshot, write_snapshot
 from hotweights.contract import Endpoint
@@ -208,7 +208,7 @@ def test_an_engine_of_another_fingerprint_hands_nothing_over(
 ) -> None:
     record, content = recorded_arena(model, sock)
     ours = fingerprint_of(model)
-    other = compute_fingerprint(read_checkpoint(model), LoadSpec(dtype=torch.float16))
+    other = compute_fingerprint(read_checkpoint(model), LoadSpec(dtype="fp16"))
     # an engine of another config whose offer sits under our digest (say, a renamed socket)
     offer = HandoverOffer(
         offer_path(sock, ours.digest()), other, record["handle"], memfd(content), frozenset({os.getuid()})

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hotweights.cache.pipeline import LoadSpec
+from hotweights.cache.loadspec import LoadSpec
 from hotweights.standby.decoder import Decoder, bucket
 from hotweights.standby.model import KVCache, Transformer, generate
 from hotweights.standby.scheduler import Finish, SamplingParams, Scheduler, Sequence
