@@ -35,7 +35,7 @@ from tqdm import tqdm
 from hotweights.dtypes import MODEL_DTYPES, config_name
 from hotweights.errors import CheckpointError, ConfigError
 from hotweights.layout import ROLE_LINES_TEMPLATE, ModelConfig, TensorSpec, checkpoint_tensors
-from hotweights.paths import hotweights_home
+from hotweights.paths import default_model_dir, made_default_model
 from hotweights.quant import FP8_BLOCK, FP8_DTYPE, QUANT_CONFIG, QUANT_METHODS, SCALE_SUFFIX, quantize, scale_shape
 
 BOS_TOKEN = "<|begin_of_text|>"
@@ -44,7 +44,6 @@ MAX_TOKENIZER_VOCAB = 4096  # the corpus is small; more merges would only learn 
 VOCAB_ROWS = ("model.embed_tokens.weight", "lm_head.weight")  # one row per token id
 MIN_VOCAB = 300  # 256 byte tokens + 2 specials + room for some merges
 DEFAULT_SHARD_SIZE = 2 * 10**9
-DEFAULT_MODEL_NAME = "tiny-bf16-seed0"
 INDEX_FILE = "model.safetensors.index.json"
 
 PRESETS: dict[str, ModelConfig] = {
@@ -424,14 +423,15 @@ def move_into_place(tmp: Path, out_dir: Path, *, overwrite: bool) -> None:
 
 def ensure_default_model() -> Path:
     """The built-in tiny checkpoint, generated on first use; safe when processes race to create it."""
-    path = hotweights_home() / "models" / DEFAULT_MODEL_NAME
-    if (path / INDEX_FILE).exists():
-        return path
+    made = made_default_model()
+    if made is not None:
+        return made
     try:
-        return write_checkpoint(path, PRESETS["tiny"], progress=False)
+        return write_checkpoint(default_model_dir(), PRESETS["tiny"], progress=False)
     except ConfigError:
-        if (path / INDEX_FILE).exists():  # another process won the rename
-            return path
+        made = made_default_model()  # another process won the rename
+        if made is not None:
+            return made
         raise
 
 

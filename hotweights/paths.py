@@ -1,4 +1,5 @@
-"""Where hotweights keeps things on this host: the home directory and the runtime directory."""
+"""Where hotweights keeps things on this host: the home directory (the embedded tiny model in it) and the runtime
+directory."""
 
 from __future__ import annotations
 
@@ -8,10 +9,25 @@ from pathlib import Path
 
 from hotweights.errors import ConfigError
 
+DEFAULT_MODEL_NAME = "tiny-bf16-seed0"  # the embedded tiny model's directory under hotweights_home()/models
+DEFAULT_MODEL_INDEX = "model.safetensors.index.json"
+
 
 def hotweights_home() -> Path:
     """$HOTWEIGHTS_HOME, else ~/.cache/hotweights: generated models, clusters' state directories."""
     return Path(os.environ.get("HOTWEIGHTS_HOME") or Path.home() / ".cache" / "hotweights")
+
+
+def default_model_dir() -> Path:
+    """Where the embedded tiny model is made on first use (``cache.makemodel.ensure_default_model``)."""
+    return hotweights_home() / "models" / DEFAULT_MODEL_NAME
+
+
+def made_default_model() -> Path | None:
+    """The embedded tiny model's directory once made, else None. A checkpoint is renamed into place whole, its
+    index with it, so the index says it is there."""
+    path = default_model_dir()
+    return path if (path / DEFAULT_MODEL_INDEX).exists() else None
 
 
 def runtime_dir() -> Path:

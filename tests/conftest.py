@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hotweights.cache.makemodel import DEFAULT_MODEL_NAME, PRESETS, ensure_default_model, write_checkpoint
+from hotweights.cache.makemodel import PRESETS, ensure_default_model, write_checkpoint
+from hotweights.paths import DEFAULT_MODEL_NAME
 
 # Tests spawn many torch processes on small machines; one thread each keeps them from thrashing.
 os.environ["OMP_NUM_THREADS"] = "1"
