@@ -14,10 +14,8 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hotweights.cache.arena import plan_layout
-from hotweights.cache.checkpoint import read_checkpoint
-from hotweights.cache.daemon import pipeline_source
 from hotweights.contract import Endpoint, Role
+from hotweights.controller.checks import arena_bytes
 from hotweights.controller.config import REFERENCE, load_config, rollout_changes
 from hotweights.controller.decide import Footprint, room_refusal
 from hotweights.controller.devices import device_bytes_of, free_bytes, tree_rss_bytes
@@ -282,7 +280,8 @@ class Actions:
     def _model_preconditions(self, group: int, model: str) -> Path:
         """``model`` as the group's next weight generation: a valid checkpoint for the group's load settings, with a
         tokenizer the engines can read, not the one it runs, whose arena fits in the device's free memory beside the
-        current one. NotPossible naming the reason (the numbers, for memory), before anything starts."""
+        current one. NotPossible naming the reason (the numbers, for memory), before anything starts. It waits for a
+        checking process (``controller.checks``): run it off the event loop, as ``do_rollout`` does."""
         section, current = self.cluster.config.groups[group], self.cluster.weights[group].current
         if section.engine != REFERENCE or section.tp_size != 1:
             raise NotPossible(
@@ -291,14 +290,14 @@ class Actions:
             )
         path = Path(model).expanduser().resolve()
         try:
-            source = pipeline_source(read_checkpoint(path), self.cluster.layout.load_spec(group))
+            need = arena_bytes(path, self.cluster.layout.load_spec(group))
             load_tokenizer(path)  # what every engine reads beside the weights: a bad one would fail every start
             stop_token_ids(path)
         except HotweightsError as exc:
             raise NotPossible(f"model {model}: {exc}; nothing restarted") from None
         if path == current.model_dir:
             raise NotPossible(f"group {group} runs {path} already (generation {current.number}); nothing restarted")
-        need, free = plan_layout(source.specs())[1], free_bytes(section.device)
+        free = free_bytes(section.device)
         if free is not None and need > free:
             raise NotPossible(
                 f"group {group}: the new generation's arena needs {need} bytes on {section.device}, beside the current "

@@ -11,13 +11,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from hotweights.cache.checkpoint import read_checkpoint
 from hotweights.cache.launcher import daemon_command
 from hotweights.cache.loadspec import LoadSpec
-from hotweights.cache.makemodel import ensure_default_model
 from hotweights.cache.paths import DaemonPaths
-from hotweights.cache.pipeline import check_spec
 from hotweights.contract import Role
+from hotweights.controller.checks import default_model, tensor_parallel_refusals
 from hotweights.controller.config import REFERENCE, ClusterConfig, EngineSpec
 from hotweights.controller.ids import spare_engine_id
 from hotweights.dtypes import model_config_name
@@ -25,7 +23,6 @@ from hotweights.engines import KINDS, LOAD_FORMAT, PORT_PLACEHOLDER, SOCKET_RANK
 from hotweights.errors import ConfigError, HotweightsError
 from hotweights.paths import private_dir, runtime_dir
 from hotweights.spawn import hotweights_command
-from hotweights.standby.tpgroup import check_group
 
 MAX_SOCKET_PATH = 107  # sun_path is 108 bytes including the NUL
 
@@ -62,7 +59,7 @@ class Layout:
             if not model_dir.is_absolute() and config_path is not None:
                 model_dir = config_path.parent / model_dir
         else:
-            model_dir = ensure_default_model()
+            model_dir = default_model()
         layout = cls(config, config_path.resolve() if config_path else None, model_dir.resolve())
         check_directories(config)
         layout.check_tensor_parallel()
@@ -79,15 +76,19 @@ class Layout:
 
     def check_tensor_parallel(self) -> None:
         """Refuse a ``tp_size`` the model cannot be split by, or more ranks than this host has GPUs, naming the
-        group, before anything starts (its daemons and engines would each refuse it, over and over)."""
-        for i, group in enumerate(self.config.groups):
-            if group.tp_size == 1:
-                continue
-            try:
-                check_spec(read_checkpoint(self.model_dir), self.load_spec(i))
-                check_group(group.tp_size, group.device, None)
-            except HotweightsError as exc:
-                raise ConfigError(f"{self.config.source}: groups[{i}].tp_size = {group.tp_size}: {exc}") from None
+        group, before anything starts (its daemons and engines would each refuse it, over and over). The checks
+        run in one checking process (``controller.checks``), only when a group has more than one rank."""
+        groups = [i for i, group in enumerate(self.config.groups) if group.tp_size > 1]
+        try:
+            refusals = tensor_parallel_refusals(
+                self.model_dir, [(self.load_spec(i), self.config.groups[i].device) for i in groups]
+            )
+        except HotweightsError as exc:
+            raise ConfigError(f"{self.config.source}: checking groups {groups}' tensor-parallel split: {exc}") from None
+        for i, refusal in zip(groups, refusals, strict=True):
+            if refusal is not None:
+                tp_size = self.config.groups[i].tp_size
+                raise ConfigError(f"{self.config.source}: groups[{i}].tp_size = {tp_size}: {refusal}")
 
     @property
     def state_dir(self) -> Path:

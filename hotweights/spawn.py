@@ -1,4 +1,5 @@
-"""The one way a hotweights process starts another: ``[sys.executable, "-m", "hotweights", ...]``.
+"""The one way a hotweights process starts another: ``[sys.executable, "-m", "hotweights", ...]`` (a helper that
+is no subcommand, ``[sys.executable, "-m", "hotweights.<module>", ...]``).
 
 Children run this interpreter's installed package, never whatever ``cache/`` or ``controller/``
 folder happens to lie in the current directory, and nothing sets or extends ``PYTHONPATH``.
@@ -37,6 +38,12 @@ def hotweights_command(*args: str, python: str | None = None) -> list[str]:
     """The argv that runs ``hotweights ARGS...`` with this interpreter, or with ``python`` (another
     environment that has hotweights installed, e.g. vLLM's)."""
     return [python or sys.executable, "-m", "hotweights", *args]
+
+
+def module_command(module: str, *args: str) -> list[str]:
+    """The argv that runs the hotweights module ``module`` (``hotweights.standby.checker``) as a script with this
+    interpreter."""
+    return [sys.executable, "-m", module, *args]
 
 
 def add_spare_arguments(parser: argparse.ArgumentParser, starts: str) -> None:

@@ -67,6 +67,22 @@ def test_the_gateway_and_the_config_import_no_torch() -> None:
     assert result.stdout.strip() == "[]", result.stdout[:500]
 
 
+def test_the_controller_imports_neither_torch_nor_the_reference_engine() -> None:
+    """Every module of the controller process imports without torch and the reference engine's modules: its
+    checks that need them run in a process of their own (``controller.checks``)."""
+    engine = ("engine", "model", "decoder", "scheduler", "tpgroup", "weights", "sampling", "fused")
+    code = (
+        "import importlib, pkgutil, sys; import hotweights.controller as c\n"
+        "names = [m.name for m in pkgutil.walk_packages(c.__path__, 'hotweights.controller.')]\n"
+        "for name in names: importlib.import_module(name)\n"
+        f"banned = {['torch', *(f'hotweights.standby.{m}' for m in engine)]!r}\n"
+        "print(len(names), sorted(m for m in sys.modules if m in banned))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    count, imported = result.stdout.strip().split(" ", 1)
+    assert int(count) > 30 and imported == "[]", result.stdout[:500]
+
+
 def test_the_torch_tables_come_on_first_use() -> None:
     from hotweights import dtypes, quant
 
