@@ -56,6 +56,15 @@ def test_an_upward_import_breaks_the_contract(tmp_path: Path) -> None:
     assert "hotweights.cache.arena -> hotweights.standby.model" in result.stdout
 
 
+def test_a_torch_import_in_the_controller_breaks_the_contract(tmp_path: Path) -> None:
+    root = stage(tmp_path)
+    checks = root / "hotweights" / "controller" / "checks.py"
+    checks.write_text(checks.read_text() + "\nimport torch  # noqa\n")
+    result = lint_imports(root)
+    assert result.returncode != 0
+    assert "hotweights.controller.checks -> torch" in result.stdout
+
+
 def test_the_gateway_and_the_config_import_no_torch() -> None:
     """A gateway's start (and its respawn after a crash) never waits for torch's second of imports."""
     code = (
