@@ -18,7 +18,7 @@ from hotweights.cache.arena import plan_layout
 from hotweights.cache.checkpoint import read_checkpoint
 from hotweights.cache.daemon import pipeline_source
 from hotweights.contract import Endpoint, Role
-from hotweights.controller.config import REFERENCE, load_config, rollout_changes
+from hotweights.controller.config import VLLM, load_config, rollout_changes
 from hotweights.controller.decide import Footprint, room_refusal
 from hotweights.controller.devices import device_bytes_of, free_bytes, tree_rss_bytes
 from hotweights.controller.engineapi import EngineUnreachable
@@ -284,9 +284,9 @@ class Actions:
         tokenizer the engines can read, not the one it runs, whose arena fits in the device's free memory beside the
         current one. NotPossible naming the reason (the numbers, for memory), before anything starts."""
         section, current = self.cluster.config.groups[group], self.cluster.weights[group].current
-        if section.engine != REFERENCE or section.tp_size != 1:
+        if section.engine == VLLM or section.tp_size != 1:
             raise NotPossible(
-                f"group {group}: a model update needs reference engines with tp_size 1, found engine "
+                f"group {group}: a model update needs reference or SGLang engines with tp_size 1, found engine "
                 f"{section.engine!r} with tp_size {section.tp_size}; nothing restarted"
             )
         path = Path(model).expanduser().resolve()
