@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from hotweights.contract import Endpoint, Role
 from hotweights.controller.checks import arena_bytes
-from hotweights.controller.config import REFERENCE, load_config, rollout_changes
+from hotweights.controller.config import VLLM, load_config, rollout_changes
 from hotweights.controller.decide import Footprint, room_refusal
 from hotweights.controller.devices import device_bytes_of, free_bytes, tree_rss_bytes
 from hotweights.controller.engineapi import EngineUnreachable
@@ -283,9 +283,9 @@ class Actions:
         current one. NotPossible naming the reason (the numbers, for memory), before anything starts. It waits for a
         checking process (``controller.checks``): run it off the event loop, as ``do_rollout`` does."""
         section, current = self.cluster.config.groups[group], self.cluster.weights[group].current
-        if section.engine != REFERENCE or section.tp_size != 1:
+        if section.engine == VLLM or section.tp_size != 1:
             raise NotPossible(
-                f"group {group}: a model update needs reference engines with tp_size 1, found engine "
+                f"group {group}: a model update needs reference or SGLang engines with tp_size 1, found engine "
                 f"{section.engine!r} with tp_size {section.tp_size}; nothing restarted"
             )
         path = Path(model).expanduser().resolve()

@@ -19,7 +19,7 @@ from hotweights.controller.checks import default_model, tensor_parallel_refusals
 from hotweights.controller.config import REFERENCE, ClusterConfig, EngineSpec
 from hotweights.controller.ids import spare_engine_id
 from hotweights.dtypes import model_config_name
-from hotweights.engines import KINDS, LOAD_FORMAT, PORT_PLACEHOLDER, SOCKET_RANK
+from hotweights.engines import KINDS, LOAD_FORMAT, PORT_PLACEHOLDER, SERVED_NAME_FLAG, SOCKET_RANK
 from hotweights.errors import ConfigError, HotweightsError
 from hotweights.paths import private_dir, runtime_dir
 from hotweights.spawn import hotweights_command
@@ -150,7 +150,8 @@ class Layout:
         if config.engine == REFERENCE:
             spec = self.load_spec(group, rank)
             return [*daemon_command(generation.model_dir, spec, paths, backend), *snapshot]
-        command = daemon_command(self.model_dir, self.load_spec(group), paths, backend, python=config.engine_python)
+        spec, python = self.load_spec(group), config.engine_python
+        command = daemon_command(generation.model_dir, spec, paths, backend, python=python)
         return [*command, "--format", config.engine, *snapshot]  # the formats are named after the engines
 
     def snapshot(self, group: int, rank: int = 0) -> Path:
@@ -170,10 +171,10 @@ class Layout:
         """Every engine starts as a standby; the controller promotes one, so no start races a live primary.
         It listens on ``spec.listen_port``; clients keep using ``spec.port`` (a proxy may sit in between). It
         maps ``generation``'s weights (default the first) from that generation's daemon."""
-        if self.config.groups[spec.group].engine != REFERENCE:
-            return self.agent_command(spec)
-        model, engine, tp_size = self.config.model, self.config.engine, self.config.groups[spec.group].tp_size
         generation = generation or self.first_generation
+        if self.config.groups[spec.group].engine != REFERENCE:
+            return self.agent_command(spec, generation)
+        model, engine, tp_size = self.config.model, self.config.engine, self.config.groups[spec.group].tp_size
         command = hotweights_command("engine", "--model", str(generation.model_dir))
         command += ["--tp-size", str(tp_size)] if tp_size > 1 else []
         sockets = self.socket(spec.group, SOCKET_RANK, generation.number)
@@ -206,8 +207,9 @@ class Layout:
         its KV cache reserved through a demote (a batch engine yields that memory when the group needs it)."""
         return [*self.engine_command(spec, generation), "--no-cuda-graphs"]
 
-    def agent_command(self, spec: EngineSpec) -> list[str]:
-        """``hotweights agent`` in front of a vLLM or SGLang server that maps its weights from the group's daemon."""
+    def agent_command(self, spec: EngineSpec, generation: Generation) -> list[str]:
+        """``hotweights agent`` in front of a vLLM or SGLang server that serves ``generation``'s model, mapping its
+        weights from that generation's daemon."""
         group, model = self.config.groups[spec.group], self.config.model
         kind = KINDS[group.engine]
         command = hotweights_command("agent", "--kind", kind.name, "--port", str(spec.listen_port))
@@ -216,8 +218,9 @@ class Layout:
         command += ["--ready-timeout", str(group.start_timeout()), "--log-dir", str(self.log_dir)]
         if self.config.cluster.token_file:
             command += ["--token-file", str(Path(self.config.cluster.token_file).expanduser().resolve())]
-        loader = json.dumps({"socket": str(self.socket(spec.group))})
-        command += ["--", group.engine_python, "-m", kind.server_module, kind.model_flag, str(self.model_dir)]
+        loader = json.dumps({"socket": str(self.socket(spec.group, 0, generation.number))})
+        command += ["--", group.engine_python, "-m", kind.server_module, kind.model_flag, str(generation.model_dir)]
+        command += [SERVED_NAME_FLAG, str(self.model_dir)]  # a weight update keeps the name clients use
         command += ["--host", "127.0.0.1", "--port", PORT_PLACEHOLDER]
         command += ["--load-format", LOAD_FORMAT, "--model-loader-extra-config", loader]
         command += ["--dtype", model_config_name(model.dtype)] if model.dtype else []

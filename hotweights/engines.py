@@ -13,6 +13,7 @@ SOCKET_RANK = "{rank}"  # --socket's placeholder for the rank, with --tp-size > 
 LOAD_FORMAT = "hotweights"  # vLLM's and SGLang's --load-format that maps the daemon's arena (standby.*_loader)
 VLLM_FORMAT = "vllm"  # cache serve --format: vLLM's own loader fills the arena (cache.vllm_format)
 SGLANG_FORMAT = "sglang"  # cache serve --format: SGLang's own loader fills the arena (cache.sglang_format)
+SERVED_NAME_FLAG = "--served-model-name"  # vLLM's and SGLang's: the model's name in the API (default: its path)
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from hotweights.controller.intents import Conflict
 from hotweights.controller.metrics import ControllerMetrics
 from hotweights.controller.slots import Member, member_view
 from hotweights.controller.snapshot import MemberView, Snapshot
-from hotweights.controller.stack import Layout
+from hotweights.controller.stack import Generation, Layout
 from hotweights.controller.supervisor import Identity, read_identity
 from hotweights.errors import ConfigError
 from hotweights.state import ClusterState, read_state, write_state
@@ -183,6 +183,15 @@ def test_an_sglang_group_runs_its_daemon_and_agents_with_sglangs_python(tmp_path
     assert socket == str(layout.socket(0)) and engine[engine.index("--load-format") + 1] == "hotweights"
     assert layout.environment(0)["SGLANG_USE_CPU_ENGINE"] == "1"
     assert layout.config.groups[0].start_timeout() == 600.0
+    # A weight update's generation: its daemon and engines load the new checkpoint, under the first one's name.
+    update = Generation(1, tmp_path / "tuned")
+    daemon = layout.daemon_command(0, 0, update)
+    assert daemon[daemon.index("--model") + 1] == str(update.model_dir)
+    engine = layout.engine_command(layout.config.engines()[0], update)
+    assert engine[engine.index("--model-path") + 1] == str(update.model_dir)
+    assert engine[engine.index("--served-model-name") + 1] == str(tiny_model.resolve())
+    socket = json.loads(engine[engine.index("--model-loader-extra-config") + 1])["socket"]
+    assert socket == str(layout.socket(0, 0, 1)) != str(layout.socket(0))
 
 
 def test_direct_io_reaches_the_daemon_and_the_batch_engine_has_no_graphs(tmp_path: Path, tiny_model: Path) -> None:

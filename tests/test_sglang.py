@@ -22,12 +22,13 @@ import pytest
 import torch
 
 from hotweights.cache.makemodel import PRESETS, write_checkpoint
+from hotweights.contract import Endpoint
 from hotweights.ports import free_port
 from hotweights.spawn import hotweights_command
 from hotweights.standby import sglang_nodriver
 from tests.cachehelpers import ENV, engine_python, wait_until
 from tests.controllerhelpers import ControllerStack
-from tests.test_vllm import PROMPT, STREAMS, engine_killed_under_load, reply_text
+from tests.test_vllm import PROMPT, STREAMS, Load, engine_killed_under_load, reply_text
 
 pytestmark = pytest.mark.sglang
 SERVER_ARGS = ["--device", "cpu", "--max-total-tokens", "8192", "--enable-metrics", "--sleep-on-idle"]
@@ -175,9 +176,42 @@ def test_with_fallback_refuse_a_missing_daemon_stops_the_load(
     assert f"ConfigError: hotweights: the daemon on {missing} gave no weights" in result.stderr
 
 
-def test_an_sglang_group_fails_over_under_load_with_no_client_errors(
-    sglang_python: str, sglang_env: dict[str, str], model: Path
+def engine_stopped_under_load(stack: ControllerStack, gateway: str) -> None:
+    """SIGSTOP the primary's engine server under load through ``gateway``: the controller judges it hung, fences
+    it and promotes a standby, with no client error."""
+    old = stack.primary()
+    load = Load(f"{gateway}/completions")
+    engine_pid = httpx.get(old["url"] + Endpoint.PRIMARY).json()["engine"]["pid"]
+    try:
+        wait_until(lambda: load.ok >= 5, 120, "load flowing")
+        os.kill(engine_pid, signal.SIGSTOP)
+        wait_until(lambda: stack.primary()["id"] != old["id"], 60, "a standby promoted over the hung primary")
+        served = load.ok
+        wait_until(lambda: load.ok >= served + 5, 120, "load served by the new primary")
+    finally:
+        load.finish()
+        with contextlib.suppress(ProcessLookupError):  # fenced by now; never leave a stopped process behind
+            os.kill(engine_pid, signal.SIGCONT)
+    assert load.errors == []
+
+
+def completion(gateway: str) -> tuple[str, str]:
+    """(the served model's name, its greedy completion of ``PROMPT``) through ``gateway``."""
+    reply = httpx.post(
+        f"{gateway}/completions", json={"prompt": PROMPT, "max_tokens": 16, "temperature": 0}, timeout=60
+    )
+    assert reply.status_code == 200, reply.text
+    return reply.json()["model"], reply_text(reply.json())
+
+
+def test_an_sglang_group_fails_over_and_updates_its_weights_under_load_with_no_client_errors(
+    sglang_python: str, sglang_env: dict[str, str], model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
+    """Three SGLang engines behind the gateway: the primary's server SIGKILLed under load (cut streams continued),
+    then the next one SIGSTOPped, then a weight update to a second checkpoint, all with no client error."""
+    tuned = write_checkpoint(
+        tmp_path_factory.mktemp("sglang") / "tuned", PRESETS["tiny"], dtype=torch.float32, seed=1, progress=False
+    )
     group = (
         f'engine = "sglang"\nengine_python = "{sglang_python}"\nengine_args = {json.dumps(SERVER_ARGS)}\n'
         f"engine_env = {{ {', '.join(f'{k} = {json.dumps(v)}' for k, v in sglang_env.items())} }}\n"
@@ -191,9 +225,23 @@ def test_an_sglang_group_fails_over_under_load_with_no_client_errors(
         wait_until(lambda: "is up" in stack.logs(), 900, "an SGLang primary and two standbys", interval=0.5)
         stack.wait_steady(900)
         gateway = f"http://127.0.0.1:{stack.config.gateway.port}/v1"
+        name, before = completion(gateway)
         uncut = [reply_text(httpx.post(f"{gateway}{path[3:]}", json=body, timeout=60).json()) for path, body in STREAMS]
         engine_killed_under_load(stack, gateway, uncut)  # the chat through the agent's bridge
-        reply = httpx.post(f"{gateway}/completions", json={"prompt": PROMPT, "max_tokens": 4}, timeout=60)
-        assert reply.status_code == 200, reply.text
+        stack.wait_steady(900)  # the killed slot is back, as a standby
+        engine_stopped_under_load(stack, gateway)
+        stack.wait_steady(900)
+        assert completion(gateway) == (name, before)
+        load = Load(f"{gateway}/completions")
+        try:
+            update = stack.client.post(Endpoint.ROLLOUT, json={"model": str(tuned)}, timeout=900)
+        finally:
+            load.finish()
+        assert update.status_code == 200, update.text
+        assert load.errors == [] and load.ok > 0
+        assert all(m["generation"] == 1 for m in stack.wait_steady(900).values())
+        assert stack.daemon()["id"] == "g0-cache-gen1"
+        served, after = completion(gateway)
+        assert served == name and after != before  # the new weights, under the name the clients use
     finally:
         stack.close()
