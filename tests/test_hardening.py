@@ -50,7 +50,7 @@ CONTROLLER_MUTATIONS = [
 def stack(tiny_model: Path) -> Iterator[ControllerStack]:
     """``up`` with the health timings a cluster ships with, and a gateway that proxies one request at a
     time (one worker), so that overload is easy to make."""
-    stack = ControllerStack(tiny_model, engines=2, gateway_extra="max_in_flight = 1\nworkers = 1")
+    stack = ControllerStack(tiny_model, engines=2, max_queue=1, gateway_extra="max_in_flight = 1\nworkers = 1")
     shipped = HealthSection()
     health = f"[health]\ninterval_ms = {shipped.interval_ms}\ntimeout_ms = {shipped.timeout_ms}\n"
     text = stack.config_path.read_text()
