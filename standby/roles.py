@@ -20,11 +20,13 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from hotweights.contract import Role, State
-from hotweights.standby.decoder import Decoder
-from hotweights.standby.scheduler import Scheduler
+
+if TYPE_CHECKING:  # the agent's roles have neither: it imports this without torch
+    from hotweights.standby.decoder import Decoder
+    from hotweights.standby.scheduler import Scheduler
 
 CANCEL_GRACE_S = 2.0  # after a drain deadline cancels requests, how long they get to unwind
 

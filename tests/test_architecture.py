@@ -65,10 +65,12 @@ def test_a_torch_import_in_the_controller_breaks_the_contract(tmp_path: Path) ->
     assert "hotweights.controller.checks -> torch" in result.stdout
 
 
-def test_the_gateway_and_the_config_import_no_torch() -> None:
-    """A gateway's start (and its respawn after a crash) never waits for torch's second of imports."""
+def test_the_gateway_the_agent_and_the_config_import_no_torch() -> None:
+    """A gateway's start (and its respawn after a crash) never waits for torch's second of imports, and an agent
+    in front of vLLM or SGLang holds no torch of its own (about 200 MB of memory)."""
     code = (
         "import sys; import hotweights.controller.gatewayserver, hotweights.controller.config; "
+        "import hotweights.standby.agent; "
         "from hotweights.dtypes import MODEL_DTYPE_NAMES; from hotweights.quant import QUANT_METHODS; "
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
     )
