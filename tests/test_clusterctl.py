@@ -4,6 +4,7 @@ parts table by table, then every command against one real controller stack, run 
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import signal
@@ -277,7 +278,12 @@ def test_cache_restart_waits_until_the_new_daemon_serves(stack: ControllerStack,
 @pytest.mark.timeout(60)
 def test_status_watch_refreshes_until_ctrl_c(stack: ControllerStack) -> None:
     command = hotweights_command("status", "--config", str(stack.config_path), "--watch", "0.2")
-    with subprocess.Popen(command, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as watch:
+    # SIGINT's default action in the child, as in a terminal, even when this runs in a shell's background (which
+    # starts it with SIGINT ignored: Python then installs no KeyboardInterrupt for it).
+    default_sigint = functools.partial(signal.signal, signal.SIGINT, signal.SIG_DFL)
+    with subprocess.Popen(
+        command, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint
+    ) as watch:
         try:
             assert watch.stdout is not None
             headings = 0
