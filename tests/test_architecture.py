@@ -13,6 +13,7 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
@@ -47,22 +48,25 @@ def test_layers_import_one_way(tmp_path: Path) -> None:
     assert "0 broken" in result.stdout
 
 
-def test_an_upward_import_breaks_the_contract(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("module", "added", "broken"),
+    [
+        (
+            "cache/arena.py",
+            "from hotweights.standby import model",
+            "hotweights.cache.arena -> hotweights.standby.model",
+        ),
+        ("controller/checks.py", "import torch", "hotweights.controller.checks -> torch"),
+    ],
+)
+def test_a_forbidden_import_breaks_a_contract(tmp_path: Path, module: str, added: str, broken: str) -> None:
+    """An upward import between layers, and torch in the controller, each break a contract that names it."""
     root = stage(tmp_path)
-    arena = root / "hotweights" / "cache" / "arena.py"
-    arena.write_text(arena.read_text() + "\nfrom hotweights.standby import model  # noqa\n")
+    path = root / "hotweights" / module
+    path.write_text(path.read_text() + f"\n{added}  # noqa\n")
     result = lint_imports(root)
     assert result.returncode != 0
-    assert "hotweights.cache.arena -> hotweights.standby.model" in result.stdout
-
-
-def test_a_torch_import_in_the_controller_breaks_the_contract(tmp_path: Path) -> None:
-    root = stage(tmp_path)
-    checks = root / "hotweights" / "controller" / "checks.py"
-    checks.write_text(checks.read_text() + "\nimport torch  # noqa\n")
-    result = lint_imports(root)
-    assert result.returncode != 0
-    assert "hotweights.controller.checks -> torch" in result.stdout
+    assert broken in result.stdout
 
 
 def test_the_gateway_the_agent_and_the_config_import_no_torch() -> None:
