@@ -20,9 +20,9 @@ from hotweights import quant
 from hotweights.dtypes import CONFIG_DTYPES, FLOAT_DTYPES, SAFETENSORS_DTYPES
 from hotweights.errors import CheckpointError
 from hotweights.layout import ModelConfig, checkpoint_tensors
+from hotweights.paths import INDEX_FILE
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
-INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 

@@ -16,9 +16,10 @@ from typing import Any
 
 import torch
 
-from hotweights.cache.checkpoint import INDEX_FILE, Checkpoint
+from hotweights.cache.checkpoint import Checkpoint
 from hotweights.cache.loadspec import LoadSpec
 from hotweights.cache.pipeline import processed_config, processed_dtype
+from hotweights.paths import INDEX_FILE
 
 ARENA_FORMAT_VERSION = 1
 REFERENCE_LAYOUT = "hotweights-reference"

@@ -35,7 +35,7 @@ from tqdm import tqdm
 from hotweights.dtypes import MODEL_DTYPES, config_name
 from hotweights.errors import CheckpointError, ConfigError
 from hotweights.layout import ROLE_LINES_TEMPLATE, ModelConfig, TensorSpec, checkpoint_tensors
-from hotweights.paths import default_model_dir, made_default_model
+from hotweights.paths import INDEX_FILE, default_model_dir, made_default_model
 from hotweights.quant import FP8_BLOCK, FP8_DTYPE, QUANT_CONFIG, QUANT_METHODS, SCALE_SUFFIX, quantize, scale_shape
 
 BOS_TOKEN = "<|begin_of_text|>"
@@ -44,7 +44,6 @@ MAX_TOKENIZER_VOCAB = 4096  # the corpus is small; more merges would only learn 
 VOCAB_ROWS = ("model.embed_tokens.weight", "lm_head.weight")  # one row per token id
 MIN_VOCAB = 300  # 256 byte tokens + 2 specials + room for some merges
 DEFAULT_SHARD_SIZE = 2 * 10**9
-INDEX_FILE = "model.safetensors.index.json"
 
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(),  # ~3.4 MB bf16; CI

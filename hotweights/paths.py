@@ -10,7 +10,7 @@ from pathlib import Path
 from hotweights.errors import ConfigError
 
 DEFAULT_MODEL_NAME = "tiny-bf16-seed0"  # the embedded tiny model's directory under hotweights_home()/models
-DEFAULT_MODEL_INDEX = "model.safetensors.index.json"
+INDEX_FILE = "model.safetensors.index.json"  # a sharded Hugging Face checkpoint's index
 
 
 def hotweights_home() -> Path:
@@ -27,7 +27,7 @@ def made_default_model() -> Path | None:
     """The embedded tiny model's directory once made, else None. A checkpoint is renamed into place whole, its
     index with it, so the index says it is there."""
     path = default_model_dir()
-    return path if (path / DEFAULT_MODEL_INDEX).exists() else None
+    return path if (path / INDEX_FILE).exists() else None
 
 
 def runtime_dir() -> Path:
