@@ -51,7 +51,7 @@ class ControllerStack:
     ) -> None:
         """``group_extra``: more keys for every ``[[groups]]`` table (e.g. a vLLM group's); ``gateway_extra``:
         more keys for ``[gateway]``; ``extra``: more sections (e.g. ``[dcs]``). ``max_queue``: the engines' queue
-        beyond their 2 running completions; the default 8 (not the product's 1 for 2) makes an engine that two shared
+        beyond their 2 running completions; the default 8 (the product's would be 2) makes an engine that two shared
         cores slow down queue its load rather than refuse it: these tests are about failovers, not admission."""
         self.env = ENV  # the controller's environment
         self.root = Path(tempfile.mkdtemp(prefix="hwc-", dir="/tmp"))
