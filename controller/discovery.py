@@ -177,7 +177,7 @@ class Discovery:
 
 
 def reason_of(response: httpx.Response, what: str) -> str:
-    """The engine's one-sentence reason from a 503 body (health or OpenAI error shape)."""
+    """The engine's one-sentence reason from an error body (503 or 429; health or OpenAI error shape)."""
     try:
         body = json.loads(response.content)
         reason = body.get("reason") or body["error"]["message"]

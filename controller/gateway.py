@@ -18,6 +18,10 @@ failover because of three rules:
   (connection lost, the engine no longer primary, or its stream ending in an error event): the
   gateway continues it on the next primary from the tokens already sent, within the hold rules
   (counted from the cut), and the client sees one uninterrupted response.
+- A request the gateway owes to a failover (one it held while no primary was known, or a migrated
+  completion's continuation) is not refused by the new primary's admission: an engine's 429 sends it
+  back to wait ``BUSY_RETRY_S``, doubling up to ``BUSY_RETRY_MAX_S``, and try again within the same
+  deadline, so a burst released together is queued here rather than answered 429.
 - Any other request whose bytes have been relayed cannot hide a failure: an SSE stream ends with a
   ``data: {"error": ...}`` event and no ``[DONE]`` (as the engine itself ends a cancelled stream);
   any other body is cut off, so the client sees a truncated response, never a silently short one.
@@ -73,6 +77,8 @@ log = logging.getLogger(__name__)
 
 WHOLE_BODY_MAX = 1 << 20  # a non-streamed reply up to this size is read whole before it is relayed
 KEEPALIVE_S = 2.0  # below uvicorn's 5 s, so a pooled connection is never reused as the engine closes it
+BUSY_RETRY_S = 0.01  # an owed request's first wait after an engine's 429 (module docstring)
+BUSY_RETRY_MAX_S = 0.2  # the longest of those waits
 
 
 class SegmentFailed(Exception):
@@ -94,7 +100,8 @@ class SegmentFailed(Exception):
 
 
 class UpstreamFailed(Exception):
-    """The upstream failed before any byte reached the client: the request may go elsewhere."""
+    """The upstream failed before any byte reached the client: the request may go elsewhere (or, of kind
+    ``busy``, to the same engine once it has a slot)."""
 
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
@@ -175,7 +182,7 @@ class Gateway:
         if path is None:
             return self.answer(not_found(NOT_NORMALIZED))
         if not self.discovery.available.is_set():  # held under the failover rules, not admission's
-            return self.answer(await self.forward(request, path))
+            return self.answer(await self.forward(request, path, owed=True))
         if reason := await self.admission.enter():
             return self.answer(refusal(429, reason, "overloaded"))
         try:
@@ -202,15 +209,17 @@ class Gateway:
         finally:
             self.admission.leave()
 
-    async def forward(self, request: Request, path: str) -> Response:
-        """The upstream's response, or the gateway's own refusal (503 no primary in time, 422 suspect)."""
+    async def forward(self, request: Request, path: str, owed: bool = False) -> Response:
+        """The upstream's response, or the gateway's own refusal (503 no primary in time, 422 suspect). ``owed``:
+        the request was held for a failover, so an engine's 429 is retried (module docstring)."""
         body = await request.body()  # kept, so the request can be re-sent
         deadline = time.monotonic() + self.hold_s
         migration = plan(request.method, path, body)
         if isinstance(migration, Migratable):
-            return await self.migrating(request, path, Ledger(migration), deadline)
+            return await self.migrating(request, path, Ledger(migration), deadline, owed)
         last_failure = ""
         failed_serving: dict[str, str] = {}  # engine -> how it failed with this request in flight
+        busy = 0  # 429s met so far
         while True:
             if refusal := await self.wait_for_primary(deadline):
                 if last_failure:
@@ -219,9 +228,13 @@ class Gateway:
             upstream = self.discovery.pick()
             assert upstream is not None, "available is set and nothing ran since"
             try:
-                return await self.send(upstream, request, path, body, migration)
+                return await self.send(upstream, request, path, body, migration, owed)
             except UpstreamFailed as exc:
                 last_failure = f"{upstream.url}: {exc}"
+                if exc.kind == "busy":
+                    busy += 1
+                    await self.wait_busy(busy, deadline)
+                    continue
                 self.metrics.upstream_errors.labels(upstream.url, exc.kind).inc()
                 self.discovery.suspect(upstream, str(exc))
                 if exc.kind == "disconnected":
@@ -263,6 +276,12 @@ class Gateway:
             self.metrics.hold_seconds.observe(time.monotonic() - started)
         return None if found else self.reject("hold_timeout", f"no primary engine appeared within {self.hold_s} s")
 
+    async def wait_busy(self, attempt: int, deadline: float) -> None:
+        """The wait of an owed request before its next try after its ``attempt``-th 429 (module docstring)."""
+        self.metrics.retries.inc()
+        delay = min(BUSY_RETRY_S * 2 ** (attempt - 1), BUSY_RETRY_MAX_S, deadline - time.monotonic())
+        await asyncio.sleep(max(delay, 0.0))
+
     def reject(self, reason: str, message: str) -> str:
         self.metrics.rejected.labels(reason).inc()
         return message
@@ -272,9 +291,16 @@ class Gateway:
         return response
 
     async def send(
-        self, upstream: Upstream, request: Request, path: str, body: bytes, refusal: Refusal | None = None
+        self,
+        upstream: Upstream,
+        request: Request,
+        path: str,
+        body: bytes,
+        refusal: Refusal | None = None,
+        owed: bool = False,
     ) -> Response:
-        """Open the upstream response and read its first chunk: until then a failure can be retried."""
+        """Open the upstream response and read its first chunk: until then a failure can be retried (and an
+        engine's 429 too, when the request is ``owed``)."""
         headers = [(k, v) for k, v in request.headers.items() if k not in HOP_BY_HOP]
         query = f"?{request.url.query}" if request.url.query else ""
         outgoing = self.client.build_request(request.method, upstream.url + path + query, headers=headers, content=body)
@@ -290,6 +316,9 @@ class Gateway:
             if response.status_code == 503:  # a standby or draining engine; the next primary may serve it
                 await response.aread()
                 raise UpstreamFailed("unavailable", reason_of(response, path))
+            if response.status_code == 429 and owed:
+                await response.aread()
+                raise UpstreamFailed("busy", reason_of(response, path))
             first = b"".join([chunk async for chunk in chunks]) if whole else await anext(chunks, b"")
         except httpx.TransportError as exc:
             await response.aclose()
@@ -342,10 +371,12 @@ class Gateway:
             event = {"error": {"message": message, "type": "unavailable", "param": None}}
             yield f"data: {json.dumps(event)}\n\n".encode()
 
-    async def migrating(self, request: Request, path: str, ledger: Ledger, deadline: float) -> Response:
+    async def migrating(
+        self, request: Request, path: str, ledger: Ledger, deadline: float, owed: bool = False
+    ) -> Response:
         """A migratable completion: streamed from the engine with token ids, continued on the next primary
         whenever its upstream fails mid-way; the client's stream, or its whole JSON reply, is built here."""
-        opened = await self.open_segment(request, path, ledger.request.upstream_body(), deadline, ledger)
+        opened = await self.open_segment(request, path, ledger.request.upstream_body(), deadline, ledger, owed)
         if isinstance(opened, Response):
             return opened
         events = self.migrated_events(request, ledger, *opened)
@@ -360,22 +391,28 @@ class Gateway:
         return JSONResponse(ledger.whole(), headers={"x-hotweights-upstream": opened[0].url})
 
     async def open_segment(
-        self, request: Request, path: str, body: dict, deadline: float, ledger: Ledger
+        self, request: Request, path: str, body: dict, deadline: float, ledger: Ledger, owed: bool
     ) -> tuple[Upstream, httpx.Response] | Response:
         """An upstream's event stream for ``body``, retried on the next primary until ``deadline`` while it
-        fails before its first byte; an engine's own non-200 answer (a 400, say) as it is; 503 at the
-        deadline; 422 once ``suspect_after`` engines have failed with the request in flight."""
+        fails before its first byte (an ``owed`` one after a 429 too); an engine's own non-200 answer (a 400,
+        say) as it is; 503 at the deadline; 422 once ``suspect_after`` engines have failed with the request in
+        flight."""
         headers = [(k, v) for k, v in request.headers.items() if k not in HOP_BY_HOP]
         last_failure = ""
+        busy = 0  # 429s met so far
         while True:
             if refusal := await self.wait_for_primary(deadline):
                 return unavailable(refusal + (f"; last upstream failure: {last_failure}" if last_failure else ""))
             upstream = self.discovery.pick()
             assert upstream is not None, "available is set and nothing ran since"
             try:
-                return await self.open_stream(upstream, path, headers, body)
+                return await self.open_stream(upstream, path, headers, body, owed)
             except UpstreamFailed as exc:
                 last_failure = f"{upstream.url}: {exc}"
+                if exc.kind == "busy":
+                    busy += 1
+                    await self.wait_busy(busy, deadline)
+                    continue
                 self.metrics.upstream_errors.labels(upstream.url, exc.kind).inc()
                 self.discovery.suspect(upstream, str(exc))
                 if exc.kind == "disconnected":
@@ -388,10 +425,11 @@ class Gateway:
                 self.metrics.retries.inc()
 
     async def open_stream(
-        self, upstream: Upstream, path: str, headers: list[tuple[str, str]], body: dict
+        self, upstream: Upstream, path: str, headers: list[tuple[str, str]], body: dict, owed: bool
     ) -> tuple[Upstream, httpx.Response] | Response:
         """The upstream's event stream; any other answer read whole and returned as it is (an engine's
-        400, say); UpstreamFailed while it can go elsewhere (connection failed or cut, a 503)."""
+        400, say); UpstreamFailed while it can go elsewhere (connection failed or cut, a 503) or, when ``owed``,
+        wait for a slot (a 429)."""
         outgoing = self.client.build_request("POST", upstream.url + path, headers=headers, json=body)
         try:
             response = await self.client.send(outgoing, stream=True)
@@ -408,6 +446,8 @@ class Gateway:
             await response.aclose()
         if response.status_code == 503:  # a standby or draining engine; the next primary may serve it
             raise UpstreamFailed("unavailable", reason_of(response, path))
+        if response.status_code == 429 and owed:
+            raise UpstreamFailed("busy", reason_of(response, path))
         media = response.headers.get("content-type")
         headers = {"x-hotweights-upstream": upstream.url}
         return Response(content, status_code=response.status_code, media_type=media, headers=headers)
@@ -448,7 +488,7 @@ class Gateway:
         replayed = len(ledger.released)
         log.info("migrating %s after %d tokens: %s", ledger.id, replayed, failure)
         self.metrics.tokens_replayed.inc(replayed)
-        opened = await self.open_segment(request, Endpoint.COMPLETIONS, body, cut_at + self.hold_s, ledger)
+        opened = await self.open_segment(request, Endpoint.COMPLETIONS, body, cut_at + self.hold_s, ledger, True)
         if isinstance(opened, Response):
             self.metrics.migrations.labels("failed").inc()
             reason = bytes(opened.body).decode(errors="replace")[:300]

@@ -180,6 +180,35 @@ def test_request_is_held_while_no_engine_is_primary(engines: list[EngineProcess]
     assert response.headers["x-hotweights-upstream"] == standby.url
 
 
+def test_a_burst_held_for_a_failover_is_queued_not_refused_by_the_new_primarys_admission(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """Requests held while no primary is known are released together; the new primary takes one at a time
+    and queues one, so most of the burst meets its 429 (as a burst sent while it serves does), and the gateway
+    waits and re-sends those instead of relaying the 429: every held request is served."""
+    flags = ("--kv-cache-tokens", "512", "--max-batch", "1", "--max-queue", "1", "--engine-id", "c")
+    with EngineProcess(tiny_model, *flags, "--role", "standby") as engine:
+        engine.wait_ready()
+        with GatewayProcess(write_cluster(tmp_path / "cluster.toml", [engine.port])) as gateway:
+            gateway.wait_health(lambda h: len(h["upstreams"]) == 1, what="the standby probed")
+            bodies = [{"prompt": f"held {i}", "max_tokens": 32} for i in range(3)]
+            bodies += [{"prompt": [f"held {i}", "two prompts"], "max_tokens": 32} for i in range(3)]  # not migrated
+
+            def post(body: dict) -> httpx.Response:
+                return httpx.post(f"{gateway.url}{Endpoint.COMPLETIONS}", json=body, timeout=60)
+
+            with ThreadPoolExecutor(len(bodies)) as pool:
+                held = [pool.submit(post, body) for body in bodies]
+                gateway.wait_health(lambda h: h["held"] == len(bodies), what="every request held")
+                assert engine.post(Endpoint.PROMOTE).status_code == 200
+                answers = [future.result(timeout=60) for future in held]
+            assert [a.status_code for a in answers] == [200] * len(bodies), [a.text for a in answers]
+            assert metric(gateway, "hotweights_gateway_retries_total") >= 1, "no held request met a 429"
+            with ThreadPoolExecutor(len(bodies)) as pool:  # not held: the engine's refusals reach the client
+                burst = list(pool.map(post, [{"prompt": "busy", "max_tokens": 200}] * len(bodies)))
+            assert 429 in [a.status_code for a in burst], [a.status_code for a in burst]
+
+
 def test_a_taken_port_is_one_line_and_exit_2(tmp_path: Path) -> None:
     config = write_cluster(tmp_path / "cluster.toml", [free_port()])
     port, stderr = refusal_on_taken_port("gateway", "--config", str(config))
