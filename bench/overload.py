@@ -1,11 +1,12 @@
 """Overload: what an engine behind the gateway answers when offered more than it can serve.
 
     python bench/overload.py [--device cpu|cuda:N] [--model DIR] [--max-batch 4] [--max-queue 0]
-                             [--max-tokens 32] [--seconds 5] [--loads 1,2,5]
+                             [--queue-wait-share 0] [--max-tokens 32] [--seconds 5] [--loads 1,2,5]
 
 Starts one ``hotweights engine`` (primary; the embedded tiny model unless --model) and a ``hotweights
-gateway`` in front of it, both with the admission defaults of a cluster whose ``engine.max_batch`` and
-``engine.max_queue`` are --max-batch and --max-queue, then measures through the gateway:
+gateway`` in front of it, both with the admission defaults of a cluster whose ``engine.max_batch``,
+``engine.max_queue`` and ``engine.queue_wait_share`` are --max-batch, --max-queue and --queue-wait-share,
+then measures through the gateway:
 
 - quiet: one request at a time (--quiet-requests): p50/p99 latency;
 - capacity: --max-batch clients in a closed loop for --seconds: completions per second;
@@ -76,11 +77,13 @@ def stack(args: argparse.Namespace, workdir: Path) -> Iterator[str]:
     config = workdir / "cluster.toml"
     config.write_text(
         f'[cluster]\nstate_dir = "{workdir / "state"}"\n\n'
-        f"[engine]\nmax_batch = {args.max_batch}\nmax_queue = {args.max_queue}\n\n"
+        f"[engine]\nmax_batch = {args.max_batch}\nmax_queue = {args.max_queue}\n"
+        f"queue_wait_share = {args.queue_wait_share}\n\n"
         f"[gateway]\nport = {gateway_port}\n"
     )
     engine = hotweights_command("engine", "--port", str(engine_port), "--device", args.device)
     engine += ["--max-batch", str(args.max_batch), "--max-queue", str(args.max_queue)]
+    engine += ["--queue-wait-share", str(args.queue_wait_share)]
     engine += ["--model", args.model] if args.model else []
     engine_url = f"http://127.0.0.1:{engine_port}"
     gateway = hotweights_command("gateway", "--config", str(config), "--upstream", engine_url)
@@ -209,6 +212,7 @@ def main() -> int:
     parser.add_argument("--model", help="checkpoint directory (default: the embedded tiny model)")
     parser.add_argument("--max-batch", type=int, default=4)
     parser.add_argument("--max-queue", type=int, default=0, help="engine.max_queue (default 0: --max-batch)")
+    parser.add_argument("--queue-wait-share", type=float, default=0.0, help="engine.queue_wait_share (default 0: off)")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per completion (default 32)")
     parser.add_argument("--seconds", type=float, default=5.0, help="per measurement (default 5)")
     parser.add_argument("--quiet-requests", type=int, default=20)
@@ -220,6 +224,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="hw-overload-") as tmp, stack(args, Path(tmp)) as url:
         result = {"device": args.device, "model": args.model or "tiny", "max_batch": args.max_batch}
         result["max_queue"] = args.max_queue
+        result["queue_wait_share"] = args.queue_wait_share
         result |= {"max_tokens": args.max_tokens, "seconds": args.seconds} | asyncio.run(measure(url, args))
     print(json.dumps(result))
     return 0

@@ -428,6 +428,7 @@ def validate(config: ClusterConfig) -> None:
         positive(where, value)
     for where, count in [
         ("engine.max_queue", config.engine.max_queue),
+        ("engine.queue_wait_share", config.engine.queue_wait_share),
         ("gateway.max_in_flight", config.gateway.max_in_flight),
     ]:
         if count < 0:

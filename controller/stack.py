@@ -184,6 +184,7 @@ class Layout:
         command += ["--kv-cache-tokens", str(engine.kv_cache_tokens), "--max-batch", str(engine.max_batch)]
         command += ["--drain-timeout", str(engine.drain_timeout_s)]
         command += ["--max-queue", str(engine.queue()), "--queue-timeout", str(engine.queue_timeout_s)]
+        command += ["--queue-wait-share", str(engine.queue_wait_share)]
         command += ["--max-body-bytes", str(self.config.gateway.max_body_bytes)]
         if model.dtype:
             command += ["--dtype", model.dtype]

@@ -190,6 +190,8 @@ def check_options(options: EngineOptions) -> None:
     if options.max_queue < 0 or options.queue_timeout <= 0 or options.max_body_bytes < 1:
         found = f"{options.max_queue}, {options.queue_timeout}, {options.max_body_bytes}"
         raise ConfigError(f"--max-queue >= 0, --queue-timeout > 0 and --max-body-bytes >= 1 expected, found {found}")
+    if not options.queue_wait_share >= 0:
+        raise ConfigError(f"--queue-wait-share must be >= 0, found {options.queue_wait_share}")
     for flag in ("drain_timeout", "shutdown_timeout"):
         if getattr(options, flag) < 0:
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= 0, found {getattr(options, flag)}")
@@ -440,6 +442,7 @@ def serve(
             queue_or_default(options.max_queue, options.max_batch),
             options.queue_timeout,
             lambda verdict: metrics.admission.labels(verdict.value).inc(),
+            functools.partial(scheduler.starts_soon, options.queue_wait_share) if options.queue_wait_share else None,
         ),
     )
     config = server_config(
@@ -489,13 +492,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         default=LIMITS.max_queue,
         help="completions that may wait beyond the --max-batch being generated; more are answered 429 at once "
-        "(default 0: half of --max-batch, at least 1)",
+        "(default 0: as many as --max-batch)",
     )
     p.add_argument(
         "--queue-timeout",
         type=float,
         default=LIMITS.queue_timeout_s,
         help=f"seconds a waiting completion may wait before it is answered 429 (default {LIMITS.queue_timeout_s})",
+    )
+    p.add_argument(
+        "--queue-wait-share",
+        type=float,
+        default=LIMITS.queue_wait_share,
+        help="above 0, a completion waits only while a slot is expected to free within this share of a typical "
+        "completion's time, else it is answered 429 at once: admitted latency over refusals (default 0: off)",
     )
     p.add_argument(
         "--max-body-bytes",

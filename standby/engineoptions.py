@@ -36,6 +36,7 @@ class EngineOptions:
     max_batch: int
     max_queue: int
     queue_timeout: float
+    queue_wait_share: float
     max_body_bytes: int
     cuda_graphs: bool
     drain_timeout: float

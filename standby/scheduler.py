@@ -31,12 +31,14 @@ from dataclasses import dataclass
 
 import torch
 
+from hotweights.admission import starts_soon
 from hotweights.standby.decoder import Decoder
 from hotweights.standby.sampling import sample_rows, uniform
 
 log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.5  # how long an idle worker sleeps between heartbeats
+SMOOTHING = 0.2  # the weight of the newest measurement in the round and completion time averages
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,7 @@ class Sequence:
         self.token = 0  # the last token sampled: the next one fed
         self.generated = 0
         self.seed = 0  # the request's seed, or a fresh one (see ``sampling.token_seed``)
+        self.submitted = time.monotonic()
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -97,6 +100,8 @@ class Scheduler:
         self._closed = False  # the worker has ended: a submitted sequence would never be answered
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="inference", daemon=True)
+        self._round_s = 0.0  # a round's time (a token for every active sequence, newcomers' prefills), averaged
+        self._completion_s = 0.0  # a completed sequence's time from submit to its last token, averaged
 
     # --- called from other threads -------------------------------------------------------------
 
@@ -125,6 +130,13 @@ class Scheduler:
                 self._inbox.put(seq)  # under the lock, so the ending worker either sees it or refuses it
                 return
         seq.sink(Finish("error", "the inference thread has stopped"))
+
+    def starts_soon(self, share: float, waiting: int) -> bool:
+        """``hotweights.admission.starts_soon`` for a sequence submitted behind ``waiting`` others that wait for
+        a slot, from the live sequences' remaining tokens and this worker's measured times."""
+        with self._lock:
+            remaining = [seq.params.max_tokens - seq.generated for seq in self._live]
+        return starts_soon(remaining, waiting, self._round_s, self._completion_s, share)
 
     def cancel_all(self) -> int:
         """Cancel every live sequence; returns how many. Each still gets its ``Finish``."""
@@ -163,8 +175,11 @@ class Scheduler:
             while not self._stopping.is_set():
                 self.heartbeat = time.monotonic()
                 self._collect(block=not self._active)
+                started = time.monotonic()
                 self._admit()
-                self._step()
+                if self._active:
+                    self._step()
+                    self._round_s = _averaged(self._round_s, time.monotonic() - started)
         except Exception:
             log.exception("inference thread crashed; this is a bug, please report it")
             raise
@@ -292,6 +307,8 @@ class Scheduler:
         self._retire(seq, Finish("error", f"{type(exc).__name__}: {exc}"))
 
     def _retire(self, seq: Sequence, finish: Finish) -> None:
+        if finish.reason in ("stop", "length"):
+            self._completion_s = _averaged(self._completion_s, time.monotonic() - seq.submitted)
         if seq in self._active:
             self._active.remove(seq)
         seq.logits = seq.greedy = None
@@ -302,3 +319,8 @@ class Scheduler:
             self._live.discard(seq)
             self._lock.notify_all()
         seq.sink(finish)
+
+
+def _averaged(average: float, value: float) -> float:
+    """An exponentially weighted average (SMOOTHING) with ``value`` in; the first value as it is."""
+    return value if not average else (1 - SMOOTHING) * average + SMOOTHING * value

@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from hotweights.admission import Admission, Verdict, verdict
+from hotweights.admission import Admission, Verdict, starts_soon, verdict
 from hotweights.httpguard import ErrorShape, HttpLimits, json_refusal, server_config, short
 
 pytestmark = pytest.mark.timeout(60)
@@ -58,18 +58,53 @@ def test_json_refusal_names_what_is_not_plain_json(body: bytes, problem: str | N
 
 @pytest.mark.unit
 @pytest.mark.parametrize(
-    ("slot_free", "waiting", "queue", "expected"),
+    ("slot_free", "waiting", "queue", "starts_soon", "expected"),
     [
-        (True, 0, 0, Verdict.ADMIT),
-        (True, 5, 2, Verdict.ADMIT),
-        (False, 0, 2, Verdict.QUEUE),
-        (False, 1, 2, Verdict.QUEUE),
-        (False, 2, 2, Verdict.REFUSE),
-        (False, 0, 0, Verdict.REFUSE),
+        (True, 0, 0, True, Verdict.ADMIT),
+        (True, 5, 2, True, Verdict.ADMIT),
+        (True, 0, 2, False, Verdict.ADMIT),  # a free slot serves at once, whatever the others need
+        (False, 0, 2, True, Verdict.QUEUE),
+        (False, 1, 2, True, Verdict.QUEUE),
+        (False, 2, 2, True, Verdict.REFUSE),
+        (False, 0, 0, True, Verdict.REFUSE),
+        (False, 0, 2, False, Verdict.REFUSE),  # room to wait, but no slot is expected to free soon
     ],
 )
-def test_admission_verdict(slot_free: bool, waiting: int, queue: int, expected: Verdict) -> None:
-    assert verdict(slot_free, waiting, queue) is expected
+def test_admission_verdict(slot_free: bool, waiting: int, queue: int, starts_soon: bool, expected: Verdict) -> None:
+    assert verdict(slot_free, waiting, queue, starts_soon) is expected
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("remaining", "waiting", "completion_s", "share", "expected"),
+    [  # a round of 10 ms
+        ([30, 30, 30, 30], 0, 0.0, 0.5, True),  # nothing timed yet
+        ([30, 30, 30, 30], 0, 0.32, 0.5, False),  # a wave that just began: 300 ms away, typical 320 ms
+        ([30, 30, 30, 30], 0, 0.32, 1.0, True),  # the same, with a share of a whole completion
+        ([30, 30, 30, 5], 0, 0.32, 0.5, True),  # one ends in 50 ms
+        ([30, 30, 30, 5], 1, 0.32, 0.5, False),  # the second in line waits for a 300 ms one
+        ([15, 30, 30, 30], 0, 0.32, 0.5, True),  # 150 ms: within half
+        ([17, 30, 30, 30], 0, 0.32, 0.5, False),  # 170 ms
+        ([30, 30], 2, 0.32, 0.5, True),  # fewer hold slots than would free one for it
+    ],
+)
+def test_a_request_is_queued_only_when_a_slot_should_free_soon(
+    remaining: list[int], waiting: int, completion_s: float, share: float, expected: bool
+) -> None:
+    assert starts_soon(remaining, waiting, 0.01, completion_s, share) is expected
+
+
+@pytest.mark.unit
+def test_admission_refuses_at_once_when_no_slot_is_expected_to_free_soon() -> None:
+    async def scenario() -> tuple[str | None, list[int]]:
+        asked: list[int] = []
+        admission = Admission(1, 2, 5.0, starts_soon=lambda waiting: asked.append(waiting) or False)
+        assert await admission.enter() is None  # served: not asked
+        return await admission.enter(), asked
+
+    refused, asked = asyncio.run(scenario())
+    assert refused is not None and "none is expected to end soon" in refused
+    assert asked == [0]
 
 
 @pytest.mark.unit
