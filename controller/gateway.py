@@ -16,8 +16,9 @@ failover because of three rules:
   one twice is safe.
 - A completion of one choice (``controller.migration``) is migrated when its upstream fails mid-way
   (connection lost, the engine no longer primary, or its stream ending in an error event): the
-  gateway continues it on the next primary from the tokens already sent, within the hold rules
-  (counted from the cut), and the client sees one uninterrupted response.
+  gateway continues it on the next primary from the tokens already sent (saying how many were generated:
+  ``REPLAY_HEADER``), within the hold rules (counted from the cut), and the client sees one uninterrupted
+  response.
 - A request the gateway owes to a failover (one it held while no primary was known, or a migrated
   completion's continuation) is not refused by the new primary's admission: an engine's 429 sends it
   back to wait ``BUSY_RETRY_S``, doubling up to ``BUSY_RETRY_MAX_S``, and try again within the same
@@ -60,6 +61,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from hotweights.admission import RETRY_AFTER_S, Admission
 from hotweights.contract import (
     NOT_NORMALIZED,
+    REPLAY_HEADER,
     SUSPECT_REQUEST,
     Endpoint,
     forwardable_path,
@@ -391,13 +393,14 @@ class Gateway:
         return JSONResponse(ledger.whole(), headers={"x-hotweights-upstream": opened[0].url})
 
     async def open_segment(
-        self, request: Request, path: str, body: dict, deadline: float, ledger: Ledger, owed: bool
+        self, request: Request, path: str, body: dict, deadline: float, ledger: Ledger, owed: bool, replay: int = 0
     ) -> tuple[Upstream, httpx.Response] | Response:
         """An upstream's event stream for ``body``, retried on the next primary until ``deadline`` while it
         fails before its first byte (an ``owed`` one after a 429 too); an engine's own non-200 answer (a 400,
         say) as it is; 503 at the deadline; 422 once ``suspect_after`` engines have failed with the request in
-        flight."""
-        headers = [(k, v) for k, v in request.headers.items() if k not in HOP_BY_HOP]
+        flight. ``replay``: a continuation's generated tokens at the end of its prompt (``REPLAY_HEADER``)."""
+        headers = [(k, v) for k, v in request.headers.items() if k not in HOP_BY_HOP and k != REPLAY_HEADER]
+        headers += [(REPLAY_HEADER, str(replay))] if replay else []
         last_failure = ""
         busy = 0  # 429s met so far
         while True:
@@ -488,7 +491,9 @@ class Gateway:
         replayed = len(ledger.released)
         log.info("migrating %s after %d tokens: %s", ledger.id, replayed, failure)
         self.metrics.tokens_replayed.inc(replayed)
-        opened = await self.open_segment(request, Endpoint.COMPLETIONS, body, cut_at + self.hold_s, ledger, True)
+        replay = replayed if ledger.prompt_ids is not None else 0  # else the request is sent again as it was
+        deadline = cut_at + self.hold_s
+        opened = await self.open_segment(request, Endpoint.COMPLETIONS, body, deadline, ledger, True, replay)
         if isinstance(opened, Response):
             self.metrics.migrations.labels("failed").inc()
             reason = bytes(opened.body).decode(errors="replace")[:300]

@@ -185,6 +185,7 @@ class Layout:
         command += ["--drain-timeout", str(engine.drain_timeout_s)]
         command += ["--max-queue", str(engine.queue()), "--queue-timeout", str(engine.queue_timeout_s)]
         command += ["--queue-wait-share", str(engine.queue_wait_share)]
+        command += ["--batch-invariant"] if engine.batch_invariant else []
         command += ["--max-body-bytes", str(self.config.gateway.max_body_bytes)]
         if model.dtype:
             command += ["--dtype", model.dtype]

@@ -38,6 +38,7 @@ class ServingLimits:
     max_queue: int = 0  # completions waiting beyond max_batch (0: ``queue_or_default``); more: 429 at once
     queue_timeout_s: float = QUEUE_WAIT_S  # a waiting completion not started by then: 429
     queue_wait_share: float = 0.0  # > 0: queued only while a slot should free within this share of a completion
+    batch_invariant: bool = False  # a request's text independent of what shares its steps (standby.decoder)
 
     def queue(self) -> int:
         return queue_or_default(self.max_queue, self.max_batch)

@@ -66,6 +66,9 @@ CHAT_KEYS = frozenset(
 )
 CHAT_ONLY = ("messages", "max_completion_tokens")  # left out of a chat's continuation (a completion)
 SUSPECT_REQUEST = "suspect_request"  # the error type of a request the gateway will not re-send (gateway.suspect_after)
+# On a migrated completion's continuation: how many of its prompt's last token ids an engine generated before the cut.
+# A batch-invariant reference engine feeds them through decode steps, as they were first computed; others ignore it.
+REPLAY_HEADER = "x-hotweights-replay"
 ENGINE_PORT = (
     8200  # an engine's, and a cluster's first engine's (``base_port``); the controller's 8100, the gateway's 8000
 )

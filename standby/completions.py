@@ -160,12 +160,15 @@ class CompletionRun:
         stop_ids: frozenset[int],
         scheduler: Scheduler,
         api: Api = Api.COMPLETIONS,
+        replay: int = 0,
     ) -> CompletionRun:
+        """Every prompt submitted to ``scheduler``; ``replay``: of a single prompt, its last tokens fed through
+        decode steps (``standby.scheduler.Sequence``)."""
         run = cls(request, model_name, api, prompt_ids=prompt_ids)
         loop = asyncio.get_running_loop()
         params = SamplingParams(request.max_tokens, request.temperature, request.top_p, request.seed, stop_ids)
         for index, ids in enumerate(prompt_ids):
-            sequence = Sequence(ids, params, run._sink(loop, index))
+            sequence = Sequence(ids, params, run._sink(loop, index), replay)
             run.choices.append(Choice(index, len(ids), TextStream(tokenizer, request.stop_strings), sequence))
         for choice in run.choices:
             scheduler.submit(choice.sequence)

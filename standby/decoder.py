@@ -33,6 +33,14 @@ take minutes of captures). Graphs point at this cache's memory, which is why a g
 engine's whole life (reserved at start-up, standby included) rather than allocated on promote. KV lengths
 stay bucketed with graphs too: attention over all ``max_tokens`` positions at every step would cost an
 ``xl`` step 8 ms more at 4096 (measured on an H200: "Measured facts" in ``docs/architecture.md``).
+
+``batch_invariant``: a sequence's logits then depend on its own tokens only, never on what shares its steps, so
+that a request gives the same text alone or in any batch, and a migrated one continues exactly. Low-precision
+kernels round differently with a step's shape (a GEMM of 4 rows and one of 64, a prefill of one prompt and one
+of several), and a model whose logits are nearly flat turns such rounding into other tokens. So every prefill
+holds one prompt (its shape is the prompt's length bucket alone), and every decode step runs at the one shape
+(``batch`` rows, ``max_tokens`` KV positions), its unused rows the usual dummy rows. It costs the padding: a step
+of one sequence costs what a full batch does, and the prompts that arrive together are prefilled one by one.
 """
 
 from __future__ import annotations
@@ -146,15 +154,17 @@ class PrefillGraph:
 class Decoder:
     """The model and one KV cache, run at the fixed shapes the module docstring lists. One thread only."""
 
-    def __init__(self, model: Transformer, kv: KVCache, graphs: bool = False) -> None:
+    def __init__(self, model: Transformer, kv: KVCache, graphs: bool = False, batch_invariant: bool = False) -> None:
         if graphs and model.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {model.device}")
         self.model = model
         self.kv = kv
         self.graphs_enabled = graphs
-        self.lengths = length_buckets(kv.max_tokens)  # of prefills and of the KV positions decode reads
+        self.batch_invariant = batch_invariant
+        self.lengths = length_buckets(kv.max_tokens)  # of prefills
+        self.kv_lengths = self.lengths[-1:] if batch_invariant else self.lengths  # the KV positions decode reads
         self.graph_bytes = 0  # device memory the captured graphs hold
-        self.graph_batches = batch_buckets(kv.batch)  # of the decode graphs
+        self.graph_batches = [kv.batch] if batch_invariant else batch_buckets(kv.batch)  # decode's batch sizes
         self._graphs: dict[tuple[int, int], DecodeGraph] = {}  # (batch size, KV length) -> its captured step
         self._prefills: dict[tuple[int, int], PrefillGraph] = {}  # (rows, length) -> its capture
 
@@ -168,7 +178,7 @@ class Decoder:
 
     def prefill_fits(self, rows: int, longest: int) -> bool:
         """Whether ``rows`` prompts, the longest of ``longest`` tokens, make one prefill (module docstring)."""
-        fits = 0 < longest <= self.lengths[-1] and 0 < rows <= self.batch
+        fits = 0 < longest <= self.lengths[-1] and 0 < rows <= (1 if self.batch_invariant else self.batch)
         return fits and rows * bucket(self.lengths, longest) <= self.lengths[-1]
 
     def check_prefill(self, first: int, prompts: list[list[int]]) -> tuple[int, int]:
@@ -196,21 +206,22 @@ class Decoder:
 
     def decode(self, tokens: list[int], positions: list[int]) -> tuple[torch.Tensor, list[int]]:
         """(n, V) float32 logits and each row's argmax (the greedy token): slot b is fed ``tokens[b]``
-        at ``positions[b]``, for b < n <= batch. With graphs, the slots from n up to the replayed batch size must
-        be free: position 0 of each is written. Waits for the device without holding the GIL, so the engine's
-        HTTP thread runs meanwhile."""
+        at ``positions[b]``, for b < n <= batch. With graphs or ``batch_invariant``, the slots from n up to the
+        batch size run must be free: position 0 of each is written. Waits for the device without holding the GIL,
+        so the engine's HTTP thread runs meanwhile."""
         n = len(tokens)
-        kv_len = bucket(self.lengths, max(positions) + 1)
+        kv_len = bucket(self.kv_lengths, max(positions) + 1)
         size = bucket(self.graph_batches, n)
         graph = self._graphs.get((size, kv_len))
+        if graph is None and not self.batch_invariant:
+            size = n  # eager: the rows there are
+        free = [0] * (size - n)  # rows past n: token 0 at position 0 of a free slot
+        inputs = torch.tensor([tokens + free, positions + free], dtype=torch.long)
         if graph is not None:
-            free = [0] * (size - n)  # rows past n: token 0 at position 0 of a free slot
-            logits, argmax = graph.run(torch.tensor([tokens + free, positions + free], dtype=torch.long))
-            logits, argmax = logits[:n], argmax[:n]
+            logits, argmax = graph.run(inputs)
         else:
-            inputs = torch.tensor([tokens, positions], dtype=torch.long, device=self.model.device)
-            logits, argmax = _step(self.model, inputs, self.kv, kv_len)
-        return logits, to_host(argmax)
+            logits, argmax = _step(self.model, inputs.to(self.model.device), self.kv, kv_len)
+        return logits[:n], to_host(argmax[:n])
 
     def warm_up(self, pace: Callable[[], object] = lambda: None) -> None:
         """Run every shape serving uses (module docstring) and the sampling path once; with graphs, capture the
@@ -224,8 +235,8 @@ class Decoder:
                     logits = self.prefill(0, [[0] * length] * rows)
                     pace()
         if not self.graphs_enabled:
-            for n in range(1, self.batch + 1):
-                for kv_len in self.lengths:
+            for n in self.graph_batches if self.batch_invariant else range(1, self.batch + 1):
+                for kv_len in self.kv_lengths:
                     self.decode([0] * n, [kv_len - 1] * n)
                     pace()
         for rows in (1, self.batch):  # the sampling path: one row, and every slot at once
@@ -243,7 +254,7 @@ class Decoder:
         before = _reserved_in_use(device)
         pool = torch.cuda.graph_pool_handle()
         for n in self.graph_batches:
-            for kv_len in self.lengths:
+            for kv_len in self.kv_lengths:
                 graph = self._graphs[n, kv_len] = DecodeGraph(self.model, self.kv, n, kv_len, pool)
                 graph.run(torch.zeros((2, n), dtype=torch.long))  # a first replay, as serving's would be
                 pace()
@@ -259,7 +270,7 @@ class Decoder:
             "captured %d decode CUDA graphs (batch sizes %s, KV lengths %s) and %d prefill graphs: %d bytes",
             len(self._graphs),
             self.graph_batches,
-            self.lengths,
+            self.kv_lengths,
             len(self._prefills),
             self.graph_bytes,
         )

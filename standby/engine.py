@@ -85,10 +85,12 @@ LIMITS = ServingLimits()  # the flags' defaults
 GIL_SWITCH_S = 0.0005
 
 
-def new_decoder(model: Transformer, max_batch: int, kv_tokens: int, graphs: bool = False) -> Decoder:
+def new_decoder(
+    model: Transformer, max_batch: int, kv_tokens: int, batch_invariant: bool, graphs: bool = False
+) -> Decoder:
     """A decoder with a fresh, zeroed KV cache of ``max_batch`` slots of ``kv_tokens`` positions."""
     kv = KVCache.allocate(model.config, model.tp, max_batch, kv_tokens, model.device, model.dtype)
-    return Decoder(model, kv, graphs)
+    return Decoder(model, kv, graphs, batch_invariant)
 
 
 def warm_up(
@@ -136,7 +138,9 @@ def warm(
     """``warm_up`` at the flags' shapes, on this rank or (``channel``) on the whole group; the decoder to keep.
     ``pacer``: a spare's, on one rank."""
     graphs = uses_graphs(options, model)
-    make = functools.partial(new_decoder, model, options.max_batch, options.kv_cache_tokens, graphs)
+    make = functools.partial(
+        new_decoder, model, options.max_batch, options.kv_cache_tokens, options.batch_invariant, graphs
+    )
     keep = options.role is Role.PRIMARY
     if channel is None:
         return warm_up(make, graphs, keep=keep, pace=pacer.step if pacer else lambda: None)
@@ -333,7 +337,8 @@ def run_follower(options: EngineOptions) -> int:
         model = load_rank(options, options.tp_rank, options.engine_id).model
     except HotweightsError as exc:
         tpgroup.exit_refused(tpgroup.in_group(exc, options.engine_id, options.tp_rank))
-    tpgroup.Follower(functools.partial(new_decoder, model, options.max_batch, options.kv_cache_tokens)).run(channel)
+    decoder = functools.partial(new_decoder, model, options.max_batch, options.kv_cache_tokens, options.batch_invariant)
+    tpgroup.Follower(decoder).run(channel)
     dist.destroy_process_group()
     return 0
 
@@ -409,7 +414,7 @@ def serve(
     model = loaded.model
     role = options.role
     graphs = uses_graphs(options, model)
-    make = functools.partial(new_decoder, model, options.max_batch, options.kv_cache_tokens)
+    make = functools.partial(new_decoder, model, options.max_batch, options.kv_cache_tokens, options.batch_invariant)
     scheduler = Scheduler()
     if channel is None:
         capacity = KvCapacity(scheduler, make, reserved=warmed if graphs else None)
@@ -429,6 +434,7 @@ def serve(
         tokenizer=load_tokenizer(loaded.checkpoint.path),
         stop_ids=frozenset(stop_token_ids(loaded.checkpoint.path)),
         context_tokens=min(options.kv_cache_tokens, model.config.max_position_embeddings),
+        batch_invariant=options.batch_invariant,
         scheduler=scheduler,
         roles=roles,
         metrics=metrics,
@@ -519,6 +525,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=True,
         help="on CUDA, capture the decode step per batch size as a CUDA graph at start-up; the KV cache is "
         "then allocated at start-up by standbys too (default on; no effect on CPU)",
+    )
+    p.add_argument(
+        "--batch-invariant",
+        action=argparse.BooleanOptionalAction,
+        default=LIMITS.batch_invariant,
+        help="every prefill holds one prompt and every decode step runs at --max-batch rows over all "
+        "--kv-cache-tokens positions, so a request's text does not depend on what shares its steps and a migrated "
+        "one continues exactly, at the cost of the padding (default off)",
     )
     p.add_argument("--engine-id", help="name in health replies and metrics (default HOST-PID)")
     add_spare_arguments(p, "binding the port and attaching")

@@ -39,6 +39,7 @@ class EngineOptions:
     queue_wait_share: float
     max_body_bytes: int
     cuda_graphs: bool
+    batch_invariant: bool
     drain_timeout: float
     shutdown_timeout: float
     verbose: bool  # the CLI's -v, passed on to the ranks a tensor-parallel rank 0 starts

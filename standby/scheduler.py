@@ -13,6 +13,11 @@ decode step per token, with the same sampling function), so a sequence yields th
 ``generate`` yields for the same prompt, seed and temperature, up to the rounding differences of
 batched kernels (tests compare them exactly).
 
+A sequence may replay: the last ``replay`` tokens of its prompt are ones an engine generated before (a
+migrated request's continuation). Only the rest is prefilled; the replayed tokens are then fed one per round
+through the same decode steps that first computed them, and nothing is emitted for them, so that with a
+batch-invariant ``Decoder`` the sequence's keys, values and logits are the ones of the uninterrupted run.
+
 Events reach the caller through its sink, called on the worker thread: token ids as they are
 sampled, then one ``Finish``. A standby has no KV cache attached, and a sequence that reaches the
 worker then finishes with an error.
@@ -65,8 +70,13 @@ Sink = Callable[[Event], None]  # called on the worker thread; must not block
 class Sequence:
     """One prompt's generation. Only ``cancel`` may be called from other threads."""
 
-    def __init__(self, prompt_ids: list[int], params: SamplingParams, sink: Sink) -> None:
-        self.prompt_ids = prompt_ids
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, sink: Sink, replay: int = 0) -> None:
+        """``replay``: how many of the prompt's last tokens are fed through decode steps (module docstring),
+        0 <= replay < len(prompt_ids)."""
+        if not 0 <= replay < len(prompt_ids):
+            raise ValueError(f"replay {replay} must be in [0, {len(prompt_ids)})")
+        self.prompt_ids = prompt_ids[: len(prompt_ids) - replay]  # prefilled
+        self.forced = deque(prompt_ids[len(prompt_ids) - replay :])  # fed next, one per round, not emitted
         self.params = params
         self.sink = sink
         self.cancelled = False  # read by the worker between steps
@@ -268,7 +278,10 @@ class Scheduler:
     def _next_tokens(self) -> list[int]:
         """Each active sequence's next token from its pending logits: the greedy ones the step computed as they
         are, the rest sampled together (``sample_rows``)."""
-        chosen = [seq.greedy if seq.params.temperature == 0.0 else None for seq in self._active]
+        chosen = [
+            seq.forced[0] if seq.forced else seq.greedy if seq.params.temperature == 0.0 else None
+            for seq in self._active
+        ]
         rest = [seq for seq, token in zip(self._active, chosen, strict=True) if token is None]
         if rest:
             logits = torch.stack([seq.logits for seq in rest])
@@ -279,7 +292,11 @@ class Scheduler:
         return chosen
 
     def _emit(self, seq: Sequence, token: int) -> None:
-        """Hand ``token`` over, or retire the sequence at a stop id or its ``max_tokens``."""
+        """Hand ``token`` over, or retire the sequence at a stop id or its ``max_tokens``; a replayed token is only
+        fed on."""
+        if seq.forced:
+            seq.token = seq.forced.popleft()
+            return
         params = seq.params
         if token in params.stop_ids:
             self._retire(seq, Finish("stop"))

@@ -15,14 +15,15 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Annotated
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Header
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 from tokenizers import Tokenizer
 
 from hotweights.admission import RETRY_AFTER_S, Admission
-from hotweights.contract import Endpoint
+from hotweights.contract import REPLAY_HEADER, Endpoint
 from hotweights.httpguard import short
 from hotweights.standby.chat import ChatTemplate
 from hotweights.standby.completions import (
@@ -55,6 +56,7 @@ class EngineContext:
     tokenizer: Tokenizer
     stop_ids: frozenset[int]
     context_tokens: int  # prompt + max_tokens must fit in one KV slot
+    batch_invariant: bool  # standby.decoder: a continuation's replayed tokens (REPLAY_HEADER) go through decode steps
     scheduler: Scheduler
     roles: Roles
     metrics: EngineMetrics
@@ -133,19 +135,23 @@ def build_app(ctx: EngineContext) -> FastAPI:
     }
 
     @app.post(Endpoint.COMPLETIONS, response_model=None, responses=answers)
-    async def completions(request: CompletionRequest) -> Response:
+    async def completions(
+        request: CompletionRequest, replay: Annotated[int | None, Header(alias=REPLAY_HEADER, ge=0)] = None
+    ) -> Response:
         """OpenAI completions; ``stream`` gives server-sent events ending in ``data: [DONE]``.
 
         200 the completion (or the stream); 400 a bad field, named in ``error.param``; 404 an unknown
         ``model``; 408/413 a body too slow or too large; 429 overloaded (with ``Retry-After``); 503 not
         serving (standby, draining, drained) or cancelled by a drain deadline or shutdown; 500 the
-        generation failed."""
+        generation failed. The ``x-hotweights-replay`` header (a migrated request's continuation: how many of
+        its prompt's last token ids were generated before) is honoured with ``--batch-invariant`` only."""
 
         def encode() -> list[list[int]]:
             texts = iter(ctx.tokenizer.encode_batch([p for p in request.prompts if isinstance(p, str)]))
             return [next(texts).ids if isinstance(p, str) else p for p in request.prompts]
 
-        return await admitted(request, Api.COMPLETIONS, encode, sum(map(len, request.prompts)))
+        replayed = replay if ctx.batch_invariant else None
+        return await admitted(request, Api.COMPLETIONS, encode, sum(map(len, request.prompts)), replayed)
 
     @app.post(Endpoint.CHAT_COMPLETIONS, response_model=None, responses=answers)
     async def chat_completions(request: ChatRequest) -> Response:
@@ -159,10 +165,15 @@ def build_app(ctx: EngineContext) -> FastAPI:
         return await admitted(request, Api.CHAT, encode, sum(len(m.content) for m in request.messages))
 
     async def admitted(
-        request: SamplingRequest, api: Api, encode: Callable[[], list[list[int]]], chars: int
+        request: SamplingRequest,
+        api: Api,
+        encode: Callable[[], list[list[int]]],
+        chars: int,
+        replay: int | None = None,
     ) -> Response:
         """The request run once admission lets it in and its prompt (tokenized by ``encode``, in a worker
-        thread above ``INLINE_PROMPT_CHARS``) fits; the refusal otherwise."""
+        thread above ``INLINE_PROMPT_CHARS``) fits, ``replay`` of its last tokens fed through decode steps
+        (``standby.scheduler``); the refusal otherwise."""
         if reason := roles.serving_refusal():
             return unavailable(reason)
         if request.model is not None and request.model != ctx.model_name:
@@ -174,12 +185,12 @@ def build_app(ctx: EngineContext) -> FastAPI:
         try:
             # encode_batch releases the GIL: the event loop runs on meanwhile
             prompt_ids = encode() if chars <= INLINE_PROMPT_CHARS else await asyncio.to_thread(encode)
-            if refused := prompt_refusal(prompt_ids, request.max_tokens):
+            if refused := prompt_refusal(prompt_ids, request.max_tokens) or replay_refusal(request, replay):
                 return refused
             if reason := roles.serving_refusal():  # it may have changed while the request waited
                 return unavailable(reason)
             handed_over = True
-            return await serve(request, prompt_ids, api)
+            return await serve(request, prompt_ids, api, replay or 0)
         finally:
             if not handed_over:
                 ctx.admission.leave()
@@ -200,9 +211,21 @@ def build_app(ctx: EngineContext) -> FastAPI:
                 return error(400, message, "invalid_request_error", "max_tokens")
         return None
 
-    async def serve(request: SamplingRequest, prompt_ids: list[list[int]], api: Api) -> Response:
+    def replay_refusal(request: SamplingRequest, replay: int | None) -> JSONResponse | None:
+        """400 unless ``replay`` is None, or fewer than the tokens of the request's one token-id prompt."""
+        if replay is None:
+            return None
+        prompts = getattr(request, "prompts", [])
+        if len(prompts) != 1 or isinstance(prompts[0], str) or replay >= len(prompts[0]):
+            message = f"{REPLAY_HEADER} {replay} needs one prompt of token ids longer than that"
+            return error(400, message, "invalid_request_error", REPLAY_HEADER)
+        return None
+
+    async def serve(request: SamplingRequest, prompt_ids: list[list[int]], api: Api, replay: int = 0) -> Response:
         roles.admit()
-        run = CompletionRun.start(request, ctx.model_name, prompt_ids, ctx.tokenizer, ctx.stop_ids, ctx.scheduler, api)
+        run = CompletionRun.start(
+            request, ctx.model_name, prompt_ids, ctx.tokenizer, ctx.stop_ids, ctx.scheduler, api, replay
+        )
 
         def close() -> None:
             run.cancel()

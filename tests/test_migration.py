@@ -31,6 +31,7 @@ MAX_TOKENS = 400
 COMPLETION_STREAMS = 24  # greedy; with the chats, the sampled, the stopped and the non-streamed: 32 requests
 CHAT_STREAMS = 5
 FLAGS = ("--kv-cache-tokens", "512", "--max-batch", "32")
+INVARIANT = ("--batch-invariant",)
 
 
 def body(**fields: object) -> bytes:
@@ -326,12 +327,13 @@ def running(url: str, made: list[Case]) -> Iterator[list[Case]]:
 
 @pytest.fixture(scope="module")
 def engines(tiny_model: Path) -> Iterator[list[EngineProcess]]:
-    """Engines "a" (primary), "b" and "c" (standbys)."""
+    """Engines "a" (primary), "b" and "c" (standbys); b and c batch-invariant, so the continuations that land on
+    them replay the tokens generated before the cut through decode steps (the gateway says how many)."""
     with contextlib.ExitStack() as stack:
         started = []
-        for engine_id, role in (("a", "primary"), ("b", "standby"), ("c", "standby")):
-            engine = stack.enter_context(EngineProcess(tiny_model, *FLAGS, "--engine-id", engine_id, "--role", role))
-            started.append(engine)
+        for engine_id, role, mode in (("a", "primary", ()), ("b", "standby", INVARIANT), ("c", "standby", INVARIANT)):
+            flags = (*FLAGS, *mode, "--engine-id", engine_id, "--role", role)
+            started.append(stack.enter_context(EngineProcess(tiny_model, *flags)))
         yield started
 
 

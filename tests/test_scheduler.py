@@ -38,13 +38,14 @@ class RecordingDecoder(Decoder):
         return super().prefill(first, prompts)
 
     def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
-        size = bucket(self.graph_batches, len(tokens)) if self.graphs_enabled else len(tokens)
-        self.decodes.append((size, bucket(self.lengths, max(positions) + 1)))
+        padded = self.graphs_enabled or self.batch_invariant
+        size = bucket(self.graph_batches, len(tokens)) if padded else len(tokens)
+        self.decodes.append((size, bucket(self.kv_lengths, max(positions) + 1)))
         return super().decode(tokens, positions)
 
     def warmed_decodes(self) -> set[tuple[int, int]]:
         """The decode shapes warm-up made ready: run eagerly, or (with graphs) captured."""
-        captured = {(n, kv) for n in self.graph_batches for kv in self.lengths} if self.graphs_enabled else set()
+        captured = {(n, kv) for n in self.graph_batches for kv in self.kv_lengths} if self.graphs_enabled else set()
         return set(self.decodes) | captured
 
 
@@ -70,21 +71,28 @@ class Collected:
 
 
 def run(
-    model: Transformer, max_batch: int, params: list[SamplingParams], graphs: bool = False
+    model: Transformer,
+    max_batch: int,
+    params: list[SamplingParams],
+    graphs: bool = False,
+    batch_invariant: bool = False,
+    sequences: list[tuple[list[int], int]] | None = None,
 ) -> tuple[list[Collected], list[int], list[tuple[int, int]]]:
-    """Submit every prompt before starting a scheduler with ``max_batch`` slots; each sequence's events, the
-    batch sizes of the decode steps and the prefills' shapes. Every shape serving ran must be one warm-up ran first."""
+    """Submit every prompt (``sequences``: (prompt, replay) each, default PROMPTS, none replayed) before starting a
+    scheduler with ``max_batch`` slots; each sequence's events, the batch sizes of the decode steps and the prefills'
+    shapes. Every shape serving ran must be one warm-up ran first."""
     kv = KVCache.allocate(model.config, model.tp, max_batch, 128, model.device, model.dtype)
-    decoder = RecordingDecoder(model, kv, graphs)
+    decoder = RecordingDecoder(model, kv, graphs, batch_invariant)
     decoder.warm_up()
     warmed = (set(decoder.prefills), decoder.warmed_decodes())
     decoder.prefills.clear()
     decoder.decodes.clear()
     scheduler = Scheduler()
     scheduler.attach_kv(decoder)
-    sinks = [Collected() for _ in PROMPTS]
-    for prompt, p, sink in zip(PROMPTS, params, sinks, strict=True):
-        scheduler.submit(Sequence(prompt, p, sink))  # all queued before the worker starts: no race
+    sequences = sequences or [(prompt, 0) for prompt in PROMPTS]
+    sinks = [Collected() for _ in sequences]
+    for (prompt, replay), p, sink in zip(sequences, params, sinks, strict=True):
+        scheduler.submit(Sequence(prompt, p, sink, replay))  # all queued before the worker starts: no race
     scheduler.start()
     try:
         for sink in sinks:
@@ -117,3 +125,23 @@ def test_batched_seeded_sampling_equals_generate(model: Transformer) -> None:
     batched, _, _ = run(model, 3, params)
     for prompt, p, b in zip(PROMPTS, params, batched, strict=True):
         assert b.tokens == list(generate(model, prompt, p.max_tokens, temperature=0.9, top_p=0.95, seed=p.seed))
+
+
+def test_batch_invariant_runs_one_decode_shape_and_prefills_one_prompt_at_a_time(model: Transformer) -> None:
+    params = [SamplingParams(n) for n in MAX_TOKENS]
+    batched, sizes, prefills = run(model, 3, params, batch_invariant=True)
+    assert set(sizes) == {3}, "a decode step ran at another batch size"
+    assert {rows for rows, _ in prefills} == {1} and len(prefills) == len(PROMPTS)
+    for prompt, p, b in zip(PROMPTS, params, batched, strict=True):
+        assert b.tokens == list(generate(model, prompt, p.max_tokens))
+
+
+def test_a_replayed_continuation_emits_only_what_follows_and_prefills_only_the_prompt(model: Transformer) -> None:
+    """The continuation of a cut request: its prompt, then the tokens generated before the cut, replayed through
+    decode steps; it emits the uncut run's remaining tokens, and prefills the prompt alone."""
+    prompt, total, cut = PROMPTS[1], 30, 12  # 21 prompt tokens: 32 padded; with the 12 replayed, 64
+    uncut = list(generate(model, prompt, total))
+    params = [SamplingParams(total - cut)]
+    (continued,), _, prefills = run(model, 3, params, batch_invariant=True, sequences=[(prompt + uncut[:cut], cut)])
+    assert continued.tokens == uncut[cut:] and continued.finish == Finish("length")
+    assert prefills == [(1, 32)], "the replayed tokens were prefilled, or the prompt was not alone"
