@@ -47,6 +47,8 @@ Steps, each a subprocess with its own time limit, so one failure or hang cannot 
   overload_medium  bench/overload.py on medium: admitted latency and refusals at 1x, 2x and 5x the measured capacity
   migration_xl  bench/migration.py on xl: 64 greedy streams of 256 tokens in flight through the gateway at a SIGKILL
             and at a SIGSTOP of the primary (broken and mismatched streams, the largest gap at the cut)
+  migration_xl_invariant, storm_xl_invariant  migration_xl and storm_xl with batch-invariant engines
+            (engine.batch_invariant: mismatched and wrong texts against what the padding costs)
 Results go to DIR/gpu_suite.json and every step's output to DIR/steps.log; the drills' report folders
 are packed into DIR/reports.tar (a few files to copy back from a remote GPU machine); the last stdout line is
 one JSON object. Exits 1 if any step failed.
@@ -137,6 +139,16 @@ def steps(workdir: Path, out: Path) -> dict[str, tuple[list[str], int]]:
         "overload_medium": (f"{make('medium', medium)} && {bench}/overload.py --device cuda:0 --model {medium}", 300),
         "migration_xl": (
             f"{make('xl', xl)} && {bench}/migration.py --model {xl} --device cuda:0 --streams 64 --max-tokens 256",
+            540,
+        ),
+        "migration_xl_invariant": (
+            f"{make('xl', xl)} && {bench}/migration.py --model {xl} --device cuda:0 --streams 64 --max-tokens 256 "
+            "--batch-invariant",
+            540,
+        ),
+        "storm_xl_invariant": (
+            f"{make('xl', xl)} && {redundancy} {out / 'logs-storm-xl-invariant'} --spare-engines 8 --faults 10 "
+            "--interval 3 --signals kill,stop --batch-invariant",
             540,
         ),
     }

@@ -1,7 +1,7 @@
 """Streams in flight across a failover: broken streams, wrong texts and the longest stall at the cut.
 
     python bench/migration.py                                   # tiny model on CPU, 16 streams
-    python bench/migration.py --preset xl --device cuda:0 --streams 64 --max-tokens 256
+    python bench/migration.py --preset xl --device cuda:0 --streams 64 --max-tokens 256 [--batch-invariant]
 
 Starts its own stack (``hotweights up``: controller, daemon, a primary and two standbys, the gateway; torn
 down at the end, on SIGINT/SIGTERM too), takes each prompt's greedy text through the gateway while nothing
@@ -16,7 +16,8 @@ happens when the engine outruns the client reading), the broken ones (an error e
 failed connection), the mismatched ones (text other than the reference), and the largest gap between two
 chunks of a stream that spans the fault (cut to next token, in ms). Between faults it waits for the stack
 to be whole again. The last stdout line is one JSON object. Targets on the H200 (``xl``, 64 streams of 256
-tokens): 0 broken, 0 mismatched, largest gap <= 500 ms (kill) and <= 900 ms (stop).
+tokens): 0 broken, 0 mismatched, largest gap <= 500 ms (kill) and <= 900 ms (stop). ``--batch-invariant`` runs
+the engines with ``engine.batch_invariant`` (``standby.decoder``).
 """
 
 from __future__ import annotations
@@ -178,7 +179,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     kv_tokens = args.max_tokens + 64  # the prompt and the budget, with room
     stack = DrillStack.create(
         workdir / "stack", "gateway", proxied=False, model=model or "", device=args.device,
-        kv_cache_tokens=kv_tokens, max_batch=args.streams,
+        kv_cache_tokens=kv_tokens, max_batch=args.streams, batch_invariant=args.batch_invariant,
     )  # fmt: skip
     api = stack.control_api()
     rounds = []
@@ -203,6 +204,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "device": args.device,
         "streams": args.streams,
         "max_tokens": args.max_tokens,
+        "batch_invariant": args.batch_invariant,
         "broken": sum(r["broken"] for r in cut),
         "mismatched": sum(r["mismatched"] for r in cut),
         "mismatched_uncut": rounds[0]["mismatched"] if rounds else None,
@@ -222,6 +224,7 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=256, help="tokens per stream (default 256)")
     parser.add_argument("--cut-after", type=int, default=16, help="chunks every stream has at the fault (default 16)")
     parser.add_argument("--signals", default="kill,stop", help="comma-separated kill/stop, in order (default both)")
+    parser.add_argument("--batch-invariant", action="store_true", help="the engines' engine.batch_invariant")
     args = parser.parse_args()
     if unknown := [s for s in args.signals.split(",") if s not in SIGNALS]:
         parser.error(f"--signals: unknown {unknown}; choose from {sorted(SIGNALS)}")

@@ -160,7 +160,7 @@ def summarize(
 async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     stack = DrillStack.create(
         workdir, "gateway", proxied=False, model=args.model or "", device=args.device,
-        spare_engines=args.spare_engines, spare_duty=args.spare_duty,
+        spare_engines=args.spare_engines, spare_duty=args.spare_duty, batch_invariant=args.batch_invariant,
     )  # fmt: skip
     api = stack.control_api()
     detector = SplitBrainDetector(stack.direct_urls())
@@ -210,6 +210,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "signals": args.signals,
         "spare_engines": args.spare_engines,
         "spare_duty": args.spare_duty,
+        "batch_invariant": args.batch_invariant,
         "engine_start_s": round(cold_s, 3),
         "quiet_requests": len(quiet),
         "quiet_p50_ms": round(quiet_p50, 1),
@@ -233,6 +234,7 @@ def main() -> int:
     parser.add_argument("--signals", default="kill,stop", help="comma-separated kill/stop, cycled (default kill,stop)")
     parser.add_argument("--spare-engines", type=int, default=1, help="the group's warmed spares (default 1)")
     parser.add_argument("--spare-duty", type=float, help="the group's spare_duty (default: cluster.toml's default)")
+    parser.add_argument("--batch-invariant", action="store_true", help="the engines' engine.batch_invariant")
     parser.add_argument("--keep-logs", metavar="DIR", help="copy the stack's logs here at the end")
     parser.add_argument("--quiet", type=float, default=5.0, help="seconds of the quiet window (default 5)")
     parser.add_argument("--recovery-timeout", type=float, default=120.0)

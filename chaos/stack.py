@@ -61,6 +61,7 @@ base_port = {base_port}
 kv_cache_tokens = {kv_cache_tokens}
 max_batch = {max_batch}
 drain_timeout_s = 5.0
+batch_invariant = {batch_invariant}
 
 {health}
 [gateway]
@@ -116,11 +117,12 @@ class DrillStack:
         spare_duty: float | None = None,
         kv_cache_tokens: int = KV_CACHE_TOKENS,
         max_batch: int = MAX_BATCH,
+        batch_invariant: bool = False,
     ) -> DrillStack:
         """Write the config of a fresh stack in ``workdir`` (default: the embedded tiny model on CPU; engines of
         ``tp_size`` ranks, a daemon per rank; ``batch``: with a co-located batch engine; ``spare_engines``,
-        ``spare_duty``: the group's, instead of the defaults; ``kv_cache_tokens`` and ``max_batch``: each
-        engine's)."""
+        ``spare_duty``: the group's, instead of the defaults; ``kv_cache_tokens``, ``max_batch`` and
+        ``batch_invariant``: each engine's)."""
         workdir.mkdir(parents=True, exist_ok=True)
         controller_port, gateway_port, lb_port, batch_port = free_ports(4)
         ports = free_ports(2 * ENGINES if proxied else ENGINES, consecutive=True)  # public, then private
@@ -144,6 +146,7 @@ class DrillStack:
                 ),
                 kv_cache_tokens=kv_cache_tokens,
                 max_batch=max_batch,
+                batch_invariant="true" if batch_invariant else "false",
                 batch_port=f"batch_port = {batch_port}  # a co-located batch engine\n" if batch else "",
                 spares=(f"spare_engines = {spare_engines}\n" if spare_engines is not None else "")
                 + (f"spare_duty = {spare_duty}\n" if spare_duty is not None else ""),

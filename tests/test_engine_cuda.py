@@ -117,3 +117,44 @@ def test_a_standby_reserves_its_kv_cache_and_graphs_and_promote_allocates_nothin
         health = engine.client.get(Endpoint.STANDBY).json()
         assert (health["kv_cache_bytes"], health["cuda_graph_bytes"]) == (0, 0)
         assert engine.post(Endpoint.PROMOTE).json()["kv_cache_bytes"] > 0
+
+
+@pytest.fixture(scope="module")
+def bf16_model(tiny_model: Path) -> Transformer:
+    return load_model(tiny_model, LoadSpec(device=DEVICE, dtype="bf16")).model
+
+
+def test_batch_invariant_rows_are_bitwise_the_same_whatever_shares_the_step(bf16_model: Transformer) -> None:
+    """In bf16 a row's logits may round differently with the step's batch size; batch-invariant, a row computes
+    the same bits alone and beside three others, from a prefill of its prompt alone."""
+    kv = KVCache.allocate(bf16_model.config, bf16_model.tp, 4, 64, bf16_model.device, bf16_model.dtype)
+    invariant = Decoder(bf16_model, kv, graphs=True, batch_invariant=True)
+    invariant.warm_up()
+    assert list(invariant._graphs) == [(4, 64)]
+    first = invariant.prefill(0, [PROMPTS[0]])
+    alone, _ = invariant.decode([11], [len(PROMPTS[0])])
+    for slot, prompt in enumerate(PROMPTS[:4]):
+        again = invariant.prefill(slot, [prompt])
+        if slot == 0:
+            assert torch.equal(again, first)
+    beside, _ = invariant.decode([11, 12, 13, 14], [len(prompt) for prompt in PROMPTS[:4]])
+    assert torch.equal(beside[0], alone[0])
+
+
+def test_batch_invariant_sequences_and_replayed_continuations_match_alone(bf16_model: Transformer) -> None:
+    """Batch-invariant with graphs in bf16: each sequence generates what it generates alone, and a continuation
+    that replays the first tokens through decode steps generates the rest of the uncut run."""
+    params = [SamplingParams(n) for n in MAX_TOKENS]
+    together, sizes, _ = run(bf16_model, 3, params, graphs=True, batch_invariant=True)
+    assert set(sizes) == {3}
+    for prompt, p, t in zip(PROMPTS, params, together, strict=True):
+        (alone,), _, _ = run(bf16_model, 3, [p], graphs=True, batch_invariant=True, sequences=[(prompt, 0)])
+        assert t.tokens == alone.tokens
+    prompt, total, cut = PROMPTS[1], 30, 12
+    (uncut,), _, _ = run(
+        bf16_model, 3, [SamplingParams(total)], graphs=True, batch_invariant=True, sequences=[(prompt, 0)]
+    )
+    rest = [SamplingParams(total - cut)]
+    replayed = [(prompt + uncut.tokens[:cut], cut)]
+    (continued,), _, _ = run(bf16_model, 3, rest, graphs=True, batch_invariant=True, sequences=replayed)
+    assert continued.tokens == uncut.tokens[cut:]
