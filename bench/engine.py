@@ -1,7 +1,7 @@
 """Measure a real ``hotweights engine`` process: promote time, health latency under load, tokens/s.
 
     python bench/engine.py [--device cpu|cuda:N] [--model DIR] [--cycles 50] [--gen-tokens 1000]
-                           [--max-batch 4] [--promote-rounds 5] [--no-cuda-graphs]
+                           [--max-batch 4] [--promote-rounds 5] [--no-cuda-graphs] [--batch-invariant]
 
 Starts one engine as a standby (the embedded tiny model unless --model), then:
 - the standby's KV cache and CUDA graph bytes (its extra device memory beyond weights and context);
@@ -60,6 +60,7 @@ def start_engine(args: argparse.Namespace, port: int, log: Path) -> subprocess.P
     command += ["--device", args.device, "--max-batch", str(args.max_batch)]
     command += ["--kv-cache-tokens", str(args.kv_cache_tokens)] + (["--model", args.model] if args.model else [])
     command += [] if args.cuda_graphs else ["--no-cuda-graphs"]
+    command += ["--batch-invariant"] if args.batch_invariant else []
     with log.open("w") as out:
         return subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=out)
 
@@ -214,6 +215,7 @@ def main() -> int:
         "--promote-rounds", type=int, default=5, help="promotions the first-after-promote ratio is the median of"
     )
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--batch-invariant", action="store_true", help="the engine's --batch-invariant")
     args = parser.parse_args()
     for flag in ("cycles", "gen_tokens", "max_batch", "first_tokens", "promote_rounds"):
         if getattr(args, flag) < 1:
@@ -228,6 +230,7 @@ def main() -> int:
             wait_ready(client, process, log)
             health = client.get(Endpoint.READY).json()
             results = {"device": args.device, "model": health["model"], "cuda_graphs": args.cuda_graphs}
+            results["batch_invariant"] = args.batch_invariant
             results["standby_kv_cache_bytes"] = health["kv_cache_bytes"]
             results["standby_cuda_graph_bytes"] = health["cuda_graph_bytes"]
             results |= measure_first_after_promote(client, args.first_tokens, args.promote_rounds)

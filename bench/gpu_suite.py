@@ -3,7 +3,8 @@
     python bench/gpu_suite.py --out DIR [--workdir /tmp/hw-gpu] [--skip STEP ...] [--only STEP ...]
 
 A name given to --only or --skip also selects every step named NAME_*: ``--only engine`` runs the
-engine section (engine_tests, engine_tiny, engine_medium, engine_xl, engine_xl_nographs).
+engine section (engine_tests, engine_tiny, engine_medium, engine_xl, engine_xl_nographs,
+engine_xl_invariant).
 
 Steps, each a subprocess with its own time limit, so one failure or hang cannot sink the rest:
   tests     pytest of the CUDA-only tests (backends; daemon end to end with cuda-vmm and cuda-ipc,
@@ -24,6 +25,7 @@ Steps, each a subprocess with its own time limit, so one failure or hang cannot 
             missing): batch-1 ms/token, batch_gain, first_after_promote_ratio, the standby's KV and
             CUDA graph bytes
   engine_xl_nographs  the same on xl with --no-cuda-graphs: the standby's memory without graphs
+  engine_xl_invariant  the same on xl with --batch-invariant: what one decode shape and one prompt per prefill cost
   attach_ipc  the attach benchmark again with the cuda-ipc backend
   drill_medium, drill_xl  hotweights drill kill-primary hang-primary through the gateway, cuda-vmm, 8 rounds:
             medium at 20 requests/s, xl at 10 (reports in DIR/drill-medium, DIR/drill-xl)
@@ -47,6 +49,8 @@ Steps, each a subprocess with its own time limit, so one failure or hang cannot 
   overload_medium  bench/overload.py on medium: admitted latency and refusals at 1x, 2x and 5x the measured capacity
   migration_xl  bench/migration.py on xl: 64 greedy streams of 256 tokens in flight through the gateway at a SIGKILL
             and at a SIGSTOP of the primary (broken and mismatched streams, the largest gap at the cut)
+  invariance_xl  bench/invariance.py on xl: which step shapes (prefill rows, decode batch size, KV length bucket,
+            prefill against decode) change a sequence's logits, with the serving and the batch-invariant decoder
   migration_xl_invariant, storm_xl_invariant  migration_xl and storm_xl with batch-invariant engines
             (engine.batch_invariant: mismatched and wrong texts against what the padding costs)
 Results go to DIR/gpu_suite.json and every step's output to DIR/steps.log; the drills' report folders
@@ -109,6 +113,7 @@ def steps(workdir: Path, out: Path) -> dict[str, tuple[list[str], int]]:
         "engine_medium": (f"{make('medium', medium)} && {engine_bench} --model {medium}", 240),
         "engine_xl": (f"{make('xl', xl)} && {engine_bench} --model {xl}", 420),
         "engine_xl_nographs": (f"{make('xl', xl)} && {engine_bench} --model {xl} --no-cuda-graphs", 300),
+        "engine_xl_invariant": (f"{make('xl', xl)} && {engine_bench} --model {xl} --batch-invariant", 420),
         # Drill loads: medium at 20 requests/s, xl at 10 (batched decode serves them).
         "drill_medium": (f"{make('medium', medium)} && {drill_at('medium', medium, 20)}", 300),
         "drill_xl": (f"{make('xl', xl)} && {drill_at('xl', xl, 10)}", 420),
@@ -141,6 +146,7 @@ def steps(workdir: Path, out: Path) -> dict[str, tuple[list[str], int]]:
             f"{make('xl', xl)} && {bench}/migration.py --model {xl} --device cuda:0 --streams 64 --max-tokens 256",
             540,
         ),
+        "invariance_xl": (f"{make('xl', xl)} && {bench}/invariance.py --model {xl} --device cuda:0", 300),
         "migration_xl_invariant": (
             f"{make('xl', xl)} && {bench}/migration.py --model {xl} --device cuda:0 --streams 64 --max-tokens 256 "
             "--batch-invariant",
