@@ -49,11 +49,24 @@ def bf16_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_checkpoint(out, PRESETS["tiny"], dtype=torch.bfloat16, seed=0, progress=False)
 
 
-def offline_tokens(python: str, model: Path, load_format: str, extra: dict | None = None) -> list[list[int]]:
-    command = [python, str(WORKER), str(model), load_format, *([json.dumps(extra)] if extra else [])]
-    result = subprocess.run(command, env={**ENV, **VLLM_ENV}, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])["tokens"]
+class Offline:
+    """tests/vllm_worker.py (one offline vLLM engine) started now, its output in files (a full pipe would block
+    it while the test waits for something else); ``tokens`` waits for its greedy tokens."""
+
+    def __init__(self, python: str, model: Path, out: Path, load_format: str, extra: dict | None = None) -> None:
+        command = [python, str(WORKER), str(model), load_format, *([json.dumps(extra)] if extra else [])]
+        self.stdout, self.stderr = out.with_suffix(".out"), out.with_suffix(".err")
+        with self.stdout.open("wb") as stdout, self.stderr.open("wb") as stderr:
+            self.process = subprocess.Popen(command, env={**ENV, **VLLM_ENV}, stdout=stdout, stderr=stderr)
+
+    def tokens(self) -> list[list[int]]:
+        assert self.process.wait(timeout=600) == 0, self.stderr.read_text(errors="replace")[-3000:]
+        return json.loads(self.stdout.read_text().strip().splitlines()[-1])["tokens"]
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
 
 
 def test_the_plugin_maps_the_arena_and_computes_what_vllms_loader_does(
@@ -64,13 +77,18 @@ def test_the_plugin_maps_the_arena_and_computes_what_vllms_loader_does(
     daemon = subprocess.Popen(
         [*command, "--socket", str(socket_path)], env={**ENV, **VLLM_ENV}, stderr=subprocess.PIPE, text=True
     )
+    workers: list[Offline] = []
     try:
+        # vLLM's own loading needs no daemon: it runs while the daemon loads and while the mapped engine runs.
+        workers.append(Offline(vllm_python, bf16_model, tmp_path / "own", "auto"))
         wait_until(lambda: socket_path.with_suffix(".ready").exists() or daemon.poll() is not None, 600, "daemon")
         assert daemon.poll() is None, daemon.stderr.read()
         extra = {"socket": str(socket_path), "report": str(report)}
-        mapped = offline_tokens(vllm_python, bf16_model, "hotweights", extra)
-        own = offline_tokens(vllm_python, bf16_model, "auto")
+        workers.append(Offline(vllm_python, bf16_model, tmp_path / "mapped", "hotweights", extra))
+        own, mapped = (worker.tokens() for worker in workers)
     finally:
+        for worker in workers:
+            worker.kill()
         daemon.terminate()
         daemon.wait(60)
     assert mapped == own
