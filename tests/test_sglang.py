@@ -91,14 +91,25 @@ class Server:
         assert reply.status_code == 200, reply.text
         return reply.json()["output_ids"]
 
-    def stop(self) -> None:
+    def terminate(self) -> None:
         if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(60)
+
+    def stop(self) -> None:
+        self.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(60)
         with contextlib.suppress(ProcessLookupError):  # the scheduler and detokenizer, should they outlive it
             os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait()
+
+
+def stop_all(servers: list[Server]) -> None:
+    """Stop the servers together: each takes seconds to shut down."""
+    for server in servers:
+        server.terminate()
+    for server in servers:
+        server.stop()
 
 
 @pytest.fixture(scope="class")
@@ -125,8 +136,7 @@ def pair(
             wait_until(server.ready, START_S, f"SGLang on {server.log.name}", interval=0.5)
         yield servers[0], servers[1], *reports
     finally:
-        for server in servers:
-            server.stop()
+        stop_all(servers)
         daemon.terminate()
         daemon.wait(60)
 
