@@ -237,15 +237,24 @@ def test_a_copy_with_the_recorded_content_is_adopted_after_its_keyed_digest(mode
 # --- snapshots -------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def snapshot(model: Path, own_world: Path) -> Path:
-    """A snapshot of ``model`` written by the real CLI."""
-    out = own_world / "tiny.snap"
+def snapshot_of(model: Path, out: Path) -> Path:
+    """A snapshot of ``model`` written to ``out`` by the real CLI."""
     command = hotweights_command("cache", "snapshot", "--model", str(model), str(out))
     done = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith(f"wrote {out}: 15 tensors")
     return out
+
+
+@pytest.fixture
+def snapshot(model: Path, own_world: Path) -> Path:
+    return snapshot_of(model, own_world / "tiny.snap")
+
+
+@pytest.fixture(scope="module")
+def tiny_snapshot(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A snapshot of the (unchanged) tiny model, written once: tests damage copies of it."""
+    return snapshot_of(tiny_model, tmp_path_factory.mktemp("snapshot") / "tiny.snap")
 
 
 def test_snapshot_round_trip_serves_the_same_arena_without_the_checkpoint(
@@ -302,11 +311,14 @@ SNAPSHOT_FAULTS = {
 
 
 @pytest.mark.parametrize("fault", sorted(SNAPSHOT_FAULTS))
-def test_a_bad_snapshot_is_refused_with_the_reason(model: Path, snapshot: Path, fault: str) -> None:
+def test_a_bad_snapshot_is_refused_with_the_reason(
+    tiny_model: Path, tiny_snapshot: Path, own_world: Path, fault: str
+) -> None:
+    snapshot = Path(shutil.copy2(tiny_snapshot, own_world / "tiny.snap"))
     damage, reason = SNAPSHOT_FAULTS[fault]
     damage(snapshot)
     with pytest.raises(SourceRefused, match=reason.replace("(", r"\(").replace(")", r"\)")):
-        load_snapshot(snapshot, fingerprint_of(model), get_backend("cpu-shm"), torch.device("cpu"))
+        load_snapshot(snapshot, fingerprint_of(tiny_model), get_backend("cpu-shm"), torch.device("cpu"))
 
 
 def test_a_snapshot_of_another_model_is_never_served(model: Path, sock: Path, own_world: Path) -> None:
