@@ -406,7 +406,7 @@ def validate(config: ClusterConfig) -> None:
     src = config.source
 
     def positive(where: str, value: float) -> None:
-        if value <= 0:
+        if not value > 0:  # NaN too
             raise ConfigError(f"{src}: {where} must be > 0, found {value}")
 
     for where, value in [
@@ -431,7 +431,7 @@ def validate(config: ClusterConfig) -> None:
         ("engine.queue_wait_share", config.engine.queue_wait_share),
         ("gateway.max_in_flight", config.gateway.max_in_flight),
     ]:
-        if count < 0:
+        if not count >= 0:  # NaN too
             raise ConfigError(f"{src}: {where} must be >= 0, found {count}")
     if not 1 <= config.gateway.workers <= MAX_GATEWAY_WORKERS:
         raise ConfigError(f"{src}: gateway.workers must be 1..{MAX_GATEWAY_WORKERS}, found {config.gateway.workers}")
@@ -498,7 +498,7 @@ def _check_dcs(dcs: DcsSection, src: str) -> None:
         )
     for where, value in [("dcs.ttl_s", dcs.ttl_s), ("dcs.loop_wait_s", dcs.loop_wait_s),
                          ("dcs.retry_timeout_s", dcs.retry_timeout_s)]:  # fmt: skip
-        if value <= 0:
+        if not value > 0:  # NaN too
             raise ConfigError(f"{src}: {where} must be > 0, found {value}")
     if dcs.ttl_s < dcs.loop_wait_s + 2 * dcs.retry_timeout_s:
         raise ConfigError(

@@ -191,7 +191,7 @@ def check_options(options: EngineOptions) -> None:
         raise ConfigError(f"--kv-cache-tokens must be >= 2, found {options.kv_cache_tokens}")
     if options.max_batch < 1:
         raise ConfigError(f"--max-batch must be >= 1, found {options.max_batch}")
-    if options.max_queue < 0 or options.queue_timeout <= 0 or options.max_body_bytes < 1:
+    if options.max_queue < 0 or not options.queue_timeout > 0 or options.max_body_bytes < 1:
         found = f"{options.max_queue}, {options.queue_timeout}, {options.max_body_bytes}"
         raise ConfigError(f"--max-queue >= 0, --queue-timeout > 0 and --max-body-bytes >= 1 expected, found {found}")
     if not options.queue_wait_share >= 0:
