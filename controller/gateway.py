@@ -136,6 +136,12 @@ def suspect_message(failures: list[str]) -> str:
     )
 
 
+def upstream_headers(request: Request) -> list[tuple[str, str]]:
+    """The client's headers that go on to an engine: not the hop-by-hop ones, nor the replay count that only the
+    gateway sets (``REPLAY_HEADER``)."""
+    return [(k, v) for k, v in request.headers.items() if k not in HOP_BY_HOP and k != REPLAY_HEADER]
+
+
 def suspect_answer(message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": SUSPECT_REQUEST, "param": None}}, status_code=422)
 
@@ -303,7 +309,7 @@ class Gateway:
     ) -> Response:
         """Open the upstream response and read its first chunk: until then a failure can be retried (and an
         engine's 429 too, when the request is ``owed``)."""
-        headers = [(k, v) for k, v in request.headers.items() if k not in HOP_BY_HOP]
+        headers = upstream_headers(request)
         query = f"?{request.url.query}" if request.url.query else ""
         outgoing = self.client.build_request(request.method, upstream.url + path + query, headers=headers, content=body)
         try:
@@ -399,8 +405,7 @@ class Gateway:
         fails before its first byte (an ``owed`` one after a 429 too); an engine's own non-200 answer (a 400,
         say) as it is; 503 at the deadline; 422 once ``suspect_after`` engines have failed with the request in
         flight. ``replay``: a continuation's generated tokens at the end of its prompt (``REPLAY_HEADER``)."""
-        headers = [(k, v) for k, v in request.headers.items() if k not in HOP_BY_HOP and k != REPLAY_HEADER]
-        headers += [(REPLAY_HEADER, str(replay))] if replay else []
+        headers = upstream_headers(request) + ([(REPLAY_HEADER, str(replay))] if replay else [])
         last_failure = ""
         busy = 0  # 429s met so far
         while True:

@@ -23,7 +23,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from hotweights.contract import SUSPECT_REQUEST, Endpoint
+from hotweights.contract import REPLAY_HEADER, SUSPECT_REQUEST, Endpoint
 from hotweights.ports import free_port
 from hotweights.spawn import hotweights_command
 from hotweights.standby.serving import bind_port
@@ -326,6 +326,7 @@ class CutUpstreams(ThreadedUpstreams):
 
     def __init__(self) -> None:
         self.cut = threading.Event()
+        self.received: list[dict[str, str]] = []  # each completion's request headers
         self.servers = [ThreadingHTTPServer(("127.0.0.1", 0), self.handler(name)) for name in ("a", "b")]
         self.urls = [f"http://127.0.0.1:{server.server_address[1]}" for server in self.servers]
 
@@ -340,6 +341,7 @@ class CutUpstreams(ThreadedUpstreams):
 
             def do_POST(self) -> None:
                 self.rfile.read(int(self.headers["content-length"]))
+                upstreams.received.append({k.lower(): v for k, v in self.headers.items()})
                 if name == "b":
                     self.reply(200, json.dumps({"choices": [{"text": "from b"}]}).encode())
                     return
@@ -366,18 +368,25 @@ class CutUpstreams(ThreadedUpstreams):
 
 
 def test_a_reply_cut_before_its_whole_body_is_retried_on_the_next_primary(tmp_path: Path) -> None:
-    """Nothing of a non-streamed reply reaches the client before its whole body did: the cut one is re-sent."""
+    """Nothing of a non-streamed reply reaches the client before its whole body did: the cut one is re-sent. A
+    client's replay count, which only the gateway sets, reaches no engine, migratable request or not."""
     config = write_cluster(tmp_path / "cluster.toml", [])
     with CutUpstreams().running() as upstreams:
         a, b = upstreams.urls
         with GatewayProcess(config, "--upstream", a, "--upstream", b) as gateway:
             gateway.wait_health(lambda h: [u["is_primary"] for u in h["upstreams"]] == [True, False], what="a primary")
-            response = gateway.client.post(Endpoint.COMPLETIONS, json={"prompt": "x"})
+            replay = {REPLAY_HEADER: "1"}
+            response = gateway.client.post(Endpoint.COMPLETIONS, json={"prompt": "x"}, headers=replay)
             assert upstreams.cut.is_set()
             assert response.status_code == 200, response.text
             assert response.json()["choices"][0]["text"] == "from b"
             assert response.headers["x-hotweights-upstream"] == b
             assert metric(gateway, "hotweights_gateway_retries_total") >= 1
+            before = len(upstreams.received)  # the cut one's tries
+            relayed = gateway.client.post(Endpoint.COMPLETIONS, json={"prompt": ["x", "y"]}, headers=replay)
+            assert relayed.status_code == 200, relayed.text
+            assert len(upstreams.received) == before + 1
+            assert not [h for h in upstreams.received if REPLAY_HEADER in h], upstreams.received
 
 
 class Load:
