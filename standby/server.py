@@ -150,8 +150,12 @@ def build_app(ctx: EngineContext) -> FastAPI:
             texts = iter(ctx.tokenizer.encode_batch([p for p in request.prompts if isinstance(p, str)]))
             return [next(texts).ids if isinstance(p, str) else p for p in request.prompts]
 
-        replayed = replay if ctx.batch_invariant else None
-        return await admitted(request, Api.COMPLETIONS, encode, sum(map(len, request.prompts)), replayed)
+        if not ctx.batch_invariant or replay is None:
+            replay = 0
+        elif len(request.prompts) != 1 or isinstance(request.prompts[0], str) or replay >= len(request.prompts[0]):
+            message = f"{REPLAY_HEADER} {replay} needs one prompt of token ids longer than that"
+            return error(400, message, "invalid_request_error", REPLAY_HEADER)
+        return await admitted(request, Api.COMPLETIONS, encode, sum(map(len, request.prompts)), replay)
 
     @app.post(Endpoint.CHAT_COMPLETIONS, response_model=None, responses=answers)
     async def chat_completions(request: ChatRequest) -> Response:
@@ -169,7 +173,7 @@ def build_app(ctx: EngineContext) -> FastAPI:
         api: Api,
         encode: Callable[[], list[list[int]]],
         chars: int,
-        replay: int | None = None,
+        replay: int = 0,
     ) -> Response:
         """The request run once admission lets it in and its prompt (tokenized by ``encode``, in a worker
         thread above ``INLINE_PROMPT_CHARS``) fits, ``replay`` of its last tokens fed through decode steps
@@ -185,12 +189,12 @@ def build_app(ctx: EngineContext) -> FastAPI:
         try:
             # encode_batch releases the GIL: the event loop runs on meanwhile
             prompt_ids = encode() if chars <= INLINE_PROMPT_CHARS else await asyncio.to_thread(encode)
-            if refused := prompt_refusal(prompt_ids, request.max_tokens) or replay_refusal(request, replay):
+            if refused := prompt_refusal(prompt_ids, request.max_tokens):
                 return refused
             if reason := roles.serving_refusal():  # it may have changed while the request waited
                 return unavailable(reason)
             handed_over = True
-            return await serve(request, prompt_ids, api, replay or 0)
+            return await serve(request, prompt_ids, api, replay)
         finally:
             if not handed_over:
                 ctx.admission.leave()
@@ -209,16 +213,6 @@ def build_app(ctx: EngineContext) -> FastAPI:
                     f"{ctx.context_tokens}-token context (--kv-cache-tokens)"
                 )
                 return error(400, message, "invalid_request_error", "max_tokens")
-        return None
-
-    def replay_refusal(request: SamplingRequest, replay: int | None) -> JSONResponse | None:
-        """400 unless ``replay`` is None, or fewer than the tokens of the request's one token-id prompt."""
-        if replay is None:
-            return None
-        prompts = getattr(request, "prompts", [])
-        if len(prompts) != 1 or isinstance(prompts[0], str) or replay >= len(prompts[0]):
-            message = f"{REPLAY_HEADER} {replay} needs one prompt of token ids longer than that"
-            return error(400, message, "invalid_request_error", REPLAY_HEADER)
         return None
 
     async def serve(request: SamplingRequest, prompt_ids: list[list[int]], api: Api, replay: int = 0) -> Response:

@@ -20,7 +20,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from hotweights.contract import Endpoint
+from hotweights.contract import REPLAY_HEADER, Endpoint
 from hotweights.controller.migration import Ledger, Migratable, Refusal, StopStrings, plan
 from hotweights.standby.sampling import token_seed
 from tests.cachehelpers import wait_until
@@ -409,3 +409,9 @@ def test_requests_survive_a_killed_and_then_a_hung_primary(
     assert len(migrations) == sum(migrated for _, migrated in figures.values())
     # A primary whose probe timed out under load is cut too, and its requests may go back to it: any engine.
     assert all(e["to"] in (a.url, b.url, c.url) and e["tokens_replayed"] >= 0 for e in migrations)
+    # c, batch-invariant, now serves: a replay count needs one token-id prompt longer than it.
+    for prompt, count, status in (([5, 6, 7], "2", 200), ([5, 6, 7], "3", 400), (["text"], "1", 400)):
+        body = {"prompt": prompt[0] if isinstance(prompt[0], str) else prompt, "max_tokens": 2}
+        answer = c.client.post(Endpoint.COMPLETIONS, json=body, headers={REPLAY_HEADER: count})
+        assert answer.status_code == status, answer.text
+        assert status == 200 or answer.json()["error"]["param"] == REPLAY_HEADER
