@@ -11,9 +11,10 @@ remaining tokens are done, and a request is queued only if the slot it waits for
 that share of a typical completion's time. Without it, requests of equal length start and end in waves, and
 one that arrives early in a wave waits for all of it. On an H200, ``medium`` (``max_batch`` 4) at 5x its
 capacity: admitted p99 over the quiet p99 2.26 with a queue of one alone, 1.68 with a queue of one and a share
-of 0.5, 2.13 with the default queue and a share of 0.5. It is off by default because it refuses more right
-after a failover, while the new primary works through the burst that was held for it: in a storm of faults
-on ``xl`` at 10 requests/s, a queue of one with a share of 0.5 answered 429 to requests that arrived then.
+of 0.5, 2.13 with the default queue and a share of 0.5. It is off by default because it also refuses at
+moderate load while an engine is briefly slow (a failover's held burst, a spare warming up): with a queue of
+one and a share of 0.5, a storm of faults at 10 requests/s got 429s, on ``xl`` on an H200 and on the tiny model
+on CPU (18-20 of about 500 requests).
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ QUEUE_WAIT_S = 10.0  # how long a queued request waits for a slot by default
 
 @dataclass(frozen=True)
 class ServingLimits:
-    """How much one engine takes on: the defaults of ``hotweights engine``'s flags, ``hotweights agent``'s and
-    ``[engine]`` of ``cluster.toml``, defined here once."""
+    """How one engine serves and how much it takes on: the defaults of ``hotweights engine``'s flags, ``hotweights
+    agent``'s and ``[engine]`` of ``cluster.toml``, defined here once (``queue_wait_share`` and ``batch_invariant``
+    are the reference engine's only)."""
 
     kv_cache_tokens: int = 4096  # KV cache positions per sequence slot (prompt and generated tokens)
     max_batch: int = 4  # sequences generated at once
