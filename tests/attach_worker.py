@@ -19,11 +19,18 @@ from hotweights.standby.weights import load_model
 from hotweights.tokenizer import load_tokenizer
 
 PROMPT = "The failover took"
+CHUNK = 1 << 15  # elements per slice of a checksum (256 KiB in float64)
 
 
 def tensor_digest(tensor: torch.Tensor) -> str:
     """sha256 of the tensor's bytes: bitwise comparison across processes and devices."""
     return hashlib.sha256(tensor.contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
+
+
+def checksum(tensor: torch.Tensor) -> float:
+    """The sum of a tensor's values in float64, a slice at a time: reads every page, and its temporaries stay small,
+    so the allocator keeps no copy of a tensor that the memory command would count as the engine's own."""
+    return float(sum(chunk.double().sum() for chunk in tensor.reshape(-1).split(CHUNK)))
 
 
 def private_kib() -> int:
@@ -44,7 +51,7 @@ def main() -> None:
             ids = tokenizer.encode(PROMPT).ids
             reply = {"tokens": list(generate(loaded.model, ids, 12))}
         elif command == "checksum":
-            reply = {"sums": {n: float(p.double().sum()) for n, p in loaded.model.state_dict().items()}}
+            reply = {"sums": {n: checksum(p) for n, p in loaded.model.state_dict().items()}}
         elif command == "digest":
             reply = {"digests": {n: tensor_digest(p) for n, p in loaded.model.state_dict().items()}}
         elif command == "memory":
