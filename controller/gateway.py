@@ -58,11 +58,11 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from hotweights.admission import RETRY_AFTER_S, Admission
+from hotweights.admission import Admission
 from hotweights.contract import (
     NOT_NORMALIZED,
     REPLAY_HEADER,
-    SUSPECT_REQUEST,
+    WEIGHTS_HEADER,
     Endpoint,
     forwardable_path,
 )
@@ -70,6 +70,16 @@ from hotweights.controller.config import SUSPECT_AFTER, ClusterConfig
 from hotweights.controller.dcs import LeaderUrls
 from hotweights.controller.discovery import Discovery, Upstream, reason_of
 from hotweights.controller.events import EventLog
+from hotweights.controller.gatewayanswers import (
+    SegmentFailed,
+    UpstreamFailed,
+    not_found,
+    refusal,
+    sse_event,
+    suspect_answer,
+    suspect_message,
+    unavailable,
+)
 from hotweights.controller.gatewaymetrics import GatewayMetrics
 from hotweights.controller.migration import Ledger, Migratable, Refusal, plan
 from hotweights.proxying import HOP_BY_HOP, ProxiedStream
@@ -83,67 +93,10 @@ BUSY_RETRY_S = 0.01  # an owed request's first wait after an engine's 429 (modul
 BUSY_RETRY_MAX_S = 0.2  # the longest of those waits
 
 
-class SegmentFailed(Exception):
-    """A migratable completion's upstream failed after its response began: the request continues elsewhere."""
-
-    def __init__(self, message: str, *, while_serving: bool = False, suspect: bool = False) -> None:
-        super().__init__(message)
-        self.while_serving = while_serving  # its connection failed while it was primary (counted for suspects)
-        self.suspect = suspect  # the request is not migrated because it is suspect (gateway.suspect_after)
-
-    def answer(self) -> JSONResponse:
-        """The error a non-streamed client gets: 422 when the request is suspect, else 503."""
-        return suspect_answer(str(self)) if self.suspect else unavailable(str(self))
-
-    def event(self) -> bytes:
-        """The error event that ends a streamed client's response."""
-        kind = SUSPECT_REQUEST if self.suspect else "unavailable"
-        return _sse({"error": {"message": str(self), "type": kind, "param": None}})
-
-
-class UpstreamFailed(Exception):
-    """The upstream failed before any byte reached the client: the request may go elsewhere (or, of kind
-    ``busy``, to the same engine once it has a slot)."""
-
-    def __init__(self, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.kind = kind
-
-
-def _sse(payload: dict) -> bytes:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
-
-
-def not_found(message: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "not_found_error", "param": None}}, status_code=404)
-
-
-def refusal(status: int, message: str, kind: str) -> JSONResponse:
-    """An OpenAI-shaped error that tells the client to come back (``Retry-After``)."""
-    body = {"error": {"message": message, "type": kind, "param": None}}
-    return JSONResponse(body, status_code=status, headers={"Retry-After": str(RETRY_AFTER_S)})
-
-
-def unavailable(message: str) -> JSONResponse:
-    return refusal(503, message, "unavailable")
-
-
-def suspect_message(failures: list[str]) -> str:
-    """Why a request is not re-sent: it was in flight on every engine of ``failures`` as it failed."""
-    return (
-        f"not re-sent: {len(failures)} engines failed while serving this request (gateway.suspect_after), so it "
-        f"may be what made them fail; last: {failures[-1]}"
-    )
-
-
 def upstream_headers(request: Request) -> list[tuple[str, str]]:
     """The client's headers that go on to an engine: not the hop-by-hop ones, nor the replay count that only the
     gateway sets (``REPLAY_HEADER``)."""
     return [(k, v) for k, v in request.headers.items() if k not in HOP_BY_HOP and k != REPLAY_HEADER]
-
-
-def suspect_answer(message: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": SUSPECT_REQUEST, "param": None}}, status_code=422)
 
 
 class Gateway:
@@ -387,6 +340,7 @@ class Gateway:
         opened = await self.open_segment(request, path, ledger.request.upstream_body(), deadline, ledger, owed)
         if isinstance(opened, Response):
             return opened
+        ledger.weights = opened[1].headers.get(WEIGHTS_HEADER)
         events = self.migrated_events(request, ledger, *opened)
         if ledger.request.stream:
             headers = {"cache-control": "no-cache", "x-hotweights-upstream": opened[0].url}
@@ -492,19 +446,35 @@ class Gateway:
         self, request: Request, ledger: Ledger, body: dict, failure: str, cut_at: float
     ) -> tuple[Upstream, httpx.Response]:
         """The continuation's stream on the next primary, held by the hold rules counted from the cut;
-        SegmentFailed when none serves it in time. Either way one event says so."""
+        SegmentFailed when none serves it in time. Either way one event says so. A next primary that computes
+        with other weights (a model update's) never continues it: the request runs again from its prompt there
+        when its client saw nothing yet, else it fails, saying why."""
         replayed = len(ledger.released)
         log.info("migrating %s after %d tokens: %s", ledger.id, replayed, failure)
         self.metrics.tokens_replayed.inc(replayed)
-        replay = replayed if ledger.prompt_ids is not None else 0  # else the request is sent again as it was
         deadline = cut_at + self.hold_s
-        opened = await self.open_segment(request, Endpoint.COMPLETIONS, body, deadline, ledger, True, replay)
-        if isinstance(opened, Response):
-            self.metrics.migrations.labels("failed").inc()
-            reason = bytes(opened.body).decode(errors="replace")[:300]
-            message = f"the upstream {failure}; the request could not be migrated: {reason}"
-            self.events.record("migration_failed", message, request=ledger.id)
-            raise SegmentFailed(message, suspect=opened.status_code == 422)
+        while True:
+            replay = len(ledger.released) if ledger.prompt_ids is not None else 0  # else sent again as it was
+            opened = await self.open_segment(request, Endpoint.COMPLETIONS, body, deadline, ledger, True, replay)
+            if isinstance(opened, Response):
+                reason = bytes(opened.body).decode(errors="replace")[:300]
+                message = f"the upstream {failure}; the request could not be migrated: {reason}"
+                self.migration_failed(ledger, message)
+                raise SegmentFailed(message, suspect=opened.status_code == 422)
+            if ledger.continues_on(weights := opened[1].headers.get(WEIGHTS_HEADER)):
+                break
+            await opened[1].aclose()
+            why = f"the next primary {opened[0].url} serves other weights ({weights}, not {ledger.weights})"
+            if not ledger.client_saw_nothing:
+                message = f"the upstream {failure}; the request cannot be continued: {why}"
+                self.migration_failed(ledger, message)
+                raise SegmentFailed(message)
+            self.events.record(
+                "migration_restarted", f"{ledger.id} runs again from its prompt: {why}", request=ledger.id
+            )
+            ledger.restart()
+            body = ledger.request.upstream_body()
+        ledger.weights = ledger.weights or weights
         self.metrics.migrations.labels("migrated").inc()
         to = opened[0].url
         self.events.record(
@@ -516,6 +486,10 @@ class Gateway:
             reopen_ms=round((time.monotonic() - cut_at) * 1000, 1),
         )
         return opened
+
+    def migration_failed(self, ledger: Ledger, message: str) -> None:
+        self.metrics.migrations.labels("failed").inc()
+        self.events.record("migration_failed", message, request=ledger.id)
 
     async def segment(self, upstream: Upstream, response: httpx.Response, ledger: Ledger) -> AsyncIterator[dict]:
         """One upstream's chunks, as the client sees them; SegmentFailed unless it ends with ``[DONE]``.
@@ -554,13 +528,13 @@ class Gateway:
         an error event (and no ``[DONE]``) when it could not be migrated."""
         try:
             async for chunk in events:
-                yield _sse(chunk)
+                yield sse_event(chunk)
         except SegmentFailed as exc:
             log.warning("%s", exc)
             yield exc.event()
             return
         if ledger.request.include_usage:
-            yield _sse(ledger.usage_chunk())
+            yield sse_event(ledger.usage_chunk())
         yield b"data: [DONE]\n\n"
 
     def health(self) -> dict[str, object]:

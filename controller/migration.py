@@ -197,6 +197,7 @@ class Ledger:
     shown: int = 0  # choices shown to the client so far
     migrations: int = 0
     failed_on: dict[str, str] = field(default_factory=dict)  # engine -> how it failed with this request in flight
+    weights: str | None = None  # what the engine of its first segment computes with (WEIGHTS_HEADER); None: unnamed
     stops: StopStrings = field(init=False)
 
     def __post_init__(self) -> None:
@@ -206,6 +207,22 @@ class Ledger:
     def stopped(self) -> bool:
         """A stop string was met: the request is over, whatever the engine goes on generating."""
         return self.stops.hit
+
+    @property
+    def client_saw_nothing(self) -> bool:
+        """Nothing generated has reached the client: a non-streamed reply (sent whole at the end), or a stream
+        before its first choice."""
+        return not self.request.stream or self.shown == 0
+
+    def continues_on(self, weights: str | None) -> bool:
+        """Whether an engine that names ``weights`` may continue this request: the weights of its first segment,
+        or either unnamed (an engine that does not say)."""
+        return self.weights is None or weights is None or weights == self.weights
+
+    def restart(self) -> None:
+        """Forget what was generated, so that the request runs again from its prompt (when the weights that
+        computed it are no longer served and its client saw nothing); which engines failed with it is kept."""
+        self.__dict__.update(Ledger(self.request, migrations=self.migrations, failed_on=self.failed_on).__dict__)
 
     @property
     def remaining(self) -> int:

@@ -6,6 +6,7 @@ engines of its group the same path, so engines and daemon agree without recomput
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -34,6 +35,12 @@ class Generation:
 
     number: int
     model_dir: Path
+
+    @property
+    def weights_id(self) -> str:
+        """What its agents name as their weights (``agent --weights-id``): the same for every engine of this
+        generation, another for the next one."""
+        return hashlib.sha256(f"{self.number}:{self.model_dir}".encode()).hexdigest()[:16]
 
 
 def check_directories(config: ClusterConfig) -> None:
@@ -218,6 +225,7 @@ class Layout:
         command += ["--role", Role.STANDBY]
         command += ["--engine-id", spec.id, "--drain-timeout", str(self.config.engine.drain_timeout_s)]
         command += ["--ready-timeout", str(group.start_timeout()), "--log-dir", str(self.log_dir)]
+        command += ["--weights-id", generation.weights_id]
         if self.config.cluster.token_file:
             command += ["--token-file", str(Path(self.config.cluster.token_file).expanduser().resolve())]
         loader = json.dumps({"socket": str(self.socket(spec.group, 0, generation.number))})

@@ -69,6 +69,9 @@ SUSPECT_REQUEST = "suspect_request"  # the error type of a request the gateway w
 # On a migrated completion's continuation: how many of its prompt's last token ids an engine generated before the cut.
 # A batch-invariant reference engine feeds them through decode steps, as they were first computed; others ignore it.
 REPLAY_HEADER = "x-hotweights-replay"
+# On an engine's completion answers: an opaque id of the weights it computes with (the reference engine's fingerprint,
+# an agent's --weights-id). A migrated completion continues only on an engine that names the same weights.
+WEIGHTS_HEADER = "x-hotweights-weights"
 ENGINE_PORT = (
     8200  # an engine's, and a cluster's first engine's (``base_port``); the controller's 8100, the gateway's 8000
 )

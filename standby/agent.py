@@ -40,6 +40,7 @@ from hotweights.admission import ServingLimits
 from hotweights.contract import (
     ENGINE_PORT,
     NOT_NORMALIZED,
+    WEIGHTS_HEADER,
     Endpoint,
     Role,
     forwardable_path,
@@ -148,6 +149,7 @@ class AgentContext:
     token: str | None
     capacity: PassThrough
     model: str | None = None  # the served model id, once ready
+    weights_id: str | None = None  # named on every relayed answer (WEIGHTS_HEADER); None: not named
     ready: bool = False
     missed: int = 0  # health probes in a row the engine did not answer with 200
     started: float = field(default_factory=time.monotonic)
@@ -284,9 +286,12 @@ async def send(ctx: AgentContext, client: httpx.AsyncClient, request: Request, p
 def relayed(
     ctx: AgentContext, upstream: httpx.Response, content: AsyncIterator[bytes], status: int, headers: dict[str, str]
 ) -> ProxiedStream:
-    """``content`` of the engine's ``upstream`` response as the reply; the roles stop counting the request
-    (``Roles.admit``) once it is closed."""
+    """``content`` of the engine's ``upstream`` response as the reply, naming this agent's weights (if it was
+    given them); the roles stop counting the request (``Roles.admit``) once it is closed."""
     ctx.capacity.relayed.add(upstream)
+    headers = {k: v for k, v in headers.items() if k.lower() != WEIGHTS_HEADER}
+    if ctx.weights_id is not None:
+        headers[WEIGHTS_HEADER] = ctx.weights_id
 
     async def closed() -> None:
         ctx.capacity.relayed.discard(upstream)
@@ -400,7 +405,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     roles = Roles(Role(args.role), capacity, args.drain_timeout)
     metrics = EngineMetrics()
     metrics.bind(roles, lambda: 0, {"engine_id": engine_id, "mode": "agent", "source": args.kind})
-    ctx = AgentContext(engine_id, KINDS[args.kind], child, roles, metrics, token, capacity)
+    ctx = AgentContext(engine_id, KINDS[args.kind], child, roles, metrics, token, capacity, weights_id=args.weights_id)
     config = server_config(
         build_agent_app(ctx, client), HttpLimits(), ErrorShape.OPENAI, host=args.host, lifespan="off"
     )
@@ -434,5 +439,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ready-timeout", type=float, default=900.0, help="seconds the engine gets to be ready (900)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds the engine gets to stop (30)")
     p.add_argument("--log-dir", default=".", help="where the engine's log goes (default: here)")
+    p.add_argument(
+        "--weights-id",
+        help="an id of the weights the engine serves, named on every answer it relays, so that a gateway continues "
+        "a cut completion only on an engine with the same weights (default: none named, never checked)",
+    )
     p.add_argument("engine_command", nargs=argparse.REMAINDER, help="-- the engine command, with {port}")
     p.set_defaults(func=cmd_agent)

@@ -23,7 +23,7 @@ from starlette.types import Receive, Scope, Send
 from tokenizers import Tokenizer
 
 from hotweights.admission import RETRY_AFTER_S, Admission
-from hotweights.contract import REPLAY_HEADER, Endpoint
+from hotweights.contract import REPLAY_HEADER, WEIGHTS_HEADER, Endpoint
 from hotweights.httpguard import short
 from hotweights.standby.chat import ChatTemplate
 from hotweights.standby.completions import (
@@ -105,8 +105,8 @@ class EngineContext:
 class ClosingStream(StreamingResponse):
     """A streaming response that runs ``on_close`` however it ends: done, client gone, or cancelled."""
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
-        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None], headers: dict[str, str]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})
         self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -144,7 +144,8 @@ def build_app(ctx: EngineContext) -> FastAPI:
         ``model``; 408/413 a body too slow or too large; 429 overloaded (with ``Retry-After``); 503 not
         serving (standby, draining, drained) or cancelled by a drain deadline or shutdown; 500 the
         generation failed. The ``x-hotweights-replay`` header (a migrated request's continuation: how many of
-        its prompt's last token ids were generated before) is honoured with ``--batch-invariant`` only."""
+        its prompt's last token ids were generated before) is honoured with ``--batch-invariant`` only. Every answer
+        names the weights that computed it (``WEIGHTS_HEADER``: the fingerprint)."""
 
         def encode() -> list[list[int]]:
             texts = iter(ctx.tokenizer.encode_batch([p for p in request.prompts if isinstance(p, str)]))
@@ -232,10 +233,11 @@ def build_app(ctx: EngineContext) -> FastAPI:
             if run.first_token_s is not None:
                 metrics.time_to_first_token.observe(run.first_token_s)
 
+        weights = {WEIGHTS_HEADER: ctx.fingerprint}
         if request.stream:
-            return ClosingStream(run.sse(), close)
+            return ClosingStream(run.sse(), close, weights)
         try:
-            return JSONResponse(await run.collect())
+            return JSONResponse(await run.collect(), headers=weights)
         except GenerationAborted as exc:
             if exc.finish.reason == "cancelled":
                 return unavailable(f"{exc}: the engine is draining or shutting down")

@@ -17,16 +17,18 @@ from pathlib import Path
 import httpx
 import pytest
 
-from hotweights.contract import Endpoint
+from hotweights.contract import WEIGHTS_HEADER, Endpoint
 from hotweights.ports import free_port
 from hotweights.spawn import hotweights_command
 from tests.cachehelpers import ENV, wait_until
 
 
-def agent(tmp_path: Path, *engine: str, ready_timeout: float = 60.0, role: str = "standby") -> subprocess.Popen:
+def agent(
+    tmp_path: Path, *engine: str, ready_timeout: float = 60.0, role: str = "standby", flags: tuple[str, ...] = ()
+) -> subprocess.Popen:
     port = free_port()
     command = hotweights_command("agent", "--port", str(port), "--engine-id", "g0-e1", "--log-dir", str(tmp_path))
-    command += ["--role", role]
+    command += ["--role", role, *flags]
     command += ["--ready-timeout", str(ready_timeout), "--", *engine]
     process = subprocess.Popen(command, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     process.port = port  # type: ignore[attr-defined]
@@ -60,14 +62,17 @@ def test_an_engine_command_without_its_port_is_refused_before_anything_starts(tm
 
 def test_a_request_the_engine_drops_unanswered_is_503_so_a_gateway_retries_it(tmp_path: Path) -> None:
     """The engine closes the connection without an answer (as when it dies mid-request): the agent says 503
-    with Retry-After, which a gateway sends to the next primary, not a 5xx it passes on to the client."""
+    with Retry-After, which a gateway sends to the next primary, not a 5xx it passes on to the client. What it
+    relays names the weights it was told its engine serves."""
     engine = Path(__file__).with_name("dropping_engine.py")
-    process = agent(tmp_path, sys.executable, str(engine), "{port}", role="primary")
+    flags = ("--weights-id", "w1")
+    process = agent(tmp_path, sys.executable, str(engine), "{port}", role="primary", flags=flags)
     try:
         url = f"http://127.0.0.1:{process.port}"  # type: ignore[attr-defined]
         ready = lambda: httpx.get(url + Endpoint.READY, timeout=5).status_code == 200  # noqa: E731
         wait_until(lambda: _answers(ready), 60, "the agent ready")
-        assert httpx.post(url + Endpoint.COMPLETIONS, json={"prompt": "ok"}, timeout=10).status_code == 200
+        answered = httpx.post(url + Endpoint.COMPLETIONS, json={"prompt": "ok"}, timeout=10)
+        assert (answered.status_code, answered.headers[WEIGHTS_HEADER]) == (200, "w1")
         dropped = httpx.post(url + Endpoint.COMPLETIONS, json={"prompt": "drop"}, timeout=10)
         assert (dropped.status_code, dropped.headers["retry-after"]) == (503, "1")
         assert dropped.json()["error"]["message"].startswith("the engine did not answer")

@@ -195,6 +195,9 @@ def test_an_sglang_group_runs_its_daemon_and_agents_with_sglangs_python(tmp_path
     assert engine[engine.index("--served-model-name") + 1] == str(tiny_model.resolve())
     socket = json.loads(engine[engine.index("--model-loader-extra-config") + 1])["socket"]
     assert socket == str(layout.socket(0, 0, 1)) != str(layout.socket(0))
+    # Its agents name other weights than the first generation's, so no cut completion continues across the update.
+    weights = [command[command.index("--weights-id") + 1] for command in (agent, engine)]
+    assert weights == [layout.first_generation.weights_id, update.weights_id] and len(set(weights)) == 2
 
 
 def test_direct_io_reaches_the_daemon_and_the_batch_engine_has_no_graphs(tmp_path: Path, tiny_model: Path) -> None:

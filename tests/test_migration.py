@@ -24,6 +24,7 @@ from hotweights.contract import REPLAY_HEADER, Endpoint
 from hotweights.controller.migration import Ledger, Migratable, Refusal, StopStrings, plan
 from hotweights.standby.sampling import token_seed
 from tests.cachehelpers import wait_until
+from tests.conftest import make_checkpoint
 from tests.enginehelpers import EngineProcess
 from tests.gatewayhelpers import GatewayProcess, write_cluster
 
@@ -208,6 +209,25 @@ def test_the_engine_is_asked_without_stop_strings_and_the_gateway_ends_at_one_ac
     assert "stop" not in continuation and continuation["prompt"] == [5, 1, 2]
     shown = ledger.take(chunk("TOPb", [3]))["choices"][0]
     assert (shown["text"], shown["finish_reason"], ledger.stopped, ledger.text) == ("", "stop", True, "a")
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("first", "next_", "continues"),
+    [("w1", "w1", True), ("w1", "w2", False), (None, "w2", True), ("w1", None, True)],
+)
+def test_a_request_continues_only_on_the_weights_that_began_it(
+    first: str | None, next_: str | None, continues: bool
+) -> None:
+    """Other weights refuse a continuation (an engine that names none is not checked); a restart forgets what was
+    generated but not which engines failed with the request in flight."""
+    ledger = Ledger(plan("POST", "/v1/completions", body(max_tokens=6)), weights=first)
+    ledger.take(chunk("a", [1], prompt_token_ids=[9]))
+    ledger.failed_on["http://a"] = "cut"
+    assert ledger.cut() is not None and ledger.continues_on(next_) is continues
+    ledger.restart()
+    assert (ledger.released, ledger.text, ledger.prompt_ids, ledger.weights) == ([], "", None, None)
+    assert ledger.failed_on == {"http://a": "cut"} and ledger.migrations == 1 and ledger.client_saw_nothing
 
 
 @pytest.mark.unit
@@ -415,3 +435,31 @@ def test_requests_survive_a_killed_and_then_a_hung_primary(
         answer = c.client.post(Endpoint.COMPLETIONS, json=body, headers={REPLAY_HEADER: count})
         assert answer.status_code == status, answer.text
         assert status == 200 or answer.json()["error"]["param"] == REPLAY_HEADER
+
+
+def test_a_completion_cut_by_a_model_update_runs_again_on_the_new_weights_or_ends_saying_why(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """A model update's next primary computes with other weights (the engines name theirs on every answer): a
+    non-streamed completion cut on the old weights runs again from its prompt on the new ones (its reply is
+    theirs alone, never half of each), and a stream whose client already has text ends with an error event that
+    says why; neither is continued."""
+    other = make_checkpoint(tmp_path / "other", seed=1)
+    with contextlib.ExitStack() as stack:
+        old = stack.enter_context(EngineProcess(tiny_model, *FLAGS, "--engine-id", "old", "--role", "primary"))
+        new = stack.enter_context(EngineProcess(other, *FLAGS, "--engine-id", "new", "--role", "standby"))
+        config = write_cluster(tmp_path / "cluster.toml", [old.port, new.port])
+        gateway = stack.enter_context(GatewayProcess(config))
+        gateway.wait_health(lambda h: h["primaries"] == [old.url], what="the old weights' primary")
+        greedy = {"max_tokens": MAX_TOKENS, "temperature": 0.0}
+        whole, streamed = (
+            Case(Endpoint.COMPLETIONS, greedy | {"prompt": "Not streamed"}),
+            Case(Endpoint.COMPLETIONS, greedy | {"prompt": "Streamed", "stream": True}),
+        )
+        with running(gateway.url, [whole, streamed]):
+            fail_over(gateway, [whole, streamed], signal.SIGKILL, old, new)
+        assert (whole.outcome, whole.got) == ("done", uncut(new.complete(**whole.request).json()))
+        assert streamed.chunks and "serves other weights" in streamed.outcome, streamed.outcome
+        events = gateway.client.get(Endpoint.GATEWAY_EVENTS, params={"limit": 100}).json()["events"]
+        kinds = [e["kind"] for e in events]
+        assert [kinds.count(k) for k in ("migration_restarted", "migration", "migration_failed")] == [1, 1, 1], events

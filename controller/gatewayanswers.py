@@ -1,0 +1,68 @@
+"""The gateway's own answers (its refusals, OpenAI-shaped) and the upstream failures that lead to them."""
+
+from __future__ import annotations
+
+import json
+
+from starlette.responses import JSONResponse
+
+from hotweights.admission import RETRY_AFTER_S
+from hotweights.contract import SUSPECT_REQUEST
+
+
+class SegmentFailed(Exception):
+    """A migratable completion's upstream failed after its response began: the request continues elsewhere."""
+
+    def __init__(self, message: str, *, while_serving: bool = False, suspect: bool = False) -> None:
+        super().__init__(message)
+        self.while_serving = while_serving  # its connection failed while it was primary (counted for suspects)
+        self.suspect = suspect  # the request is not migrated because it is suspect (gateway.suspect_after)
+
+    def answer(self) -> JSONResponse:
+        """The error a non-streamed client gets: 422 when the request is suspect, else 503."""
+        return suspect_answer(str(self)) if self.suspect else unavailable(str(self))
+
+    def event(self) -> bytes:
+        """The error event that ends a streamed client's response."""
+        kind = SUSPECT_REQUEST if self.suspect else "unavailable"
+        return sse_event({"error": {"message": str(self), "type": kind, "param": None}})
+
+
+class UpstreamFailed(Exception):
+    """The upstream failed before any byte reached the client: the request may go elsewhere (or, of kind
+    ``busy``, to the same engine once it has a slot)."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+def sse_event(payload: dict) -> bytes:
+    """One server-sent event holding ``payload`` as compact JSON."""
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
+
+
+def not_found(message: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": "not_found_error", "param": None}}, status_code=404)
+
+
+def refusal(status: int, message: str, kind: str) -> JSONResponse:
+    """An OpenAI-shaped error that tells the client to come back (``Retry-After``)."""
+    body = {"error": {"message": message, "type": kind, "param": None}}
+    return JSONResponse(body, status_code=status, headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+def unavailable(message: str) -> JSONResponse:
+    return refusal(503, message, "unavailable")
+
+
+def suspect_message(failures: list[str]) -> str:
+    """Why a request is not re-sent: it was in flight on every engine of ``failures`` as it failed."""
+    return (
+        f"not re-sent: {len(failures)} engines failed while serving this request (gateway.suspect_after), so it "
+        f"may be what made them fail; last: {failures[-1]}"
+    )
+
+
+def suspect_answer(message: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": SUSPECT_REQUEST, "param": None}}, status_code=422)
