@@ -15,9 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from hotweights.contract import (
-    Endpoint,
-)
+from hotweights.contract import Endpoint, Role, State
 from hotweights.controller.dcs import LeaderUrls
 from hotweights.errors import ConfigError
 from hotweights.state import read_state
@@ -36,8 +34,10 @@ class Upstream:
     reason: str = "not probed yet"  # why it is not primary ("" when it is)
     checked: float = 0.0  # wall-clock time of the last probe
     is_primary: bool = False
+    weights: str | None = None  # what it computes with, as its last probe named them (WEIGHTS_HEADER's value)
+    draining: bool = False  # its last probe: a primary that finishes its requests and takes no new ones
     wake: asyncio.Event = field(default_factory=asyncio.Event)  # set to probe now instead of next interval
-    lost: asyncio.Event = field(default_factory=asyncio.Event)  # set while it is not primary: cut its streams
+    lost: asyncio.Event = field(default_factory=asyncio.Event)  # set while its streams are to be cut (Discovery.cuts)
 
     def describe(self) -> dict[str, object]:
         return {
@@ -96,6 +96,7 @@ class Discovery:
     def suspect(self, upstream: Upstream, reason: str) -> None:
         """A proxied request failed there: stop routing to it until a probe says 200 again, and probe
         every upstream now (one of them may just have been promoted)."""
+        upstream.draining = False
         self._mark(upstream, False, reason)
         self.wake_all()
 
@@ -157,8 +158,13 @@ class Discovery:
             response = await self.client.get(upstream.url + Endpoint.PRIMARY, timeout=self.timeout_s)
             upstream.status = response.status_code
             reason = "" if response.status_code == 200 else reason_of(response, Endpoint.PRIMARY)
+            body = health_body(response)
+            upstream.weights = body.get("weights")
+            draining = body.get("role") == Role.PRIMARY and body.get("state") in (State.DRAINING, State.DRAINED)
+            upstream.draining = response.status_code == 503 and draining
         except httpx.HTTPError as exc:
             upstream.status, reason = None, f"unreachable: {type(exc).__name__} {exc}".strip()
+            upstream.draining = False
         upstream.checked = time.time()
         self._mark(upstream, upstream.status == 200, reason)
 
@@ -166,14 +172,34 @@ class Discovery:
         if is_primary != upstream.is_primary:
             log.info("%s %s", upstream.url, "is primary" if is_primary else f"is no longer primary: {reason}")
         upstream.is_primary, upstream.reason = is_primary, reason
-        if is_primary:
-            upstream.lost.clear()
-        else:
+        if cuts(upstream, self.upstreams):
             upstream.lost.set()
+        else:
+            upstream.lost.clear()
         if self.primaries():
             self.available.set()
         else:
             self.available.clear()
+
+
+def cuts(upstream: Upstream, upstreams: list[Upstream]) -> bool:
+    """Whether a migratable completion in flight on ``upstream`` is cut now, to go on elsewhere: once it is not
+    primary, unless it is draining and no other of ``upstreams`` names its weights (a model update's switchover: its
+    requests finish where they began, within the drain's deadline, since no other engine could go on with them)."""
+    if upstream.is_primary:
+        return False
+    if not upstream.draining or upstream.weights is None:
+        return True
+    return any(u is not upstream and u.weights == upstream.weights for u in upstreams)
+
+
+def health_body(response: httpx.Response) -> dict:
+    """A health endpoint's JSON object ({} when the body is not one)."""
+    try:
+        body = json.loads(response.content)
+    except ValueError:
+        return {}
+    return body if isinstance(body, dict) else {}
 
 
 def reason_of(response: httpx.Response, what: str) -> str:

@@ -160,6 +160,7 @@ class AgentContext:
             "role": self.roles.role,
             "state": self.roles.state,
             "model": self.model,
+            "weights": self.weights_id,  # what its answers name (WEIGHTS_HEADER)
             "engine": {"kind": self.kind.name, "pid": self.child.engine_pid, "port": self.child.port},
             "uptime_s": round(time.monotonic() - self.started, 3),
             "in_flight": self.roles.in_flight,

@@ -92,6 +92,7 @@ class EngineContext:
             "state": self.roles.state,
             "model": self.model_name,
             "fingerprint": self.fingerprint,
+            "weights": self.fingerprint,  # what its answers name (WEIGHTS_HEADER)
             "weight_cache": {"mode": self.loaded.mode, "source": self.loaded.source},
             "uptime_s": round(time.monotonic() - self.started, 3),
             "in_flight": self.roles.in_flight,

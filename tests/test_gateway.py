@@ -24,6 +24,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from hotweights.contract import REPLAY_HEADER, SUSPECT_REQUEST, Endpoint
+from hotweights.controller.discovery import Upstream, cuts
 from hotweights.ports import free_port
 from hotweights.spawn import hotweights_command
 from hotweights.standby.serving import bind_port
@@ -47,6 +48,25 @@ def gateway(engines: list[EngineProcess], tmp_path_factory: pytest.TempPathFacto
     with GatewayProcess(config) as gateway:
         gateway.wait_health(lambda h: len(h["primaries"]) == 1, what="the primary")
         yield gateway
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("primary", "draining", "weights", "others", "cut"),
+    [
+        (True, False, "a", ["b"], False),  # serving
+        (False, False, "a", ["a"], True),  # gone, hung or a standby: its requests go on elsewhere
+        (False, True, "a", ["a", "b"], True),  # a switchover: the next primary can go on with them
+        (False, True, "a", ["b", "b"], False),  # a model update's switchover: they finish where they began
+        (False, True, "a", [], False),  # the only engine left drains: the same
+        (False, True, None, ["b"], True),  # weights not named: as before such engines said
+    ],
+)
+def test_a_draining_primarys_streams_are_cut_only_when_another_engine_has_its_weights(
+    primary: bool, draining: bool, weights: str | None, others: list[str], cut: bool
+) -> None:
+    upstream = Upstream("http://a", is_primary=primary, weights=weights, draining=draining)
+    assert cuts(upstream, [upstream, *(Upstream(f"http://{i}", weights=w) for i, w in enumerate(others))]) is cut
 
 
 def comparable(body: dict) -> dict:

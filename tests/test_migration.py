@@ -443,7 +443,8 @@ def test_a_completion_cut_by_a_model_update_runs_again_on_the_new_weights_or_end
     """A model update's next primary computes with other weights (the engines name theirs on every answer): a
     non-streamed completion cut on the old weights runs again from its prompt on the new ones (its reply is
     theirs alone, never half of each), and a stream whose client already has text ends with an error event that
-    says why; neither is continued."""
+    says why; neither is continued. A draining primary whose weights no other engine serves is not cut: its
+    streams finish there, whole."""
     other = make_checkpoint(tmp_path / "other", seed=1)
     with contextlib.ExitStack() as stack:
         old = stack.enter_context(EngineProcess(tiny_model, *FLAGS, "--engine-id", "old", "--role", "primary"))
@@ -460,6 +461,16 @@ def test_a_completion_cut_by_a_model_update_runs_again_on_the_new_weights_or_end
             fail_over(gateway, [whole, streamed], signal.SIGKILL, old, new)
         assert (whole.outcome, whole.got) == ("done", uncut(new.complete(**whole.request).json()))
         assert streamed.chunks and "serves other weights" in streamed.outcome, streamed.outcome
-        events = gateway.client.get(Endpoint.GATEWAY_EVENTS, params={"limit": 100}).json()["events"]
-        kinds = [e["kind"] for e in events]
-        assert [kinds.count(k) for k in ("migration_restarted", "migration", "migration_failed")] == [1, 1, 1], events
+        kinds = [e["kind"] for e in gateway.client.get(Endpoint.GATEWAY_EVENTS, params={"limit": 100}).json()["events"]]
+        assert [kinds.count(k) for k in ("migration_restarted", "migration", "migration_failed")] == [1, 1, 1], kinds
+        # The new weights' primary drains (the old weights' engine, dead, was the only other): nothing is cut.
+        made = [Case(Endpoint.COMPLETIONS, greedy | {"prompt": f"Drained {i}", "stream": True}) for i in range(3)]
+        for case in made:
+            uncut_reply(new, case)
+        with running(gateway.url, made), ThreadPoolExecutor(1) as pool:
+            wait_until(lambda: all(case.chunks for case in made), timeout=60, what="every stream under way")
+            drained = pool.submit(new.post, Endpoint.DRAIN, json={"timeout_s": 60})
+            gateway.wait_health(lambda h: not h["primaries"], what="the gateway to see the drain")
+        assert drained.result().status_code == 200
+        assert [(case.outcome, case.got["text"]) for case in made] == [("done", c.expected["text"]) for c in made]
+        assert len(gateway.client.get(Endpoint.GATEWAY_EVENTS, params={"limit": 100}).json()["events"]) == len(kinds)
