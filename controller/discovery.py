@@ -37,7 +37,7 @@ class Upstream:
     weights: str | None = None  # what it computes with, as its last probe named them (WEIGHTS_HEADER's value)
     draining: bool = False  # its last probe: a primary that finishes its requests and takes no new ones
     wake: asyncio.Event = field(default_factory=asyncio.Event)  # set to probe now instead of next interval
-    lost: asyncio.Event = field(default_factory=asyncio.Event)  # set while its streams are to be cut (Discovery.cuts)
+    lost: asyncio.Event = field(default_factory=asyncio.Event)  # set while its streams are to be cut (``cuts``)
 
     def describe(self) -> dict[str, object]:
         return {

@@ -449,9 +449,7 @@ class Gateway:
         SegmentFailed when none serves it in time. Either way one event says so. A next primary that computes
         with other weights (a model update's) never continues it: the request runs again from its prompt there
         when its client saw nothing yet, else it fails, saying why."""
-        replayed = len(ledger.released)
-        log.info("migrating %s after %d tokens: %s", ledger.id, replayed, failure)
-        self.metrics.tokens_replayed.inc(replayed)
+        log.info("migrating %s after %d tokens: %s", ledger.id, len(ledger.released), failure)
         deadline = cut_at + self.hold_s
         while True:
             replay = len(ledger.released) if ledger.prompt_ids is not None else 0  # else sent again as it was
@@ -475,6 +473,8 @@ class Gateway:
             ledger.restart()
             body = ledger.request.upstream_body()
         ledger.weights = ledger.weights or weights
+        replayed = len(ledger.released)  # none once it runs again from its prompt
+        self.metrics.tokens_replayed.inc(replayed)
         self.metrics.migrations.labels("migrated").inc()
         to = opened[0].url
         self.events.record(
