@@ -452,8 +452,13 @@ class Gateway:
         log.info("migrating %s after %d tokens: %s", ledger.id, len(ledger.released), failure)
         deadline = cut_at + self.hold_s
         while True:
-            replay = len(ledger.released) if ledger.prompt_ids is not None else 0  # else sent again as it was
-            opened = await self.open_segment(request, Endpoint.COMPLETIONS, body, deadline, ledger, True, replay)
+            # A continuation is a completion of token ids; a request that has none yet is sent again as it was.
+            path, replay = (
+                (Endpoint.COMPLETIONS, len(ledger.released))
+                if ledger.prompt_ids is not None
+                else (ledger.request.path, 0)
+            )
+            opened = await self.open_segment(request, path, body, deadline, ledger, True, replay)
             if isinstance(opened, Response):
                 reason = bytes(opened.body).decode(errors="replace")[:300]
                 message = f"the upstream {failure}; the request could not be migrated: {reason}"

@@ -453,16 +453,18 @@ def test_a_completion_cut_by_a_model_update_runs_again_on_the_new_weights_or_end
         gateway = stack.enter_context(GatewayProcess(config))
         gateway.wait_health(lambda h: h["primaries"] == [old.url], what="the old weights' primary")
         greedy = {"max_tokens": MAX_TOKENS, "temperature": 0.0}
-        whole, streamed = (
+        whole, chat, streamed = (
             Case(Endpoint.COMPLETIONS, greedy | {"prompt": "Not streamed"}),
+            Case(Endpoint.CHAT_COMPLETIONS, greedy | {"messages": [{"role": "user", "content": "Not streamed"}]}),
             Case(Endpoint.COMPLETIONS, greedy | {"prompt": "Streamed", "stream": True}),
         )
-        with running(gateway.url, [whole, streamed]):
-            fail_over(gateway, [whole, streamed], signal.SIGKILL, old, new)
-        assert (whole.outcome, whole.got) == ("done", uncut(new.complete(**whole.request).json()))
+        with running(gateway.url, [whole, chat, streamed]):
+            fail_over(gateway, [whole, chat, streamed], signal.SIGKILL, old, new)
+        for case in (whole, chat):
+            assert (case.outcome, case.got) == ("done", uncut(new.client.post(case.path, json=case.request).json()))
         assert streamed.chunks and "serves other weights" in streamed.outcome, streamed.outcome
         kinds = [e["kind"] for e in gateway.client.get(Endpoint.GATEWAY_EVENTS, params={"limit": 100}).json()["events"]]
-        assert [kinds.count(k) for k in ("migration_restarted", "migration", "migration_failed")] == [1, 1, 1], kinds
+        assert [kinds.count(k) for k in ("migration_restarted", "migration", "migration_failed")] == [2, 2, 1], kinds
         # The new weights' primary drains (the old weights' engine, dead, was the only other): nothing is cut.
         made = [Case(Endpoint.COMPLETIONS, greedy | {"prompt": f"Drained {i}", "stream": True}) for i in range(3)]
         for case in made:
