@@ -416,14 +416,20 @@ def _fd_targets(pid: int) -> set[str]:
 
 
 def descendants(pid: int) -> set[int]:
-    """Every live descendant of ``pid`` (from each thread's /proc children list)."""
+    """Every live descendant of ``pid`` (from each thread's /proc children list). A process or thread that exits
+    while it is read (an exiting primary's, as a failover checks its port) is skipped: its /proc entries vanish
+    between the listing and the read (``Path.glob`` would raise then)."""
     found: set[int] = set()
     parents = [pid]
     while parents:
         parent = parents.pop()
-        for children in Path(f"/proc/{parent}/task").glob("*/children"):
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:  # gone meanwhile
+            continue
+        for task in tasks:
             with contextlib.suppress(OSError):
-                for child in map(int, children.read_text().split()):
+                for child in map(int, Path(f"/proc/{parent}/task/{task}/children").read_text().split()):
                     if child not in found:
                         found.add(child)
                         parents.append(child)
