@@ -34,7 +34,7 @@ class Upstream:
     reason: str = "not probed yet"  # why it is not primary ("" when it is)
     checked: float = 0.0  # wall-clock time of the last probe
     is_primary: bool = False
-    weights: str | None = None  # what it computes with, as its last probe named them (WEIGHTS_HEADER's value)
+    weights: str | None = None  # what it computes with, as its last probe named them (None: unnamed or unreachable)
     draining: bool = False  # its last probe: a primary that finishes its requests and takes no new ones
     wake: asyncio.Event = field(default_factory=asyncio.Event)  # set to probe now instead of next interval
     lost: asyncio.Event = field(default_factory=asyncio.Event)  # set while its streams are to be cut (``cuts``)
@@ -164,7 +164,7 @@ class Discovery:
             upstream.draining = response.status_code == 503 and draining
         except httpx.HTTPError as exc:
             upstream.status, reason = None, f"unreachable: {type(exc).__name__} {exc}".strip()
-            upstream.draining = False
+            upstream.weights, upstream.draining = None, False  # a dead engine goes on with nobody's requests
         upstream.checked = time.time()
         self._mark(upstream, upstream.status == 200, reason)
 

@@ -24,7 +24,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from hotweights.contract import REPLAY_HEADER, SUSPECT_REQUEST, Endpoint
-from hotweights.controller.discovery import Upstream, cuts
+from hotweights.controller.discovery import Discovery, Upstream, cuts
 from hotweights.ports import free_port
 from hotweights.spawn import hotweights_command
 from hotweights.standby.serving import bind_port
@@ -67,6 +67,22 @@ def test_a_draining_primarys_streams_are_cut_only_when_another_engine_has_its_we
 ) -> None:
     upstream = Upstream("http://a", is_primary=primary, weights=weights, draining=draining)
     assert cuts(upstream, [upstream, *(Upstream(f"http://{i}", weights=w) for i, w in enumerate(others))]) is cut
+
+
+def test_an_upstream_that_stops_answering_names_no_weights() -> None:
+    """A dead engine's last known weights must not count as an engine that could go on with a draining primary's
+    requests (``cuts``): a probe that finds nothing listening forgets them."""
+
+    async def probe() -> Upstream:
+        async with httpx.AsyncClient() as client:
+            discovery = Discovery([f"http://127.0.0.1:{free_port()}"], client, interval_s=1.0, timeout_s=1.0)
+            discovery.upstreams[0].weights, discovery.upstreams[0].draining = "a", True  # as a live probe left them
+            await discovery.probe_all()
+            return discovery.upstreams[0]
+
+    upstream = asyncio.run(probe())
+    assert (upstream.status, upstream.weights, upstream.draining) == (None, None, False)
+    assert upstream.reason.startswith("unreachable")
 
 
 def comparable(body: dict) -> dict:
