@@ -204,9 +204,9 @@ def health_body(response: httpx.Response) -> dict:
 
 def reason_of(response: httpx.Response, what: str) -> str:
     """The engine's one-sentence reason from an error body (503 or 429; health or OpenAI error shape)."""
+    body = health_body(response)
     try:
-        body = json.loads(response.content)
         reason = body.get("reason") or body["error"]["message"]
-    except (ValueError, KeyError, TypeError, AttributeError):
+    except (KeyError, TypeError):
         reason = response.text[:200]
     return f"{what} answered {response.status_code}: {reason}"
