@@ -23,7 +23,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
-from hotweights.contract import UNAUTHORIZED, Endpoint, bearer_check
+from hotweights.bearer import UNAUTHORIZED, bearer_check
+from hotweights.contract import Endpoint
 from hotweights.controller.cluster import Cluster
 from hotweights.controller.decide import Intent
 from hotweights.controller.events import EventLog

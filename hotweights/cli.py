@@ -39,7 +39,8 @@ COMMANDS: dict[str, str] = {
 }
 
 # Subcommands a higher layer adds under a lower layer's command (the cache layer cannot import the controller):
-# command -> (module, the function that adds them to that command's subparsers).
+# command -> (module, the function that adds them to that command's subparsers). The module is imported only when
+# the chosen subcommand is not the lower layer's own: ``cache serve`` starts without the controller's imports.
 NESTED: dict[str, tuple[str, str]] = {"cache": ("hotweights.controller.clusterctl", "add_cache_parser")}
 
 
@@ -47,8 +48,9 @@ def nested_subparsers(parser: argparse.ArgumentParser) -> argparse._SubParsersAc
     return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
 
 
-def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    """The parser with every subcommand, or only ``command``'s module's when it names one."""
+def build_parser(command: str | None = None, subcommand: str | None = None) -> argparse.ArgumentParser:
+    """The parser with every subcommand, or only ``command``'s module's when it names one (and ``NESTED``'s unless
+    ``subcommand`` is one of that command's own)."""
     parser = argparse.ArgumentParser(
         prog="hotweights",
         description="Weight cache daemon and hot-standby failover for LLM inference engines.",
@@ -61,14 +63,16 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         add_parser(subparsers)
     for name, (module, function) in NESTED.items():
         if name in subparsers.choices:
-            getattr(import_module(module), function)(nested_subparsers(subparsers.choices[name]))
+            nested = nested_subparsers(subparsers.choices[name])
+            if command != name or subcommand not in nested.choices:
+                getattr(import_module(module), function)(nested)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    chosen = next((arg for arg in argv if not arg.startswith("-")), None)
-    args = build_parser(chosen).parse_args(argv)
+    chosen, subcommand = [*(arg for arg in argv if not arg.startswith("-")), None, None][:2]
+    args = build_parser(chosen, subcommand).parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -1,4 +1,4 @@
-"""The engine contract in code: roles, states, endpoint paths, the bearer-token check, open binds.
+"""The engine contract in code: roles, states, endpoint paths, the bearer token, open binds.
 
 ``docs/engine-contract.md`` describes the contract; every server that speaks it (the engine, the
 controller, the gateway) and every client (the controller's checks, HAProxy's config, the drills,
@@ -10,12 +10,8 @@ from __future__ import annotations
 import ipaddress
 import re
 import secrets
-from collections.abc import Awaitable, Callable
 from enum import StrEnum
 from pathlib import Path
-
-from fastapi import HTTPException, Security
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from hotweights.errors import ConfigError
 
@@ -77,28 +73,6 @@ ENGINE_PORT = (
 )
 SERVING_PREFIX = "/v1/"  # what a load balancer or the gateway forwards to the primary, and nothing else
 HEALTH_METHODS = ("GET", "HEAD", "OPTIONS")  # HAProxy checks with OPTIONS, Kubernetes with GET
-
-BEARER = HTTPBearer(
-    auto_error=False,  # the check below answers 401 itself, the same way whatever the header holds
-    scheme_name="bearer",
-    description="`Authorization: Bearer <token>`; required by mutations only when the server has a token",
-)
-CREDENTIALS = Security(BEARER)
-UNAUTHORIZED = {401: {"description": "a bearer token is required and was missing or wrong (WWW-Authenticate: Bearer)"}}
-
-
-def bearer_check(token: str | None) -> Callable[..., Awaitable[None]]:
-    """A FastAPI dependency for mutations: with ``token`` set, the request needs
-    ``Authorization: Bearer <token>`` (compared in constant time), else it is refused with 401 and
-    ``WWW-Authenticate: Bearer``; with ``token`` None everything passes. Depending on it declares
-    the bearer security scheme in the OpenAPI document."""
-
-    async def require_token(credentials: HTTPAuthorizationCredentials | None = CREDENTIALS) -> None:
-        if not token_matches(credentials.credentials if credentials else "", token):
-            raise HTTPException(401, TOKEN_REQUIRED, headers=CHALLENGE)
-
-    return require_token
-
 
 TOKEN_REQUIRED = "a valid bearer token is required"
 CHALLENGE = {"WWW-Authenticate": "Bearer"}

@@ -19,7 +19,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
-from hotweights.contract import HEALTH_METHODS, UNAUTHORIZED, Endpoint, Role, bearer_check
+from hotweights.bearer import UNAUTHORIZED, bearer_check
+from hotweights.contract import HEALTH_METHODS, Endpoint, Role
 from hotweights.standby.fencing import Fencing
 from hotweights.standby.metrics import EngineMetrics, RequestCounter
 from hotweights.standby.roles import Outcome, Roles

@@ -82,6 +82,18 @@ def test_the_gateway_the_agent_and_the_config_import_no_torch() -> None:
     assert result.stdout.strip() == "[]", result.stdout[:500]
 
 
+def test_the_daemon_and_the_gateway_start_without_fastapi_or_the_controller_layer() -> None:
+    """Each test run and each respawn starts them many times: ``cache serve`` parses its command line without
+    the controller's ``cache restart`` client, and the gateway's worker needs no FastAPI (a fifth of its start)."""
+    code = (
+        "import sys; from hotweights.cli import build_parser; build_parser('cache', 'serve'); "
+        "import hotweights.controller.gatewayserver as g; "
+        "print(sorted(m for m in sys.modules if m == 'fastapi' or m == 'hotweights.controller.clusterctl'))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert result.stdout.strip() == "[]", result.stdout[:500]
+
+
 def test_the_controller_imports_neither_torch_nor_the_reference_engine() -> None:
     """Every module of the controller process imports without torch and the reference engine's modules: its
     checks that need them run in a process of their own (``controller.checks``)."""
