@@ -1,7 +1,7 @@
 """Overload: what an engine behind the gateway answers when offered more than it can serve.
 
-    python bench/overload.py [--device cpu|cuda:N] [--model DIR] [--max-batch 4] [--max-queue 0]
-                             [--queue-wait-share 0] [--max-tokens 32] [--seconds 5] [--loads 1,2,5]
+    python bench/overload.py [--device cpu|cuda:N] [--model DIR] [--max-batch 4] [--max-queue 1]
+                             [--queue-wait-share 0.5] [--max-tokens 32] [--seconds 5] [--loads 1,2,5]
 
 Starts one ``hotweights engine`` (primary; the embedded tiny model unless --model) and a ``hotweights
 gateway`` in front of it, both with the admission defaults of a cluster whose ``engine.max_batch``,
@@ -36,6 +36,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from hotweights.admission import ServingLimits
 from hotweights.contract import Endpoint
 from hotweights.ports import free_port
 from hotweights.spawn import hotweights_command
@@ -206,13 +207,21 @@ async def measure(url: str, args: argparse.Namespace) -> dict[str, object]:
     return result
 
 
+LIMITS = ServingLimits()  # the engine's defaults
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--model", help="checkpoint directory (default: the embedded tiny model)")
-    parser.add_argument("--max-batch", type=int, default=4)
-    parser.add_argument("--max-queue", type=int, default=0, help="engine.max_queue (default 0: --max-batch)")
-    parser.add_argument("--queue-wait-share", type=float, default=0.0, help="engine.queue_wait_share (default 0: off)")
+    parser.add_argument("--max-batch", type=int, default=LIMITS.max_batch, help="default %(default)s")
+    parser.add_argument(
+        "--max-queue", type=int, default=LIMITS.max_queue, help="engine.max_queue (default %(default)s; 0: --max-batch)"
+    )
+    parser.add_argument(
+        "--queue-wait-share", type=float, default=LIMITS.queue_wait_share,
+        help="engine.queue_wait_share (default %(default)s; 0: off)",
+    )  # fmt: skip
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per completion (default 32)")
     parser.add_argument("--seconds", type=float, default=5.0, help="per measurement (default 5)")
     parser.add_argument("--quiet-requests", type=int, default=20)

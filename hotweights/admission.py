@@ -5,16 +5,15 @@ most ``wait_s``; anything beyond, or a wait that runs out, is refused at once (4
 ``Retry-After``), so an overloaded server keeps the latency of what it admitted instead of queueing
 without bound. The gateway and the engines each hold one.
 
-With ``queue_wait_share`` (off by default), an engine also asks whether a request queued now would start
-soon (``starts_soon``): the sequences it generates end, at the time its rounds take now, when their
+With ``queue_wait_share`` above 0 (0.5 by default), an engine also asks whether a request queued now would
+start soon (``starts_soon``): the sequences it generates end, at the time its rounds take now, when their
 remaining tokens are done, and a request is queued only if the slot it waits for is expected to free within
 that share of a typical completion's time. Without it, requests of equal length start and end in waves, and
 one that arrives early in a wave waits for all of it. On an H200, ``medium`` (``max_batch`` 4) at 5x its
-capacity: admitted p99 over the quiet p99 2.26 with a queue of one alone, 1.68 with a queue of one and a share
-of 0.5, 2.13 with the default queue and a share of 0.5. It is off by default because it also refuses at
-moderate load while an engine is briefly slow (a failover's held burst, a spare warming up): with a queue of
-one and a share of 0.5, a storm of faults at 10 requests/s got 429s, on ``xl`` on an H200 and on the tiny model
-on CPU (18-20 of about 500 requests).
+capacity: admitted p99 over the quiet p99 2.26 with a queue of one alone, 2.21 with a queue of four, 2.13 with a
+queue of four and a share of 0.5, 1.68 with a queue of one and a share of 0.5: the defaults. What the short queue
+refuses right after a failover (the held burst released at once, migrated streams' continuations) the gateway
+re-sends (``controller.gateway``), so a storm of faults costs no client a 429.
 """
 
 from __future__ import annotations
@@ -37,9 +36,9 @@ class ServingLimits:
     kv_cache_tokens: int = 4096  # KV cache positions per sequence slot (prompt and generated tokens)
     max_batch: int = 4  # sequences generated at once
     drain_timeout_s: float = 30.0  # how long a drain waits for what is generating before it cancels it
-    max_queue: int = 0  # completions waiting beyond max_batch (0: ``queue_or_default``); more: 429 at once
+    max_queue: int = 1  # completions waiting beyond max_batch (0: ``queue_or_default``); more: 429 at once
     queue_timeout_s: float = QUEUE_WAIT_S  # a waiting completion not started by then: 429
-    queue_wait_share: float = 0.0  # > 0: queued only while a slot should free within this share of a completion
+    queue_wait_share: float = 0.5  # > 0: queued only while a slot should free within this share of a completion
     batch_invariant: bool = False  # a request's text independent of what shares its steps (standby.decoder)
 
     def queue(self) -> int:
@@ -48,8 +47,7 @@ class ServingLimits:
 
 def queue_or_default(queue: int, running: int) -> int:
     """A configured queue depth (0: as many as are served at once, so a queued request waits at most about one
-    request's time). On an H200, ``medium`` at 5x its capacity, admitted p99 over the quiet p99 was 2.21 with
-    this queue and 2.26 with a queue of one (module docstring: what lowers it)."""
+    request's time)."""
     return queue or running
 
 
