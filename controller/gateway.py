@@ -22,7 +22,9 @@ failover because of three rules:
 - A request the gateway owes to a failover (one it held while no primary was known, or a migrated
   completion's continuation) is not refused by the new primary's admission: an engine's 429 sends it
   back to wait ``BUSY_RETRY_S``, doubling up to ``BUSY_RETRY_MAX_S``, and try again within the same
-  deadline, so a burst released together is queued here rather than answered 429.
+  deadline, so a burst released together is queued here rather than answered 429. Until the last held request
+  is taken, those that arrive meanwhile are owed too: the new primary's refusals are the failover's burst, not
+  their clients' load.
 - Any other request whose bytes have been relayed cannot hide a failure: an SSE stream ends with a
   ``data: {"error": ...}`` event and no ``[DONE]`` (as the engine itself ends a cancelled stream);
   any other body is cut off, so the client sees a truncated response, never a silently short one.
@@ -121,6 +123,7 @@ class Gateway:
         self.queue_limit = queue_limit
         self.hold_s = hold_s
         self.held = 0
+        self.owed = 0  # held requests not yet taken by an engine
         # Probes and requests use separate pools, so long streams never delay a probe.
         self.probe_client = httpx.AsyncClient()
         self.client = httpx.AsyncClient(
@@ -143,11 +146,11 @@ class Gateway:
         if path is None:
             return self.answer(not_found(NOT_NORMALIZED))
         if not self.discovery.available.is_set():  # held under the failover rules, not admission's
-            return self.answer(await self.forward(request, path, owed=True))
+            return self.answer(await self.owing(request, path))
         if reason := await self.admission.enter():
             return self.answer(refusal(429, reason, "overloaded"))
         try:
-            response = await self.forward(request, path)
+            response = await self.forward(request, path, owed=self.owed > 0)
         except BaseException:
             self.admission.leave()
             raise
@@ -158,6 +161,15 @@ class Gateway:
         else:
             self.admission.leave()
         return self.answer(response)
+
+    async def owing(self, request: Request, path: str) -> Response:
+        """``forward`` of a request held for a failover; until its engine takes it, the requests that arrive meanwhile
+        are owed too (module docstring)."""
+        self.owed += 1
+        try:
+            return await self.forward(request, path, owed=True)
+        finally:
+            self.owed -= 1
 
     async def leave(self) -> None:
         self.admission.leave()

@@ -221,25 +221,29 @@ def test_a_burst_held_for_a_failover_is_queued_not_refused_by_the_new_primarys_a
 ) -> None:
     """Requests held while no primary is known are released together; the new primary takes one at a time
     and queues one, so most of the burst meets its 429 (as a burst sent while it serves does), and the gateway
-    waits and re-sends those instead of relaying the 429: every held request is served."""
+    waits and re-sends those instead of relaying the 429: every held request is served, and so is every request
+    that arrives while the burst is still being taken. Once it is, the engine's refusals reach clients again."""
     flags = ("--kv-cache-tokens", "512", "--max-batch", "1", "--max-queue", "1", "--engine-id", "c")
     with EngineProcess(tiny_model, *flags, "--role", "standby") as engine:
         engine.wait_ready()
         with GatewayProcess(write_cluster(tmp_path / "cluster.toml", [engine.port])) as gateway:
             gateway.wait_health(lambda h: len(h["upstreams"]) == 1, what="the standby probed")
-            bodies = [{"prompt": f"held {i}", "max_tokens": 32} for i in range(3)]
-            bodies += [{"prompt": [f"held {i}", "two prompts"], "max_tokens": 32} for i in range(3)]  # not migrated
+            bodies = [{"prompt": f"held {i}", "max_tokens": 64} for i in range(3)]
+            bodies += [{"prompt": [f"held {i}", "two prompts"], "max_tokens": 64} for i in range(3)]  # not migrated
 
             def post(body: dict) -> httpx.Response:
                 return httpx.post(f"{gateway.url}{Endpoint.COMPLETIONS}", json=body, timeout=60)
 
-            with ThreadPoolExecutor(len(bodies)) as pool:
+            with ThreadPoolExecutor(2 * len(bodies)) as pool:
                 held = [pool.submit(post, body) for body in bodies]
                 gateway.wait_health(lambda h: h["held"] == len(bodies), what="every request held")
                 assert engine.post(Endpoint.PROMOTE).status_code == 200
+                wait_until(lambda: metric(gateway, "hotweights_gateway_retries_total") >= 1, 30, "a held request's 429")
+                late = [pool.submit(post, {"prompt": f"late {i}", "max_tokens": 8}) for i in range(3)]
                 answers = [future.result(timeout=60) for future in held]
+                late_answers = [future.result(timeout=60) for future in late]
             assert [a.status_code for a in answers] == [200] * len(bodies), [a.text for a in answers]
-            assert metric(gateway, "hotweights_gateway_retries_total") >= 1, "no held request met a 429"
+            assert [a.status_code for a in late_answers] == [200] * len(late), [a.text for a in late_answers]
             with ThreadPoolExecutor(len(bodies)) as pool:  # not held: the engine's refusals reach the client
                 burst = list(pool.map(post, [{"prompt": "busy", "max_tokens": 200}] * len(bodies)))
             assert 429 in [a.status_code for a in burst], [a.status_code for a in burst]
