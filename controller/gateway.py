@@ -24,7 +24,7 @@ failover because of three rules:
   back to wait ``BUSY_RETRY_S``, doubling up to ``BUSY_RETRY_MAX_S``, and try again within the same
   deadline, so a burst released together is queued here rather than answered 429. Until the last held request
   is taken, those that arrive meanwhile are owed too: the new primary's refusals are the failover's burst, not
-  their clients' load.
+  their clients' load. So is a request whose upstream failed before its first byte, once it is re-sent.
 - Any other request whose bytes have been relayed cannot hide a failure: an SSE stream ends with a
   ``data: {"error": ...}`` event and no ``[DONE]`` (as the engine itself ends a cancelled stream);
   any other body is cut off, so the client sees a truncated response, never a silently short one.
@@ -216,6 +216,7 @@ class Gateway:
                     return suspect_answer(self.record_suspect(list(failed_serving.values()), body))
                 log.info("retrying on the next primary: %s", last_failure)
                 self.metrics.retries.inc()
+                owed = True  # the failover's now, not its client's load
 
     def record_suspect(self, failures: list[str], body: bytes) -> str:
         """Log the request as suspect (its size and digest, never its content); the client's message."""
@@ -397,6 +398,7 @@ class Gateway:
                     )
                 log.info("retrying on the next primary: %s", last_failure)
                 self.metrics.retries.inc()
+                owed = True  # the failover's now, not its client's load
 
     async def open_stream(
         self, upstream: Upstream, path: str, headers: list[tuple[str, str]], body: dict, owed: bool
