@@ -1,7 +1,7 @@
 """Overload: what an engine behind the gateway answers when offered more than it can serve.
 
-    python bench/overload.py [--device cpu|cuda:N] [--model DIR] [--max-batch 4] [--max-queue 1]
-                             [--queue-wait-share 0.5] [--max-tokens 32] [--seconds 5] [--loads 1,2,5]
+    python bench/overload.py [--device cpu|cuda:N] [--model DIR] [--max-batch 4] [--max-queue 0]
+                             [--queue-wait-share 0] [--max-tokens 32] [--seconds 5] [--loads 1,2,5]
 
 Starts one ``hotweights engine`` (primary; the embedded tiny model unless --model) and a ``hotweights
 gateway`` in front of it, both with the admission defaults of a cluster whose ``engine.max_batch``,

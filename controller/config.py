@@ -36,6 +36,7 @@ OPEN_FILES_BASE = 256  # ClusterConfig.open_files_needed: the controller, daemon
 OPEN_FILES_PER_ENGINE = 64  # its health checks, spare pipes, clients
 OPEN_FILES_PER_HELD_REQUEST = 4  # the gateway's client and upstream sockets, with room for those in flight
 MAX_GATEWAY_WORKERS = 16
+IN_FLIGHT_HEADROOM = 4  # gateway_in_flight: a worker proxies this many times what the primaries take at once
 SUSPECT_AFTER = 2  # engines that may fail with a request in flight before the gateway stops re-sending it
 MAX_SPARE_ENGINES = 16
 REFERENCE, VLLM, SGLANG = "reference", "vllm", "sglang"
@@ -109,7 +110,7 @@ class GatewaySection:
     workers: int = 2  # one killed, the others accept at once; the socket queues while none runs
     probe_interval_ms: int = 200  # with 2 workers, the probes one worker sent every 100 ms
     max_body_bytes: int = COMPLETION_BODY_BYTES  # completion bodies, at the gateway and the engines: 413 above
-    max_in_flight: int = 0  # proxied at once per worker (0: every group's max_batch + max_queue)
+    max_in_flight: int = 0  # proxied at once per worker (0: IN_FLIGHT_HEADROOM x every group's max_batch + max_queue)
     suspect_after: int = SUSPECT_AFTER  # engines that failed with a request in flight before it is refused
 
     def worker_ids(self) -> list[str]:
@@ -200,10 +201,12 @@ class ClusterConfig:
         ]
 
     def gateway_in_flight(self) -> int:
-        """Requests each gateway worker proxies at once: ``gateway.max_in_flight``, by default what every
-        group's primary generates and queues."""
+        """Requests each gateway worker proxies at once: ``gateway.max_in_flight``, by default ``IN_FLIGHT_HEADROOM``
+        times what every group's primary generates and queues. The engines refuse what is beyond their own bound
+        in milliseconds; the headroom is for the requests a hung primary holds until it is fenced, which would
+        otherwise fill a worker and turn the hang into 429s."""
         per_group = self.engine.max_batch + self.engine.queue()
-        return self.gateway.max_in_flight or per_group * len(self.groups)
+        return self.gateway.max_in_flight or IN_FLIGHT_HEADROOM * per_group * len(self.groups)
 
     def engine_urls(self) -> list[str]:
         return [spec.url for spec in self.engines()]

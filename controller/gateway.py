@@ -22,9 +22,11 @@ failover because of three rules:
 - A request the gateway owes to a failover (one it held while no primary was known, or a migrated
   completion's continuation) is not refused by the new primary's admission: an engine's 429 sends it
   back to wait ``BUSY_RETRY_S``, doubling up to ``BUSY_RETRY_MAX_S``, and try again within the same
-  deadline, so a burst released together is queued here rather than answered 429. Until the last held request
-  is taken, those that arrive meanwhile are owed too: the new primary's refusals are the failover's burst, not
-  their clients' load. So is a request whose upstream failed before its first byte, once it is re-sent.
+  deadline, so a burst released together is queued here rather than answered 429. So is a request whose upstream
+  failed before its first byte, once it is re-sent. Each is sent marked owed (``OWED_HEADER``): the engine queues
+  it in its deeper queue for such requests, first come first served, and the requests that arrive while any waits
+  there join it (``hotweights.admission``), so a new primary takes the burst in order and refuses no arrival for
+  it; the 429 retry is for when even that queue is full.
 - Any other request whose bytes have been relayed cannot hide a failure: an SSE stream ends with a
   ``data: {"error": ...}`` event and no ``[DONE]`` (as the engine itself ends a cancelled stream);
   any other body is cut off, so the client sees a truncated response, never a silently short one.
@@ -63,6 +65,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from hotweights.admission import Admission
 from hotweights.contract import (
     NOT_NORMALIZED,
+    OWED_HEADER,
     REPLAY_HEADER,
     WEIGHTS_HEADER,
     Endpoint,
@@ -93,12 +96,14 @@ WHOLE_BODY_MAX = 1 << 20  # a non-streamed reply up to this size is read whole b
 KEEPALIVE_S = 2.0  # below uvicorn's 5 s, so a pooled connection is never reused as the engine closes it
 BUSY_RETRY_S = 0.01  # an owed request's first wait after an engine's 429 (module docstring)
 BUSY_RETRY_MAX_S = 0.2  # the longest of those waits
+GATEWAY_HEADERS = (REPLAY_HEADER, OWED_HEADER)  # set by the gateway only: a client's own are dropped
 
 
-def upstream_headers(request: Request) -> list[tuple[str, str]]:
-    """The client's headers that go on to an engine: not the hop-by-hop ones, nor the replay count that only the
-    gateway sets (``REPLAY_HEADER``)."""
-    return [(k, v) for k, v in request.headers.items() if k not in HOP_BY_HOP and k != REPLAY_HEADER]
+def upstream_headers(request: Request, owed: bool) -> list[tuple[str, str]]:
+    """The client's headers that go on to an engine: not the hop-by-hop ones, nor those only the gateway sets (the
+    replay count, ``REPLAY_HEADER``; ``OWED_HEADER``, here when ``owed``)."""
+    headers = [(k, v) for k, v in request.headers.items() if k not in HOP_BY_HOP and k not in GATEWAY_HEADERS]
+    return headers + ([(OWED_HEADER, "1")] if owed else [])
 
 
 class Gateway:
@@ -123,7 +128,6 @@ class Gateway:
         self.queue_limit = queue_limit
         self.hold_s = hold_s
         self.held = 0
-        self.owed = 0  # held requests not yet taken by an engine
         # Probes and requests use separate pools, so long streams never delay a probe.
         self.probe_client = httpx.AsyncClient()
         self.client = httpx.AsyncClient(
@@ -146,11 +150,11 @@ class Gateway:
         if path is None:
             return self.answer(not_found(NOT_NORMALIZED))
         if not self.discovery.available.is_set():  # held under the failover rules, not admission's
-            return self.answer(await self.owing(request, path))
+            return self.answer(await self.forward(request, path, owed=True))
         if reason := await self.admission.enter():
             return self.answer(refusal(429, reason, "overloaded"))
         try:
-            response = await self.forward(request, path, owed=self.owed > 0)
+            response = await self.forward(request, path)
         except BaseException:
             self.admission.leave()
             raise
@@ -161,15 +165,6 @@ class Gateway:
         else:
             self.admission.leave()
         return self.answer(response)
-
-    async def owing(self, request: Request, path: str) -> Response:
-        """``forward`` of a request held for a failover; until its engine takes it, the requests that arrive meanwhile
-        are owed too (module docstring)."""
-        self.owed += 1
-        try:
-            return await self.forward(request, path, owed=True)
-        finally:
-            self.owed -= 1
 
     async def leave(self) -> None:
         self.admission.leave()
@@ -275,7 +270,7 @@ class Gateway:
     ) -> Response:
         """Open the upstream response and read its first chunk: until then a failure can be retried (and an
         engine's 429 too, when the request is ``owed``)."""
-        headers = upstream_headers(request)
+        headers = upstream_headers(request, owed)
         query = f"?{request.url.query}" if request.url.query else ""
         outgoing = self.client.build_request(request.method, upstream.url + path + query, headers=headers, content=body)
         try:
@@ -372,7 +367,6 @@ class Gateway:
         fails before its first byte (an ``owed`` one after a 429 too); an engine's own non-200 answer (a 400,
         say) as it is; 503 at the deadline; 422 once ``suspect_after`` engines have failed with the request in
         flight. ``replay``: a continuation's generated tokens at the end of its prompt (``REPLAY_HEADER``)."""
-        headers = upstream_headers(request) + ([(REPLAY_HEADER, str(replay))] if replay else [])
         last_failure = ""
         busy = 0  # 429s met so far
         while True:
@@ -381,6 +375,7 @@ class Gateway:
             upstream = self.discovery.pick()
             assert upstream is not None, "available is set and nothing ran since"
             try:
+                headers = upstream_headers(request, owed) + ([(REPLAY_HEADER, str(replay))] if replay else [])
                 return await self.open_stream(upstream, path, headers, body, owed)
             except UpstreamFailed as exc:
                 last_failure = f"{upstream.url}: {exc}"

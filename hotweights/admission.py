@@ -5,15 +5,21 @@ most ``wait_s``; anything beyond, or a wait that runs out, is refused at once (4
 ``Retry-After``), so an overloaded server keeps the latency of what it admitted instead of queueing
 without bound. The gateway and the engines each hold one.
 
-With ``queue_wait_share`` above 0 (0.5 by default), an engine also asks whether a request queued now would
-start soon (``starts_soon``): the sequences it generates end, at the time its rounds take now, when their
-remaining tokens are done, and a request is queued only if the slot it waits for is expected to free within
-that share of a typical completion's time. Without it, requests of equal length start and end in waves, and
-one that arrives early in a wave waits for all of it. On an H200, ``medium`` (``max_batch`` 4) at 5x its
-capacity: admitted p99 over the quiet p99 2.26 with a queue of one alone, 2.21 with a queue of four, 2.13 with a
-queue of four and a share of 0.5, 1.68 with a queue of one and a share of 0.5: the defaults. What the short queue
-refuses right after a failover (the held burst released at once, migrated streams' continuations) the gateway
-re-sends (``controller.gateway``), so a storm of faults costs no client a 429.
+With ``queue_wait_share`` above 0 (off by default), an engine also asks whether a request queued now would start
+soon (``starts_soon``): the sequences it generates end, at the time its rounds take now, when their remaining
+tokens are done, and a request is queued only if the slot it waits for is expected to free within that share of a
+typical completion's time. Without it, requests of equal length start and end in waves, and one that arrives early
+in a wave waits for all of it. On an H200, ``medium`` (``max_batch`` 4) at 5x its capacity: admitted p99 over the
+quiet p99 2.21 with the default queue (as many as ``max_batch``), 2.26 with a queue of one alone, 2.13 with the
+default queue and a share of 0.5, 1.51-1.68 with a queue of one and a share of 0.5. That pair is not the default:
+in a storm of faults at 10 requests/s on ``xl`` it answered 2-3 of about 600 clients 429 (the default: none),
+measured before the queue of owed requests below existed.
+
+A request marked owed (``OWED_HEADER``: one a gateway owes to a failover) is fresh load to no one: it waits in a
+deeper queue (``OWED_QUEUE_FACTOR`` times ``running + queue``), first come first served, and the wait share does not
+apply to it. While any request waits in that queue, those that arrive join it too: the new primary is catching up
+with the failover's burst, and what they would be refused for is the failover, not their load. Once it is empty,
+fresh requests beyond the short queue are refused at once again.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 RETRY_AFTER_S = 1  # what a refusal tells the client to wait before it tries again
+OWED_QUEUE_FACTOR = 4  # an owed request may wait behind this many times ``running + queue`` others
 QUEUE_WAIT_S = 10.0  # how long a queued request waits for a slot by default
 
 
@@ -36,9 +43,9 @@ class ServingLimits:
     kv_cache_tokens: int = 4096  # KV cache positions per sequence slot (prompt and generated tokens)
     max_batch: int = 4  # sequences generated at once
     drain_timeout_s: float = 30.0  # how long a drain waits for what is generating before it cancels it
-    max_queue: int = 1  # completions waiting beyond max_batch (0: ``queue_or_default``); more: 429 at once
+    max_queue: int = 0  # completions waiting beyond max_batch (0: ``queue_or_default``); more: 429 at once
     queue_timeout_s: float = QUEUE_WAIT_S  # a waiting completion not started by then: 429
-    queue_wait_share: float = 0.5  # > 0: queued only while a slot should free within this share of a completion
+    queue_wait_share: float = 0.0  # > 0: queued only while a slot should free within this share of a completion
     batch_invariant: bool = False  # a request's text independent of what shares its steps (standby.decoder)
 
     def queue(self) -> int:
@@ -86,17 +93,21 @@ class Admission:
     on_verdict: Callable[[Verdict], None] = lambda _: None
     starts_soon: Callable[[int], bool] | None = None
     waiting: int = 0  # queued now
+    owed_waiting: int = 0  # of which in the queue of requests owed to a failover
     serving: int = 0  # holding a slot now
     _slots: asyncio.Semaphore = field(init=False)
 
     def __post_init__(self) -> None:
         self._slots = asyncio.Semaphore(self.running)
 
-    async def enter(self) -> str | None:
-        """None once a slot is held (``leave`` gives it back); else why the request is refused."""
+    async def enter(self, owed: bool = False) -> str | None:
+        """None once a slot is held (``leave`` gives it back); else why the request is refused. ``owed``: a request
+        owed to a failover (module docstring)."""
+        owed = owed or self.owed_waiting > 0  # catching up with a failover's burst: join it
+        queue = OWED_QUEUE_FACTOR * (self.running + self.queue) if owed else self.queue
         slot_free = not self._slots.locked()
-        soon = slot_free or self.waiting >= self.queue or not self.starts_soon or self.starts_soon(self.waiting)
-        decided = verdict(slot_free, self.waiting, self.queue, soon)
+        soon = slot_free or owed or self.waiting >= queue or not self.starts_soon or self.starts_soon(self.waiting)
+        decided = verdict(slot_free, self.waiting, queue, soon)
         self.on_verdict(decided)
         if decided is Verdict.REFUSE:
             if not soon:
@@ -107,6 +118,7 @@ class Admission:
             self.serving += 1
             return None
         self.waiting += 1
+        self.owed_waiting += owed
         try:
             async with asyncio.timeout(self.wait_s):
                 await self._slots.acquire()
@@ -115,6 +127,7 @@ class Admission:
             return f"overloaded: no slot came free within {self.wait_s} s"
         finally:
             self.waiting -= 1
+            self.owed_waiting -= owed
         self.serving += 1
         return None
 

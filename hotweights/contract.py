@@ -68,6 +68,9 @@ REPLAY_HEADER = "x-hotweights-replay"
 # On an engine's completion answers: an opaque id of the weights it computes with (the reference engine's fingerprint,
 # an agent's --weights-id). A migrated completion continues only on an engine that names the same weights.
 WEIGHTS_HEADER = "x-hotweights-weights"
+# On a request the gateway owes to a failover (held through it, re-sent or continued after it): the engine queues it
+# in its deeper queue for such requests instead of refusing it as fresh load (``hotweights.admission``).
+OWED_HEADER = "x-hotweights-owed"
 ENGINE_PORT = (
     8200  # an engine's, and a cluster's first engine's (``base_port``); the controller's 8100, the gateway's 8000
 )

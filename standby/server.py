@@ -23,7 +23,7 @@ from starlette.types import Receive, Scope, Send
 from tokenizers import Tokenizer
 
 from hotweights.admission import RETRY_AFTER_S, Admission
-from hotweights.contract import REPLAY_HEADER, WEIGHTS_HEADER, Endpoint
+from hotweights.contract import OWED_HEADER, REPLAY_HEADER, WEIGHTS_HEADER, Endpoint
 from hotweights.httpguard import short
 from hotweights.standby.chat import ChatTemplate
 from hotweights.standby.completions import (
@@ -137,7 +137,9 @@ def build_app(ctx: EngineContext) -> FastAPI:
 
     @app.post(Endpoint.COMPLETIONS, response_model=None, responses=answers)
     async def completions(
-        request: CompletionRequest, replay: Annotated[int | None, Header(alias=REPLAY_HEADER, ge=0)] = None
+        request: CompletionRequest,
+        replay: Annotated[int | None, Header(alias=REPLAY_HEADER, ge=0)] = None,
+        owed: Annotated[str | None, Header(alias=OWED_HEADER)] = None,
     ) -> Response:
         """OpenAI completions; ``stream`` gives server-sent events ending in ``data: [DONE]``.
 
@@ -145,7 +147,8 @@ def build_app(ctx: EngineContext) -> FastAPI:
         ``model``; 408/413 a body too slow or too large; 429 overloaded (with ``Retry-After``); 503 not
         serving (standby, draining, drained) or cancelled by a drain deadline or shutdown; 500 the
         generation failed. The ``x-hotweights-replay`` header (a migrated request's continuation: how many of
-        its prompt's last token ids were generated before) is honoured with ``--batch-invariant`` only. Every answer
+        its prompt's last token ids were generated before) is honoured with ``--batch-invariant`` only; with
+        ``OWED_HEADER`` the request is one a gateway owes to a failover (``hotweights.admission``). Every answer
         names the weights that computed it (``WEIGHTS_HEADER``: the fingerprint)."""
 
         def encode() -> list[list[int]]:
@@ -157,10 +160,13 @@ def build_app(ctx: EngineContext) -> FastAPI:
         elif len(request.prompts) != 1 or isinstance(request.prompts[0], str) or replay >= len(request.prompts[0]):
             message = f"{REPLAY_HEADER} {replay} needs one prompt of token ids longer than that"
             return error(400, message, "invalid_request_error", REPLAY_HEADER)
-        return await admitted(request, Api.COMPLETIONS, encode, sum(map(len, request.prompts)), replay)
+        chars = sum(map(len, request.prompts))
+        return await admitted(request, Api.COMPLETIONS, encode, chars, replay, owed is not None)
 
     @app.post(Endpoint.CHAT_COMPLETIONS, response_model=None, responses=answers)
-    async def chat_completions(request: ChatRequest) -> Response:
+    async def chat_completions(
+        request: ChatRequest, owed: Annotated[str | None, Header(alias=OWED_HEADER)] = None
+    ) -> Response:
         """OpenAI chat completions (one choice), the messages rendered by the checkpoint's chat template
         or the built-in one (``standby.chat``); answers as ``/v1/completions`` does."""
 
@@ -168,7 +174,8 @@ def build_app(ctx: EngineContext) -> FastAPI:
             text = chat_template.render([m.model_dump() for m in request.messages])
             return [ctx.tokenizer.encode(text, add_special_tokens=not chat_template.from_checkpoint).ids]
 
-        return await admitted(request, Api.CHAT, encode, sum(len(m.content) for m in request.messages))
+        chars = sum(len(m.content) for m in request.messages)
+        return await admitted(request, Api.CHAT, encode, chars, owed=owed is not None)
 
     async def admitted(
         request: SamplingRequest,
@@ -176,16 +183,17 @@ def build_app(ctx: EngineContext) -> FastAPI:
         encode: Callable[[], list[list[int]]],
         chars: int,
         replay: int = 0,
+        owed: bool = False,
     ) -> Response:
         """The request run once admission lets it in and its prompt (tokenized by ``encode``, in a worker
         thread above ``INLINE_PROMPT_CHARS``) fits, ``replay`` of its last tokens fed through decode steps
-        (``standby.scheduler``); the refusal otherwise."""
+        (``standby.scheduler``); the refusal otherwise. ``owed``: admitted as a request owed to a failover."""
         if reason := roles.serving_refusal():
             return unavailable(reason)
         if request.model is not None and request.model != ctx.model_name:
             message = f"model {short(request.model)!r} is not served here; try {ctx.model_name!r}"
             return error(404, message, "not_found_error", "model")
-        if reason := await ctx.admission.enter():
+        if reason := await ctx.admission.enter(owed):
             return overloaded(reason)
         handed_over = False  # to the run, whose close gives the admission slot back
         try:

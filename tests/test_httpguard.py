@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from hotweights.admission import Admission, Verdict, starts_soon, verdict
+from hotweights.admission import OWED_QUEUE_FACTOR, Admission, Verdict, starts_soon, verdict
 from hotweights.httpguard import ErrorShape, HttpLimits, json_refusal, server_config, short
 
 pytestmark = pytest.mark.timeout(60)
@@ -105,6 +105,38 @@ def test_admission_refuses_at_once_when_no_slot_is_expected_to_free_soon() -> No
     refused, asked = asyncio.run(scenario())
     assert refused is not None and "none is expected to end soon" in refused
     assert asked == [0]
+
+
+@pytest.mark.unit
+def test_owed_requests_wait_in_order_in_their_queue_and_arrivals_join_it_until_it_is_empty() -> None:
+    """A failover's burst (owed) is queued past the short queue and the wait share, first come first served, within
+    its own bound (4 x (running + queue)); a fresh request that arrives while it waits joins it; once that queue is
+    empty, the short queue and the wait share apply again."""
+
+    async def scenario() -> tuple[list[str | None], list[int], str | None]:
+        admission = Admission(1, 1, 5.0, starts_soon=lambda waiting: False)
+        assert await admission.enter() is None  # served
+        order: list[int] = []
+
+        async def enter(i: int, owed: bool) -> str | None:
+            reason = await admission.enter(owed=owed)
+            order.append(i)
+            return reason
+
+        bound = OWED_QUEUE_FACTOR * 2
+        waiters = [asyncio.create_task(enter(i, owed=i != 3)) for i in range(bound)]  # the 4th arrives fresh
+        await asyncio.sleep(0)
+        over = await admission.enter(owed=True)  # beyond the bound
+        for _ in waiters:
+            admission.leave()
+            await asyncio.sleep(0)
+        return [await w for w in waiters] + [over], order, await admission.enter()
+
+    answers, order, fresh = asyncio.run(scenario())
+    assert answers[:-1] == [None] * (OWED_QUEUE_FACTOR * 2), answers
+    assert answers[-1] is not None and "1 requests are being served and 8 are waiting" in answers[-1]
+    assert order == list(range(OWED_QUEUE_FACTOR * 2))
+    assert fresh is not None and "none is expected to end soon" in fresh  # the queue is empty: the share is back
 
 
 @pytest.mark.unit
