@@ -50,7 +50,8 @@ Steps, each a subprocess with its own time limit, so one failure or hang cannot 
   migration_xl  bench/migration.py on xl: 64 greedy streams of 256 tokens in flight through the gateway at a SIGKILL
             and at a SIGSTOP of the primary (broken and mismatched streams, the largest gap at the cut)
   invariance_xl  bench/invariance.py on xl: which step shapes (prefill rows, decode batch size, KV length bucket,
-            prefill against decode) change a sequence's logits, with the serving and the batch-invariant decoder
+            prefill against decode, a continuation's tokens prefilled against decoded at 40 and 300 tokens) change a
+            sequence's logits, with the serving and the batch-invariant decoder
   migration_xl_invariant, storm_xl_invariant  migration_xl and storm_xl with batch-invariant engines
             (engine.batch_invariant: mismatched and wrong texts against what the padding costs)
 Results go to DIR/gpu_suite.json and every step's output to DIR/steps.log; the drills' report folders
