@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import http.client
 import json
+import signal
 import socket
 import subprocess
 import threading
@@ -247,6 +248,43 @@ def test_a_burst_held_for_a_failover_is_queued_not_refused_by_the_new_primarys_a
             with ThreadPoolExecutor(len(bodies)) as pool:  # not held: the engine's refusals reach the client
                 burst = list(pool.map(post, [{"prompt": "busy", "max_tokens": 200}] * len(bodies)))
             assert 429 in [a.status_code for a in burst], [a.status_code for a in burst]
+
+
+def engine_metric(engine: EngineProcess, name: str, **labels: str) -> float:
+    """The sum of an engine's metric's samples that carry ``labels``."""
+    text = engine.client.get(Endpoint.METRICS).text
+    samples = (s for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+    return sum(s.value for s in samples if labels.items() <= s.labels.items())
+
+
+def test_a_request_re_sent_after_its_primary_died_is_queued_by_the_next_one_not_refused(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """A request cut before its first byte (two prompts: re-sent whole, not migrated) goes to the next primary as
+    one the gateway owes: that primary, busy with one request and one queued (its whole admission), queues it in
+    its queue of owed requests instead of answering 429."""
+    flags = ("--kv-cache-tokens", "512", "--max-batch", "1", "--max-queue", "1")
+    with contextlib.ExitStack() as stack:
+        old, new = (
+            stack.enter_context(EngineProcess(tiny_model, *flags, "--engine-id", name, "--role", role))
+            for name, role in (("a", "primary"), ("b", "standby"))
+        )
+        old.wait_ready()
+        new.wait_ready()
+        gateway = stack.enter_context(GatewayProcess(write_cluster(tmp_path / "cluster.toml", [old.port, new.port])))
+        gateway.wait_health(lambda h: len(h["primaries"]) == 1, what="the primary")
+        pool = stack.enter_context(ThreadPoolExecutor(3))
+        body = {"prompt": ["cut", "two prompts"], "max_tokens": 300}
+        cut = pool.submit(httpx.post, f"{gateway.url}{Endpoint.COMPLETIONS}", json=body, timeout=120)
+        wait_until(lambda: engine_metric(old, "hotweights_engine_in_flight_requests") >= 1, 30, "the request on a")
+        assert new.post(Endpoint.PROMOTE).status_code == 200
+        busy = [pool.submit(new.complete, prompt="busy", max_tokens=300) for _ in range(2)]
+        wait_until(lambda: engine_metric(new, "hotweights_engine_admission_total", verdict="queued") >= 1, 30, "b full")
+        old.stop(signal.SIGKILL)
+        answer = cut.result(timeout=120)
+        assert answer.status_code == 200, answer.text
+        assert [b.result(timeout=120).status_code for b in busy] == [200, 200]
+        assert answer.headers["x-hotweights-upstream"] == new.url
 
 
 def test_a_taken_port_is_one_line_and_exit_2(tmp_path: Path) -> None:
