@@ -18,7 +18,9 @@ Measured, per fault and over all of them:
   primary and every other slot a ready standby (``null`` for a fault after which that never came);
 - ``extra_latency_ms``: the longest request in flight at the fault or started within 1 s after it, minus the quiet
   p50: what the fault cost a client;
-- ``client_errors``: requests that did not get the right 200, over the whole run; ``split_brain_samples``;
+- ``client_errors``: requests that did not get the right 200, over the whole run, of which ``wrong_texts`` got a
+  200 with a text other than the reference (a greedy answer of other rounding, or of other weights);
+  ``split_brain_samples``;
 - ``warming_slowdown``: the p50 latency of requests started while an engine or a spare was starting or warming
   up (sampled from ``GET /cluster`` every 100 ms), leaving out the 2 s after each fault (the failover's own cost),
   over the quiet p50 (``null`` when no request fell in such a window);
@@ -216,6 +218,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "quiet_p50_ms": round(quiet_p50, 1),
         "requests": len(records),
         "client_errors": sum(not r.ok for r in records),
+        "wrong_texts": sum(r.status == 200 and r.correct is False for r in records),
         "errors": sorted({f"{r.status}: {r.error[:120]}" for r in records if not r.ok})[:5],
         "split_brain_samples": len(detector.samples),
         "problem": problem
