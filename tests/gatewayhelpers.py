@@ -9,6 +9,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from hotweights.contract import Endpoint
 from hotweights.ports import free_port
 from hotweights.spawn import hotweights_command
@@ -29,6 +31,12 @@ def primary_and_standby(model: Path) -> Iterator[list[EngineProcess]]:
         for engine in engines:
             engine.wait_ready()
         yield engines
+
+
+def metric(server: ChildService, name: str, **labels: str) -> float:
+    """The sum of the samples of a gateway's or an engine's metric ``name`` that carry ``labels``."""
+    families = text_string_to_metric_families(server.client.get(Endpoint.METRICS).text)
+    return sum(s.value for f in families for s in f.samples if s.name == name and labels.items() <= s.labels.items())
 
 
 def roles(engines: list[EngineProcess]) -> tuple[EngineProcess, EngineProcess]:

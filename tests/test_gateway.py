@@ -31,7 +31,7 @@ from hotweights.spawn import hotweights_command
 from hotweights.standby.serving import bind_port
 from tests.cachehelpers import wait_until
 from tests.enginehelpers import EngineProcess, in_use, refusal_on_taken_port
-from tests.gatewayhelpers import GatewayProcess, primary_and_standby, roles, write_cluster
+from tests.gatewayhelpers import GatewayProcess, metric, primary_and_standby, roles, write_cluster
 
 PROMPTS = ["The quick brown fox", "Once upon a time"]
 LONG_STREAM = {"prompt": "long", "max_tokens": 480, "temperature": 0.0, "stream": True}
@@ -97,12 +97,6 @@ def stream(client: httpx.Client, body: dict) -> list[dict]:
         lines = [line for line in response.iter_lines() if line]
     assert lines[-1] == "data: [DONE]"
     return [comparable(json.loads(line.removeprefix("data: "))) for line in lines[:-1]]
-
-
-def metric(gateway: GatewayProcess, name: str) -> float:
-    """The sum of a metric's samples over all labels."""
-    text = gateway.client.get(Endpoint.METRICS).text
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
 
 
 @pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 0.9, "top_p": 0.9, "seed": 7}])
@@ -250,13 +244,6 @@ def test_a_burst_held_for_a_failover_is_queued_not_refused_by_the_new_primarys_a
             assert 429 in [a.status_code for a in burst], [a.status_code for a in burst]
 
 
-def engine_metric(engine: EngineProcess, name: str, **labels: str) -> float:
-    """The sum of an engine's metric's samples that carry ``labels``."""
-    text = engine.client.get(Endpoint.METRICS).text
-    samples = (s for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
-    return sum(s.value for s in samples if labels.items() <= s.labels.items())
-
-
 def test_a_request_re_sent_after_its_primary_died_is_queued_by_the_next_one_not_refused(
     tiny_model: Path, tmp_path: Path
 ) -> None:
@@ -276,10 +263,10 @@ def test_a_request_re_sent_after_its_primary_died_is_queued_by_the_next_one_not_
         pool = stack.enter_context(ThreadPoolExecutor(3))
         body = {"prompt": ["cut", "two prompts"], "max_tokens": 300}
         cut = pool.submit(httpx.post, f"{gateway.url}{Endpoint.COMPLETIONS}", json=body, timeout=120)
-        wait_until(lambda: engine_metric(old, "hotweights_engine_in_flight_requests") >= 1, 30, "the request on a")
+        wait_until(lambda: metric(old, "hotweights_engine_in_flight_requests") >= 1, 30, "the request on a")
         assert new.post(Endpoint.PROMOTE).status_code == 200
         busy = [pool.submit(new.complete, prompt="busy", max_tokens=300) for _ in range(2)]
-        wait_until(lambda: engine_metric(new, "hotweights_engine_admission_total", verdict="queued") >= 1, 30, "b full")
+        wait_until(lambda: metric(new, "hotweights_engine_admission_total", verdict="queued") >= 1, 30, "b full")
         old.stop(signal.SIGKILL)
         answer = cut.result(timeout=120)
         assert answer.status_code == 200, answer.text

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from hotweights.contract import REPLAY_HEADER, Endpoint
 from hotweights.controller.migration import Ledger, Migratable, Refusal, StopStrings, plan
@@ -26,7 +25,7 @@ from hotweights.standby.sampling import token_seed
 from tests.cachehelpers import wait_until
 from tests.conftest import make_checkpoint
 from tests.enginehelpers import EngineProcess
-from tests.gatewayhelpers import GatewayProcess, write_cluster
+from tests.gatewayhelpers import GatewayProcess, metric, write_cluster
 
 MAX_TOKENS = 400
 COMPLETION_STREAMS = 24  # greedy; with the chats, the sampled, the stopped and the non-streamed: 32 requests
@@ -365,11 +364,6 @@ def gateway(engines: list[EngineProcess], tmp_path_factory: pytest.TempPathFacto
     with GatewayProcess(config) as gateway:
         gateway.wait_health(lambda h: len(h["primaries"]) == 1, what="the primary")
         yield gateway
-
-
-def metric(gateway: GatewayProcess, name: str) -> float:
-    text = gateway.client.get(Endpoint.METRICS).text
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
 
 
 def fail_over(
