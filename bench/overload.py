@@ -42,6 +42,8 @@ from hotweights.ports import free_port
 from hotweights.spawn import hotweights_command
 from hotweights.stats import percentile
 
+LIMITS = ServingLimits()  # the engine's defaults, those of --max-batch, --max-queue and --queue-wait-share
+
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "The quick brown fox jumps over the lazy dog"
 ADMITTED_P99_RATIO_TARGET = 2.0
@@ -205,9 +207,6 @@ async def measure(url: str, args: argparse.Namespace) -> dict[str, object]:
         "errors": 0,
     }
     return result
-
-
-LIMITS = ServingLimits()  # the engine's defaults
 
 
 def main() -> int:

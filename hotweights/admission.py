@@ -93,7 +93,7 @@ class Admission:
     on_verdict: Callable[[Verdict], None] = lambda _: None
     starts_soon: Callable[[int], bool] | None = None
     waiting: int = 0  # queued now
-    owed_waiting: int = 0  # of which in the queue of requests owed to a failover
+    owed_waiting: int = 0  # of which in the owed queue (owed, or joined while it held any)
     serving: int = 0  # holding a slot now
     _slots: asyncio.Semaphore = field(init=False)
 
@@ -103,10 +103,10 @@ class Admission:
     async def enter(self, owed: bool = False) -> str | None:
         """None once a slot is held (``leave`` gives it back); else why the request is refused. ``owed``: a request
         owed to a failover (module docstring)."""
-        owed = owed or self.owed_waiting > 0  # catching up with a failover's burst: join it
-        queue = OWED_QUEUE_FACTOR * (self.running + self.queue) if owed else self.queue
+        lane = owed or self.owed_waiting > 0  # the owed queue: owed, or catching up with a failover's burst
+        queue = OWED_QUEUE_FACTOR * (self.running + self.queue) if lane else self.queue
         slot_free = not self._slots.locked()
-        soon = slot_free or owed or self.waiting >= queue or not self.starts_soon or self.starts_soon(self.waiting)
+        soon = slot_free or lane or self.waiting >= queue or not self.starts_soon or self.starts_soon(self.waiting)
         decided = verdict(slot_free, self.waiting, queue, soon)
         self.on_verdict(decided)
         if decided is Verdict.REFUSE:
@@ -118,7 +118,7 @@ class Admission:
             self.serving += 1
             return None
         self.waiting += 1
-        self.owed_waiting += owed
+        self.owed_waiting += lane
         try:
             async with asyncio.timeout(self.wait_s):
                 await self._slots.acquire()
@@ -127,7 +127,7 @@ class Admission:
             return f"overloaded: no slot came free within {self.wait_s} s"
         finally:
             self.waiting -= 1
-            self.owed_waiting -= owed
+            self.owed_waiting -= lane
         self.serving += 1
         return None
 
