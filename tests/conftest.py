@@ -5,6 +5,12 @@ Every test runs with ``HOTWEIGHTS_HOME`` and ``HOTWEIGHTS_RUNTIME_DIR`` set to f
 (in ``os.environ``, so the hotweights processes it starts inherit them): nothing a user ran before (a
 ``hotweights up`` under ``~/.cache/hotweights``, daemons in the runtime dir) changes an outcome. The
 directories are short ones in /tmp, because the sockets under them must fit in 108 bytes.
+
+Spread over workers (``pytest -n 2``, pytest-xdist), a module's tests run on one worker, one after another, so
+module-scoped stacks are started once. The modules that start a real vLLM or SGLang, or drill a fault storm
+(``SERIAL``), share one worker and so never run at the same time as each other: each keeps the two cores'
+spare time that its timing needs. They start first, then the longest of the others (``LONG``), so that no long
+module is left for the end.
 """
 
 from __future__ import annotations
@@ -23,9 +29,33 @@ import torch
 from hotweights.cache.makemodel import PRESETS, ensure_default_model, write_checkpoint
 from hotweights.paths import DEFAULT_MODEL_NAME
 
+SERIAL = ("test_sglang.py", "test_vllm.py", "test_chaos.py", "test_redundancy_faults.py")
+LONG = ("test_rollout.py", "test_controller_up.py", "test_openapi.py", "test_controller.py", "test_recover.py")
+
 # Tests spawn many torch processes on small machines; one thread each keeps them from thrashing.
 os.environ["OMP_NUM_THREADS"] = "1"
 torch.set_num_threads(1)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """pytest-xdist's module-by-module scheduling, with the ``SERIAL`` modules as one unit, in the order collected."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Modules(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "serial" if Path(module).name in SERIAL else module
+
+    config.option.loadscopereorder = False  # keep the order pytest_collection_modifyitems gives
+    return Modules(config, log)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """On a pytest-xdist worker: SERIAL, then LONG, then the rest, in the order collected."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        order = {name: rank for rank, name in enumerate(SERIAL + LONG)}
+        items.sort(key=lambda item: order.get(item.path.name, len(order)))
 
 
 @contextlib.contextmanager
@@ -94,3 +124,4 @@ def tiny_fp8_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_tied_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-tied", tie=True)
+
