@@ -358,9 +358,12 @@ def engines(tiny_model: Path) -> Iterator[list[EngineProcess]]:
 
 @pytest.fixture(scope="module")
 def gateway(engines: list[EngineProcess], tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
-    # Every request at once is admitted: as many as one engine batches (FLAGS), whichever group it serves.
+    # Every request at once is admitted: as many as one engine batches (FLAGS), whichever group it serves. A
+    # hold of 30 s: on two cores shared with another test's servers, a new primary busy with every continuation
+    # can miss its probes for longer than the default 10 s (the fail_over test's promote waits on it).
     ports = [e.port for e in engines]
-    config = write_cluster(tmp_path_factory.mktemp("migration") / "cluster.toml", ports, max_in_flight=32)
+    path = tmp_path_factory.mktemp("migration") / "cluster.toml"
+    config = write_cluster(path, ports, max_in_flight=32, hold_timeout_s=30.0)
     with GatewayProcess(config) as gateway:
         gateway.wait_health(lambda h: len(h["primaries"]) == 1, what="the primary")
         yield gateway
