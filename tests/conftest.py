@@ -124,4 +124,3 @@ def tiny_fp8_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_tied_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-tied", tie=True)
-
