@@ -47,6 +47,9 @@ Steps, each a subprocess with its own time limit, so one failure or hang cannot 
             warm up
   storm_xl  the same with a fault every 3 s, SIGKILL and SIGSTOP alternating, 8 warmed spares
   overload_medium  bench/overload.py on medium: admitted latency and refusals at 1x, 2x and 5x the measured capacity
+  overload_medium_short, storm_xl_invariant_short  overload_medium and storm_xl_invariant with the engines' admission
+            at a queue of one and a wait share of 0.5 (engine.max_queue, engine.queue_wait_share): whether the
+            shorter queue keeps a storm's clients free of 429s
   migration_xl  bench/migration.py on xl: 64 greedy streams of 256 tokens in flight through the gateway at a SIGKILL
             and at a SIGSTOP of the primary (broken and mismatched streams, the largest gap at the cut)
   invariance_xl  bench/invariance.py on xl: which step shapes (prefill rows, decode batch size, KV length bucket,
@@ -88,6 +91,7 @@ def steps(workdir: Path, out: Path) -> dict[str, tuple[list[str], int]]:
 
     rollout = f"{bench}/rollout.py --device cuda:0 --rps 10"
     redundancy = f"{bench}/redundancy.py --model {xl} --device cuda:0 --rps 10 --keep-logs"
+    short_queue = "--max-queue 1 --queue-wait-share 0.5"  # the engines' admission the *_short steps run
 
     def drill_at(name: str, path: str, rps: int, scenarios: str = "kill-primary hang-primary", rounds: int = 8) -> str:
         """``scenarios`` through the gateway, cuda-vmm, at ``rps`` requests/s, report in DIR/drill-NAME."""
@@ -143,6 +147,10 @@ def steps(workdir: Path, out: Path) -> dict[str, tuple[list[str], int]]:
             540,
         ),
         "overload_medium": (f"{make('medium', medium)} && {bench}/overload.py --device cuda:0 --model {medium}", 300),
+        "overload_medium_short": (
+            f"{make('medium', medium)} && {bench}/overload.py --device cuda:0 --model {medium} {short_queue}",
+            300,
+        ),
         "migration_xl": (
             f"{make('xl', xl)} && {bench}/migration.py --model {xl} --device cuda:0 --streams 64 --max-tokens 256",
             540,
@@ -156,6 +164,11 @@ def steps(workdir: Path, out: Path) -> dict[str, tuple[list[str], int]]:
         "storm_xl_invariant": (
             f"{make('xl', xl)} && {redundancy} {out / 'logs-storm-xl-invariant'} --spare-engines 8 --faults 10 "
             "--interval 3 --signals kill,stop --batch-invariant",
+            540,
+        ),
+        "storm_xl_invariant_short": (
+            f"{make('xl', xl)} && {redundancy} {out / 'logs-storm-xl-invariant-short'} --spare-engines 8 --faults 10 "
+            f"--interval 3 --signals kill,stop --batch-invariant {short_queue}",
             540,
         ),
     }

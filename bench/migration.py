@@ -29,7 +29,7 @@ import signal
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,7 @@ from hotweights.cache.makemodel import PRESETS, write_checkpoint
 from hotweights.chaos.clusterview import ControlApi
 from hotweights.chaos.faults import Target, send
 from hotweights.chaos.scenarios import serving_primary, wait_dead
-from hotweights.chaos.stack import DrillStack, run_interruptible
+from hotweights.chaos.stack import DRILL_LIMITS, DrillStack, run_interruptible
 from hotweights.contract import Endpoint
 from hotweights.controller.gatewayserver import GATEWAY_EVENTS_FILE
 
@@ -179,7 +179,9 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     kv_tokens = args.max_tokens + 64  # the prompt and the budget, with room
     stack = DrillStack.create(
         workdir / "stack", "gateway", proxied=False, model=model or "", device=args.device,
-        kv_cache_tokens=kv_tokens, max_batch=args.streams, batch_invariant=args.batch_invariant,
+        limits=replace(
+            DRILL_LIMITS, kv_cache_tokens=kv_tokens, max_batch=args.streams, batch_invariant=args.batch_invariant
+        ),
     )  # fmt: skip
     api = stack.control_api()
     rounds = []

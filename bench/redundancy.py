@@ -11,6 +11,8 @@ warming), then one engine's cold start beside it (a plain ``hotweights engine`` 
 ready), then sends ``--faults`` faults to whichever engine serves as primary, ``--interval`` s apart on a fixed
 schedule (it never waits for recovery), the signals cycling through ``--signals`` (a stopped primary is fenced by
 the controller; it gets SIGCONT at the end). Everything it started is stopped at the end, on SIGINT and SIGTERM too.
+``--batch-invariant``, ``--max-queue`` and ``--queue-wait-share`` set the engines' ``[engine]`` keys of those names
+(default: the drills' engines, with the shipped admission).
 
 Measured, per fault and over all of them:
 
@@ -40,7 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +53,7 @@ from hotweights.chaos.faults import Target, send
 from hotweights.chaos.load import LoadGenerator, RequestRecord, reference_completion
 from hotweights.chaos.scenarios import fault_storm, wait_dead
 from hotweights.chaos.splitbrain import SplitBrainDetector
-from hotweights.chaos.stack import DrillStack, run_interruptible
+from hotweights.chaos.stack import DRILL_LIMITS, DrillStack, run_interruptible
 from hotweights.controller.config import EngineSpec
 from hotweights.controller.stack import Layout
 from hotweights.ports import free_port
@@ -162,7 +164,11 @@ def summarize(
 async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     stack = DrillStack.create(
         workdir, "gateway", proxied=False, model=args.model or "", device=args.device,
-        spare_engines=args.spare_engines, spare_duty=args.spare_duty, batch_invariant=args.batch_invariant,
+        spare_engines=args.spare_engines, spare_duty=args.spare_duty,
+        limits=replace(
+            DRILL_LIMITS, batch_invariant=args.batch_invariant, max_queue=args.max_queue,
+            queue_wait_share=args.queue_wait_share,
+        ),
     )  # fmt: skip
     api = stack.control_api()
     detector = SplitBrainDetector(stack.direct_urls())
@@ -213,6 +219,8 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "spare_engines": args.spare_engines,
         "spare_duty": args.spare_duty,
         "batch_invariant": args.batch_invariant,
+        "max_queue": args.max_queue,
+        "queue_wait_share": args.queue_wait_share,
         "engine_start_s": round(cold_s, 3),
         "quiet_requests": len(quiet),
         "quiet_p50_ms": round(quiet_p50, 1),
@@ -238,6 +246,18 @@ def main() -> int:
     parser.add_argument("--spare-engines", type=int, default=1, help="the group's warmed spares (default 1)")
     parser.add_argument("--spare-duty", type=float, help="the group's spare_duty (default: cluster.toml's default)")
     parser.add_argument("--batch-invariant", action="store_true", help="the engines' engine.batch_invariant")
+    parser.add_argument(
+        "--max-queue",
+        type=int,
+        default=DRILL_LIMITS.max_queue,
+        help="the engines' engine.max_queue (default %(default)s)",
+    )
+    parser.add_argument(
+        "--queue-wait-share",
+        type=float,
+        default=DRILL_LIMITS.queue_wait_share,
+        help="the engines' engine.queue_wait_share (default %(default)s)",
+    )
     parser.add_argument("--keep-logs", metavar="DIR", help="copy the stack's logs here at the end")
     parser.add_argument("--quiet", type=float, default=5.0, help="seconds of the quiet window (default 5)")
     parser.add_argument("--recovery-timeout", type=float, default=120.0)

@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import subprocess
 from collections.abc import Coroutine
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from hotweights.admission import ServingLimits
 from hotweights.cache.checkpoint import read_checkpoint
 from hotweights.cache.makemodel import ensure_default_model, write_checkpoint
 from hotweights.chaos.clusterview import ControlApi
@@ -38,8 +40,8 @@ ENGINES = 3  # one primary and two standbys
 # the load on its cores; on a GPU host the drill runs the shipped defaults.
 CPU_HEALTH = "[health]\ntimeout_ms = 250\n"
 DOWN_TIMEOUT_S = 30.0
-KV_CACHE_TOKENS = 256  # per sequence slot: the drills' requests are short
-MAX_BATCH = 4
+# Each engine's: a small KV cache (the drills' requests are short) and a quick drain; admission as shipped.
+DRILL_LIMITS = ServingLimits(kv_cache_tokens=256, max_batch=4, drain_timeout_s=5.0)
 
 CONFIG_TEMPLATE = """\
 # Written by `hotweights drill` for its own stack.
@@ -58,11 +60,7 @@ tp_size = {tp_size}
 base_port = {base_port}
 {listen_base_port}{batch_port}{spares}
 [engine]
-kv_cache_tokens = {kv_cache_tokens}
-max_batch = {max_batch}
-drain_timeout_s = 5.0
-batch_invariant = {batch_invariant}
-
+{engine}
 {health}
 [gateway]
 port = {gateway_port}
@@ -71,6 +69,11 @@ hold_timeout_s = 15.0
 
 
 T = TypeVar("T")
+
+
+def engine_section(limits: ServingLimits) -> str:
+    """``limits`` as the body of cluster.toml's ``[engine]`` section, every field."""
+    return "".join(f"{name} = {json.dumps(value)}\n" for name, value in asdict(limits).items())
 
 
 def run_interruptible(work: Coroutine[Any, Any, T]) -> T | None:
@@ -115,14 +118,11 @@ class DrillStack:
         batch: bool = False,
         spare_engines: int | None = None,
         spare_duty: float | None = None,
-        kv_cache_tokens: int = KV_CACHE_TOKENS,
-        max_batch: int = MAX_BATCH,
-        batch_invariant: bool = False,
+        limits: ServingLimits = DRILL_LIMITS,
     ) -> DrillStack:
         """Write the config of a fresh stack in ``workdir`` (default: the embedded tiny model on CPU; engines of
         ``tp_size`` ranks, a daemon per rank; ``batch``: with a co-located batch engine; ``spare_engines``,
-        ``spare_duty``: the group's, instead of the defaults; ``kv_cache_tokens``, ``max_batch`` and
-        ``batch_invariant``: each engine's)."""
+        ``spare_duty``: the group's, instead of the defaults; ``limits``: each engine's ``[engine]`` section)."""
         workdir.mkdir(parents=True, exist_ok=True)
         controller_port, gateway_port, lb_port, batch_port = free_ports(4)
         ports = free_ports(2 * ENGINES if proxied else ENGINES, consecutive=True)  # public, then private
@@ -144,9 +144,7 @@ class DrillStack:
                     if proxied
                     else ""
                 ),
-                kv_cache_tokens=kv_cache_tokens,
-                max_batch=max_batch,
-                batch_invariant="true" if batch_invariant else "false",
+                engine=engine_section(limits),
                 batch_port=f"batch_port = {batch_port}  # a co-located batch engine\n" if batch else "",
                 spares=(f"spare_engines = {spare_engines}\n" if spare_engines is not None else "")
                 + (f"spare_duty = {spare_duty}\n" if spare_duty is not None else ""),

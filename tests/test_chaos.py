@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import asdict, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from hotweights.chaos.proxy import DelayProxy
 from hotweights.chaos.report import draw_timeline, label_rounds, mark_events, write_report
 from hotweights.chaos.scenarios import RANK_SCENARIOS, SCENARIOS
 from hotweights.chaos.splitbrain import SplitBrainDetector
+from hotweights.chaos.stack import DRILL_LIMITS, DrillStack
 from hotweights.cli import main
 from hotweights.contract import SUSPECT_REQUEST
 from hotweights.spawn import hotweights_command
@@ -262,6 +264,13 @@ def test_load_generator_records_correct_completions(tiny_model: Path) -> None:
     assert 15 <= len(good) <= 25, [r.error for r in load.records]
     assert wrong and all(r.status == 200 and "wrong output" in r.error for r in wrong)
     assert all(r.end >= r.start for r in load.records)
+
+
+def test_a_drill_stacks_engines_run_the_limits_it_was_given(tmp_path: Path, default_model: Path) -> None:
+    """Every field of the engines' limits (the benchmarks' admission flags among them) reaches cluster.toml."""
+    limits = replace(DRILL_LIMITS, max_queue=1, queue_wait_share=0.5, queue_timeout_s=2.5, batch_invariant=True)
+    stack = DrillStack.create(tmp_path, "gateway", proxied=False, model=str(default_model), limits=limits)
+    assert asdict(stack.config.engine) == asdict(limits) != asdict(DRILL_LIMITS)
 
 
 def test_drill_every_scenario_once_through_the_gateway(tmp_path: Path, default_model: Path) -> None:
