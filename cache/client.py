@@ -30,6 +30,7 @@ import fcntl
 import logging
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,6 +72,27 @@ class Attachment:
     handover: HandoverOffer | None = field(default=None, repr=False)  # offers the arena to a successor daemon
     parts: dict[str, float] = field(default_factory=dict)  # ms of the attach's steps: reply, map, offer
     socket_path: Path | None = None  # the daemon's
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # one request at a time on _conn
+
+    @property
+    def backend(self) -> str:
+        """The arena's backend (``cache.backends``)."""
+        return self.manifest["backend"]
+
+    def call(
+        self, message: dict[str, Any], fds: tuple[int, ...] = (), max_fds: int = 0, timeout: float = CONNECT_TIMEOUT_S
+    ) -> tuple[dict[str, Any], list[int]]:
+        """One request on the attach connection (the KV deposits of ``cache.kvdeposits``); DaemonUnavailable when
+        the daemon is gone (the connection is then closed: later calls fail at once)."""
+        with self._lock:
+            if self._conn is None:
+                raise DaemonUnavailable("the attach connection is closed")
+            try:
+                return call(self._conn, message, max_fds, time.monotonic() + timeout, fds)
+            except DaemonUnavailable:
+                self._conn.close()
+                self._conn = None
+                raise
 
     @property
     def content_hash(self) -> str:
@@ -96,9 +118,10 @@ class Attachment:
             self.handover = None
         self.tensors.clear()
         self.arena.close()
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
 
 
 def attach(

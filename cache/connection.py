@@ -122,16 +122,21 @@ def _connect_retrying(socket_path: Path, deadline: float) -> socket.socket:
 
 
 def call(
-    conn: socket.socket, request: dict[str, Any], max_fds: int = 0, deadline: float | None = None
+    conn: socket.socket,
+    request: dict[str, Any],
+    max_fds: int = 0,
+    deadline: float | None = None,
+    fds: tuple[int, ...] = (),
 ) -> tuple[dict[str, Any], list[int]]:
-    """One request, one whole reply before ``deadline`` (default: the socket's timeout from now).
-    Daemon-side refusals are returned (``ok`` is then exactly False); transport failures raised."""
+    """One request (with ``fds``, which stay the caller's), one whole reply before ``deadline`` (default: the
+    socket's timeout from now). Daemon-side refusals are returned (``ok`` is then exactly False); transport
+    failures raised."""
     if deadline is None:
         deadline = time.monotonic() + (conn.gettimeout() or CONNECT_TIMEOUT_S)
     op = request.get("op")
     try:
-        send_message(conn, request, deadline=deadline)
-        reply, fds = recv_message(conn, max_fds=max_fds, deadline=deadline)
+        send_message(conn, request, fds, deadline=deadline)
+        reply, received = recv_message(conn, max_fds=max_fds, deadline=deadline)
     except TimeoutError:
         raise DaemonUnavailable(f"weight cache daemon sent no whole reply to {op!r} in time") from None
     except (ProtocolError, OSError) as exc:
@@ -139,9 +144,9 @@ def call(
     try:
         reply_ok(reply)
     except ProtocolError as exc:
-        close_all(fds)
+        close_all(received)
         raise DaemonUnavailable(f"weight cache daemon sent a malformed reply to {op!r}: {exc}") from None
-    return reply, fds
+    return reply, received
 
 
 def request(socket_path: str | Path, message: dict[str, Any], timeout: float = CONNECT_TIMEOUT_S) -> dict[str, Any]:

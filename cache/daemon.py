@@ -9,7 +9,8 @@ malformed client costs its own connection and nothing else. At most ``max_connec
 once: past that, the connection waiting longest for a request is shed to make room (attached
 engines are never shed). An attached engine keeps its connection open (that is how ``status``
 counts clients); the engine keeps working if the daemon dies, because the kernel or driver holds
-the memory until the last mapping goes.
+the memory until the last mapping goes. On that connection an engine serving as a primary also deposits its KV
+cache, which the daemon keeps for the engine's successor (``cache.kvdeposits``).
 """
 
 from __future__ import annotations
@@ -36,8 +37,10 @@ from hotweights.cache import arena as arena_layout
 from hotweights.cache.backends import get_backend
 from hotweights.cache.backends.base import ArenaBackend, ExportedArena
 from hotweights.cache.checkpoint import Checkpoint, read_checkpoint
+from hotweights.cache.connection import close_all
 from hotweights.cache.digest import fill_digests
 from hotweights.cache.fingerprint import Fingerprint, compute_fingerprint, describe_differences
+from hotweights.cache.kvdeposits import KV_OPS, KvDeposits
 from hotweights.cache.loadspec import LoadSpec
 from hotweights.cache.paths import DaemonPaths, ensure_private_dir, publish, unpublish
 from hotweights.cache.pipeline import check_spec, iter_processed, processed_config, processed_dtype
@@ -222,6 +225,7 @@ class CacheDaemon:
             "disk": self.load,
         }
         self.clients: dict[int, Client] = {}
+        self.kv = KvDeposits(self.backend, source.device)
         self._clients_lock = threading.Lock()
         self._should_exit = threading.Event()
         self._lock = PidLock(paths.lock)
@@ -363,6 +367,7 @@ class CacheDaemon:
     def _accept_loop(self) -> None:
         assert self._listener is not None
         while not self._should_exit.is_set():
+            self.kv.expire()
             try:
                 conn, _ = self._listener.accept()
             except TimeoutError:
@@ -409,6 +414,7 @@ class CacheDaemon:
             for path in (self.paths.ready, self.paths.socket):
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()
+        self.kv.close()
         if self.arena is not None:
             self.arena.close()
         self._lock.release()
@@ -428,6 +434,7 @@ class CacheDaemon:
                     return
                 self._converse(conn, client)
         finally:
+            self.kv.connection_closed(id(conn))
             with self._clients_lock:
                 if self.clients.get(id(conn)) is client:
                     del self.clients[id(conn)]
@@ -439,7 +446,7 @@ class CacheDaemon:
             conn.settimeout(None)
             deadline = None if client.attached else time.monotonic() + self.request_timeout
             try:
-                request, _ = recv_message(conn, max_fds=0, deadline=deadline)
+                request, fds = recv_message(conn, max_fds=2 if client.attached else 0, deadline=deadline)
             except PeerClosed:
                 return
             except TimeoutError:
@@ -448,12 +455,23 @@ class CacheDaemon:
             except (ProtocolError, OSError) as exc:
                 self._reply(conn, error_reply("bad_message", str(exc)))
                 return
-            reply, fds = self._dispatch(request)
-            if not self._reply(conn, reply, fds) or not reply["ok"]:
-                return
+            if request.get("op") in KV_OPS:
+                reply, fds = self._kv(client, request, fds)
+            else:
+                close_all(fds)
+                reply, fds = self._dispatch(request)
+            if not self._reply(conn, reply, fds) or not (reply["ok"] or request.get("op") in KV_OPS):
+                return  # a refused KV request leaves the engine attached
             if request.get("op") == "attach":
                 client.attached = True
                 log.info("pid %d attached", client.pid)
+
+    def _kv(self, client: Client, request: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
+        """A KV deposit request (``cache.kvdeposits``): only from an attached engine, which passed the fingerprint."""
+        if not client.attached:
+            close_all(fds)
+            return error_reply("forbidden", f"{request['op']} needs an attached connection"), []
+        return self.kv.handle(id(client.conn), request, fds)
 
     def _dispatch(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         op = request.get("op")
@@ -530,6 +548,7 @@ class CacheDaemon:
             "uptime_s": round(time.time() - self.started_at, 3),
             "fill": self.fill_report,
             "clients": clients,
+            "kv_deposits": self.kv.status(),
         }
         return {"ok": True, "status": status}, []
 

@@ -53,6 +53,7 @@ from typing import TypeVar
 import torch
 
 from hotweights.standby.fused import fusing
+from hotweights.standby.kvshare import SharedKv
 from hotweights.standby.model import KVCache, Transformer
 from hotweights.standby.sampling import sample_rows, to_host
 
@@ -154,11 +155,20 @@ class PrefillGraph:
 class Decoder:
     """The model and one KV cache, run at the fixed shapes the module docstring lists. One thread only."""
 
-    def __init__(self, model: Transformer, kv: KVCache, graphs: bool = False, batch_invariant: bool = False) -> None:
+    def __init__(
+        self,
+        model: Transformer,
+        kv: KVCache,
+        graphs: bool = False,
+        batch_invariant: bool = False,
+        shared: SharedKv | None = None,
+    ) -> None:
+        """``shared``: where ``kv`` lies when it can outlive the engine (``standby.kvshare``), its ledger included."""
         if graphs and model.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {model.device}")
         self.model = model
         self.kv = kv
+        self.shared = shared
         self.graphs_enabled = graphs
         self.batch_invariant = batch_invariant
         self.lengths = length_buckets(kv.max_tokens)  # of prefills
@@ -171,6 +181,11 @@ class Decoder:
     @property
     def batch(self) -> int:
         return self.kv.batch
+
+    def close(self) -> None:
+        """Free a shared KV cache's memory now (a plain one goes with the last reference)."""
+        if self.shared is not None:
+            self.shared.close()
 
     @property
     def nbytes(self) -> int:

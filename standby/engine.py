@@ -67,6 +67,7 @@ from hotweights.spawn import SPARE_DUTY, add_spare_arguments, wait_for_start
 from hotweights.standby import tpgroup
 from hotweights.standby.decoder import Decoder
 from hotweights.standby.engineoptions import EngineOptions
+from hotweights.standby.kvshare import KvShare
 from hotweights.standby.metrics import EngineMetrics
 from hotweights.standby.model import KVCache, Transformer
 from hotweights.standby.pacing import CpuShare, Pacer, readable
@@ -86,11 +87,20 @@ GIL_SWITCH_S = 0.0005
 
 
 def new_decoder(
-    model: Transformer, max_batch: int, kv_tokens: int, batch_invariant: bool, graphs: bool = False
+    model: Transformer,
+    max_batch: int,
+    kv_tokens: int,
+    batch_invariant: bool,
+    graphs: bool = False,
+    share: KvShare | None = None,
 ) -> Decoder:
-    """A decoder with a fresh, zeroed KV cache of ``max_batch`` slots of ``kv_tokens`` positions."""
-    kv = KVCache.allocate(model.config, model.tp, max_batch, kv_tokens, model.device, model.dtype)
-    return Decoder(model, kv, graphs, batch_invariant)
+    """A decoder with a fresh, zeroed KV cache of ``max_batch`` slots of ``kv_tokens`` positions; with ``share``,
+    in memory that can outlive the engine (``standby.kvshare``)."""
+    if share is None:
+        kv = KVCache.allocate(model.config, model.tp, max_batch, kv_tokens, model.device, model.dtype)
+        return Decoder(model, kv, graphs, batch_invariant)
+    shared = share.allocate(KVCache.shape(model.config, model.tp, max_batch, kv_tokens), model.dtype)
+    return Decoder(model, shared.kv, graphs, batch_invariant, shared)
 
 
 def warm_up(
@@ -133,15 +143,25 @@ def uses_graphs(options: EngineOptions, model: Transformer) -> bool:
 
 
 def warm(
-    options: EngineOptions, model: Transformer, channel: tpgroup.Channel | None, pacer: Pacer | None = None
+    options: EngineOptions,
+    model: Transformer,
+    channel: tpgroup.Channel | None,
+    pacer: Pacer | None = None,
+    share: KvShare | None = None,
 ) -> Decoder | None:
     """``warm_up`` at the flags' shapes, on this rank or (``channel``) on the whole group; the decoder to keep.
-    ``pacer``: a spare's, on one rank."""
+    ``pacer``: a spare's, on one rank. ``share``: where a decoder that is kept allocates its KV cache."""
     graphs = uses_graphs(options, model)
-    make = functools.partial(
-        new_decoder, model, options.max_batch, options.kv_cache_tokens, options.batch_invariant, graphs
-    )
     keep = options.role is Role.PRIMARY
+    make = functools.partial(
+        new_decoder,
+        model,
+        options.max_batch,
+        options.kv_cache_tokens,
+        options.batch_invariant,
+        graphs,
+        share if graphs or keep else None,
+    )
     if channel is None:
         return warm_up(make, graphs, keep=keep, pace=pacer.step if pacer else lambda: None)
     free = functools.partial(channel.send, tpgroup.Op.FREE)
@@ -279,7 +299,8 @@ def prepare_spare(options: EngineOptions) -> tuple[Prepared | None, Ahead | None
     sync = functools.partial(torch.cuda.synchronize, device) if device.type == "cuda" else lambda: None
     pacer = Pacer(options.spare_duty, functools.partial(readable, options.start_fd), sync)
     try:
-        ahead = Ahead(prepared, loaded, warm(options, loaded.model, None, pacer))
+        share = KvShare.for_engine(loaded.attachment, device, options.tp_size)
+        ahead = Ahead(prepared, loaded, warm(options, loaded.model, None, pacer, share))
     except torch.OutOfMemoryError as exc:
         first_line = str(exc).splitlines()[0]
         log.warning("spare: no device memory to warm up before its start, it will at its start: %s", first_line)
@@ -410,12 +431,16 @@ def serve(
     else:
         loaded = load_rank(options, 0, engine_id, prepared)
         log.info("weights from %s (--weight-cache %s) in %.3f s", loaded.source, loaded.mode, loaded.seconds)
-        warmed = warm(options, loaded.model, channel)
     model = loaded.model
+    share = KvShare.for_engine(loaded.attachment, model.device, options.tp_size)
+    if ahead is None:
+        warmed = warm(options, model, channel, share=share)
     role = options.role
     graphs = uses_graphs(options, model)
-    make = functools.partial(new_decoder, model, options.max_batch, options.kv_cache_tokens, options.batch_invariant)
-    scheduler = Scheduler()
+    make = functools.partial(
+        new_decoder, model, options.max_batch, options.kv_cache_tokens, options.batch_invariant, share=share
+    )
+    scheduler = Scheduler(share)
     if channel is None:
         capacity = KvCapacity(scheduler, make, reserved=warmed if graphs else None)
     else:
@@ -427,6 +452,7 @@ def serve(
     metrics = EngineMetrics()
     info = {"engine_id": engine_id, "mode": loaded.mode, "source": loaded.source}
     metrics.bind(roles, capacity.held_bytes, info | {"fingerprint": loaded.fingerprint.digest()})
+    metrics.bind_adoption(scheduler)
     ctx = EngineContext(
         engine_id=engine_id,
         model_name=loaded.checkpoint.path.name,
@@ -434,7 +460,6 @@ def serve(
         tokenizer=load_tokenizer(loaded.checkpoint.path),
         stop_ids=frozenset(stop_token_ids(loaded.checkpoint.path)),
         context_tokens=min(options.kv_cache_tokens, model.config.max_position_embeddings),
-        batch_invariant=options.batch_invariant,
         scheduler=scheduler,
         roles=roles,
         metrics=metrics,

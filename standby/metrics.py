@@ -7,12 +7,15 @@ objects that own that state, so no handler has to remember to update them.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from hotweights.contract import Role, State
 from hotweights.standby.roles import Roles
+
+if TYPE_CHECKING:  # the agent's metrics have no scheduler: it imports this without torch
+    from hotweights.standby.scheduler import Scheduler
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -61,6 +64,21 @@ class EngineMetrics:
         self.in_flight = Gauge("hotweights_engine_in_flight_requests", "admitted, unanswered /v1 requests", registry=r)
         self.kv_cache_bytes = Gauge("hotweights_engine_kv_cache_bytes", "bytes of KV cache held", registry=r)
         self.weight_cache = Info("hotweights_engine_weight_cache", "where the weights came from", registry=r)
+        self.kv_adopted = Gauge(
+            "hotweights_engine_kv_adopted_sequences",
+            "continuations started from another engine's deposited KV cache, since start",
+            registry=r,
+        )
+        self.kv_adopted_tokens = Gauge(
+            "hotweights_engine_kv_adopted_tokens",
+            "tokens whose keys and values those continuations copied instead of computing, since start",
+            registry=r,
+        )
+
+    def bind_adoption(self, scheduler: Scheduler) -> None:
+        """The reference engine's continuations from deposited KV caches (``standby.kvshare``)."""
+        self.kv_adopted.set_function(lambda: scheduler.adopted)
+        self.kv_adopted_tokens.set_function(lambda: scheduler.adopted_tokens)
 
     def bind(self, roles: Roles, kv_cache_bytes: Callable[[], int], weight_cache: dict[str, str]) -> None:
         """Read live state at scrape time from its owners; ``weight_cache`` labels where the weights came from."""

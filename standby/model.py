@@ -295,16 +295,15 @@ class KVCache:
         device: torch.device | str,
         dtype: torch.dtype,
     ) -> KVCache:
-        check_tensor_parallel(config, tp.size, tp.rank)
-        shape = (
-            config.num_hidden_layers,
-            batch,
-            config.num_key_value_heads // tp.size,
-            max_tokens,
-            config.head_dim,
-        )
+        shape = cls.shape(config, tp, batch, max_tokens)
         # Zeros, not empty: reads are masked, but a NaN from stale memory would survive 0 * NaN.
         return cls(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
+
+    @staticmethod
+    def shape(config: ModelConfig, tp: TensorParallel, batch: int, max_tokens: int) -> tuple[int, int, int, int, int]:
+        """Keys' (and values') shape: (layers, B, nkv/tp, max_tokens, hd)."""
+        check_tensor_parallel(config, tp.size, tp.rank)
+        return config.num_hidden_layers, batch, config.num_key_value_heads // tp.size, max_tokens, config.head_dim
 
     @property
     def nbytes(self) -> int:

@@ -81,7 +81,10 @@ class KvCapacity:
         decoder = self.scheduler.release_kv(grace_s)
         if decoder is not None and decoder is self.reserved:
             return {"kv_cache_bytes_released": 0}, f"kept {decoder.nbytes} bytes of KV cache reserved"
-        freed = 0 if decoder is None else decoder.nbytes
+        freed = 0
+        if decoder is not None:
+            freed = decoder.nbytes
+            decoder.close()
         return {"kv_cache_bytes_released": freed}, f"released {freed} bytes of KV cache"
 
     def held_bytes(self) -> int:

@@ -13,10 +13,17 @@ decode step per token, with the same sampling function), so a sequence yields th
 ``generate`` yields for the same prompt, seed and temperature, up to the rounding differences of
 batched kernels (tests compare them exactly).
 
-A sequence may replay: the last ``replay`` tokens of its prompt are ones an engine generated before (a
-migrated request's continuation). Only the rest is prefilled; the replayed tokens are then fed one per round
-through the same decode steps that first computed them, and nothing is emitted for them, so that with a
-batch-invariant ``Decoder`` the sequence's keys, values and logits are the ones of the uninterrupted run.
+A sequence may continue: the last ``replay`` tokens of its prompt are ones an engine generated before (a
+migrated request's continuation). Where another engine's deposited KV cache holds its tokens
+(``standby.kvshare``: the failed primary's), their keys and values are copied into the sequence's slot and
+only the last token is fed, through a decode step. Otherwise, with a batch-invariant ``Decoder``, only the rest
+is prefilled and the replayed tokens are fed one per round through the same decode steps that first computed
+them; nothing is emitted for them, so the sequence's keys, values and logits are the ones of the uninterrupted
+run. Without one, the whole prompt is prefilled.
+
+With a shared KV cache the worker keeps its ``SlotLedger``: a slot's tokens are recorded once the device has
+computed their keys and values (after the next decode step's results reached the host), and a slot is given up
+before anything can overwrite it.
 
 Events reach the caller through its sink, called on the worker thread: token ids as they are
 sampled, then one ``Finish``. A standby has no KV cache attached, and a sequence that reaches the
@@ -38,6 +45,7 @@ import torch
 
 from hotweights.admission import starts_soon
 from hotweights.standby.decoder import Decoder
+from hotweights.standby.kvshare import KvShare, SlotLedger
 from hotweights.standby.sampling import sample_rows, uniform
 
 log = logging.getLogger(__name__)
@@ -71,12 +79,13 @@ class Sequence:
     """One prompt's generation. Only ``cancel`` may be called from other threads."""
 
     def __init__(self, prompt_ids: list[int], params: SamplingParams, sink: Sink, replay: int = 0) -> None:
-        """``replay``: how many of the prompt's last tokens are fed through decode steps (module docstring),
+        """``replay``: how many of the prompt's last tokens an engine generated before (module docstring),
         0 <= replay < len(prompt_ids)."""
         if not 0 <= replay < len(prompt_ids):
             raise ValueError(f"replay {replay} must be in [0, {len(prompt_ids)})")
-        self.prompt_ids = prompt_ids[: len(prompt_ids) - replay]  # prefilled
-        self.forced = deque(prompt_ids[len(prompt_ids) - replay :])  # fed next, one per round, not emitted
+        self.prompt_ids = prompt_ids
+        self.replay = replay
+        self.forced: deque[int] = deque()  # fed next, one per round, not emitted
         self.params = params
         self.sink = sink
         self.cancelled = False  # read by the worker between steps
@@ -93,12 +102,21 @@ class Sequence:
     def cancel(self) -> None:
         self.cancelled = True
 
+    def prefilled(self, batch_invariant: bool) -> list[int]:
+        """The tokens its prefill computes (module docstring): with a batch-invariant decoder, the prompt without
+        the replayed tokens."""
+        return self.prompt_ids[: len(self.prompt_ids) - self.replay] if batch_invariant else self.prompt_ids
+
 
 class Scheduler:
     """Owns the model on one worker thread; a ``Decoder`` (the KV cache and the shapes to run it at) is
-    attached on promote, released on demote."""
+    attached on promote, released on demote. ``kv_share``: the engine's link to its daemon's KV deposits."""
 
-    def __init__(self) -> None:
+    def __init__(self, kv_share: KvShare | None = None) -> None:
+        self.kv_share = kv_share
+        self.adopted = 0  # sequences started from another engine's KV cache
+        self.adopted_tokens = 0  # the tokens whose keys and values they copied
+        self._recorded: list[tuple[int, list[int], int]] = []  # (slot, ids, prefilled) for the ledger, once computed
         self.heartbeat = time.monotonic()  # last time the worker went round its loop
         self._inbox: queue.Queue[Sequence | None] = queue.Queue()  # None only wakes the worker
         self._waiting: deque[Sequence] = deque()
@@ -119,11 +137,13 @@ class Scheduler:
         self._thread.start()
 
     def stop(self, timeout_s: float) -> None:
-        """Cancel everything, end the worker and wait for it (bounded)."""
+        """Cancel everything, end the worker and wait for it (bounded); withdraw a deposited KV cache."""
         cancelled = self.cancel_all()
         self._stopping.set()
         self._inbox.put(None)
         self._thread.join(timeout_s)
+        if self.kv_share is not None:
+            self.kv_share.withdraw()  # a clean stop leaves nothing to continue
         if self._thread.is_alive():
             log.error("inference thread did not stop within %.1f s", timeout_s)
         elif cancelled:
@@ -158,11 +178,16 @@ class Scheduler:
         return len(live)
 
     def attach_kv(self, decoder: Decoder) -> None:
+        """Serve from ``decoder``; a shared KV cache is deposited with the daemon (``standby.kvshare``)."""
+        if decoder.shared is not None:
+            decoder.shared.ledger.reset_all()
         with self._lock:
             if self._decoder is not None:
                 raise RuntimeError("a KV cache is already attached")
             self._decoder = decoder
             self._free_slots = set(range(decoder.batch))
+        if decoder.shared is not None and self.kv_share is not None:
+            self.kv_share.deposit(decoder.shared)
 
     def release_kv(self, timeout_s: float) -> Decoder | None:
         """Detach the decoder once no sequence uses its KV cache (waiting up to ``timeout_s`` for
@@ -171,6 +196,10 @@ class Scheduler:
             if not self._lock.wait_for(lambda: not self._live, timeout_s):
                 raise RuntimeError(f"{len(self._live)} sequence(s) still use the KV cache")
             decoder, self._decoder, self._free_slots = self._decoder, None, set()
+        if decoder is not None and decoder.shared is not None:
+            if self.kv_share is not None:
+                self.kv_share.withdraw()
+            decoder.shared.ledger.reset_all()
         return decoder
 
     @property
@@ -185,6 +214,8 @@ class Scheduler:
             while not self._stopping.is_set():
                 self.heartbeat = time.monotonic()
                 self._collect(block=not self._active)
+                if self.kv_share is not None:
+                    self.kv_share.idle()
                 started = time.monotonic()
                 self._admit()
                 if self._active:
@@ -220,15 +251,16 @@ class Scheduler:
         while self._waiting:
             with self._lock:
                 decoder = self._decoder
-                if decoder is None:
-                    group = [self._waiting.popleft()]
-                elif not self._free_slots:
+                if decoder is not None and not self._free_slots:
                     return
-                else:
-                    group = self._claim(decoder)
             if decoder is None:
-                self._retire(group[0], Finish("error", "no KV cache is attached: this engine is a standby"))
+                seq = self._waiting.popleft()
+                self._retire(seq, Finish("error", "no KV cache is attached: this engine is a standby"))
                 continue
+            if self._adopt(decoder, self._waiting[0]):
+                continue
+            with self._lock:
+                group = self._claim(decoder)
             self._active.extend(group)
             try:
                 self._prefill(decoder, group)
@@ -241,8 +273,9 @@ class Scheduler:
         slots right after it, as far as the prompts fit one prefill (a prompt that fits none goes alone)."""
         group = [self._waiting.popleft()]
         first = min(self._free_slots)
+        invariant = decoder.batch_invariant
         while self._waiting and first + len(group) in self._free_slots:
-            longest = max(len(s.prompt_ids) for s in [*group, self._waiting[0]])
+            longest = max(len(s.prefilled(invariant)) for s in [*group, self._waiting[0]])
             if not decoder.prefill_fits(len(group) + 1, longest):
                 break
             group.append(self._waiting.popleft())
@@ -251,16 +284,42 @@ class Scheduler:
             self._free_slots.discard(seq.slot)
         return group
 
+    def _adopt(self, decoder: Decoder, seq: Sequence) -> bool:
+        """Start ``seq``, a continuation, from a deposited slot that holds its tokens (module docstring): True when
+        it took the lowest free slot and is active, its last token to be fed."""
+        if not seq.replay or self.kv_share is None or decoder.shared is None:
+            return False
+        ids, prompt = seq.prompt_ids, len(seq.prompt_ids) - seq.replay
+        match = self.kv_share.find(ids, prompt, prompt if decoder.batch_invariant else None, decoder.kv)
+        if match is None:
+            return False
+        with self._lock:
+            slot = min(self._free_slots)
+            self._free_slots.discard(slot)
+        if not self.kv_share.copy(match, decoder.kv, slot):
+            with self._lock:
+                self._free_slots.add(slot)
+            return False
+        decoder.shared.ledger.record(slot, ids[: match.length], match.prefilled)
+        self._waiting.popleft()
+        _seed(seq)
+        seq.slot, seq.pos, seq.forced = slot, match.length, deque(ids[match.length :])
+        self._active.append(seq)
+        self.adopted += 1
+        self.adopted_tokens += match.length
+        return True
+
     def _prefill(self, decoder: Decoder, group: list[Sequence]) -> None:
         for seq in group:
-            seed = seq.params.seed
-            if seed is None:
-                seed = secrets.randbits(62) if seq.params.temperature > 0 else 0
-            seq.seed = seed
-        logits = decoder.prefill(group[0].slot, [seq.prompt_ids for seq in group])
-        for seq, row in zip(group, logits, strict=True):
+            _seed(seq)
+        prompts = [seq.prefilled(decoder.batch_invariant) for seq in group]
+        logits = decoder.prefill(group[0].slot, prompts)
+        for seq, prompt, row in zip(group, prompts, logits, strict=True):
             seq.logits, seq.greedy = row, None
-            seq.pos = len(seq.prompt_ids)
+            seq.pos = len(prompt)
+            seq.forced = deque(seq.prompt_ids[len(prompt) :])
+            if decoder.shared is not None:
+                self._recorded.append((seq.slot, prompt, len(prompt)))
 
     def _step(self) -> None:
         """One token for every active sequence, then one batched decode step for those that go on."""
@@ -313,10 +372,20 @@ class Scheduler:
         tokens, positions = [0] * n, [0] * n  # a free slot's row: token 0 at its own position 0
         for seq in self._active:
             tokens[seq.slot], positions[seq.slot] = seq.token, seq.pos
-        logits, greedy = decoder.decode(tokens, positions)  # (n, V), n argmaxes
+        logits, greedy = decoder.decode(tokens, positions)  # (n, V), n argmaxes, on the host: the step is done
+        if decoder.shared is not None:
+            self._record(decoder.shared.ledger, tokens, positions)
         for seq in self._active:
             seq.logits, seq.greedy = logits[seq.slot], greedy[seq.slot]
             seq.pos += 1
+
+    def _record(self, ledger: SlotLedger, tokens: list[int], positions: list[int]) -> None:
+        """Into the ledger: the prefills before this step, then the tokens it fed the active sequences."""
+        for slot, ids, prefilled in self._recorded:
+            ledger.record(slot, ids, prefilled)
+        self._recorded.clear()
+        slots = [seq.slot for seq in self._active]
+        ledger.append(slots, [positions[slot] for slot in slots], [tokens[slot] for slot in slots])
 
     def _fail(self, seq: Sequence, exc: Exception) -> None:
         """A failed sequence ends with an error; the others carry on."""
@@ -331,11 +400,22 @@ class Scheduler:
         seq.logits = seq.greedy = None
         with self._lock:
             if seq.slot is not None and self._decoder is not None:
+                if self._decoder.shared is not None:
+                    self._decoder.shared.ledger.reset(seq.slot)
+                    self._recorded = [entry for entry in self._recorded if entry[0] != seq.slot]
                 self._free_slots.add(seq.slot)
             seq.slot = None
             self._live.discard(seq)
             self._lock.notify_all()
         seq.sink(finish)
+
+
+def _seed(seq: Sequence) -> None:
+    """The sequence's seed: its request's, else a fresh one (greedy never draws from it)."""
+    seed = seq.params.seed
+    if seed is None:
+        seed = secrets.randbits(62) if seq.params.temperature > 0 else 0
+    seq.seed = seed
 
 
 def _averaged(average: float, value: float) -> float:

@@ -56,7 +56,6 @@ class EngineContext:
     tokenizer: Tokenizer
     stop_ids: frozenset[int]
     context_tokens: int  # prompt + max_tokens must fit in one KV slot
-    batch_invariant: bool  # standby.decoder: a continuation's replayed tokens (REPLAY_HEADER) go through decode steps
     scheduler: Scheduler
     roles: Roles
     metrics: EngineMetrics
@@ -143,19 +142,21 @@ def build_app(ctx: EngineContext) -> FastAPI:
     ) -> Response:
         """OpenAI completions; ``stream`` gives server-sent events ending in ``data: [DONE]``.
 
-        200 the completion (or the stream); 400 a bad field, named in ``error.param``; 404 an unknown
-        ``model``; 408/413 a body too slow or too large; 429 overloaded (with ``Retry-After``); 503 not
-        serving (standby, draining, drained) or cancelled by a drain deadline or shutdown; 500 the
-        generation failed. The ``x-hotweights-replay`` header (a migrated request's continuation: how many of
-        its prompt's last token ids were generated before) is honoured with ``--batch-invariant`` only; with
-        ``OWED_HEADER`` the request is one a gateway owes to a failover (``hotweights.admission``). Every answer
-        names the weights that computed it (``WEIGHTS_HEADER``: the fingerprint)."""
+                200 the completion (or the stream); 400 a bad field, named in ``error.param``; 404 an unknown
+                ``model``; 408/413 a body too slow or too large; 429 overloaded (with ``Retry-After``); 503 not
+                serving (standby, draining, drained) or cancelled by a drain deadline or shutdown; 500 the
+                generation failed. The ``x-hotweights-replay`` header (a migrated request's continuation: how many of
+        its prompt's last token ids were generated before) starts it from the failed engine's KV cache where its
+        daemon keeps it (``standby.kvshare``), and otherwise, with ``--batch-invariant``, feeds those tokens through
+        decode steps; with ``OWED_HEADER`` the request is one a gateway owes to a failover
+        (``hotweights.admission``). Every answer names the weights that computed it (``WEIGHTS_HEADER``: the
+        fingerprint)."""
 
         def encode() -> list[list[int]]:
             texts = iter(ctx.tokenizer.encode_batch([p for p in request.prompts if isinstance(p, str)]))
             return [next(texts).ids if isinstance(p, str) else p for p in request.prompts]
 
-        if not ctx.batch_invariant or replay is None:
+        if replay is None:
             replay = 0
         elif len(request.prompts) != 1 or isinstance(request.prompts[0], str) or replay >= len(request.prompts[0]):
             message = f"{REPLAY_HEADER} {replay} needs one prompt of token ids longer than that"

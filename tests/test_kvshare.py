@@ -1,0 +1,205 @@
+"""KV caches that outlive their engine (standby.kvshare, cache.kvdeposits): the ledger's choice of a slot, the
+daemon's deposits, and a continuation that starts from a hung and then a killed primary's keys and values."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from hotweights.cache.client import attach
+from hotweights.cache.connection import call, connect
+from hotweights.cache.kvdeposits import MAX_RETAINED, ledger_nbytes
+from hotweights.contract import REPLAY_HEADER, Endpoint
+from hotweights.standby.kvshare import KvShare, SlotLedger
+from tests.cachehelpers import ProcessDaemon, ThreadDaemon, fingerprint_of, wait_until
+from tests.enginehelpers import EngineProcess
+from tests.gatewayhelpers import metric
+
+SLOTS, POSITIONS = 3, 16
+TOKEN = "kv-share-token"
+FLAGS = ("--kv-cache-tokens", "512", "--max-batch", "4", "--weight-cache", "client")
+
+
+def ledger() -> SlotLedger:
+    return SlotLedger(torch.zeros(ledger_nbytes(SLOTS, POSITIONS), dtype=torch.uint8), SLOTS, POSITIONS)
+
+
+# (what the slots hold: (slot, ids, prefilled), the request's ids, least, prefilled wanted, expected (slot, held))
+BEST = [
+    pytest.param([], [1, 2, 3], 1, None, None, id="empty"),
+    pytest.param([(0, [1, 2, 3, 4, 5], 3)], [1, 2, 3, 4, 5, 6], 3, None, (0, 5), id="holds-all-but-the-last"),
+    pytest.param([(0, [1, 2, 3, 4, 5], 3)], [1, 2, 3, 4, 5], 3, None, (0, 4), id="the-last-token-is-fed-again"),
+    pytest.param([(0, [1, 2, 9, 9], 2)], [1, 2, 3, 4, 5], 2, None, (0, 2), id="diverges-after-two"),
+    pytest.param([(0, [1, 2, 9, 9], 2)], [1, 2, 3, 4, 5], 3, None, None, id="diverges-before-least"),
+    pytest.param([(0, [1, 2, 3, 4], 3)], [1, 2, 3, 4, 5], 3, 2, None, id="prefilled-otherwise"),
+    pytest.param([(0, [1, 2, 3, 4], 3)], [1, 2, 3, 4, 5], 3, 3, (0, 4), id="prefilled-the-same"),
+    pytest.param([(0, [1, 2, 3], 2), (2, [1, 2, 3, 4], 2)], [1, 2, 3, 4, 5], 2, None, (2, 4), id="the-longest"),
+    pytest.param([(1, [7, 7, 7], 1)], [1, 2, 3, 4], 1, None, None, id="another-request"),
+]
+
+
+@pytest.mark.parametrize(("held", "ids", "least", "prefilled", "expected"), BEST)
+def test_the_ledger_picks_the_slot_holding_the_longest_prefix(
+    held: list, ids: list[int], least: int, prefilled: int | None, expected: tuple[int, int] | None
+) -> None:
+    book = ledger()
+    for slot, tokens, first in held:
+        book.record(slot, tokens, first)
+    best = book.best(torch.tensor(ids, dtype=torch.int32), least, prefilled)
+    assert (best[:2] if best else None) == expected
+
+
+def test_a_slot_given_up_or_being_given_up_is_never_picked() -> None:
+    book = ledger()
+    book.record(0, [1, 2, 3], 3)
+    book.append([0], [3], [4])
+    ids = torch.tensor([1, 2, 3, 4, 5], dtype=torch.int32)
+    slot, held, generation, _ = book.best(ids, 1, None)
+    assert (slot, held) == (0, 4)
+    book.generation[0] += 1  # an owner killed at the start of a reset leaves the generation odd
+    assert book.best(ids, 1, None) is None
+    book.length[0] = 0  # the rest of the reset
+    book.generation[0] += 1
+    assert book.best(ids, 1, None) is None
+    book.record(0, [1, 2, 3], 3)
+    assert book.best(ids, 1, None)[2] != generation  # a copy begun before the reset is refused afterwards
+    book.reset(0)
+    assert book.best(ids, 1, None) is None
+
+
+@pytest.fixture
+def daemon(tiny_model: Path) -> Iterator[Path]:
+    runtime = Path(tempfile.mkdtemp(prefix="hw-", dir="/tmp"))  # socket paths must stay short
+    try:
+        with ThreadDaemon(tiny_model, runtime / "d.sock"):
+            yield runtime / "d.sock"
+    finally:
+        shutil.rmtree(runtime, ignore_errors=True)
+
+
+def shares(model: Path, sock: Path, count: int) -> list[KvShare]:
+    expected = fingerprint_of(model)
+    return [KvShare(attach(sock, expected, "cpu"), torch.device("cpu")) for _ in range(count)]
+
+
+def deposits(share: KvShare) -> list[tuple[bool, int]]:
+    """(alive, slots) of every deposit the daemon holds, as its status says."""
+    status = share.attachment.call({"op": "status"})[0]["status"]
+    return [(d["alive"], d["slots"]) for d in status["kv_deposits"]]
+
+
+def test_a_deposit_outlives_its_engine_until_released_and_only_the_newest_are_kept(
+    tiny_model: Path, daemon: Path
+) -> None:
+    """An engine's deposited slot is found and copied by another while its connection lives and after it closed
+    (with the other's keys and values); released, or beyond MAX_RETAINED closed ones, it is gone."""
+    owner, adopter, *others = shares(tiny_model, daemon, 3 + MAX_RETAINED)
+    shape = (2, SLOTS, 2, POSITIONS, 4)
+    deposited = owner.allocate(shape, torch.float32)
+    deposited.kv.k.normal_()
+    deposited.kv.v.normal_()
+    deposited.ledger.record(1, [5, 6, 7, 8], 2)
+    owner.deposit(deposited)
+    own = adopter.allocate(shape, torch.float32).kv
+    for alive in (True, False):
+        if not alive:
+            owner.attachment.close()  # the engine dies: its deposit is retained
+            wait_until(lambda: deposits(adopter) == [(False, SLOTS)], what="the deposit retained")
+            adopter._listed_at = float("-inf")  # list again now, not REFRESH_S later
+        match = adopter.find([5, 6, 7, 8, 9], 2, 2, own)
+        assert (match.slot, match.length, match.source.alive) == (1, 4, alive)
+        assert adopter.copy(match, own, 0)
+        assert torch.equal(own.k[:, 0, :, :4], deposited.kv.k[:, 1, :, :4])
+        assert torch.equal(own.v[:, 0, :, :4], deposited.kv.v[:, 1, :, :4])
+        own.k.zero_()
+    adopter._used_at = float("-inf")
+    adopter.idle()  # unmaps, and releases the failed engine's deposit it used
+    assert deposits(adopter) == []
+    for other in others:
+        other.deposit(other.allocate(shape, torch.float32))
+        other.attachment.close()
+    wait_until(lambda: deposits(adopter) == [(False, SLOTS)] * MAX_RETAINED, what="the newest deposits retained")
+    adopter.attachment.close()
+
+
+def test_deposits_need_an_attached_connection_and_a_refused_one_leaves_it_attached(
+    tiny_model: Path, daemon: Path
+) -> None:
+    with connect(daemon) as conn:
+        reply, _ = call(conn, {"op": "kv_sources"})
+    assert (reply["ok"], reply["error"]) == (False, "forbidden")
+    (share,) = shares(tiny_model, daemon, 1)
+    reply, _ = share.attachment.call({"op": "kv_deposit", "layout": {"dtype": "float32"}, "kv": {}, "ledger": {}})
+    assert (reply["ok"], reply["error"]) == (False, "bad_message")
+    assert "2 file descriptors" in reply["message"]
+    shared = share.allocate((1, 1, 1, 4, 2), torch.float32)
+    (handle, fds), (ledger_handle, ledger_fds) = (arena.export() for arena in shared.arenas)
+    bad = {"dtype": "float32", "shape": [1, 1, 1, 4, 2], "v_offset": 10**6}
+    message = {"op": "kv_deposit", "layout": bad, "kv": handle, "ledger": ledger_handle}
+    reply, _ = share.attachment.call(message, (*fds, *ledger_fds))
+    assert (reply["ok"], reply["error"]) == (False, "bad_message")
+    assert "the KV allocation holds" in reply["message"], reply["message"]
+    status = share.attachment.call({"op": "status"})[0]["status"]
+    assert [c["attached"] for c in status["clients"]] == [True]
+    assert deposits(share) == []
+    share.deposit(shared)
+    assert deposits(share) == [(True, 1)]
+    share.attachment.close()
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_model: Path) -> Iterator[tuple[EngineProcess, EngineProcess]]:
+    """Engines "a" (primary) and "b" (standby), both serving from one daemon's arena."""
+    runtime = Path(tempfile.mkdtemp(prefix="hw-", dir="/tmp"))
+    sock = runtime / "d.sock"
+    try:
+        with (
+            ProcessDaemon(tiny_model, sock),
+            EngineProcess(tiny_model, *FLAGS, "--socket", str(sock), "--role", "primary", token=TOKEN) as a,
+            EngineProcess(tiny_model, *FLAGS, "--socket", str(sock), "--role", "standby", token=TOKEN) as b,
+        ):
+            yield a, b
+    finally:
+        shutil.rmtree(runtime, ignore_errors=True)
+
+
+def test_a_continuation_starts_from_the_hung_and_then_the_killed_primarys_keys_and_values(
+    pair: tuple[EngineProcess, EngineProcess],
+) -> None:
+    """A stream cut on "a" (SIGSTOP after its third chunk) continues on "b" from the tokens released, taking a's
+    slot instead of computing it: the text is the uncut run's and b counts the tokens it adopted; once "a" is
+    SIGKILLed too, its deposit is still there for the same continuation."""
+    a, b = pair
+    body = {"prompt": "Keys and values outlive", "max_tokens": 400, "temperature": 0.0, "return_token_ids": True}
+    whole = a.complete(**body).json()["choices"][0]
+    with httpx.Client(base_url=a.url, timeout=30) as client, client.stream(
+        "POST", Endpoint.COMPLETIONS, json=body | {"stream": True}
+    ) as response:  # fmt: skip
+        chunks = []
+        for line in response.iter_lines():
+            if line:
+                chunks.append(json.loads(line.removeprefix("data: "))["choices"][0])
+            if len(chunks) == 3:
+                a.process.send_signal(signal.SIGSTOP)
+                break
+    prompt, released = chunks[0]["prompt_token_ids"], [i for c in chunks for i in c["token_ids"]]
+    sent = "".join(c["text"] for c in chunks)
+    assert b.post(Endpoint.PROMOTE).status_code == 200
+    rest = body | {"prompt": prompt + released, "max_tokens": 400 - len(released)}
+    for fault in (signal.SIGSTOP, signal.SIGKILL):
+        if fault is signal.SIGKILL:
+            a.process.kill()
+            a.process.wait(timeout=10)
+        adopted = metric(b, "hotweights_engine_kv_adopted_tokens")
+        answer = b.client.post(Endpoint.COMPLETIONS, json=rest, headers={REPLAY_HEADER: str(len(released))})
+        assert answer.status_code == 200, answer.text
+        assert sent + answer.json()["choices"][0]["text"] == whole["text"], fault.name
+        assert metric(b, "hotweights_engine_kv_adopted_tokens") - adopted == len(prompt) + len(released) - 1
