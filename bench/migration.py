@@ -13,17 +13,21 @@ and reads every stream to its end. Per fault: the
 streams in flight at the fault, the migrated ones (continued on the new primary, from the gateway's event
 log: a stream in flight at the client but not migrated had been generated to its end before the fault, as
 happens when the engine outruns the client reading), the broken ones (an error event, no ``[DONE]``, a
-failed connection), the mismatched ones (text other than the reference), and the largest gap between two
-chunks of a stream that spans the fault (cut to next token, in ms). Between faults it waits for the stack
-to be whole again. The last stdout line is one JSON object. Targets on the H200 (``xl``, 64 streams of 256
-tokens): 0 broken, 0 mismatched, largest gap <= 500 ms (kill) and <= 900 ms (stop). ``--batch-invariant`` runs
-the engines with ``engine.batch_invariant`` (``standby.decoder``).
+failed connection), the mismatched ones (text other than the reference), the largest gap between two chunks
+of a stream from its last chunk before the fault on, beyond the uncut round's wait for the same text (the
+stall at the cut, in ms: ``Stream.stall``; the uncut round's own figure is its longest wait), and how many of
+the migrated ones started from the failed primary's KV cache (``adopted``: the new primary's count,
+``standby.kvshare``). Between faults it waits for the stack to be whole again. The last stdout line is one JSON
+object. Targets on the H200 (``xl``, 64 streams of 256 tokens): 0 broken, 0 mismatched, largest gap <= 500 ms
+(kill) and <= 900 ms (stop). ``--batch-invariant`` runs the engines with ``engine.batch_invariant``
+(``standby.decoder``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import signal
 import sys
@@ -47,6 +51,7 @@ from hotweights.controller.gatewayserver import GATEWAY_EVENTS_FILE
 
 START_TIMEOUT_S = 900.0
 SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
+ADOPTED_METRIC = "hotweights_engine_kv_adopted_sequences"
 UNCUT = "uncut"  # the first round: the same streams with no fault, its mismatches the engine's own floor
 PROMPT_WIDTH = 8  # prompts are padded so every one is about as long
 BEGAN = time.monotonic()
@@ -63,7 +68,7 @@ class Stream:
 
     prompt: str
     text: str = ""
-    arrivals: list[float] = field(default_factory=list)  # time.monotonic() of each chunk with text
+    arrivals: list[tuple[float, int]] = field(default_factory=list)  # each chunk with text: time, text length
     outcome: str = ""  # "done", or what broke it
 
     async def run(self, client: httpx.AsyncClient, max_tokens: int) -> None:
@@ -91,14 +96,28 @@ class Stream:
                 return
             if text := "".join(choice["text"] for choice in event["choices"]):
                 self.text += text
-                self.arrivals.append(time.monotonic())
+                self.arrivals.append((time.monotonic(), len(self.text)))
         self.outcome = "ended without [DONE]"
 
-    def gap_across(self, at: float) -> float | None:
-        """The longest wait for a chunk across ``at`` (seconds): from the chunk before it to the one after."""
-        before = [t for t in self.arrivals if t <= at]
-        after = [t for t in self.arrivals if t > at]
-        return after[0] - before[-1] if before and after else None
+    def paced(self) -> dict[int, float]:
+        """When each length of text arrived."""
+        return {length: t for t, length in self.arrivals}
+
+    def stall(self, at: float, uncut: dict[int, float] | None) -> float | None:
+        """The longest wait for a chunk from the last one before ``at`` on, beyond the wait for the same text in the
+        ``uncut`` round (``paced``; seconds). From the last chunk before the fault: chunks the failed engine sent
+        before it may arrive after it, and the stall comes once they are read. Beyond the uncut wait: a model may
+        generate tokens whose text is held back (an incomplete character, a stop string's start), and a stream
+        then waits without any failover."""
+        before = [a for a in self.arrivals if a[0] <= at][-1:]
+        later = [a for a in self.arrivals if a[0] > at]
+        if not (before and later):
+            return None
+        uncut = uncut or {}
+        waits = []
+        for (t0, n0), (t1, n1) in itertools.pairwise(before + later):
+            waits.append(t1 - t0 - (uncut[n1] - uncut[n0] if n0 in uncut and n1 in uncut else 0.0))
+        return max(waits)
 
 
 def prompts(n: int) -> list[str]:
@@ -126,21 +145,40 @@ async def primary_target(api: ControlApi) -> Target:
     return target
 
 
-def migrations_after(events: Path, offset: int) -> int:
-    """How many completions the gateway workers continued on another engine (``migration`` events) in
-    ``events`` (their shared log) past byte ``offset``."""
+def migrations_after(events: Path, offset: int) -> list[dict[str, Any]]:
+    """The completions the gateway workers continued on another engine (``migration`` events) in ``events``
+    (their shared log) past byte ``offset``."""
     if not events.exists():
-        return 0
+        return []
     with events.open("rb") as log:
         log.seek(offset)
-        return sum(json.loads(line).get("kind") == "migration" for line in log if line.strip())
+        logged = [json.loads(line) for line in log if line.strip()]
+    return [event for event in logged if event.get("kind") == "migration"]
+
+
+async def adopted(client: httpx.AsyncClient, engines: set[str]) -> int:
+    """Continuations the ``engines`` (URLs) started from a failed primary's KV cache (``standby.kvshare``)."""
+    total = 0
+    for url in engines:
+        text = (await client.get(f"{url}{Endpoint.METRICS}")).text
+        total += sum(
+            int(float(line.split()[-1])) for line in text.splitlines() if line.startswith(ADOPTED_METRIC + " ")
+        )
+    return total
 
 
 async def fault(
-    api: ControlApi, client: httpx.AsyncClient, args: argparse.Namespace, name: str, expected: list[str], events: Path
+    api: ControlApi,
+    client: httpx.AsyncClient,
+    args: argparse.Namespace,
+    name: str,
+    expected: list[str],
+    events: Path,
+    paces: dict[str, dict[int, float]],
 ) -> dict[str, Any]:
     """One round: streams opened, the primary signalled once each has ``--cut-after`` chunks (``UNCUT``: no
-    signal at all), every stream read to its end; the round's figures."""
+    signal at all), every stream read to its end; the round's figures. ``paces``: each prompt's ``Stream.paced``
+    in the uncut round, which that round fills in and the others' stalls are measured against."""
     if missing := await api.wait_complete(START_TIMEOUT_S):
         raise RuntimeError(f"the stack was not whole before the {name} round: {missing}")
     target = await primary_target(api)
@@ -158,11 +196,15 @@ async def fault(
         await wait_dead(target)
         if await serving_primary(api, {f"{target.name}:{target.pid}"}) is None:  # the next round needs it
             raise RuntimeError(f"no new primary served after the {name} of {target.name}")
-    gaps = [g for s in streams if (g := s.gap_across(at)) is not None]
+    gaps = [g for s in streams if (g := s.stall(at, paces.get(s.prompt))) is not None]
+    if name == UNCUT:
+        paces.update((s.prompt, s.paced()) for s in streams)
+    migrations = migrations_after(events, logged)
     return {
         "signal": name,
         "in_flight": in_flight,
-        "migrated": migrations_after(events, logged),
+        "migrated": len(migrations),
+        "adopted": await adopted(client, {m["to"] for m in migrations}),
         "broken": sum(s.outcome != "done" for s in streams),
         "mismatched": sum(s.outcome == "done" and s.text != want for s, want in zip(streams, expected, strict=True)),
         "max_gap_ms": round(max(gaps) * 1000, 1) if gaps else None,
@@ -193,9 +235,10 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         async with httpx.AsyncClient(base_url=stack.lb_url, timeout=httpx.Timeout(120.0)) as client:
             expected = await references(client, prompts(args.streams), args.max_tokens)
             progress(f"{args.streams} reference texts")
+            paces: dict[str, dict[int, float]] = {}
             for name in [UNCUT, *args.signals.split(",")]:
                 events = stack.config.state_dir / GATEWAY_EVENTS_FILE
-                rounds.append(await fault(api, client, args, name, expected, events))
+                rounds.append(await fault(api, client, args, name, expected, events, paces))
                 progress(f"{name}: {json.dumps(rounds[-1])}")
     finally:
         await api.aclose()
@@ -213,6 +256,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "max_gap_ms": {r["signal"]: r["max_gap_ms"] for r in cut},
         "in_flight": {r["signal"]: r["in_flight"] for r in rounds},
         "migrated": {r["signal"]: r["migrated"] for r in cut},
+        "adopted": {r["signal"]: r["adopted"] for r in cut},
         "rounds": rounds,
     }
 
