@@ -18,8 +18,9 @@ Steps, each a subprocess with its own time limit, so one failure or hang cannot 
             next to the off-mode load of the xl checkpoint
   attach_xl   a daemon serving the xl checkpoint from disk: off-mode load vs attach of the same weights
   engines   bench/gpu_engines.py on xl: memory of 1 primary + 3 standbys, daemon SIGKILL while serving
-  engine_tests  pytest of tests/test_engine_cuda.py: decode CUDA graphs against eager steps, batched
-            greedy against generate(), a standby reserving its KV cache and graphs
+  engine_tests  pytest of tests/test_engine_cuda.py and tests/test_kvshare.py: decode CUDA graphs against
+            eager steps, batched greedy against generate(), a standby reserving its KV cache and graphs; KV caches
+            deposited in cuda-vmm memory, and a continuation from a hung and a killed primary's keys and values
   engine_tiny   bench/engine.py on the GPU (tiny model): promote time, health latency under load, tokens/s
   engine_medium, engine_xl  bench/engine.py on the medium and xl presets (written to --workdir if
             missing): batch-1 ms/token, batch_gain, first_after_promote_ratio, the standby's KV and
@@ -113,7 +114,7 @@ def steps(workdir: Path, out: Path) -> dict[str, tuple[list[str], int]]:
         "attach": (f"{bench}/attach.py {synthetic} --repeats 10 --load-model {xl}", 400),
         "attach_xl": (f"{bench}/attach.py --device cuda:0 --models {xl} --repeats 10", 240),
         "engines": (f"{make('xl', xl)} && {bench}/gpu_engines.py --model {xl} --device cuda:0 --standbys 3", 420),
-        "engine_tests": (f"{pytest} tests/test_engine_cuda.py", 240),
+        "engine_tests": (f"{pytest} tests/test_engine_cuda.py tests/test_kvshare.py", 300),
         "engine_tiny": (f"{bench}/engine.py --device cuda:0 --cycles 50 --gen-tokens 500", 180),
         "engine_medium": (f"{make('medium', medium)} && {engine_bench} --model {medium}", 240),
         "engine_xl": (f"{make('xl', xl)} && {engine_bench} --model {xl}", 420),

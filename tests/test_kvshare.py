@@ -17,6 +17,7 @@ import torch
 from hotweights.cache.client import attach
 from hotweights.cache.connection import call, connect
 from hotweights.cache.kvdeposits import MAX_RETAINED, ledger_nbytes
+from hotweights.cache.loadspec import LoadSpec
 from hotweights.contract import REPLAY_HEADER, Endpoint
 from hotweights.standby.kvshare import KvShare, SlotLedger
 from tests.cachehelpers import ProcessDaemon, ThreadDaemon, fingerprint_of, wait_until
@@ -24,6 +25,8 @@ from tests.enginehelpers import EngineProcess
 from tests.gatewayhelpers import metric
 
 SLOTS, POSITIONS = 3, 16
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DEVICES = [pytest.param("cpu", id="cpu-shm"), pytest.param("cuda:0", id="cuda-vmm", marks=[pytest.mark.cuda, CUDA])]
 TOKEN = "kv-share-token"
 FLAGS = ("--kv-cache-tokens", "512", "--max-batch", "4", "--weight-cache", "client")
 
@@ -75,19 +78,23 @@ def test_a_slot_given_up_or_being_given_up_is_never_picked() -> None:
     assert book.best(ids, 1, None) is None
 
 
-@pytest.fixture
-def daemon(tiny_model: Path) -> Iterator[Path]:
+@pytest.fixture(params=DEVICES)
+def daemon(request: pytest.FixtureRequest, tiny_model: Path) -> Iterator[tuple[Path, str]]:
+    """A daemon serving on the device of the param, with that device's default backend."""
+    device = request.param
     runtime = Path(tempfile.mkdtemp(prefix="hw-", dir="/tmp"))  # socket paths must stay short
+    backend = "cuda-vmm" if device.startswith("cuda") else "cpu-shm"
     try:
-        with ThreadDaemon(tiny_model, runtime / "d.sock"):
-            yield runtime / "d.sock"
+        with ThreadDaemon(tiny_model, runtime / "d.sock", spec=LoadSpec(device=device), backend=backend):
+            yield runtime / "d.sock", device
     finally:
         shutil.rmtree(runtime, ignore_errors=True)
 
 
-def shares(model: Path, sock: Path, count: int) -> list[KvShare]:
-    expected = fingerprint_of(model)
-    return [KvShare(attach(sock, expected, "cpu"), torch.device("cpu")) for _ in range(count)]
+def shares(model: Path, daemon: tuple[Path, str], count: int) -> list[KvShare]:
+    sock, device = daemon
+    expected = fingerprint_of(model, device)
+    return [KvShare(attach(sock, expected, device), torch.device(device)) for _ in range(count)]
 
 
 def deposits(share: KvShare) -> list[tuple[bool, int]]:
@@ -97,7 +104,7 @@ def deposits(share: KvShare) -> list[tuple[bool, int]]:
 
 
 def test_a_deposit_outlives_its_engine_until_released_and_only_the_newest_are_kept(
-    tiny_model: Path, daemon: Path
+    tiny_model: Path, daemon: tuple[Path, str]
 ) -> None:
     """An engine's deposited slot is found and copied by another while its connection lives and after it closed
     (with the other's keys and values); released, or beyond MAX_RETAINED closed ones, it is gone."""
@@ -109,6 +116,7 @@ def test_a_deposit_outlives_its_engine_until_released_and_only_the_newest_are_ke
     deposited.ledger.record(1, [5, 6, 7, 8], 2)
     owner.deposit(deposited)
     own = adopter.allocate(shape, torch.float32).kv
+    assert own.k.device == deposited.kv.k.device == torch.device(daemon[1])
     for alive in (True, False):
         if not alive:
             owner.attachment.close()  # the engine dies: its deposit is retained
@@ -131,9 +139,9 @@ def test_a_deposit_outlives_its_engine_until_released_and_only_the_newest_are_ke
 
 
 def test_deposits_need_an_attached_connection_and_a_refused_one_leaves_it_attached(
-    tiny_model: Path, daemon: Path
+    tiny_model: Path, daemon: tuple[Path, str]
 ) -> None:
-    with connect(daemon) as conn:
+    with connect(daemon[0]) as conn:
         reply, _ = call(conn, {"op": "kv_sources"})
     assert (reply["ok"], reply["error"]) == (False, "forbidden")
     (share,) = shares(tiny_model, daemon, 1)
@@ -155,16 +163,18 @@ def test_deposits_need_an_attached_connection_and_a_refused_one_leaves_it_attach
     share.attachment.close()
 
 
-@pytest.fixture(scope="module")
-def pair(tiny_model: Path) -> Iterator[tuple[EngineProcess, EngineProcess]]:
-    """Engines "a" (primary) and "b" (standby), both serving from one daemon's arena."""
+@pytest.fixture(params=DEVICES)
+def pair(request: pytest.FixtureRequest, tiny_model: Path) -> Iterator[tuple[EngineProcess, EngineProcess]]:
+    """Engines "a" (primary) and "b" (standby), both serving from one daemon's arena (on CUDA, each with its KV
+    cache reserved at start-up and its CUDA graphs captured against it)."""
     runtime = Path(tempfile.mkdtemp(prefix="hw-", dir="/tmp"))
     sock = runtime / "d.sock"
+    flags = (*FLAGS, "--socket", str(sock), "--device", request.param)
     try:
         with (
-            ProcessDaemon(tiny_model, sock),
-            EngineProcess(tiny_model, *FLAGS, "--socket", str(sock), "--role", "primary", token=TOKEN) as a,
-            EngineProcess(tiny_model, *FLAGS, "--socket", str(sock), "--role", "standby", token=TOKEN) as b,
+            ProcessDaemon(tiny_model, sock, "--device", request.param),
+            EngineProcess(tiny_model, *flags, "--role", "primary", token=TOKEN) as a,
+            EngineProcess(tiny_model, *flags, "--role", "standby", token=TOKEN) as b,
         ):
             yield a, b
     finally:
