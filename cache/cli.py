@@ -155,6 +155,11 @@ def _format_status(status: dict[str, Any]) -> str:
         f"  fingerprint {status['fingerprint_digest']}, arena {status['arena_id']}",
         f"  clients: {len(status['clients'])} connected (this query included), {attached} attached",
     ]
+    deposits = status.get("kv_deposits", [])
+    if deposits:
+        kept = sum(not d["alive"] for d in deposits)
+        size = sum(d["bytes"] for d in deposits) / 1e9
+        lines.append(f"  KV caches deposited: {len(deposits)} ({kept} of failed engines), {size:.3f} GB")
     return "\n".join(lines)
 
 

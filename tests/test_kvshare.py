@@ -14,8 +14,9 @@ import httpx
 import pytest
 import torch
 
+from hotweights.cache.cli import _format_status
 from hotweights.cache.client import attach
-from hotweights.cache.connection import call, connect
+from hotweights.cache.connection import call, connect, request
 from hotweights.cache.kvdeposits import MAX_RETAINED, ledger_nbytes
 from hotweights.cache.loadspec import LoadSpec
 from hotweights.contract import REPLAY_HEADER, Endpoint
@@ -163,8 +164,13 @@ def test_deposits_need_an_attached_connection_and_a_refused_one_leaves_it_attach
     share.attachment.close()
 
 
+def status_text(sock: Path) -> str:
+    """What ``hotweights cache status`` prints for the daemon on ``sock``."""
+    return _format_status(request(sock, {"op": "status"})["status"])
+
+
 @pytest.fixture(params=DEVICES)
-def pair(request: pytest.FixtureRequest, tiny_model: Path) -> Iterator[tuple[EngineProcess, EngineProcess]]:
+def pair(request: pytest.FixtureRequest, tiny_model: Path) -> Iterator[tuple[EngineProcess, EngineProcess, Path]]:
     """Engines "a" (primary) and "b" (standby), both serving from one daemon's arena (on CUDA, each with its KV
     cache reserved at start-up and its CUDA graphs captured against it)."""
     runtime = Path(tempfile.mkdtemp(prefix="hw-", dir="/tmp"))
@@ -176,18 +182,18 @@ def pair(request: pytest.FixtureRequest, tiny_model: Path) -> Iterator[tuple[Eng
             EngineProcess(tiny_model, *flags, "--role", "primary", token=TOKEN) as a,
             EngineProcess(tiny_model, *flags, "--role", "standby", token=TOKEN) as b,
         ):
-            yield a, b
+            yield a, b, sock
     finally:
         shutil.rmtree(runtime, ignore_errors=True)
 
 
 def test_a_continuation_starts_from_the_hung_and_then_the_killed_primarys_keys_and_values(
-    pair: tuple[EngineProcess, EngineProcess],
+    pair: tuple[EngineProcess, EngineProcess, Path],
 ) -> None:
     """A stream cut on "a" (SIGSTOP after its third chunk) continues on "b" from the tokens released, taking a's
     slot instead of computing it: the text is the uncut run's and b counts the tokens it adopted; once "a" is
     SIGKILLed too, its deposit is still there for the same continuation."""
-    a, b = pair
+    a, b, sock = pair
     body = {"prompt": "Keys and values outlive", "max_tokens": 400, "temperature": 0.0, "return_token_ids": True}
     whole = a.complete(**body).json()["choices"][0]
     with httpx.Client(base_url=a.url, timeout=30) as client, client.stream(
@@ -208,6 +214,7 @@ def test_a_continuation_starts_from_the_hung_and_then_the_killed_primarys_keys_a
         if fault is signal.SIGKILL:
             a.process.kill()
             a.process.wait(timeout=10)
+            wait_until(lambda: "KV caches deposited: 2 (1 of failed engines)" in status_text(sock), what="a's kept")
         adopted = metric(b, "hotweights_engine_kv_adopted_tokens")
         answer = b.client.post(Endpoint.COMPLETIONS, json=rest, headers={REPLAY_HEADER: str(len(released))})
         assert answer.status_code == 200, answer.text
