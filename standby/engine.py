@@ -118,7 +118,11 @@ def warm_up(
     (``standby.pacing``)."""
     start = time.perf_counter()
     decoder = allocate()
-    decoder.warm_up(pace)
+    try:
+        decoder.warm_up(pace)
+    except BaseException:
+        decoder.close()  # a shared KV cache's memory is not the allocator's: free it now
+        raise
     log.info(
         "warmed up in %.3f s: prefill and decode at %d lengths up to %d, decode at batch 1..%d%s",
         time.perf_counter() - start,
@@ -262,6 +266,8 @@ class Ahead:
     def release(self) -> None:
         """Drop the decoder and the model (every view of the arena), then unmap; nothing here is usable after."""
         attachment = self.loaded.attachment
+        if self.warmed is not None:
+            self.warmed.close()
         del self.loaded, self.warmed
         gc.collect()
         if torch.cuda.is_available():
