@@ -6,6 +6,8 @@
 - weight arenas: distinct memfd files those processes map (cpu-shm). A respawned daemon re-adopts the
   arena from a live engine; one that cannot loads a new arena while engines attached to the old one keep
   it mapped until they are replaced, so a round that respawned the daemon may add one arena;
+- KV caches in memfds (cpu-shm: ``standby.kvshare``): a failed primary's stays deposited with its daemon for a
+  few seconds after the fault (``cache.kvdeposits``), so a round may add up to MAX_RETAINED;
 - /dev/shm usage (host-wide, reported only: other programs use it too);
 - on CUDA, device memory in use (``nvidia-smi``), judged with a tolerance.
 """
@@ -18,6 +20,8 @@ import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from hotweights.cache.backends.base import ARENA_NAME, KV_NAME
+from hotweights.cache.kvdeposits import MAX_RETAINED
 from hotweights.controller.spares import is_waiting
 
 GPU_TOLERANCE_BYTES = 256 << 20  # allocator caches and CUDA contexts of restarted engines
@@ -28,6 +32,7 @@ class MemorySnapshot:
     processes: int
     arenas: int
     arena_bytes: int
+    kv_caches: int
     shm_used_bytes: int
     gpu_used_bytes: int | None
 
@@ -63,8 +68,8 @@ def ancestors() -> set[int]:
     return pids
 
 
-def memfd_arenas(pids: list[int]) -> dict[int, int]:
-    """inode -> largest mapped size, over the memfd mappings of ``pids``."""
+def memfd_arenas(pids: list[int], name: str = ARENA_NAME) -> dict[int, int]:
+    """inode -> largest mapped size, over the mappings of ``pids`` of memfds called ``name``."""
     arenas: dict[int, int] = {}
     for pid in pids:
         try:
@@ -72,9 +77,9 @@ def memfd_arenas(pids: list[int]) -> dict[int, int]:
         except OSError:
             continue
         for line in maps.splitlines():
-            if "/memfd:" not in line:
+            span, _, _, _, inode, *path = line.split(maxsplit=5)
+            if path[:1] != [f"/memfd:{name} (deleted)"]:
                 continue
-            span, _, _, _, inode, *_ = line.split()
             start, end = (int(x, 16) for x in span.split("-"))
             arenas[int(inode)] = max(arenas.get(int(inode), 0), end - start)
     return arenas
@@ -102,6 +107,7 @@ def snapshot(markers: tuple[str, ...]) -> MemorySnapshot:
         processes=len(pids),
         arenas=len(arenas),
         arena_bytes=sum(arenas.values()),
+        kv_caches=len(memfd_arenas(pids, KV_NAME)),
         shm_used_bytes=(shm.f_blocks - shm.f_bfree) * shm.f_frsize,
         gpu_used_bytes=gpu_used_bytes(),
     )
@@ -114,6 +120,8 @@ def leak(before: MemorySnapshot, after: MemorySnapshot, daemon_respawned: bool) 
         found.append(f"{after.processes - before.processes} more stack process(es)")
     if after.arenas > before.arenas + int(daemon_respawned):
         found.append(f"arenas {before.arenas} -> {after.arenas}")
+    if after.kv_caches > before.kv_caches + MAX_RETAINED:
+        found.append(f"KV caches {before.kv_caches} -> {after.kv_caches}")
     if not daemon_respawned and before.gpu_used_bytes is not None and after.gpu_used_bytes is not None:
         grown = after.gpu_used_bytes - before.gpu_used_bytes
         if grown > GPU_TOLERANCE_BYTES:

@@ -34,7 +34,7 @@ import torch
 
 from hotweights.cache.arena import ALIGNMENT
 from hotweights.cache.backends import get_backend
-from hotweights.cache.backends.base import BackendUnavailable, ExportedArena, ImportedArena
+from hotweights.cache.backends.base import KV_NAME, LEDGER_NAME, BackendUnavailable, ExportedArena, ImportedArena
 from hotweights.cache.client import Attachment
 from hotweights.cache.connection import DaemonUnavailable, close_all
 from hotweights.cache.kvdeposits import LEDGER_BACKEND, LEDGER_FIELDS, MAX_SOURCES, KvLayout, ledger_nbytes
@@ -173,9 +173,10 @@ class KvShare:
         name = str(dtype).removeprefix("torch.")
         size = math.prod(shape) * dtype.itemsize
         layout = KvLayout(name, shape, -(-size // ALIGNMENT) * ALIGNMENT)
-        kv_arena = self.backend.allocate(layout.v_offset + size, self.device)
+        kv_arena = self.backend.allocate(layout.v_offset + size, self.device, KV_NAME)
         try:
-            ledger_arena = get_backend(LEDGER_BACKEND).allocate(ledger_nbytes(shape[1], shape[3]), torch.device("cpu"))
+            ledger_bytes = ledger_nbytes(shape[1], shape[3])
+            ledger_arena = get_backend(LEDGER_BACKEND).allocate(ledger_bytes, torch.device("cpu"), LEDGER_NAME)
         except BaseException:
             kv_arena.close()
             raise

@@ -15,6 +15,10 @@ from typing import Any
 
 import torch
 
+ARENA_NAME = "hotweights-arena"  # a memfd holding weights
+KV_NAME = "hotweights-kv"  # a memfd holding a KV cache (``cache.kvdeposits``)
+LEDGER_NAME = "hotweights-kv-ledger"  # a memfd holding a KV cache's ledger
+
 
 class BackendUnavailable(RuntimeError):
     """The backend cannot run here (no CUDA, no cuda-bindings, unsupported driver); says which."""
@@ -60,9 +64,10 @@ class ArenaBackend(ABC):
     adoptable: bool = False
 
     @abstractmethod
-    def allocate(self, nbytes: int, device: torch.device) -> ExportedArena:
-        """Allocate at least ``nbytes`` (rounded up to the backend's granularity) on ``device``.
-        Raises BackendUnavailable if the backend cannot run here."""
+    def allocate(self, nbytes: int, device: torch.device, name: str = ARENA_NAME) -> ExportedArena:
+        """Allocate at least ``nbytes`` (rounded up to the backend's granularity) on ``device``; ``name`` names a
+        memfd where the backend makes one (what /proc/PID/maps shows: ARENA_NAME for weights, KV_NAME and
+        LEDGER_NAME for KV caches). Raises BackendUnavailable if the backend cannot run here."""
 
     @abstractmethod
     def import_arena(self, handle: dict[str, Any], fds: list[int], device: torch.device) -> ImportedArena:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from hotweights.cache.backends.base import ArenaBackend, ExportedArena, ImportedArena
+from hotweights.cache.backends.base import ARENA_NAME, ArenaBackend, ExportedArena, ImportedArena
 
 PAGE = mmap.PAGESIZE
 F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)  # Linux >= 5.1; Python 3.11 lacks the name
@@ -67,9 +67,9 @@ class _MemfdArena(ExportedArena):
 
 
 class CpuShmExported(_MemfdArena):
-    def __init__(self, nbytes: int) -> None:
+    def __init__(self, nbytes: int, name: str = ARENA_NAME) -> None:
         self.nbytes = -(-max(nbytes, 1) // PAGE) * PAGE
-        self._fd = os.memfd_create("hotweights-arena", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        self._fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         os.ftruncate(self._fd, self.nbytes)
         self._map = mmap.mmap(self._fd, self.nbytes, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, ARENA_SEALS)  # after our mapping: it alone stays writable
@@ -136,10 +136,10 @@ class CpuShmBackend(ArenaBackend):
     name = "cpu-shm"
     adoptable = True
 
-    def allocate(self, nbytes: int, device: torch.device) -> ExportedArena:
+    def allocate(self, nbytes: int, device: torch.device, name: str = ARENA_NAME) -> ExportedArena:
         if device.type != "cpu":
             raise ValueError(f"cpu-shm holds arenas in host memory; device {device} needs cuda-vmm or cuda-ipc")
-        return CpuShmExported(nbytes)
+        return CpuShmExported(nbytes, name)
 
     def import_arena(self, handle: dict[str, Any], fds: list[int], device: torch.device) -> ImportedArena:
         if len(fds) != 1:

@@ -29,6 +29,7 @@ import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from hotweights.cache.backends.base import (
+    ARENA_NAME,
     ArenaBackend,
     ExportedArena,
     ImportedArena,
@@ -231,7 +232,8 @@ class CudaIpcBackend(ArenaBackend):
 
     name = NAME
 
-    def allocate(self, nbytes: int, device: torch.device) -> IpcExportedArena:
+    def allocate(self, nbytes: int, device: torch.device, name: str = ARENA_NAME) -> IpcExportedArena:
+        """``name``: unused (no memfd)."""
         if nbytes <= 0:
             raise ValueError(f"{NAME}: nbytes must be positive, got {nbytes}")
         index = require_cuda(NAME, device)

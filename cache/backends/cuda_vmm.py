@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from hotweights.cache.backends.base import (
+    ARENA_NAME,
     ArenaBackend,
     BackendUnavailable,
     ExportedArena,
@@ -335,7 +336,8 @@ class CudaVmmBackend(ArenaBackend):
     name = NAME
     adoptable = True
 
-    def allocate(self, nbytes: int, device: torch.device) -> VmmExportedArena:
+    def allocate(self, nbytes: int, device: torch.device, name: str = ARENA_NAME) -> VmmExportedArena:
+        """``name``: unused (no memfd)."""
         if nbytes <= 0:
             raise ValueError(f"{NAME}: nbytes must be positive, got {nbytes}")
         index = require_cuda(NAME, device)
