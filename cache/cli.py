@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import time
 from dataclasses import replace
@@ -19,6 +20,7 @@ from hotweights.cache.client import attach
 from hotweights.cache.connection import AttachRefused, DaemonUnavailable, request
 from hotweights.cache.daemon import FILL_SOURCES, ArenaSource, load_arena, pipeline_source, serve
 from hotweights.cache.fingerprint import Fingerprint, compute_fingerprint
+from hotweights.cache.kvdeposits import RETAIN_S
 from hotweights.cache.paths import paths_for, remove_if_stale
 from hotweights.cache.pipeline import (
     add_load_spec_arguments,
@@ -61,8 +63,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     uids = frozenset([os.getuid(), *args.allow_uid])
     backend = args.backend or default_backend_name(source.device)
     snapshot = Path(args.snapshot) if args.snapshot else None
-    serve(source, paths, backend=backend, allowed_uids=uids, fill_from=args.fill_from, snapshot=snapshot)
+    options = {"fill_from": args.fill_from, "snapshot": snapshot, "kv_retain_s": args.kv_retain_s}
+    serve(source, paths, backend=backend, allowed_uids=uids, **options)
     return 0
+
+
+def retain_seconds(text: str) -> float:
+    """``--kv-retain-s``: a finite number of seconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, found {text!r}")
+    return value
 
 
 def fill_order(text: str) -> tuple[str, ...]:
@@ -221,6 +235,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="SOURCES",
         help="where to fill the arena from, first that passes its checks: readopt (the arena a live engine "
         "kept), snapshot (--snapshot), disk (the checkpoint) (default: readopt,snapshot,disk)",
+    )
+    serve_p.add_argument(
+        "--kv-retain-s",
+        type=retain_seconds,
+        default=RETAIN_S,
+        metavar="SECONDS",
+        help="how long a failed engine's deposited KV cache is kept for the engine that continues its requests "
+        f"(0: none is kept, continuations compute their keys and values again) (default {RETAIN_S:g})",
     )
     add_spare_arguments(serve_p, "reading the checkpoint and filling the arena")
     serve_p.set_defaults(func=cmd_serve)

@@ -40,7 +40,7 @@ from hotweights.cache.checkpoint import Checkpoint, read_checkpoint
 from hotweights.cache.connection import close_all
 from hotweights.cache.digest import fill_digests
 from hotweights.cache.fingerprint import Fingerprint, compute_fingerprint, describe_differences
-from hotweights.cache.kvdeposits import KV_OPS, KvDeposits
+from hotweights.cache.kvdeposits import KV_OPS, RETAIN_S, KvDeposits
 from hotweights.cache.loadspec import LoadSpec
 from hotweights.cache.paths import DaemonPaths, ensure_private_dir, publish, unpublish
 from hotweights.cache.pipeline import check_spec, iter_processed, processed_config, processed_dtype
@@ -203,6 +203,7 @@ class CacheDaemon:
         max_connections: int = MAX_CONNECTIONS,
         fill_from: tuple[str, ...] = FILL_SOURCES,
         snapshot: Path | None = None,
+        kv_retain_s: float = RETAIN_S,
     ) -> None:
         if len(os.fsencode(paths.socket)) > MAX_SOCKET_PATH:
             raise ConfigError(f"socket path {paths.socket} is longer than {MAX_SOCKET_PATH} bytes")
@@ -225,7 +226,7 @@ class CacheDaemon:
             "disk": self.load,
         }
         self.clients: dict[int, Client] = {}
-        self.kv = KvDeposits(self.backend, source.device)
+        self.kv = KvDeposits(self.backend, source.device, kv_retain_s)
         self._clients_lock = threading.Lock()
         self._should_exit = threading.Event()
         self._lock = PidLock(paths.lock)

@@ -17,8 +17,9 @@ Requests, each on an attached connection (others are refused with ``forbidden``)
 An engine deposits while it serves as a primary and withdraws when it stops. ``kv_sources`` lists the other
 engines' deposits, those of closed connections first, newest first, at most MAX_SOURCES (two fds each: KV cache,
 ledger). A deposit lives while its engine's connection is open (until withdrawn, or replaced by the engine's
-next deposit), then RETAIN_S more, the failover that needs it; at most MAX_RETAINED deposits of closed
-connections are kept (the newest), and ``kv_release`` (an engine done adopting from it) drops one at once.
+next deposit), then RETAIN_S more (``cache serve --kv-retain-s``), the failover that needs it; at most
+MAX_RETAINED deposits of closed connections are kept (the newest), and ``kv_release`` (an engine done adopting
+from it) drops one at once.
 """
 
 from __future__ import annotations
@@ -128,9 +129,11 @@ class Deposit:
 class KvDeposits:
     """The daemon's deposits; thread-safe (one thread per connection calls ``handle``)."""
 
-    def __init__(self, backend: ArenaBackend, device: torch.device) -> None:
+    def __init__(self, backend: ArenaBackend, device: torch.device, retain_s: float = RETAIN_S) -> None:
+        """``retain_s``: how long a deposit outlives its engine's connection (RETAIN_S by default)."""
         self.backend = backend
         self.device = device
+        self.retain_s = retain_s
         self._deposits: dict[str, Deposit] = {}
         self._lock = threading.Lock()
 
@@ -154,7 +157,7 @@ class KvDeposits:
         return {"ok": True}, []
 
     def connection_closed(self, owner: int) -> None:
-        """``owner``'s deposit is retained for RETAIN_S from now (``expire``)."""
+        """``owner``'s deposit is retained for ``retain_s`` from now (``expire``)."""
         with self._lock:
             for deposit in self._deposits.values():
                 if deposit.owner == owner:
@@ -162,11 +165,11 @@ class KvDeposits:
         self.expire()
 
     def expire(self) -> None:
-        """Drop the deposits of closed connections older than RETAIN_S, and all but the MAX_RETAINED newest."""
+        """Drop the deposits of closed connections older than ``retain_s``, and all but the MAX_RETAINED newest."""
         now = time.monotonic()
         with self._lock:
             closed = sorted((d for d in self._deposits.values() if d.closed_at), key=lambda d: -d.closed_at)
-            self._drop([d for i, d in enumerate(closed) if i >= MAX_RETAINED or now - d.closed_at > RETAIN_S])
+            self._drop([d for i, d in enumerate(closed) if i >= MAX_RETAINED or now - d.closed_at >= self.retain_s])
 
     def status(self) -> list[dict[str, Any]]:
         with self._lock:

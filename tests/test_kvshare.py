@@ -139,6 +139,19 @@ def test_a_deposit_outlives_its_engine_until_released_and_only_the_newest_are_ke
     adopter.attachment.close()
 
 
+def test_a_failed_engines_deposit_is_dropped_once_its_retention_ends(tiny_model: Path) -> None:
+    runtime = Path(tempfile.mkdtemp(prefix="hw-", dir="/tmp"))
+    try:
+        with ThreadDaemon(tiny_model, runtime / "d.sock", kv_retain_s=0.5):
+            owner, watcher = shares(tiny_model, (runtime / "d.sock", "cpu"), 2)
+            owner.deposit(owner.allocate((1, 1, 1, 4, 2), torch.float32))
+            owner.attachment.close()
+            wait_until(lambda: deposits(watcher) == [], what="the deposit dropped after 0.5 s")
+            watcher.attachment.close()
+    finally:
+        shutil.rmtree(runtime, ignore_errors=True)
+
+
 def test_deposits_need_an_attached_connection_and_a_refused_one_leaves_it_attached(
     tiny_model: Path, daemon: tuple[Path, str]
 ) -> None:
