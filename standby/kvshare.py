@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -45,7 +46,7 @@ log = logging.getLogger(__name__)
 
 REFRESH_S = 0.2  # how old the list of deposits may be when a continuation looks for its slot
 IDLE_S = 2.0  # sources unused this long are unmapped (and a failed engine's released)
-REQUEST_TIMEOUT_S = 1.0  # for each request to the daemon, on the inference thread
+REQUEST_TIMEOUT_S = 0.5  # for each request to the daemon (a hung daemon costs the inference thread this, once)
 
 
 class SlotLedger:
@@ -153,6 +154,7 @@ class KvShare:
         self.device = device
         self.backend = get_backend(attachment.backend)
         self.deposited = False  # whether the daemon holds this engine's KV cache
+        self._changes = ThreadPoolExecutor(1, thread_name_prefix="hw-kv-deposits")
         self._sources: dict[str, Source] = {}
         self._listed_at = -math.inf
         self._used_at = -math.inf
@@ -185,15 +187,23 @@ class KvShare:
         shared.kv.v.zero_()
         return shared
 
-    def deposit(self, shared: SharedKv) -> None:
-        """Deposit ``shared`` with the daemon (replacing this engine's earlier deposit); a failure is logged."""
+    def deposit(self, shared: SharedKv) -> Future[None]:
+        """Deposit ``shared`` with the daemon (replacing this engine's earlier deposit), on a thread of its own
+        (deposits and withdrawals in order), so that a promote never waits for the daemon; a failure is logged."""
+        return self._changes.submit(self._deposit, shared)
+
+    def withdraw(self) -> Future[None]:
+        """Take this engine's deposit back (it stops serving from it, or stops): nothing to keep for a successor.
+        On the deposits' thread, as ``deposit``."""
+        return self._changes.submit(self._withdraw)
+
+    def _deposit(self, shared: SharedKv) -> None:
         (kv_handle, kv_fds), (ledger_handle, ledger_fds) = (arena.export() for arena in shared.arenas)
         message = {"op": "kv_deposit", "layout": shared.layout.to_json(), "kv": kv_handle, "ledger": ledger_handle}
         reply, _ = self._request(message, (*kv_fds, *ledger_fds))
         self.deposited = reply is not None
 
-    def withdraw(self) -> None:
-        """Take this engine's deposit back (it stops serving from it, or stops): nothing to keep for a successor."""
+    def _withdraw(self) -> None:
         if self.deposited:
             self._request({"op": "kv_withdraw"})
             self.deposited = False

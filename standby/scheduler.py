@@ -39,13 +39,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent import futures
 from dataclasses import dataclass
 
 import torch
 
 from hotweights.admission import starts_soon
 from hotweights.standby.decoder import Decoder
-from hotweights.standby.kvshare import KvShare, SlotLedger
+from hotweights.standby.kvshare import REQUEST_TIMEOUT_S, KvShare, SlotLedger
 from hotweights.standby.sampling import sample_rows, uniform
 
 log = logging.getLogger(__name__)
@@ -142,8 +143,8 @@ class Scheduler:
         self._stopping.set()
         self._inbox.put(None)
         self._thread.join(timeout_s)
-        if self.kv_share is not None:
-            self.kv_share.withdraw()  # a clean stop leaves nothing to continue
+        if self.kv_share is not None:  # a clean stop leaves nothing to continue
+            futures.wait([self.kv_share.withdraw()], timeout=REQUEST_TIMEOUT_S)
         if self._thread.is_alive():
             log.error("inference thread did not stop within %.1f s", timeout_s)
         elif cancelled:
@@ -197,8 +198,8 @@ class Scheduler:
                 raise RuntimeError(f"{len(self._live)} sequence(s) still use the KV cache")
             decoder, self._decoder, self._free_slots = self._decoder, None, set()
         if decoder is not None and decoder.shared is not None:
-            if self.kv_share is not None:
-                self.kv_share.withdraw()
+            if self.kv_share is not None:  # done before the caller may free the memory
+                futures.wait([self.kv_share.withdraw()], timeout=2 * REQUEST_TIMEOUT_S)  # behind a deposit
             decoder.shared.ledger.reset_all()
         return decoder
 

@@ -115,7 +115,7 @@ def test_a_deposit_outlives_its_engine_until_released_and_only_the_newest_are_ke
     deposited.kv.k.normal_()
     deposited.kv.v.normal_()
     deposited.ledger.record(1, [5, 6, 7, 8], 2)
-    owner.deposit(deposited)
+    owner.deposit(deposited).result()
     own = adopter.allocate(shape, torch.float32).kv
     assert own.k.device == deposited.kv.k.device == torch.device(daemon[1])
     for alive in (True, False):
@@ -133,7 +133,7 @@ def test_a_deposit_outlives_its_engine_until_released_and_only_the_newest_are_ke
     adopter.idle()  # unmaps, and releases the failed engine's deposit it used
     assert deposits(adopter) == []
     for other in others:
-        other.deposit(other.allocate(shape, torch.float32))
+        other.deposit(other.allocate(shape, torch.float32)).result()
         other.attachment.close()
     wait_until(lambda: deposits(adopter) == [(False, SLOTS)] * MAX_RETAINED, what="the newest deposits retained")
     adopter.attachment.close()
@@ -144,7 +144,7 @@ def test_a_failed_engines_deposit_is_dropped_once_its_retention_ends(tiny_model:
     try:
         with ThreadDaemon(tiny_model, runtime / "d.sock", kv_retain_s=0.5):
             owner, watcher = shares(tiny_model, (runtime / "d.sock", "cpu"), 2)
-            owner.deposit(owner.allocate((1, 1, 1, 4, 2), torch.float32))
+            owner.deposit(owner.allocate((1, 1, 1, 4, 2), torch.float32)).result()
             owner.attachment.close()
             wait_until(lambda: deposits(watcher) == [], what="the deposit dropped after 0.5 s")
             watcher.attachment.close()
@@ -172,7 +172,7 @@ def test_deposits_need_an_attached_connection_and_a_refused_one_leaves_it_attach
     status = share.attachment.call({"op": "status"})[0]["status"]
     assert [c["attached"] for c in status["clients"]] == [True]
     assert deposits(share) == []
-    share.deposit(shared)
+    share.deposit(shared).result()
     assert deposits(share) == [(True, 1)]
     share.attachment.close()
 
