@@ -456,12 +456,16 @@ class CacheDaemon:
             except (ProtocolError, OSError) as exc:
                 self._reply(conn, error_reply("bad_message", str(exc)))
                 return
-            if request.get("op") in KV_OPS:
+            kv = request.get("op") in KV_OPS
+            if kv:
                 reply, fds = self._kv(client, request, fds)
             else:
                 close_all(fds)
                 reply, fds = self._dispatch(request)
-            if not self._reply(conn, reply, fds) or not (reply["ok"] or request.get("op") in KV_OPS):
+            sent = self._reply(conn, reply, fds)
+            if kv:
+                close_all(fds)  # duplicates, ours once sent
+            if not sent or not (reply["ok"] or kv):
                 return  # a refused KV request leaves the engine attached
             if request.get("op") == "attach":
                 client.attached = True

@@ -138,7 +138,8 @@ class KvDeposits:
         self._lock = threading.Lock()
 
     def handle(self, owner: int, request: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
-        """Answer one of KV_OPS from the attached connection ``owner``; takes ownership of ``fds``."""
+        """Answer one of KV_OPS from the attached connection ``owner``; takes ownership of ``fds``. The reply's
+        fds are duplicates, the caller's to close once sent (a deposit may be dropped meanwhile)."""
         op = request["op"]
         if op != "kv_deposit":
             for fd in fds:
@@ -234,7 +235,8 @@ class KvDeposits:
         with self._lock:
             others = [d for d in self._deposits.values() if d.owner != owner]
             newest = sorted(others, key=_relevance)[:MAX_SOURCES]
-            return {"ok": True, "sources": [d.describe() for d in newest]}, [fd for d in newest for fd in d.fds]
+            fds = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 0) for d in newest for fd in d.fds]
+            return {"ok": True, "sources": [d.describe() for d in newest]}, fds
 
 
 def _relevance(deposit: Deposit) -> tuple[bool, float]:
