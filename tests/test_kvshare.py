@@ -14,6 +14,7 @@ import httpx
 import pytest
 import torch
 
+from hotweights.cache.backends.cuda_vmm import _check
 from hotweights.cache.cli import _format_status
 from hotweights.cache.client import attach
 from hotweights.cache.connection import call, connect, request
@@ -77,6 +78,22 @@ def test_a_slot_given_up_or_being_given_up_is_never_picked() -> None:
     assert book.best(ids, 1, None)[2] != generation  # a copy begun before the reset is refused afterwards
     book.reset(0)
     assert book.best(ids, 1, None) is None
+
+
+@pytest.mark.parametrize(
+    ("result", "raised"),
+    [((2,), torch.OutOfMemoryError), ((1,), RuntimeError), ((0, 7), None)],
+    ids=["out-of-memory", "another-error", "success"],
+)
+def test_a_driver_without_memory_raises_what_torchs_allocator_raises(result: tuple, raised: type | None) -> None:
+    """A spare that finds no device memory for its KV cache warms up at its start instead (``prepare_spare``
+    catches torch.OutOfMemoryError), whichever allocated it: torch, or the driver for a shared KV cache."""
+    if raised is None:
+        assert _check(result, "cuMemCreate") == 7
+        return
+    with pytest.raises(raised, match="cuMemCreate failed") as caught:
+        _check(result, "cuMemCreate")
+    assert isinstance(caught.value, torch.OutOfMemoryError) == (raised is torch.OutOfMemoryError)
 
 
 @pytest.fixture(params=DEVICES)

@@ -43,6 +43,7 @@ from hotweights.cache.backends.base import (
 
 NAME = "cuda-vmm"
 INSTALL_HINT = "pip install 'hotweights[cuda]'"
+OUT_OF_MEMORY = 2  # CUDA_ERROR_OUT_OF_MEMORY, a CUresult
 
 _driver_lock = threading.Lock()
 _driver_module: Any = None
@@ -76,8 +77,11 @@ def _error_name(err: Any) -> str:
 
 def _check(result: Any, what: str) -> Any:
     """Unwrap a cuda-bindings ``(CUresult, *values)`` tuple: raise RuntimeError naming the call and the
-    error on failure, else return None, the one value, or the tuple of values. CUresult is an int enum."""
+    error on failure (torch.OutOfMemoryError, a RuntimeError, when the device has no memory left), else return
+    None, the one value, or the tuple of values. CUresult is an int enum."""
     err, *values = result if isinstance(result, tuple) else (result,)
+    if int(err) == OUT_OF_MEMORY:  # what torch's allocator raises too, so that callers handle both alike
+        raise torch.OutOfMemoryError(f"{what} failed: {_error_name(err)}")
     if int(err) != 0:
         raise RuntimeError(f"{what} failed: {_error_name(err)}")
     if not values:
