@@ -9,7 +9,10 @@ The HTTP contract is ``docs/engine-contract.md``.
 Where the KV cache lives: on CUDA with --cuda-graphs (the default there) it is allocated at start-up by
 every engine, standby included, and the decode step is captured as a CUDA graph per batch size against it;
 promote then only attaches it. Otherwise warm-up runs through a scratch KV cache of the real shape, which
-a standby frees again, and promote allocates the KV cache (its time counted in the promote's).
+a standby frees again, and promote allocates the KV cache (its time counted in the promote's). An engine that
+serves from a daemon's arena allocates the KV cache it serves from through the arena's backend, and deposits
+it with the daemon while it is a primary, so that the next primary can continue its requests from it
+(``standby.kvshare``).
 
 With --start-fd FD the process is a spare the controller started ahead of need: the imports above (torch,
 uvicorn, the model code: most of a start on CPU, seconds with CUDA) are done before anything waits, and so is
