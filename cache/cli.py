@@ -20,7 +20,6 @@ from hotweights.cache.client import attach
 from hotweights.cache.connection import AttachRefused, DaemonUnavailable, request
 from hotweights.cache.daemon import FILL_SOURCES, ArenaSource, load_arena, pipeline_source, serve
 from hotweights.cache.fingerprint import Fingerprint, compute_fingerprint
-from hotweights.cache.kvdeposits import RETAIN_S
 from hotweights.cache.paths import paths_for, remove_if_stale
 from hotweights.cache.pipeline import (
     add_load_spec_arguments,
@@ -28,6 +27,7 @@ from hotweights.cache.pipeline import (
     load_spec_from_args,
     model_dir_from_args,
 )
+from hotweights.cache.protocol import KV_RETAIN_S
 from hotweights.cache.sglang_format import sglang_source
 from hotweights.cache.snapshot import write_snapshot
 from hotweights.cache.vllm_format import vllm_source
@@ -239,10 +239,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     serve_p.add_argument(
         "--kv-retain-s",
         type=retain_seconds,
-        default=RETAIN_S,
+        default=KV_RETAIN_S,
         metavar="SECONDS",
         help="how long a failed engine's deposited KV cache is kept for the engine that continues its requests "
-        f"(0: none is kept, continuations compute their keys and values again) (default {RETAIN_S:g})",
+        f"(0: none is kept, continuations compute their keys and values again) (default {KV_RETAIN_S:g})",
     )
     add_spare_arguments(serve_p, "reading the checkpoint and filling the arena")
     serve_p.set_defaults(func=cmd_serve)

@@ -40,11 +40,12 @@ from hotweights.cache.checkpoint import Checkpoint, read_checkpoint
 from hotweights.cache.connection import close_all
 from hotweights.cache.digest import fill_digests
 from hotweights.cache.fingerprint import Fingerprint, compute_fingerprint, describe_differences
-from hotweights.cache.kvdeposits import KV_OPS, RETAIN_S, KvDeposits
+from hotweights.cache.kvdeposits import KV_OPS, KvDeposits
 from hotweights.cache.loadspec import LoadSpec
 from hotweights.cache.paths import DaemonPaths, ensure_private_dir, publish, unpublish
 from hotweights.cache.pipeline import check_spec, iter_processed, processed_config, processed_dtype
 from hotweights.cache.protocol import (
+    KV_RETAIN_S,
     PROTOCOL_VERSION,
     PeerClosed,
     ProtocolError,
@@ -203,7 +204,7 @@ class CacheDaemon:
         max_connections: int = MAX_CONNECTIONS,
         fill_from: tuple[str, ...] = FILL_SOURCES,
         snapshot: Path | None = None,
-        kv_retain_s: float = RETAIN_S,
+        kv_retain_s: float = KV_RETAIN_S,
     ) -> None:
         if len(os.fsencode(paths.socket)) > MAX_SOCKET_PATH:
             raise ConfigError(f"socket path {paths.socket} is longer than {MAX_SOCKET_PATH} bytes")

@@ -17,9 +17,9 @@ Requests, each on an attached connection (others are refused with ``forbidden``)
 An engine deposits while it serves as a primary and withdraws when it stops. ``kv_sources`` lists the other
 engines' deposits, those of closed connections first, newest first, at most MAX_SOURCES (two fds each: KV cache,
 ledger). A deposit lives while its engine's connection is open (until withdrawn, or replaced by the engine's
-next deposit), then RETAIN_S more (``cache serve --kv-retain-s``), the failover that needs it; at most
-MAX_RETAINED deposits of closed connections are kept (the newest), and ``kv_release`` (an engine done adopting
-from it) drops one at once.
+next deposit), then ``retain_s`` more (``cache serve --kv-retain-s``, KV_RETAIN_S), the failover that needs
+it; at most MAX_RETAINED deposits of closed connections are kept (the newest), and ``kv_release`` (an engine
+done adopting from it) drops one at once.
 """
 
 from __future__ import annotations
@@ -38,12 +38,11 @@ import torch
 
 from hotweights.cache.backends import get_backend
 from hotweights.cache.backends.base import ArenaBackend, BackendUnavailable, ImportedArena
-from hotweights.cache.protocol import MAX_FDS, error_reply
+from hotweights.cache.protocol import KV_RETAIN_S, MAX_FDS, error_reply
 from hotweights.dtypes import ARENA_DTYPES
 
 log = logging.getLogger(__name__)
 
-RETAIN_S = 10.0  # how long a deposit outlives its engine's connection
 MAX_RETAINED = 2  # deposits of closed connections kept at once
 MAX_SOURCES = MAX_FDS // 2  # deposits one ``kv_sources`` reply carries
 LEDGER_BACKEND = "cpu-shm"
@@ -129,8 +128,8 @@ class Deposit:
 class KvDeposits:
     """The daemon's deposits; thread-safe (one thread per connection calls ``handle``)."""
 
-    def __init__(self, backend: ArenaBackend, device: torch.device, retain_s: float = RETAIN_S) -> None:
-        """``retain_s``: how long a deposit outlives its engine's connection (RETAIN_S by default)."""
+    def __init__(self, backend: ArenaBackend, device: torch.device, retain_s: float = KV_RETAIN_S) -> None:
+        """``retain_s``: how long a deposit outlives its engine's connection (KV_RETAIN_S by default)."""
         self.backend = backend
         self.device = device
         self.retain_s = retain_s

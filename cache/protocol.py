@@ -32,6 +32,7 @@ import time
 from typing import Any
 
 PROTOCOL_VERSION = 1
+KV_RETAIN_S = 10.0  # how long a daemon keeps a failed engine's deposited KV cache, by default (cache.kvdeposits)
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # a 10k-tensor manifest is ~1 MB
 MAX_FDS = 8
 HEADER = struct.Struct(">I")

@@ -8,6 +8,7 @@ the file, the key, what was expected and what was found; nothing starts until th
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import socket
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from hotweights.admission import ServingLimits
+from hotweights.cache.protocol import KV_RETAIN_S
 from hotweights.contract import ENGINE_PORT, read_token, refuse_open_listener
 from hotweights.controller.ids import engine_id
 from hotweights.dtypes import MODEL_DTYPE_NAMES
@@ -76,6 +78,7 @@ class GroupSection:
     start_timeout_s: float = 0.0
     snapshot: str = ""  # a processed snapshot the daemon tries after re-adoption, before the checkpoint
     direct_io: bool = False  # the daemons read with O_DIRECT
+    kv_retain_s: float = KV_RETAIN_S  # how long the daemons keep a failed engine's KV cache for its successor
     spare: bool = True  # pre-imported engine and daemon processes waiting to replace the primary, the daemon
     spare_warm_up: bool = True  # the spare engine attaches and warms up while it waits
     spare_engines: int = 1  # warmed spare engines kept for the group's slots (with spare)
@@ -452,6 +455,9 @@ def validate(config: ClusterConfig) -> None:
         _check_engine(group, f"{src}: groups[{i}]")
         _check_spares(group, f"{src}: groups[{i}]")
         _check_tp(group, f"{src}: groups[{i}]")
+        if not 0 <= group.kv_retain_s < math.inf:
+            found = group.kv_retain_s
+            raise ConfigError(f"{src}: groups[{i}].kv_retain_s must be a number of seconds >= 0, found {found}")
         if group.listen_base_port < 0:
             found = group.listen_base_port
             raise ConfigError(f"{src}: groups[{i}].listen_base_port must be >= 0 (0: base_port), found {found}")

@@ -149,17 +149,18 @@ class Layout:
         """The group's cache daemon (of ``rank``, in a tensor-parallel group) for ``generation`` (default the
         first); a vLLM (SGLang) group's runs vLLM's (SGLang's) loader with its Python. Every start tries
         re-adoption from a live engine, then the group's ``snapshot`` (if any, for the first generation), then the
-        checkpoint."""
+        checkpoint; it keeps a failed engine's KV cache ``kv_retain_s``."""
         config, generation = self.config.groups[group], generation or self.first_generation
         paths, backend = DaemonPaths(self.socket(group, rank, generation.number)), config.backend or None
-        snapshot = ["--snapshot", str(self.snapshot(group, rank))] if config.snapshot and not generation.number else []
-        snapshot += ["--direct-io"] if config.direct_io else []
-        if config.engine == REFERENCE:
+        extra = ["--snapshot", str(self.snapshot(group, rank))] if config.snapshot and not generation.number else []
+        extra += ["--direct-io"] if config.direct_io else []
+        if config.engine == REFERENCE:  # only its engines deposit KV caches
             spec = self.load_spec(group, rank)
-            return [*daemon_command(generation.model_dir, spec, paths, backend), *snapshot]
+            extra += ["--kv-retain-s", f"{config.kv_retain_s:g}"]
+            return [*daemon_command(generation.model_dir, spec, paths, backend), *extra]
         spec, python = self.load_spec(group), config.engine_python
         command = daemon_command(generation.model_dir, spec, paths, backend, python=python)
-        return [*command, "--format", config.engine, *snapshot]  # the formats are named after the engines
+        return [*command, "--format", config.engine, *extra]  # the formats are named after the engines
 
     def snapshot(self, group: int, rank: int = 0) -> Path:
         """The group's ``snapshot`` path (its ``{rank}`` replaced by ``rank``); a relative one is relative to

@@ -113,6 +113,8 @@ def wait_new_primary(urls: list[str], old: str, timeout: float) -> tuple[str, fl
         ("[[groups]]\nengine_args = '--x'\n", "groups[0].engine_args must be a list of strings, found '--x'"),
         ("[[groups]]\nengine_env = {A = 1}\n", "groups[0].engine_env must be a table of strings, found {'A': 1}"),
         ("[[groups]]\nstart_timeout_s = -1\n", "groups[0].start_timeout_s must be >= 0"),
+        ("[[groups]]\nkv_retain_s = -1.0\n", "groups[0].kv_retain_s must be a number of seconds >= 0, found -1.0"),
+        ("[[groups]]\nkv_retain_s = inf\n", "groups[0].kv_retain_s must be a number of seconds >= 0, found inf"),
         ("[[groups]]\ntp_size = 0\n", "groups[0].tp_size must be >= 1, found 0"),
         (
             "[[groups]]\ntp_size = 2\nengine = 'vllm'\nengine_python = '/bin/sh'\n",
@@ -200,12 +202,15 @@ def test_an_sglang_group_runs_its_daemon_and_agents_with_sglangs_python(tmp_path
     assert weights == [layout.first_generation.weights_id, update.weights_id] and len(set(weights)) == 2
 
 
-def test_direct_io_reaches_the_daemon_and_the_batch_engine_has_no_graphs(tmp_path: Path, tiny_model: Path) -> None:
+def test_direct_io_and_kv_retention_reach_the_daemon_and_the_batch_engine_has_no_graphs(
+    tmp_path: Path, tiny_model: Path
+) -> None:
     path = tmp_path / "cluster.toml"
-    group = "[[groups]]\nbase_port = 8200\ndirect_io = true\nbatch_port = 8300\n"
+    group = "[[groups]]\nbase_port = 8200\ndirect_io = true\nkv_retain_s = 2.5\nbatch_port = 8300\n"
     path.write_text(f'[model]\npath = "{tiny_model}"\n{group}[[groups]]\nbase_port = 8210\nspare_warm_up = false\n')
     layout = Layout.create(load_config(path), path)
     assert "--direct-io" in layout.daemon_command(0)
+    assert [layout.daemon_command(g)[-2:] for g in (0, 1)] == [["--kv-retain-s", "2.5"], ["--kv-retain-s", "10"]]
     assert [("--no-spare-warm-up" in layout.engine_command(spec)) for spec in layout.config.engines()[::3]] == [
         False,
         True,
