@@ -241,8 +241,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         type=retain_seconds,
         default=KV_RETAIN_S,
         metavar="SECONDS",
-        help="how long a failed engine's deposited KV cache is kept for the engine that continues its requests "
-        f"(0: none is kept, continuations compute their keys and values again) (default {KV_RETAIN_S:g})",
+        help="how long a failed engine's deposited KV cache is kept, once its connection closed, for the engine "
+        "that continues its requests (0: dropped at once; a hung engine's is kept while it lives) "
+        f"(default {KV_RETAIN_S:g})",
     )
     add_spare_arguments(serve_p, "reading the checkpoint and filling the arena")
     serve_p.set_defaults(func=cmd_serve)
