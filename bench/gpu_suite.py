@@ -233,6 +233,8 @@ def main() -> int:
     parser.add_argument("--skip", nargs="*", default=[])
     parser.add_argument("--only", nargs="*", default=[])
     args = parser.parse_args()
+    # SIGTERM (``timeout``) unwinds like SIGINT: the running step's group is killed, the reports packed.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     args.out.mkdir(parents=True, exist_ok=True)
     args.workdir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
