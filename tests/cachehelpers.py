@@ -143,3 +143,16 @@ def engine_python(engine: str, wanted: str) -> str:
             pytest.fail(f"{required}=1 but {variable} is not set")
         pytest.skip(f"no {engine}: set {variable} to a Python with {wanted} and hotweights")
     return python
+
+
+def run_to_the_end(command: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """Run a drill or bench to its end. Past ``timeout`` (or on any interruption) it gets SIGTERM, on which it
+    tears its stack down, and is waited for, so a slow run fails the test without leaving processes behind."""
+    process = subprocess.Popen(command, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except BaseException:
+        process.terminate()
+        process.communicate(timeout=60)
+        raise
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)

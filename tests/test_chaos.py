@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import subprocess
 import sys
 import threading
 import time
@@ -28,7 +27,7 @@ from hotweights.chaos.stack import DRILL_LIMITS, DrillStack
 from hotweights.cli import main
 from hotweights.contract import SUSPECT_REQUEST
 from hotweights.spawn import hotweights_command
-from tests.cachehelpers import ENV
+from tests.cachehelpers import run_to_the_end
 from tests.enginehelpers import EngineProcess
 
 
@@ -278,7 +277,7 @@ def test_drill_every_scenario_once_through_the_gateway(tmp_path: Path, default_m
     output, no leak, every scenario's promise kept and no client-visible error through the gateway."""
     report = tmp_path / "report"
     command = hotweights_command("drill", "--rps", "10", "--storm-faults", "3", "--report", str(report))
-    result = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=280)
+    result = run_to_the_end(command, timeout=280)
     assert result.returncode == 0, result.stderr[-4000:]
     document = json.loads((report / "report.json").read_text())
     ran = {r["scenario"] for r in document["rounds"] if "skipped" not in r}

@@ -9,13 +9,12 @@ and two ready standbys) must come back after every fault within one engine's col
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.cachehelpers import ENV
+from tests.cachehelpers import run_to_the_end
 
 BENCH = Path(__file__).resolve().parent.parent / "bench" / "redundancy.py"
 
@@ -23,15 +22,9 @@ BENCH = Path(__file__).resolve().parent.parent / "bench" / "redundancy.py"
 @pytest.mark.timeout(300)
 def test_full_redundancy_returns_after_every_fault_of_a_storm_without_client_errors(default_model: Path) -> None:
     command = [sys.executable, str(BENCH), "--faults", "6", "--interval", "8", "--signals", "kill,stop", "--quiet", "3"]
-    bench = subprocess.Popen(command, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        stdout, stderr = bench.communicate(timeout=240)
-    except BaseException:
-        bench.terminate()  # the bench tears its stack down on SIGTERM
-        bench.communicate(timeout=60)
-        raise
-    assert bench.returncode == 0, stderr[-3000:]
-    result = json.loads(stdout.strip().splitlines()[-1])
+    bench = run_to_the_end(command, timeout=240)
+    assert bench.returncode == 0, bench.stderr[-3000:]
+    result = json.loads(bench.stdout.strip().splitlines()[-1])
     print(f"\n{json.dumps(result)}")
     assert result["faults"] == 6 and result["problem"] is None
     assert result["client_errors"] == 0, result["errors"]
