@@ -181,7 +181,7 @@ def test_deposits_need_an_attached_connection_and_a_refused_one_leaves_it_attach
     assert "2 file descriptors" in reply["message"]
     shared = share.allocate((1, 1, 1, 4, 2), torch.float32)
     (handle, fds), (ledger_handle, ledger_fds) = (arena.export() for arena in shared.arenas)
-    bad = {"dtype": "float32", "shape": [1, 1, 1, 4, 2], "v_offset": 10**6}
+    bad = {"dtype": "float32", "shape": [1, 1, 1, 4, 2], "v_offset": handle["nbytes"]}  # past the allocation
     message = {"op": "kv_deposit", "layout": bad, "kv": handle, "ledger": ledger_handle}
     reply, _ = share.attachment.call(message, (*fds, *ledger_fds))
     assert (reply["ok"], reply["error"]) == (False, "bad_message")
