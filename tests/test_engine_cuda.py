@@ -4,10 +4,14 @@ without CUDA; ``bench/gpu_suite.py`` runs it on the H200)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from hotweights.cache.loadspec import LoadSpec
 from hotweights.contract import Endpoint
@@ -22,6 +26,22 @@ from tests.test_scheduler import MAX_TOKENS, PROMPTS, run
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 DEVICE = "cuda:0"
 TOKEN = "cuda-test-token"
+# The fused reductions at decode's row counts and hidden sizes, on seeded inputs, saved to argv[1].
+FUSED_PROBE = """
+import sys, torch
+from safetensors.torch import save_file
+from hotweights.standby import fused
+torch.manual_seed(0)
+out = {}
+with fused.fusing():
+    for rows in (1, 8, 64):
+        for width in (1024, 5120, 8192):
+            x, delta = (torch.randn(rows, width, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            weight = torch.randn(width, device="cuda", dtype=torch.bfloat16)
+            out[f"rms_norm_{rows}x{width}"] = fused.rms_norm(x, weight, 1e-6)
+            out[f"add_rms_norm_{rows}x{width}"] = fused.add_rms_norm(x, delta, weight, 1e-6)[1]
+save_file(out, sys.argv[1])
+"""
 
 
 @pytest.fixture(scope="module")
@@ -158,3 +178,26 @@ def test_batch_invariant_sequences_and_replayed_continuations_match_alone(bf16_m
     replayed = [(prompt + uncut.tokens[:cut], cut)]
     (continued,), _, _ = run(bf16_model, 3, rest, graphs=True, batch_invariant=True, sequences=replayed)
     assert continued.tokens == uncut.tokens[cut:]
+
+
+def test_engines_compiling_at_once_fuse_kernels_that_compute_bitwise_alike(tmp_path: Path) -> None:
+    """Two processes, each with an empty Inductor cache and compiling at the same time (a group's engines starting
+    on a fresh machine), compute the fused reductions bitwise alike (``standby.fused``: no kernel chosen by timing
+    it), so a continuation decoding on one engine's keys and values computes what the other engine would have."""
+    outputs = [tmp_path / f"{i}.safetensors" for i in range(2)]
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-c", FUSED_PROBE, str(out)],
+            env=os.environ | {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"inductor-{i}")},
+        )
+        for i, out in enumerate(outputs)
+    ]
+    try:
+        assert [p.wait(timeout=240) for p in processes] == [0, 0]
+    finally:
+        for p in processes:
+            p.kill()
+            p.wait()
+    first, second = (load_file(out) for out in outputs)
+    assert first.keys() == second.keys()
+    assert [name for name in first if not torch.equal(first[name], second[name])] == []
