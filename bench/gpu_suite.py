@@ -93,6 +93,10 @@ def steps(workdir: Path, out: Path) -> dict[str, tuple[list[str], int]]:
     rollout = f"{bench}/rollout.py --device cuda:0 --rps 10"
     redundancy = f"{bench}/redundancy.py --model {xl} --device cuda:0 --rps 10 --keep-logs"
     short_queue = "--max-queue 1 --queue-wait-share 0.5"  # the engines' admission the *_short steps run
+    # An Inductor cache of its own, empty: the engines compile their kernels at once, as on a fresh machine, and a
+    # continuation's text must not depend on which engine compiled what (``standby.fused``).
+    cold = f"TORCHINDUCTOR_CACHE_DIR=$(mktemp -d -p {shlex.quote(str(workdir))})"
+    migration = f"{cold} {bench}/migration.py --model {xl} --device cuda:0 --streams 64 --max-tokens 256"
 
     def drill_at(name: str, path: str, rps: int, scenarios: str = "kill-primary hang-primary", rounds: int = 8) -> str:
         """``scenarios`` through the gateway, cuda-vmm, at ``rps`` requests/s, report in DIR/drill-NAME."""
@@ -153,13 +157,12 @@ def steps(workdir: Path, out: Path) -> dict[str, tuple[list[str], int]]:
             300,
         ),
         "migration_xl": (
-            f"{make('xl', xl)} && {bench}/migration.py --model {xl} --device cuda:0 --streams 64 --max-tokens 256",
+            f"{make('xl', xl)} && {migration}",
             540,
         ),
         "invariance_xl": (f"{make('xl', xl)} && {bench}/invariance.py --model {xl} --device cuda:0", 300),
         "migration_xl_invariant": (
-            f"{make('xl', xl)} && {bench}/migration.py --model {xl} --device cuda:0 --streams 64 --max-tokens 256 "
-            "--batch-invariant",
+            f"{make('xl', xl)} && {migration} --batch-invariant",
             540,
         ),
         "storm_xl_invariant": (
