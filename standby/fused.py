@@ -61,12 +61,10 @@ def _compiled(fn: Callable[..., object]) -> Callable[..., object]:
     """``fn`` compiled once, on its first fused call (so CPU engines never import Dynamo). Inductor compiles in this
     process (``compile_threads = 1``) rather than starting a pool of compile workers per engine: with its on-disk
     cache warm a compile is a cache read, and a pool's start would take CPU time from the engines serving beside a
-    warming spare. And deterministically: by default Inductor times a reduction's candidate kernels on first use and
-    keeps the fastest, so two engines that compiled at once (a cold cache) can sum RMSNorm in different orders and
-    round differently, and a continuation from another engine's keys and values (``standby.kvshare``) or a
-    batch-invariant engine's text would then change at a failover (measured on an H100 with batch-invariant ``xl``
-    engines: 127 of 128 continuations other than the uncut text on a fresh machine, 0 once one process had compiled
-    the same kernels). Inductor has that mode from torch 2.7 on."""
+    warming spare. And deterministically, where this torch's Inductor has that mode: by default it times a
+    reduction's candidate kernels on first use and keeps the fastest, so two engines that compiled at once (a cold
+    cache) can sum RMSNorm in different orders, and a continuation from another engine's keys and values
+    (``standby.kvshare``) would no longer compute the uncut text ("Migration" in ``docs/benchmarks.md``)."""
     import torch._inductor.config as inductor  # Inductor only where fusing runs
 
     inductor.compile_threads = 1

@@ -4,7 +4,6 @@ without CUDA; ``bench/gpu_suite.py`` runs it on the H200)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from hotweights.standby.model import KVCache, Transformer, generate
 from hotweights.standby.scheduler import SamplingParams
 from hotweights.standby.weights import load_model
 from hotweights.tokenizer import load_tokenizer
+from tests.cachehelpers import ENV
 from tests.enginehelpers import EngineProcess
 from tests.test_scheduler import MAX_TOKENS, PROMPTS, run
 
@@ -188,7 +188,7 @@ def test_engines_compiling_at_once_fuse_kernels_that_compute_bitwise_alike(tmp_p
     processes = [
         subprocess.Popen(
             [sys.executable, "-c", FUSED_PROBE, str(out)],
-            env=os.environ | {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"inductor-{i}")},
+            env=ENV | {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"inductor-{i}")},
         )
         for i, out in enumerate(outputs)
     ]
