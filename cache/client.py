@@ -29,6 +29,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import select
 import socket
 import threading
 import time
@@ -49,7 +50,9 @@ from hotweights.cache.connection import (
     call,
     close_all,
     connect,
+    receive_reply,
     request,
+    send_request,
     trusted_daemon_uids,
 )
 from hotweights.cache.digest import content_hash
@@ -58,6 +61,10 @@ from hotweights.cache.handover import HandoverOffer, offer_path
 from hotweights.cache.protocol import MAX_FDS, PROTOCOL_VERSION, ProtocolError, check_version
 
 log = logging.getLogger(__name__)
+
+
+class ReplyLate(DaemonUnavailable):
+    """No byte of a reply came in time on the attach connection, which stays open for it (``Attachment.call``)."""
 
 
 @dataclass
@@ -73,6 +80,7 @@ class Attachment:
     parts: dict[str, float] = field(default_factory=dict)  # ms of the attach's steps: reply, map, offer
     socket_path: Path | None = None  # the daemon's
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # one request at a time on _conn
+    _late: int = field(default=0, repr=False)  # replies the daemon owes us (``call``)
 
     @property
     def backend(self) -> str:
@@ -82,17 +90,40 @@ class Attachment:
     def call(
         self, message: dict[str, Any], fds: tuple[int, ...] = (), max_fds: int = 0, timeout: float = CONNECT_TIMEOUT_S
     ) -> tuple[dict[str, Any], list[int]]:
-        """One request on the attach connection (the KV deposits of ``cache.kvdeposits``); DaemonUnavailable when
-        the daemon is gone (the connection is then closed: later calls fail at once)."""
+        """One request on the attach connection (the KV deposits of ``cache.kvdeposits``), its reply within
+        ``timeout``; DaemonUnavailable otherwise. A daemon slow for a moment does not detach the engine: when not a
+        byte of the reply came in time (ReplyLate), the connection stays open and the late reply is read and dropped
+        ahead of the next call's; until it has come, calls raise ReplyLate at once, without waiting. When the daemon
+        is gone, or sent part of a reply, the connection is closed: later calls fail at once."""
         with self._lock:
             if self._conn is None:
                 raise DaemonUnavailable("the attach connection is closed")
+            deadline = time.monotonic() + timeout
             try:
-                return call(self._conn, message, max_fds, time.monotonic() + timeout, fds)
+                while self._late:
+                    if not _readable(self._conn):
+                        raise ReplyLate("weight cache daemon has not answered an earlier request yet")
+                    close_all(receive_reply(self._conn, "an earlier request", MAX_FDS, deadline)[1])
+                    self._late -= 1
+                op = message.get("op")
+                send_request(self._conn, message, deadline, fds)
+                self._late += 1
+                if not _readable(self._conn, deadline - time.monotonic()):
+                    raise ReplyLate(f"weight cache daemon sent no reply to {op!r} in time; it may still answer")
+                reply = receive_reply(self._conn, op, max_fds, deadline)
+                self._late -= 1
+                return reply
+            except ReplyLate:
+                raise
             except DaemonUnavailable:
                 self._conn.close()
                 self._conn = None
                 raise
+
+    @property
+    def waits_for_reply(self) -> bool:
+        """Whether a request went unanswered in time on an open connection (``call``): the daemon may still act."""
+        return self._late > 0 and self._conn is not None
 
     @property
     def content_hash(self) -> str:
@@ -122,6 +153,11 @@ class Attachment:
             if self._conn is not None:
                 self._conn.close()
                 self._conn = None
+
+
+def _readable(conn: socket.socket, timeout: float = 0.0) -> bool:
+    """Whether ``conn`` has bytes (or end of file, or an error) to read within ``timeout`` seconds."""
+    return bool(select.select([conn], [], [], max(timeout, 0.0))[0])
 
 
 def attach(

@@ -133,9 +133,22 @@ def call(
     failures raised."""
     if deadline is None:
         deadline = time.monotonic() + (conn.gettimeout() or CONNECT_TIMEOUT_S)
-    op = request.get("op")
+    send_request(conn, request, deadline, fds)
+    return receive_reply(conn, request.get("op"), max_fds, deadline)
+
+
+def send_request(conn: socket.socket, request: dict[str, Any], deadline: float, fds: tuple[int, ...] = ()) -> None:
+    """Send ``request`` (with ``fds``) before ``deadline``; DaemonUnavailable when it cannot be."""
     try:
         send_message(conn, request, fds, deadline=deadline)
+    except (TimeoutError, OSError) as exc:
+        raise DaemonUnavailable(f"weight cache daemon took no {request.get('op')!r} request: {exc}") from None
+
+
+def receive_reply(conn: socket.socket, op: object, max_fds: int, deadline: float) -> tuple[dict[str, Any], list[int]]:
+    """The reply to ``op``, whole before ``deadline``, well-typed (its fds are closed when it is not);
+    DaemonUnavailable otherwise."""
+    try:
         reply, received = recv_message(conn, max_fds=max_fds, deadline=deadline)
     except TimeoutError:
         raise DaemonUnavailable(f"weight cache daemon sent no whole reply to {op!r} in time") from None

@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 REFRESH_S = 0.2  # how old the list of deposits may be when a continuation looks for its slot
 IDLE_S = 2.0  # sources unused this long are unmapped (and a failed engine's released)
-REQUEST_TIMEOUT_S = 0.5  # for each request to the daemon (a hung daemon costs the inference thread this, once)
+REQUEST_TIMEOUT_S = 0.5  # for each reply of the daemon (one that stops answering costs the inference thread this once)
 
 
 class SlotLedger:
@@ -153,7 +153,7 @@ class KvShare:
         self.attachment = attachment
         self.device = device
         self.backend = get_backend(attachment.backend)
-        self.deposited = False  # whether the daemon holds this engine's KV cache
+        self.deposited = False  # whether the daemon may hold this engine's KV cache
         self._changes = ThreadPoolExecutor(1, thread_name_prefix="hw-kv-deposits")
         self._sources: dict[str, Source] = {}
         self._listed_at = -math.inf
@@ -201,7 +201,7 @@ class KvShare:
         (kv_handle, kv_fds), (ledger_handle, ledger_fds) = (arena.export() for arena in shared.arenas)
         message = {"op": "kv_deposit", "layout": shared.layout.to_json(), "kv": kv_handle, "ledger": ledger_handle}
         reply, _ = self._request(message, (*kv_fds, *ledger_fds))
-        self.deposited = reply is not None
+        self.deposited = reply is not None or self.attachment.waits_for_reply
 
     def _withdraw(self) -> None:
         if self.deposited:

@@ -16,9 +16,9 @@ import torch
 
 from hotweights.cache.backends.cuda_vmm import _check
 from hotweights.cache.cli import _format_status
-from hotweights.cache.client import attach
+from hotweights.cache.client import ReplyLate, attach
 from hotweights.cache.connection import call, connect, request
-from hotweights.cache.kvdeposits import MAX_RETAINED, ledger_nbytes
+from hotweights.cache.kvdeposits import MAX_RETAINED, MAX_SOURCES, ledger_nbytes
 from hotweights.cache.loadspec import LoadSpec
 from hotweights.contract import REPLAY_HEADER, Endpoint
 from hotweights.standby.kvshare import KvShare, SlotLedger
@@ -192,6 +192,42 @@ def test_deposits_need_an_attached_connection_and_a_refused_one_leaves_it_attach
     share.deposit(shared).result()
     assert deposits(share) == [(True, 1)]
     share.attachment.close()
+
+
+def test_a_daemon_slow_to_answer_a_kv_request_leaves_the_engine_attached(tiny_model: Path) -> None:
+    """A stopped daemon's late reply is dropped ahead of the next request's, instead of detaching the engine; until
+    it comes, requests fail at once; a deposit sent meanwhile is withdrawn once the daemon answers again."""
+    runtime = Path(tempfile.mkdtemp(prefix="hw-", dir="/tmp"))
+    try:
+        with ProcessDaemon(tiny_model, runtime / "d.sock") as daemon:
+            (share,) = shares(tiny_model, (runtime / "d.sock", "cpu"), 1)
+            daemon.process.send_signal(signal.SIGSTOP)
+            share.deposit(share.allocate((1, 1, 1, 4, 2), torch.float32)).result()  # sent; no reply in time
+            assert share.deposited and share.attachment.waits_for_reply
+            with pytest.raises(ReplyLate, match="has not answered an earlier request yet"):
+                share.attachment.call({"op": "kv_sources"}, max_fds=2 * MAX_SOURCES)  # not sent: it would wait
+            daemon.process.send_signal(signal.SIGCONT)
+            status = wait_until(lambda: _answered(share, {"op": "status"}), what="the daemon answering again")
+            assert [c["attached"] for c in status["status"]["clients"]] == [True]
+            assert deposits(share) == [(True, 1)] and not share.attachment.waits_for_reply
+            share.withdraw().result()
+            assert deposits(share) == []
+            daemon.process.send_signal(signal.SIGSTOP)
+            with pytest.raises(ReplyLate, match="no reply to 'kv_sources' in time"):
+                share.attachment.call({"op": "kv_sources"}, max_fds=2 * MAX_SOURCES, timeout=0.2)
+            daemon.process.send_signal(signal.SIGCONT)
+            assert wait_until(lambda: _answered(share, {"op": "kv_sources"}), what="the next request answered")["ok"]
+            share.attachment.close()
+    finally:
+        shutil.rmtree(runtime, ignore_errors=True)
+
+
+def _answered(share: KvShare, message: dict) -> dict | None:
+    """The daemon's reply to ``message`` on ``share``'s attach connection; None while an earlier one is late."""
+    try:
+        return share.attachment.call(message)[0]
+    except ReplyLate:
+        return None
 
 
 def status_text(sock: Path) -> str:
