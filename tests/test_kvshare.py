@@ -4,6 +4,7 @@ daemon's deposits, and a continuation that starts from a hung and then a killed 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import tempfile
@@ -201,7 +202,7 @@ def test_a_daemon_slow_to_answer_a_kv_request_leaves_the_engine_attached(tiny_mo
     try:
         with ProcessDaemon(tiny_model, runtime / "d.sock") as daemon:
             (share,) = shares(tiny_model, (runtime / "d.sock", "cpu"), 1)
-            daemon.process.send_signal(signal.SIGSTOP)
+            _stop(daemon.process.pid)
             share.deposit(share.allocate((1, 1, 1, 4, 2), torch.float32)).result()  # sent; no reply in time
             assert share.deposited and share.attachment.waits_for_reply
             with pytest.raises(ReplyLate, match="has not answered an earlier request yet"):
@@ -212,7 +213,7 @@ def test_a_daemon_slow_to_answer_a_kv_request_leaves_the_engine_attached(tiny_mo
             assert deposits(share) == [(True, 1)] and not share.attachment.waits_for_reply
             share.withdraw().result()
             assert deposits(share) == []
-            daemon.process.send_signal(signal.SIGSTOP)
+            _stop(daemon.process.pid)
             with pytest.raises(ReplyLate, match="no reply to 'kv_sources' in time"):
                 share.attachment.call({"op": "kv_sources"}, max_fds=2 * MAX_SOURCES, timeout=0.2)
             daemon.process.send_signal(signal.SIGCONT)
@@ -220,6 +221,17 @@ def test_a_daemon_slow_to_answer_a_kv_request_leaves_the_engine_attached(tiny_mo
             share.attachment.close()
     finally:
         shutil.rmtree(runtime, ignore_errors=True)
+
+
+def _stop(pid: int) -> None:
+    """SIGSTOP ``pid`` and wait until every thread of it has stopped (the signal takes effect asynchronously)."""
+    os.kill(pid, signal.SIGSTOP)
+    wait_until(lambda: _thread_states(pid) == {"T"}, what=f"pid {pid} stopped")
+
+
+def _thread_states(pid: int) -> set[str]:
+    """The scheduler states of ``pid``'s threads (/proc/PID/task/*/stat)."""
+    return {(t / "stat").read_text().rsplit(")", 1)[1].split()[0] for t in Path(f"/proc/{pid}/task").iterdir()}
 
 
 def _answered(share: KvShare, message: dict) -> dict | None:
