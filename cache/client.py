@@ -29,7 +29,6 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
-import select
 import socket
 import threading
 import time
@@ -59,6 +58,7 @@ from hotweights.cache.digest import content_hash
 from hotweights.cache.fingerprint import Fingerprint, describe_differences
 from hotweights.cache.handover import HandoverOffer, offer_path
 from hotweights.cache.protocol import MAX_FDS, PROTOCOL_VERSION, ProtocolError, check_version
+from hotweights.spawn import readable
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class Attachment:
     parts: dict[str, float] = field(default_factory=dict)  # ms of the attach's steps: reply, map, offer
     socket_path: Path | None = None  # the daemon's
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # one request at a time on _conn
-    _late: int = field(default=0, repr=False)  # replies the daemon owes us (``call``)
+    _late: bool = field(default=False, repr=False)  # whether the daemon owes us a reply (``call``)
 
     @property
     def backend(self) -> str:
@@ -100,18 +100,18 @@ class Attachment:
                 raise DaemonUnavailable("the attach connection is closed")
             deadline = time.monotonic() + timeout
             try:
-                while self._late:
-                    if not _readable(self._conn):
+                if self._late:
+                    if not readable(self._conn.fileno()):
                         raise ReplyLate("weight cache daemon has not answered an earlier request yet")
                     close_all(receive_reply(self._conn, "an earlier request", MAX_FDS, deadline)[1])
-                    self._late -= 1
+                    self._late = False
                 op = message.get("op")
                 send_request(self._conn, message, deadline, fds)
-                self._late += 1
-                if not _readable(self._conn, deadline - time.monotonic()):
+                self._late = True
+                if not readable(self._conn.fileno(), deadline - time.monotonic()):
                     raise ReplyLate(f"weight cache daemon sent no reply to {op!r} in time; it may still answer")
                 reply = receive_reply(self._conn, op, max_fds, deadline)
-                self._late -= 1
+                self._late = False
                 return reply
             except ReplyLate:
                 raise
@@ -123,7 +123,7 @@ class Attachment:
     @property
     def waits_for_reply(self) -> bool:
         """Whether a request went unanswered in time on an open connection (``call``): the daemon may still act."""
-        return self._late > 0 and self._conn is not None
+        return self._late and self._conn is not None
 
     @property
     def content_hash(self) -> str:
@@ -153,11 +153,6 @@ class Attachment:
             if self._conn is not None:
                 self._conn.close()
                 self._conn = None
-
-
-def _readable(conn: socket.socket, timeout: float = 0.0) -> bool:
-    """Whether ``conn`` has bytes (or end of file, or an error) to read within ``timeout`` seconds."""
-    return bool(select.select([conn], [], [], max(timeout, 0.0))[0])
 
 
 def attach(

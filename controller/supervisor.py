@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import select
 import signal
 import subprocess
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 
 from hotweights.errors import ConfigError
 from hotweights.pidlock import LockHeld, PidLock
+from hotweights.spawn import readable
 from hotweights.state import ProcessRecord
 
 log = logging.getLogger(__name__)
@@ -336,12 +336,12 @@ def stop_recorded(records: Iterable[tuple[str, ProcessRecord]], timeout: float =
     deadline = time.monotonic() + timeout
     lines = []
     for name, record, fd in running:
-        if _poll_exit(fd, deadline - time.monotonic()):
+        if readable(fd, deadline - time.monotonic()):
             lines.append(f"{name} (pid {record.pid}) stopped")
         else:
             with contextlib.suppress(ProcessLookupError):
                 signal.pidfd_send_signal(fd, signal.SIGKILL)
-            how = f"killed after {timeout:g} s" if _poll_exit(fd, FENCE_TIMEOUT_S) else "still alive after SIGKILL"
+            how = f"killed after {timeout:g} s" if readable(fd, FENCE_TIMEOUT_S) else "still alive after SIGKILL"
             lines.append(f"{name} (pid {record.pid}) {how}")
         os.close(fd)
     return lines
@@ -456,7 +456,7 @@ def evict_orphans(
         try:
             with contextlib.suppress(ProcessLookupError):
                 signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-            _poll_exit(pidfd, timeout)
+            readable(pidfd, timeout)
         finally:
             os.close(pidfd)
         evicted.append(f"evicted orphan engine {engine_id} (pid {pid}) from port {port}")
@@ -468,12 +468,6 @@ def _is_engine_of(command: tuple[str, ...], engine_id: str) -> bool:
     if "engine" not in args or "--engine-id" not in args:
         return False
     return args[args.index("--engine-id") + 1 :][:1] == [engine_id]
-
-
-def _poll_exit(pidfd: int, timeout: float) -> bool:
-    poller = select.poll()
-    poller.register(pidfd, select.POLLIN)
-    return bool(poller.poll(max(0.0, timeout) * 1000))
 
 
 class ControllerLock(PidLock):

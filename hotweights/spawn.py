@@ -93,6 +93,14 @@ def send_message(fd: int, message: dict[str, Any]) -> None:
     os.write(fd, data)
 
 
+def readable(fd: int, timeout: float = 0.0) -> bool:
+    """Whether ``fd`` (a pipe, a pidfd, a socket) has something to read within ``timeout`` seconds (0: now): data,
+    its writer's close, or, for a pidfd, the process's exit. Any fd number, unlike ``select.select``."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(max(timeout, 0.0) * 1000))
+
+
 def read_message(fd: int) -> dict[str, Any] | None:
     """The message on the pipe ``fd`` up to its writer's close (it blocks until then); None when it closed with none.
     ConfigError for anything but one JSON object."""

@@ -66,14 +66,14 @@ from hotweights.contract import ENGINE_PORT, Role, read_token, refuse_open_liste
 from hotweights.errors import ConfigError, HotweightsError
 from hotweights.httpguard import COMPLETION_BODY_BYTES, ErrorShape, HttpLimits, server_config
 from hotweights.ports import free_port
-from hotweights.spawn import SPARE_DUTY, add_spare_arguments, wait_for_start
+from hotweights.spawn import SPARE_DUTY, add_spare_arguments, readable, wait_for_start
 from hotweights.standby import tpgroup
 from hotweights.standby.decoder import Decoder
 from hotweights.standby.engineoptions import EngineOptions
 from hotweights.standby.kvshare import KvShare
 from hotweights.standby.metrics import EngineMetrics
 from hotweights.standby.model import KVCache, Transformer
-from hotweights.standby.pacing import CpuShare, Pacer, readable
+from hotweights.standby.pacing import CpuShare, Pacer
 from hotweights.standby.roles import CANCEL_GRACE_S, KvCapacity, Roles
 from hotweights.standby.scheduler import Scheduler
 from hotweights.standby.server import EngineContext, build_app

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-import select
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -57,11 +56,6 @@ class Pacer:
             self.sleep(pause)
             self.paused_s += pause
         self.mark = self.clock()
-
-
-def readable(fd: int) -> bool:
-    """Whether the pipe ``fd`` has a message or its writer's close waiting (reading it would not block)."""
-    return bool(select.select([fd], [], [], 0)[0])
 
 
 def narrowed(allowed: set[int], share: int = CPU_SHARE) -> set[int]:
