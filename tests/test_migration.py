@@ -456,6 +456,8 @@ def test_a_completion_cut_by_a_model_update_runs_again_on_the_new_weights_or_end
             Case(Endpoint.COMPLETIONS, greedy | {"prompt": "Streamed", "stream": True}),
         )
         with running(gateway.url, [whole, chat, streamed]):
+            # the non-streamed ones say nothing until done: the old primary counts them in flight
+            wait_until(lambda: metric(old, "hotweights_engine_in_flight_requests") == 3, what="all three on the old")
             fail_over(gateway, [whole, chat, streamed], signal.SIGKILL, old, new)
         for case in (whole, chat):
             assert (case.outcome, case.got) == ("done", uncut(new.client.post(case.path, json=case.request).json()))
