@@ -229,6 +229,13 @@ def pack_reports(out: Path) -> None:
         shutil.rmtree(folder)
 
 
+def write_summary(out: Path, results: dict[str, dict]) -> dict:
+    """Write DIR/gpu_suite.json for the steps run so far and return it."""
+    summary = {"ok": all(r["rc"] == 0 for r in results.values()), "date": time.strftime("%Y-%m-%d"), **results}
+    (out / "gpu_suite.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, type=Path)
@@ -256,11 +263,11 @@ def main() -> int:
             seconds = round(time.perf_counter() - start, 1)
             results[name] = {"rc": rc, "seconds": seconds, "result": last_json(stdout)}
             print(f"{name:12s} rc={rc} {seconds:7.1f} s  {json.dumps(results[name]['result'])[:300]}", flush=True)
+            write_summary(args.out, results)  # after every step: a run cut short keeps what it measured
     finally:
         shutil.rmtree(args.workdir, ignore_errors=True)
         pack_reports(args.out)
-    summary = {"ok": all(r["rc"] == 0 for r in results.values()), "date": time.strftime("%Y-%m-%d"), **results}
-    (args.out / "gpu_suite.json").write_text(json.dumps(summary, indent=2))
+    summary = write_summary(args.out, results)
     print(json.dumps(summary))
     return 0 if summary["ok"] else 1
 
