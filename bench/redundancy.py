@@ -22,7 +22,7 @@ Measured, per fault and over all of them:
   p50: what the fault cost a client;
 - ``client_errors``: requests that did not get the right 200, over the whole run, of which ``wrong_texts`` got a
   200 with a text other than the reference (a greedy answer of other rounding, or of other weights);
-  ``split_brain_samples``;
+  ``errors_after_fault_s``: when each failed, in seconds after the fault before it; ``split_brain_samples``;
 - ``warming_slowdown``: the p50 latency of requests started while an engine or a spare was starting or warming
   up (sampled from ``GET /cluster`` every 100 ms), leaving out the 2 s after each fault (the failover's own cost),
   over the quiet p50 (``null`` when no request fell in such a window);
@@ -131,6 +131,12 @@ def latency(record: RequestRecord) -> float:
     return (record.end - record.start) * 1000
 
 
+def since_fault(at: float, faults: list[float]) -> float | None:
+    """Seconds from the last fault before ``at`` (None: before the first)."""
+    before = [f for f in faults if f <= at]
+    return round(at - before[-1], 2) if before else None
+
+
 def summarize(
     faults: list[float],
     events: list[dict[str, Any]],
@@ -228,6 +234,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "client_errors": sum(not r.ok for r in records),
         "wrong_texts": sum(r.status == 200 and r.correct is False for r in records),
         "errors": sorted({f"{r.status}: {r.error[:120]}" for r in records if not r.ok})[:5],
+        "errors_after_fault_s": [since_fault(r.start, faults) for r in records if not r.ok][:20],
         "split_brain_samples": len(detector.samples),
         "problem": problem
         or (recovered and f"no full redundancy {args.recovery_timeout:g} s after the faults: {recovered}"),

@@ -17,9 +17,12 @@ measured before the queue of owed requests below existed.
 
 A request marked owed (``OWED_HEADER``: one a gateway owes to a failover) is fresh load to no one: it waits in a
 deeper queue (``OWED_QUEUE_FACTOR`` times ``running + queue``), first come first served, and the wait share does not
-apply to it. While any request waits in that queue, those that arrive join it too: the new primary is catching up
-with the failover's burst, and what they would be refused for is the failover, not their load. Once it is empty,
-fresh requests beyond the short queue are refused at once again.
+apply to it. Until every owed request has been answered, those that arrive join that queue too: the new primary is
+catching up with the failover's burst, and what they would be refused for is the failover, not their load. Once
+the last owed request is answered, no more join it and fresh requests beyond the short queue are refused at once
+again, the short queue counting only those queued outside the owed one (what is left of the burst is served first,
+at most ``OWED_QUEUE_FACTOR`` times ``running + queue`` requests): a failover's burst ends with its owed requests,
+even under sustained overload.
 """
 
 from __future__ import annotations
@@ -83,9 +86,9 @@ def verdict(slot_free: bool, waiting: int, queue: int, starts_soon: bool = True)
 
 @dataclass
 class Admission:
-    """``enter`` before serving, ``leave`` once answered; ``on_verdict`` counts each arrival's verdict
-    (and ``Verdict.REFUSE`` again for a queued request whose wait ran out). ``starts_soon(waiting)``: whether a
-    request queued behind ``waiting`` others is expected to start soon (module docstring; None: always)."""
+    """``enter`` before serving, ``leave`` once answered (``owed`` as it entered); ``on_verdict`` counts each
+    arrival's verdict (and ``Verdict.REFUSE`` again for a queued request whose wait ran out). ``starts_soon(waiting)``:
+    whether a request queued behind ``waiting`` others is expected to start soon (module docstring; None: always)."""
 
     running: int
     queue: int
@@ -93,7 +96,8 @@ class Admission:
     on_verdict: Callable[[Verdict], None] = lambda _: None
     starts_soon: Callable[[int], bool] | None = None
     waiting: int = 0  # queued now
-    owed_waiting: int = 0  # of which in the owed queue (owed, or joined while it held any)
+    owed_waiting: int = 0  # of which in the owed queue (owed, or joined while an owed request was not answered)
+    owed: int = 0  # owed requests queued or holding a slot now: while any, arrivals join the owed queue
     serving: int = 0  # holding a slot now
     _slots: asyncio.Semaphore = field(init=False)
 
@@ -103,16 +107,20 @@ class Admission:
     async def enter(self, owed: bool = False) -> str | None:
         """None once a slot is held (``leave`` gives it back); else why the request is refused. ``owed``: a request
         owed to a failover (module docstring)."""
-        lane = owed or self.owed_waiting > 0  # the owed queue: owed, or catching up with a failover's burst
-        queue = OWED_QUEUE_FACTOR * (self.running + self.queue) if lane else self.queue
+        lane = owed or self.owed > 0  # the owed queue: owed, or catching up with a failover's burst
+        if lane:
+            queue, ahead = OWED_QUEUE_FACTOR * (self.running + self.queue), self.waiting
+        else:  # what is left of a burst in the owed queue is not this request's queue
+            queue, ahead = self.queue, self.waiting - self.owed_waiting
         slot_free = not self._slots.locked()
-        soon = slot_free or lane or self.waiting >= queue or not self.starts_soon or self.starts_soon(self.waiting)
-        decided = verdict(slot_free, self.waiting, queue, soon)
+        soon = slot_free or lane or ahead >= queue or not self.starts_soon or self.starts_soon(ahead)
+        decided = verdict(slot_free, ahead, queue, soon)
         self.on_verdict(decided)
         if decided is Verdict.REFUSE:
             if not soon:
                 return f"overloaded: {self.running} requests are being served and none is expected to end soon"
-            return f"overloaded: {self.running} requests are being served and {self.waiting} are waiting"
+            return f"overloaded: {self.running} requests are being served and {ahead} are waiting"
+        self.owed += owed
         if decided is Verdict.ADMIT:
             await self._slots.acquire()  # free: returns at once
             self.serving += 1
@@ -123,6 +131,7 @@ class Admission:
             async with asyncio.timeout(self.wait_s):
                 await self._slots.acquire()
         except TimeoutError:
+            self.owed -= owed
             self.on_verdict(Verdict.REFUSE)
             return f"overloaded: no slot came free within {self.wait_s} s"
         finally:
@@ -131,6 +140,8 @@ class Admission:
         self.serving += 1
         return None
 
-    def leave(self) -> None:
+    def leave(self, owed: bool = False) -> None:
+        """Give the slot back; ``owed``: the request entered owed."""
         self.serving -= 1
+        self.owed -= owed
         self._slots.release()

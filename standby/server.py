@@ -205,10 +205,10 @@ def build_app(ctx: EngineContext) -> FastAPI:
             if reason := roles.serving_refusal():  # it may have changed while the request waited
                 return unavailable(reason)
             handed_over = True
-            return await serve(request, prompt_ids, api, replay)
+            return await serve(request, prompt_ids, api, replay, owed)
         finally:
             if not handed_over:
-                ctx.admission.leave()
+                ctx.admission.leave(owed)
 
     def prompt_refusal(prompt_ids: list[list[int]], max_tokens: int) -> JSONResponse | None:
         vocab = ctx.loaded.model.config.vocab_size
@@ -226,7 +226,9 @@ def build_app(ctx: EngineContext) -> FastAPI:
                 return error(400, message, "invalid_request_error", "max_tokens")
         return None
 
-    async def serve(request: SamplingRequest, prompt_ids: list[list[int]], api: Api, replay: int = 0) -> Response:
+    async def serve(
+        request: SamplingRequest, prompt_ids: list[list[int]], api: Api, replay: int = 0, owed: bool = False
+    ) -> Response:
         roles.admit()
         run = CompletionRun.start(
             request, ctx.model_name, prompt_ids, ctx.tokenizer, ctx.stop_ids, ctx.scheduler, api, replay
@@ -235,7 +237,7 @@ def build_app(ctx: EngineContext) -> FastAPI:
         def close() -> None:
             run.cancel()
             roles.release()
-            ctx.admission.leave()
+            ctx.admission.leave(owed)
             usage = run.usage()
             metrics.prompt_tokens.inc(usage["prompt_tokens"])
             metrics.completion_tokens.inc(usage["completion_tokens"])

@@ -108,14 +108,15 @@ def test_admission_refuses_at_once_when_no_slot_is_expected_to_free_soon() -> No
 
 
 @pytest.mark.unit
-def test_owed_requests_wait_in_order_in_their_queue_and_arrivals_join_it_until_it_is_empty() -> None:
+def test_owed_requests_wait_in_order_in_their_queue_and_arrivals_join_it_until_the_last_is_answered() -> None:
     """A failover's burst (owed) is queued past the short queue and the wait share, first come first served, within
-    its own bound (4 x (running + queue)); a fresh request that arrives while it waits joins it; once that queue is
-    empty, the short queue and the wait share apply again."""
+    its own bound (4 x (running + queue)); a fresh request that arrives while an owed one waits or is served joins
+    that queue; once the last owed request is answered, the short queue and the wait share apply again, even to
+    arrivals while a fresh one that joined still waits."""
 
-    async def scenario() -> tuple[list[str | None], list[int], str | None]:
+    async def scenario() -> tuple[list[str | None], list[int], str | None, str | None]:
         admission = Admission(1, 1, 5.0, starts_soon=lambda waiting: False)
-        assert await admission.enter() is None  # served
+        assert await admission.enter() is None  # served, fresh
         order: list[int] = []
 
         async def enter(i: int, owed: bool) -> str | None:
@@ -124,19 +125,30 @@ def test_owed_requests_wait_in_order_in_their_queue_and_arrivals_join_it_until_i
             return reason
 
         bound = OWED_QUEUE_FACTOR * 2
-        waiters = [asyncio.create_task(enter(i, owed=i != 3)) for i in range(bound)]  # the 4th arrives fresh
+        owed = [i != 3 for i in range(bound)]  # the 4th arrives fresh
+        waiters = [asyncio.create_task(enter(i, owed[i])) for i in range(bound)]
         await asyncio.sleep(0)
         over = await admission.enter(owed=True)  # beyond the bound
-        for _ in waiters:
-            admission.leave()
+        admission.leave()  # the fresh one served at first: the owed queue's head starts
+        for i in range(bound - 1):  # each answered in turn, which starts the next
             await asyncio.sleep(0)
-        return [await w for w in waiters] + [over], order, await admission.enter()
+            admission.leave(owed[i])
+        await asyncio.sleep(0)
+        # the last owed request (bound - 1) holds the slot: an arrival still joins the owed queue
+        late = asyncio.create_task(enter(bound, False))
+        await asyncio.sleep(0)
+        admission.leave(owed[bound - 1])  # the last owed one answered; the late arrival starts
+        await asyncio.sleep(0)
+        after = await admission.enter()  # a slot is held by a fresh request and no owed one is left
+        admission.leave()
+        return [await w for w in waiters] + [await late, over], order, after, await admission.enter()
 
-    answers, order, fresh = asyncio.run(scenario())
-    assert answers[:-1] == [None] * (OWED_QUEUE_FACTOR * 2), answers
+    answers, order, after, fresh = asyncio.run(scenario())
+    assert answers[:-1] == [None] * (OWED_QUEUE_FACTOR * 2 + 1), answers
     assert answers[-1] is not None and "1 requests are being served and 8 are waiting" in answers[-1]
-    assert order == list(range(OWED_QUEUE_FACTOR * 2))
-    assert fresh is not None and "none is expected to end soon" in fresh  # the queue is empty: the share is back
+    assert order == list(range(OWED_QUEUE_FACTOR * 2 + 1))
+    assert after is not None and "none is expected to end soon" in after  # the short rules are back
+    assert fresh is None  # and with the slot free, served
 
 
 @pytest.mark.unit
