@@ -24,9 +24,9 @@ failover because of three rules:
   back to wait ``BUSY_RETRY_S``, doubling up to ``BUSY_RETRY_MAX_S``, and try again within the same
   deadline, so a burst released together is queued here rather than answered 429. So is a request whose upstream
   failed before its first byte, once it is re-sent. Each is sent marked owed (``OWED_HEADER``): the engine queues
-  it in its deeper queue for such requests, first come first served, and the requests that arrive while any waits
-  there join it (``hotweights.admission``), so a new primary takes the burst in order and refuses no arrival for
-  it; the 429 retry is for when even that queue is full.
+  it in its deeper queue for such requests, first come first served, and the requests that arrive until the last
+  of them is answered join it (``hotweights.admission``), so a new primary takes the burst in order and refuses no
+  arrival for it; the 429 retry is for when even that queue is full.
 - Any other request whose bytes have been relayed cannot hide a failure: an SSE stream ends with a
   ``data: {"error": ...}`` event and no ``[DONE]`` (as the engine itself ends a cancelled stream);
   any other body is cut off, so the client sees a truncated response, never a silently short one.

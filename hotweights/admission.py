@@ -9,11 +9,9 @@ With ``queue_wait_share`` above 0 (off by default), an engine also asks whether 
 soon (``starts_soon``): the sequences it generates end, at the time its rounds take now, when their remaining
 tokens are done, and a request is queued only if the slot it waits for is expected to free within that share of a
 typical completion's time. Without it, requests of equal length start and end in waves, and one that arrives early
-in a wave waits for all of it. On an H200, ``medium`` (``max_batch`` 4) at 5x its capacity: admitted p99 over the
-quiet p99 2.21 with the default queue (as many as ``max_batch``), 2.26 with a queue of one alone, 2.13 with the
-default queue and a share of 0.5, 1.51-1.68 with a queue of one and a share of 0.5. That pair is not the default:
-in a storm of faults at 10 requests/s on ``xl`` it answered 2-3 of about 600 clients 429 (the default: none),
-measured before the queue of owed requests below existed.
+in a wave waits for all of it. A queue of one with a share of 0.5 shortens the admitted tail at 5x the capacity
+(``docs/benchmarks.md``, Overload) but is not the default: in storms of faults at 10 requests/s on ``xl`` it
+answered a few clients 429, where the default answered none.
 
 A request marked owed (``OWED_HEADER``: one a gateway owes to a failover) is fresh load to no one: it waits in a
 deeper queue (``OWED_QUEUE_FACTOR`` times ``running + queue``), first come first served, and the wait share does not
