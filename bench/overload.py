@@ -13,7 +13,9 @@ then measures through the gateway:
 - for each multiple of that capacity in --loads: requests sent open-loop (evenly spaced) for --seconds:
   the admitted ones' (200) p50/p99 and p99 over quiet p99 (target <= 2), the refused ones' (429 or 503)
   count and answer time p50/p99/max (target <= 50 ms), and every other answer or transport error
-  (``errors``, must be 0).
+  (``errors``, must be 0); ``engine_mean_ms``, from the engine's own metrics over that load, where an admitted
+  request's time went: ``queue_wait`` (of the ``queued`` ones), ``first_token`` and ``service`` (from its slot to
+  its last token); the rest of the client's time is HTTP, the gateway and tokenization.
 
 The last stdout line is one JSON object. Both processes are stopped at the end, on SIGINT/SIGTERM too.
 """
@@ -33,6 +35,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -49,6 +52,11 @@ PROMPT = "The quick brown fox jumps over the lazy dog"
 ADMITTED_P99_RATIO_TARGET = 2.0
 REFUSED_MS_TARGET = 50.0
 REFUSED = (429, 503)
+ENGINE_TIMES = {  # engine_mean_ms's keys -> the engine's histograms
+    "queue_wait": "hotweights_engine_queue_wait_seconds",
+    "first_token": "hotweights_engine_time_to_first_token_seconds",
+    "service": "hotweights_engine_request_duration_seconds",
+}
 
 
 def start(command: list[str], log: Path) -> subprocess.Popen:
@@ -74,8 +82,9 @@ def wait_serving(url: str, process: subprocess.Popen, log: Path, timeout_s: floa
 
 
 @contextmanager
-def stack(args: argparse.Namespace, workdir: Path) -> Iterator[str]:
-    """An engine and a gateway in front of it; yields the gateway's URL and stops both however it ends."""
+def stack(args: argparse.Namespace, workdir: Path) -> Iterator[tuple[str, str]]:
+    """An engine and a gateway in front of it; yields the gateway's URL and the engine's, and stops both however
+    it ends."""
     engine_port, gateway_port = free_port(), free_port()
     config = workdir / "cluster.toml"
     config.write_text(
@@ -96,7 +105,7 @@ def stack(args: argparse.Namespace, workdir: Path) -> Iterator[str]:
         processes.append(start(gateway, workdir / "gateway.log"))
         url = f"http://127.0.0.1:{gateway_port}"
         wait_serving(url + Endpoint.GATEWAY_HEALTH, processes[1], workdir / "gateway.log", 60)
-        yield url
+        yield url, engine_url
     finally:
         for process in processes:
             process.send_signal(signal.SIGTERM)
@@ -183,7 +192,29 @@ def summarize(results: list[tuple[int | str, float]], quiet_p99_s: float) -> dic
     }
 
 
-async def measure(url: str, args: argparse.Namespace) -> dict[str, object]:
+async def histograms(engine_url: str) -> dict[str, tuple[float, float]]:
+    """ENGINE_TIMES's histograms now: key -> (sum, count)."""
+    async with httpx.AsyncClient(timeout=30) as client:
+        text = (await client.get(engine_url + Endpoint.METRICS)).text
+    totals = {f"{name}_{part}": 0.0 for name in ENGINE_TIMES.values() for part in ("sum", "count")}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in totals:
+                totals[sample.name] = sample.value
+    return {key: (totals[f"{name}_sum"], totals[f"{name}_count"]) for key, name in ENGINE_TIMES.items()}
+
+
+def engine_means(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict:
+    """Mean ms of each of ENGINE_TIMES between two ``histograms``, and how many were queued."""
+    means: dict[str, float | int | None] = {}
+    for key in ENGINE_TIMES:
+        (sum0, n0), (sum1, n1) = before[key], after[key]
+        means[key] = round((sum1 - sum0) / (n1 - n0) * 1000, 1) if n1 > n0 else None
+    means["queued"] = int(after["queue_wait"][1] - before["queue_wait"][1])
+    return means
+
+
+async def measure(url: str, engine_url: str, args: argparse.Namespace) -> dict[str, object]:
     await quiet(url, args)  # warm-up
     quiet_s = await quiet(url, args)
     rate = await capacity(url, args)
@@ -192,9 +223,10 @@ async def measure(url: str, args: argparse.Namespace) -> dict[str, object]:
     result["capacity_per_s"] = round(rate, 2)
     loads = {}
     for multiple in args.loads:
-        loads[f"{multiple:g}x"] = summary = summarize(
-            await offered(url, rate * multiple, args), percentile(quiet_s, 99)
-        )
+        before = await histograms(engine_url)
+        results = await offered(url, rate * multiple, args)
+        loads[f"{multiple:g}x"] = summary = summarize(results, percentile(quiet_s, 99))
+        summary["engine_mean_ms"] = engine_means(before, await histograms(engine_url))
         print(f"{multiple:g}x: {summary}", file=sys.stderr)
     result["loads"] = loads
     worst = [s for s in loads.values() if s["admitted_p99_over_quiet"] is not None]
@@ -232,11 +264,11 @@ def main() -> int:
     )
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the finally blocks stop what was started
-    with tempfile.TemporaryDirectory(prefix="hw-overload-") as tmp, stack(args, Path(tmp)) as url:
+    with tempfile.TemporaryDirectory(prefix="hw-overload-") as tmp, stack(args, Path(tmp)) as (url, engine_url):
         result = {"device": args.device, "model": args.model or "tiny", "max_batch": args.max_batch}
         result["max_queue"] = args.max_queue
         result["queue_wait_share"] = args.queue_wait_share
-        result |= {"max_tokens": args.max_tokens, "seconds": args.seconds} | asyncio.run(measure(url, args))
+        result |= {"max_tokens": args.max_tokens, "seconds": args.seconds} | asyncio.run(measure(url, engine_url, args))
     print(json.dumps(result))
     return 0
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -85,14 +86,16 @@ def verdict(slot_free: bool, waiting: int, queue: int, starts_soon: bool = True)
 @dataclass
 class Admission:
     """``enter`` before serving, ``leave`` once answered (``owed`` as it entered); ``on_verdict`` counts each
-    arrival's verdict (and ``Verdict.REFUSE`` again for a queued request whose wait ran out). ``starts_soon(waiting)``:
-    whether a request queued behind ``waiting`` others is expected to start soon (module docstring; None: always)."""
+    arrival's verdict (and ``Verdict.REFUSE`` again for a queued request whose wait ran out); ``on_wait`` gets the
+    seconds a queued request waited once it holds a slot. ``starts_soon(waiting)``: whether a request queued behind
+    ``waiting`` others is expected to start soon (module docstring; None: always)."""
 
     running: int
     queue: int
     wait_s: float
     on_verdict: Callable[[Verdict], None] = lambda _: None
     starts_soon: Callable[[int], bool] | None = None
+    on_wait: Callable[[float], None] = lambda _: None
     waiting: int = 0  # queued now
     owed_waiting: int = 0  # of which in the owed queue (owed, or joined while an owed request was not answered)
     owed: int = 0  # owed requests queued or holding a slot now: while any, arrivals join the owed queue
@@ -125,6 +128,7 @@ class Admission:
             return None
         self.waiting += 1
         self.owed_waiting += lane
+        queued_at = time.monotonic()
         try:
             async with asyncio.timeout(self.wait_s):
                 await self._slots.acquire()
@@ -136,6 +140,7 @@ class Admission:
             self.waiting -= 1
             self.owed_waiting -= lane
         self.serving += 1
+        self.on_wait(time.monotonic() - queued_at)
         return None
 
     def leave(self, owed: bool = False) -> None:

@@ -22,6 +22,7 @@ Message = MutableMapping[str, Any]
 ASGIApp = Callable[[Scope, Callable[[], Awaitable[Message]], Callable[[Message], Awaitable[None]]], Awaitable[None]]
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+WAIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5, 10)
 PROMOTION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2.5)
 
 
@@ -50,6 +51,12 @@ class EngineMetrics:
             "hotweights_engine_time_to_first_token_seconds",
             "time from request to its first generated token",
             buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "hotweights_engine_queue_wait_seconds",
+            "how long a queued completion waited for a slot (the reference engine's admission)",
+            buckets=WAIT_BUCKETS,
             registry=r,
         )
         self.promotions = Counter("hotweights_engine_promotions", "standby -> primary promotions", registry=r)

@@ -272,6 +272,7 @@ def test_a_request_re_sent_after_its_primary_died_is_queued_by_the_next_one_not_
         assert answer.status_code == 200, answer.text
         assert [b.result(timeout=120).status_code for b in busy] == [200, 200]
         assert answer.headers["x-hotweights-upstream"] == new.url
+        assert metric(new, "hotweights_engine_queue_wait_seconds_count") >= 2  # the queued one and the owed one
 
 
 def test_a_taken_port_is_one_line_and_exit_2(tmp_path: Path) -> None:

@@ -152,6 +152,22 @@ def test_owed_requests_wait_in_order_in_their_queue_and_arrivals_join_it_until_t
 
 
 @pytest.mark.unit
+def test_a_queued_request_reports_how_long_it_waited_for_its_slot() -> None:
+    async def scenario() -> list[float]:
+        waits: list[float] = []
+        admission = Admission(1, 1, 5.0, on_wait=waits.append)
+        assert await admission.enter() is None  # served at once: no wait reported
+        waiter = asyncio.create_task(admission.enter())
+        await asyncio.sleep(0.05)  # the time it waits
+        admission.leave()
+        assert await waiter is None
+        return waits
+
+    waits = asyncio.run(scenario())
+    assert len(waits) == 1 and 0.05 <= waits[0] < 5.0, waits
+
+
+@pytest.mark.unit
 def test_short_cuts_long_values_and_says_how_long() -> None:
     assert short("abc") == "abc"
     assert short("x" * 1000, 10) == "xxxxxxxxxx... (1000 characters)"
