@@ -129,16 +129,19 @@ class Admission:
         self.waiting += 1
         self.owed_waiting += lane
         queued_at = time.monotonic()
+        held = False
         try:
             async with asyncio.timeout(self.wait_s):
                 await self._slots.acquire()
+            held = True
         except TimeoutError:
-            self.owed -= owed
             self.on_verdict(Verdict.REFUSE)
             return f"overloaded: no slot came free within {self.wait_s} s"
-        finally:
+        finally:  # also when the request is cancelled while it waits (its client gone)
             self.waiting -= 1
             self.owed_waiting -= lane
+            if owed and not held:
+                self.owed -= 1
         self.serving += 1
         self.on_wait(time.monotonic() - queued_at)
         return None

@@ -152,6 +152,29 @@ def test_owed_requests_wait_in_order_in_their_queue_and_arrivals_join_it_until_t
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("ends", ["cancelled", "timed out"])
+def test_an_owed_request_that_ends_while_queued_ends_the_catch_up(ends: str) -> None:
+    """An owed request whose client goes away (or whose wait runs out) while it waits no longer counts as owed: the
+    next arrival meets the short queue and the wait share again."""
+
+    async def scenario() -> str | None:
+        admission = Admission(1, 1, 0.05 if ends == "timed out" else 5.0, starts_soon=lambda waiting: False)
+        assert await admission.enter() is None  # served, fresh
+        owed = asyncio.create_task(admission.enter(owed=True))
+        await asyncio.sleep(0)
+        if ends == "cancelled":
+            owed.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await owed
+        else:
+            assert await owed is not None
+        return await admission.enter()
+
+    refused = asyncio.run(scenario())
+    assert refused is not None and "none is expected to end soon" in refused
+
+
+@pytest.mark.unit
 def test_a_queued_request_reports_how_long_it_waited_for_its_slot() -> None:
     async def scenario() -> list[float]:
         waits: list[float] = []
