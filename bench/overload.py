@@ -14,8 +14,8 @@ then measures through the gateway:
   the admitted ones' (200) p50/p99 and p99 over quiet p99 (target <= 2), the refused ones' (429 or 503)
   count and answer time p50/p99/max (target <= 50 ms), and every other answer or transport error
   (``errors``, must be 0); ``engine_mean_ms``, from the engine's own metrics over that load, where an admitted
-  request's time went: ``queue_wait`` (of the ``queued`` ones), ``first_token`` and ``service`` (from its slot to
-  its last token); the rest of the client's time is HTTP, the gateway and tokenization.
+  request's time went: ``queue_wait`` (of the ``queued`` ones), ``first_token`` and ``service`` (from its start, once
+  tokenized, to its last token); the rest of the client's time is HTTP, the gateway and tokenization.
 
 The last stdout line is one JSON object. Both processes are stopped at the end, on SIGINT/SIGTERM too.
 """
