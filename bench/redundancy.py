@@ -133,8 +133,8 @@ def latency(record: RequestRecord) -> float:
 
 def since_fault(at: float, faults: list[float]) -> float | None:
     """Seconds from the last fault before ``at`` (None: before the first)."""
-    before = [f for f in faults if f <= at]
-    return round(at - before[-1], 2) if before else None
+    last = max((f for f in faults if f <= at), default=None)
+    return None if last is None else round(at - last, 2)
 
 
 def summarize(

@@ -483,7 +483,7 @@ def serve(
             options.queue_timeout,
             lambda verdict: metrics.admission.labels(verdict.value).inc(),
             functools.partial(scheduler.starts_soon, options.queue_wait_share) if options.queue_wait_share else None,
-            metrics.queue_wait.observe,
+            on_wait=metrics.queue_wait.observe,
         ),
     )
     config = server_config(
