@@ -125,6 +125,8 @@ def test_errors_and_other_endpoints_pass_through_unretried(
 
 def test_health_and_metrics_describe_the_upstreams(engines: list[EngineProcess], gateway: GatewayProcess) -> None:
     primary, standby = roles(engines)
+    served = gateway.client.post(Endpoint.COMPLETIONS, json={"prompt": "x", "max_tokens": 1})  # counted below
+    assert served.status_code == 200, served.text
     health = gateway.health()
     assert health["primaries"] == [primary.url]
     assert {u["url"]: u["primary_status"] for u in health["upstreams"]} == {primary.url: 200, standby.url: 503}
