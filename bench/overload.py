@@ -1,12 +1,13 @@
 """Overload: what an engine behind the gateway answers when offered more than it can serve.
 
     python bench/overload.py [--device cpu|cuda:N] [--model DIR] [--max-batch 4] [--max-queue 0]
-                             [--queue-wait-share 0] [--max-tokens 32] [--seconds 5] [--loads 1,2,5]
+                             [--queue-wait-share 0] [--gateway-max-in-flight 0] [--max-tokens 32] [--seconds 5]
+                             [--loads 1,2,5]
 
 Starts one ``hotweights engine`` (primary; the embedded tiny model unless --model) and a ``hotweights
 gateway`` in front of it, both with the admission defaults of a cluster whose ``engine.max_batch``,
-``engine.max_queue`` and ``engine.queue_wait_share`` are --max-batch, --max-queue and --queue-wait-share,
-then measures through the gateway:
+``engine.max_queue`` and ``engine.queue_wait_share`` are --max-batch, --max-queue and --queue-wait-share
+(and ``gateway.max_in_flight`` --gateway-max-in-flight), then measures through the gateway:
 
 - quiet: one request at a time (--quiet-requests): p50/p99 latency;
 - capacity: --max-batch clients in a closed loop for --seconds: completions per second;
@@ -91,7 +92,7 @@ def stack(args: argparse.Namespace, workdir: Path) -> Iterator[tuple[str, str]]:
         f'[cluster]\nstate_dir = "{workdir / "state"}"\n\n'
         f"[engine]\nmax_batch = {args.max_batch}\nmax_queue = {args.max_queue}\n"
         f"queue_wait_share = {args.queue_wait_share}\n\n"
-        f"[gateway]\nport = {gateway_port}\n"
+        f"[gateway]\nport = {gateway_port}\nmax_in_flight = {args.gateway_max_in_flight}\n"
     )
     engine = hotweights_command("engine", "--port", str(engine_port), "--device", args.device)
     engine += ["--max-batch", str(args.max_batch), "--max-queue", str(args.max_queue)]
@@ -253,6 +254,10 @@ def main() -> int:
         "--queue-wait-share", type=float, default=LIMITS.queue_wait_share,
         help="engine.queue_wait_share (default %(default)s; 0: off)",
     )  # fmt: skip
+    parser.add_argument(
+        "--gateway-max-in-flight", type=int, default=0,
+        help="gateway.max_in_flight: proxied at once per gateway worker (default %(default)s: the configuration's)",
+    )  # fmt: skip
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per completion (default 32)")
     parser.add_argument("--seconds", type=float, default=5.0, help="per measurement (default 5)")
     parser.add_argument(
@@ -268,6 +273,7 @@ def main() -> int:
         result = {"device": args.device, "model": args.model or "tiny", "max_batch": args.max_batch}
         result["max_queue"] = args.max_queue
         result["queue_wait_share"] = args.queue_wait_share
+        result["gateway_max_in_flight"] = args.gateway_max_in_flight
         result |= {"max_tokens": args.max_tokens, "seconds": args.seconds} | asyncio.run(measure(url, engine_url, args))
     print(json.dumps(result))
     return 0

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import httpx
 
-from hotweights.contract import Endpoint, Role, State
+from hotweights.admission import RETRY_AFTER_S
+from hotweights.contract import ADMITS_IN_HEADER, Endpoint, Role, State
 from hotweights.controller.dcs import LeaderUrls
 from hotweights.errors import ConfigError
 from hotweights.state import read_state
@@ -23,6 +24,8 @@ from hotweights.state import read_state
 log = logging.getLogger(__name__)
 
 STATE_POLL_S = 1.0  # how often the controller's state file is re-read for engines added at runtime
+FULL_DEFAULT_S = 0.01  # how long an engine that answered 429 without ADMITS_IN_HEADER gets no fresh request
+FULL_MAX_S = float(RETRY_AFTER_S)  # the longest it gets none, whatever its header says
 
 
 @dataclass
@@ -38,6 +41,7 @@ class Upstream:
     draining: bool = False  # its last probe: a primary that finishes its requests and takes no new ones
     wake: asyncio.Event = field(default_factory=asyncio.Event)  # set to probe now instead of next interval
     lost: asyncio.Event = field(default_factory=asyncio.Event)  # set while its streams are to be cut (``cuts``)
+    full_until: float = 0.0  # monotonic time until which it gets no fresh request (``refused``)
 
     def describe(self) -> dict[str, object]:
         return {
@@ -47,6 +51,17 @@ class Upstream:
             "reason": self.reason or None,
             "checked_ago_ms": round((time.time() - self.checked) * 1000) if self.checked else None,
         }
+
+
+def refused(upstream: Upstream, response: httpx.Response) -> None:
+    """``upstream`` answered a fresh request 429: it is full for as long as its ``ADMITS_IN_HEADER`` says
+    (``FULL_DEFAULT_S`` without one, at most ``FULL_MAX_S``). Fresh requests go to another primary meanwhile, or
+    are refused by the gateway, so an overloaded engine spends no time on refusals it would answer alike."""
+    try:
+        full_s = int(response.headers[ADMITS_IN_HEADER]) / 1000
+    except (KeyError, ValueError):
+        full_s = FULL_DEFAULT_S
+    upstream.full_until = time.monotonic() + min(max(full_s, 0.0), FULL_MAX_S)
 
 
 def engine_urls_in_state(state_file: Path, host: str = "127.0.0.1") -> list[str]:
@@ -84,9 +99,17 @@ class Discovery:
         return [u for u in self.upstreams if u.is_primary]
 
     def pick(self) -> Upstream | None:
-        """Round-robin among the current primaries (several groups: one primary each)."""
+        """Round-robin among the current primaries (several groups: one primary each), those not full first."""
         primaries = self.primaries()
-        return primaries[next(self._turn) % len(primaries)] if primaries else None
+        now = time.monotonic()
+        choice = [u for u in primaries if u.full_until <= now] or primaries
+        return choice[next(self._turn) % len(choice)] if choice else None
+
+    def full_for(self) -> float:
+        """Seconds until the soonest primary takes fresh requests again while every one is full; 0 while one takes
+        them, or none is known (the hold rules apply then)."""
+        now = time.monotonic()
+        return max(min((u.full_until for u in self.primaries()), default=now) - now, 0.0)
 
     async def wait_available(self, timeout_s: float) -> bool:
         with contextlib.suppress(TimeoutError):

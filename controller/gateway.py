@@ -62,7 +62,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from hotweights.admission import Admission
+from hotweights.admission import Admission, Verdict
 from hotweights.contract import (
     NOT_NORMALIZED,
     OWED_HEADER,
@@ -73,7 +73,7 @@ from hotweights.contract import (
 )
 from hotweights.controller.config import SUSPECT_AFTER, ClusterConfig
 from hotweights.controller.dcs import LeaderUrls
-from hotweights.controller.discovery import Discovery, Upstream, reason_of
+from hotweights.controller.discovery import Discovery, Upstream, reason_of, refused
 from hotweights.controller.events import EventLog
 from hotweights.controller.gatewayanswers import (
     SegmentFailed,
@@ -151,6 +151,10 @@ class Gateway:
             return self.answer(not_found(NOT_NORMALIZED))
         if not self.discovery.available.is_set():  # held under the failover rules, not admission's
             return self.answer(await self.forward(request, path, owed=True))
+        if full_s := self.discovery.full_for():  # the engines' own answer, without their time spent on it
+            self.metrics.admission.labels(Verdict.REFUSE.value).inc()
+            message = f"overloaded: every primary engine is full; the soonest expects a slot in {full_s * 1000:.0f} ms"
+            return self.answer(refusal(429, message, "overloaded"))
         if reason := await self.admission.enter():
             return self.answer(refusal(429, reason, "overloaded"))
         try:
@@ -285,9 +289,11 @@ class Gateway:
             if response.status_code == 503:  # a standby or draining engine; the next primary may serve it
                 await response.aread()
                 raise UpstreamFailed("unavailable", reason_of(response, path))
-            if response.status_code == 429 and owed:
-                await response.aread()
-                raise UpstreamFailed("busy", reason_of(response, path))
+            if response.status_code == 429:
+                refused(upstream, response)
+                if owed:
+                    await response.aread()
+                    raise UpstreamFailed("busy", reason_of(response, path))
             first = b"".join([chunk async for chunk in chunks]) if whole else await anext(chunks, b"")
         except httpx.TransportError as exc:
             await response.aclose()
@@ -417,10 +423,14 @@ class Gateway:
             await response.aclose()
         if response.status_code == 503:  # a standby or draining engine; the next primary may serve it
             raise UpstreamFailed("unavailable", reason_of(response, path))
-        if response.status_code == 429 and owed:
-            raise UpstreamFailed("busy", reason_of(response, path))
+        if response.status_code == 429:
+            refused(upstream, response)
+            if owed:
+                raise UpstreamFailed("busy", reason_of(response, path))
         media = response.headers.get("content-type")
         headers = {"x-hotweights-upstream": upstream.url}
+        if retry_after := response.headers.get("retry-after"):
+            headers["retry-after"] = retry_after
         return Response(content, status_code=response.status_code, media_type=media, headers=headers)
 
     async def migrated_events(

@@ -45,9 +45,9 @@ class ServingLimits:
     kv_cache_tokens: int = 4096  # KV cache positions per sequence slot (prompt and generated tokens)
     max_batch: int = 4  # sequences generated at once
     drain_timeout_s: float = 30.0  # how long a drain waits for what is generating before it cancels it
-    max_queue: int = 0  # completions waiting beyond max_batch (0: ``queue_or_default``); more: 429 at once
+    max_queue: int = 1  # completions waiting beyond max_batch (0: ``queue_or_default``); more: 429 at once
     queue_timeout_s: float = QUEUE_WAIT_S  # a waiting completion not started by then: 429
-    queue_wait_share: float = 0.0  # > 0: queued only while a slot should free within this share of a completion
+    queue_wait_share: float = 0.25  # > 0: queued only while a slot should free within this share of a completion
     batch_invariant: bool = False  # a request's text independent of what shares its steps (standby.decoder)
 
     def queue(self) -> int:
@@ -70,6 +70,23 @@ def starts_soon(remaining: list[int], waiting: int, round_s: float, completion_s
     return sorted(remaining)[waiting] * round_s <= share * completion_s
 
 
+def opens_in(
+    remaining: list[int], ahead: int, queue: int, round_s: float, completion_s: float, share: float
+) -> float | None:
+    """Seconds until a fresh request refused now, behind ``ahead`` waiting in a ``queue`` deep, would be queued: once
+    the queue has room (``ahead - queue + 1`` of the sequences holding slots, ``remaining`` tokens each at ``round_s``
+    a token, have ended) and, with ``share``, once the slot it would wait for is expected within that share of a
+    completion (``starts_soon``). None while nothing is timed or nothing holds a slot."""
+    if not round_s or not remaining:
+        return None
+    ends = sorted(tokens * round_s for tokens in remaining)
+    if ahead >= queue:
+        return ends[min(ahead - queue, len(ends) - 1)]
+    if share and completion_s and ahead < len(ends):
+        return max(ends[ahead] - share * completion_s, 0.0)
+    return 0.0
+
+
 class Verdict(enum.Enum):
     ADMIT = "admitted"  # a slot is free: served at once
     QUEUE = "queued"  # no slot: waits for one (at most wait_s)
@@ -88,7 +105,8 @@ class Admission:
     """``enter`` before serving, ``leave`` once answered (``owed`` as it entered); ``on_verdict`` counts each
     arrival's verdict (and ``Verdict.REFUSE`` again for a queued request whose wait ran out); ``on_wait`` gets the
     seconds a queued request waited once it holds a slot. ``starts_soon(waiting)``: whether a request queued behind
-    ``waiting`` others is expected to start soon (module docstring; None: always)."""
+    ``waiting`` others is expected to start soon (module docstring; None: always); ``opens_in(ahead, queue)``: seconds
+    until a fresh request refused behind ``ahead`` of a ``queue`` would be queued (``opens_in``; None: unknown)."""
 
     running: int
     queue: int
@@ -96,6 +114,7 @@ class Admission:
     on_verdict: Callable[[Verdict], None] = lambda _: None
     starts_soon: Callable[[int], bool] | None = None
     on_wait: Callable[[float], None] = lambda _: None
+    opens_in: Callable[[int, int], float | None] | None = None
     waiting: int = 0  # queued now
     owed_waiting: int = 0  # of which in the owed queue (owed, or joined while an owed request was not answered)
     owed: int = 0  # owed requests queued or holding a slot now: while any, arrivals join the owed queue
@@ -108,11 +127,7 @@ class Admission:
     async def enter(self, owed: bool = False) -> str | None:
         """None once a slot is held (``leave`` gives it back); else why the request is refused. ``owed``: a request
         owed to a failover (module docstring)."""
-        lane = owed or self.owed > 0  # the owed queue: owed, or catching up with a failover's burst
-        if lane:
-            queue, ahead = OWED_QUEUE_FACTOR * (self.running + self.queue), self.waiting
-        else:  # what is left of a burst in the owed queue is not this request's queue
-            queue, ahead = self.queue, self.waiting - self.owed_waiting
+        lane, queue, ahead = self._line(owed)
         slot_free = not self._slots.locked()
         soon = slot_free or lane or ahead >= queue or not self.starts_soon or self.starts_soon(ahead)
         decided = verdict(slot_free, ahead, queue, soon)
@@ -145,6 +160,19 @@ class Admission:
         self.serving += 1
         self.on_wait(time.monotonic() - queued_at)
         return None
+
+    def _line(self, owed: bool) -> tuple[bool, int, int]:
+        """(whether in the owed queue, that queue's depth, how many wait ahead) for a request arriving now."""
+        if owed or self.owed > 0:  # the owed queue: owed, or catching up with a failover's burst
+            return True, OWED_QUEUE_FACTOR * (self.running + self.queue), self.waiting
+        return False, self.queue, self.waiting - self.owed_waiting  # a burst's rest in the owed queue is not its queue
+
+    def reopens_in(self) -> float | None:
+        """Seconds until a fresh request refused now would be queued (``opens_in``), None when unknown."""
+        if self.opens_in is None:
+            return None
+        _, queue, ahead = self._line(False)
+        return self.opens_in(ahead, queue)
 
     def leave(self, owed: bool = False) -> None:
         """Give the slot back; ``owed``: the request entered owed."""

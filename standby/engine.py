@@ -484,6 +484,7 @@ def serve(
             lambda verdict: metrics.admission.labels(verdict.value).inc(),
             functools.partial(scheduler.starts_soon, options.queue_wait_share) if options.queue_wait_share else None,
             on_wait=metrics.queue_wait.observe,
+            opens_in=functools.partial(scheduler.opens_in, options.queue_wait_share),
         ),
     )
     config = server_config(

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hotweights.admission import starts_soon
+from hotweights.admission import opens_in, starts_soon
 from hotweights.standby.decoder import Decoder
 from hotweights.standby.kvshare import REQUEST_TIMEOUT_S, KvShare, SlotLedger
 from hotweights.standby.sampling import sample_rows, uniform
@@ -168,6 +168,13 @@ class Scheduler:
         with self._lock:
             remaining = [seq.params.max_tokens - seq.generated for seq in self._live]
         return starts_soon(remaining, waiting, self._round_s, self._completion_s, share)
+
+    def opens_in(self, share: float, ahead: int, queue: int) -> float | None:
+        """``hotweights.admission.opens_in`` for a fresh request refused behind ``ahead`` others of a ``queue``, from
+        the live sequences' remaining tokens and this worker's measured times."""
+        with self._lock:
+            remaining = [seq.params.max_tokens - seq.generated for seq in self._live]
+        return opens_in(remaining, ahead, queue, self._round_s, self._completion_s, share)
 
     def cancel_all(self) -> int:
         """Cancel every live sequence; returns how many. Each still gets its ``Finish``."""

@@ -23,7 +23,7 @@ from starlette.types import Receive, Scope, Send
 from tokenizers import Tokenizer
 
 from hotweights.admission import RETRY_AFTER_S, Admission
-from hotweights.contract import OWED_HEADER, REPLAY_HEADER, WEIGHTS_HEADER, Endpoint
+from hotweights.contract import ADMITS_IN_HEADER, OWED_HEADER, REPLAY_HEADER, WEIGHTS_HEADER, Endpoint
 from hotweights.httpguard import short
 from hotweights.standby.chat import ChatTemplate
 from hotweights.standby.completions import (
@@ -195,7 +195,7 @@ def build_app(ctx: EngineContext) -> FastAPI:
             message = f"model {short(request.model)!r} is not served here; try {ctx.model_name!r}"
             return error(404, message, "not_found_error", "model")
         if reason := await ctx.admission.enter(owed):
-            return overloaded(reason)
+            return overloaded(reason, ctx.admission.reopens_in())
         handed_over = False  # to the run, whose close gives the admission slot back
         try:
             # encode_batch releases the GIL: the event loop runs on meanwhile
@@ -260,8 +260,11 @@ def build_app(ctx: EngineContext) -> FastAPI:
     return finish_app(app, metrics)
 
 
-def overloaded(reason: str) -> JSONResponse:
-    """429 for a completion beyond what admission allows, with ``Retry-After``."""
+def overloaded(reason: str, admits_in_s: float | None) -> JSONResponse:
+    """429 for a completion beyond what admission allows, with ``Retry-After`` and, when the engine expects to
+    queue a fresh request again in ``admits_in_s``, ``ADMITS_IN_HEADER`` for the gateway."""
     response = error(429, reason, "overloaded")
     response.headers["Retry-After"] = str(RETRY_AFTER_S)
+    if admits_in_s is not None:
+        response.headers[ADMITS_IN_HEADER] = str(round(admits_in_s * 1000))
     return response
