@@ -1,7 +1,7 @@
 """Overload: what an engine behind the gateway answers when offered more than it can serve.
 
-    python bench/overload.py [--device cpu|cuda:N] [--model DIR] [--max-batch 4] [--max-queue 0]
-                             [--queue-wait-share 0] [--gateway-max-in-flight 0] [--max-tokens 32] [--seconds 5]
+    python bench/overload.py [--device cpu|cuda:N] [--model DIR] [--max-batch 4] [--max-queue 1]
+                             [--queue-wait-share 0.25] [--gateway-max-in-flight 0] [--max-tokens 32] [--seconds 5]
                              [--loads 1,2,5]
 
 Starts one ``hotweights engine`` (primary; the embedded tiny model unless --model) and a ``hotweights
@@ -13,10 +13,11 @@ gateway`` in front of it, both with the admission defaults of a cluster whose ``
 - capacity: --max-batch clients in a closed loop for --seconds: completions per second;
 - for each multiple of that capacity in --loads: requests sent open-loop (evenly spaced) for --seconds:
   the admitted ones' (200) p50/p99 and p99 over quiet p99 (target <= 2), the refused ones' (429 or 503)
-  count and answer time p50/p99/max (target <= 50 ms), and every other answer or transport error
-  (``errors``, must be 0); ``engine_mean_ms``, from the engine's own metrics over that load, where an admitted
-  request's time went: ``queue_wait`` (of the ``queued`` ones), ``first_token`` and ``service`` (from its start, once
-  tokenized, to its last token); the rest of the client's time is HTTP, the gateway and tokenization.
+  count and answer time p50/p99/max (target <= 50 ms), ``goodput`` (admitted over what the capacity completes in
+  that time), and every other answer or transport error (``errors``, must be 0); ``engine_mean_ms``, from the
+  engine's own metrics over that load, where an admitted request's time went: ``queue_wait`` (of the ``queued``
+  ones), ``first_token`` and ``service`` (from its start, once tokenized, to its last token); the rest of the
+  client's time is HTTP, the gateway and tokenization.
 
 The last stdout line is one JSON object. Both processes are stopped at the end, on SIGINT/SIGTERM too.
 """
@@ -173,7 +174,8 @@ def ms(seconds: list[float], q: float) -> float | None:
     return round(percentile(seconds, q) * 1000, 1) if seconds else None
 
 
-def summarize(results: list[tuple[int | str, float]], quiet_p99_s: float) -> dict[str, object]:
+def summarize(results: list[tuple[int | str, float]], quiet_p99_s: float, completions_s: float) -> dict[str, object]:
+    """One load's figures; ``completions_s``: what the capacity completes in the load's time (for ``goodput``)."""
     admitted = [s for status, s in results if status == 200]
     refused = [s for status, s in results if status in REFUSED]
     errors = [status for status, _ in results if status != 200 and status not in REFUSED]
@@ -184,6 +186,7 @@ def summarize(results: list[tuple[int | str, float]], quiet_p99_s: float) -> dic
         "admitted_p50_ms": ms(admitted, 50),
         "admitted_p99_ms": ms(admitted, 99),
         "admitted_p99_over_quiet": round(p99 / quiet_p99_s, 2) if p99 else None,
+        "goodput": round(len(admitted) / completions_s, 2),
         "refused": len(refused),
         "refused_p50_ms": ms(refused, 50),
         "refused_p99_ms": ms(refused, 99),
@@ -226,7 +229,7 @@ async def measure(url: str, engine_url: str, args: argparse.Namespace) -> dict[s
     for multiple in args.loads:
         before = await histograms(engine_url)
         results = await offered(url, rate * multiple, args)
-        loads[f"{multiple:g}x"] = summary = summarize(results, percentile(quiet_s, 99))
+        loads[f"{multiple:g}x"] = summary = summarize(results, percentile(quiet_s, 99), rate * args.seconds)
         summary["engine_mean_ms"] = engine_means(before, await histograms(engine_url))
         print(f"{multiple:g}x: {summary}", file=sys.stderr)
     result["loads"] = loads

@@ -66,6 +66,7 @@ from hotweights.admission import Admission, Verdict
 from hotweights.contract import (
     NOT_NORMALIZED,
     OWED_HEADER,
+    REFUSED_HEADER,
     REPLAY_HEADER,
     WEIGHTS_HEADER,
     Endpoint,
@@ -96,14 +97,18 @@ WHOLE_BODY_MAX = 1 << 20  # a non-streamed reply up to this size is read whole b
 KEEPALIVE_S = 2.0  # below uvicorn's 5 s, so a pooled connection is never reused as the engine closes it
 BUSY_RETRY_S = 0.01  # an owed request's first wait after an engine's 429 (module docstring)
 BUSY_RETRY_MAX_S = 0.2  # the longest of those waits
-GATEWAY_HEADERS = (REPLAY_HEADER, OWED_HEADER)  # set by the gateway only: a client's own are dropped
+GATEWAY_HEADERS = (REPLAY_HEADER, OWED_HEADER, REFUSED_HEADER)  # set by the gateway only: a client's own are dropped
 
 
-def upstream_headers(request: Request, owed: bool) -> list[tuple[str, str]]:
-    """The client's headers that go on to an engine: not the hop-by-hop ones, nor those only the gateway sets (the
-    replay count, ``REPLAY_HEADER``; ``OWED_HEADER``, here when ``owed``)."""
+def upstream_headers(request: Request, owed: bool, upstream: Upstream) -> list[tuple[str, str]]:
+    """The client's headers that go on to ``upstream``: not the hop-by-hop ones, nor those only the gateway sets (the
+    replay count, ``REPLAY_HEADER``; ``OWED_HEADER``, here when ``owed``; ``REFUSED_HEADER``, here on a fresh request
+    when fresh requests were refused on its behalf since the last one, which it is then told of)."""
     headers = [(k, v) for k, v in request.headers.items() if k not in HOP_BY_HOP and k not in GATEWAY_HEADERS]
-    return headers + ([(OWED_HEADER, "1")] if owed else [])
+    if owed:
+        return [*headers, (OWED_HEADER, "1")]
+    refused, upstream.refused_for = upstream.refused_for, 0
+    return headers + ([(REFUSED_HEADER, str(refused))] if refused else [])
 
 
 class Gateway:
@@ -152,6 +157,7 @@ class Gateway:
         if not self.discovery.available.is_set():  # held under the failover rules, not admission's
             return self.answer(await self.forward(request, path, owed=True))
         if full_s := self.discovery.full_for():  # the engines' own answer, without their time spent on it
+            self.discovery.refuse_for_all()
             self.metrics.admission.labels(Verdict.REFUSE.value).inc()
             message = f"overloaded: every primary engine is full; the soonest expects a slot in {full_s * 1000:.0f} ms"
             return self.answer(refusal(429, message, "overloaded"))
@@ -274,7 +280,7 @@ class Gateway:
     ) -> Response:
         """Open the upstream response and read its first chunk: until then a failure can be retried (and an
         engine's 429 too, when the request is ``owed``)."""
-        headers = upstream_headers(request, owed)
+        headers = upstream_headers(request, owed, upstream)
         query = f"?{request.url.query}" if request.url.query else ""
         outgoing = self.client.build_request(request.method, upstream.url + path + query, headers=headers, content=body)
         try:
@@ -381,7 +387,7 @@ class Gateway:
             upstream = self.discovery.pick()
             assert upstream is not None, "available is set and nothing ran since"
             try:
-                headers = upstream_headers(request, owed) + ([(REPLAY_HEADER, str(replay))] if replay else [])
+                headers = upstream_headers(request, owed, upstream) + ([(REPLAY_HEADER, str(replay))] if replay else [])
                 return await self.open_stream(upstream, path, headers, body, owed)
             except UpstreamFailed as exc:
                 last_failure = f"{upstream.url}: {exc}"

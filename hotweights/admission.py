@@ -5,22 +5,25 @@ most ``wait_s``; anything beyond, or a wait that runs out, is refused at once (4
 ``Retry-After``), so an overloaded server keeps the latency of what it admitted instead of queueing
 without bound. The gateway and the engines each hold one.
 
-With ``queue_wait_share`` above 0 (off by default), an engine also asks whether a request queued now would start
-soon (``starts_soon``): the sequences it generates end, at the time its rounds take now, when their remaining
+With ``queue_wait_share`` above 0, an engine under overload (``Admission.overloaded``: within the last
+``OVERLOAD_WINDOW_S`` a fresh request found the queue full, or more fresh requests arrived than its slots complete,
+counting those a gateway refused on its behalf, ``REFUSED_HEADER``) also asks whether a request queued now would
+start soon (``starts_soon``): the sequences it generates end, at the time its rounds take now, when their remaining
 tokens are done, and a request is queued only if the slot it waits for is expected to free within that share of a
 typical completion's time. Without it, requests of equal length start and end in waves, and one that arrives early
-in a wave waits for all of it. A queue of one with a share of 0.5 shortens the admitted tail at 5x the capacity
-(``docs/benchmarks.md``, Overload) but is not the default: in storms of faults at 10 requests/s on ``xl`` it
-answered a few clients 429, where the default answered none.
+in a wave waits for all of it (``docs/benchmarks.md``, Overload). Otherwise the share does not apply: a burst below
+the capacity waits in the queue instead of being refused.
 
 A request marked owed (``OWED_HEADER``: one a gateway owes to a failover) is fresh load to no one: it waits in a
-deeper queue (``OWED_QUEUE_FACTOR`` times ``running + queue``), first come first served, and the wait share does not
+deeper queue (``OWED_QUEUE_FACTOR`` times ``running + queue``, the queue counted at least as deep as ``running``: a
+short queue for fresh requests does not shorten it), first come first served, and the wait share does not
 apply to it. Until every owed request has been answered, those that arrive join that queue too: the new primary is
-catching up with the failover's burst, and what they would be refused for is the failover, not their load. Once
-the last owed request is answered, no more join it and fresh requests beyond the short queue are refused at once
-again, the short queue counting only those queued outside the owed one (what is left of the burst is served first,
-at most ``OWED_QUEUE_FACTOR`` times ``running + queue`` requests): a failover's burst ends with its owed requests,
-even under sustained overload.
+catching up with the failover's burst, and what they would be refused for is the failover, not their load. After
+that, arrivals go on joining it while any request in it still waits and no more arrive than the slots complete (what
+is left of the burst drains); beyond the capacity they meet the short queue and the wait share at once, the short
+queue counting only those queued outside the owed one (what is left of the burst, at most ``OWED_QUEUE_FACTOR``
+times ``running + queue`` requests, is served first): a failover's burst ends with its owed requests under
+sustained overload.
 """
 
 from __future__ import annotations
@@ -28,12 +31,15 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 RETRY_AFTER_S = 1  # what a refusal tells the client to wait before it tries again
-OWED_QUEUE_FACTOR = 4  # an owed request may wait behind this many times ``running + queue`` others
+OWED_QUEUE_FACTOR = 4  # an owed request may wait behind this many times ``running + queue`` (the queue >= running)
 QUEUE_WAIT_S = 10.0  # how long a queued request waits for a slot by default
+OVERLOAD_WINDOW_S = 1.0  # fresh arrivals over this long, against what the slots complete in it: ``overloaded``
 
 
 @dataclass(frozen=True)
@@ -47,7 +53,7 @@ class ServingLimits:
     drain_timeout_s: float = 30.0  # how long a drain waits for what is generating before it cancels it
     max_queue: int = 1  # completions waiting beyond max_batch (0: ``queue_or_default``); more: 429 at once
     queue_timeout_s: float = QUEUE_WAIT_S  # a waiting completion not started by then: 429
-    queue_wait_share: float = 0.25  # > 0: queued only while a slot should free within this share of a completion
+    queue_wait_share: float = 0.25  # > 0, overloaded: queued only while a slot frees within this share of a completion
     batch_invariant: bool = False  # a request's text independent of what shares its steps (standby.decoder)
 
     def queue(self) -> int:
@@ -68,6 +74,12 @@ def starts_soon(remaining: list[int], waiting: int, round_s: float, completion_s
     if not completion_s or waiting >= len(remaining):
         return True
     return sorted(remaining)[waiting] * round_s <= share * completion_s
+
+
+def overloaded(arrivals: int, window_s: float, running: int, completion_s: float) -> bool:
+    """Whether ``arrivals`` fresh requests in ``window_s`` are more than ``running`` slots complete in that time at
+    ``completion_s`` each (a typical completion's time; 0 while none is timed: never)."""
+    return completion_s > 0 and arrivals * completion_s > running * window_s
 
 
 def opens_in(
@@ -100,41 +112,80 @@ def verdict(slot_free: bool, waiting: int, queue: int, starts_soon: bool = True)
     return Verdict.QUEUE if waiting < queue and starts_soon else Verdict.REFUSE
 
 
+class Timing(Protocol):
+    """What an engine's scheduler knows of its sequences' times (``standby.scheduler.Scheduler``)."""
+
+    completion_s: float  # a typical completion's time, submit to last token (0: none timed yet)
+
+    def starts_soon(self, share: float, waiting: int) -> bool: ...
+
+    def opens_in(self, share: float, ahead: int, queue: int) -> float | None: ...
+
+
 @dataclass
 class Admission:
     """``enter`` before serving, ``leave`` once answered (``owed`` as it entered); ``on_verdict`` counts each
     arrival's verdict (and ``Verdict.REFUSE`` again for a queued request whose wait ran out); ``on_wait`` gets the
-    seconds a queued request waited once it holds a slot. ``starts_soon(waiting)``: whether a request queued behind
-    ``waiting`` others is expected to start soon (module docstring; None: always); ``opens_in(ahead, queue)``: seconds
-    until a fresh request refused behind ``ahead`` of a ``queue`` would be queued (``opens_in``; None: unknown)."""
+    seconds a queued request waited once it holds a slot. ``share`` and ``timing``: the wait share and the times it is
+    judged by (module docstring; without ``timing``, or at a share of 0, a free place in the queue is enough)."""
 
     running: int
     queue: int
     wait_s: float
     on_verdict: Callable[[Verdict], None] = lambda _: None
-    starts_soon: Callable[[int], bool] | None = None
+    share: float = 0.0
+    timing: Timing | None = None
     on_wait: Callable[[float], None] = lambda _: None
-    opens_in: Callable[[int, int], float | None] | None = None
     waiting: int = 0  # queued now
     owed_waiting: int = 0  # of which in the owed queue (owed, or joined while an owed request was not answered)
     owed: int = 0  # owed requests queued or holding a slot now: while any, arrivals join the owed queue
     serving: int = 0  # holding a slot now
     _slots: asyncio.Semaphore = field(init=False)
+    _arrivals: deque[tuple[float, int]] = field(init=False, default_factory=deque)  # (when, how many) in the window
+    _arrived: int = field(init=False, default=0)  # their sum
+    _full_at: float = field(init=False, default=float("-inf"))  # when a fresh request last found the queue full
 
     def __post_init__(self) -> None:
         self._slots = asyncio.Semaphore(self.running)
 
-    async def enter(self, owed: bool = False) -> str | None:
+    def overloaded(self) -> bool:
+        """Whether the wait share applies now: a fresh request found the queue full, or more arrived than the slots
+        complete, within the last ``OVERLOAD_WINDOW_S``."""
+        if not self.share or self.timing is None:
+            return False
+        return time.monotonic() - self._full_at < OVERLOAD_WINDOW_S or self._beyond_capacity()
+
+    def _beyond_capacity(self) -> bool:
+        """More fresh requests arrived over the last ``OVERLOAD_WINDOW_S`` than the slots complete (``overloaded``);
+        False without ``timing``."""
+        if self.timing is None:
+            return False
+        now = time.monotonic()
+        while self._arrivals and self._arrivals[0][0] < now - OVERLOAD_WINDOW_S:
+            self._arrived -= self._arrivals.popleft()[1]
+        return overloaded(self._arrived, OVERLOAD_WINDOW_S, self.running, self.timing.completion_s)
+
+    async def enter(self, owed: bool = False, refused_elsewhere: int = 0) -> str | None:
         """None once a slot is held (``leave`` gives it back); else why the request is refused. ``owed``: a request
-        owed to a failover (module docstring)."""
+        owed to a failover (module docstring); ``refused_elsewhere``: fresh requests a gateway refused on this
+        server's behalf since its last one (``REFUSED_HEADER``), counted as arrivals with this one."""
+        if not owed:
+            self._arrivals.append((time.monotonic(), 1 + refused_elsewhere))
+            self._arrived += 1 + refused_elsewhere
         lane, queue, ahead = self._line(owed)
         slot_free = not self._slots.locked()
-        soon = slot_free or lane or ahead >= queue or not self.starts_soon or self.starts_soon(ahead)
+        judged = not (slot_free or lane or ahead >= queue) and self.overloaded()  # by the wait share
+        soon = not judged or (self.timing is not None and self.timing.starts_soon(self.share, ahead))
         decided = verdict(slot_free, ahead, queue, soon)
         self.on_verdict(decided)
+        if decided is Verdict.REFUSE and not lane and soon:
+            self._full_at = time.monotonic()
         if decided is Verdict.REFUSE:
             if not soon:
-                return f"overloaded: {self.running} requests are being served and none is expected to end soon"
+                return (
+                    f"overloaded: {self.running} requests are being served, none is expected to end soon, and more "
+                    "arrive than they complete"
+                )
             return f"overloaded: {self.running} requests are being served and {ahead} are waiting"
         self.owed += owed
         if decided is Verdict.ADMIT:
@@ -163,16 +214,17 @@ class Admission:
 
     def _line(self, owed: bool) -> tuple[bool, int, int]:
         """(whether in the owed queue, that queue's depth, how many wait ahead) for a request arriving now."""
-        if owed or self.owed > 0:  # the owed queue: owed, or catching up with a failover's burst
-            return True, OWED_QUEUE_FACTOR * (self.running + self.queue), self.waiting
+        catching_up = self.owed > 0 or (self.owed_waiting > 0 and not self._beyond_capacity())
+        if owed or catching_up:  # the owed queue: owed, or catching up with a failover's burst
+            return True, OWED_QUEUE_FACTOR * (self.running + max(self.queue, self.running)), self.waiting
         return False, self.queue, self.waiting - self.owed_waiting  # a burst's rest in the owed queue is not its queue
 
     def reopens_in(self) -> float | None:
         """Seconds until a fresh request refused now would be queued (``opens_in``), None when unknown."""
-        if self.opens_in is None:
+        if self.timing is None:
             return None
         _, queue, ahead = self._line(False)
-        return self.opens_in(ahead, queue)
+        return self.timing.opens_in(self.share if self.overloaded() else 0.0, ahead, queue)
 
     def leave(self, owed: bool = False) -> None:
         """Give the slot back; ``owed``: the request entered owed."""

@@ -74,6 +74,9 @@ OWED_HEADER = "x-hotweights-owed"
 # On an engine's 429: in how many milliseconds it expects to queue a fresh request again. Until then a gateway sends it
 # no fresh request and answers those 429 itself (``controller.discovery``), so refusals cost its event loop nothing.
 ADMITS_IN_HEADER = "x-hotweights-admits-in-ms"
+# On a fresh request a gateway forwards: how many fresh requests it refused itself since its last one to that engine,
+# while the engine's last 429 held (``ADMITS_IN_HEADER``). The engine counts them as its arrivals (``overloaded``).
+REFUSED_HEADER = "x-hotweights-refused"
 ENGINE_PORT = (
     8200  # an engine's, and a cluster's first engine's (``base_port``); the controller's 8100, the gateway's 8000
 )

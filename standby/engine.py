@@ -482,9 +482,9 @@ def serve(
             queue_or_default(options.max_queue, options.max_batch),
             options.queue_timeout,
             lambda verdict: metrics.admission.labels(verdict.value).inc(),
-            functools.partial(scheduler.starts_soon, options.queue_wait_share) if options.queue_wait_share else None,
+            share=options.queue_wait_share,
+            timing=scheduler,
             on_wait=metrics.queue_wait.observe,
-            opens_in=functools.partial(scheduler.opens_in, options.queue_wait_share),
         ),
     )
     config = server_config(

@@ -169,6 +169,11 @@ class Scheduler:
             remaining = [seq.params.max_tokens - seq.generated for seq in self._live]
         return starts_soon(remaining, waiting, self._round_s, self._completion_s, share)
 
+    @property
+    def completion_s(self) -> float:
+        """A completed sequence's time from submit to its last token, averaged (0 until one completed)."""
+        return self._completion_s
+
     def opens_in(self, share: float, ahead: int, queue: int) -> float | None:
         """``hotweights.admission.opens_in`` for a fresh request refused behind ``ahead`` others of a ``queue``, from
         the live sequences' remaining tokens and this worker's measured times."""

@@ -23,7 +23,7 @@ from starlette.types import Receive, Scope, Send
 from tokenizers import Tokenizer
 
 from hotweights.admission import RETRY_AFTER_S, Admission
-from hotweights.contract import ADMITS_IN_HEADER, OWED_HEADER, REPLAY_HEADER, WEIGHTS_HEADER, Endpoint
+from hotweights.contract import ADMITS_IN_HEADER, OWED_HEADER, REFUSED_HEADER, REPLAY_HEADER, WEIGHTS_HEADER, Endpoint
 from hotweights.httpguard import short
 from hotweights.standby.chat import ChatTemplate
 from hotweights.standby.completions import (
@@ -42,6 +42,7 @@ from hotweights.standby.weights import LoadedModel
 
 log = logging.getLogger(__name__)
 
+MAX_REFUSED = 1_000_000  # the most REFUSED_HEADER may say (a gateway refuses fewer than that in a second)
 INLINE_PROMPT_CHARS = 4096  # prompts up to this are tokenized on the event loop (about a millisecond)
 STALL_S = 30.0  # an inference thread that has not gone round its loop for this long is not ready
 
@@ -139,6 +140,7 @@ def build_app(ctx: EngineContext) -> FastAPI:
         request: CompletionRequest,
         replay: Annotated[int | None, Header(alias=REPLAY_HEADER, ge=0)] = None,
         owed: Annotated[str | None, Header(alias=OWED_HEADER)] = None,
+        refused: Annotated[int, Header(alias=REFUSED_HEADER, ge=0, le=MAX_REFUSED)] = 0,
     ) -> Response:
         """OpenAI completions; ``stream`` gives server-sent events ending in ``data: [DONE]``.
 
@@ -162,11 +164,13 @@ def build_app(ctx: EngineContext) -> FastAPI:
             message = f"{REPLAY_HEADER} {replay} needs one prompt of token ids longer than that"
             return error(400, message, "invalid_request_error", REPLAY_HEADER)
         chars = sum(map(len, request.prompts))
-        return await admitted(request, Api.COMPLETIONS, encode, chars, replay, owed is not None)
+        return await admitted(request, Api.COMPLETIONS, encode, chars, replay, owed is not None, refused)
 
     @app.post(Endpoint.CHAT_COMPLETIONS, response_model=None, responses=answers)
     async def chat_completions(
-        request: ChatRequest, owed: Annotated[str | None, Header(alias=OWED_HEADER)] = None
+        request: ChatRequest,
+        owed: Annotated[str | None, Header(alias=OWED_HEADER)] = None,
+        refused: Annotated[int, Header(alias=REFUSED_HEADER, ge=0, le=MAX_REFUSED)] = 0,
     ) -> Response:
         """OpenAI chat completions (one choice), the messages rendered by the checkpoint's chat template
         or the built-in one (``standby.chat``); answers as ``/v1/completions`` does."""
@@ -176,7 +180,7 @@ def build_app(ctx: EngineContext) -> FastAPI:
             return [ctx.tokenizer.encode(text, add_special_tokens=not chat_template.from_checkpoint).ids]
 
         chars = sum(len(m.content) for m in request.messages)
-        return await admitted(request, Api.CHAT, encode, chars, owed=owed is not None)
+        return await admitted(request, Api.CHAT, encode, chars, owed=owed is not None, refused=refused)
 
     async def admitted(
         request: SamplingRequest,
@@ -185,16 +189,18 @@ def build_app(ctx: EngineContext) -> FastAPI:
         chars: int,
         replay: int = 0,
         owed: bool = False,
+        refused: int = 0,
     ) -> Response:
         """The request run once admission lets it in and its prompt (tokenized by ``encode``, in a worker
         thread above ``INLINE_PROMPT_CHARS``) fits, ``replay`` of its last tokens fed through decode steps
-        (``standby.scheduler``); the refusal otherwise. ``owed``: admitted as a request owed to a failover."""
+        (``standby.scheduler``); the refusal otherwise. ``owed``: admitted as a request owed to a failover;
+        ``refused``: fresh requests a gateway refused on this engine's behalf (``REFUSED_HEADER``)."""
         if reason := roles.serving_refusal():
             return unavailable(reason)
         if request.model is not None and request.model != ctx.model_name:
             message = f"model {short(request.model)!r} is not served here; try {ctx.model_name!r}"
             return error(404, message, "not_found_error", "model")
-        if reason := await ctx.admission.enter(owed):
+        if reason := await ctx.admission.enter(owed, refused):
             return overloaded(reason, ctx.admission.reopens_in())
         handed_over = False  # to the run, whose close gives the admission slot back
         try:

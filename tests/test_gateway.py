@@ -24,7 +24,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from hotweights.contract import REPLAY_HEADER, SUSPECT_REQUEST, Endpoint
+from hotweights.contract import ADMITS_IN_HEADER, REFUSED_HEADER, REPLAY_HEADER, SUSPECT_REQUEST, Endpoint
 from hotweights.controller.discovery import Discovery, Upstream, cuts
 from hotweights.ports import free_port
 from hotweights.spawn import hotweights_command
@@ -455,6 +455,71 @@ def test_a_reply_cut_before_its_whole_body_is_retried_on_the_next_primary(tmp_pa
             assert relayed.status_code == 200, relayed.text
             assert len(upstreams.received) == before + 1
             assert not [h for h in upstreams.received if REPLAY_HEADER in h], upstreams.received
+
+
+class FullUpstreams(ThreadedUpstreams):
+    """Two primaries on threads that answer every completion 429, expecting to queue one again in a second
+    (``ADMITS_IN_HEADER``); each completion's request headers in ``received``."""
+
+    def __init__(self) -> None:
+        self.received: list[dict[str, str]] = []
+        self.servers = [ThreadingHTTPServer(("127.0.0.1", 0), self.handler()) for _ in range(2)]
+        self.urls = [f"http://127.0.0.1:{server.server_address[1]}" for server in self.servers]
+
+    def handler(self) -> type[BaseHTTPRequestHandler]:
+        received = self.received
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self) -> None:  # /primary
+                self.reply(200, {}, b"{}")
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers["content-length"]))
+                received.append({k.lower(): v for k, v in self.headers.items()})
+                body = json.dumps({"error": {"message": "overloaded: upstream", "type": "overloaded", "param": None}})
+                self.reply(429, {"retry-after": "1", ADMITS_IN_HEADER: "1000"}, body.encode())
+
+            def reply(self, status: int, headers: dict[str, str], body: bytes) -> None:
+                self.send_response(status)
+                for name, value in {"content-type": "application/json", **headers}.items():
+                    self.send_header(name, value)
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+        return Handler
+
+
+def test_engines_that_refused_get_no_fresh_request_until_they_expect_to_queue_one(tmp_path: Path) -> None:
+    """Each full primary's 429 is relayed with its Retry-After; while both expect to queue nothing (their
+    ``ADMITS_IN_HEADER``), the gateway answers fresh requests 429 itself, and the next request an engine gets says
+    how many it refused meanwhile (``REFUSED_HEADER``, which a client cannot set)."""
+    config = write_cluster(tmp_path / "cluster.toml", [])
+    with FullUpstreams().running() as upstreams:
+        urls = [arg for url in upstreams.urls for arg in ("--upstream", url)]
+        with GatewayProcess(config, *urls) as gateway:
+            gateway.wait_health(lambda h: len(h["primaries"]) == 2, what="two primaries")
+            forged = {REFUSED_HEADER: "999"}
+            relayed = [gateway.client.post(Endpoint.COMPLETIONS, json={"prompt": "x"}, headers=forged) for _ in "ab"]
+            assert [r.status_code for r in relayed] == [429, 429]
+            assert [r.headers.get("retry-after") for r in relayed] == ["1", "1"]
+            assert {r.headers["x-hotweights-upstream"] for r in relayed} == set(upstreams.urls)  # the open one first
+            assert not [h for h in upstreams.received if REFUSED_HEADER in h], upstreams.received
+            refused = 0
+            while len(upstreams.received) == 2:  # until the first engine's second has passed
+                answer = gateway.client.post(Endpoint.COMPLETIONS, json={"prompt": "x"})
+                assert answer.status_code == 429 and answer.headers["retry-after"] == "1"
+                if len(upstreams.received) == 2:
+                    assert "every primary engine is full" in answer.json()["error"]["message"], answer.text
+                    refused += 1
+            assert refused > 0
+            assert upstreams.received[2].get(REFUSED_HEADER) == str(refused)
+            assert metric(gateway, "hotweights_gateway_admission_total", verdict="refused") == refused
 
 
 class Load:

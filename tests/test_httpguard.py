@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import httpx
 import pytest
@@ -20,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from hotweights.admission import OWED_QUEUE_FACTOR, Admission, Verdict, starts_soon, verdict
+from hotweights.admission import OWED_QUEUE_FACTOR, Admission, Verdict, opens_in, overloaded, starts_soon, verdict
 from hotweights.httpguard import ErrorShape, HttpLimits, json_refusal, server_config, short
 
 pytestmark = pytest.mark.timeout(60)
@@ -94,17 +95,90 @@ def test_a_request_is_queued_only_when_a_slot_should_free_soon(
     assert starts_soon(remaining, waiting, 0.01, completion_s, share) is expected
 
 
+@dataclass
+class Times:
+    """A scheduler's times as a test sets them (``hotweights.admission.Timing``): every ``starts_soon`` is ``soon``."""
+
+    completion_s: float = 1.0
+    soon: bool = False
+    asked: list[int] = field(default_factory=list)
+
+    def starts_soon(self, share: float, waiting: int) -> bool:
+        self.asked.append(waiting)
+        return self.soon
+
+    def opens_in(self, share: float, ahead: int, queue: int) -> float | None:
+        return None
+
+
 @pytest.mark.unit
-def test_admission_refuses_at_once_when_no_slot_is_expected_to_free_soon() -> None:
+@pytest.mark.parametrize(
+    ("arrivals", "running", "completion_s", "expected"),
+    [  # over a window of 1 s
+        (100, 4, 0.0, False),  # nothing timed yet
+        (40, 4, 0.1, False),  # exactly what 4 slots complete
+        (41, 4, 0.1, True),
+        (5, 1, 0.25, True),
+        (3, 1, 0.25, False),
+    ],
+)
+def test_overloaded_is_more_arrivals_than_the_slots_complete(
+    arrivals: int, running: int, completion_s: float, expected: bool
+) -> None:
+    assert overloaded(arrivals, 1.0, running, completion_s) is expected
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("remaining", "ahead", "queue", "share", "expected"),
+    [  # a round of 10 ms, a typical completion of 320 ms
+        ([], 0, 1, 0.5, None),  # nothing holds a slot
+        ([30, 10, 20, 40], 1, 1, 0.0, 0.1),  # the queue is full: it moves up when the soonest ends
+        ([30, 10, 20, 40], 3, 1, 0.0, 0.3),  # three ahead of a queue of one: the third soonest
+        ([30, 10, 20, 40], 9, 1, 0.0, 0.4),  # more ahead than slots: the last one
+        ([30, 30, 30, 30], 0, 1, 0.5, 0.3 - 0.16),  # room, but the slot frees within half a completion only then
+        ([30, 5, 30, 30], 0, 1, 0.5, 0.0),  # the soonest is near enough already
+        ([30, 30, 30, 30], 0, 1, 0.0, 0.0),  # room and no share: at once
+    ],
+)
+def test_an_engine_says_when_it_queues_a_fresh_request_again(
+    remaining: list[int], ahead: int, queue: int, share: float, expected: float | None
+) -> None:
+    found = opens_in(remaining, ahead, queue, 0.01, 0.32, share)
+    assert found == pytest.approx(expected) if expected is not None else found is None
+
+
+@pytest.mark.unit
+def test_admission_refuses_at_once_when_overloaded_and_no_slot_is_expected_to_free_soon() -> None:
     async def scenario() -> tuple[str | None, list[int]]:
-        asked: list[int] = []
-        admission = Admission(1, 2, 5.0, starts_soon=lambda waiting: asked.append(waiting) or False)
+        times = Times()
+        admission = Admission(1, 2, 5.0, share=0.5, timing=times)
         assert await admission.enter() is None  # served: not asked
-        return await admission.enter(), asked
+        return await admission.enter(), times.asked  # the second arrival in a second, one completing in it
 
     refused, asked = asyncio.run(scenario())
     assert refused is not None and "none is expected to end soon" in refused
     assert asked == [0]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("refused_elsewhere", "queued"), [(0, True), (30, False)])
+def test_below_the_capacity_the_wait_share_does_not_apply(refused_elsewhere: int, queued: bool) -> None:
+    """Slots that complete 10 a second: a second arrival is queued whatever its wait; with 30 more that a gateway
+    refused on the server's behalf, the arrivals are beyond the capacity and the wait share refuses it."""
+
+    async def scenario() -> tuple[str | None, list[int]]:
+        times = Times(completion_s=0.1)
+        admission = Admission(1, 2, 5.0, share=0.5, timing=times)
+        assert await admission.enter() is None
+        waiter = asyncio.create_task(admission.enter(refused_elsewhere=refused_elsewhere))
+        await asyncio.sleep(0)
+        admission.leave()
+        return await waiter, times.asked
+
+    answer, asked = asyncio.run(scenario())
+    assert (answer is None) is queued, answer
+    assert asked == ([] if queued else [0])
 
 
 @pytest.mark.unit
@@ -115,7 +189,7 @@ def test_owed_requests_wait_in_order_in_their_queue_and_arrivals_join_it_until_t
     arrivals while a fresh one that joined still waits."""
 
     async def scenario() -> tuple[list[str | None], list[int], str | None, str | None]:
-        admission = Admission(1, 1, 5.0, starts_soon=lambda waiting: False)
+        admission = Admission(1, 1, 5.0, share=0.5, timing=Times())
         assert await admission.enter() is None  # served, fresh
         order: list[int] = []
 
@@ -152,13 +226,47 @@ def test_owed_requests_wait_in_order_in_their_queue_and_arrivals_join_it_until_t
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize(("completion_s", "drains"), [(0.001, True), (1.0, False)])
+def test_after_the_last_owed_request_arrivals_join_what_is_left_of_the_burst_below_the_capacity(
+    completion_s: float, drains: bool
+) -> None:
+    """Once the owed request is answered, two fresh ones that joined its queue are left; below the capacity, two
+    more arrivals join them (a queue of one would hold only one); beyond it (a completion a second), the first meets
+    the short rules and is refused."""
+
+    async def scenario() -> list[str | None]:
+        admission = Admission(1, 1, 5.0, share=0.5, timing=Times(completion_s=completion_s))
+        assert await admission.enter() is None  # served, fresh
+        owed = asyncio.create_task(admission.enter(owed=True))
+        joined = [asyncio.create_task(admission.enter()) for _ in range(2)]
+        await asyncio.sleep(0)
+        admission.leave()  # the owed one starts
+        assert await owed is None
+        admission.leave(owed=True)  # and is answered: the first that joined starts, the second still waits
+        assert await joined[0] is None
+        late = [asyncio.create_task(admission.enter()) for _ in range(2)]
+        await asyncio.sleep(0)
+        refused = [task.result() for task in late if task.done()]  # a refusal answers at once; the queued wait
+        for task in [joined[1], *(task for task in late if not task.done())]:  # each served in turn
+            admission.leave()
+            assert await task is None
+        return refused
+
+    refused = asyncio.run(scenario())
+    if drains:
+        assert refused == [], refused
+    else:
+        assert refused and "none is expected to end soon" in (refused[0] or ""), refused
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("ends", ["cancelled", "timed out"])
 def test_an_owed_request_that_ends_while_queued_ends_the_catch_up(ends: str) -> None:
     """An owed request whose client goes away (or whose wait runs out) while it waits no longer counts as owed: the
     next arrival meets the short queue and the wait share again."""
 
     async def scenario() -> str | None:
-        admission = Admission(1, 1, 0.05 if ends == "timed out" else 5.0, starts_soon=lambda waiting: False)
+        admission = Admission(1, 1, 0.05 if ends == "timed out" else 5.0, share=0.5, timing=Times())
         assert await admission.enter() is None  # served, fresh
         owed = asyncio.create_task(admission.enter(owed=True))
         await asyncio.sleep(0)
