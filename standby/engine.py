@@ -534,7 +534,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         default=LIMITS.max_queue,
         help="completions that may wait beyond the --max-batch being generated; more are answered 429 at once "
-        "(default 0: as many as --max-batch)",
+        f"(default {LIMITS.max_queue}; 0: as many as --max-batch)",
     )
     p.add_argument(
         "--queue-timeout",
@@ -546,8 +546,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--queue-wait-share",
         type=float,
         default=LIMITS.queue_wait_share,
-        help="above 0, a completion waits only while a slot is expected to free within this share of a typical "
-        "completion's time, else it is answered 429 at once: admitted latency over refusals (default 0: off)",
+        help="above 0, under overload a completion waits only while a slot is expected to free within this share "
+        "of a typical completion's time, else it is answered 429 at once: admitted latency over refusals "
+        f"(default {LIMITS.queue_wait_share}; 0: off)",
     )
     p.add_argument(
         "--max-body-bytes",

@@ -1,0 +1,31 @@
+"""Overload on CPU at CI's scale: ``bench/overload.py`` (the tiny model, one engine behind the gateway, the shipped
+admission) at 1x and 5x its measured capacity for a second each. Every answer is a completion or a refusal (429 with
+the reason), nothing else; at 5x most are refused and some still served. Its latency targets are the benchmark's
+to report, on the GPU (``docs/benchmarks.md``, Overload), not a timed test's."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.cachehelpers import run_to_the_end
+
+BENCH = Path(__file__).resolve().parent.parent / "bench" / "overload.py"
+
+
+@pytest.mark.timeout(300)
+def test_overload_answers_every_request_with_a_completion_or_a_refusal() -> None:
+    command = [sys.executable, str(BENCH), "--seconds", "1", "--quiet-requests", "10", "--loads", "1,5"]
+    bench = run_to_the_end(command, timeout=240)
+    assert bench.returncode == 0, bench.stderr[-3000:]
+    result = json.loads(bench.stdout.strip().splitlines()[-1])
+    print(f"\n{json.dumps(result)}")
+    assert result["errors"] == 0, result["loads"]
+    at5 = result["loads"]["5x"]
+    assert at5["admitted"] > 0 and at5["refused"] > at5["admitted"], at5
+    assert at5["admitted"] + at5["refused"] == at5["sent"]
+    assert result["loads"]["1x"]["admitted"] > 0
+    assert set(at5["engine_mean_ms"]) == {"queue_wait", "first_token", "service", "queued"}
