@@ -102,11 +102,13 @@ GATEWAY_HEADERS = (REPLAY_HEADER, OWED_HEADER, REFUSED_HEADER)  # set by the gat
 
 def upstream_headers(request: Request, owed: bool, upstream: Upstream) -> list[tuple[str, str]]:
     """The client's headers that go on to ``upstream``: not the hop-by-hop ones, nor those only the gateway sets (the
-    replay count, ``REPLAY_HEADER``; ``OWED_HEADER``, here when ``owed``; ``REFUSED_HEADER``, here on a fresh request
-    when fresh requests were refused on its behalf since the last one, which it is then told of)."""
+    replay count, ``REPLAY_HEADER``; ``OWED_HEADER``, here when ``owed``; ``REFUSED_HEADER``, here on a fresh completion
+    (a POST) when fresh completions were refused on its behalf since the last one, which it is then told of)."""
     headers = [(k, v) for k, v in request.headers.items() if k not in HOP_BY_HOP and k not in GATEWAY_HEADERS]
     if owed:
         return [*headers, (OWED_HEADER, "1")]
+    if request.method != "POST":  # not a completion: no slot of the engine's
+        return headers
     refused, upstream.refused_for = upstream.refused_for, 0
     return headers + ([(REFUSED_HEADER, str(refused))] if refused else [])
 
@@ -156,7 +158,7 @@ class Gateway:
             return self.answer(not_found(NOT_NORMALIZED))
         if not self.discovery.available.is_set():  # held under the failover rules, not admission's
             return self.answer(await self.forward(request, path, owed=True))
-        if full_s := self.discovery.full_for():  # the engines' own answer, without their time spent on it
+        if request.method == "POST" and (full_s := self.discovery.full_for()):  # what the engines would answer
             self.discovery.refuse_for_all()
             self.metrics.admission.labels(Verdict.REFUSE.value).inc()
             message = f"overloaded: every primary engine is full; the soonest expects a slot in {full_s * 1000:.0f} ms"

@@ -497,8 +497,8 @@ class FullUpstreams(ThreadedUpstreams):
 
 def test_engines_that_refused_get_no_fresh_request_until_they_expect_to_queue_one(tmp_path: Path) -> None:
     """Each full primary's 429 is relayed with its Retry-After; while both expect to queue nothing (their
-    ``ADMITS_IN_HEADER``), the gateway answers fresh requests 429 itself, and the next request an engine gets says
-    how many it refused meanwhile (``REFUSED_HEADER``, which a client cannot set)."""
+    ``ADMITS_IN_HEADER``), the gateway answers fresh completions 429 itself (a GET still goes through), and the next
+    completion an engine gets says how many it refused meanwhile (``REFUSED_HEADER``, which a client cannot set)."""
     config = write_cluster(tmp_path / "cluster.toml", [])
     with FullUpstreams().running() as upstreams:
         urls = [arg for url in upstreams.urls for arg in ("--upstream", url)]
@@ -517,6 +517,8 @@ def test_engines_that_refused_get_no_fresh_request_until_they_expect_to_queue_on
                 if len(upstreams.received) == 2:
                     assert "every primary engine is full" in answer.json()["error"]["message"], answer.text
                     refused += 1
+                    if refused == 1:  # what is not a completion still goes through
+                        assert gateway.client.get(Endpoint.MODELS).status_code == 200
             assert refused > 0
             assert upstreams.received[2].get(REFUSED_HEADER) == str(refused)
             assert metric(gateway, "hotweights_gateway_admission_total", verdict="refused") == refused
