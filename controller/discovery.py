@@ -51,6 +51,7 @@ class Upstream:
             "is_primary": self.is_primary,
             "reason": self.reason or None,
             "checked_ago_ms": round((time.time() - self.checked) * 1000) if self.checked else None,
+            "full_for_ms": round(max(self.full_until - time.monotonic(), 0.0) * 1000),  # fresh requests refused here
         }
 
 

@@ -517,8 +517,9 @@ def test_engines_that_refused_get_no_fresh_request_until_they_expect_to_queue_on
                 if len(upstreams.received) == 2:
                     assert "every primary engine is full" in answer.json()["error"]["message"], answer.text
                     refused += 1
-                    if refused == 1:  # what is not a completion still goes through
+                    if refused == 1:  # what is not a completion still goes through; health says who is full
                         assert gateway.client.get(Endpoint.MODELS).status_code == 200
+                        assert all(u["full_for_ms"] > 0 for u in gateway.health()["upstreams"])
             assert refused > 0
             assert upstreams.received[2].get(REFUSED_HEADER) == str(refused)
             assert metric(gateway, "hotweights_gateway_admission_total", verdict="refused") == refused
