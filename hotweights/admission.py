@@ -102,7 +102,7 @@ def opens_in(
 class Verdict(enum.Enum):
     ADMIT = "admitted"  # a slot is free: served at once
     QUEUE = "queued"  # no slot: waits for one (at most wait_s)
-    REFUSE = "refused"  # no slot and the queue is full: answered at once
+    REFUSE = "refused"  # no slot, and the queue is full or (under overload) no slot frees soon: answered at once
 
 
 def verdict(slot_free: bool, waiting: int, queue: int, starts_soon: bool = True) -> Verdict:
@@ -115,7 +115,8 @@ def verdict(slot_free: bool, waiting: int, queue: int, starts_soon: bool = True)
 class Timing(Protocol):
     """What an engine's scheduler knows of its sequences' times (``standby.scheduler.Scheduler``)."""
 
-    completion_s: float  # a typical completion's time, submit to last token (0: none timed yet)
+    @property
+    def completion_s(self) -> float: ...  # a typical completion's time, submit to last token (0: none timed yet)
 
     def starts_soon(self, share: float, waiting: int) -> bool: ...
 
