@@ -1,7 +1,8 @@
 """Overload on CPU at CI's scale: ``bench/overload.py`` (the tiny model, one engine behind the gateway, the shipped
 admission) at 1x and 5x its measured capacity for a second each. Every answer is a completion or a refusal (429 with
 the reason), nothing else; at 5x most are refused and some still served. Its latency targets are the benchmark's
-to report, on the GPU (``docs/benchmarks.md``, Overload), not a timed test's."""
+to report, on the GPU (``docs/benchmarks.md``, Overload), not a timed test's. ``bench/refusal_cost.py`` likewise:
+a flood an engine answers itself is refused, and the figures are there."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 from tests.cachehelpers import run_to_the_end
 
 BENCH = Path(__file__).resolve().parent.parent / "bench" / "overload.py"
+REFUSAL_COST = BENCH.with_name("refusal_cost.py")
 
 
 @pytest.mark.timeout(300)
@@ -29,3 +31,16 @@ def test_overload_answers_every_request_with_a_completion_or_a_refusal() -> None
     assert at5["admitted"] + at5["refused"] == at5["sent"]
     assert result["loads"]["1x"]["admitted"] > 0
     assert set(at5["engine_mean_ms"]) == {"queue_wait", "first_token", "service", "queued"}
+
+
+@pytest.mark.timeout(300)
+def test_refusal_cost_floods_an_engine_that_refuses() -> None:
+    command = [sys.executable, str(REFUSAL_COST), "--rates", "100", "--requests", "2", "--max-tokens", "16"]
+    bench = run_to_the_end(command, timeout=240)
+    assert bench.returncode == 0, bench.stderr[-3000:]
+    result = json.loads(bench.stdout.strip().splitlines()[-1])
+    print(f"\n{json.dumps(result)}")
+    flood = result["100/s"]
+    assert flood["flood_answers"].get("429", 0) > 0, flood
+    assert set(flood["flood_answers"]) <= {"200", "429"}, flood
+    assert flood["slowdown"] > 0 and result["ms_per_token_alone"] > 0
