@@ -109,14 +109,19 @@ def stack(args: argparse.Namespace, workdir: Path) -> Iterator[tuple[str, str]]:
         wait_serving(url + Endpoint.GATEWAY_HEALTH, processes[1], workdir / "gateway.log", 60)
         yield url, engine_url
     finally:
-        for process in processes:
-            process.send_signal(signal.SIGTERM)
-        for process in processes:
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop(processes)
+
+
+def stop(processes: list[subprocess.Popen]) -> None:
+    """SIGTERM to each, then wait for each (30 s, then SIGKILL)."""
+    for process in processes:
+        process.send_signal(signal.SIGTERM)
+    for process in processes:
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 async def one(client: httpx.AsyncClient, url: str, max_tokens: int) -> tuple[int | str, float]:

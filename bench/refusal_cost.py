@@ -23,7 +23,6 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,7 +33,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.overload import PROMPT, start, wait_serving
+from bench.overload import PROMPT, start, stop, wait_serving
 from hotweights.contract import Endpoint
 from hotweights.ports import free_port
 from hotweights.spawn import hotweights_command
@@ -130,12 +129,7 @@ def main() -> int:
             result = {"device": args.device, "model": args.model or "tiny", "max_tokens": args.max_tokens}
             result |= asyncio.run(measure(url, engine.pid, args))
         finally:
-            engine.send_signal(signal.SIGTERM)
-            try:
-                engine.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                engine.kill()
-                engine.wait()
+            stop([engine])
     print(json.dumps(result))
     return 0
 

@@ -165,9 +165,7 @@ class Scheduler:
     def starts_soon(self, share: float, waiting: int) -> bool:
         """``hotweights.admission.starts_soon`` for a sequence submitted behind ``waiting`` others that wait for
         a slot, from the live sequences' remaining tokens and this worker's measured times."""
-        with self._lock:
-            remaining = [seq.params.max_tokens - seq.generated for seq in self._live]
-        return starts_soon(remaining, waiting, self._round_s, self._completion_s, share)
+        return starts_soon(self._remaining(), waiting, self._round_s, self._completion_s, share)
 
     @property
     def completion_s(self) -> float:
@@ -177,9 +175,12 @@ class Scheduler:
     def opens_in(self, share: float, ahead: int, queue: int) -> float | None:
         """``hotweights.admission.opens_in`` for a fresh request refused behind ``ahead`` others of a ``queue``, from
         the live sequences' remaining tokens and this worker's measured times."""
+        return opens_in(self._remaining(), ahead, queue, self._round_s, self._completion_s, share)
+
+    def _remaining(self) -> list[int]:
+        """The tokens each live sequence has yet to generate."""
         with self._lock:
-            remaining = [seq.params.max_tokens - seq.generated for seq in self._live]
-        return opens_in(remaining, ahead, queue, self._round_s, self._completion_s, share)
+            return [seq.params.max_tokens - seq.generated for seq in self._live]
 
     def cancel_all(self) -> int:
         """Cancel every live sequence; returns how many. Each still gets its ``Finish``."""

@@ -145,6 +145,16 @@ def engine_python(engine: str, wanted: str) -> str:
     return python
 
 
+def bench_result(command: list[str], timeout: float) -> dict:
+    """A bench's result: its last stdout line, one JSON object (printed, for the test's log), once it exited 0
+    (``run_to_the_end``)."""
+    bench = run_to_the_end(command, timeout)
+    assert bench.returncode == 0, bench.stderr[-3000:]
+    result = json.loads(bench.stdout.strip().splitlines()[-1])
+    print(f"\n{json.dumps(result)}")
+    return result
+
+
 def run_to_the_end(command: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
     """Run a drill or bench to its end. Past ``timeout`` (or on any interruption) it gets SIGTERM, on which it
     tears its stack down, and is waited for, so a slow run fails the test without leaving processes behind."""

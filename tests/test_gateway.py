@@ -388,6 +388,23 @@ class ThreadedUpstreams:
                 server.server_close()
 
 
+class FakeEngine(BaseHTTPRequestHandler):
+    """A fake engine's request handler: HTTP/1.1, quiet, ``reply`` sends a whole JSON answer."""
+
+    protocol_version = "HTTP/1.1"
+
+    def reply(self, status: int, body: bytes, headers: dict[str, str] | None = None) -> None:
+        self.send_response(status)
+        for name, value in {"content-type": "application/json", **(headers or {})}.items():
+            self.send_header(name, value)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
 class CutUpstreams(ThreadedUpstreams):
     """Two upstreams on threads: A is primary until it answers a completion with its headers and the first
     bytes of its body, then closes the connection (a partition mid-reply); from then on B is, and serves."""
@@ -401,9 +418,7 @@ class CutUpstreams(ThreadedUpstreams):
     def handler(self, name: str) -> type[BaseHTTPRequestHandler]:
         upstreams = self
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
+        class Handler(FakeEngine):
             def do_GET(self) -> None:  # /primary
                 self.reply(200 if (name == "b") == upstreams.cut.is_set() else 503, b"{}")
 
@@ -421,16 +436,6 @@ class CutUpstreams(ThreadedUpstreams):
                 self.wfile.write(b'{"choi')
                 self.wfile.flush()
                 self.close_connection = True
-
-            def reply(self, status: int, body: bytes) -> None:
-                self.send_response(status)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, format: str, *args: object) -> None:
-                pass
 
         return Handler
 
@@ -469,28 +474,15 @@ class FullUpstreams(ThreadedUpstreams):
     def handler(self) -> type[BaseHTTPRequestHandler]:
         received = self.received
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
+        class Handler(FakeEngine):
             def do_GET(self) -> None:  # /primary
-                self.reply(200, {}, b"{}")
+                self.reply(200, b"{}")
 
             def do_POST(self) -> None:
                 self.rfile.read(int(self.headers["content-length"]))
                 received.append({k.lower(): v for k, v in self.headers.items()})
                 body = json.dumps({"error": {"message": "overloaded: upstream", "type": "overloaded", "param": None}})
-                self.reply(429, {"retry-after": "1", ADMITS_IN_HEADER: "1000"}, body.encode())
-
-            def reply(self, status: int, headers: dict[str, str], body: bytes) -> None:
-                self.send_response(status)
-                for name, value in {"content-type": "application/json", **headers}.items():
-                    self.send_header(name, value)
-                self.send_header("content-length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, format: str, *args: object) -> None:
-                pass
+                self.reply(429, body.encode(), {"retry-after": "1", ADMITS_IN_HEADER: "1000"})
 
         return Handler
 
@@ -634,15 +626,9 @@ class DyingUpstreams(ThreadedUpstreams):
         dead, mid_stream = self.dead, self.mid_stream
         event = b'data: {"id":"c","choices":[{"index":0,"text":"a","token_ids":[5],"finish_reason":null}]}\n\n'
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
+        class Handler(FakeEngine):
             def do_GET(self) -> None:  # /primary
-                status = 503 if name in dead else 200
-                self.send_response(status)
-                self.send_header("content-length", "2")
-                self.end_headers()
-                self.wfile.write(b"{}")
+                self.reply(503 if name in dead else 200, b"{}")
 
             def do_POST(self) -> None:
                 self.rfile.read(int(self.headers["content-length"]))
@@ -654,9 +640,6 @@ class DyingUpstreams(ThreadedUpstreams):
                     self.send_header("transfer-encoding", "chunked")
                     self.end_headers()
                     self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
-
-            def log_message(self, format: str, *args: object) -> None:
-                pass
 
         return Handler
 

@@ -6,13 +6,12 @@ a flood an engine answers itself is refused, and the figures are there."""
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.cachehelpers import run_to_the_end
+from tests.cachehelpers import bench_result
 
 BENCH = Path(__file__).resolve().parent.parent / "bench" / "overload.py"
 REFUSAL_COST = BENCH.with_name("refusal_cost.py")
@@ -21,10 +20,7 @@ REFUSAL_COST = BENCH.with_name("refusal_cost.py")
 @pytest.mark.timeout(300)
 def test_overload_answers_every_request_with_a_completion_or_a_refusal() -> None:
     command = [sys.executable, str(BENCH), "--seconds", "1", "--quiet-requests", "10", "--loads", "1,5"]
-    bench = run_to_the_end(command, timeout=240)
-    assert bench.returncode == 0, bench.stderr[-3000:]
-    result = json.loads(bench.stdout.strip().splitlines()[-1])
-    print(f"\n{json.dumps(result)}")
+    result = bench_result(command, timeout=240)
     assert result["errors"] == 0, result["loads"]
     at5 = result["loads"]["5x"]
     assert at5["admitted"] > 0 and at5["refused"] > at5["admitted"], at5
@@ -36,10 +32,7 @@ def test_overload_answers_every_request_with_a_completion_or_a_refusal() -> None
 @pytest.mark.timeout(300)
 def test_refusal_cost_floods_an_engine_that_refuses() -> None:
     command = [sys.executable, str(REFUSAL_COST), "--rates", "100", "--requests", "2", "--max-tokens", "16"]
-    bench = run_to_the_end(command, timeout=240)
-    assert bench.returncode == 0, bench.stderr[-3000:]
-    result = json.loads(bench.stdout.strip().splitlines()[-1])
-    print(f"\n{json.dumps(result)}")
+    result = bench_result(command, timeout=240)
     flood = result["100/s"]
     assert flood["flood_answers"].get("429", 0) > 0, flood
     assert set(flood["flood_answers"]) <= {"200", "429"}, flood

@@ -8,13 +8,12 @@ and two ready standbys) must come back after every fault within one engine's col
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.cachehelpers import run_to_the_end
+from tests.cachehelpers import bench_result
 
 BENCH = Path(__file__).resolve().parent.parent / "bench" / "redundancy.py"
 
@@ -22,10 +21,7 @@ BENCH = Path(__file__).resolve().parent.parent / "bench" / "redundancy.py"
 @pytest.mark.timeout(300)
 def test_full_redundancy_returns_after_every_fault_of_a_storm_without_client_errors(default_model: Path) -> None:
     command = [sys.executable, str(BENCH), "--faults", "6", "--interval", "8", "--signals", "kill,stop", "--quiet", "3"]
-    bench = run_to_the_end(command, timeout=240)
-    assert bench.returncode == 0, bench.stderr[-3000:]
-    result = json.loads(bench.stdout.strip().splitlines()[-1])
-    print(f"\n{json.dumps(result)}")
+    result = bench_result(command, timeout=240)
     assert result["faults"] == 6 and result["problem"] is None
     assert result["client_errors"] == 0, result["errors"]
     assert result["split_brain_samples"] == 0
