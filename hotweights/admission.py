@@ -6,8 +6,8 @@ most ``wait_s``; anything beyond, or a wait that runs out, is refused at once (4
 without bound. The gateway and the engines each hold one.
 
 With ``queue_wait_share`` above 0, an engine under overload (``Admission.overloaded``: within the last
-``OVERLOAD_WINDOW_S`` a fresh request found the queue full, or more fresh requests arrived than its slots complete,
-counting those a gateway refused on its behalf, ``REFUSED_HEADER``) also asks whether a request queued now would
+``OVERLOAD_WINDOW_S`` a fresh request found the queue full, or more fresh requests arrived than its slots complete and
+its queue holds, counting those a gateway refused on its behalf, ``REFUSED_HEADER``) also asks whether a request queued now would
 start soon (``starts_soon``): the sequences it generates end, at the time its rounds take now, when their remaining
 tokens are done, and a request is queued only if the slot it waits for is expected to free within that share of a
 typical completion's time. Without it, requests of equal length start and end in waves, and one that arrives early
@@ -76,10 +76,11 @@ def starts_soon(remaining: list[int], waiting: int, round_s: float, completion_s
     return sorted(remaining)[waiting] * round_s <= share * completion_s
 
 
-def overloaded(arrivals: int, window_s: float, running: int, completion_s: float) -> bool:
+def overloaded(arrivals: int, window_s: float, running: int, completion_s: float, queue: int) -> bool:
     """Whether ``arrivals`` fresh requests in ``window_s`` are more than ``running`` slots complete in that time at
-    ``completion_s`` each (a typical completion's time; 0 while none is timed: never)."""
-    return completion_s > 0 and arrivals * completion_s > running * window_s
+    ``completion_s`` each (a typical completion's time; 0 while none is timed: never) and a ``queue`` holds: an
+    engine slowed for a while (a neighbour starting, say) queues what it cannot serve at once, as deep as it may."""
+    return completion_s > 0 and (arrivals - queue) * completion_s > running * window_s
 
 
 def opens_in(
@@ -151,20 +152,20 @@ class Admission:
 
     def overloaded(self) -> bool:
         """Whether the wait share applies now: a fresh request found the queue full, or more arrived than the slots
-        complete, within the last ``OVERLOAD_WINDOW_S``."""
+        complete and the queue holds, within the last ``OVERLOAD_WINDOW_S``."""
         if not self.share or self.timing is None:
             return False
         return time.monotonic() - self._full_at < OVERLOAD_WINDOW_S or self._beyond_capacity()
 
     def _beyond_capacity(self) -> bool:
-        """More fresh requests arrived over the last ``OVERLOAD_WINDOW_S`` than the slots complete (``overloaded``);
-        False without ``timing``."""
+        """More fresh requests arrived over the last ``OVERLOAD_WINDOW_S`` than the slots complete and the queue holds
+        (``overloaded``); False without ``timing``."""
         if self.timing is None:
             return False
         now = time.monotonic()
         while self._arrivals and self._arrivals[0][0] < now - OVERLOAD_WINDOW_S:
             self._arrived -= self._arrivals.popleft()[1]
-        return overloaded(self._arrived, OVERLOAD_WINDOW_S, self.running, self.timing.completion_s)
+        return overloaded(self._arrived, OVERLOAD_WINDOW_S, self.running, self.timing.completion_s, self.queue)
 
     async def enter(self, owed: bool = False, refused_elsewhere: int = 0) -> str | None:
         """None once a slot is held (``leave`` gives it back); else why the request is refused. ``owed``: a request

@@ -113,19 +113,22 @@ class Times:
 
 @pytest.mark.unit
 @pytest.mark.parametrize(
-    ("arrivals", "running", "completion_s", "expected"),
+    ("arrivals", "running", "completion_s", "queue", "expected"),
     [  # over a window of 1 s
-        (100, 4, 0.0, False),  # nothing timed yet
-        (40, 4, 0.1, False),  # exactly what 4 slots complete
-        (41, 4, 0.1, True),
-        (5, 1, 0.25, True),
-        (3, 1, 0.25, False),
+        (100, 4, 0.0, 0, False),  # nothing timed yet
+        (40, 4, 0.1, 0, False),  # exactly what 4 slots complete
+        (41, 4, 0.1, 0, True),
+        (41, 4, 0.1, 1, False),  # the one beyond waits in a queue of one
+        (42, 4, 0.1, 1, True),
+        (14, 2, 0.3, 8, False),  # a slowed engine: 6.7 a second complete, a deep queue takes the rest
+        (5, 1, 0.25, 0, True),
+        (3, 1, 0.25, 0, False),
     ],
 )
-def test_overloaded_is_more_arrivals_than_the_slots_complete(
-    arrivals: int, running: int, completion_s: float, expected: bool
+def test_overloaded_is_more_arrivals_than_the_slots_complete_and_the_queue_holds(
+    arrivals: int, running: int, completion_s: float, queue: int, expected: bool
 ) -> None:
-    assert overloaded(arrivals, 1.0, running, completion_s) is expected
+    assert overloaded(arrivals, 1.0, running, completion_s, queue) is expected
 
 
 @pytest.mark.unit
@@ -154,7 +157,8 @@ def test_admission_refuses_at_once_when_overloaded_and_no_slot_is_expected_to_fr
         times = Times()
         admission = Admission(1, 2, 5.0, share=0.5, timing=times)
         assert await admission.enter() is None  # served: not asked
-        return await admission.enter(), times.asked  # the second arrival in a second, one completing in it
+        # with 2 a gateway refused: 4 arrivals in a second, where one completes and 2 wait
+        return await admission.enter(refused_elsewhere=2), times.asked
 
     refused, asked = asyncio.run(scenario())
     assert refused is not None and "none is expected to end soon" in refused
@@ -276,7 +280,7 @@ def test_an_owed_request_that_ends_while_queued_ends_the_catch_up(ends: str) -> 
                 await owed
         else:
             assert await owed is not None
-        return await admission.enter()
+        return await admission.enter(refused_elsewhere=2)  # beyond what one slot completes and one waits
 
     refused = asyncio.run(scenario())
     assert refused is not None and "none is expected to end soon" in refused
