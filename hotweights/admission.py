@@ -6,13 +6,13 @@ most ``wait_s``; anything beyond, or a wait that runs out, is refused at once (4
 without bound. The gateway and the engines each hold one.
 
 With ``queue_wait_share`` above 0, an engine under overload (``Admission.overloaded``: within the last
-``OVERLOAD_WINDOW_S`` a fresh request found the queue full, or more fresh requests arrived than its slots complete and
-its queue holds, counting those a gateway refused on its behalf, ``REFUSED_HEADER``) also asks whether a request queued now would
-start soon (``starts_soon``): the sequences it generates end, at the time its rounds take now, when their remaining
-tokens are done, and a request is queued only if the slot it waits for is expected to free within that share of a
-typical completion's time. Without it, requests of equal length start and end in waves, and one that arrives early
-in a wave waits for all of it (``docs/benchmarks.md``, Overload). Otherwise the share does not apply: a burst below
-the capacity waits in the queue instead of being refused.
+``OVERLOAD_WINDOW_S`` a fresh request found the queue full, or more fresh requests arrived than its slots complete
+and its queue holds, counting those a gateway refused on its behalf, ``REFUSED_HEADER``) also asks whether a request
+queued now would start soon (``starts_soon``): the sequences it generates end, at the time its rounds take now, when
+their remaining tokens are done, and a request is queued only if the slot it waits for is expected to free within
+that share of a typical completion's time. Without it, requests of equal length start and end in waves, and one that
+arrives early in a wave waits for all of it (``docs/benchmarks.md``, Overload). Otherwise the share does not apply:
+a burst below the capacity waits in the queue instead of being refused.
 
 A request marked owed (``OWED_HEADER``: one a gateway owes to a failover) is fresh load to no one: it waits in a
 deeper queue (``OWED_QUEUE_FACTOR`` times ``running + queue``, the queue counted at least as deep as ``running``: a
