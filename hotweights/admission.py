@@ -40,6 +40,7 @@ RETRY_AFTER_S = 1  # what a refusal tells the client to wait before it tries aga
 OWED_QUEUE_FACTOR = 4  # an owed request may wait behind this many times ``running + queue`` (the queue >= running)
 QUEUE_WAIT_S = 10.0  # how long a queued request waits for a slot by default
 OVERLOAD_WINDOW_S = 1.0  # fresh arrivals over this long, against what the slots complete in it: ``overloaded``
+RECOVERY_S = 2.0  # how long after its last owed request a server queues fresh ones as deep as its slots
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,12 @@ def queue_or_default(queue: int, running: int) -> int:
     """A configured queue depth (0: as many as are served at once, so a queued request waits at most about one
     request's time)."""
     return queue or running
+
+
+def burst_queue(queue: int, running: int) -> int:
+    """How many fresh requests may wait below the capacity, and what the owed queue counts the queue as: ``queue``,
+    and at least as many as are served at once."""
+    return max(queue, running)
 
 
 def starts_soon(remaining: list[int], waiting: int, round_s: float, completion_s: float, share: float) -> bool:
@@ -146,16 +153,27 @@ class Admission:
     _arrivals: deque[tuple[float, int]] = field(init=False, default_factory=deque)  # (when, how many) in the window
     _arrived: int = field(init=False, default=0)  # their sum
     _full_at: float = field(init=False, default=float("-inf"))  # when a fresh request last found the queue full
+    _owed_at: float = field(init=False, default=float("-inf"))  # when an owed request was last answered or gave up
 
     def __post_init__(self) -> None:
         self._slots = asyncio.Semaphore(self.running)
 
     def overloaded(self) -> bool:
-        """Whether the wait share applies now: a fresh request found the queue full, or more arrived than the slots
-        complete and the queue holds, within the last ``OVERLOAD_WINDOW_S``."""
-        if not self.share or self.timing is None:
-            return False
+        """Whether the wait share applies now (``pressed``, with a share and ``timing``)."""
+        return bool(self.share) and self.timing is not None and self._pressed()
+
+    def _pressed(self) -> bool:
+        """A fresh request found the queue full, or more arrived than the slots complete and the queue holds, within
+        the last ``OVERLOAD_WINDOW_S``."""
         return time.monotonic() - self._full_at < OVERLOAD_WINDOW_S or self._beyond_capacity()
+
+    def _fresh_queue(self) -> int:
+        """How many fresh requests may wait now: ``queue``; within ``RECOVERY_S`` of an owed request's answer, unless
+        ``pressed``, at least as many as are served at once (``burst_queue``): what is left of a failover's burst
+        still holds the slots, and arrivals the slots complete in time wait for them instead of being refused."""
+        if self.timing is None or time.monotonic() - self._owed_at >= RECOVERY_S or self._pressed():
+            return self.queue
+        return burst_queue(self.queue, self.running)
 
     def _beyond_capacity(self) -> bool:
         """More fresh requests arrived over the last ``OVERLOAD_WINDOW_S`` than the slots complete and the queue holds
@@ -210,6 +228,7 @@ class Admission:
             self.owed_waiting -= lane
             if owed and not held:
                 self.owed -= 1
+                self._owed_at = time.monotonic()
         self.serving += 1
         self.on_wait(time.monotonic() - queued_at)
         return None
@@ -218,8 +237,8 @@ class Admission:
         """(whether in the owed queue, that queue's depth, how many wait ahead) for a request arriving now."""
         catching_up = self.owed > 0 or (self.owed_waiting > 0 and not self._beyond_capacity())
         if owed or catching_up:  # the owed queue: owed, or catching up with a failover's burst
-            return True, OWED_QUEUE_FACTOR * (self.running + max(self.queue, self.running)), self.waiting
-        return False, self.queue, self.waiting - self.owed_waiting  # a burst's rest in the owed queue is not its queue
+            return True, OWED_QUEUE_FACTOR * (self.running + burst_queue(self.queue, self.running)), self.waiting
+        return False, self._fresh_queue(), self.waiting - self.owed_waiting  # a burst's rest in the owed queue: not its
 
     def reopens_in(self) -> float | None:
         """Seconds until a fresh request refused now would be queued (``opens_in``), None when unknown."""
@@ -232,4 +251,6 @@ class Admission:
         """Give the slot back; ``owed``: the request entered owed."""
         self.serving -= 1
         self.owed -= owed
+        if owed:
+            self._owed_at = time.monotonic()
         self._slots.release()

@@ -186,6 +186,39 @@ def test_below_the_capacity_the_wait_share_does_not_apply(refused_elsewhere: int
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize(("owed_first", "completion_s", "queued"), [(True, 0.01, 4), (True, 1.0, 1), (False, 0.01, 1)])
+def test_after_a_failover_below_the_capacity_a_burst_waits_as_deep_as_the_slots(
+    owed_first: bool, completion_s: float, queued: int
+) -> None:
+    """Four slots and a queue of one. Just after an owed request's answer and below the capacity (slots that
+    complete 400 a second), four more fresh requests wait and the fifth is refused; then, the queue found full, an
+    arrival meets the queue of one: with three still waiting, it is refused. Beyond the capacity (4 a second, and 9
+    arrivals), or with no failover behind it, one waits."""
+
+    async def scenario() -> tuple[list[str | None], str | None]:
+        admission = Admission(4, 1, 5.0, share=0.5, timing=Times(completion_s=completion_s, soon=True))
+        if owed_first:
+            assert await admission.enter(owed=True) is None
+            admission.leave(owed=True)
+        for _ in range(4):
+            assert await admission.enter() is None
+        burst = [asyncio.create_task(admission.enter()) for _ in range(5)]
+        await asyncio.sleep(0)
+        refused = [task.result() for task in burst if task.done()]
+        admission.leave()  # the first that waits starts
+        await asyncio.sleep(0)
+        pressed = await admission.enter() if queued > 1 else None
+        for _ in range(queued - 1):  # each that waits gets a slot
+            admission.leave()
+        await asyncio.gather(*burst)
+        return refused, pressed
+
+    refused, pressed = asyncio.run(scenario())
+    assert len(refused) == 5 - queued and all("are waiting" in (reason or "") for reason in refused), refused
+    assert queued == 1 or (pressed is not None and "4 requests are being served and 3 are waiting" in pressed)
+
+
+@pytest.mark.unit
 def test_owed_requests_wait_in_order_in_their_queue_and_arrivals_join_it_until_the_last_is_answered() -> None:
     """A failover's burst (owed) is queued past the short queue and the wait share, first come first served, within
     its own bound (4 x (running + queue)); a fresh request that arrives while an owed one waits or is served joins
