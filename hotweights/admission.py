@@ -23,7 +23,8 @@ that, arrivals go on joining it while any request in it still waits and no more 
 is left of the burst drains); beyond the capacity they meet the short queue and the wait share at once, the short
 queue counting only those queued outside the owed one (what is left of the burst, at most ``OWED_QUEUE_FACTOR``
 times ``running + queue`` requests, is served first): a failover's burst ends with its owed requests under
-sustained overload.
+sustained overload. For ``RECOVERY_S`` after an owed request's answer, fresh requests below the capacity may wait as
+many as ``running`` (``burst_queue``): what is left of the burst still holds the slots.
 """
 
 from __future__ import annotations
