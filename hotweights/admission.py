@@ -228,8 +228,7 @@ class Admission:
             self.waiting -= 1
             self.owed_waiting -= lane
             if owed and not held:
-                self.owed -= 1
-                self._owed_at = time.monotonic()
+                self._owed_ended()
         self.serving += 1
         self.on_wait(time.monotonic() - queued_at)
         return None
@@ -239,7 +238,8 @@ class Admission:
         catching_up = self.owed > 0 or (self.owed_waiting > 0 and not self._beyond_capacity())
         if owed or catching_up:  # the owed queue: owed, or catching up with a failover's burst
             return True, OWED_QUEUE_FACTOR * (self.running + burst_queue(self.queue, self.running)), self.waiting
-        return False, self._fresh_queue(), self.waiting - self.owed_waiting  # a burst's rest in the owed queue: not its
+        # what is left of a burst in the owed queue is not this request's queue
+        return False, self._fresh_queue(), self.waiting - self.owed_waiting
 
     def reopens_in(self) -> float | None:
         """Seconds until a fresh request refused now would be queued (``opens_in``), None when unknown."""
@@ -251,7 +251,11 @@ class Admission:
     def leave(self, owed: bool = False) -> None:
         """Give the slot back; ``owed``: the request entered owed."""
         self.serving -= 1
-        self.owed -= owed
         if owed:
-            self._owed_at = time.monotonic()
+            self._owed_ended()
         self._slots.release()
+
+    def _owed_ended(self) -> None:
+        """An owed request was answered, or gave up its wait: the recovery (``RECOVERY_S``) counts from now."""
+        self.owed -= 1
+        self._owed_at = time.monotonic()
