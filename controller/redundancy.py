@@ -18,6 +18,8 @@ from typing import Any
 
 from hotweights.controller.snapshot import MemberView, Snapshot, Status
 
+NO_PRIMARY = "no serving primary"
+
 
 @dataclass(frozen=True)
 class Redundancy:
@@ -28,11 +30,31 @@ class Redundancy:
     standbys_ready: int
     spares_wanted: int
     spares_ready: int
-    reason: str | None  # why it is not full (None: full)
+    primary_serving: bool
+    unready: tuple[str, ...] = ()  # each slot neither a ready standby nor the serving primary, and why; then a
+    # spare's failure
+
+    @property
+    def reason(self) -> str | None:
+        """Why it is not full (None: full): no serving primary, then ``unready``."""
+        return "; ".join(([] if self.primary_serving else [NO_PRIMARY]) + list(self.unready)) or None
 
     @property
     def full(self) -> bool:
         return self.reason is None
+
+    def shortfall(self) -> str:
+        """What full redundancy lacks, in counts that agree with it: without a serving primary, the ready standbys
+        are the ones to replace it (all of them may be ready); with one, too few of them are ready."""
+        if not self.primary_serving:
+            ready = self.standbys_ready
+            return f"{NO_PRIMARY}, {ready or 'no'} standby{'s' if ready != 1 else ''} ready to replace it"
+        return f"{self.standbys_ready} of {self.standbys_wanted} standbys ready"
+
+    def lost_message(self) -> str:
+        """The ``redundancy_lost`` event's sentence: the shortfall, then each slot that is not ready and why."""
+        why = f" ({'; '.join(self.unready)})" if self.unready else ""
+        return f"group {self.group} lost full redundancy: {self.shortfall()}{why}"
 
 
 def assess(snap: Snapshot, group: int, spares_wanted: int, spares_ready: int, spare_failure: str = "") -> Redundancy:
@@ -42,10 +64,9 @@ def assess(snap: Snapshot, group: int, spares_wanted: int, spares_ready: int, sp
     ready = sum(m.is_ready_standby for m in members)
     serving = any(m.is_serving_primary for m in members)
     missing = [slot_state(m) for m in members if not (m.is_ready_standby or m.is_serving_primary)]
-    reasons = ([] if serving else ["no serving primary"]) + missing
-    if reasons and spare_failure:
-        reasons.append(f"its last spare failed: {spare_failure}")
-    return Redundancy(group, len(members) - 1, ready, spares_wanted, spares_ready, "; ".join(reasons) or None)
+    if (missing or not serving) and spare_failure:
+        missing.append(f"its last spare failed: {spare_failure}")
+    return Redundancy(group, len(members) - 1, ready, spares_wanted, spares_ready, serving, tuple(missing))
 
 
 def slot_state(member: MemberView) -> str:
@@ -115,11 +136,7 @@ class Tracker:
         if episode is None:
             assert state.reason is not None
             self.episodes[group] = Episode(now, state.reason)
-            message = (
-                f"group {group} lost full redundancy: {state.standbys_ready} of {state.standbys_wanted} standbys "
-                f"ready ({state.reason})"
-            )
-            return Change("redundancy_lost", group, message, 0.0, counts | {"reason": state.reason})
+            return Change("redundancy_lost", group, state.lost_message(), 0.0, counts | {"reason": state.reason})
         degraded_s = now - episode.since
         if not episode.alerted and degraded_s > self.alert_after_s:
             episode.alerted = True

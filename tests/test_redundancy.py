@@ -64,8 +64,8 @@ def test_assess_names_every_slot_that_is_not_ready(
     )  # fmt: skip
 
 
-def state(ready: int, reason: str | None = None) -> Redundancy:
-    return Redundancy(0, 2, ready, 1, 1, reason)
+def state(ready: int, *unready: str, serving: bool = True) -> Redundancy:
+    return Redundancy(0, 2, ready, 1, 1, serving, unready)
 
 
 @pytest.mark.parametrize(
@@ -75,7 +75,7 @@ def state(ready: int, reason: str | None = None) -> Redundancy:
         ([(0.0, state(0, "g0-e1 starting")), (5.0, state(2))], []),
         # lost at 10, restored at 10.4: one spell of 0.4 s, its first reason kept
         (
-            [(0.0, state(2)), (10.0, state(1, "no serving primary")), (10.2, state(1, "g0-e0 starting")),
+            [(0.0, state(2)), (10.0, state(1, serving=False)), (10.2, state(1, "g0-e0 starting")),
              (10.4, state(2))],
             [("redundancy_lost", 0.0, "no serving primary"), ("redundancy_restored", 0.4, "no serving primary")],
         ),
@@ -99,6 +99,32 @@ def test_tracker_turns_assessments_into_spells(
     tracker = Tracker(alert_after_s=30.0)
     changes = [change for now, s in timeline for change in tracker.observe(now, [s])]
     assert [(c.kind, round(c.degraded_s, 3), c.details["reason"]) for c in changes] == expected
+
+
+@pytest.mark.parametrize(
+    ("members", "message"),
+    [
+        # the primary killed, both standbys ready: a standby replaces it, and no count says the group is whole
+        ((DEAD_PRIMARY, member(1), member(2)),
+         "group 0 lost full redundancy: no serving primary, 2 standbys ready to replace it "
+         "(g0-e0 killed by signal 9 (SIGKILL))"),
+        ((DEAD_PRIMARY, member(1), STARTING),
+         "group 0 lost full redundancy: no serving primary, 1 standby ready to replace it "
+         "(g0-e0 killed by signal 9 (SIGKILL); g0-e1 starting (2.5 s))"),
+        ((member(0, "primary", state="draining"), STARTING),
+         "group 0 lost full redundancy: no serving primary, no standbys ready to replace it "
+         "(g0-e0 primary draining; g0-e1 starting (2.5 s))"),
+        ((PRIMARY, EXITED, member(2)),
+         "group 0 lost full redundancy: 1 of 2 standbys ready (g0-e1 killed by signal 9 (SIGKILL))"),
+    ],
+)  # fmt: skip
+def test_a_lost_redundancy_says_what_is_missing_in_counts_that_agree(
+    members: tuple[MemberView, ...], message: str
+) -> None:
+    tracker = Tracker(alert_after_s=30.0)
+    tracker.observe(0.0, [assess(Snapshot(0.0, 1, (PRIMARY, member(1), member(2)), ()), 0, 1, 1)])
+    (change,) = tracker.observe(1.0, [assess(Snapshot(1.0, 1, members, ()), 0, 1, 1)])
+    assert (change.kind, change.message) == ("redundancy_lost", message)
 
 
 def test_tracker_reports_the_current_spell() -> None:
