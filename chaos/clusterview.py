@@ -70,8 +70,19 @@ class ClusterView:
         return next((s for s in self.services if s["kind"] == kind), None)
 
 
+EVENT_TIME_RESOLUTION_S = 0.001  # an event's ISO time carries milliseconds, truncated (``controller.events``)
+
+
 def event_time(event: dict[str, Any]) -> float:
+    """When ``event`` was recorded, to EVENT_TIME_RESOLUTION_S: up to that much before the true instant."""
     return datetime.fromisoformat(event["time"]).timestamp()
+
+
+def since_ms(earlier: float, event_at: float) -> float:
+    """Milliseconds from ``earlier`` (a precise ``time.time()``) to an ``event_time`` recorded after it: an event of
+    the same millisecond reads up to EVENT_TIME_RESOLUTION_S before it, which is 0, not a negative duration."""
+    elapsed = event_at - earlier
+    return 0.0 if -EVENT_TIME_RESOLUTION_S <= elapsed < 0 else elapsed * 1000
 
 
 class ControlApi:
@@ -97,7 +108,7 @@ class ControlApi:
             events = response.json()["events"] if response.status_code == 200 else []
         except (httpx.HTTPError, ValueError, KeyError):
             return []
-        return [e for e in events if event_time(e) >= since - 0.001]  # ISO times carry milliseconds
+        return [e for e in events if event_time(e) >= since - EVENT_TIME_RESOLUTION_S]
 
     async def post(self, path: str, timeout_s: float, body: dict[str, Any] | None = None) -> httpx.Response:
         """POST ``path`` (a planned operation: a switchover, a rollout), with ``body`` (default empty)."""

@@ -44,6 +44,7 @@ from hotweights.chaos.scenarios import STORM_FAULTS, STORM_INTERVAL_S, ModelUpda
 from hotweights.chaos.splitbrain import SplitBrainDetector
 from hotweights.chaos.stack import DrillStack
 from hotweights.errors import ConfigError, HotweightsError
+from hotweights.stats import whole_ms
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +138,7 @@ def progress(result: RoundResult, total: int, judge: bool) -> None:
     if result.skipped:
         line = f"skipped: {result.skipped}"
     else:
-        parts = [f"{name} {value:.0f} ms" for name, value in (
+        parts = [f"{name} {whole_ms(value)} ms" for name, value in (
             ("outage", result.outage_ms), ("detect", result.detection_ms), ("promote", result.promotion_ms),
         ) if value is not None]  # fmt: skip
         failures = result.failures(judge)

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from hotweights.chaos.clusterview import event_time
+from hotweights.chaos.clusterview import EVENT_TIME_RESOLUTION_S, event_time, since_ms
 from hotweights.chaos.load import RequestRecord
 
 MEASURES = (
@@ -101,7 +101,7 @@ def apply_events(result: RoundResult, events: Sequence[dict[str, Any]], targets:
         subject = {event.get("member"), event.get("service")}
         if result.detected_at is None and subject & targets:
             result.detected_at = event_time(event)
-            result.detection_ms = (result.detected_at - result.fault_at) * 1000
+            result.detection_ms = since_ms(result.fault_at, result.detected_at)
         if result.fence_ms is None and event["kind"] == "fence" and "fence_ms" in event:
             result.fence_ms = event["fence_ms"]
         if result.promotion_ms is None and event["kind"] == "promote":
@@ -110,8 +110,9 @@ def apply_events(result: RoundResult, events: Sequence[dict[str, Any]], targets:
         if result.respawn_ms is None and event["kind"] == "respawn" and "duration_ms" in event:
             result.respawn_ms = event["duration_ms"]
         last_fault = max([result.fault_at, *result.later_faults])
-        if result.redundancy_ms is None and event["kind"] == "redundancy_restored" and event_time(event) >= last_fault:
-            result.redundancy_ms = (event_time(event) - last_fault) * 1000
+        restored = event["kind"] == "redundancy_restored" and event_time(event) >= last_fault - EVENT_TIME_RESOLUTION_S
+        if result.redundancy_ms is None and restored:
+            result.redundancy_ms = since_ms(last_fault, event_time(event))
         if event["kind"] == "batch_return" and event.get("back_ms") is not None:
             result.batch_back_ms = max(result.batch_back_ms or 0.0, event["back_ms"])
 

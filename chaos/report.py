@@ -21,7 +21,7 @@ from typing import Any
 from hotweights.chaos.hostscenarios import SCENARIOS
 from hotweights.chaos.load import RequestRecord
 from hotweights.chaos.measure import MEASURES, RoundResult
-from hotweights.stats import percentile
+from hotweights.stats import percentile, whole_ms
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ def _compact(result: RoundResult, began: float) -> dict[str, Any]:
 
 
 def _fmt(value: float | None) -> str:
-    return "-" if value is None else f"{value:.0f}"
+    return "-" if value is None else whole_ms(value)
 
 
 def render_markdown(

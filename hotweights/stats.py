@@ -15,5 +15,11 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 def ms(seconds: float) -> float:
-    """``seconds`` in milliseconds, to 0.1 ms: how events, reports and API answers give durations."""
-    return round(seconds * 1000, 1)
+    """``seconds`` in milliseconds, to 0.1 ms: how events, reports and API answers give durations; a duration that
+    rounds to zero is 0.0, never -0.0."""
+    return round(seconds * 1000, 1) + 0.0
+
+
+def whole_ms(milliseconds: float) -> str:
+    """``milliseconds`` as a whole number, for a report's cell or a progress line: never "-0"."""
+    return str(round(milliseconds))

@@ -27,6 +27,7 @@ from hotweights.chaos.stack import DRILL_LIMITS, DrillStack
 from hotweights.cli import main
 from hotweights.contract import SUSPECT_REQUEST
 from hotweights.spawn import hotweights_command
+from hotweights.stats import ms, whole_ms
 from tests.cachehelpers import run_to_the_end
 from tests.enginehelpers import EngineProcess
 
@@ -196,6 +197,31 @@ def test_a_respawn_is_measured_from_its_event() -> None:
     ]
     apply_events(result, events, {"g0-cache"})
     assert result.respawn_ms == 85.5 and result.detection_ms == pytest.approx(4.0)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("event_time", "detection_ms"),
+    [
+        ("1970-01-01T00:01:40.004+00:00", 3.7),  # 3.7 ms after the fault at 100.0003
+        ("1970-01-01T00:01:40.000+00:00", 0.0),  # the fault's own millisecond, truncated: 0, never -0.3
+        ("1970-01-01T00:01:39.998+00:00", -2.3),  # earlier than truncation explains: kept, so it shows
+    ],
+)
+def test_a_detection_in_the_faults_own_millisecond_is_zero_not_negative(event_time: str, detection_ms: float) -> None:
+    result = RoundResult("kill-primary", 0, started_at=0.0, fault_at=100.0003)
+    apply_events(result, [{"kind": "exit", "time": event_time, "member": "g0-e0"}], {"g0-e0"})
+    assert result.detection_ms == pytest.approx(detection_ms, abs=1e-6)
+    assert str(result.to_json()["detection_ms"]).startswith("-") == (detection_ms < 0)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("seconds", "rounded", "whole"),
+    [(0.0123456, 12.3, "12"), (-0.00001, 0.0, "0"), (0.0, 0.0, "0"), (-0.0004, -0.4, "0"), (-0.0016, -1.6, "-2")],
+)
+def test_durations_in_milliseconds_never_read_minus_zero(seconds: float, rounded: float, whole: str) -> None:
+    assert str(ms(seconds)) == str(rounded) and whole_ms(seconds * 1000) == whole
 
 
 def test_the_quiet_outage_is_the_same_formula_before_the_fault() -> None:
