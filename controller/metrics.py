@@ -71,6 +71,29 @@ class ControllerMetrics:
             registry=self.registry,
         )
 
+        self.state_dir_failing = Gauge(
+            "hotweights_controller_state_dir_failing",
+            "1 while writes to the state dir fail (state.json and events are kept in memory and retried), else 0",
+            registry=self.registry,
+        )
+        self.state_dir_write_failures = Counter(
+            "hotweights_controller_state_dir_write_failures",
+            "Failed writes to the state dir, by file (state.json, events.jsonl)",
+            ["file"],
+            registry=self.registry,
+        )
+        self.events_held = Gauge(
+            "hotweights_controller_events_held",
+            "Events kept in memory because events.jsonl could not be written yet",
+            registry=self.registry,
+        )
+        self.events_dropped = Counter(
+            "hotweights_controller_events_dropped",
+            "Events dropped from memory before they could be written (more were held than the bound); "
+            "events.jsonl names each gap in an events_lost line",
+            registry=self.registry,
+        )
+
     def export_redundancy(self, state: Redundancy, degraded: bool, alerting: bool) -> None:
         """The gauges of one group's redundancy (``controller.redundancy``)."""
         group = str(state.group)

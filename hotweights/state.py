@@ -16,6 +16,7 @@ A file without ``version`` was written before the field existed; it has the layo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import asdict, dataclass, field
@@ -144,15 +145,31 @@ def parse_state(document: Any, path: Path) -> ClusterState:
 
 
 def write_state(path: Path, state: ClusterState) -> None:
-    """Write a temp file, fsync it, rename it over the old one: after a crash or a power loss the file
-    is the old state or the new one, never empty or half written."""
+    """Write a temp file, fsync it, rename it over the old one, fsync the directory: after a crash or a power
+    loss the file is the old state or the new one, never empty or half written. Raises OSError (ENOSPC, EIO,
+    EROFS...) with the old file untouched and no temp file left behind."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
-    with open(tmp, "w") as out:
-        out.write(json.dumps(state.to_json(), indent=1))
-        out.flush()
-        os.fsync(out.fileno())
-    tmp.replace(path)
+    try:
+        with open(tmp, "w") as out:
+            out.write(json.dumps(state.to_json(), indent=1))
+            out.flush()
+            os.fsync(out.fileno())
+        tmp.replace(path)
+    except BaseException:
+        with contextlib.suppress(OSError):  # the write's error is the one to report
+            tmp.unlink(missing_ok=True)
+        raise
+    fsync_directory(path.parent)
+
+
+def fsync_directory(directory: Path) -> None:
+    """Make a rename or a new name in ``directory`` durable. OSError when the directory cannot be synced."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class _Reader:
