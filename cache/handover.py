@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from hotweights.cache.fingerprint import Fingerprint, describe_differences
+from hotweights.cache.paths import OFFER_SUFFIX
 from hotweights.cache.protocol import (
     PROTOCOL_VERSION,
     ProtocolError,
@@ -42,7 +43,6 @@ from hotweights.limits import ACCEPT_BACKOFF_S, is_out_of_descriptors
 
 log = logging.getLogger(__name__)
 
-SUFFIX = ".handover"
 HANDOVER_TIMEOUT_S = 5.0  # one whole request or reply
 MAX_SOCKET_PATH = 107  # sun_path is 108 bytes including the NUL
 _serial = itertools.count()
@@ -64,7 +64,7 @@ def peer_uid(conn: socket.socket) -> tuple[int, int]:
 
 def offer_path(daemon_socket: Path, digest: str) -> Path:
     """Where this process offers its arena for a daemon serving ``digest`` on ``daemon_socket``."""
-    return daemon_socket.resolve().parent / f"{digest}.{os.getpid()}-{next(_serial)}{SUFFIX}"
+    return daemon_socket.resolve().parent / f"{digest}.{os.getpid()}-{next(_serial)}{OFFER_SUFFIX}"
 
 
 class HandoverOffer:
@@ -150,7 +150,7 @@ class HandoverOffer:
 
 def offers(directory: Path, digest: str) -> list[Path]:
     """The offers engines attached to ``digest``'s arena left in ``directory`` (some may be stale)."""
-    return sorted(directory.glob(f"{digest}.*{SUFFIX}"))
+    return sorted(directory.glob(f"{digest}.*{OFFER_SUFFIX}"))
 
 
 def ask(path: Path, fingerprint: Fingerprint, trusted: frozenset[int]) -> tuple[int, dict[str, Any], int]:

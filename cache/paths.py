@@ -32,6 +32,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+OFFER_SUFFIX = ".handover"  # an engine's re-adoption offer (``cache.handover``): <digest>.<pid>-<n>.handover
+
 
 def ensure_private_dir(path: Path, *, shared: bool = False) -> Path:
     """Create the socket directory if missing: 0700, or 0711 when other uids may connect (``shared``:
@@ -128,6 +130,13 @@ def publish(paths: DaemonPaths, device: torch.device, fingerprint_digest: str) -
         return None
     log.info("published as %s", link)
     return link
+
+
+def offer_pid(path: Path) -> int | None:
+    """The pid of the engine whose re-adoption offer ``path`` is; None for any other name."""
+    stem = path.name.removesuffix(OFFER_SUFFIX)
+    pid = stem.rsplit(".", 1)[-1].split("-")[0]
+    return int(pid) if stem != path.name and pid.isdigit() else None
 
 
 def remove_if_stale(path: Path) -> bool:

@@ -28,15 +28,18 @@ from hotweights.controller.health import HealthChecker
 from hotweights.controller.ids import daemon_id, engine_id, engine_slot, spare_engine_id, spare_key
 from hotweights.controller.slots import Member, Service, Weights, member_view, service_view, slot_order
 from hotweights.controller.snapshot import Snapshot
+from hotweights.controller.sockets import remove_dead_offers, remove_dead_sockets, run_dir
 from hotweights.controller.spares import Spares
 from hotweights.controller.stack import Generation, Layout
+from hotweights.controller.statedir import StateWriter
 from hotweights.controller.supervisor import (
     Process,
     Supervisor,
     evict_orphans,
     inheritors,
     read_identity,
-    stack_orphans,
+    stack_marker,
+    stop_leftovers,
     stop_recorded,
 )
 from hotweights.ports import is_free
@@ -49,7 +52,6 @@ from hotweights.state import (
     ServiceRecord,
     StateCorrupt,
     read_state,
-    write_state,
 )
 
 log = logging.getLogger(__name__)
@@ -71,7 +73,9 @@ class Cluster:
         self.config = layout.config
         self.checker = checker
         self.wake = wake
-        self.supervisor = Supervisor(layout.log_dir, self.handle_exit)
+        self.supervisor = Supervisor(layout.log_dir, self.handle_exit, stack_marker(layout.state_dir))
+        self.state_file = StateWriter(layout.state_file, events.health)  # never raises: kept and retried
+        self.run_dir = run_dir(layout.state_dir)  # its sockets
         self.spares = Spares(self.supervisor, wake)
         self.daemon_spares = Spares(self.supervisor, wake)  # one per group, for its current daemon
         self.batch = BatchEngines(
@@ -163,10 +167,11 @@ class Cluster:
             aside = self.layout.state_file.with_name(f"state.json.corrupt-{time.strftime('%Y%m%dT%H%M%S')}")
             self.layout.state_file.replace(aside)
             log.warning("%s; moved it to %s and starting fresh", exc, aside)
-            stopped = stop_recorded(stack_orphans(self.layout.markers))
+            stopped = stop_leftovers(stack_marker(self.layout.state_dir), self.layout.markers)
             return ClusterState(), [f"none from {aside.name} (corrupt)", *stopped]
 
     def save(self) -> None:
+        """Write state.json (while the state dir fails, kept in memory and written later: ``controller.statedir``)."""
         me = read_identity(os.getpid())
         configured = {spec.id for spec in self.config.engines()}
         members = {
@@ -201,7 +206,7 @@ class Cluster:
                 if w.current.number
             },
         )
-        write_state(self.layout.state_file, state)
+        self.state_file.save(state)
 
     def reconfigure(self, config: ClusterConfig) -> None:
         """Take ``config``'s engine settings (a rollout's: nothing else differs, see ``rollout_changes``):
@@ -542,11 +547,12 @@ class Cluster:
 
     def handle_exit(self, process: Process) -> None:
         """Runs on the event loop the instant a watched process ends (or a primary is seen exiting): wake
-        the HA loop."""
+        the HA loop, then remove the offers of engines that are gone (``controller.sockets``)."""
         service = self.services.get(process.id)
         if service is not None and service.process is process:
             service.serving = False
         self.wake()
+        asyncio.get_running_loop().call_soon(remove_dead_offers, self.run_dir)
 
     async def stop_all(self, timeout: float) -> list[str]:
         """Gateway first (clients see it go, not a half-stack), then all engines at once, then the daemons."""
@@ -569,6 +575,7 @@ class Cluster:
         results = await asyncio.gather(*(self.stop_service(s.id) for s in daemons))
         lines += [f"{s.id}: {how}" for s, how in zip(daemons, results, strict=True)]
         self.save()
+        log.info("removed %d socket(s) the stopped processes left", len(remove_dead_sockets(self.run_dir)))
         return lines
 
     async def release(self) -> None:

@@ -44,13 +44,22 @@ from hotweights.controller.ha import Ha
 from hotweights.controller.health import HealthChecker
 from hotweights.controller.metrics import ControllerMetrics
 from hotweights.controller.snapshot import Snapshot
-from hotweights.controller.stack import Layout
-from hotweights.controller.supervisor import STOP_TIMEOUT_S, ControllerLock, stack_orphans, stop_recorded
+from hotweights.controller.sockets import remove_dead_sockets, run_dir
+from hotweights.controller.stack import Layout, controller_lock
+from hotweights.controller.statedir import StateDirHealth
+from hotweights.controller.supervisor import (
+    STOP_TIMEOUT_S,
+    ControllerLock,
+    controller_holding,
+    stack_marker,
+    stop_leftovers,
+    stop_recorded,
+)
 from hotweights.errors import ConfigError
 from hotweights.httpguard import ErrorShape, HttpLimits, server_config
 from hotweights.limits import raise_open_files
 from hotweights.paths import private_dir
-from hotweights.state import StateCorrupt, read_state, write_state
+from hotweights.state import ClusterState, ServiceKind, StateCorrupt, read_state, write_state
 
 log = logging.getLogger(__name__)
 
@@ -162,8 +171,8 @@ async def serve(
     config = layout.config
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health check would drown the decisions
     wake = asyncio.Event()
-    events = EventLog(layout.events_file)
     metrics = ControllerMetrics()
+    events = EventLog(layout.events_file, health=StateDirHealth(layout.state_dir, metrics))
     async with httpx.AsyncClient(trust_env=False) as client:
         checker = HealthChecker(
             client,
@@ -244,35 +253,50 @@ def announce(layout: Layout, with_gateway: bool, snap: Snapshot) -> None:
 
 
 def stop_everything(config: ClusterConfig, timeout: float, config_path: Path | None = None) -> list[str]:
-    """``down``: the controller first, then gateway, engines and daemons as recorded in state.json.
+    """``down``: the controller first (so it restarts nothing; ``up``'s stops its stack itself), found by
+    state.json or by the lock it holds; then the gateway, the engines and the daemons recorded in state.json; then
+    every other process of the stack, whatever state.json says (stale, missing, corrupt: ``stack_orphans``, e.g.
+    a warming spare, or an engine started while state.json could not be written); then the sockets they left.
 
-    A corrupt state.json records nothing to go by: the stack's leftovers are found by their command
-    lines instead (processes naming the state dir or ``config_path``), stopped, and the file moved aside."""
-    try:
-        state = read_state(config.state_file)
-    except StateCorrupt as exc:
-        aside = config.state_file.with_name(config.state_file.name + ".corrupt")
-        config.state_file.replace(aside)
-        log.warning("%s; moved it to %s and stopping the stack's processes found by their command lines", exc, aside)
-        markers = [str(config.state_dir), *([str(config_path.resolve())] if config_path else [])]
-        return stop_recorded(stack_orphans(markers), timeout)
+    A corrupt state.json records nothing to go by: it is moved aside. A state dir that takes no writes
+    stops nothing from being stopped (the records are then left as they are, naming dead processes)."""
+    state = _recorded_state(config.state_file)
     lines = []
-    if state.controller:
-        lines += stop_recorded([("controller", state.controller)], CONTROLLER_STOP_TIMEOUT_S)
-        state = read_state(config.state_file)  # the controller rewrote it on its way out
+    controllers = [state.controller, controller_holding(controller_lock(config.state_dir))]
+    if running := [("controller", record) for record in dict.fromkeys(controllers) if record is not None]:
+        lines += stop_recorded(running, CONTROLLER_STOP_TIMEOUT_S)
+        state = _recorded_state(config.state_file)  # the controller rewrote it on its way out
     kinds = {name: row.kind for name, row in state.services.items()}
     processes = state.processes()
     for batch in (
-        [(name, p) for name, p in processes if kinds.get(name) == "gateway"],
-        [(name, p) for name, p in processes if name in state.members or kinds.get(name) == "batch"],
-        [(name, p) for name, p in processes if kinds.get(name) == "daemon"],
+        [(name, p) for name, p in processes if kinds.get(name) == ServiceKind.GATEWAY],
+        [(name, p) for name, p in processes if name in state.members or kinds.get(name) == ServiceKind.BATCH],
+        [(name, p) for name, p in processes if kinds.get(name) == ServiceKind.DAEMON],
     ):
         lines += stop_recorded(batch, timeout)
-    if config.state_file.exists():
+    markers = [str(config.state_dir), *([str(config_path.resolve())] if config_path else [])]
+    lines += stop_leftovers(stack_marker(config.state_dir), markers, timeout)
+    remove_dead_sockets(run_dir(config.state_dir))
+    if processes and config.state_file.exists():
         members = {name: replace(row, process=None, role=Role.STANDBY) for name, row in state.members.items()}
         services = {name: replace(row, process=None) for name, row in state.services.items()}
-        write_state(config.state_file, replace(state, controller=None, members=members, services=services))
+        try:
+            write_state(config.state_file, replace(state, controller=None, members=members, services=services))
+        except OSError as exc:
+            log.warning("%s keeps naming the stopped processes (cannot write it: %s)", config.state_file, exc.strerror)
     return lines
+
+
+def _recorded_state(path: Path) -> ClusterState:
+    """state.json for ``down``; an empty state when it is missing or corrupt (moved aside, when it can be)."""
+    try:
+        return read_state(path)
+    except StateCorrupt as exc:
+        aside = path.with_name(path.name + ".corrupt")
+        with contextlib.suppress(OSError):
+            path.replace(aside)
+        log.warning("%s; moved it to %s and stopping the stack's processes found in /proc", exc, aside)
+        return ClusterState()
 
 
 def cmd_controller(args: argparse.Namespace) -> int:

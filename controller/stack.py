@@ -19,6 +19,7 @@ from hotweights.contract import Role
 from hotweights.controller.checks import default_model, tensor_parallel_refusals
 from hotweights.controller.config import REFERENCE, ClusterConfig, EngineSpec
 from hotweights.controller.ids import spare_engine_id
+from hotweights.controller.sockets import run_dir
 from hotweights.dtypes import model_config_name
 from hotweights.engines import KINDS, LOAD_FORMAT, PORT_PLACEHOLDER, SERVED_NAME_FLAG, SOCKET_RANK
 from hotweights.errors import ConfigError, HotweightsError
@@ -26,6 +27,11 @@ from hotweights.paths import private_dir, runtime_dir
 from hotweights.spawn import hotweights_command
 
 MAX_SOCKET_PATH = 107  # sun_path is 108 bytes including the NUL
+
+
+def controller_lock(state_dir: Path) -> Path:
+    """The lock the stack's controller holds for its life (``supervisor.ControllerLock``), with its pid."""
+    return state_dir / "controller.lock"
 
 
 @dataclass(frozen=True)
@@ -107,7 +113,7 @@ class Layout:
 
     @property
     def lock_file(self) -> Path:
-        return self.state_dir / "controller.lock"
+        return controller_lock(self.state_dir)
 
     @property
     def log_dir(self) -> Path:
@@ -132,8 +138,8 @@ class Layout:
         tensor-parallel engine's ``--socket`` template."""
         name = f"g{group}" + (f".gen{generation}" if generation else "")
         if self.config.groups[group].tp_size == 1:
-            return self.state_dir / "run" / f"{name}.sock"
-        return self.state_dir / "run" / f"{name}.r{rank}.sock"
+            return run_dir(self.state_dir) / f"{name}.sock"
+        return run_dir(self.state_dir) / f"{name}.r{rank}.sock"
 
     def load_spec(self, group: int, rank: int = 0) -> LoadSpec:
         model, config = self.config.model, self.config.groups[group]
@@ -239,7 +245,7 @@ class Layout:
 
     def gateway_probe_socket(self, worker_id: str) -> Path:
         """Where the controller reaches one gateway worker (the shared port reaches any of them)."""
-        return self.state_dir / "run" / f"{worker_id}.sock"
+        return run_dir(self.state_dir) / f"{worker_id}.sock"
 
     def gateway_command(self, worker_id: str, fd: int) -> list[str]:
         """A gateway worker serving on the controller's listening socket, inherited as ``fd``."""

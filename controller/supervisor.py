@@ -1,7 +1,9 @@
 """Start, adopt, watch and stop the stack's processes: mechanism only (``ha.py`` decides).
 
 Every process runs in its own session with its output appended to ``state_dir/logs/<id>.log``, so
-engines, daemons and the gateway outlive the controller. Exits are seen through pidfds registered
+engines, daemons and the gateway outlive the controller. Each carries its stack's state dir in its environment
+(``STACK_ENV``; its children inherit it), so ``hotweights down`` finds every process of a stack, whatever the
+records say. Exits are seen through pidfds registered
 with the event loop: no polling delay, and it works for processes a previous controller started
 (they are not our children). A recorded process is adopted only if its pid is alive with the
 recorded start time and command line, so a reused pid is never mistaken for ours. Signals go
@@ -20,9 +22,10 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 from hotweights.errors import ConfigError
-from hotweights.pidlock import LockHeld, PidLock
+from hotweights.pidlock import LockHeld, PidLock, is_held
 from hotweights.spawn import readable
 from hotweights.state import ProcessRecord
 
@@ -32,6 +35,7 @@ STOP_TIMEOUT_S = 10.0  # SIGTERM -> SIGKILL for a planned stop
 FENCE_TIMEOUT_S = 5.0  # SIGKILL -> exit; longer means the process is stuck in the kernel
 EXITING_POLL_S = 0.01  # how often the processes watched for an early exit (primaries) are read from /proc
 PF_EXITING = 0x4  # a task flag (include/linux/sched.h): it has entered do_exit() and never runs user code again
+STACK_ENV = "HOTWEIGHTS_STACK"  # in the environment of every process a controller starts: its resolved state dir
 
 
 Identity = ProcessRecord  # what tells a live process from another one that reused its pid
@@ -152,9 +156,11 @@ class Process:
 class Supervisor:
     """Owns the pidfds; ``on_exit`` runs on the event loop right after a watched process ends."""
 
-    def __init__(self, log_dir: Path, on_exit: Callable[[Process], None]) -> None:
-        """``on_exit`` also runs when a process watched for an early exit is seen exiting (``exiting_at``)."""
+    def __init__(self, log_dir: Path, on_exit: Callable[[Process], None], stack: str = "") -> None:
+        """``on_exit`` also runs when a process watched for an early exit is seen exiting (``exiting_at``);
+        ``stack``: the ``STACK_ENV`` value of the processes it starts (``stack_marker``; "": none)."""
         self.log_dir = log_dir
+        self.stack = stack
         self.on_exit = on_exit
         self.processes: dict[str, Process] = {}
         self.early: set[Process] = set()  # watched for the first sign of their exit
@@ -173,10 +179,11 @@ class Supervisor:
         log_id: str | None = None,
     ) -> Process:
         """Start ``command`` in a new session (it outlives us), output appended to the log of ``log_id``
-        (default ``process_id``); ``env``: its environment (None: ours); ``pass_fds``: our fds it inherits
-        under the same numbers."""
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path(log_id or process_id), "ab") as out:
+        (default ``process_id``); ``env``: its environment (None: ours), with ``STACK_ENV``; ``pass_fds``: our
+        fds it inherits under the same numbers."""
+        if self.stack:
+            env = {**(os.environ if env is None else env), STACK_ENV: self.stack}
+        with self._open_log(log_id or process_id) as out:
             popen = subprocess.Popen(
                 command,
                 stdin=subprocess.DEVNULL,
@@ -194,6 +201,17 @@ class Supervisor:
         self._watch(process)
         log.debug("started %s (pid %d): %s", process_id, popen.pid, " ".join(command))
         return process
+
+    def _open_log(self, log_id: str) -> BinaryIO:
+        """The log to append to; /dev/null when the state dir takes no writes (the process starts all the same:
+        a replacement standby matters more than its log)."""
+        path = self.log_path(log_id)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            return open(path, "ab")
+        except OSError as exc:
+            log.warning("cannot open %s (%s): the output of %s is discarded", path, exc.strerror, log_id)
+            return open(os.devnull, "ab")
 
     def adopt(self, process_id: str, record: ProcessRecord) -> Process | None:
         """Watch a process a previous controller started, if it is still that very process."""
@@ -348,25 +366,96 @@ def stop_recorded(records: Iterable[tuple[str, ProcessRecord]], timeout: float =
 
 
 STACK_COMMANDS = ("engine", "cache", "gateway")  # what a controller starts (`hotweights <command> ...`)
+STOP_ROUNDS = 3  # ``stop_leftovers``: top processes, then what outlived them (reparented), at most this often
 
 
-def stack_orphans(markers: Iterable[str]) -> list[tuple[str, ProcessRecord]]:
-    """Engines, daemons and gateways (not other hotweights commands) with an argument that is one of
-    ``markers`` or lies under it: a state dir holds its stack's daemon sockets, which its daemons and
-    engines name; a config path is named by its gateway. For a stack whose records are lost, each such
-    process is a leftover of it. Returns (a name, its identity) pairs for ``stop_recorded``."""
+def stack_marker(state_dir: Path) -> str:
+    """The ``STACK_ENV`` value of a stack's processes: its state dir, resolved (``down`` may run elsewhere)."""
+    return str(state_dir.resolve())
+
+
+def carries_marker(pid: int, marker: str) -> bool:
+    """Whether ``pid`` was started with ``STACK_ENV`` = ``marker`` (its environment as exec'd, from /proc)."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:  # gone, or another user's
+        return False
+    return f"{STACK_ENV}={marker}".encode() in environ.split(b"\0")
+
+
+def stack_orphans(marker: str, markers: Iterable[str] = ()) -> list[tuple[str, ProcessRecord]]:
+    """Every live process of a stack, whatever its records say: those carrying ``STACK_ENV`` = ``marker`` (all a
+    controller started and their children: spares, tensor-parallel ranks, an agent's engine), and engines, daemons
+    and gateways (not other hotweights commands) with an argument that is one of ``markers`` or lies under it (a
+    state dir holds its stack's daemon sockets, which its daemons and engines name; a config path is named by its
+    gateway), for processes started before the environment said so. Never this process, nor one of another stack
+    or a stranger that reused a recorded pid: each is judged live, from /proc. Returns (a name, its identity)
+    pairs for ``stop_recorded``."""
     found = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit() or int(proc.name) == os.getpid():
             continue
         identity = read_identity(int(proc.name))
-        command = identity.command if identity else ()
-        subcommand = command[command.index("hotweights") + 1 :][:1] if "hotweights" in command else []
-        if not subcommand or subcommand[0] not in STACK_COMMANDS:
+        if identity is None:
             continue
-        if any(arg == marker or arg.startswith(marker + "/") for arg in command for marker in markers):
-            found.append((f"leftover {subcommand[0]}", identity))
+        command = identity.command
+        subcommand = command[command.index("hotweights") + 1 :][:1] if "hotweights" in command else []
+        named = bool(subcommand) and subcommand[0] in STACK_COMMANDS
+        named = named and any(arg == m or arg.startswith(m + "/") for arg in command for m in markers)
+        if named or carries_marker(identity.pid, marker):
+            found.append((f"leftover {describe(command)}", identity))
     return found
+
+
+def describe(command: tuple[str, ...]) -> str:
+    """A stack process by its command line: ``engine g0-e1``, ``cache``, ``gateway``, else its program."""
+    args = list(command)
+    if "hotweights" not in args:
+        return Path(args[0]).name if args else "process"
+    what = args[args.index("hotweights") + 1 :][:1] or ["hotweights"]
+    engine_id = args[args.index("--engine-id") + 1 :][:1] if "--engine-id" in args else []
+    return " ".join(what + engine_id)
+
+
+def stop_leftovers(marker: str, markers: Iterable[str] = (), timeout: float = STOP_TIMEOUT_S) -> list[str]:
+    """Stop every process ``stack_orphans`` finds: first those whose parent is not one of them (an agent before
+    its engine, a tensor-parallel rank 0 before its ranks), then what outlived them, for ``STOP_ROUNDS`` rounds at
+    most. One line per process stopped (``stop_recorded``)."""
+    lines: list[str] = []
+    for _ in range(STOP_ROUNDS):
+        found = stack_orphans(marker, markers)
+        pids = {identity.pid for _, identity in found}
+        top = [(name, identity) for name, identity in found if _parent(identity.pid) not in pids]
+        if not top:
+            break
+        lines += stop_recorded(top, timeout)
+    return lines
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(")") + 2 :].split()[1])
+
+
+def controller_holding(lock: Path) -> ProcessRecord | None:
+    """The live controller holding the lock at ``lock`` (its pid from the file, then its identity, then the
+    lock seen held with the same pid in the file: the identity is not a newcomer's that reused the pid), None
+    when no live process holds it. ``stop_recorded`` then checks the identity again through a pidfd."""
+    pid = _lock_pid(lock)
+    identity = read_identity(pid) if pid else None
+    if identity is None or not is_held(lock) or _lock_pid(lock) != pid:
+        return None
+    return identity
+
+
+def _lock_pid(lock: Path) -> int | None:
+    try:
+        return int(lock.read_text().strip())
+    except (OSError, ValueError):
+        return None
 
 
 def listening_pids(port: int, owner: int | None = None) -> set[int]:
