@@ -2,21 +2,23 @@
 
     python bench/migration.py                                   # tiny model on CPU, 16 streams
     python bench/migration.py --preset xl --device cuda:0 --streams 64 --max-tokens 256 [--batch-invariant]
+    python bench/migration.py --batch-invariant --streams 4 --signals switchover,kill
 
 Starts its own stack (``hotweights up``: controller, daemon, a primary and two standbys, the gateway; torn
 down at the end, on SIGINT/SIGTERM too), takes each prompt's greedy text through the gateway while nothing
 fails, then, once with no fault (the uncut round: its mismatches are the engine's own floor, greedy text
 that changes with how requests were batched) and once for each of ``--signals`` (kill: SIGKILL, stop:
-SIGSTOP of the primary, which the controller detects as hung and fences), opens ``--streams`` greedy
-streams through the gateway, sends the signal to the primary once every stream has ``--cut-after`` chunks,
-and reads every stream to its end. Per fault: the
+SIGSTOP of the primary, which the controller detects as hung and fences; switchover: not a signal but the
+planned change, ``POST /switchover``), opens ``--streams`` greedy streams through the gateway, sends the signal
+to the primary (or asks for the switchover) once every stream has ``--cut-after`` chunks, and reads every
+stream to its end. Per fault: the
 streams in flight at the fault, the migrated ones (continued on the new primary, from the gateway's event
 log: a stream in flight at the client but not migrated had been generated to its end before the fault, as
 happens when the engine outruns the client reading), the broken ones (an error event, no ``[DONE]``, a
 failed connection), the mismatched ones (text other than the reference), the largest gap between two chunks
 of a stream from its last chunk before the fault on, beyond the uncut round's wait for the same text (the
 stall at the cut, in ms: ``Stream.stall``; the uncut round's own figure is its longest wait), and how many of
-the migrated ones started from the failed primary's KV cache (``adopted``: the new primary's count,
+the migrated ones started from the old primary's KV cache (``adopted``: the new primary's count,
 ``standby.kvshare``). Between faults it waits for the stack to be whole again. The last stdout line is one JSON
 object. Targets on the H200 (``xl``, 64 streams of 256 tokens): 0 broken, 0 mismatched, largest gap <= 500 ms
 (kill) and <= 900 ms (stop). ``--batch-invariant`` runs the engines with ``engine.batch_invariant``
@@ -51,6 +53,9 @@ from hotweights.controller.gatewayserver import GATEWAY_EVENTS_FILE
 
 START_TIMEOUT_S = 900.0
 SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
+SWITCHOVER = "switchover"  # not a signal: the planned change, ``POST /switchover``
+FAULTS = (*SIGNALS, SWITCHOVER)
+SWITCHOVER_TIMEOUT_S = 120.0
 ADOPTED_METRIC = "hotweights_engine_kv_adopted_sequences"
 UNCUT = "uncut"  # the first round: the same streams with no fault, its mismatches the engine's own floor
 PROMPT_WIDTH = 8  # prompts are padded so every one is about as long
@@ -167,6 +172,13 @@ async def adopted(client: httpx.AsyncClient, engines: set[str]) -> int:
     return total
 
 
+async def switch_over(api: ControlApi) -> None:
+    """``POST /switchover``; RuntimeError unless it answers 200."""
+    response = await api.post("/switchover", SWITCHOVER_TIMEOUT_S)
+    if response.status_code != 200:
+        raise RuntimeError(f"POST /switchover answered {response.status_code}: {response.text[:300]}")
+
+
 async def fault(
     api: ControlApi,
     client: httpx.AsyncClient,
@@ -188,11 +200,14 @@ async def fault(
     while not all(len(s.arrivals) >= args.cut_after or s.outcome for s in streams):
         await asyncio.sleep(0.005)
     at = time.monotonic()
-    if name != UNCUT and not send(target, SIGNALS[name]):
+    switched = asyncio.create_task(switch_over(api)) if name == SWITCHOVER else None
+    if name in SIGNALS and not send(target, SIGNALS[name]):
         raise RuntimeError(f"the primary {target} was gone before the {name} signal")
     in_flight = sum(not s.outcome for s in streams)
     await asyncio.gather(*tasks)
-    if name != UNCUT:
+    if switched is not None:
+        await switched
+    elif name != UNCUT:
         await wait_dead(target)
         if await serving_primary(api, {f"{target.name}:{target.pid}"}) is None:  # the next round needs it
             raise RuntimeError(f"no new primary served after the {name} of {target.name}")
@@ -269,11 +284,13 @@ def main() -> int:
     parser.add_argument("--streams", type=int, default=16, help="concurrent streams at each fault (default 16)")
     parser.add_argument("--max-tokens", type=int, default=256, help="tokens per stream (default 256)")
     parser.add_argument("--cut-after", type=int, default=16, help="chunks every stream has at the fault (default 16)")
-    parser.add_argument("--signals", default="kill,stop", help="comma-separated kill/stop, in order (default both)")
+    parser.add_argument(
+        "--signals", default="kill,stop", help="comma-separated kill/stop/switchover, in order (default kill,stop)"
+    )
     parser.add_argument("--batch-invariant", action="store_true", help="the engines' engine.batch_invariant")
     args = parser.parse_args()
-    if unknown := [s for s in args.signals.split(",") if s not in SIGNALS]:
-        parser.error(f"--signals: unknown {unknown}; choose from {sorted(SIGNALS)}")
+    if unknown := [s for s in args.signals.split(",") if s not in FAULTS]:
+        parser.error(f"--signals: unknown {unknown}; choose from {sorted(FAULTS)}")
     if not 0 < args.cut_after < args.max_tokens:
         parser.error(f"--cut-after must be in [1, --max-tokens), found {args.cut_after}")
     with tempfile.TemporaryDirectory(prefix="hw-migration-") as workdir:

@@ -173,7 +173,7 @@ def _format_status(status: dict[str, Any]) -> str:
     if deposits:
         kept = sum(not d["alive"] for d in deposits)
         size = sum(d["bytes"] for d in deposits) / 1e9
-        lines.append(f"  KV caches deposited: {len(deposits)} ({kept} of failed engines), {size:.3f} GB")
+        lines.append(f"  KV caches deposited: {len(deposits)} ({kept} of failed or demoted engines), {size:.3f} GB")
     return "\n".join(lines)
 
 

@@ -11,15 +11,19 @@ Requests, each on an attached connection (others are refused with ``forbidden``)
 
   {"op": "kv_deposit", "layout": {...}, "kv": handle, "ledger": handle} + 2 fds  -> {"id"}
   {"op": "kv_withdraw"}                                                          -> {}
+  {"op": "kv_hand_over"}                                                         -> {}
   {"op": "kv_sources"}                        -> {"sources": [{"id", "alive", "layout", "kv", "ledger"}]} + fds
   {"op": "kv_release", "id": ID}                                                 -> {}
 
-An engine deposits while it serves as a primary and withdraws when it stops. ``kv_sources`` lists the other
-engines' deposits, those of closed connections first, newest first, at most MAX_SOURCES (two fds each: KV cache,
-ledger). A deposit lives while its engine's connection is open (until withdrawn, or replaced by the engine's
-next deposit), then ``retain_s`` more (``cache serve --kv-retain-s``, KV_RETAIN_S), the failover that needs
-it; at most MAX_RETAINED deposits of closed connections are kept (the newest), and ``kv_release`` (an engine
-done adopting from it) drops one at once.
+An engine deposits while it serves as a primary and withdraws when it stops, or hands its deposit over when it
+stops with requests cut mid-way (a switchover's old primary: ``standby.scheduler``), for its successor to continue
+them from. ``kv_sources`` lists the other engines' deposits, those of closed connections and handed over ones
+first, newest first, at most MAX_SOURCES (two fds each: KV cache, ledger). A deposit lives while its engine's
+connection is open (until withdrawn, or replaced by the engine's next deposit), then ``retain_s`` more
+(``cache serve --kv-retain-s``, KV_RETAIN_S), the failover that needs it; a handed over one is no longer its
+engine's (neither a withdrawal nor a next deposit drops it) and is retained as if its connection had closed. At
+most MAX_RETAINED deposits of closed connections are kept (the newest), and ``kv_release`` (an engine done
+adopting from it) drops one at once.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ MAX_RETAINED = 2  # deposits of closed connections kept at once
 MAX_SOURCES = MAX_FDS // 2  # deposits one ``kv_sources`` reply carries
 LEDGER_BACKEND = "cpu-shm"
 LEDGER_FIELDS = 3  # int64 per slot ahead of its token ids
-KV_OPS = ("kv_deposit", "kv_withdraw", "kv_sources", "kv_release")
+KV_OPS = ("kv_deposit", "kv_withdraw", "kv_hand_over", "kv_sources", "kv_release")
 
 
 @dataclass(frozen=True)
@@ -105,7 +109,7 @@ class Deposit:
     """One engine's KV cache and ledger, mapped here (``imported``) and handed on by ``fds``."""
 
     id: str
-    owner: int  # the depositing connection's key
+    owner: int | None  # the depositing connection's key; None once handed over
     layout: KvLayout
     handles: tuple[dict[str, Any], dict[str, Any]]  # KV cache, ledger
     fds: tuple[int, int]
@@ -152,6 +156,8 @@ class KvDeposits:
         with self._lock:
             if op == "kv_withdraw":
                 self._drop([d for d in self._deposits.values() if d.owner == owner])
+            elif op == "kv_hand_over":
+                self._hand_over(owner)
             else:
                 self._drop([d for d in self._deposits.values() if d.id == request.get("id") and d.closed_at])
         return {"ok": True}, []
@@ -163,6 +169,13 @@ class KvDeposits:
                 if deposit.owner == owner:
                     deposit.closed_at = time.monotonic()
         self.expire()
+
+    def _hand_over(self, owner: int) -> None:
+        """Under the lock: ``owner``'s deposit is retained as a closed connection's is, and no longer its."""
+        for deposit in self._deposits.values():
+            if deposit.owner == owner:
+                deposit.owner, deposit.closed_at = None, time.monotonic()
+                log.info("KV deposit %s handed over", deposit.id)
 
     def expire(self) -> None:
         """Drop the deposits of closed connections older than ``retain_s``, and all but the MAX_RETAINED newest."""

@@ -9,7 +9,7 @@ Requests                                   Replies (ok=true)
   {"op": "hello", "version": 1}              {"version", "pid", "fingerprint_digest"}
   {"op": "attach", "fingerprint": {...}}     {"version", "manifest": {...}, "handle": {...}} + fds
   {"op": "status"}                           {"status": {...}}
-  {"op": "kv_deposit" | "kv_withdraw" | "kv_sources" | "kv_release", ...}: ``cache.kvdeposits``
+  {"op": "kv_deposit" | "kv_withdraw" | "kv_hand_over" | "kv_sources" | "kv_release", ...}: ``cache.kvdeposits``
 The manifest's ``arena_id`` (also in ``status``) names the allocation: new at each fill from a snapshot or the
 checkpoint, kept by re-adoption, so an engine can tell whether a daemon still serves the memory it maps.
 The same frames carry re-adoption's one request, from a new daemon to an engine's own socket

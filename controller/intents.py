@@ -104,7 +104,8 @@ class Actions:
         self, snap: Snapshot, group: int | None = None, candidate: str | None = None
     ) -> tuple[str, dict[str, Any]]:
         """Planned: drain the primary, promote the candidate, demote the old primary to standby (the group's batch
-        engine yields first)."""
+        engine yields first). The streams the gateway cuts from the draining primary go on on the new one from the
+        old one's KV cache, which its demote hands over (``standby.kvshare``), as after a failover."""
         if candidate is not None:
             new = ready_standby(snap, candidate)
             if group is not None and group != new.group:
@@ -148,6 +149,7 @@ class Actions:
             self.cluster.set_role(old.id, Role.STANDBY)
         else:  # still a (drained) primary: fence it rather than keep two primaries around
             await self.cluster.fence(old.id)
+        handed_over = body.get("kv_slots_handed_over", 0) if status == 200 else 0
         timings = {
             "drain_ms": drain_ms,
             "promote_ms": promote_ms,
@@ -160,9 +162,13 @@ class Actions:
             f"switched over group {group} from {old.id} to {new.id} in {timings['total_ms']} ms "
             f"(drain {drain_ms} ms, promote {promote_ms} ms); {old.id} "
             + ("is a standby" if status == 200 else f"refused to demote ({body.get('message')}) and was fenced")
+            + (f", having handed the KV cache of {handed_over} cut request(s) over" if handed_over else "")
         )
-        self.events.record("switchover", sentence, group=group, old=old.id, new=new.id, **timings)
-        return sentence, {"group": group, "old_primary": old.id, "new_primary": new.id} | timings
+        details = {"group": group, "old_primary": old.id, "new_primary": new.id, "kv_slots_handed_over": handed_over}
+        self.events.record(
+            "switchover", sentence, group=group, old=old.id, new=new.id, kv_slots_handed_over=handed_over, **timings
+        )
+        return sentence, details | timings
 
     async def do_failover(self, snap: Snapshot, candidate: str) -> tuple[str, dict[str, Any]]:
         """Forced: fence the primary whatever its state, promote ``candidate``."""

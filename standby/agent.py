@@ -92,6 +92,9 @@ class PassThrough:
             asyncio.get_running_loop().create_task(response.aclose())
         return len(self.relayed)
 
+    def keep_cut(self, keep: bool) -> None:
+        """Nothing to keep: the engine's KV cache is not shared with the next primary."""
+
 
 @dataclass
 class EngineChild:

@@ -19,6 +19,11 @@ whose tokens it holds, which are the tokens the request itself sends: nothing a 
 client's keys and values. With a batch-invariant decoder a slot is taken only when it was prefilled with
 the same prompt (``prefilled`` equal), so the continuation computes exactly what the uninterrupted run did.
 
+A planned change hands over as a failure does. A primary that stops serving (a switchover's drain) keeps the
+slots of the requests cut from it meanwhile (the gateway cuts their streams to continue them on the next
+primary), ledger and all (``Scheduler.keep_cut``), and once demoted hands its deposit over instead of withdrawing
+it (``KvShare.hand_over``): the daemon keeps it as a failed engine's, and the next primary adopts those slots.
+
 Not shared: tensor-parallel engines, engines without a daemon, and cuda-ipc arenas (whose memory dies with its
 exporter). A daemon that is gone leaves an engine serving as before, replaying instead of adopting.
 """
@@ -197,6 +202,13 @@ class KvShare:
         On the deposits' thread, as ``deposit``."""
         return self._changes.submit(self._withdraw)
 
+    def hand_over(self) -> Future[None]:
+        """Leave this engine's deposit to a successor (it stops serving from it with requests cut mid-way: a
+        switchover's): the daemon keeps it as a failed engine's; this engine writes that memory again only once a
+        next promote has given up every slot of its ledger (``Scheduler.attach_kv``). On the deposits' thread, as
+        ``deposit``."""
+        return self._changes.submit(self._hand_over)
+
     def _deposit(self, shared: SharedKv) -> None:
         (kv_handle, kv_fds), (ledger_handle, ledger_fds) = (arena.export() for arena in shared.arenas)
         message = {"op": "kv_deposit", "layout": shared.layout.to_json(), "kv": kv_handle, "ledger": ledger_handle}
@@ -206,6 +218,11 @@ class KvShare:
     def _withdraw(self) -> None:
         if self.deposited:
             self._request({"op": "kv_withdraw"})
+            self.deposited = False
+
+    def _hand_over(self) -> None:
+        if self.deposited:
+            self._request({"op": "kv_hand_over"})
             self.deposited = False
 
     def find(self, ids: list[int], least: int, prefilled: int | None, own: KVCache) -> Match | None:

@@ -52,6 +52,11 @@ class Capacity(Protocol):
 
     def cancel_all(self) -> object: ...
 
+    def keep_cut(self, keep: bool) -> None:
+        """While ``keep`` (the engine does not serve), what the requests cancelled meanwhile computed is kept for the
+        next primary to continue them from; False: given up (it serves again)."""
+        ...
+
     async def drained(self) -> dict[str, object]:
         """Details a finished drain adds to its reply (e.g. the engine's own count of running requests)."""
         ...
@@ -78,14 +83,19 @@ class KvCapacity:
         return {"kv_cache_bytes": decoder.nbytes}, f"{decoder.nbytes} bytes of KV cache {phrase}"
 
     def release(self, grace_s: float) -> tuple[dict[str, object], str]:
+        """Detach the KV cache (close it unless ``reserved``); the slots kept for a successor go with the deposit
+        handed over to the daemon (``Scheduler.release_kv``)."""
+        kept = self.scheduler.kept_slots
         decoder = self.scheduler.release_kv(grace_s)
+        handed = {"kv_slots_handed_over": kept}
+        over = f", the slots of {kept} cut request(s) handed over to the next primary" if kept else ""
         if decoder is not None and decoder is self.reserved:
-            return {"kv_cache_bytes_released": 0}, f"kept {decoder.nbytes} bytes of KV cache reserved"
+            return handed | {"kv_cache_bytes_released": 0}, f"kept {decoder.nbytes} bytes of KV cache reserved{over}"
         freed = 0
         if decoder is not None:
             freed = decoder.nbytes
             decoder.close()
-        return {"kv_cache_bytes_released": freed}, f"released {freed} bytes of KV cache"
+        return handed | {"kv_cache_bytes_released": freed}, f"released {freed} bytes of KV cache{over}"
 
     def held_bytes(self) -> int:
         """KV cache bytes this engine holds: the reserved cache, else the attached one."""
@@ -93,6 +103,9 @@ class KvCapacity:
 
     def cancel_all(self) -> object:
         return self.scheduler.cancel_all()
+
+    def keep_cut(self, keep: bool) -> None:
+        self.scheduler.keep_cut(keep)
 
     async def drained(self) -> dict[str, object]:
         return {}
@@ -144,6 +157,7 @@ class Roles:
                 if self.state is State.DRAINING:
                     return Outcome(False, False, "a drain is in progress; promote again once it has drained")
                 if self.state is State.DRAINED:
+                    self.capacity.keep_cut(False)
                     self.state = State.READY
                     return Outcome(True, True, "resumed serving: this primary was drained", _ms(start))
                 return Outcome(True, False, "already primary", _ms(start))
@@ -183,6 +197,7 @@ class Roles:
     def _start_draining(self) -> None:
         """From this instant /primary and /v1 refuse (no await before it, so no request slips in)."""
         if self.role is Role.PRIMARY and self.state is State.READY:
+            self.capacity.keep_cut(True)  # what the gateway cuts from now on goes on elsewhere (standby.kvshare)
             self.state = State.DRAINING
 
     async def _drain(self, timeout_s: float | None) -> Outcome:

@@ -23,7 +23,10 @@ run. Without one, the whole prompt is prefilled.
 
 With a shared KV cache the worker keeps its ``SlotLedger``: a slot's tokens are recorded once the device has
 computed their keys and values (after the next decode step's results reached the host), and a slot is given up
-before anything can overwrite it.
+before anything can overwrite it. While the engine stops serving (``keep_cut``: a drain), a cancelled sequence's
+slot is kept as it is, for the next primary to continue the request from (``standby.kvshare``): it is given up
+when the engine serves again, or when a waiting sequence finds no free slot; a KV cache released with kept slots
+is handed over to the daemon rather than withdrawn.
 
 Events reach the caller through its sink, called on the worker thread: token ids as they are
 sampled, then one ``Finish``. A standby has no KV cache attached, and a sequence that reaches the
@@ -122,9 +125,11 @@ class Scheduler:
         self._inbox: queue.Queue[Sequence | None] = queue.Queue()  # None only wakes the worker
         self._waiting: deque[Sequence] = deque()
         self._active: list[Sequence] = []
-        self._lock = threading.Condition()  # guards _decoder, _free_slots and _live
+        self._lock = threading.Condition()  # guards _decoder, _free_slots, _kept, _keeping and _live
         self._decoder: Decoder | None = None
         self._free_slots: set[int] = set()
+        self._kept: list[int] = []  # slots of sequences cut while keeping, oldest first (``keep_cut``)
+        self._keeping = False
         self._live: set[Sequence] = set()  # submitted and not yet finished
         self._closed = False  # the worker has ended: a submitted sequence would never be answered
         self._stopping = threading.Event()
@@ -143,8 +148,8 @@ class Scheduler:
         self._stopping.set()
         self._inbox.put(None)
         self._thread.join(timeout_s)
-        if self.kv_share is not None:  # a clean stop leaves nothing to continue
-            futures.wait([self.kv_share.withdraw()], timeout=REQUEST_TIMEOUT_S)
+        if self.kv_share is not None:
+            futures.wait([self._give_up_deposit(self.kept_slots > 0)], timeout=REQUEST_TIMEOUT_S)
         if self._thread.is_alive():
             log.error("inference thread did not stop within %.1f s", timeout_s)
         elif cancelled:
@@ -191,6 +196,14 @@ class Scheduler:
         self._inbox.put(None)
         return len(live)
 
+    def keep_cut(self, keep: bool) -> None:
+        """Whether the slots of sequences cancelled from now on are kept for a successor (module docstring); False
+        gives up those kept so far. Any thread."""
+        with self._lock:
+            self._keeping = keep
+            while not keep and self._kept:
+                self._give_up_kept()
+
     def attach_kv(self, decoder: Decoder) -> None:
         """Serve from ``decoder``; a shared KV cache is deposited with the daemon (``standby.kvshare``)."""
         if decoder.shared is not None:
@@ -200,6 +213,7 @@ class Scheduler:
                 raise RuntimeError("a KV cache is already attached")
             self._decoder = decoder
             self._free_slots = set(range(decoder.batch))
+            self._kept, self._keeping = [], False
         if decoder.shared is not None and self.kv_share is not None:
             self.kv_share.deposit(decoder.shared)
 
@@ -210,11 +224,24 @@ class Scheduler:
             if not self._lock.wait_for(lambda: not self._live, timeout_s):
                 raise RuntimeError(f"{len(self._live)} sequence(s) still use the KV cache")
             decoder, self._decoder, self._free_slots = self._decoder, None, set()
+            kept, self._kept = bool(self._kept), []
         if decoder is not None and decoder.shared is not None:
             if self.kv_share is not None:  # done before the caller may free the memory
-                futures.wait([self.kv_share.withdraw()], timeout=2 * REQUEST_TIMEOUT_S)  # behind a deposit
-            decoder.shared.ledger.reset_all()
+                futures.wait([self._give_up_deposit(kept)], timeout=2 * REQUEST_TIMEOUT_S)  # behind a deposit
+            if not kept:
+                decoder.shared.ledger.reset_all()
         return decoder
+
+    def _give_up_deposit(self, kept: bool) -> futures.Future[None]:
+        """Hand the deposited KV cache over to a successor when slots are ``kept`` for one, else withdraw it."""
+        assert self.kv_share is not None
+        return self.kv_share.hand_over() if kept else self.kv_share.withdraw()
+
+    @property
+    def kept_slots(self) -> int:
+        """Slots kept for a successor now (``keep_cut``)."""
+        with self._lock:
+            return len(self._kept)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -227,7 +254,7 @@ class Scheduler:
         try:
             while not self._stopping.is_set():
                 self.heartbeat = time.monotonic()
-                self._collect(block=not self._active)
+                self._collect(block=not (self._active or self._waiting))  # sleep only with nothing to do
                 if self.kv_share is not None:
                     self.kv_share.idle()
                 started = time.monotonic()
@@ -265,6 +292,8 @@ class Scheduler:
         while self._waiting:
             with self._lock:
                 decoder = self._decoder
+                if decoder is not None and not self._free_slots and self._kept:
+                    self._give_up_kept()  # a waiting sequence comes before a cut one's successor
                 if decoder is not None and not self._free_slots:
                     return
             if decoder is None:
@@ -414,14 +443,26 @@ class Scheduler:
         seq.logits = seq.greedy = None
         with self._lock:
             if seq.slot is not None and self._decoder is not None:
-                if self._decoder.shared is not None:
-                    self._decoder.shared.ledger.reset(seq.slot)
+                shared = self._decoder.shared
+                if shared is not None:
                     self._recorded = [entry for entry in self._recorded if entry[0] != seq.slot]
-                self._free_slots.add(seq.slot)
+                if shared is not None and self._keeping and finish.reason == "cancelled":
+                    self._kept.append(seq.slot)  # as it is, for the next primary (module docstring)
+                else:
+                    if shared is not None:
+                        shared.ledger.reset(seq.slot)
+                    self._free_slots.add(seq.slot)
             seq.slot = None
             self._live.discard(seq)
             self._lock.notify_all()
         seq.sink(finish)
+
+    def _give_up_kept(self) -> None:
+        """Under the lock: the oldest kept slot is given up and free."""
+        slot = self._kept.pop(0)
+        assert self._decoder is not None and self._decoder.shared is not None
+        self._decoder.shared.ledger.reset(slot)
+        self._free_slots.add(slot)
 
 
 def _seed(seq: Sequence) -> None:

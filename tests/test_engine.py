@@ -319,6 +319,11 @@ class FakeScheduler:
     def release_kv(self, timeout_s: float) -> None:
         return None
 
+    def keep_cut(self, keep: bool) -> None:
+        pass
+
+    kept_slots = 0
+
 
 def test_a_role_change_queued_behind_a_resume_stops_serving_at_once() -> None:
     """drain (waiting for a request), then promote (resumes the drained primary), then demote, all queued

@@ -9,6 +9,7 @@ import shutil
 import signal
 import tempfile
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -292,9 +293,49 @@ def test_a_continuation_starts_from_the_hung_and_then_the_killed_primarys_keys_a
         if fault is signal.SIGKILL:
             a.process.kill()
             a.process.wait(timeout=10)
-            wait_until(lambda: "KV caches deposited: 2 (1 of failed engines)" in status_text(sock), what="a's kept")
+            wait_until(lambda: "KV caches deposited: 2 (1 of failed or demoted" in status_text(sock), what="a's kept")
         adopted = metric(b, "hotweights_engine_kv_adopted_tokens")
         answer = b.client.post(Endpoint.COMPLETIONS, json=rest, headers={REPLAY_HEADER: str(len(released))})
         assert answer.status_code == 200, answer.text
         assert sent + answer.json()["choices"][0]["text"] == whole["text"], fault.name
         assert metric(b, "hotweights_engine_kv_adopted_tokens") - adopted == len(prompt) + len(released) - 1
+
+
+def cut_while_draining(engine: EngineProcess, body: dict) -> tuple[list[int], list[int], str]:
+    """A stream of ``body`` from ``engine``, cut after its third chunk once ``engine`` drains (as the gateway cuts a
+    switchover's streams); its prompt's ids, the token ids and the text it had sent. The drain has finished."""
+    with ThreadPoolExecutor(1) as pool:
+        with httpx.Client(base_url=engine.url, timeout=30) as client, client.stream(
+            "POST", Endpoint.COMPLETIONS, json=body | {"stream": True}
+        ) as response:  # fmt: skip
+            lines = (line for line in response.iter_lines() if line)
+            chunks = [json.loads(next(lines).removeprefix("data: "))["choices"][0] for _ in range(3)]
+            drained = pool.submit(engine.post, Endpoint.DRAIN, json={"timeout_s": 60})
+            wait_until(lambda: engine.client.get(Endpoint.PRIMARY).status_code == 503, what="the engine draining")
+        assert drained.result().status_code == 200
+    prompt, released = chunks[0]["prompt_token_ids"], [i for c in chunks for i in c["token_ids"]]
+    return prompt, released, "".join(c["text"] for c in chunks)
+
+
+def test_a_demoted_primary_hands_the_streams_cut_from_it_over_to_the_next(
+    pair: tuple[EngineProcess, EngineProcess, Path],
+) -> None:
+    """A stream cut from "a" while it drains keeps its slot. Resumed, "a" gives it up; cut again and demoted, "a"
+    hands its KV cache over to the daemon with that one slot, and "b", promoted, continues the stream from it as
+    from a failed primary's: the text is the uncut run's, and b adopts every token the stream had sent."""
+    a, b, sock = pair
+    body = {"prompt": "Handed over", "max_tokens": 400, "temperature": 0.0, "return_token_ids": True}
+    whole = a.complete(**body).json()["choices"][0]
+    cut_while_draining(a, body)
+    assert a.post(Endpoint.PROMOTE).json()["message"].startswith("resumed")
+    prompt, released, sent = cut_while_draining(a, body)
+    demoted = a.post(Endpoint.DEMOTE).json()
+    assert demoted["kv_slots_handed_over"] == 1, demoted
+    assert "the slots of 1 cut request(s) handed over" in demoted["message"]
+    wait_until(lambda: "KV caches deposited: 1 (1 of failed or demoted" in status_text(sock), what="a's handed over")
+    assert b.post(Endpoint.PROMOTE).status_code == 200
+    rest = body | {"prompt": prompt + released, "max_tokens": 400 - len(released)}
+    answer = b.client.post(Endpoint.COMPLETIONS, json=rest, headers={REPLAY_HEADER: str(len(released))})
+    assert answer.status_code == 200, answer.text
+    assert sent + answer.json()["choices"][0]["text"] == whole["text"]
+    assert metric(b, "hotweights_engine_kv_adopted_tokens") == len(prompt) + len(released) - 1
