@@ -87,8 +87,10 @@ from hotweights.controller.gatewayanswers import (
     unavailable,
 )
 from hotweights.controller.gatewaymetrics import GatewayMetrics
-from hotweights.controller.migration import Ledger, Migratable, Refusal, plan
+from hotweights.controller.migration import Ledger, Migratable, Refusal, plan_off_loop
+from hotweights.httpguard import parsed_json
 from hotweights.proxying import HOP_BY_HOP, ProxiedStream
+from hotweights.requestschema import Invalid
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +196,9 @@ class Gateway:
         the request was held for a failover, so an engine's 429 is retried (module docstring)."""
         body = await request.body()  # kept, so the request can be re-sent
         deadline = time.monotonic() + self.hold_s
-        migration = plan(request.method, path, body)
+        migration = await plan_off_loop(request.method, path, len(body), parsed_json(request.scope))
+        if isinstance(migration, Invalid):  # what an engine would refuse (controller.migration)
+            return migration.response()
         if isinstance(migration, Migratable):
             return await self.migrating(request, path, Ledger(migration), deadline, owed)
         last_failure = ""

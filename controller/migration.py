@@ -16,33 +16,49 @@ of an uninterrupted run. Stop strings are applied here, on the text as it comes 
 and the engine is asked without them: no engine holds text back for them, and one met across the cut
 is found like any other.
 
+The fields the gateway reads or rewrites (the sampling fields, a completion's prompt) are validated first, with the
+engines' own definitions (``hotweights.requestschema``), so that the gateway refuses what an engine would, in the
+same words: a stop string it applies itself, or a ``stream`` it overrides, never escapes the engine's limits. The
+other fields reach the engine as the client sent them, and it judges them.
+
 Nothing here does I/O: ``controller.gateway`` sends the requests.
 """
 
 from __future__ import annotations
 
-import json
+import asyncio
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 from hotweights.contract import CHAT_KEYS, CHAT_ONLY, Endpoint
+from hotweights.requestschema import (
+    DEFAULT_MAX_TOKENS,
+    INLINE_BODY_BYTES,
+    CompletionRequest,
+    Invalid,
+    SamplingRequest,
+    validated,
+)
 
 TOKEN_FIELDS = ("token_ids", "prompt_token_ids")  # what the gateway asks for, hidden unless the client did
 FORCED = {"stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
-DEFAULT_MAX_TOKENS = 16  # a completion's, as OpenAI's API (and every engine here) has it
+CHECKED = {Endpoint.COMPLETIONS: CompletionRequest, Endpoint.CHAT_COMPLETIONS: SamplingRequest}  # what plan validates
+# A migratable request's body is encoded again on the gateway's event loop (about 0.1 us a token id, with the GIL):
+# a prompt of more token ids than this is relayed as it is.
+MIGRATED_IDS = 1 << 16
 
 
 class Refusal(StrEnum):
     """Why a request is relayed as it is, without migration (said in its error event if it fails)."""
 
     NOT_JSON = "its body is not a JSON object"
+    LONG_PROMPT = f"its prompt has more than {MIGRATED_IDS} token ids"
     SEVERAL_CHOICES = "it asks for several choices (n, best_of or several prompts)"
     LOGPROBS = "it asks for logprobs"
     ECHO = "it asks for the prompt echoed"
-    MAX_TOKENS = "its max_tokens is not a positive integer"
+    MAX_TOKENS = "its max_completion_tokens is not a positive integer"
     CHAT_FIELDS = f"it has chat fields a completion cannot carry on (only {', '.join(sorted(CHAT_KEYS))} can)"
     NO_BUDGET = "a chat request without max_tokens has no budget to continue with"
-    BAD_STOP = "its stop is not a string or a list of strings (the engine says why)"
 
 
 @dataclass(frozen=True)
@@ -89,17 +105,26 @@ class Migratable:
         return kept | FORCED | {"prompt": prompt_ids, "max_tokens": max_tokens}
 
 
-def plan(method: str, path: str, body: bytes) -> Migratable | Refusal | None:
-    """A ``Migratable`` for a completion the gateway can continue; a ``Refusal`` for a completion it
-    cannot (relayed as it is); None for any other request."""
-    if method != "POST" or path not in (Endpoint.COMPLETIONS, Endpoint.CHAT_COMPLETIONS):
+async def plan_off_loop(method: str, path: str, size: int, request: object) -> Migratable | Refusal | Invalid | None:
+    """``plan``, in a worker thread for a body of more than ``INLINE_BODY_BYTES`` (``size``): its prompt's check walks
+    every token id."""
+    if size <= INLINE_BODY_BYTES:
+        return plan(method, path, request)
+    return await asyncio.to_thread(plan, method, path, request)
+
+
+def plan(method: str, path: str, request: object) -> Migratable | Refusal | Invalid | None:
+    """A ``Migratable`` for a completion the gateway can continue; a ``Refusal`` for a completion it cannot (relayed
+    as it is); ``Invalid`` for one whose fields an engine would refuse (module docstring); None for any other
+    request. ``request``: the body's JSON value (``hotweights.httpguard.parsed_json``)."""
+    if method != "POST" or path not in CHECKED:
         return None
-    try:
-        request = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        return Refusal.NOT_JSON
     if not isinstance(request, dict):
         return Refusal.NOT_JSON
+    schema = CHECKED[path]
+    checked = validated(schema, {k: v for k, v in request.items() if k in schema.model_fields})
+    if isinstance(checked, Invalid):
+        return checked
     if refusal := refusal_of(request):
         return refusal
     if path == Endpoint.CHAT_COMPLETIONS and (refusal := chat_refusal(request)):
@@ -126,6 +151,9 @@ def refusal_of(request: dict) -> Refusal | None:
     several_prompts = isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) and len(prompt) > 1
     if request.get("n", 1) != 1 or request.get("best_of", 1) != 1 or several_prompts:
         return Refusal.SEVERAL_CHOICES
+    ids = prompt[0] if isinstance(prompt, list) and prompt and isinstance(prompt[0], list) else prompt
+    if isinstance(ids, list) and len(ids) > MIGRATED_IDS:
+        return Refusal.LONG_PROMPT
     if request.get("logprobs") not in (None, False):
         return Refusal.LOGPROBS
     if request.get("echo"):
@@ -133,10 +161,6 @@ def refusal_of(request: dict) -> Refusal | None:
     max_tokens = budget(request)
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         return Refusal.MAX_TOKENS
-    stop = request.get("stop")
-    strings = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else [None]
-    if not all(isinstance(s, str) and s for s in strings if stop is not None):
-        return Refusal.BAD_STOP
     return None
 
 

@@ -3,7 +3,10 @@
 At most ``running`` requests are served at a time; up to ``queue`` more wait for a slot, each for at
 most ``wait_s``; anything beyond, or a wait that runs out, is refused at once (429 with
 ``Retry-After``), so an overloaded server keeps the latency of what it admitted instead of queueing
-without bound. The gateway and the engines each hold one.
+without bound. The gateway and the engines each hold one. An engine counts a request as the sequences it
+generates (``prompts``: a list of prompts takes a slot for each, all at once, and counts as that many waiting and
+arriving), so that a request of many prompts is bounded by what it costs, not by its count; slots are handed out
+first come first served, so small requests never pass one that waits for several.
 
 With ``queue_wait_share`` above 0, an engine under overload (``Admission.overloaded``: within the last
 ``OVERLOAD_WINDOW_S`` a fresh request found the queue full, or more fresh requests arrived than its slots complete
@@ -121,6 +124,51 @@ def verdict(slot_free: bool, waiting: int, queue: int, starts_soon: bool = True)
     return Verdict.QUEUE if waiting < queue and starts_soon else Verdict.REFUSE
 
 
+@dataclass
+class Slots:
+    """``capacity`` slots, taken several at a time, first come first served: a taker waits until as many as it asks
+    for are free and nobody waits ahead of it."""
+
+    capacity: int
+    free: int = field(init=False)
+    _waiters: deque[tuple[int, asyncio.Future[None]]] = field(init=False, default_factory=deque)
+
+    def __post_init__(self) -> None:
+        self.free = self.capacity
+
+    def available(self, n: int) -> bool:
+        """Whether ``n`` slots would be taken at once."""
+        return not self._waiters and self.free >= n
+
+    async def take(self, n: int) -> None:
+        """Hold ``n`` slots (``give`` returns them); cancelled while it waits, it holds none."""
+        if self.available(n):
+            self.free -= n
+            return
+        entry = (n, asyncio.get_running_loop().create_future())
+        self._waiters.append(entry)
+        try:
+            await entry[1]
+        except BaseException:
+            if entry[1].done() and not entry[1].cancelled():
+                self.give(n)  # granted as its wait ended
+            elif entry in self._waiters:
+                self._waiters.remove(entry)
+                self._wake()  # those behind it may fit now
+            raise
+
+    def give(self, n: int) -> None:
+        self.free += n
+        self._wake()
+
+    def _wake(self) -> None:
+        while self._waiters and (self._waiters[0][1].done() or self._waiters[0][0] <= self.free):
+            n, future = self._waiters.popleft()
+            if not future.done():
+                self.free -= n
+                future.set_result(None)
+
+
 class Timing(Protocol):
     """What an engine's scheduler knows of its sequences' times (``standby.scheduler.Scheduler``)."""
 
@@ -134,7 +182,8 @@ class Timing(Protocol):
 
 @dataclass
 class Admission:
-    """``enter`` before serving, ``leave`` once answered (``owed`` as it entered); ``on_verdict`` counts each
+    """``enter`` before serving, ``leave`` once answered (``owed`` and ``prompts`` as it entered); ``waiting``,
+    ``owed_waiting`` and ``serving`` count prompts (sequences), ``owed`` requests. ``on_verdict`` counts each
     arrival's verdict (and ``Verdict.REFUSE`` again for a queued request whose wait ran out); ``on_wait`` gets the
     seconds a queued request waited once it holds a slot. ``share`` and ``timing``: the wait share and the times it is
     judged by (module docstring; without ``timing``, or at a share of 0, a free place in the queue is enough)."""
@@ -150,14 +199,14 @@ class Admission:
     owed_waiting: int = 0  # of which in the owed queue (owed, or joined while an owed request was not answered)
     owed: int = 0  # owed requests queued or holding a slot now: while any, arrivals join the owed queue
     serving: int = 0  # holding a slot now
-    _slots: asyncio.Semaphore = field(init=False)
+    _slots: Slots = field(init=False)
     _arrivals: deque[tuple[float, int]] = field(init=False, default_factory=deque)  # (when, how many) in the window
     _arrived: int = field(init=False, default=0)  # their sum
     _full_at: float = field(init=False, default=float("-inf"))  # when a fresh request last found the queue full
     _owed_at: float = field(init=False, default=float("-inf"))  # when an owed request was last answered or gave up
 
     def __post_init__(self) -> None:
-        self._slots = asyncio.Semaphore(self.running)
+        self._slots = Slots(self.running)
 
     def overloaded(self) -> bool:
         """Whether the wait share applies now (``pressed``, with a share and ``timing``)."""
@@ -186,17 +235,19 @@ class Admission:
             self._arrived -= self._arrivals.popleft()[1]
         return overloaded(self._arrived, OVERLOAD_WINDOW_S, self.running, self.timing.completion_s, self.queue)
 
-    async def enter(self, owed: bool = False, refused_elsewhere: int = 0) -> str | None:
-        """None once a slot is held (``leave`` gives it back); else why the request is refused. ``owed``: a request
-        owed to a failover (module docstring); ``refused_elsewhere``: fresh requests a gateway refused on this
-        server's behalf since its last one (``REFUSED_HEADER``), counted as arrivals with this one."""
+    async def enter(self, owed: bool = False, refused_elsewhere: int = 0, prompts: int = 1) -> str | None:
+        """None once a slot for each of the request's ``prompts`` is held (``leave`` gives them back); else why the
+        request is refused. ``owed``: a request owed to a failover (module docstring); ``refused_elsewhere``: fresh
+        requests a gateway refused on this server's behalf since its last one (``REFUSED_HEADER``), counted as
+        arrivals with this one. ``prompts`` must not exceed ``running`` (it would wait for ever)."""
         if not owed:
-            self._arrivals.append((time.monotonic(), 1 + refused_elsewhere))
-            self._arrived += 1 + refused_elsewhere
+            self._arrivals.append((time.monotonic(), prompts + refused_elsewhere))
+            self._arrived += prompts + refused_elsewhere
         lane, queue, ahead = self._line(owed)
-        slot_free = not self._slots.locked()
+        slot_free = self._slots.available(prompts)
         judged = not (slot_free or lane or ahead >= queue) and self.overloaded()  # by the wait share
-        soon = not judged or (self.timing is not None and self.timing.starts_soon(self.share, ahead))
+        last = ahead + prompts - 1  # its last prompt's place in line
+        soon = not judged or (self.timing is not None and self.timing.starts_soon(self.share, last))
         decided = verdict(slot_free, ahead, queue, soon)
         self.on_verdict(decided)
         if decided is Verdict.REFUSE and not lane and soon:
@@ -210,26 +261,26 @@ class Admission:
             return f"overloaded: {self.running} requests are being served and {ahead} are waiting"
         self.owed += owed
         if decided is Verdict.ADMIT:
-            await self._slots.acquire()  # free: returns at once
-            self.serving += 1
+            await self._slots.take(prompts)  # free: returns at once
+            self.serving += prompts
             return None
-        self.waiting += 1
-        self.owed_waiting += lane
+        self.waiting += prompts
+        self.owed_waiting += lane * prompts
         queued_at = time.monotonic()
         held = False
         try:
             async with asyncio.timeout(self.wait_s):
-                await self._slots.acquire()
+                await self._slots.take(prompts)
             held = True
         except TimeoutError:
             self.on_verdict(Verdict.REFUSE)
             return f"overloaded: no slot came free within {self.wait_s} s"
         finally:  # also when the request is cancelled while it waits (its client gone)
-            self.waiting -= 1
-            self.owed_waiting -= lane
+            self.waiting -= prompts
+            self.owed_waiting -= lane * prompts
             if owed and not held:
                 self._owed_ended()
-        self.serving += 1
+        self.serving += prompts
         self.on_wait(time.monotonic() - queued_at)
         return None
 
@@ -248,12 +299,12 @@ class Admission:
         _, queue, ahead = self._line(False)
         return self.timing.opens_in(self.share if self.overloaded() else 0.0, ahead, queue)
 
-    def leave(self, owed: bool = False) -> None:
-        """Give the slot back; ``owed``: the request entered owed."""
-        self.serving -= 1
+    def leave(self, owed: bool = False, prompts: int = 1) -> None:
+        """Give the slots back; ``owed`` and ``prompts``: as the request entered."""
+        self.serving -= prompts
         if owed:
             self._owed_ended()
-        self._slots.release()
+        self._slots.give(prompts)
 
     def _owed_ended(self) -> None:
         """An owed request was answered, or gave up its wait: the recovery (``RECOVERY_S``) counts from now."""

@@ -4,9 +4,11 @@
   chunked body is counted as it arrives and refused with 413 as soon as it passes the limit; a body that
   takes longer than ``body_timeout_s`` to arrive is 408.
 - A JSON body is parsed strictly once, before the handler: non-finite numbers (``NaN``, ``Infinity``,
-  ``1e999``), integers beyond 64 bits, nesting deeper than ``MAX_DEPTH``, duplicate keys, invalid UTF-8
-  and lone surrogates are 400 with one short reason. What passes is plain JSON every later step can
-  encode again (a validation error echoing it, a tokenizer, a log line).
+  ``1e999``), integers beyond 64 bits, nesting deeper than ``MAX_DEPTH``, more than ``MAX_CONTAINERS``
+  arrays and objects (counted before the parse, which would hold the GIL while it builds them), duplicate
+  keys, invalid UTF-8 and lone surrogates are 400 with one short reason. What passes is plain JSON every
+  later step can encode again (a validation error echoing it, a tokenizer, a log line); the handler finds it
+  parsed (``parsed_json``).
 - Connections: one whose request headers have not all arrived ``header_timeout_s`` after it opened (or
   after its previous response) is closed. At ``max_connections`` open at once, a new connection takes the
   place of the one that has waited longest for a request's headers (a slow client, or a keep-alive
@@ -43,6 +45,7 @@ HEADER_TIMEOUT_S = 10.0
 BODY_TIMEOUT_S = 30.0
 MAX_CONNECTIONS = 4096  # per server, at most half its open-files limit (``connection_cap``)
 MAX_DEPTH = 32  # JSON nesting; our bodies are two levels deep
+MAX_CONTAINERS = 1 << 17  # JSON arrays and objects in one body; a chat's messages and content parts are far fewer
 MAX_INT = 2**63  # integers beyond a signed 64-bit number are refused
 ECHO_CHARS = 200  # values from the request quoted in an answer are cut to this
 INLINE_PARSE_BYTES = 64 * 1024  # larger JSON bodies are checked in a worker thread
@@ -135,12 +138,39 @@ def _depth_only(value: object, depth: int = 0) -> None:
         _depth_only(item, depth + 1)
 
 
+def _containers(body: bytes) -> int:
+    """How many arrays and objects ``body`` opens: its brackets, outside strings when there are many of them."""
+    count = body.count(b"[") + body.count(b"{")
+    if count <= MAX_CONTAINERS:
+        return count
+    outside = b"".join(body.replace(b"\\\\", b"").replace(b'\\"', b"").split(b'"')[::2])
+    return outside.count(b"[") + outside.count(b"{")
+
+
+NO_JSON = object()  # ``parsed_json`` of a request whose body was not parsed as JSON
+JSON_BODY = "hotweights.json_body"  # the ASGI scope's key for the value ``BodyGuard`` parsed
+
+
+def parsed_json(scope: Scope) -> object:
+    """The JSON value of the request's body, as ``BodyGuard`` parsed it; ``NO_JSON`` when it was not (no body, or
+    another content type)."""
+    return scope.get(JSON_BODY, NO_JSON)
+
+
 def json_refusal(body: bytes) -> str | None:
     """None when ``body`` is plain JSON (see the module docstring); else why not, in a few words."""
+    return parse_json(body)[1]
+
+
+def parse_json(body: bytes) -> tuple[object, str | None]:
+    """``body``'s value and None when it is plain JSON (see the module docstring); else ``NO_JSON`` and why not,
+    in a few words."""
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
-        return f"the body is not UTF-8 (byte {exc.start})"
+        return NO_JSON, f"the body is not UTF-8 (byte {exc.start})"
+    if (containers := _containers(body)) > MAX_CONTAINERS:
+        return NO_JSON, f"invalid JSON: {containers} arrays and objects, more than {MAX_CONTAINERS}"
     try:
         value = json.loads(
             text,
@@ -151,12 +181,12 @@ def json_refusal(body: bytes) -> str | None:
         )
         (_check_tree if SURROGATE_ESCAPE.search(body) else _depth_only)(value)
     except BadJson as exc:
-        return f"invalid JSON: {exc}"
+        return NO_JSON, f"invalid JSON: {exc}"
     except RecursionError:
-        return f"invalid JSON: nested deeper than {MAX_DEPTH} levels"
+        return NO_JSON, f"invalid JSON: nested deeper than {MAX_DEPTH} levels"
     except ValueError as exc:  # JSONDecodeError, and int()'s digit limit
-        return f"invalid JSON: {short(exc, 80)}"
-    return None
+        return NO_JSON, f"invalid JSON: {short(exc, 80)}"
+    return value, None
 
 
 def _is_json(scope: Scope) -> bool:
@@ -201,10 +231,11 @@ class BodyGuard:
         if body is None:
             return None  # the client went away
         if body and _is_json(scope):
-            check = json_refusal
-            reason = await asyncio.to_thread(check, body) if len(body) > INLINE_PARSE_BYTES else check(body)
+            parse = parse_json
+            value, reason = await asyncio.to_thread(parse, body) if len(body) > INLINE_PARSE_BYTES else parse(body)
             if reason is not None:
                 return await self._refuse(send, 400, reason)
+            scope[JSON_BODY] = value
         await self.app(scope, _replay(body, receive), send)
 
     async def _read(self, receive: Receive) -> bytes | None:

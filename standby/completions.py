@@ -1,5 +1,5 @@
-"""The OpenAI completions protocol: request schema, and one request's run from submitted sequences
-to response chunks (text via ``standby.generate.TextStream``, stop strings included).
+"""The OpenAI completions protocol: one request's run from submitted sequences to response chunks (text via
+``standby.generate.TextStream``, stop strings included); the request schemas are ``hotweights.requestschema``'s.
 
 Nothing here knows about HTTP routing or roles; ``standby/server.py`` wires it to FastAPI.
 """
@@ -14,20 +14,12 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 from tokenizers import Tokenizer
 
+from hotweights.requestschema import SamplingRequest
 from hotweights.standby.generate import TextStream
 from hotweights.standby.scheduler import Event, Finish, SamplingParams, Scheduler, Sequence
-
-Prompt = str | list[str] | list[int] | list[list[int]]
-
-
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    include_usage: bool = False
 
 
 class Api(StrEnum):
@@ -43,67 +35,6 @@ class Api(StrEnum):
     @property
     def id_prefix(self) -> str:
         return "cmpl" if self is Api.COMPLETIONS else "chatcmpl"
-
-
-class SamplingRequest(BaseModel):
-    """What completions and chat completions share; unknown fields are refused by name rather than
-    silently ignored."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    model: str | None = None
-    max_tokens: int = Field(default=16, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    return_token_ids: bool = False  # each choice also carries ``token_ids`` (and ``prompt_token_ids`` once)
-
-    @field_validator("stop")
-    @classmethod
-    def _stop_strings(cls, stop: str | list[str] | None) -> str | list[str] | None:
-        strings = [stop] if isinstance(stop, str) else stop or []
-        if len(strings) > 4 or not all(strings):
-            raise ValueError("up to 4 non-empty strings")
-        return stop
-
-    @property
-    def stop_strings(self) -> tuple[str, ...]:
-        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-
-
-class CompletionRequest(SamplingRequest):
-    """The supported subset of OpenAI's ``POST /v1/completions``."""
-
-    prompt: Prompt  # text, or token ids (as OpenAI allows)
-
-    @field_validator("prompt")
-    @classmethod
-    def _some_prompt(cls, prompt: Prompt) -> Prompt:
-        if isinstance(prompt, list) and (not prompt or any(isinstance(p, list) and not p for p in prompt)):
-            raise ValueError("needs at least one prompt, each of at least one token")
-        return prompt
-
-    @property
-    def prompts(self) -> list[str | list[int]]:
-        """One entry per choice: a text, or the token ids of one prompt."""
-        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
-            return [self.prompt]
-        return list(self.prompt)
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "user", "assistant"]
-    content: str
-
-
-class ChatRequest(SamplingRequest):
-    """The supported subset of OpenAI's ``POST /v1/chat/completions``: one choice, text messages."""
-
-    messages: list[ChatMessage] = Field(min_length=1)
 
 
 class GenerationAborted(Exception):

@@ -1,15 +1,15 @@
 """The engine's HTTP face: OpenAI completions, Patroni-style health checks, role changes, metrics.
 
-Handlers never touch the model: compute runs on the scheduler's thread, tokenization in a worker
-thread (``encode_batch`` releases the GIL, so a prompt of megabytes never holds up the event loop), and
-the health endpoints read plain attributes, so they answer in milliseconds during long generations.
-Completions pass ``admission`` first: beyond the generating and waiting requests it allows, 429 at once.
+Handlers never touch the model: compute runs on the scheduler's thread, a large request's validation, chat
+template and tokenization in the intake's (``standby.intake``), and the health endpoints read plain attributes,
+so they answer in milliseconds during long generations and whatever requests arrive. Completions pass
+``admission`` once validated, counted as the prompts they generate: beyond the sequences generating and waiting
+it allows, 429 at once.
 Every error body is OpenAI-shaped: ``{"error": {"message", "type", "param"}}``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import time
@@ -17,24 +17,21 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Annotated
 
-from fastapi import FastAPI, Header
+from fastapi import FastAPI, Header, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
 from starlette.types import Receive, Scope, Send
 from tokenizers import Tokenizer
 
 from hotweights.admission import RETRY_AFTER_S, Admission
 from hotweights.contract import ADMITS_IN_HEADER, OWED_HEADER, REFUSED_HEADER, REPLAY_HEADER, WEIGHTS_HEADER, Endpoint
-from hotweights.httpguard import short
+from hotweights.httpguard import parsed_json, short
+from hotweights.requestschema import ChatRequest, CompletionRequest, Invalid, SamplingRequest
 from hotweights.standby.chat import ChatTemplate
-from hotweights.standby.completions import (
-    Api,
-    ChatRequest,
-    CompletionRequest,
-    CompletionRun,
-    GenerationAborted,
-    SamplingRequest,
-)
+from hotweights.standby.completions import Api, CompletionRun, GenerationAborted
 from hotweights.standby.contract_routes import SERVING, add_contract_routes, declare, error, finish_app, unavailable
+from hotweights.standby.intake import Intake
 from hotweights.standby.metrics import EngineMetrics
 from hotweights.standby.roles import Roles
 from hotweights.standby.scheduler import Scheduler
@@ -43,7 +40,6 @@ from hotweights.standby.weights import LoadedModel
 log = logging.getLogger(__name__)
 
 MAX_REFUSED = 1_000_000  # the most REFUSED_HEADER may say (a gateway refuses fewer than that in a second)
-INLINE_PROMPT_CHARS = 4096  # prompts up to this are tokenized on the event loop (about a millisecond)
 STALL_S = 30.0  # an inference thread that has not gone round its loop for this long is not ready
 
 
@@ -130,14 +126,16 @@ def build_app(ctx: EngineContext) -> FastAPI:
         model = {"id": ctx.model_name, "object": "model", "created": ctx.created, "owned_by": "hotweights"}
         return JSONResponse({"object": "list", "data": [model]})
 
-    chat_template = ChatTemplate.load(ctx.loaded.checkpoint.path)
+    template = ChatTemplate.load(ctx.loaded.checkpoint.path)
+    vocab_size = ctx.loaded.model.config.vocab_size
+    intake = Intake(ctx.tokenizer, template, vocab_size, ctx.context_tokens, ctx.admission.running)
     answers = declare(400, 404, 408, 413, 429, 500, 503) | {
         200: {"content": {"application/json": {}, "text/event-stream": {}}, "description": "the completion"}
     }
 
-    @app.post(Endpoint.COMPLETIONS, response_model=None, responses=answers)
+    @app.post(Endpoint.COMPLETIONS, response_model=None, responses=answers, openapi_extra=body(CompletionRequest))
     async def completions(
-        request: CompletionRequest,
+        http: Request,
         replay: Annotated[int | None, Header(alias=REPLAY_HEADER, ge=0)] = None,
         owed: Annotated[str | None, Header(alias=OWED_HEADER)] = None,
         refused: Annotated[int, Header(alias=REFUSED_HEADER, ge=0, le=MAX_REFUSED)] = 0,
@@ -152,85 +150,65 @@ def build_app(ctx: EngineContext) -> FastAPI:
         daemon keeps it (``standby.kvshare``), and otherwise, with ``--batch-invariant``, feeds those tokens through
         decode steps; with ``OWED_HEADER`` the request is one a gateway owes to a failover
         (``hotweights.admission``). Every answer names the weights that computed it (``WEIGHTS_HEADER``: the
-        fingerprint)."""
-
-        def encode() -> list[list[int]]:
-            texts = iter(ctx.tokenizer.encode_batch([p for p in request.prompts if isinstance(p, str)]))
-            return [next(texts).ids if isinstance(p, str) else p for p in request.prompts]
-
+        fingerprint). A list of prompts holds at most ``--max-batch`` of them."""
+        size = len(await http.body())
+        request = await intake.request(CompletionRequest, parsed_json(http.scope), size)
+        if isinstance(request, Invalid):
+            return request.response()
         if replay is None:
             replay = 0
-        elif len(request.prompts) != 1 or isinstance(request.prompts[0], str) or replay >= len(request.prompts[0]):
+        elif request.prompt_count != 1 or isinstance(request.prompt, str) or replay >= len(request.prompt):
             message = f"{REPLAY_HEADER} {replay} needs one prompt of token ids longer than that"
             return error(400, message, "invalid_request_error", REPLAY_HEADER)
-        chars = sum(map(len, request.prompts))
-        return await admitted(request, Api.COMPLETIONS, encode, chars, replay, owed is not None, refused)
+        return await admitted(request, Api.COMPLETIONS, size, replay, owed is not None, refused)
 
-    @app.post(Endpoint.CHAT_COMPLETIONS, response_model=None, responses=answers)
+    @app.post(Endpoint.CHAT_COMPLETIONS, response_model=None, responses=answers, openapi_extra=body(ChatRequest))
     async def chat_completions(
-        request: ChatRequest,
+        http: Request,
         owed: Annotated[str | None, Header(alias=OWED_HEADER)] = None,
         refused: Annotated[int, Header(alias=REFUSED_HEADER, ge=0, le=MAX_REFUSED)] = 0,
     ) -> Response:
         """OpenAI chat completions (one choice), the messages rendered by the checkpoint's chat template
         or the built-in one (``standby.chat``); answers as ``/v1/completions`` does."""
-
-        def encode() -> list[list[int]]:
-            text = chat_template.render([m.model_dump() for m in request.messages])
-            return [ctx.tokenizer.encode(text, add_special_tokens=not chat_template.from_checkpoint).ids]
-
-        chars = sum(len(m.content) for m in request.messages)
-        return await admitted(request, Api.CHAT, encode, chars, owed=owed is not None, refused=refused)
+        size = len(await http.body())
+        request = await intake.request(ChatRequest, parsed_json(http.scope), size)
+        if isinstance(request, Invalid):
+            return request.response()
+        return await admitted(request, Api.CHAT, size, owed=owed is not None, refused=refused)
 
     async def admitted(
-        request: SamplingRequest,
+        request: CompletionRequest | ChatRequest,
         api: Api,
-        encode: Callable[[], list[list[int]]],
-        chars: int,
+        size: int,
         replay: int = 0,
         owed: bool = False,
         refused: int = 0,
     ) -> Response:
-        """The request run once admission lets it in and its prompt (tokenized by ``encode``, in a worker
-        thread above ``INLINE_PROMPT_CHARS``) fits, ``replay`` of its last tokens fed through decode steps
-        (``standby.scheduler``); the refusal otherwise. ``owed``: admitted as a request owed to a failover;
-        ``refused``: fresh requests a gateway refused on this engine's behalf (``REFUSED_HEADER``)."""
+        """The request run once admission lets it in (as many sequences as it has prompts) and its prompts
+        (tokenized by the intake, in its thread for a body of ``size`` beyond its inline size) fit, ``replay`` of
+        its last tokens fed through decode steps (``standby.scheduler``); the refusal otherwise. ``owed``: admitted
+        as a request owed to a failover; ``refused``: fresh requests a gateway refused on this engine's behalf
+        (``REFUSED_HEADER``)."""
         if reason := roles.serving_refusal():
             return unavailable(reason)
         if request.model is not None and request.model != ctx.model_name:
             message = f"model {short(request.model)!r} is not served here; try {ctx.model_name!r}"
             return error(404, message, "not_found_error", "model")
-        if reason := await ctx.admission.enter(owed, refused):
+        prompts = request.prompt_count
+        if reason := await ctx.admission.enter(owed, refused, prompts):
             return overloaded(reason, ctx.admission.reopens_in())
-        handed_over = False  # to the run, whose close gives the admission slot back
+        handed_over = False  # to the run, whose close gives the admission slots back
         try:
-            # encode_batch releases the GIL: the event loop runs on meanwhile
-            prompt_ids = encode() if chars <= INLINE_PROMPT_CHARS else await asyncio.to_thread(encode)
-            if refused := prompt_refusal(prompt_ids, request.max_tokens):
-                return refused
+            prompt_ids = await intake.prompt_ids(request, size)
+            if isinstance(prompt_ids, Invalid):
+                return prompt_ids.response()
             if reason := roles.serving_refusal():  # it may have changed while the request waited
                 return unavailable(reason)
             handed_over = True
             return await serve(request, prompt_ids, api, replay, owed)
         finally:
             if not handed_over:
-                ctx.admission.leave(owed)
-
-    def prompt_refusal(prompt_ids: list[list[int]], max_tokens: int) -> JSONResponse | None:
-        vocab = ctx.loaded.model.config.vocab_size
-        for ids in prompt_ids:
-            if not ids:
-                return error(400, "prompt is empty after tokenization", "invalid_request_error", "prompt")
-            if bad := [t for t in ids if not 0 <= t < vocab]:
-                message = f"prompt token ids {bad[:5]} are outside this model's vocabulary [0, {vocab})"
-                return error(400, message, "invalid_request_error", "prompt")
-            if len(ids) + max_tokens > ctx.context_tokens:
-                message = (
-                    f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds this engine's "
-                    f"{ctx.context_tokens}-token context (--kv-cache-tokens)"
-                )
-                return error(400, message, "invalid_request_error", "max_tokens")
-        return None
+                ctx.admission.leave(owed, prompts)
 
     async def serve(
         request: SamplingRequest, prompt_ids: list[list[int]], api: Api, replay: int = 0, owed: bool = False
@@ -243,7 +221,7 @@ def build_app(ctx: EngineContext) -> FastAPI:
         def close() -> None:
             run.cancel()
             roles.release()
-            ctx.admission.leave(owed)
+            ctx.admission.leave(owed, len(prompt_ids))
             usage = run.usage()
             metrics.prompt_tokens.inc(usage["prompt_tokens"])
             metrics.completion_tokens.inc(usage["completion_tokens"])
@@ -263,7 +241,31 @@ def build_app(ctx: EngineContext) -> FastAPI:
         finally:
             close()
 
-    return finish_app(app, metrics)
+    return documented(finish_app(app, metrics), CompletionRequest, ChatRequest)
+
+
+def body(schema: type[BaseModel]) -> dict[str, object]:
+    """The OpenAPI request body of an endpoint that takes ``schema`` (its handler validates the body itself, with
+    the intake, rather than through FastAPI on the event loop); ``documented`` adds the schema."""
+    content = {"application/json": {"schema": {"$ref": f"#/components/schemas/{schema.__name__}"}}}
+    return {"requestBody": {"required": True, "content": content}}
+
+
+def documented(app: FastAPI, *schemas: type[BaseModel]) -> FastAPI:
+    """``app`` whose OpenAPI document holds ``schemas`` (and what they refer to) among its components."""
+    build = app.openapi
+
+    def openapi() -> dict[str, object]:
+        document = build()
+        components = document.setdefault("components", {}).setdefault("schemas", {})
+        if not all(schema.__name__ in components for schema in schemas):
+            ref = "#/components/schemas/{model}"
+            _, defs = models_json_schema([(schema, "validation") for schema in schemas], ref_template=ref)
+            components.update(defs["$defs"])
+        return document
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    return app
 
 
 def overloaded(reason: str, admits_in_s: float | None) -> JSONResponse:

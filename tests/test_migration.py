@@ -20,7 +20,9 @@ import httpx
 import pytest
 
 from hotweights.contract import REPLAY_HEADER, Endpoint
-from hotweights.controller.migration import Ledger, Migratable, Refusal, StopStrings, plan
+from hotweights.controller.migration import MIGRATED_IDS, Ledger, Migratable, Refusal, StopStrings, plan
+from hotweights.httpguard import NO_JSON
+from hotweights.requestschema import MAX_STOP_CHARS, MAX_STOP_STRINGS, Invalid
 from hotweights.standby.sampling import token_seed
 from tests.cachehelpers import wait_until
 from tests.conftest import make_checkpoint
@@ -34,32 +36,49 @@ FLAGS = ("--kv-cache-tokens", "512", "--max-batch", "32")
 INVARIANT = ("--batch-invariant",)
 
 
-def body(**fields: object) -> bytes:
-    return json.dumps({"prompt": "hi", "max_tokens": 8} | fields).encode()
+def body(**fields: object) -> dict:
+    return {"prompt": "hi", "max_tokens": 8} | fields
 
 
-def chat(**fields: object) -> bytes:
+def chat(**fields: object) -> dict:
     request = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8} | fields
-    return json.dumps({k: v for k, v in request.items() if v is not None}).encode()
+    return {k: v for k, v in request.items() if v is not None}
+
+
+@dataclass(frozen=True)
+class Bad:
+    """``plan`` refuses the request as an engine would (``Invalid``), naming ``param``."""
+
+    param: str
 
 
 @pytest.mark.unit
 @pytest.mark.parametrize(
-    ("method", "path", "raw", "expected"),
+    ("method", "path", "value", "expected"),
     [
-        ("GET", "/v1/models", b"", None),
+        ("GET", "/v1/models", NO_JSON, None),
         ("POST", "/v1/embeddings", body(), None),
-        ("POST", "/v1/completions", b"not json", Refusal.NOT_JSON),
-        ("POST", "/v1/completions", b"[1, 2]", Refusal.NOT_JSON),
+        ("POST", "/v1/completions", NO_JSON, Refusal.NOT_JSON),  # another content type
+        ("POST", "/v1/completions", [1, 2], Refusal.NOT_JSON),  # the engine says what it expects
         ("POST", "/v1/completions", body(n=2), Refusal.SEVERAL_CHOICES),
         ("POST", "/v1/completions", body(best_of=3), Refusal.SEVERAL_CHOICES),
         ("POST", "/v1/completions", body(prompt=["a", "b"]), Refusal.SEVERAL_CHOICES),
         ("POST", "/v1/completions", body(logprobs=2), Refusal.LOGPROBS),
         ("POST", "/v1/completions", body(echo=True), Refusal.ECHO),
-        ("POST", "/v1/completions", body(max_tokens="8"), Refusal.MAX_TOKENS),
-        ("POST", "/v1/completions", body(max_tokens=0), Refusal.MAX_TOKENS),
-        ("POST", "/v1/completions", body(stop=[1]), Refusal.BAD_STOP),
-        ("POST", "/v1/completions", body(stop=[""]), Refusal.BAD_STOP),
+        ("POST", "/v1/completions", body(max_tokens="8"), Bad("max_tokens")),
+        ("POST", "/v1/completions", body(max_tokens=0), Bad("max_tokens")),
+        ("POST", "/v1/completions", body(max_tokens=8.0), Bad("max_tokens")),
+        ("POST", "/v1/completions", body(stop=[1]), Bad("stop")),
+        ("POST", "/v1/completions", body(stop=[""]), Bad("stop")),
+        ("POST", "/v1/completions", body(stop=["a"] * (MAX_STOP_STRINGS + 1)), Bad("stop")),
+        ("POST", "/v1/completions", body(stop="a" * (MAX_STOP_CHARS + 1)), Bad("stop")),
+        ("POST", "/v1/completions", body(stream="yes"), Bad("stream")),
+        ("POST", "/v1/completions", body(stream_options={"include_usage": 1}), Bad("stream_options")),
+        ("POST", "/v1/completions", body(return_token_ids=1), Bad("return_token_ids")),
+        ("POST", "/v1/completions", body(prompt=[[1], []]), Bad("prompt")),
+        ("POST", "/v1/completions", body(prompt=[1, True]), Bad("prompt")),
+        ("POST", "/v1/completions", body(prompt=[1] * (MIGRATED_IDS + 1)), Refusal.LONG_PROMPT),
+        ("POST", "/v1/completions", body(prompt=[[1] * (MIGRATED_IDS + 1)]), Refusal.LONG_PROMPT),
         ("POST", "/v1/completions", body(stop=[]), Migratable),
         ("POST", "/v1/completions", body(prompt=[1, 2, 3]), Migratable),
         ("POST", "/v1/completions", body(prompt=["one"]), Migratable),
@@ -67,14 +86,20 @@ def chat(**fields: object) -> bytes:
         ("POST", "/v1/chat/completions", chat(), Migratable),
         ("POST", "/v1/chat/completions", chat(max_tokens=None, max_completion_tokens=9), Migratable),
         ("POST", "/v1/chat/completions", chat(max_tokens=None), Refusal.NO_BUDGET),
+        ("POST", "/v1/chat/completions", chat(max_tokens=None, max_completion_tokens="9"), Refusal.MAX_TOKENS),
+        ("POST", "/v1/chat/completions", chat(max_tokens="9"), Bad("max_tokens")),
+        ("POST", "/v1/chat/completions", chat(stop=["a"] * (MAX_STOP_STRINGS + 1)), Bad("stop")),
         ("POST", "/v1/chat/completions", chat(tools=[]), Refusal.CHAT_FIELDS),
         ("POST", "/v1/chat/completions", chat(n=2), Refusal.SEVERAL_CHOICES),
         ("POST", "/v1/chat/completions", chat(logprobs=True), Refusal.LOGPROBS),
     ],
 )
-def test_which_requests_migrate(method: str, path: str, raw: bytes, expected: object) -> None:
-    decided = plan(method, path, raw)
-    assert isinstance(decided, Migratable) if expected is Migratable else decided == expected
+def test_which_requests_migrate(method: str, path: str, value: object, expected: object) -> None:
+    decided = plan(method, path, value)
+    if isinstance(expected, Bad):
+        assert isinstance(decided, Invalid) and decided.param == expected.param, decided
+    else:
+        assert isinstance(decided, Migratable) if expected is Migratable else decided == expected
 
 
 def chunk(text: str, ids: list[int], finish: str | None = None, **choice: object) -> dict:

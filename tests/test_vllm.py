@@ -114,7 +114,7 @@ class Cut:
     the same ``Ledger`` of released tokens, whose continuation ``finish`` asks of the next primary."""
 
     def __init__(self, url: str, path: str, body: dict) -> None:
-        migratable = plan("POST", path, json.dumps(body).encode())
+        migratable = plan("POST", path, body)
         assert isinstance(migratable, Migratable), migratable
         self.ledger = Ledger(migratable)
         for chunk in sse(url + path, migratable.upstream_body(), CUT_AFTER):
