@@ -7,7 +7,8 @@ Each size is served by a real daemon in a child process; this process attaches a
 would (socket round trip, import of the arena, one view per tensor, binding into a meta-built
 model), ``--repeats`` times, and reports the median. ``disk`` sources also time the off-mode load
 of the same checkpoint; ``synthetic`` sources fill the arena in device memory (no disk) and take
-the load time from ``--load-model``. The last stdout line is one JSON object.
+the load time from ``--load-model`` (without it, the JSON has no ``load_ms``, ``load_model_gb`` nor ``speedup``).
+The last stdout line is one JSON object.
 """
 
 from __future__ import annotations
@@ -228,7 +229,7 @@ def main() -> None:
                 "tensors": n_tensors,
                 "attach_ms": round(median_ms, 3),
                 "attach_min_ms": round(min_ms, 3),
-                "load_ms": None if load_ms is None else round(load_ms, 1),
+                **({} if load_ms is None else {"load_ms": round(load_ms, 1)}),
             }
         )
         print(
@@ -238,7 +239,7 @@ def main() -> None:
             flush=True,
         )
 
-    load_ms = rows[-1]["load_ms"]
+    load_ms = rows[-1].get("load_ms")
     load_model_gb = rows[-1]["size_gb"]
     if args.load_model:
         load_ms = time_off_mode_load(Path(args.load_model), args.device)
@@ -251,11 +252,11 @@ def main() -> None:
         "sizes_gb": [r["size_gb"] for r in rows],
         "tensors": [r["tensors"] for r in rows],
         "attach_ms": attach_ms,
-        "load_ms": [r["load_ms"] for r in rows] if args.source == "disk" else load_ms,
-        "load_model_gb": round(load_model_gb, 3),
         "flatness": round(attach_ms[-1] / attach_ms[0], 3),
-        "speedup": None if load_ms is None else round(load_ms / attach_ms[-1], 1),
     }
+    if load_ms is not None:  # a disk source's, or --load-model's: a synthetic source alone loads nothing
+        result["load_ms"] = [r["load_ms"] for r in rows] if args.source == "disk" else load_ms
+        result |= {"load_model_gb": round(load_model_gb, 3), "speedup": round(load_ms / attach_ms[-1], 1)}
     print(json.dumps(result))
 
 

@@ -15,14 +15,16 @@ line is one JSON object with ``p50_ms``, ``p99_ms``, ``max_ms``, ``client_errors
 ``split_brain_samples``. Targets on CPU through the gateway: p50 <= 300 ms, p99 <= 1000 ms, no client
 errors; no split-brain sample anywhere.
 
-``--groups N --simultaneous`` runs its own ``hotweights controller`` (N groups of 3 engines, no load
-balancer, no client load). Each round first SIGKILLs group 0's primary alone (the single-group
-time), waits for the stack to be whole again, then SIGKILLs all N primaries at once. A group's time
-is from the SIGKILL to the controller's "failover" event (the new primary confirmed on /primary).
-The last line keeps the keys above (over the simultaneous times; the client and split-brain counts
-are null: nothing measures them here) and adds ``single_ms`` and ``groups_ms`` per round and
-``ratio``, the slowest simultaneous group over the single-group time of the same round (1.0: the
-groups fail over independently; N: one after another).
+``--groups N --simultaneous`` runs its own ``hotweights up`` (N groups of 3 engines, one gateway worker, whose
+``/metrics`` count every retry) under ``--rps`` of client load through the gateway, with a split-brain detector
+per group (``chaos.splitbrain``: two engines of one group answering ``/primary`` 200 in one sweep). Each round
+first SIGKILLs group 0's primary alone (the single-group time), waits for the stack to be whole again, then
+SIGKILLs all N primaries at once. A group's time is from the SIGKILL to the controller's "failover" event (the
+new primary confirmed on /primary). The last line keeps the keys above (the times over the simultaneous kills;
+``client_errors``, the first few of them in ``errors``, ``retried`` and ``split_brain_samples`` over the whole
+run, of ``requests``) and adds ``single_ms`` and ``groups_ms`` per round and ``ratio``, the slowest simultaneous
+group over the single-group time of the same round (1.0: the groups fail over independently; N: one after
+another).
 
 ``--tp-size N`` (N > 1) runs the drill's stack with engines of N ranks (a daemon per rank) and cycles
 through the faults of a group: ``kill-primary`` (rank 0), ``kill-rank`` (a non-zero rank of the primary),
@@ -42,20 +44,21 @@ healed) and etcd-restart (SIGKILL etcd, start it again with its data). A host or
 started again before the next round. Same last-line keys (over each round's fault-to-first-success), the
 same per fault (``by_fault``), and ``ttl_s``.
 
-``--engine vllm`` runs a stack of one vLLM group (a primary and a standby behind ``hotweights agent``,
-both mapping the tiny model from a ``--format vllm`` daemon, vLLM from ``--vllm-python``), drills
-``kill-primary`` against it through the load balancer (same last-line keys), and adds ``startup_s``:
-engine start to ready for ``--load-format hotweights`` against vLLM's default loader, measured one
-after the other in the same run (null where that engine never got ready). ``--engine sglang`` does the
-same with SGLang from ``--sglang-python`` (a ``--format sglang`` daemon, three engines; on a machine
-without the NVIDIA driver, with the stand-in ``libcuda.so.1`` of ``hotweights.standby.sglang_nodriver``).
-``--engine-faults`` drills other scenarios against that group too (``by_fault`` then gives each its figures).
+``--engine vllm`` runs a stack of one vLLM group (a primary and a standby behind ``hotweights agent``, both mapping
+the tiny model from a ``--format vllm`` daemon, vLLM from ``--vllm-python``), drills ``kill-primary`` against it
+through the load balancer (same last-line keys), and adds ``startup_s``: engine start to ready for ``--load-format
+hotweights`` against vLLM's default loader, measured one after the other in the same run (a load format whose
+engine never got ready is named in ``startup_failed`` instead, and the bench exits 1). ``--engine sglang`` does the
+same with SGLang from ``--sglang-python`` (a ``--format sglang`` daemon, three engines; on a machine without the
+NVIDIA driver, with the stand-in ``libcuda.so.1`` of ``hotweights.standby.sglang_nodriver``). ``--engine-faults``
+drills other scenarios against that group too (``by_fault`` then gives each its figures).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -71,7 +74,7 @@ from typing import Any
 import httpx
 
 from hotweights.cache.makemodel import ensure_default_model
-from hotweights.chaos.clusterview import ClusterView
+from hotweights.chaos.clusterview import ClusterView, lb_retries
 from hotweights.chaos.hosts import EtcdServer, SimulatedHost, answers
 from hotweights.chaos.load import LoadGenerator, reference_completion
 from hotweights.chaos.proxy import DelayProxy
@@ -89,6 +92,7 @@ TARGETS = {"p50_ms": 300.0, "p99_ms": 1000.0}
 GROUP_FAULTS = ("kill-primary", "kill-rank", "hang-rank", "kill-rank-daemon")  # --tp-size > 1
 FAULTS = ("kill-primary", "kill-host", "controller-loss", "partition-host", "etcd-restart")  # with --dcs etcd
 PARTITION_S = 1e6  # partition-host: the proxy to etcd delivers nothing (until it is healed)
+FIRST_OK_TIMEOUT_S = 30.0  # --dcs: a round whose fault no success follows within this is unrecovered
 
 
 def main() -> int:
@@ -120,7 +124,7 @@ def main() -> int:
     if args.dcs:
         return asyncio.run(multihost(args))
     if args.simultaneous:
-        return simultaneous(args.groups, args.rounds or 3, args.device, args.model)
+        return simultaneous(args)
     if args.engine != "reference":
         return engine_failover(args)
     args.rounds = args.rounds or 20
@@ -149,7 +153,7 @@ def drill_result(args: argparse.Namespace, command: list[str], extra: dict[str, 
         "p99_ms": round(percentile(times, 99), 1),
         "max_ms": round(max(times), 1),
         "client_errors": sum(r["failed"] for r in rounds),
-        "retried": sum(r.get("retried", 0) for r in rounds),  # the gateway's count; HAProxy reports none
+        **({"retried": sum(r.get("retried", 0) for r in rounds)} if args.lb == "gateway" else {}),  # HAProxy: none
         "split_brain_samples": sum(r["split_brain"] for r in rounds),
         **({"by_fault": per_fault(rounds)} if len({r["scenario"] for r in rounds}) > 1 else {}),
         "targets": TARGETS,
@@ -193,6 +197,7 @@ failure_threshold = 2
 
 [gateway]
 port = {gateway_port}
+workers = 1  # its /metrics are the whole gateway's (the retried count)
 """
 
 
@@ -204,7 +209,7 @@ class GroupsStack:
         self, groups: int, device: str, model: str | None, engines: int = 3, group_extra: str = "", up: bool = False
     ) -> None:
         self.root = Path(tempfile.mkdtemp(prefix="hwb-", dir="/tmp"))
-        port, gateway_port = free_ports(2)
+        port, self.gateway_port = free_ports(2)
         sections = "".join(
             f'[[groups]]\ndevice = "{device}"\nengines = {engines}\n'
             f"base_port = {free_ports(engines, consecutive=True)[0]}\n{group_extra}\n"
@@ -217,7 +222,7 @@ class GroupsStack:
                 state_dir=self.root / "state",
                 model=str(Path(model).resolve()) if model else "",
                 groups=sections,
-                gateway_port=gateway_port,
+                gateway_port=self.gateway_port,
             )
         )
         self.api = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5.0)
@@ -278,41 +283,68 @@ class GroupsStack:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-def simultaneous(groups: int, rounds: int, device: str, model: str | None) -> int:
-    stack = GroupsStack(groups, device, model)
-    results: list[dict[str, Any]] = []
+def simultaneous(args: argparse.Namespace) -> int:
+    """``--groups N --simultaneous`` (the module docstring): rounds until the last line."""
+    stack = GroupsStack(args.groups, args.device, args.model, up=True)
     try:
-        for _ in range(rounds):
-            since, killed = stack.kill_primaries(stack.wait_whole(), [0])
-            single = stack.wait_failovers(killed, since)[0]
-            since, killed = stack.kill_primaries(stack.wait_whole(), list(range(groups)))
-            times = stack.wait_failovers(killed, since)
-            results.append({"single_ms": single, "groups_ms": times, "ratio": round(max(times.values()) / single, 2)})
-            print(json.dumps(results[-1]), flush=True)
+        result = asyncio.run(simultaneous_rounds(stack, args.groups, args.rounds or 3, args.rps))
     finally:
         stack.close()
+    result |= {"device": args.device, "targets": TARGETS}
+    result["met"] = {name: result[name] <= limit for name, limit in TARGETS.items()} | {
+        "client_errors": result["client_errors"] == 0,
+        "split_brain_samples": result["split_brain_samples"] == 0,
+    }
+    print(json.dumps(result))
+    return 0
+
+
+async def simultaneous_rounds(stack: GroupsStack, groups: int, rounds: int, rps: float) -> dict[str, Any]:
+    """The rounds under client load through the gateway and one split-brain detector per group; their figures."""
+    view = await asyncio.to_thread(stack.wait_whole)
+    gateway = f"http://127.0.0.1:{stack.gateway_port}"
+    async with httpx.AsyncClient() as client:
+        reference = await reference_completion(client, gateway)
+        retries = await lb_retries(client, gateway)
+        detectors = [SplitBrainDetector([m["url"] for m in view.members if m["group"] == g]) for g in range(groups)]
+        load = LoadGenerator(gateway, rps, reference)
+        results = []
+        async with contextlib.AsyncExitStack() as running:
+            for worker in (*detectors, load):
+                await running.enter_async_context(worker.running())
+            for _ in range(rounds):
+                results.append(await asyncio.to_thread(simultaneous_round, stack, groups))
+                print(json.dumps(results[-1]), flush=True)
+        retried = await lb_retries(client, gateway)
+    if retries is None or retried is None:
+        raise RuntimeError(f"the gateway at {gateway} reports no hotweights_gateway_retries_total")
     times = [t for r in results for t in r["groups_ms"].values()]
-    result = {
-        "lb": None,
-        "device": device,
+    return {
+        "lb": "gateway",
         "rounds": rounds,
-        "rps": 0.0,
+        "rps": rps,
         "groups": groups,
         "p50_ms": round(percentile(times, 50), 1),
         "p99_ms": round(percentile(times, 99), 1),
         "max_ms": round(max(times), 1),
-        "client_errors": None,
-        "retried": None,
-        "split_brain_samples": None,
+        "requests": len(load.records),
+        "client_errors": sum(not r.ok for r in load.records),
+        "retried": int(retried - retries),
+        "split_brain_samples": sum(len(d.samples) for d in detectors),
+        "errors": sorted({f"{r.status}: {r.error}" for r in load.records if not r.ok})[:3],
         "single_ms": [r["single_ms"] for r in results],
         "groups_ms": [r["groups_ms"] for r in results],
         "ratio": max(r["ratio"] for r in results),
-        "targets": TARGETS,
-        "report": None,
     }
-    result["met"] = {name: result[name] <= limit for name, limit in TARGETS.items()}
-    print(json.dumps(result))
-    return 0
+
+
+def simultaneous_round(stack: GroupsStack, groups: int) -> dict[str, Any]:
+    """Group 0's primary killed alone, then every group's at once (each once the stack is whole); the times."""
+    since, killed = stack.kill_primaries(stack.wait_whole(), [0])
+    single = stack.wait_failovers(killed, since)[0]
+    since, killed = stack.kill_primaries(stack.wait_whole(), list(range(groups)))
+    times = stack.wait_failovers(killed, since)
+    return {"single_ms": single, "groups_ms": times, "ratio": round(max(times.values()) / single, 2)}
 
 
 VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
@@ -344,12 +376,17 @@ def engine_failover(args: argparse.Namespace) -> int:
     try:
         stack.wait_whole(1800)
         socket = stack.root / "state" / "run" / "g0.sock"
-        startup = {fmt: startup_s(args.engine, python, env, model, fmt, socket) for fmt in ("hotweights", "auto")}
-        print(json.dumps({"startup_s": startup}), flush=True)
+        timed = {fmt: startup_s(args.engine, python, env, model, fmt, socket) for fmt in ("hotweights", "auto")}
+        startup = {fmt: seconds for fmt, seconds in timed.items() if seconds is not None}
+        failed = (
+            {"startup_failed": [fmt for fmt, seconds in timed.items() if seconds is None]} if len(startup) < 2 else {}
+        )
+        print(json.dumps({"startup_s": startup} | failed), flush=True)
         faults = args.engine_faults.split(",")
         command = hotweights_command("drill", *faults, "--attach-running", "--config", str(stack.config))
         command += ["--recovery-timeout", "900"]
-        return drill_result(args, command, {"engine": args.engine, "device": "cpu", "startup_s": startup})
+        code = drill_result(args, command, {"engine": args.engine, "device": "cpu", "startup_s": startup} | failed)
+        return code or (1 if failed else 0)
     finally:
         stack.close()
         shutil.rmtree(model.parent, ignore_errors=True)
@@ -440,7 +477,8 @@ async def multihost(args: argparse.Namespace) -> int:
         async with detector.running(), load.running():
             for index in range(rounds):
                 result = await one_round(hosts, paths, etcd, urls, faults[index % len(faults)])
-                result["first_ok_ms"] = await first_ok_ms(load, result.pop("fault_at"))
+                recovered = await first_ok_ms(load, result.pop("fault_at"))
+                result |= {"unrecovered": True} if recovered is None else {"first_ok_ms": recovered}
                 results.append(result)
                 print(json.dumps(result), flush=True)
         errors = sum(not r.ok for r in load.records)
@@ -453,25 +491,29 @@ async def multihost(args: argparse.Namespace) -> int:
         for path in paths:
             await path.proxy.close()
         etcd.stop()
+    if not any("first_ok_ms" in r for r in results):
+        print(json.dumps({"error": f"no round recovered within {FIRST_OK_TIMEOUT_S:g} s of its fault"}))
+        return 1
     print(json.dumps(multihost_summary(args, results, errors, len(load.records), len(detector.samples))))
     return 0
 
 
 def multihost_summary(args: argparse.Namespace, results: list[dict[str, Any]], errors: int, requests: int,
                       split_brain: int) -> dict[str, Any]:  # fmt: skip
-    """The last line: the usual keys over every round's kill-to-first-success, and the same per fault."""
+    """The last line: the usual keys over every round's kill-to-first-success (some round recovered), and the same
+    per fault (its times only where one of its rounds recovered; ``unrecovered`` counts the others)."""
 
-    def stats(values: list[float]) -> dict[str, float | None]:
+    def stats(values: list[float]) -> dict[str, float]:
         if not values:
-            return {"p50_ms": None, "p99_ms": None, "max_ms": None}
+            return {}
         return {"p50_ms": round(percentile(values, 50), 1), "p99_ms": round(percentile(values, 99), 1),
                 "max_ms": round(max(values), 1)}  # fmt: skip
 
-    times = [r["first_ok_ms"] for r in results if r["first_ok_ms"] is not None]
+    times = [r["first_ok_ms"] for r in results if "first_ok_ms" in r]
     by_fault = {
-        fault: stats([r["first_ok_ms"] for r in results if r["fault"] == fault and r["first_ok_ms"] is not None])
+        fault: stats([r["first_ok_ms"] for r in results if r["fault"] == fault and "first_ok_ms" in r])
         | {"rounds": sum(r["fault"] == fault for r in results), "unrecovered": sum(
-            r["fault"] == fault and r["first_ok_ms"] is None for r in results)}
+            r["fault"] == fault and "first_ok_ms" not in r for r in results)}
         for fault in dict.fromkeys(r["fault"] for r in results)
     }  # fmt: skip
     return {
@@ -526,7 +568,7 @@ async def one_round(
     return {"fault": fault, "old": old, "new": new[0], "fault_to_primary_ms": switched_ms, "fault_at": fault_at}
 
 
-async def first_ok_ms(load: LoadGenerator, fault_at: float, timeout_s: float = 30.0) -> float | None:
+async def first_ok_ms(load: LoadGenerator, fault_at: float, timeout_s: float = FIRST_OK_TIMEOUT_S) -> float | None:
     """Fault to the first successful response to a request sent after it (the drill's measure); None when
     none came within ``timeout_s`` of the fault."""
     while not (ends := [r.end for r in load.records if r.start >= fault_at and r.ok]):

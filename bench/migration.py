@@ -212,6 +212,10 @@ async def fault(
         if await serving_primary(api, {f"{target.name}:{target.pid}"}) is None:  # the next round needs it
             raise RuntimeError(f"no new primary served after the {name} of {target.name}")
     gaps = [g for s in streams if (g := s.stall(at, paces.get(s.prompt))) is not None]
+    if not gaps:
+        raise RuntimeError(
+            f"{name}: no stream had text on both sides of the cut; lower --cut-after or raise --max-tokens"
+        )
     if name == UNCUT:
         paces.update((s.prompt, s.paced()) for s in streams)
     migrations = migrations_after(events, logged)
@@ -222,7 +226,7 @@ async def fault(
         "adopted": await adopted(client, {m["to"] for m in migrations}),
         "broken": sum(s.outcome != "done" for s in streams),
         "mismatched": sum(s.outcome == "done" and s.text != want for s, want in zip(streams, expected, strict=True)),
-        "max_gap_ms": round(max(gaps) * 1000, 1) if gaps else None,
+        "max_gap_ms": round(max(gaps) * 1000, 1),
         "errors": sorted({s.outcome for s in streams if s.outcome != "done"})[:3],
     }
 
@@ -267,7 +271,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "batch_invariant": args.batch_invariant,
         "broken": sum(r["broken"] for r in cut),
         "mismatched": sum(r["mismatched"] for r in cut),
-        "mismatched_uncut": rounds[0]["mismatched"] if rounds else None,
+        "mismatched_uncut": rounds[0]["mismatched"],
         "max_gap_ms": {r["signal"]: r["max_gap_ms"] for r in cut},
         "in_flight": {r["signal"]: r["in_flight"] for r in rounds},
         "migrated": {r["signal"]: r["migrated"] for r in cut},

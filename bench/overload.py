@@ -175,27 +175,31 @@ async def offered(url: str, rate: float, args: argparse.Namespace) -> list[tuple
         return await asyncio.gather(*tasks)
 
 
-def ms(seconds: list[float], q: float) -> float | None:
-    return round(percentile(seconds, q) * 1000, 1) if seconds else None
+def ms(seconds: list[float], q: float) -> float:
+    return round(percentile(seconds, q) * 1000, 1)
+
+
+def latencies(kind: str, seconds: list[float], **quantiles: float) -> dict[str, float]:
+    """``{kind}_{name}_ms`` for each of ``quantiles`` (name -> percent); none when no request was of that kind: a
+    figure nothing measured is left out, never null."""
+    return {f"{kind}_{name}_ms": ms(seconds, q) for name, q in quantiles.items()} if seconds else {}
 
 
 def summarize(results: list[tuple[int | str, float]], quiet_p99_s: float, completions_s: float) -> dict[str, object]:
-    """One load's figures; ``completions_s``: what the capacity completes in the load's time (for ``goodput``)."""
+    """One load's figures; ``completions_s``: what the capacity completes in the load's time (for ``goodput``). The
+    admitted and refused latencies only where some request was admitted or refused."""
     admitted = [s for status, s in results if status == 200]
     refused = [s for status, s in results if status in REFUSED]
     errors = [status for status, _ in results if status != 200 and status not in REFUSED]
-    p99 = percentile(admitted, 99) if admitted else None
+    ratio = {"admitted_p99_over_quiet": round(percentile(admitted, 99) / quiet_p99_s, 2)} if admitted else {}
     return {
         "sent": len(results),
         "admitted": len(admitted),
-        "admitted_p50_ms": ms(admitted, 50),
-        "admitted_p99_ms": ms(admitted, 99),
-        "admitted_p99_over_quiet": round(p99 / quiet_p99_s, 2) if p99 else None,
+        **latencies("admitted", admitted, p50=50, p99=99),
+        **ratio,
         "goodput": round(len(admitted) / completions_s, 2),
         "refused": len(refused),
-        "refused_p50_ms": ms(refused, 50),
-        "refused_p99_ms": ms(refused, 99),
-        "refused_max_ms": ms(refused, 100),
+        **latencies("refused", refused, p50=50, p99=99, max=100),
         "errors": len(errors),
         "error_kinds": sorted({str(e) for e in errors}),
     }
@@ -214,11 +218,13 @@ async def histograms(engine_url: str) -> dict[str, tuple[float, float]]:
 
 
 def engine_means(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict:
-    """Mean ms of each of ENGINE_TIMES between two ``histograms``, and how many were queued."""
-    means: dict[str, float | int | None] = {}
+    """Mean ms of each of ENGINE_TIMES between two ``histograms`` (those that counted some request), and how many
+    were queued."""
+    means: dict[str, float | int] = {}
     for key in ENGINE_TIMES:
         (sum0, n0), (sum1, n1) = before[key], after[key]
-        means[key] = round((sum1 - sum0) / (n1 - n0) * 1000, 1) if n1 > n0 else None
+        if n1 > n0:
+            means[key] = round((sum1 - sum0) / (n1 - n0) * 1000, 1)
     means["queued"] = int(after["queue_wait"][1] - before["queue_wait"][1])
     return means
 
@@ -238,9 +244,11 @@ async def measure(url: str, engine_url: str, args: argparse.Namespace) -> dict[s
         summary["engine_mean_ms"] = engine_means(before, await histograms(engine_url))
         print(f"{multiple:g}x: {summary}", file=sys.stderr)
     result["loads"] = loads
-    worst = [s for s in loads.values() if s["admitted_p99_over_quiet"] is not None]
-    result["admitted_p99_over_quiet_max"] = max((s["admitted_p99_over_quiet"] for s in worst), default=None)
-    result["refused_max_ms"] = max((s["refused_max_ms"] or 0 for s in loads.values()), default=0)
+    ratios = [s["admitted_p99_over_quiet"] for s in loads.values() if "admitted_p99_over_quiet" in s]
+    if not ratios:
+        raise RuntimeError(f"no load admitted a request: {loads}")
+    result["admitted_p99_over_quiet_max"] = max(ratios)
+    result["refused_max_ms"] = max((s.get("refused_max_ms", 0.0) for s in loads.values()), default=0.0)
     result["errors"] = sum(s["errors"] for s in loads.values())
     result["targets"] = {
         "admitted_p99_over_quiet": ADMITTED_P99_RATIO_TARGET,

@@ -17,15 +17,18 @@ the controller; it gets SIGCONT at the end). Everything it started is stopped at
 Measured, per fault and over all of them:
 
 - ``time_to_redundancy_s``: from the fault to the controller's next ``redundancy_restored`` event: a serving
-  primary and every other slot a ready standby (``null`` for a fault after which that never came);
+  primary and every other slot a ready standby (``each``: the faults after which it came, in order;
+  ``never_restored`` counts the others, and ``p50`` and ``p99`` are left out when it never came);
 - ``extra_latency_ms``: the longest request in flight at the fault or started within 1 s after it, minus the quiet
   p50: what the fault cost a client;
 - ``client_errors``: requests that did not get the right 200, over the whole run, of which ``wrong_texts`` got a
   200 with a text other than the reference (a greedy answer of other rounding, or of other weights);
-  ``errors_after_fault_s``: when each failed, in seconds after the fault before it; ``split_brain_samples``;
+  ``errors_after_fault_s``: when each failed, in seconds after the fault before it (``errors_before_the_faults``
+  counts those that failed before the first); ``split_brain_samples``;
 - ``warming_slowdown``: the p50 latency of requests started while an engine or a spare was starting or warming
   up (sampled from ``GET /cluster`` every 100 ms), leaving out the 2 s after each fault (the failover's own cost),
-  over the quiet p50 (``null`` when no request fell in such a window);
+  over the quiet p50 (left out, as ``warming_p50_ms`` is, when no request fell in such a window:
+  ``warming_requests`` is then 0);
 - ``engine_start_s``: the cold engine's start to ready, the scale the CPU bound is relative to.
 
 The last stdout line is one JSON object with these.
@@ -149,21 +152,25 @@ def summarize(
     extra = []
     for at in faults:
         hit = [latency(r) for r in records if r.start <= at + IN_FAULT_S and r.end >= at]
-        extra.append(round(max(hit) - quiet_p50, 1) if hit else None)
+        if not hit:
+            raise RuntimeError(
+                f"no request was in flight at the fault at {at:.3f} or started {IN_FAULT_S:g} s after it"
+            )
+        extra.append(round(max(hit) - quiet_p50, 1))
     calm = [r for r in records if not any(at - 0.5 <= r.start <= at + AFTER_FAULT_S for at in faults)]
     warming = [latency(r) for r in calm if r.ok and faults[0] <= r.start and timeline.warming_at(r.start)]
     restored_s = [t for t in to_redundancy if t is not None]
+    quantiles = {"p50": percentile(restored_s, 50), "p99": percentile(restored_s, 99)} if restored_s else {}
+    slowdown = {
+        "warming_p50_ms": round(percentile(warming, 50), 1),
+        "warming_slowdown": round(percentile(warming, 50) / quiet_p50, 3),
+    } if warming else {}  # fmt: skip
     return {
-        "time_to_redundancy_s": {
-            "p50": percentile(restored_s, 50) if restored_s else None,
-            "p99": percentile(restored_s, 99) if restored_s else None,
-            "each": [None if t is None else round(t, 3) for t in to_redundancy],
-        },
-        "never_restored": sum(t is None for t in to_redundancy),
-        "extra_latency_ms": {"max": max((e for e in extra if e is not None), default=None), "each": extra},
+        "time_to_redundancy_s": quantiles | {"each": [round(t, 3) for t in restored_s]},
+        "never_restored": len(faults) - len(restored_s),
+        "extra_latency_ms": {"max": max(extra), "each": extra},
         "warming_requests": len(warming),
-        "warming_p50_ms": round(percentile(warming, 50), 1) if warming else None,
-        "warming_slowdown": round(percentile(warming, 50) / quiet_p50, 3) if warming else None,
+        **slowdown,
     }
 
 
@@ -218,6 +225,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             keep_logs(stack, Path(args.keep_logs))
         await asyncio.to_thread(stack.teardown)
     quiet_p50 = percentile(quiet, 50)
+    failed_at = [since_fault(r.start, faults) for r in records if not r.ok]  # None: before the first fault
     result = {
         "faults": len(faults),
         "interval_s": args.interval,
@@ -234,7 +242,8 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "client_errors": sum(not r.ok for r in records),
         "wrong_texts": sum(r.status == 200 and r.correct is False for r in records),
         "errors": sorted({f"{r.status}: {r.error[:120]}" for r in records if not r.ok})[:5],
-        "errors_after_fault_s": [since_fault(r.start, faults) for r in records if not r.ok][:20],
+        "errors_after_fault_s": [t for t in failed_at if t is not None][:20],
+        "errors_before_the_faults": failed_at.count(None),
         "split_brain_samples": len(detector.samples),
         "problem": problem
         or (recovered and f"no full redundancy {args.recovery_timeout:g} s after the faults: {recovered}"),

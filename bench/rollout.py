@@ -48,13 +48,15 @@ async def pids(api: ControlApi) -> dict[str, int]:
     return {m["id"]: m["pid"] for m in view.members}
 
 
-async def batch_back(api: ControlApi, since: float) -> float | None:
-    """The slowest return of the batch engine since ``since`` (time.time()), once it serves again; None if it
-    did not yield."""
+async def batch_back(api: ControlApi, since: float) -> float:
+    """The slowest return of the batch engine since ``since`` (time.time()), once it serves again; SystemExit if it
+    never yielded (it yields before every engine start)."""
     if missing := await api.wait_complete(60.0):  # whole includes the batch engine serving again
         raise SystemExit(f"the cluster was not whole 60 s after the rollout: {missing}")
     backs = [e["back_ms"] for e in await api.events(since) if e["kind"] == "batch_return" and e.get("back_ms")]
-    return max(backs, default=None)
+    if not backs:
+        raise SystemExit("the batch engine recorded no return (batch_return with back_ms) during the rollout")
+    return max(backs)
 
 
 def roll(stack: DrillStack, *extra: str) -> float:

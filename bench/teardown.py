@@ -100,7 +100,8 @@ def run(args: argparse.Namespace) -> dict:
         "lost_ms_after_kill": round(sum(s - median for s in slow) * 1e3, 2),
         "slow_steps_after_kill": len(slow),
         "reaped_ms": round((reaped - killed) * 1e3, 2),
-        "memory_free_ms": round((returned[0] - killed) * 1e3, 2) if returned else None,
+        "memory_freed": bool(returned),
+        **({"memory_free_ms": round((returned[0] - killed) * 1e3, 2)} if returned else {}),
     }
 
 
