@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -304,52 +305,56 @@ def file_events(state_dir: Path) -> list[dict]:
 
 @pytest.mark.timeout(600)
 def test_a_full_state_disk_during_failovers_loses_nothing_and_down_stops_everything(tiny_model: Path) -> None:
-    stack = ControllerStack(tiny_model)
-    state_dir = stack.config.state_dir
-    try:
-        with small_filesystem(state_dir, "64m"):
-            stack.start_controller("up")
-            wait_until(lambda: "is up" in stack.logs(), 120, "the ready summary", interval=0.1)
-            stack.wait_steady()
-            filler = fill(state_dir)
-            for _ in range(FAILOVERS):
-                kill_primary(stack)
-            metrics = httpx.get(f"{stack.url}/metrics").text
-            assert re.search(r"^hotweights_controller_state_dir_failing 1\.0", metrics, re.MULTILINE), metrics
-            in_memory = stack.client.get("/events", params={"limit": 1000}).json()["events"]
-            filler.unlink()
-            wait_until(
-                lambda: {e["seq"] for e in file_events(state_dir) if "seq" in e} >= {e["seq"] for e in in_memory},
-                30,
-                "every event in events.jsonl",
-            )
-            written = file_events(state_dir)
-            assert [e["seq"] for e in written] == sorted(e["seq"] for e in written)
-            assert not [e for e in written if e["kind"] == LOST]
-            assert len([e for e in written if e["kind"] == "failover"]) == FAILOVERS
-            members = stack.members()
-            wait_until(
-                lambda: (
-                    {n: (r.process.pid, r.role) for n, r in read_state(stack.config.state_file).members.items()}
-                    == {n: (m["pid"], m["role"]) for n, m in members.items()}
-                ),
-                30,
-                "state.json naming the live engines and roles",
-            )
-            assert not (state_dir / "state.json.tmp").exists()
-            log = stack.logs(10**8)
-            assert "report it as a BUG" not in log and "Traceback" not in log, log
-            assert log.count("cannot write") == 1, log
-            assert "takes writes again" in log
-            metrics = httpx.get(f"{stack.url}/metrics").text
-            assert re.search(r"^hotweights_controller_state_dir_failing 0\.0", metrics, re.MULTILINE), metrics
-            stopped = down(stack)
-            assert stopped.returncode == 0, stopped.stderr
-            assert stack.controller.wait(timeout=60) == 0
-            assert leftovers(stack) == []
-            assert list((state_dir / "run").glob("*.sock")) + list((state_dir / "run").glob("*.handover")) == []
-    finally:
-        stack.close()
+    """The state dir's disk fills up under a serving stack, then its primary is SIGKILLed five times: every
+    failover succeeds (with a replacement standby each time), one warning says the state dir fails, the gauge is
+    1. Once the disk frees, every event is in events.jsonl (in order, none dropped), state.json names the live
+    engines and their roles, no temp file is left, one line says so and the gauge is 0. With the disk full again,
+    ``down`` stops every process and removes every socket."""
+    with contextlib.ExitStack() as cleanup:  # stop the stack, then unmount, then remove its directory
+        stack = ControllerStack(tiny_model)
+        cleanup.callback(shutil.rmtree, stack.root, ignore_errors=True)
+        state_dir = cleanup.enter_context(small_filesystem(stack.config.state_dir, "64m"))
+        cleanup.callback(stack.close)
+        stack.start_controller("up")
+        wait_until(lambda: "is up" in stack.logs(), 120, "the ready summary", interval=0.1)
+        stack.wait_steady()
+        filler = fill(state_dir)
+        for _ in range(FAILOVERS):
+            kill_primary(stack)
+        metrics = httpx.get(f"{stack.url}/metrics").text
+        assert re.search(r"^hotweights_controller_state_dir_failing 1\.0", metrics, re.MULTILINE), metrics
+        in_memory = stack.client.get("/events", params={"limit": 1000}).json()["events"]
+        filler.unlink()
+        wait_until(
+            lambda: {e["seq"] for e in file_events(state_dir) if "seq" in e} >= {e["seq"] for e in in_memory},
+            30,
+            "every event in events.jsonl",
+        )
+        written = file_events(state_dir)
+        assert [e["seq"] for e in written] == list(range(1, len(written) + 1))  # in order, none lost (no LOST line)
+        assert len([e for e in written if e["kind"] == "failover"]) == FAILOVERS
+        members = stack.members()
+        wait_until(
+            lambda: (
+                {n: (r.process.pid, r.role) for n, r in read_state(stack.config.state_file).members.items()}
+                == {n: (m["pid"], m["role"]) for n, m in members.items()}
+            ),
+            30,
+            "state.json naming the live engines and roles",
+        )
+        assert not (state_dir / "state.json.tmp").exists()
+        log = stack.logs(10**8)
+        assert "report it as a BUG" not in log and "Traceback" not in log, log
+        assert log.count("cannot write") == 1, log
+        assert "takes writes again" in log
+        metrics = httpx.get(f"{stack.url}/metrics").text
+        assert re.search(r"^hotweights_controller_state_dir_failing 0\.0", metrics, re.MULTILINE), metrics
+        fill(state_dir)  # and full again for the stop
+        stopped = down(stack)
+        assert stopped.returncode == 0 and "Traceback" not in stopped.stderr, stopped.stderr
+        assert stack.controller.wait(timeout=60) == 0
+        assert leftovers(stack) == []
+        assert list((state_dir / "run").glob("*.sock")) + list((state_dir / "run").glob("*.handover")) == []
 
 
 def handover_offers(stack: ControllerStack) -> dict[int, Path]:
