@@ -4,25 +4,24 @@
     python bench/migration.py --preset xl --device cuda:0 --streams 64 --max-tokens 256 [--batch-invariant]
     python bench/migration.py --batch-invariant --streams 4 --signals switchover,kill
 
-Starts its own stack (``hotweights up``: controller, daemon, a primary and two standbys, the gateway; torn
-down at the end, on SIGINT/SIGTERM too), takes each prompt's greedy text through the gateway while nothing
-fails, then, once with no fault (the uncut round: its mismatches are the engine's own floor, greedy text
-that changes with how requests were batched) and once for each of ``--signals`` (kill: SIGKILL, stop:
-SIGSTOP of the primary, which the controller detects as hung and fences; switchover: not a signal but the
-planned change, ``POST /switchover``), opens ``--streams`` greedy streams through the gateway, sends the signal
-to the primary (or asks for the switchover) once every stream has ``--cut-after`` chunks, and reads every
-stream to its end. Per fault: the
-streams in flight at the fault, the migrated ones (continued on the new primary, from the gateway's event
-log: a stream in flight at the client but not migrated had been generated to its end before the fault, as
-happens when the engine outruns the client reading), the broken ones (an error event, no ``[DONE]``, a
-failed connection), the mismatched ones (text other than the reference), the largest gap between two chunks
-of a stream from its last chunk before the fault on, beyond the uncut round's wait for the same text (the
-stall at the cut, in ms: ``Stream.stall``; the uncut round's own figure is its longest wait), and how many of
-the migrated ones started from the old primary's KV cache (``adopted``: the new primary's count,
-``standby.kvshare``). Between faults it waits for the stack to be whole again. The last stdout line is one JSON
-object. Targets on the H200 (``xl``, 64 streams of 256 tokens): 0 broken, 0 mismatched, largest gap <= 500 ms
-(kill) and <= 900 ms (stop). ``--batch-invariant`` runs the engines with ``engine.batch_invariant``
-(``standby.decoder``).
+Starts its own stack (``hotweights up``: controller, daemon, a primary and two standbys, the gateway; torn down at
+the end, on SIGINT/SIGTERM too), takes each prompt's greedy text through the gateway while nothing fails, then, once
+with no fault (the uncut round: its mismatches are the engine's own floor, greedy text that changes with how
+requests were batched) and once for each of ``--signals`` (kill: SIGKILL, stop: SIGSTOP of the primary, which the
+controller detects as hung and fences; switchover: not a signal but the planned change, ``POST /switchover``), opens
+``--streams`` greedy streams through the gateway, sends the signal to the primary (or asks for the switchover) once
+every stream has ``--cut-after`` chunks, and reads every stream to its end. Per fault: the streams in flight at the
+fault, the migrated ones (continued on the new primary, from the gateway's event log: a stream in flight at the
+client but not migrated had been generated to its end before the fault, as happens when the engine outruns the
+client reading), the broken ones (an error event, no ``[DONE]``, a failed connection), the mismatched ones (text
+other than the reference), the largest gap between two chunks of a stream from its last chunk before the fault on,
+beyond the uncut round's wait for the same text (the stall at the cut, in ms: ``Stream.stall``; the uncut round's
+own figure is its longest wait), and how many of the migrated ones started from the old primary's KV cache
+(``adopted``: the new primary's count, ``standby.kvshare``); a switchover's round adds the controller's answer
+(``switchover``: its drain, promote and demote times and the slots the old primary handed over). Between faults it
+waits for the stack to be whole again. The last stdout line is one JSON object. Targets on the H200 (``xl``, 64
+streams of 256 tokens): 0 broken, 0 mismatched, largest gap <= 500 ms (kill) and <= 900 ms (stop).
+``--batch-invariant`` runs the engines with ``engine.batch_invariant`` (``standby.decoder``).
 """
 
 from __future__ import annotations
@@ -172,11 +171,13 @@ async def adopted(client: httpx.AsyncClient, engines: set[str]) -> int:
     return total
 
 
-async def switch_over(api: ControlApi) -> None:
-    """``POST /switchover``; RuntimeError unless it answers 200."""
+async def switch_over(api: ControlApi) -> dict[str, Any]:
+    """``POST /switchover``: its steps' durations (ms) and the slots the old primary handed over; RuntimeError unless
+    it answers 200."""
     response = await api.post("/switchover", SWITCHOVER_TIMEOUT_S)
     if response.status_code != 200:
         raise RuntimeError(f"POST /switchover answered {response.status_code}: {response.text[:300]}")
+    return {k: v for k, v in response.json().items() if k.endswith("_ms") or k == "kv_slots_handed_over"}
 
 
 async def fault(
@@ -205,9 +206,8 @@ async def fault(
         raise RuntimeError(f"the primary {target} was gone before the {name} signal")
     in_flight = sum(not s.outcome for s in streams)
     await asyncio.gather(*tasks)
-    if switched is not None:
-        await switched
-    elif name != UNCUT:
+    steps = {"switchover": await switched} if switched is not None else {}
+    if name in SIGNALS:
         await wait_dead(target)
         if await serving_primary(api, {f"{target.name}:{target.pid}"}) is None:  # the next round needs it
             raise RuntimeError(f"no new primary served after the {name} of {target.name}")
@@ -228,6 +228,7 @@ async def fault(
         "mismatched": sum(s.outcome == "done" and s.text != want for s, want in zip(streams, expected, strict=True)),
         "max_gap_ms": round(max(gaps) * 1000, 1),
         "errors": sorted({s.outcome for s in streams if s.outcome != "done"})[:3],
+        **steps,
     }
 
 
