@@ -49,8 +49,8 @@ class StateDirHealth:
         error = exc.strerror or str(exc)
         if error not in self.failing.values():
             log.warning(
-                "cannot write %s (%s): the state and the events are kept in memory and written once the state dir "
-                "takes writes again (tried every %g s); failovers go on",
+                "cannot write %s (%s): what it should hold is kept in memory and written once the state dir takes "
+                "writes again (tried every %g s); nothing else waits for it",
                 path,
                 error,
                 RETRY_S,
