@@ -130,12 +130,27 @@ def forwardable_path(raw_path: bytes) -> str | None:
     return path if all(SEGMENT.fullmatch(segment) for segment in segments) else None
 
 
+TOKEN_BYTES = re.compile(rb"[\x21-\x7e]+")  # visible ASCII: what an Authorization header carries as is
+
+
 def read_token(path: Path, setting: str) -> str:
-    """The bearer token in ``path``, stripped; ConfigError naming ``setting`` if unreadable or empty."""
+    """The bearer token in ``path``: one line of visible ASCII characters, surrounding whitespace (the final
+    newline) ignored. ConfigError naming ``setting``, the file and what is wrong with it: unreadable, empty, more
+    than one line, or a character a bearer token cannot hold (a space, a control or non-ASCII character)."""
     try:
-        token = Path(path).expanduser().read_text().strip()
+        raw = Path(path).expanduser().read_bytes()
     except OSError as exc:
-        raise ConfigError(f"{setting} {path}: {exc.strerror}") from None
+        raise ConfigError(f"{setting} {path}: cannot read it: {exc.strerror}") from None
+    token = raw.strip()
     if not token:
-        raise ConfigError(f"{setting} {path} is empty; put the bearer token in it")
-    return token
+        raise ConfigError(f"{setting} {path} is empty; put the bearer token in it, on one line")
+    if b"\n" in token or b"\r" in token:
+        lines = len(token.splitlines())
+        raise ConfigError(f"{setting} {path} holds {lines} lines; a token file holds the token on one line")
+    if not TOKEN_BYTES.fullmatch(token):
+        bad = next(b for b in token if not 0x21 <= b <= 0x7E)
+        raise ConfigError(
+            f"{setting} {path}: the token holds byte 0x{bad:02x} at offset {token.index(bad)}; a bearer token is "
+            "visible ASCII characters only (no spaces, control or non-ASCII characters)"
+        )
+    return token.decode("ascii")
