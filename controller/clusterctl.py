@@ -2,7 +2,10 @@
 the running controller's REST API (what ``patronictl list``, ``switchover`` and ``failover`` are to Patroni).
 
 The controller's address and token come from ``--config`` (``cluster.host``, ``cluster.port``,
-``cluster.token_file``), or from ``--url`` and ``--token-file``, which win. Every action first asks (``--yes``
+``cluster.token_file``), or from ``--url`` and ``--token-file``, which win. A ``--url`` that is not an
+``http(s)://HOST:PORT`` URL, and a token file that is not one line of visible characters, are refused (exit 2);
+a controller that refuses the connection, cannot be reached within CONNECT_TIMEOUT_S or does not answer a read
+within READ_TIMEOUT_S has not answered (exit 1). Every action first asks (``--yes``
 answers for the operator; no answer on stdin, EOF, is a no), then waits for the outcome and prints it in one line.
 
 Exit status, every command:
@@ -25,6 +28,7 @@ import json
 import logging
 import sys
 import time
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from enum import IntEnum
@@ -35,12 +39,16 @@ import httpx
 
 from hotweights.contract import Endpoint, Role, read_token
 from hotweights.controller.config import ClusterConfig, load_config
+from hotweights.errors import ConfigError
 from hotweights.waiting import wait_until
 
 WATCH_INTERVAL_S = 2.0  # how often `status --watch` refreshes unless told
 EVENTS_POLL_S = 0.25  # how often `cache restart` asks for new events while the daemon restarts
 DAEMON_WAIT_S = 600.0  # how long `cache restart` waits for the new daemon to serve (a fill from disk may be slow)
 EVENTS_WINDOW = 1000  # the most events one GET /events returns
+CONNECT_TIMEOUT_S = 5.0  # a controller that takes longer to accept the connection (unroutable) did not answer
+READ_TIMEOUT_S = 30.0  # a controller that takes longer to answer a read (GET) did not answer
+READ_TIMEOUT = httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S)
 CLEAR_SCREEN = "\x1b[H\x1b[2J"
 
 
@@ -78,10 +86,33 @@ def controller_url(config: ClusterConfig) -> str:
 
 
 def controller_client(url: str, token: str | None) -> httpx.Client:
-    """A client of the controller at ``url``, with its bearer token if any; no timeout (the controller bounds each
-    action itself)."""
+    """A client of the controller at ``url``, with its bearer token if any; CONNECT_TIMEOUT_S to connect, no other
+    timeout (the controller bounds each action itself; a read passes its own)."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    return httpx.Client(base_url=url, headers=headers, timeout=None, trust_env=False)
+    return httpx.Client(
+        base_url=url, headers=headers, timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S), trust_env=False
+    )
+
+
+def checked_url(url: str) -> str:
+    """``--url`` without a trailing slash; ConfigError unless it is an ``http(s)://HOST:PORT`` URL (a path after it
+    is kept: a proxy may serve the controller under one)."""
+    if problem := url_problem(url):
+        raise ConfigError(f"--url {url!r}: {problem}; expected http(s)://HOST:PORT, e.g. http://10.0.0.1:8100")
+    return url.rstrip("/")
+
+
+def url_problem(url: str) -> str | None:
+    """What keeps ``url`` from being a controller's address, or None."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port  # ValueError: out of range, or not a number
+        httpx.URL(url)
+    except (ValueError, httpx.InvalidURL) as exc:
+        return str(exc)
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
+        return "not an http(s)://HOST:PORT URL"
+    return "port 0" if port == 0 else None
 
 
 @dataclass(frozen=True)
@@ -94,11 +125,12 @@ class Target:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Target:
         """``--url``/``--token-file`` where given, else ``--config``'s (ConfigError: an unreadable file)."""
-        if args.url and args.token_file:
-            return cls(args.url.rstrip("/"), read_token(Path(args.token_file), "--token-file"))
+        url = checked_url(args.url) if args.url else None
+        if url and args.token_file:
+            return cls(url, read_token(Path(args.token_file), "--token-file"))
         config = load_config(args.config)
         token = read_token(Path(args.token_file), "--token-file") if args.token_file else config.token()
-        return cls(args.url.rstrip("/") if args.url else controller_url(config), token)
+        return cls(url or controller_url(config), token)
 
 
 class Unanswered(Exception):
@@ -113,7 +145,7 @@ class Api:
         self.client = controller_client(target.url, target.token)
 
     def get(self, path: str, **params: Any) -> Any:
-        response = self._send("GET", path, params=params)
+        response = self._send("GET", path, params=params, timeout=READ_TIMEOUT)
         if response.status_code != 200:
             raise Unanswered(f"GET {path} answered {response.status_code}: {reason(self._json(response))}")
         return self._json(response)
@@ -133,7 +165,8 @@ class Api:
         try:
             return self.client.request(method, path, **kwargs)
         except httpx.HTTPError as exc:
-            raise Unanswered(f"the controller at {self.target.url} did not answer ({exc}); is it running?") from None
+            why = str(exc) or type(exc).__name__  # a timeout's text may be empty
+            raise Unanswered(f"the controller at {self.target.url} did not answer ({why}); is it running?") from None
 
     @staticmethod
     def _json(response: httpx.Response) -> Any:

@@ -2,12 +2,23 @@
 
 Each subcommand lives beside the code it drives and registers itself through an
 ``add_parser(subparsers)`` function that sets ``func``; this module only wires them together.
+
+Every command ends in one of these ways, never with a traceback:
+
+- its own exit status (0 done; what else, each command's ``--help`` says);
+- 2 with one line ``hotweights COMMAND: error: ...`` on stderr: bad input (a ``HotweightsError``);
+- 130 on Ctrl-C (SIGINT), quietly; ``up`` and ``controller`` act on SIGINT and SIGTERM themselves, from their
+  first instant (``RECORDS_SIGNALS``);
+- 141 (128 + SIGPIPE, as a shell reports a command killed by it), quietly, when the reader of its stdout went
+  away (``hotweights status | head -1``).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 import sys
 from collections.abc import Callable
 from importlib import import_module
@@ -43,6 +54,12 @@ COMMANDS: dict[str, str] = {
 # the chosen subcommand is not the lower layer's own: ``cache serve`` starts without the controller's imports.
 NESTED: dict[str, tuple[str, str]] = {"cache": ("hotweights.controller.clusterctl", "add_cache_parser")}
 
+# Commands that act on SIGINT and SIGTERM themselves (they stop what they started): both are recorded from the first
+# instant, before the command's module is imported (seconds, on a busy host), and the list is handed to the command
+# as ``args.signals``; it takes the handlers over (``controller.commands.ShutdownFlags``).
+RECORDS_SIGNALS = frozenset({"up", "controller"})
+CLOSED_PIPE = 128 + signal.SIGPIPE  # the exit status when the reader of stdout went away
+
 
 def nested_subparsers(parser: argparse.ArgumentParser) -> argparse._SubParsersAction:
     return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
@@ -69,21 +86,38 @@ def build_parser(command: str | None = None, subcommand: str | None = None) -> a
     return parser
 
 
+def record_signals() -> list[int]:
+    """SIGINT and SIGTERM appended to the returned list from now on, instead of their default actions."""
+    received: list[int] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda sig, _frame: received.append(sig))
+    return received
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; its exit status (the module docstring lists them)."""
     argv = sys.argv[1:] if argv is None else argv
     chosen, subcommand = [*(arg for arg in argv if not arg.startswith("-")), None, None][:2]
-    args = build_parser(chosen, subcommand).parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    for handler in logging.getLogger().handlers:  # a failure that repeats (EMFILE on accept) must not flood the log
-        handler.addFilter(RepeatFilter())
+    received = record_signals() if chosen in RECORDS_SIGNALS else None
     try:
-        return int(args.func(args) or 0)
+        args = build_parser(chosen, subcommand).parse_args(argv)
+        if received is not None:
+            args.signals = received
+        logging.basicConfig(
+            level=logging.DEBUG if args.verbose else logging.INFO,
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+            stream=sys.stderr,
+        )
+        for handler in logging.getLogger().handlers:  # a failure that repeats (EMFILE on accept) must not flood
+            handler.addFilter(RepeatFilter())
+        try:
+            return int(args.func(args) or 0)
+        except HotweightsError as exc:
+            print(f"hotweights {args.command}: error: {exc}", file=sys.stderr)
+            return 2
     except KeyboardInterrupt:
         return 130
-    except HotweightsError as exc:
-        print(f"hotweights {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+    except BrokenPipeError:
+        # Python flushes stdout once more at exit: into the void, or it reports the closed pipe on stderr.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return CLOSED_PIPE
