@@ -37,6 +37,7 @@ from hotweights.errors import CheckpointError, ConfigError
 from hotweights.layout import ROLE_LINES_TEMPLATE, ModelConfig, TensorSpec, checkpoint_tensors
 from hotweights.paths import INDEX_FILE, default_model_dir, made_default_model
 from hotweights.quant import FP8_BLOCK, FP8_DTYPE, QUANT_CONFIG, QUANT_METHODS, SCALE_SUFFIX, quantize, scale_shape
+from hotweights.stats import human_bytes
 
 BOS_TOKEN = "<|begin_of_text|>"
 EOS_TOKEN = "<|end_of_text|>"
@@ -460,14 +461,6 @@ def config_from_args(args: argparse.Namespace) -> ModelConfig:
     """The preset with every given flag applied on top."""
     changes = {field: getattr(args, flag) for flag, field in OVERRIDES.items() if getattr(args, flag) is not None}
     return dataclasses.replace(PRESETS[args.preset], **changes)
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000:
-            return f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
 
 
 def summarize(out: Path, config: ModelConfig, seconds: float) -> str:

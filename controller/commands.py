@@ -8,6 +8,12 @@ What stops when (SIGTERM or Ctrl-C):
 - ``up`` owns the stack: the gateway, then the engines (SIGTERM, in-flight requests finish,
   SIGKILL after a deadline), then the daemons; a second Ctrl-C SIGKILLs what is left.
 
+Both take SIGINT and SIGTERM from their first instant (``hotweights.cli`` records them before this module is
+imported): one that comes before anything started (while the configuration, the ports and the model are checked,
+``controller.preflight``) ends the command at once, with nothing started or adopted. ``up`` also stops its stack,
+and exits 2 with one line (``GaveUp``), once a slot failed to start the same way ``decide.GIVE_UP_AFTER`` times
+in a row (``controller.startfailures``).
+
 ``down`` stops everything recorded in the state dir: the controller first (so it restarts nothing),
 then the gateway, the engines and the daemons. Signal handlers only set flags; the code after
 the server returns does the work.
@@ -34,15 +40,18 @@ import uvicorn
 
 from hotweights.contract import Endpoint, Role
 from hotweights.controller.api import build_app
+from hotweights.controller.checks import Stopped
 from hotweights.controller.cluster import Cluster
 from hotweights.controller.clusterctl import controller_client, controller_url
 from hotweights.controller.config import ClusterConfig, load_config
 from hotweights.controller.dcs import leadership
+from hotweights.controller.decide import GiveUp
 from hotweights.controller.engineapi import EngineApi
 from hotweights.controller.events import EventLog
 from hotweights.controller.ha import Ha
 from hotweights.controller.health import HealthChecker
 from hotweights.controller.metrics import ControllerMetrics
+from hotweights.controller.preflight import preflight
 from hotweights.controller.snapshot import Snapshot
 from hotweights.controller.sockets import remove_dead_sockets, run_dir
 from hotweights.controller.stack import Layout, controller_lock
@@ -55,7 +64,7 @@ from hotweights.controller.supervisor import (
     stop_leftovers,
     stop_recorded,
 )
-from hotweights.errors import ConfigError
+from hotweights.errors import ConfigError, HotweightsError
 from hotweights.httpguard import ErrorShape, HttpLimits, server_config
 from hotweights.limits import raise_open_files
 from hotweights.paths import private_dir
@@ -75,14 +84,30 @@ class ApiServer(uvicorn.Server):
         yield
 
 
+class GaveUp(HotweightsError):
+    """``up`` stopped its stack: a slot kept failing to start the same way (``controller.startfailures``)."""
+
+
 @dataclass
 class ShutdownFlags:
     """SIGINT and SIGTERM for the controller's whole life, from before its configuration is read until
-    the process exits; the handlers only set flags and the code that runs next acts on them."""
+    the process exits; the handlers only set flags and the code that runs next acts on them. ``give_up``
+    ends the API server as a first signal does, with the reason kept for the exit."""
 
     server: uvicorn.Server | None = None  # the API server, once there is one
-    signals: list[int] = field(default_factory=list)
+    signals: list[int] = field(default_factory=list)  # ``hotweights.cli``'s, with those it recorded
     force: asyncio.Event | None = None  # set by a second signal, once the event loop runs
+    gave_up: str | None = None  # why ``up`` stopped its stack on its own
+
+    def stopped(self) -> bool:
+        """Whether a signal asked to stop (``controller.checks``' question, while nothing is started)."""
+        return bool(self.signals)
+
+    def give_up(self, decision: GiveUp) -> None:
+        """Stop as on a first signal, for ``decision`` (``controller.startfailures``)."""
+        self.gave_up = decision.sentence
+        if self.server is not None:
+            self.server.should_exit = True
 
     def capture(self) -> None:
         """Route both signals here until the event loop takes them over."""
@@ -129,27 +154,35 @@ def bind(host: str, port: int) -> socket.socket:
     return listener
 
 
-def run_controller(config_arg: str | None, *, with_gateway: bool, owns_stack: bool) -> int:
-    """Run until SIGINT or SIGTERM, which may come at any moment: before anything started (nothing is
-    then started or adopted), during the start-up, adoption or the stop itself (a second one escalates)."""
-    flags = ShutdownFlags()
+def run_controller(config_arg: str | None, *, with_gateway: bool, owns_stack: bool, signals: list[int]) -> int:
+    """Run until SIGINT or SIGTERM, which may come at any moment: before anything started (nothing is then
+    started or adopted; ``signals``: those recorded since the command's first instant, taken over), during the
+    start-up, adoption or the stop itself (a second one escalates). ConfigError before anything starts
+    (``controller.preflight``); GaveUp after ``up`` stopped its stack on its own."""
+    flags = ShutdownFlags(signals=signals)
     flags.capture()
-    config_path = Path(config_arg) if config_arg else None
-    config = load_config(config_path)
-    raise_open_files(config.open_files_needed(), f"cluster {config.cluster.name!r}", config.open_files_wanted())
-    layout = Layout.create(config, config_path)
-    lock = ControllerLock(layout.lock_file)
-    lock.acquire()
     try:
-        listener = bind(config.cluster.host, config.cluster.port)
+        config_path = Path(config_arg) if config_arg else None
+        config = load_config(config_path)
+        raise_open_files(config.open_files_needed(), f"cluster {config.cluster.name!r}", config.open_files_wanted())
+        layout = Layout.create(config, config_path, flags.stopped)
+        lock = ControllerLock(layout.lock_file)
+        lock.acquire()
         try:
-            return asyncio.run(serve(layout, listener, flags, with_gateway=with_gateway, owns_stack=owns_stack))
+            with contextlib.closing(bind(config.cluster.host, config.cluster.port)) as listener:
+                if not flags.stopped():
+                    preflight(layout, with_gateway, flags.stopped)
+                asyncio.run(serve(layout, listener, flags, with_gateway=with_gateway, owns_stack=owns_stack))
         finally:
-            listener.close()
+            lock.release()
+    except Stopped:
+        log.info("stopped by signal %d before starting or adopting anything", flags.signals[0])
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):  # all stopped: nothing left to act on while the process exits
             signal.signal(sig, signal.SIG_IGN)
-        lock.release()
+    if flags.gave_up is not None:
+        raise GaveUp(f"gave up: {flags.gave_up}; stopped everything it started")
+    return 0
 
 
 async def until_forced(work: Awaitable[None], flags: ShutdownFlags) -> None:
@@ -187,7 +220,8 @@ async def serve(
         on_ready = partial(announce, layout, with_gateway)
         leader_keys = leadership(config, client, engines)
         await leader_keys.start(wake.set)  # ConfigError: etcd out of reach, or its prefix is another cluster's
-        ha = Ha(cluster, engines, events, metrics, wake, on_ready, leader_keys)
+        on_give_up = flags.give_up if owns_stack else None
+        ha = Ha(cluster, engines, events, metrics, wake, on_ready, leader_keys, on_give_up)
         app = build_app(ha, cluster, events, metrics, config.token())
         limits = HttpLimits(body_bytes=config.cluster.api_max_body_bytes)
         server = ApiServer(server_config(app, limits, ErrorShape.DETAIL, lifespan="off"))
@@ -300,11 +334,11 @@ def _recorded_state(path: Path) -> ClusterState:
 
 
 def cmd_controller(args: argparse.Namespace) -> int:
-    return run_controller(args.config, with_gateway=False, owns_stack=False)
+    return run_controller(args.config, with_gateway=False, owns_stack=False, signals=args.signals)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    return run_controller(args.config, with_gateway=not args.no_gateway, owns_stack=True)
+    return run_controller(args.config, with_gateway=not args.no_gateway, owns_stack=True, signals=args.signals)
 
 
 def cmd_down(args: argparse.Namespace) -> int:

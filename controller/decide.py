@@ -13,6 +13,9 @@ For each failover group the loop takes the first of these that applies (``contro
 3. ``plan_slots``: standbys that failed are fenced, absent or exited slots (re)started once the group's daemons
    serve, a slot whose engines exit before ever being ready only after its backoff;
 4. ``missing_primary``: no primary: elect the best ready standby (``best_standby``).
+
+Beside them, for every engine slot and service (cache daemon, gateway worker): its failed starts in a row that
+failed the same way (``after_start``), and whether ``up`` gives up on its stack (``give_up``).
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ from hotweights.controller.executor import backoff_s
 from hotweights.controller.snapshot import MemberView, Status
 
 Verdict = Callable[[MemberView], str | None]  # why an engine counts as failed (``controller.health``), or None
+# Failed starts of one slot in a row, each for the same reason, after which ``up`` stops its stack and exits: the
+# first is reported at once, the others confirm that retrying does not help (backoff 0.5, 1 s between them).
+GIVE_UP_AFTER = 3
 
 
 class Intent(StrEnum):
@@ -220,3 +226,38 @@ def room_refusal(
             f"(what a running one holds), {device_free / gib:.2f} GiB are free"
         )
     return None
+
+
+@dataclass(frozen=True)
+class Streak:
+    """A slot's (an engine slot's, a daemon's, a gateway worker's) failed starts in a row, all for ``reason``."""
+
+    reason: str = ""
+    count: int = 0
+
+
+def after_start(streak: Streak, failure: str | None) -> Streak:
+    """A slot's streak after one start: none after a start that worked (``failure`` None), one longer after one
+    that failed for the streak's reason, else a streak of one for the new reason."""
+    if failure is None:
+        return Streak()
+    return Streak(failure, streak.count + 1 if failure == streak.reason else 1)
+
+
+@dataclass(frozen=True)
+class GiveUp:
+    """Stop the stack: ``slot`` failed to start ``count`` times in a row, each time for ``reason``."""
+
+    slot: str
+    reason: str
+    count: int
+
+    @property
+    def sentence(self) -> str:
+        return f"{self.slot} failed to start {self.count} times in a row, each time: {self.reason}"
+
+
+def give_up(streaks: Mapping[str, Streak], limit: int = GIVE_UP_AFTER) -> GiveUp | None:
+    """The slot (the first by name) whose failed starts for one reason reached ``limit``; None while none has."""
+    done = sorted(slot for slot, streak in streaks.items() if streak.count >= limit)
+    return GiveUp(done[0], streaks[done[0]].reason, streaks[done[0]].count) if done else None

@@ -37,6 +37,7 @@ from hotweights.controller.dcs import Solo
 from hotweights.controller.decide import (
     Elect,
     FailOver,
+    GiveUp,
     Intent,
     ResolveSplitBrain,
     SlotRestarts,
@@ -57,8 +58,9 @@ from hotweights.controller.keepers import ServiceKeepers
 from hotweights.controller.metrics import ControllerMetrics
 from hotweights.controller.redundancy import Tracker, assess
 from hotweights.controller.rollout import RolloutProgress, rollout_wait_s
-from hotweights.controller.snapshot import MemberView, Snapshot
+from hotweights.controller.snapshot import MemberView, Snapshot, Status
 from hotweights.controller.spares import is_spare
+from hotweights.controller.startfailures import StartFailures
 from hotweights.controller.supervisor import FENCE_TIMEOUT_S
 from hotweights.stats import ms
 
@@ -87,7 +89,10 @@ class Ha:
         wake: asyncio.Event,
         on_ready: Callable[[Snapshot], None],
         leadership: Solo | None = None,
+        on_give_up: Callable[[GiveUp], None] | None = None,
     ) -> None:
+        """``on_give_up``: what ends the stack when a slot keeps failing to start the same way
+        (``controller.startfailures``; None: retry for ever)."""
         health = cluster.config.health
         self.leadership = leadership or Solo()  # who may promote: this loop alone, or the holder of a leader key
         self.cluster = cluster
@@ -119,7 +124,8 @@ class Ha:
         self.announced = False
         self.stopping = False
         self.task: asyncio.Task | None = None
-        self.keepers = ServiceKeepers(cluster, events, metrics, self.wakeup, lambda: self.stopping)
+        self.failures = StartFailures(cluster, events, on_give_up)
+        self.keepers = ServiceKeepers(cluster, events, metrics, self.wakeup, lambda: self.stopping, self.failures)
 
     # --- the loop -----------------------------------------------------------------------------
 
@@ -431,12 +437,18 @@ class Ha:
         """``decide.plan_slots`` for the group: record the exits it saw first, keep the backoffs, tend the slots."""
         plan = plan_slots(snap.group(group), self.restarts, time.monotonic(), snap.daemons_serve(group), self.is_failed)
         self.restarts.update(plan.restarts)
+        for view in snap.group(group):
+            if view.status == Status.HEALTHY:
+                self.failures.started(view.id)
         for seen in plan.exits:
             view = seen.member
             self.events.record(
                 "exit", f"standby {view.id} {view.exit_reason}; restarting in {seen.delay_s:.1f} s",
                 member=view.id, group=view.group,
             )  # fmt: skip
+            if not view.health.ever_ok:  # it never started: a start that failed (``controller.startfailures``)
+                spec = self.cluster.members[view.id].spec
+                self.failures.engine_exited(view, spec.host, spec.listen_port)
         tend = plan.tend
         if tend is None or self.executor.backing_off(group, "members"):
             return None

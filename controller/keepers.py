@@ -1,7 +1,7 @@
 """The keepers of a cluster's services (its cache daemons and gateway workers): each started, and respawned
-after an exit, until it serves, with backoff; each serving one probed every SERVICE_PROBE_S in the background,
-and one that leaves too many probes unanswered in a row (hung: alive, answering nothing) killed, so that
-it is respawned."""
+after an exit, until it serves, with backoff (each failed start told to ``controller.startfailures``, which may
+end the retries); each serving one probed every SERVICE_PROBE_S in the background, and one that leaves too many
+probes unanswered in a row (hung: alive, answering nothing) killed, so that it is respawned."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from hotweights.controller.events import EventLog
 from hotweights.controller.executor import BACKOFF
 from hotweights.controller.metrics import ControllerMetrics
 from hotweights.controller.snapshot import Snapshot
+from hotweights.controller.startfailures import StartFailures
 from hotweights.state import ServiceKind
 from hotweights.stats import ms
 
@@ -37,8 +38,10 @@ class ServiceKeepers:
         metrics: ControllerMetrics,
         wakeup: Callable[[], None],
         stopping: Callable[[], bool],
+        failures: StartFailures,
     ) -> None:
         self.cluster = cluster
+        self.failures = failures
         self.events = events
         self.metrics = metrics
         self.wakeup = wakeup  # the HA loop's: run a cycle now
@@ -98,6 +101,15 @@ class ServiceKeepers:
                 return
         await asyncio.sleep(max(0.0, SERVICE_PROBE_S - (time.monotonic() - started)))
 
+    async def _failure(self, service_id: str, error: BaseException | None) -> str:
+        """Why a start of the service failed, in one line: the gateway's port held by another process (named),
+        else ``error`` (how it ended) and the last line of its log."""
+        gateway = self.cluster.services[service_id].kind == ServiceKind.GATEWAY
+        config = self.cluster.config.gateway
+        if gateway and (held := await self.failures.port_held(config.host, config.port)):
+            return held
+        return self.failures.ended(str(error), self.cluster.layout.log_dir / f"{service_id}.log")
+
     def _hung_after(self, service_id: str) -> int:
         """Probes in a row a service may leave unanswered before it is judged hung."""
         gateway = self.cluster.services[service_id].kind == ServiceKind.GATEWAY
@@ -107,15 +119,17 @@ class ServiceKeepers:
         """(Re)start a service until it serves, backing off between failed attempts."""
         start = time.monotonic()
 
-        def failed(state: RetryCallState) -> None:
-            error = state.outcome.exception() if state.outcome else None
+        async def failed(state: RetryCallState) -> None:
+            reason = await self._failure(service_id, state.outcome.exception() if state.outcome else None)
             delay = state.next_action.sleep if state.next_action else 0.0
-            self.events.record("start_failed", f"{error}; retrying in {delay:.1f} s", service=service_id)
+            self.events.record("start_failed", f"{reason}; retrying in {delay:.1f} s", service=service_id)
+            self.failures.failed(service_id, reason)
 
         retrying = AsyncRetrying(wait=BACKOFF, retry=retry_if_exception_type(ServiceFailed), before_sleep=failed)
         async for attempt in retrying:
             with attempt:
                 await self.cluster.start_service(service_id)
+        self.failures.started(service_id)
         service = self.cluster.services[service_id]
         duration_ms = ms(time.monotonic() - start)
         fill = await self.cluster.fill_report(service_id) if service.kind == ServiceKind.DAEMON else {}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from hotweights.cache.launcher import daemon_command
 from hotweights.cache.loadspec import LoadSpec
 from hotweights.cache.paths import DaemonPaths
 from hotweights.contract import Role
-from hotweights.controller.checks import default_model, tensor_parallel_refusals
+from hotweights.controller.checks import default_model, never, tensor_parallel_refusals
 from hotweights.controller.config import REFERENCE, ClusterConfig, EngineSpec
 from hotweights.controller.ids import spare_engine_id
 from hotweights.controller.sockets import run_dir
@@ -64,18 +65,22 @@ class Layout:
     model_dir: Path
 
     @classmethod
-    def create(cls, config: ClusterConfig, config_path: Path | None) -> Layout:
+    def create(cls, config: ClusterConfig, config_path: Path | None, stopped: Callable[[], bool] = never) -> Layout:
         """Resolve the model (a relative [model] path is relative to the config file; none: the embedded
-        tiny model, generated on first use) and check that the socket paths fit."""
+        tiny model, generated on first use) and check that it is a directory and that the socket paths fit.
+        ``stopped``: the checking processes' (``controller.checks``)."""
         if config.model.path:
             model_dir = Path(config.model.path).expanduser()
             if not model_dir.is_absolute() and config_path is not None:
                 model_dir = config_path.parent / model_dir
+            if not model_dir.is_dir():
+                found = "is not a directory" if model_dir.exists() else "does not exist"
+                raise ConfigError(f"{config.source}: model.path: {model_dir} {found}")
         else:
-            model_dir = default_model()
+            model_dir = default_model(stopped)
         layout = cls(config, config_path.resolve() if config_path else None, model_dir.resolve())
         check_directories(config)
-        layout.check_tensor_parallel()
+        layout.check_tensor_parallel(stopped)
         longest = max(
             (layout.socket(len(config.groups) - 1), layout.gateway_probe_socket(config.gateway.worker_ids()[-1])),
             key=lambda path: len(str(path)),
@@ -87,14 +92,14 @@ class Layout:
             )
         return layout
 
-    def check_tensor_parallel(self) -> None:
+    def check_tensor_parallel(self, stopped: Callable[[], bool] = never) -> None:
         """Refuse a ``tp_size`` the model cannot be split by, or more ranks than this host has GPUs, naming the
         group, before anything starts (its daemons and engines would each refuse it, over and over). The checks
         run in one checking process (``controller.checks``), only when a group has more than one rank."""
         groups = [i for i, group in enumerate(self.config.groups) if group.tp_size > 1]
         try:
             refusals = tensor_parallel_refusals(
-                self.model_dir, [(self.load_spec(i), self.config.groups[i].device) for i in groups]
+                self.model_dir, [(self.load_spec(i), self.config.groups[i].device) for i in groups], stopped
             )
         except HotweightsError as exc:
             raise ConfigError(f"{self.config.source}: checking groups {groups}' tensor-parallel split: {exc}") from None

@@ -1,4 +1,5 @@
-"""The one percentile every report and benchmark uses, and the one rounding of durations to milliseconds."""
+"""The one percentile every report and benchmark uses, the one rounding of durations to milliseconds, and the one
+way sizes in bytes are written for a reader."""
 
 from __future__ import annotations
 
@@ -23,3 +24,12 @@ def ms(seconds: float) -> float:
 def whole_ms(milliseconds: float) -> str:
     """``milliseconds`` as a whole number, for a report's cell or a progress line: never "-0"."""
     return str(round(milliseconds))
+
+
+def human_bytes(n: float) -> str:
+    """``n`` bytes for a reader, in decimal units to one decimal: "3.4 MB", "4.4 TB"."""
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000:
+            return f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"

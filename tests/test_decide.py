@@ -7,15 +7,20 @@ from __future__ import annotations
 import pytest
 
 from hotweights.controller.decide import (
+    GIVE_UP_AFTER,
     Elect,
     FailOver,
     Footprint,
+    GiveUp,
     Intent,
     ResolveSplitBrain,
     SlotRestarts,
+    Streak,
     Wait,
+    after_start,
     best_standby,
     failed_primary,
+    give_up,
     keep_in_split_brain,
     missing_primary,
     plan_slots,
@@ -226,3 +231,48 @@ def test_post_engines_is_refused_when_one_more_engine_does_not_fit(
         assert refusal is not None and refused in refusal, refusal
     else:
         assert refusal is None
+
+
+PORT = "gateway.port: 127.0.0.1:8000 is in use by another process (pid 7: python3 -m http.server 8000)"
+OOM = "exited (signal 9, SIGKILL); its log ends: Killed"
+
+
+@pytest.mark.parametrize(
+    ("failures", "streak"),
+    [
+        ([PORT], Streak(PORT, 1)),
+        ([PORT, PORT, PORT], Streak(PORT, 3)),
+        ([PORT, OOM], Streak(OOM, 1)),  # another reason begins a new streak
+        ([PORT, PORT, OOM, PORT], Streak(PORT, 1)),
+        ([PORT, PORT, None], Streak()),  # a start that worked ends it
+        ([PORT, None, PORT], Streak(PORT, 1)),
+        ([None], Streak()),
+    ],
+)
+def test_a_streak_counts_the_starts_in_a_row_that_failed_alike(failures: list[str | None], streak: Streak) -> None:
+    found = Streak()
+    for failure in failures:
+        found = after_start(found, failure)
+    assert found == streak
+
+
+@pytest.mark.parametrize(
+    ("streaks", "decision"),
+    [
+        ({}, None),
+        ({"gateway": Streak(PORT, GIVE_UP_AFTER - 1)}, None),
+        ({"gateway": Streak(PORT, GIVE_UP_AFTER)}, GiveUp("gateway", PORT, GIVE_UP_AFTER)),
+        # several slots that failed alike often enough: the first by name
+        ({"g0-e1": Streak(OOM, 5), "g0-cache": Streak(OOM, 3), "g0-e0": Streak(OOM, 1)}, GiveUp("g0-cache", OOM, 3)),
+        # failures of one slot for changing reasons never add up
+        ({"g0-e1": Streak(OOM, 1), "g0-e2": Streak(PORT, 2)}, None),
+    ],
+)
+def test_up_gives_up_on_the_first_slot_that_failed_alike_often_enough(
+    streaks: dict[str, Streak], decision: GiveUp | None
+) -> None:
+    assert give_up(streaks) == decision
+
+
+def test_the_give_up_sentence_names_the_slot_the_count_and_the_reason() -> None:
+    assert GiveUp("gateway", PORT, 3).sentence == f"gateway failed to start 3 times in a row, each time: {PORT}"

@@ -1,0 +1,124 @@
+"""What ``up`` and ``controller`` check before they start or adopt anything, so that a stack that cannot run is
+refused in one line naming its ``cluster.toml`` key (a ConfigError: exit 2), instead of engines that fail the same
+way restarted for ever:
+
+- every port the stack listens on (each engine's, the gateway's, a batch engine's) can be bound, or is held by this
+  stack's own processes (a running stack is adopted); a port another process holds is named with that process;
+- the model (``model.path``, or the embedded tiny model) is what a group's daemon loads and its engines read:
+  config, index, safetensors headers, the load settings' checks, tokenizer;
+- each group's ``device`` exists for this torch (``cuda:N``: a CUDA build that sees more than N devices);
+- when none of the stack runs yet (a running stack's memory is in use by it): one engine's KV cache
+  (``engine.kv_cache_tokens`` x ``engine.max_batch`` x the model's bytes per token position) beside the group's
+  arena fits in the device's free memory (``controller.devices``). One engine's: a lower bound, since a standby
+  frees its KV cache after its warm-up; a stack that fits one engine but not all of them is stopped by the
+  give-up rule instead (``controller.startfailures``).
+
+The model and device checks need torch: they run in one checking process (``controller.checks``), a second or
+two, longer on a busy host. A vLLM or SGLang group's model is read by its own engine's loader, with its own
+Python: only ``model.path`` (a directory) and the ports are checked for it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from hotweights.controller.checks import Serving, never, serving_checks
+from hotweights.controller.config import REFERENCE, ClusterConfig
+from hotweights.controller.devices import free_bytes
+from hotweights.controller.stack import Layout
+from hotweights.controller.supervisor import listening_pids, read_identity, stack_marker, stack_orphans
+from hotweights.errors import ConfigError, HotweightsError
+from hotweights.standby.serving import PortUnavailable, bind_port
+from hotweights.stats import human_bytes
+
+log = logging.getLogger(__name__)
+
+PORT_FIX = "stop it or choose another port"
+COMMAND_CHARS = 80  # of a stranger's command line, in a refusal
+
+
+def preflight(layout: Layout, with_gateway: bool, stopped: Callable[[], bool] = never) -> None:
+    """Every check of the module docstring, cheapest first; ConfigError naming the key of the first that fails.
+    ``stopped``: the checking process's (``controller.checks.Stopped``)."""
+    ours = stack_pids(layout)
+    check_ports(layout.config, with_gateway, ours)
+    groups = [i for i, group in enumerate(layout.config.groups) if group.engine == REFERENCE]
+    specs = [layout.load_spec(i) for i in groups]
+    outcomes = serving_checks(layout.model_dir, [(spec, spec.device) for spec in specs], stopped)
+    for i, spec, (serving, device_refusal) in zip(groups, specs, outcomes, strict=True):
+        src = layout.config.source
+        if device_refusal is not None:
+            raise ConfigError(f"{src}: groups[{i}].device: {device_refusal}")
+        if isinstance(serving, HotweightsError):
+            raise ConfigError(f"{src}: model.path: {serving}")
+        if not ours:
+            check_memory(layout.config, i, spec.device, serving)
+
+
+def stack_pids(layout: Layout) -> set[int]:
+    """The live processes of this stack (``supervisor.stack_orphans``): what a start adopts, not a stranger."""
+    return {identity.pid for _, identity in stack_orphans(stack_marker(layout.state_dir), layout.markers)}
+
+
+def listeners(config: ClusterConfig, with_gateway: bool) -> list[tuple[str, int, str]]:
+    """(host, port, the key that sets it and whose it is) of every address the stack listens on."""
+    found = [(config.gateway.host, config.gateway.port, "gateway.port")] if with_gateway else []
+    for spec in config.engines():
+        group = config.groups[spec.group]
+        key = "listen_base_port" if group.listen_base_port else "base_port"
+        found.append((spec.host, spec.listen_port, f"groups[{spec.group}].{key} (engine {spec.id})"))
+    for i, group in enumerate(config.groups):
+        if group.batch_port:
+            found.append((config.dcs.address, group.batch_port, f"groups[{i}].batch_port"))
+    return found
+
+
+def check_ports(config: ClusterConfig, with_gateway: bool, ours: set[int]) -> None:
+    """ConfigError for the first address in ``listeners`` that cannot be bound, unless a process of ``ours``
+    holds it."""
+    for host, port, key in listeners(config, with_gateway):
+        if refusal := port_refusal(host, port, ours):
+            raise ConfigError(f"{config.source}: {key}: {refusal}")
+
+
+def port_refusal(host: str, port: int, ours: set[int]) -> str | None:
+    """Why ``host:port`` cannot be listened on, naming the process that holds it when one can be found, and the fix;
+    None when it can be bound, or when it is held by processes of ``ours`` (pids) only."""
+    try:
+        bind_port(host, port).close()
+    except PortUnavailable as exc:
+        unavailable = str(exc)
+    else:
+        return None
+    holders = listening_pids(port)
+    if holders and holders <= ours:
+        return None
+    if not (strangers := sorted(holders - ours)):
+        return unavailable  # not listening yet, or another user's: no pid to name
+    identity = read_identity(strangers[0])
+    command = " ".join(" ".join(identity.command).split())[:COMMAND_CHARS] if identity else "gone since"
+    return f"{host}:{port} is in use by another process (pid {strangers[0]}: {command}): {PORT_FIX}"
+
+
+def check_memory(config: ClusterConfig, group: int, device: str, serving: Serving) -> None:
+    """ConfigError when one engine's KV cache beside the group's arena does not fit in ``device``'s free memory;
+    nothing when that cannot be read."""
+    free = free_bytes(device)
+    engine = config.engine
+    kv = serving.kv_token_bytes * engine.kv_cache_tokens * engine.max_batch
+    need = serving.arena_bytes + kv
+    log.debug("group %d needs %d bytes on %s (arena %d, one engine's KV cache %d), %s free", group, need, device,
+              serving.arena_bytes, kv, free)  # fmt: skip
+    if free is None or need <= free:
+        return
+    src, room = config.source, f"{human_bytes(free)} are free on {device}"
+    if serving.arena_bytes > free:
+        raise ConfigError(f"{src}: model.path: group {group}'s arena needs {human_bytes(serving.arena_bytes)}, {room}")
+    tokens, batch = engine.kv_cache_tokens, engine.max_batch
+    raise ConfigError(
+        f"{src}: engine.kv_cache_tokens = {tokens}: one engine's KV cache ({tokens} tokens x engine.max_batch = {batch}"
+        f" x {serving.kv_token_bytes} bytes a token = {human_bytes(kv)}) and group {group}'s arena "
+        f"({human_bytes(serving.arena_bytes)}) need {human_bytes(need)}, {room}; lower engine.kv_cache_tokens or "
+        "engine.max_batch"
+    )
