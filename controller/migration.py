@@ -115,21 +115,25 @@ async def plan_off_loop(method: str, path: str, size: int, request: object) -> M
 
 def plan(method: str, path: str, request: object) -> Migratable | Refusal | Invalid | None:
     """A ``Migratable`` for a completion the gateway can continue; a ``Refusal`` for a completion it cannot (relayed
-    as it is); ``Invalid`` for one whose fields an engine would refuse (module docstring); None for any other
-    request. ``request``: the body's JSON value (``hotweights.httpguard.parsed_json``)."""
+    as it is: the engine judges its fields as the client sent them); ``Invalid`` for one it would continue but whose
+    fields an engine would refuse (module docstring); None for any other request. ``request``: the body's JSON value
+    (``hotweights.httpguard.parsed_json``)."""
     if method != "POST" or path not in CHECKED:
         return None
     if not isinstance(request, dict):
         return Refusal.NOT_JSON
-    schema = CHECKED[path]
-    checked = validated(schema, {k: v for k, v in request.items() if k in schema.model_fields})
-    if isinstance(checked, Invalid):
-        return checked
     if refusal := refusal_of(request):
         return refusal
     if path == Endpoint.CHAT_COMPLETIONS and (refusal := chat_refusal(request)):
         return refusal
-    return Migratable(path, request, budget(request))
+    schema = CHECKED[path]
+    checked = validated(schema, {k: v for k, v in request.items() if k in schema.model_fields})
+    if isinstance(checked, Invalid):
+        return checked
+    max_tokens = budget(request)  # max_completion_tokens, a chat's, is no field of the engines'
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        return Refusal.MAX_TOKENS
+    return Migratable(path, request, max_tokens)
 
 
 def budget(request: dict) -> int:
@@ -158,9 +162,6 @@ def refusal_of(request: dict) -> Refusal | None:
         return Refusal.LOGPROBS
     if request.get("echo"):
         return Refusal.ECHO
-    max_tokens = budget(request)
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-        return Refusal.MAX_TOKENS
     return None
 
 

@@ -7,8 +7,9 @@ against every tail of each), at most ``MAX_MESSAGES`` chat messages.
 
 A prompt is checked by a plain Python loop (``checked_prompt``), not by pydantic's: pydantic walks a list of a
 million token ids holding the GIL for most of a second, which stalls the event loop whichever thread it runs in,
-while a Python loop gives the GIL back every few milliseconds. With ``MAX_PROMPTS`` in the validation context (an
-engine's: the prompts it generates at once), a longer list of prompts is refused before any of them is looked at.
+while a Python loop gives the GIL back every few milliseconds. With an engine's limits in the validation context
+(``MAX_PROMPTS``: the prompts it generates at once; ``KV_SLOT``: the tokens one sequence holds), a longer list of
+prompts, or a longer prompt of token ids, is refused before any of its items is looked at.
 
 What an engine adds on top depends on its configuration and model (its context, its vocabulary:
 ``standby.intake``); the gateway checks the fields it reads or rewrites with these same models
@@ -32,6 +33,7 @@ MAX_MESSAGES = 4096
 DEFAULT_MAX_TOKENS = 16  # a completion's, as OpenAI's API (and every engine here) has it
 INLINE_BODY_BYTES = 4096  # bodies up to this are validated on the event loop (well under a millisecond)
 MAX_PROMPTS = "max_prompts"  # the validation context's key: how many prompts one request may hold (None: any)
+KV_SLOT = "kv_slot"  # the validation context's key: how many token ids one prompt may hold (None: any)
 
 Prompt = str | list[str] | list[int] | list[list[int]]
 PROMPT_SHAPES = "a string, a list of strings, a list of token ids or a list of lists of token ids, none empty"
@@ -39,24 +41,28 @@ TOKEN_IDS = "token ids are integers >= 0"
 
 
 def checked_prompt(value: object, info: ValidationInfo) -> Prompt:
-    """``value`` when it is a prompt (``PROMPT_SHAPES``), and holds no more prompts than ``MAX_PROMPTS`` in the
-    validation context allows; ValueError saying what is wrong otherwise."""
+    """``value`` when it is a prompt (``PROMPT_SHAPES``) within an engine's limits in the validation context (no
+    more prompts than ``MAX_PROMPTS``, no prompt of more token ids than ``KV_SLOT``: each checked before anything
+    it bounds is read); ValueError saying what is wrong otherwise."""
     if type(value) is str:
         return value
     if type(value) is not list or not value:
         raise ValueError(f"expected {PROMPT_SHAPES}")
-    if type(value[0]) is int:
-        if not _token_ids(value):
-            raise ValueError(TOKEN_IDS)
-        return value
-    limit = (info.context or {}).get(MAX_PROMPTS)
-    if limit is not None and len(value) > limit:
-        raise ValueError(f"{len(value)} prompts; this engine takes at most {limit} in one request (--max-batch)")
-    if type(value[0]) is str:
-        if not all(type(p) is str for p in value):
-            raise ValueError(f"expected {PROMPT_SHAPES}")
-    elif not all(type(p) is list and p and _token_ids(p) for p in value):
-        raise ValueError(f"expected {PROMPT_SHAPES}; {TOKEN_IDS}")
+    context = info.context or {}
+    if type(value[0]) is not int:
+        if (limit := context.get(MAX_PROMPTS)) is not None and len(value) > limit:
+            raise ValueError(f"{len(value)} prompts; this engine takes at most {limit} in one request (--max-batch)")
+        if type(value[0]) is str:
+            if not all(type(p) is str for p in value):
+                raise ValueError(f"expected {PROMPT_SHAPES}")
+            return value
+    prompts = [value] if type(value[0]) is int else value
+    if not all(type(p) is list and p for p in prompts):
+        raise ValueError(f"expected {PROMPT_SHAPES}")
+    if (slot := context.get(KV_SLOT)) is not None and (longest := max(map(len, prompts))) > slot:
+        raise ValueError(f"{longest} token ids; this engine's KV slot holds {slot} tokens (--kv-cache-tokens)")
+    if not all(_token_ids(p) for p in prompts):
+        raise ValueError(TOKEN_IDS)
     return value
 
 
@@ -162,10 +168,13 @@ def invalid(errors: list[ErrorDetails]) -> Invalid:
 R = TypeVar("R", bound=SamplingRequest)
 
 
-def validated(schema: type[R], value: object, max_prompts: int | None = None) -> R | Invalid:
-    """``value`` (a JSON body, parsed) as ``schema``, with at most ``max_prompts`` prompts; the refusal otherwise.
-    Its cost grows with the body: run it off the event loop when the body is large."""
+def validated(
+    schema: type[R], value: object, max_prompts: int | None = None, kv_slot: int | None = None
+) -> R | Invalid:
+    """``value`` (a JSON body, parsed) as ``schema``, with at most ``max_prompts`` prompts of at most ``kv_slot``
+    token ids each; the refusal otherwise. Its cost grows with the body: run it off the event loop when the body is
+    large."""
     try:
-        return schema.model_validate(value, context={MAX_PROMPTS: max_prompts})
+        return schema.model_validate(value, context={MAX_PROMPTS: max_prompts, KV_SLOT: kv_slot})
     except ValidationError as exc:
         return invalid(exc.errors(include_url=False, include_input=False))

@@ -75,7 +75,8 @@ class Bad:
         ("POST", "/v1/completions", body(stream="yes"), Bad("stream")),
         ("POST", "/v1/completions", body(stream_options={"include_usage": 1}), Bad("stream_options")),
         ("POST", "/v1/completions", body(return_token_ids=1), Bad("return_token_ids")),
-        ("POST", "/v1/completions", body(prompt=[[1], []]), Bad("prompt")),
+        ("POST", "/v1/completions", body(prompt=[[]]), Bad("prompt")),
+        ("POST", "/v1/completions", body(prompt=[[1], []], stop=[1]), Refusal.SEVERAL_CHOICES),  # the engine judges
         ("POST", "/v1/completions", body(prompt=[1, True]), Bad("prompt")),
         ("POST", "/v1/completions", body(prompt=[1] * (MIGRATED_IDS + 1)), Refusal.LONG_PROMPT),
         ("POST", "/v1/completions", body(prompt=[[1] * (MIGRATED_IDS + 1)]), Refusal.LONG_PROMPT),
