@@ -171,6 +171,27 @@ def test_a_failed_engines_deposit_is_dropped_once_its_retention_ends(tiny_model:
         shutil.rmtree(runtime, ignore_errors=True)
 
 
+def test_a_handed_over_deposit_is_kept_as_a_failed_engines_until_its_retention_ends(tiny_model: Path) -> None:
+    """Handed over, an engine's deposit is no longer its own: its next deposit and its withdrawal leave it, it is
+    listed as a closed connection's, and it is dropped once its retention ends."""
+    runtime = Path(tempfile.mkdtemp(prefix="hw-", dir="/tmp"))
+    try:
+        with ThreadDaemon(tiny_model, runtime / "d.sock", kv_retain_s=1.0):
+            owner, watcher = shares(tiny_model, (runtime / "d.sock", "cpu"), 2)
+            owner.deposit(owner.allocate((1, 1, 1, 4, 2), torch.float32)).result()
+            owner.hand_over().result()
+            assert deposits(watcher) == [(False, 1)]
+            owner.deposit(owner.allocate((1, 2, 1, 4, 2), torch.float32)).result()
+            assert sorted(deposits(watcher)) == [(False, 1), (True, 2)]
+            owner.withdraw().result()
+            assert deposits(watcher) == [(False, 1)]
+            wait_until(lambda: deposits(watcher) == [], what="the handed over deposit dropped after 1 s")
+            owner.attachment.close()
+            watcher.attachment.close()
+    finally:
+        shutil.rmtree(runtime, ignore_errors=True)
+
+
 def test_deposits_need_an_attached_connection_and_a_refused_one_leaves_it_attached(
     tiny_model: Path, daemon: tuple[Path, str]
 ) -> None:
