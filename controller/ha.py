@@ -459,6 +459,8 @@ class Ha:
     async def _tend(self, tend: TendSlots) -> Outcome:
         done, ok = [], True
         for view, reason in tend.fence:
+            if not view.health.ever_ok:
+                self.failures.fenced(view.id, reason)
             if await self.cluster.fence(view.id):
                 self.events.record("fence", f"standby {view.id} {reason}", member=view.id, group=view.group)
                 done.append(f"fenced standby {view.id} ({reason})")

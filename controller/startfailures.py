@@ -5,7 +5,9 @@ ready, a daemon or worker that exits or never serves) has the failure told in on
 
 - a port another process holds, with that process and the ``cluster.toml`` key of the port
   (``controller.preflight.port_refusal``);
-- else how the process ended and the last line of its log, where an engine or a daemon says why (its one-line
+- an engine the controller killed, why it did (``fenced``: not ready within its start timeout);
+- else how the process ended: a signal (the log of a process killed, by the kernel's OOM killer say, does not say
+  why), or an exit status with the last line of its log, where an engine or a daemon says why (its one-line
   refusal, or a traceback's last line).
 
 The first failure of a streak is logged as a warning (``up``'s console). ``decide.GIVE_UP_AFTER`` failures in a
@@ -58,6 +60,7 @@ class StartFailures:
         self.streaks: dict[str, Streak] = {}
         self.gave_up: GiveUp | None = None
         self.pending: set[asyncio.Task] = set()  # reasons being found (a /proc scan, off the event loop)
+        self.fences: dict[str, str] = {}  # engines killed before they were ever ready, and why
 
     def started(self, slot: str) -> None:
         """``slot``'s start worked: its streak is over."""
@@ -74,6 +77,10 @@ class StartFailures:
         self.events.record("gave_up", decision.sentence, slot=decision.slot, reason=decision.reason)
         self.on_give_up(decision)
 
+    def fenced(self, slot: str, reason: str) -> None:
+        """The controller killed ``slot``'s engine, never ready, for ``reason``: its exit's reason."""
+        self.fences[slot] = reason
+
     def engine_exited(self, view: MemberView, host: str, port: int) -> None:
         """An engine that was never ready exited: its reason is found in the background, then ``failed``."""
         task = asyncio.create_task(self._engine_failed(view, host, port), name=f"start-failure-{view.id}")
@@ -81,6 +88,9 @@ class StartFailures:
         task.add_done_callback(self.pending.discard)
 
     async def _engine_failed(self, view: MemberView, host: str, port: int) -> None:
+        if fence := self.fences.pop(view.id, None):
+            self.failed(view.id, f"killed: {fence}")
+            return
         held = await self.port_held(host, port)
         log_path = self.cluster.layout.log_dir / f"{view.id}.log"
         self.failed(view.id, held or self.ended(view.exit_reason or "exited", log_path))
@@ -98,6 +108,6 @@ class StartFailures:
 
     @staticmethod
     def ended(how: str, log_path: Path) -> str:
-        """``how`` a process ended, with the last line of its log when it has one."""
-        line = last_line(log_path)
+        """``how`` a process ended, with the last line of its log when it has one and did not die of a signal."""
+        line = None if "signal" in how else last_line(log_path)
         return f"{how}; its log ends: {line}" if line else how
