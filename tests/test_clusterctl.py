@@ -7,7 +7,9 @@ from __future__ import annotations
 import functools
 import io
 import json
+import os
 import signal
+import socket
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -162,6 +164,78 @@ def test_a_cache_restart_is_done_once_every_restarted_daemon_respawned(
     assert respawn_outcome(events, services) == (done, failure)
 
 
+# --- bad input, and a controller that does not answer: one line, no traceback ---------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        ("http://[::1", "Invalid IPv6 URL"),
+        ("http://256.1.1.1:8100", "Invalid IPv4 address: '256.1.1.1'"),
+        ("http://127.0.0.1:99999", "Port out of range 0-65535"),
+        ("localhost:8100", "not an http(s)://HOST:PORT URL"),
+        ("ftp://127.0.0.1:8100", "not an http(s)://HOST:PORT URL"),
+        ("http://127.0.0.1:8100/?group=0", "not an http(s)://HOST:PORT URL"),
+    ],
+)
+@pytest.mark.parametrize("command", [["status"], ["switchover", "-y"], ["drain", "g0-e0", "-y"]])
+def test_a_url_that_is_no_controllers_address_is_refused_in_one_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, command: list[str], url: str, problem: str
+) -> None:
+    code, out, err = hotweights(capsys, monkeypatch, *command, "--url", url)
+    expected = f"hotweights {command[0]}: error: --url {url!r}: {problem}; expected http(s)://HOST:PORT"
+    assert (code, out) == (2, "") and len(err.splitlines()) == 1 and err.startswith(expected), err
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        (b"", " is empty; put the bearer token in it, on one line"),
+        (b" \n\n", " is empty; put the bearer token in it, on one line"),
+        (b"first\nsecond\n", " holds 2 lines; a token file holds the token on one line"),
+        (b"with space\n", ": the token holds byte 0x20 at offset 4; a bearer token is visible ASCII characters only"),
+        ("t\u00f6ken".encode(), ": the token holds byte 0xc3 at offset 1; a bearer token is visible ASCII characters"),
+        (None, ": cannot read it: Is a directory"),
+    ],
+)
+def test_a_token_file_is_read_strictly(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, content: bytes, problem: str
+) -> None:
+    """A token file is one line of visible ASCII (its final newline aside); anything else is named, never sent."""
+    path = tmp_path / "token"
+    if content is None:
+        path.mkdir()
+    else:
+        path.write_bytes(content)
+    url = f"http://127.0.0.1:{free_port()}"
+    code, out, err = hotweights(capsys, monkeypatch, "status", "--url", url, "--token-file", str(path))
+    assert (code, out) == (2, "") and len(err.splitlines()) == 1, err
+    assert err.startswith(f"hotweights status: error: --token-file {path}{problem}"), err
+
+
+@pytest.mark.timeout(90)
+def test_a_controller_that_never_answers_did_not_answer(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A listener whose queue is full (connections wait in SYN retries: an address that routes nowhere looks the
+    same) or that never answers: exit 1 after the client's timeout, in one line."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(0)
+        queued = [socket.socket() for _ in range(2)]
+        for client in queued:
+            client.setblocking(False)
+            client.connect_ex(server.getsockname())
+        url = f"http://127.0.0.1:{server.getsockname()[1]}"
+        try:
+            code, out, err = hotweights(capsys, monkeypatch, "status", "--url", url)
+        finally:
+            for client in queued:
+                client.close()
+    assert (code, out) == (1, "") and len(err.splitlines()) == 1, err
+    assert "did not answer" in err and "Traceback" not in err
+
+
 # --- against a real controller ---------------------------------------------------------------------------------------
 
 
@@ -273,6 +347,21 @@ def test_cache_restart_waits_until_the_new_daemon_serves(stack: ControllerStack,
     assert out.startswith(f"g0-cache (pid {new['pid']})") and "serving after" in out and out.count("\n") == 1
     code, out, err = hotweights(capsys, monkeypatch, "cache", "restart", "7", "--config", config, "--yes")
     assert (code, out) == (2, "") and err.startswith("hotweights cache restart: no group 7")
+
+
+@pytest.mark.timeout(60)
+def test_status_into_a_closed_pipe_ends_quietly(stack: ControllerStack) -> None:
+    """``hotweights status | head -1``, its reader gone before the table is written: exit 141, nothing on stderr."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        status = subprocess.run(
+            hotweights_command("status", "--config", str(stack.config_path)), env=ENV, stdout=write,
+            stderr=subprocess.PIPE, text=True, timeout=60,
+        )  # fmt: skip
+    finally:
+        os.close(write)
+    assert (status.returncode, status.stderr) == (128 + signal.SIGPIPE, "")
 
 
 @pytest.mark.timeout(60)
