@@ -2,16 +2,20 @@
 refused in one line naming its ``cluster.toml`` key (a ConfigError: exit 2), instead of engines that fail the same
 way restarted for ever:
 
-- every port the stack listens on (each engine's, the gateway's, a batch engine's) can be bound, or is held by this
-  stack's own processes (a running stack is adopted); a port another process holds is named with that process;
+- every port the stack listens on (each engine's, the gateway's, a batch engine's) can be bound; a port another
+  process holds is named with that process;
 - the model (``model.path``, or the embedded tiny model) is what a group's daemon loads and its engines read:
   config, index, safetensors headers, the load settings' checks, tokenizer;
 - each group's ``device`` exists for this torch (``cuda:N``: a CUDA build that sees more than N devices);
-- when none of the stack runs yet (a running stack's memory is in use by it): one engine's KV cache
-  (``engine.kv_cache_tokens`` x ``engine.max_batch`` x the model's bytes per token position) beside the group's
-  arena fits in the device's free memory (``controller.devices``). One engine's: a lower bound, since a standby
-  frees its KV cache after its warm-up; a stack that fits one engine but not all of them is stopped by the
-  give-up rule instead (``controller.startfailures``).
+- one engine's KV cache (``engine.kv_cache_tokens`` x ``engine.max_batch`` x the model's bytes per token position)
+  beside the group's arena fits in the device's free memory (``controller.devices``). One engine's: a lower
+  bound, since a standby frees its KV cache after its warm-up; a stack that fits one engine but not all of them
+  is stopped by the give-up rule instead (``controller.startfailures``).
+
+Only a fresh start is checked: a start that adopts a running stack (some process of it runs) checks nothing, since
+its model loaded, its ports and memory are its own, and a restarted controller must take over at once, not wait
+for a model check nor refuse the whole stack for one slot (a slot that cannot start is then told at its first
+failure, ``controller.startfailures``).
 
 The model and device checks need torch: they run in one checking process (``controller.checks``), a second or
 two, longer on a busy host. A vLLM or SGLang group's model is read by its own engine's loader, with its own
@@ -41,8 +45,10 @@ COMMAND_CHARS = 80  # of a stranger's command line, in a refusal
 def preflight(layout: Layout, with_gateway: bool, stopped: Callable[[], bool] = never) -> None:
     """Every check of the module docstring, cheapest first; ConfigError naming the key of the first that fails.
     ``stopped``: the checking process's (``controller.checks.Stopped``)."""
-    ours = stack_pids(layout)
-    check_ports(layout.config, with_gateway, ours)
+    if ours := stack_pids(layout):
+        log.info("adopting a running stack (%d processes): its ports, model and memory are not checked", len(ours))
+        return
+    check_ports(layout.config, with_gateway)
     groups = [i for i, group in enumerate(layout.config.groups) if group.engine == REFERENCE]
     specs = [layout.load_spec(i) for i in groups]
     outcomes = serving_checks(layout.model_dir, [(spec, spec.device) for spec in specs], stopped)
@@ -52,8 +58,7 @@ def preflight(layout: Layout, with_gateway: bool, stopped: Callable[[], bool] = 
             raise ConfigError(f"{src}: groups[{i}].device: {device_refusal}")
         if isinstance(serving, HotweightsError):
             raise ConfigError(f"{src}: model.path: {serving}")
-        if not ours:
-            check_memory(layout.config, i, spec.device, serving)
+        check_memory(layout.config, i, spec.device, serving)
 
 
 def stack_pids(layout: Layout) -> set[int]:
@@ -74,11 +79,10 @@ def listeners(config: ClusterConfig, with_gateway: bool) -> list[tuple[str, int,
     return found
 
 
-def check_ports(config: ClusterConfig, with_gateway: bool, ours: set[int]) -> None:
-    """ConfigError for the first address in ``listeners`` that cannot be bound, unless a process of ``ours``
-    holds it."""
+def check_ports(config: ClusterConfig, with_gateway: bool) -> None:
+    """ConfigError for the first address in ``listeners`` that cannot be bound."""
     for host, port, key in listeners(config, with_gateway):
-        if refusal := port_refusal(host, port, ours):
+        if refusal := port_refusal(host, port, set()):
             raise ConfigError(f"{config.source}: {key}: {refusal}")
 
 
