@@ -22,6 +22,7 @@ from hotweights.admission import ServingLimits
 from hotweights.cache.protocol import KV_RETAIN_S
 from hotweights.contract import ENGINE_PORT, read_token, refuse_open_listener
 from hotweights.controller.ids import engine_id
+from hotweights.controller.suspects import SuspectLimits
 from hotweights.dtypes import MODEL_DTYPE_NAMES
 from hotweights.errors import ConfigError
 from hotweights.httpguard import COMPLETION_BODY_BYTES, CONTROLLER_BODY_BYTES, MAX_CONNECTIONS
@@ -40,6 +41,9 @@ OPEN_FILES_PER_HELD_REQUEST = 4  # the gateway's client and upstream sockets, wi
 MAX_GATEWAY_WORKERS = 16
 IN_FLIGHT_HEADROOM = 4  # gateway_in_flight: a worker proxies this many times what the primaries take at once
 SUSPECT_AFTER = 2  # engines that may fail with a request in flight before the gateway stops re-sending it
+SUSPECT_TTL_S = 3600.0  # how long a failure counts for the body in flight (controller.suspects, rule 2)
+CLIENT_FAILURES = 2  # unanswered failures after which a client's requests are refused (rule 3; 0: never)
+CLIENT_WINDOW_S = 60.0  # ... within this many seconds
 MAX_SPARE_ENGINES = 16
 REFERENCE, VLLM, SGLANG = "reference", "vllm", "sglang"
 START_TIMEOUTS_S = {REFERENCE: 120.0, VLLM: 600.0, SGLANG: 600.0}
@@ -115,6 +119,12 @@ class GatewaySection:
     max_body_bytes: int = COMPLETION_BODY_BYTES  # completion bodies, at the gateway and the engines: 413 above
     max_in_flight: int = 0  # proxied at once per worker (0: IN_FLIGHT_HEADROOM x every group's max_batch + max_queue)
     suspect_after: int = SUSPECT_AFTER  # engines that failed with a request in flight before it is refused
+    suspect_ttl_s: float = SUSPECT_TTL_S
+    client_failures: int = CLIENT_FAILURES
+    client_window_s: float = CLIENT_WINDOW_S
+
+    def suspect_limits(self) -> SuspectLimits:
+        return SuspectLimits(self.suspect_after, self.suspect_ttl_s, self.client_failures, self.client_window_s)
 
     def worker_ids(self) -> list[str]:
         """The gateway workers' service ids: ``gateway`` (the one a single-worker gateway always had),
@@ -428,6 +438,8 @@ def validate(config: ClusterConfig) -> None:
         ("gateway.probe_interval_ms", config.gateway.probe_interval_ms),
         ("gateway.max_body_bytes", config.gateway.max_body_bytes),
         ("gateway.suspect_after", config.gateway.suspect_after),
+        ("gateway.suspect_ttl_s", config.gateway.suspect_ttl_s),
+        ("gateway.client_window_s", config.gateway.client_window_s),
         ("engine.queue_timeout_s", config.engine.queue_timeout_s),
         ("cluster.api_max_body_bytes", config.cluster.api_max_body_bytes),
     ]:
@@ -436,6 +448,7 @@ def validate(config: ClusterConfig) -> None:
         ("engine.max_queue", config.engine.max_queue),
         ("engine.queue_wait_share", config.engine.queue_wait_share),
         ("gateway.max_in_flight", config.gateway.max_in_flight),
+        ("gateway.client_failures", config.gateway.client_failures),
     ]:
         if not count >= 0:  # NaN too
             raise ConfigError(f"{src}: {where} must be >= 0, found {count}")

@@ -43,6 +43,12 @@ class Upstream:
     lost: asyncio.Event = field(default_factory=asyncio.Event)  # set while its streams are to be cut (``cuts``)
     full_until: float = 0.0  # monotonic time until which it gets no fresh request (``refused``)
     refused_for: int = 0  # fresh requests refused here meanwhile, told with the next one sent (REFUSED_HEADER)
+    pid: int | None = None  # its process, as its last answered probe named it
+    failure: str = ""  # while it has failed (``Discovery.failed``) and answered no probe since: the failure's id
+    failed_at: float = 0.0  # monotonic time it last failed: a probe sent before does not say it serves
+    answered_at: float = 0.0  # monotonic time a probe was last answered (by ``pid``)
+    gone_at: float = 0.0  # monotonic time a probe last found nothing listening (the process is gone)
+    probed: asyncio.Event = field(default_factory=asyncio.Event)  # set (and replaced) as each probe ends
 
     def describe(self) -> dict[str, object]:
         return {
@@ -130,6 +136,13 @@ class Discovery:
         self._mark(upstream, False, reason)
         self.wake_all()
 
+    def failed(self, upstream: Upstream, reason: str) -> str:
+        """``upstream`` failed with a request in flight (its connection cut): what ``suspect`` does; the failure's id
+        (``mark_failed``), the same for every request in flight there until it answers a probe again."""
+        mark_failed(upstream)
+        self.suspect(upstream, reason)
+        return upstream.failure
+
     def wake_all(self) -> None:
         """Probe every upstream now instead of at its next interval (a role just changed somewhere)."""
         for upstream in self.upstreams:
@@ -177,6 +190,8 @@ class Discovery:
     async def _watch(self, upstream: Upstream) -> None:
         while True:
             await self._probe(upstream)
+            done, upstream.probed = upstream.probed, asyncio.Event()
+            done.set()
             # While no primary is known a failover is in progress: learning of the new one is what matters.
             interval = self.interval_s if self.available.is_set() else self.interval_s / 4
             with contextlib.suppress(TimeoutError):
@@ -184,17 +199,24 @@ class Discovery:
             upstream.wake.clear()
 
     async def _probe(self, upstream: Upstream) -> None:
+        sent = time.monotonic()
         try:
             response = await self.client.get(upstream.url + Endpoint.PRIMARY, timeout=self.timeout_s)
+            if upstream.failed_at > sent:  # it failed while this answer was on its way: the next probe decides
+                return
             upstream.status = response.status_code
             reason = "" if response.status_code == 200 else reason_of(response, Endpoint.PRIMARY)
             body = health_body(response)
             upstream.weights = body.get("weights")
             draining = body.get("role") == Role.PRIMARY and body.get("state") in (State.DRAINING, State.DRAINED)
             upstream.draining = response.status_code == 503 and draining
+            upstream.failure, upstream.pid, upstream.answered_at = "", pid_of(body), time.monotonic()
         except httpx.HTTPError as exc:
             upstream.status, reason = None, f"unreachable: {type(exc).__name__} {exc}".strip()
             upstream.weights, upstream.draining = None, False  # a dead engine goes on with nobody's requests
+            if isinstance(exc, httpx.ConnectError):
+                upstream.gone_at = time.monotonic()
+            mark_failed(upstream)  # dead, hung or stalled: the requests in flight there were at a failure
         upstream.checked = time.time()
         self._mark(upstream, upstream.status == 200, reason)
 
@@ -221,6 +243,18 @@ def cuts(upstream: Upstream, upstreams: list[Upstream]) -> bool:
     if not upstream.draining or upstream.weights is None:
         return True
     return any(u is not upstream and u.weights == upstream.weights for u in upstreams)
+
+
+def mark_failed(upstream: Upstream) -> None:
+    """``upstream`` failed: the failure's id, ``URL pid N`` (every gateway worker names it alike; ``URL`` while its
+    pid is unknown), unless its current failure has one."""
+    upstream.failed_at = time.monotonic()
+    upstream.failure = upstream.failure or (f"{upstream.url} pid {upstream.pid}" if upstream.pid else upstream.url)
+
+
+def pid_of(body: dict) -> int | None:
+    pid = body.get("pid")
+    return pid if isinstance(pid, int) and not isinstance(pid, bool) else None
 
 
 def health_body(response: httpx.Response) -> dict:

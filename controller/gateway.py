@@ -14,11 +14,11 @@ failover because of three rules:
   whole before its first byte is relayed, so a connection cut between its headers and its body (a
   partition) is retried, not relayed as a truncated body. Completions have no side effects, so running
   one twice is safe.
-- A completion of one choice (``controller.migration``) is migrated when its upstream fails mid-way
-  (connection lost, the engine no longer primary, or its stream ending in an error event): the
-  gateway continues it on the next primary from the tokens already sent (saying how many were generated:
-  ``REPLAY_HEADER``), within the hold rules (counted from the cut), and the client sees one uninterrupted
-  response.
+- A completion of one choice (``controller.migration``; ``controller.gatewaymigration`` sends it) is migrated
+  when its upstream fails mid-way (connection lost, the engine no longer primary, or its stream ending in an error
+  event): the gateway continues it on the next primary from the tokens already sent (saying how many were
+  generated: ``REPLAY_HEADER``), within the hold rules (counted from the cut), and the client sees one
+  uninterrupted response.
 - A request the gateway owes to a failover (one it held while no primary was known, or a migrated
   completion's continuation) is not refused by the new primary's admission: an engine's 429 sends it
   back to wait ``BUSY_RETRY_S``, doubling up to ``BUSY_RETRY_MAX_S``, and try again within the same
@@ -34,9 +34,10 @@ failover because of three rules:
 
 Admission bounds what a worker takes on while a primary is known (``gateway.max_in_flight`` proxied at
 once): the rest is answered at once, 429 with ``Retry-After``; while
-none is known, the hold rules above apply instead (their 503s carry ``Retry-After`` too). A
-request that was in flight on ``gateway.suspect_after`` engines that failed while serving it is not
-re-sent to a third: it may be what kills them, so it is answered 422, saying so, and logged as suspect.
+none is known, the hold rules above apply instead (their 503s carry ``Retry-After`` too). A request that
+engines failed while serving (their connection cut, or their probes unanswered: a stall) may be what kills them:
+``controller.suspects`` says when it is not sent again, when one with the same body is refused at once, and when
+its client's are (``controller.suspectguard`` applies those rules).
 
 Only normalized ``/v1/...`` paths are forwarded: each segment of the raw path (as the client sent it,
 before percent-decoding) is a plain RFC 3986 word, so ``..``, ``.``, empty segments and any percent
@@ -50,11 +51,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import httpx
@@ -63,31 +63,18 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from hotweights.admission import Admission, Verdict
-from hotweights.contract import (
-    NOT_NORMALIZED,
-    OWED_HEADER,
-    REFUSED_HEADER,
-    REPLAY_HEADER,
-    WEIGHTS_HEADER,
-    Endpoint,
-    forwardable_path,
-)
-from hotweights.controller.config import SUSPECT_AFTER, ClusterConfig
+from hotweights.contract import NOT_NORMALIZED, forwardable_path
+from hotweights.controller.config import ClusterConfig
 from hotweights.controller.dcs import LeaderUrls
 from hotweights.controller.discovery import Discovery, Upstream, reason_of, refused
 from hotweights.controller.events import EventLog
-from hotweights.controller.gatewayanswers import (
-    SegmentFailed,
-    UpstreamFailed,
-    not_found,
-    refusal,
-    sse_event,
-    suspect_answer,
-    suspect_message,
-    unavailable,
-)
+from hotweights.controller.gatewayanswers import UpstreamFailed, not_found, refusal, suspect_answer, unavailable
 from hotweights.controller.gatewaymetrics import GatewayMetrics
+from hotweights.controller.gatewaymigration import MigratingProxy, upstream_headers
 from hotweights.controller.migration import Ledger, Migratable, Refusal, plan_off_loop
+from hotweights.controller.suspectguard import SuspectGuard, Tracked
+from hotweights.controller.suspectjournal import SuspectJournal
+from hotweights.controller.suspects import SuspectLimits
 from hotweights.httpguard import parsed_json
 from hotweights.proxying import HOP_BY_HOP, ProxiedStream
 from hotweights.requestschema import Invalid
@@ -99,23 +86,9 @@ WHOLE_BODY_MAX = 1 << 20  # a non-streamed reply up to this size is read whole b
 KEEPALIVE_S = 2.0  # below uvicorn's 5 s, so a pooled connection is never reused as the engine closes it
 BUSY_RETRY_S = 0.01  # an owed request's first wait after an engine's 429 (module docstring)
 BUSY_RETRY_MAX_S = 0.2  # the longest of those waits
-GATEWAY_HEADERS = (REPLAY_HEADER, OWED_HEADER, REFUSED_HEADER)  # set by the gateway only: a client's own are dropped
 
 
-def upstream_headers(request: Request, owed: bool, upstream: Upstream) -> list[tuple[str, str]]:
-    """The client's headers that go on to ``upstream``: not the hop-by-hop ones, nor those only the gateway sets (the
-    replay count, ``REPLAY_HEADER``; ``OWED_HEADER``, here when ``owed``; ``REFUSED_HEADER``, here on a fresh completion
-    (a POST) when fresh completions were refused on its behalf since the last one, which it is then told of)."""
-    headers = [(k, v) for k, v in request.headers.items() if k not in HOP_BY_HOP and k not in GATEWAY_HEADERS]
-    if owed:
-        return [*headers, (OWED_HEADER, "1")]
-    if request.method != "POST":  # not a completion: no slot of the engine's
-        return headers
-    refused, upstream.refused_for = upstream.refused_for, 0
-    return headers + ([(REFUSED_HEADER, str(refused))] if refused else [])
-
-
-class Gateway:
+class Gateway(MigratingProxy):
     """The proxy's policy: where a request goes, how long it may wait, when it is re-sent."""
 
     def __init__(
@@ -130,8 +103,11 @@ class Gateway:
         leaders: LeaderUrls | None = None,
         events: EventLog | None = None,
         admission: Admission | None = None,
-        suspect_after: int = SUSPECT_AFTER,
+        suspects: SuspectLimits | None = None,
+        suspects_file: Path | None = None,
     ) -> None:
+        """``suspects``: the suspect rules' bounds (default: ``[gateway]``'s); ``suspects_file``: where the workers
+        share what they learn of them (``controller.suspectjournal``; None: this worker keeps it)."""
         self.events = events or EventLog(None)  # one event per migration, and per one that failed
         self.state_file = state_file  # the controller's state.json: engines added at runtime are routed too
         self.queue_limit = queue_limit
@@ -145,7 +121,8 @@ class Gateway:
         )
         self.discovery = Discovery(urls, self.probe_client, interval_s, timeout_s, engine_host, leaders)
         self.metrics = GatewayMetrics()
-        self.suspect_after = suspect_after
+        limits = suspects or ClusterConfig().gateway.suspect_limits()
+        self.guard = SuspectGuard(limits, SuspectJournal(suspects_file), self.metrics)
         self.admission = admission or default_admission(ClusterConfig())
         self.admission.on_verdict = lambda verdict: self.metrics.admission.labels(verdict.value).inc()
         self.metrics.held.set_function(lambda: self.held)
@@ -158,8 +135,11 @@ class Gateway:
         path = forwardable_path(request.scope.get("raw_path") or b"")
         if path is None:
             return self.answer(not_found(NOT_NORMALIZED))
+        tracked = await self.guard.track(request)
+        if suspect := self.guard.on_arrival(tracked):
+            return self.answer(suspect)
         if not self.discovery.available.is_set():  # held under the failover rules, not admission's
-            return self.answer(await self.forward(request, path, owed=True))
+            return self.answer(await self.ending(self.forward(request, path, tracked, owed=True), tracked, False))
         if request.method == "POST" and (full_s := self.discovery.full_for()):  # what the engines would answer
             self.discovery.refuse_for_all()
             self.metrics.admission.labels(Verdict.REFUSE.value).inc()
@@ -167,31 +147,32 @@ class Gateway:
             return self.answer(refusal(429, message, "overloaded"))
         if reason := await self.admission.enter():
             return self.answer(refusal(429, reason, "overloaded"))
+        return self.answer(await self.ending(self.forward(request, path, tracked), tracked, True))
+
+    async def ending(self, forwarding: Awaitable[Response], tracked: Tracked, admitted: bool) -> Response:
+        """The response ``forwarding`` gives; once it ends (a relay or a migrating stream: when its last byte is
+        sent, or the client goes away), the request's end is told to the suspect rules and, when ``admitted``, its
+        admission slot given back."""
+
+        async def end() -> None:
+            if admitted:
+                self.admission.leave()
+            self.guard.finish(tracked)
+
         try:
-            response = await self.forward(request, path)
+            response = await forwarding
         except BaseException:
-            self.admission.leave()
+            await end()
             raise
         if isinstance(response, ProxiedStream):
-            response.on_close = self.leave  # once the relay ends
+            response.on_close = end  # once the relay ends
         elif isinstance(response, StreamingResponse):  # a migrating stream: once its last segment ends
-            response.body_iterator = self.leaving(response.body_iterator)
+            response.body_iterator = ending_with(response.body_iterator, end)
         else:
-            self.admission.leave()
-        return self.answer(response)
+            await end()
+        return response
 
-    async def leave(self) -> None:
-        self.admission.leave()
-
-    async def leaving(self, chunks: AsyncIterator) -> AsyncIterator:
-        """``chunks``, then the admission slot back (also when the client goes away)."""
-        try:
-            async for chunk in chunks:
-                yield chunk
-        finally:
-            self.admission.leave()
-
-    async def forward(self, request: Request, path: str, owed: bool = False) -> Response:
+    async def forward(self, request: Request, path: str, tracked: Tracked, owed: bool = False) -> Response:
         """The upstream's response, or the gateway's own refusal (503 no primary in time, 422 suspect). ``owed``:
         the request was held for a failover, so an engine's 429 is retried (module docstring)."""
         body = await request.body()  # kept, so the request can be re-sent
@@ -200,9 +181,8 @@ class Gateway:
         if isinstance(migration, Invalid):  # what an engine would refuse (controller.migration)
             return migration.response()
         if isinstance(migration, Migratable):
-            return await self.migrating(request, path, Ledger(migration), deadline, owed)
+            return await self.migrating(request, path, Ledger(migration), tracked, deadline, owed)
         last_failure = ""
-        failed_serving: dict[str, str] = {}  # engine -> how it failed with this request in flight
         busy = 0  # 429s met so far
         while True:
             if refusal := await self.wait_for_primary(deadline):
@@ -212,35 +192,32 @@ class Gateway:
             upstream = self.discovery.pick()
             assert upstream is not None, "available is set and nothing ran since"
             try:
-                return await self.send(upstream, request, path, body, migration, owed)
+                return await self.send(upstream, request, path, body, tracked, migration, owed)
             except UpstreamFailed as exc:
                 last_failure = f"{upstream.url}: {exc}"
                 if exc.kind == "busy":
                     busy += 1
                     await self.wait_busy(busy, deadline)
                     continue
-                self.metrics.upstream_errors.labels(upstream.url, exc.kind).inc()
-                self.discovery.suspect(upstream, str(exc))
-                if exc.kind == "disconnected":
-                    failed_serving[upstream.url] = last_failure
-                if len(failed_serving) >= self.suspect_after:
-                    return suspect_answer(self.record_suspect(list(failed_serving.values()), body))
-                log.info("retrying on the next primary: %s", last_failure)
-                self.metrics.retries.inc()
+                if suspect := await self.upstream_failed(upstream, exc, tracked, last_failure, deadline):
+                    return suspect
                 owed = True  # the failover's now, not its client's load
 
-    def record_suspect(self, failures: list[str], body: bytes) -> str:
-        """Log the request as suspect (its size and digest, never its content); the client's message."""
-        digest = hashlib.sha256(body).hexdigest()[:16]
-        log.warning(
-            "suspect request (%d bytes, sha256 %s): %d engines failed while serving it: %s",
-            len(body),
-            digest,
-            len(failures),
-            "; ".join(failures),
-        )
-        self.metrics.suspects.inc()
-        return suspect_message(failures)
+    async def upstream_failed(
+        self, upstream: Upstream, exc: UpstreamFailed, tracked: Tracked, failure: str, deadline: float
+    ) -> JSONResponse | None:
+        """``exc`` before any byte reached the client: None to send the request to the next primary, or the 422
+        that refuses to (``controller.suspects``), when its connection was cut there."""
+        self.metrics.upstream_errors.labels(upstream.url, exc.kind).inc()
+        if exc.kind != "disconnected":  # not a failure with it in flight: it did not get there, or a role change
+            self.discovery.suspect(upstream, str(exc))
+        elif suspect := await self.guard.on_failure(
+            tracked, self.discovery.failed(upstream, str(exc)), failure, deadline
+        ):
+            return suspect_answer(suspect)
+        log.info("retrying on the next primary: %s", failure)
+        self.metrics.retries.inc()
+        return None
 
     async def wait_for_primary(self, deadline: float) -> str | None:
         """None once a primary is known; else why the request gives up (queue full or deadline)."""
@@ -281,6 +258,7 @@ class Gateway:
         request: Request,
         path: str,
         body: bytes,
+        tracked: Tracked,
         refusal: Refusal | None = None,
         owed: bool = False,
     ) -> Response:
@@ -315,7 +293,7 @@ class Gateway:
             raise
         reply_headers = {k: v for k, v in response.headers.items() if k not in HOP_BY_HOP - {"content-length"}}
         reply_headers["x-hotweights-upstream"] = upstream.url
-        relayed = self.relay(upstream, first, chunks, is_sse, refusal)
+        relayed = self.relay(upstream, first, chunks, is_sse, tracked, refusal)
         return ProxiedStream(relayed, response.status_code, reply_headers, response)
 
     async def relay(
@@ -324,6 +302,7 @@ class Gateway:
         first: bytes,
         chunks: AsyncIterator[bytes],
         is_sse: bool,
+        tracked: Tracked,
         refusal: Refusal | None = None,
     ) -> AsyncIterator[bytes]:
         # An SSE stream is relayed whole events at a time, so that the error event that ends a failed one
@@ -347,231 +326,17 @@ class Gateway:
                     yield ready
             if partial:
                 yield partial
+            tracked.answered = not upstream.failure  # an engine fenced for a stall may answer as it is
         except httpx.TransportError as exc:
             why = f"it is not migrated: {refusal}" if refusal else "it cannot be retried"
             message = f"the upstream {upstream.url} failed mid-response ({type(exc).__name__}); {why}"
             log.warning("%s", message)
             self.metrics.upstream_errors.labels(upstream.url, "mid_stream").inc()
-            self.discovery.suspect(upstream, message)
+            tracked.failures[self.discovery.failed(upstream, message)] = message  # counted; it is not re-sent
             if not is_sse:
                 raise  # the server aborts the connection: a truncated body, never a silently short one
             event = {"error": {"message": message, "type": "unavailable", "param": None}}
             yield f"data: {json.dumps(event)}\n\n".encode()
-
-    async def migrating(
-        self, request: Request, path: str, ledger: Ledger, deadline: float, owed: bool = False
-    ) -> Response:
-        """A migratable completion: streamed from the engine with token ids, continued on the next primary
-        whenever its upstream fails mid-way; the client's stream, or its whole JSON reply, is built here."""
-        opened = await self.open_segment(request, path, ledger.request.upstream_body(), deadline, ledger, owed)
-        if isinstance(opened, Response):
-            return opened
-        ledger.weights = opened[1].headers.get(WEIGHTS_HEADER)
-        events = self.migrated_events(request, ledger, *opened)
-        if ledger.request.stream:
-            headers = {"cache-control": "no-cache", "x-hotweights-upstream": opened[0].url}
-            return StreamingResponse(self.client_sse(ledger, events), media_type="text/event-stream", headers=headers)
-        try:
-            async for _ in events:
-                pass
-        except SegmentFailed as exc:
-            return exc.answer()
-        return JSONResponse(ledger.whole(), headers={"x-hotweights-upstream": opened[0].url})
-
-    async def open_segment(
-        self, request: Request, path: str, body: dict, deadline: float, ledger: Ledger, owed: bool, replay: int = 0
-    ) -> tuple[Upstream, httpx.Response] | Response:
-        """An upstream's event stream for ``body``, retried on the next primary until ``deadline`` while it
-        fails before its first byte (an ``owed`` one after a 429 too); an engine's own non-200 answer (a 400,
-        say) as it is; 503 at the deadline; 422 once ``suspect_after`` engines have failed with the request in
-        flight. ``replay``: a continuation's generated tokens at the end of its prompt (``REPLAY_HEADER``)."""
-        last_failure = ""
-        busy = 0  # 429s met so far
-        while True:
-            if refusal := await self.wait_for_primary(deadline):
-                return unavailable(refusal + (f"; last upstream failure: {last_failure}" if last_failure else ""))
-            upstream = self.discovery.pick()
-            assert upstream is not None, "available is set and nothing ran since"
-            try:
-                headers = upstream_headers(request, owed, upstream) + ([(REPLAY_HEADER, str(replay))] if replay else [])
-                return await self.open_stream(upstream, path, headers, body, owed)
-            except UpstreamFailed as exc:
-                last_failure = f"{upstream.url}: {exc}"
-                if exc.kind == "busy":
-                    busy += 1
-                    await self.wait_busy(busy, deadline)
-                    continue
-                self.metrics.upstream_errors.labels(upstream.url, exc.kind).inc()
-                self.discovery.suspect(upstream, str(exc))
-                if exc.kind == "disconnected":
-                    ledger.failed_on[upstream.url] = last_failure
-                if len(ledger.failed_on) >= self.suspect_after:
-                    return suspect_answer(
-                        self.record_suspect(list(ledger.failed_on.values()), json.dumps(body).encode())
-                    )
-                log.info("retrying on the next primary: %s", last_failure)
-                self.metrics.retries.inc()
-                owed = True  # the failover's now, not its client's load
-
-    async def open_stream(
-        self, upstream: Upstream, path: str, headers: list[tuple[str, str]], body: dict, owed: bool
-    ) -> tuple[Upstream, httpx.Response] | Response:
-        """The upstream's event stream; any other answer read whole and returned as it is (an engine's
-        400, say); UpstreamFailed while it can go elsewhere (connection failed or cut, a 503) or, when ``owed``,
-        wait for a slot (a 429)."""
-        outgoing = self.client.build_request("POST", upstream.url + path, headers=headers, json=body)
-        try:
-            response = await self.client.send(outgoing, stream=True)
-        except httpx.TransportError as exc:
-            kind = "connect" if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout) else "disconnected"
-            raise UpstreamFailed(kind, f"{type(exc).__name__} {exc}".strip()) from exc
-        if response.status_code == 200 and response.headers.get("content-type", "").startswith("text/event-stream"):
-            return upstream, response
-        try:
-            content = await response.aread()
-        except httpx.TransportError as exc:
-            raise UpstreamFailed("disconnected", f"{type(exc).__name__} {exc}".strip()) from exc
-        finally:
-            await response.aclose()
-        if response.status_code == 503:  # a standby or draining engine; the next primary may serve it
-            raise UpstreamFailed("unavailable", reason_of(response, path))
-        if response.status_code == 429:
-            refused(upstream, response)
-            if owed:
-                raise UpstreamFailed("busy", reason_of(response, path))
-        media = response.headers.get("content-type")
-        headers = {"x-hotweights-upstream": upstream.url}
-        if retry_after := response.headers.get("retry-after"):
-            headers["retry-after"] = retry_after
-        return Response(content, status_code=response.status_code, media_type=media, headers=headers)
-
-    async def migrated_events(
-        self, request: Request, ledger: Ledger, upstream: Upstream, response: httpx.Response
-    ) -> AsyncIterator[dict]:
-        """The client's chunks, across as many upstreams as it takes; SegmentFailed when the request
-        cannot go on (no primary in time: the reason says so)."""
-        cut_at: float | None = None
-        while True:
-            try:
-                async for chunk in self.segment(upstream, response, ledger):
-                    if cut_at is not None:
-                        self.metrics.cut_to_next_token.observe(time.monotonic() - cut_at)
-                        cut_at = None
-                    yield chunk
-                return
-            except SegmentFailed as exc:
-                cut_at, failure = time.monotonic(), f"{upstream.url}: {exc}"
-                self.metrics.upstream_errors.labels(upstream.url, "mid_stream").inc()
-                self.discovery.suspect(upstream, str(exc))
-                if exc.while_serving:
-                    ledger.failed_on[upstream.url] = failure
-            if len(ledger.failed_on) >= self.suspect_after:
-                failures, body = list(ledger.failed_on.values()), json.dumps(ledger.request.body).encode()
-                raise SegmentFailed(self.record_suspect(failures, body), suspect=True)
-            body = ledger.cut()
-            if body is None:  # the budget was spent before the failure: nothing is left to generate
-                return
-            upstream, response = await self.reopen(request, ledger, body, failure, cut_at)
-
-    async def reopen(
-        self, request: Request, ledger: Ledger, body: dict, failure: str, cut_at: float
-    ) -> tuple[Upstream, httpx.Response]:
-        """The continuation's stream on the next primary, held by the hold rules counted from the cut;
-        SegmentFailed when none serves it in time. Either way one event says so. A next primary that computes
-        with other weights (a model update's) never continues it: the request runs again from its prompt there
-        when its client saw nothing yet, else it fails, saying why."""
-        log.info("migrating %s after %d tokens: %s", ledger.id, len(ledger.released), failure)
-        deadline = cut_at + self.hold_s
-        while True:
-            # A continuation is a completion of token ids; a request that has none yet is sent again as it was.
-            path, replay = (
-                (Endpoint.COMPLETIONS, len(ledger.released))
-                if ledger.prompt_ids is not None
-                else (ledger.request.path, 0)
-            )
-            opened = await self.open_segment(request, path, body, deadline, ledger, True, replay)
-            if isinstance(opened, Response):
-                reason = bytes(opened.body).decode(errors="replace")[:300]
-                message = f"the upstream {failure}; the request could not be migrated: {reason}"
-                self.migration_failed(ledger, message)
-                raise SegmentFailed(message, suspect=opened.status_code == 422)
-            if ledger.continues_on(weights := opened[1].headers.get(WEIGHTS_HEADER)):
-                break
-            await opened[1].aclose()
-            why = f"the next primary {opened[0].url} serves other weights ({weights}, not {ledger.weights})"
-            if not ledger.client_saw_nothing:
-                message = f"the upstream {failure}; the request cannot be continued: {why}"
-                self.migration_failed(ledger, message)
-                raise SegmentFailed(message)
-            self.events.record(
-                "migration_restarted", f"{ledger.id} runs again from its prompt: {why}", request=ledger.id
-            )
-            ledger.restart()
-            body = ledger.request.upstream_body()
-        ledger.weights = ledger.weights or weights
-        replayed = len(ledger.released)  # none once it runs again from its prompt
-        self.metrics.tokens_replayed.inc(replayed)
-        self.metrics.migrations.labels("migrated").inc()
-        to = opened[0].url
-        self.events.record(
-            "migration",
-            f"{ledger.id} continues on {to} after {replayed} tokens: {failure}",
-            request=ledger.id,
-            to=to,
-            tokens_replayed=replayed,
-            reopen_ms=round((time.monotonic() - cut_at) * 1000, 1),
-        )
-        return opened
-
-    def migration_failed(self, ledger: Ledger, message: str) -> None:
-        self.metrics.migrations.labels("failed").inc()
-        self.events.record("migration_failed", message, request=ledger.id)
-
-    async def segment(self, upstream: Upstream, response: httpx.Response, ledger: Ledger) -> AsyncIterator[dict]:
-        """One upstream's chunks, as the client sees them; SegmentFailed unless it ends with ``[DONE]``.
-        The response is closed however this ends, and at once when the upstream stops being primary."""
-
-        async def close_when_lost() -> None:
-            await upstream.lost.wait()
-            await response.aclose()
-
-        watch = asyncio.create_task(close_when_lost())
-        try:
-            async for line in response.aiter_lines():
-                payload = line.removeprefix("data: ").strip()
-                if not line.startswith("data: ") or not payload:
-                    continue
-                if payload == "[DONE]":
-                    return
-                chunk = json.loads(payload)
-                if "error" in chunk:
-                    raise SegmentFailed(f"the stream ended with an error: {chunk['error'].get('message')}")
-                if (shown := ledger.take(chunk)) is not None:
-                    yield shown
-                if ledger.stopped:
-                    return  # at a stop string: closing the response ends the generation
-            raise SegmentFailed("the stream ended before [DONE]")
-        except (httpx.HTTPError, httpx.StreamError, ValueError) as exc:
-            if upstream.lost.is_set():  # cut here: a switchover or a hang, not the request's doing
-                raise SegmentFailed("the engine is no longer primary") from exc
-            raise SegmentFailed(type(exc).__name__, while_serving=True) from exc
-        finally:
-            watch.cancel()
-            await response.aclose()
-
-    async def client_sse(self, ledger: Ledger, events: AsyncIterator[dict]) -> AsyncIterator[bytes]:
-        """A migrated completion as server-sent events: its chunks, the usage chunk if asked, ``[DONE]``;
-        an error event (and no ``[DONE]``) when it could not be migrated."""
-        try:
-            async for chunk in events:
-                yield sse_event(chunk)
-        except SegmentFailed as exc:
-            log.warning("%s", exc)
-            yield exc.event()
-            return
-        if ledger.request.include_usage:
-            yield sse_event(ledger.usage_chunk())
-        yield b"data: [DONE]\n\n"
 
     def health(self) -> dict[str, object]:
         return {
@@ -599,6 +364,15 @@ class Gateway:
                 await probing
             await self.client.aclose()
             await self.probe_client.aclose()
+
+
+async def ending_with(chunks: AsyncIterator, end: Callable[[], Awaitable[None]]) -> AsyncIterator:
+    """``chunks``, then ``end`` (also when the client goes away)."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    finally:
+        await end()
 
 
 def default_admission(config: ClusterConfig) -> Admission:

@@ -9,14 +9,17 @@ from starlette.responses import JSONResponse
 from hotweights.admission import RETRY_AFTER_S
 from hotweights.contract import SUSPECT_REQUEST
 
+SUSPECT_CLIENT = "suspect_client"  # the error type of a request refused because its client is at its bound
+
 
 class SegmentFailed(Exception):
     """A migratable completion's upstream failed after its response began: the request continues elsewhere."""
 
-    def __init__(self, message: str, *, while_serving: bool = False, suspect: bool = False) -> None:
+    def __init__(self, message: str, *, failure: str = "", stalled: bool = False, suspect: bool = False) -> None:
         super().__init__(message)
-        self.while_serving = while_serving  # its connection failed while it was primary (counted for suspects)
-        self.suspect = suspect  # the request is not migrated because it is suspect (gateway.suspect_after)
+        self.failure = failure  # the id of the engine's failure, when it failed with the request in flight
+        self.stalled = stalled  # ... by no longer answering its probes (a stall, controller.suspects)
+        self.suspect = suspect  # the request is not migrated because it is suspect (controller.suspects)
 
     def answer(self) -> JSONResponse:
         """The error a non-streamed client gets: 422 when the request is suspect, else 503."""
@@ -46,22 +49,14 @@ def not_found(message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": "not_found_error", "param": None}}, status_code=404)
 
 
-def refusal(status: int, message: str, kind: str) -> JSONResponse:
+def refusal(status: int, message: str, kind: str, retry_after_s: int = RETRY_AFTER_S) -> JSONResponse:
     """An OpenAI-shaped error that tells the client to come back (``Retry-After``)."""
     body = {"error": {"message": message, "type": kind, "param": None}}
-    return JSONResponse(body, status_code=status, headers={"Retry-After": str(RETRY_AFTER_S)})
+    return JSONResponse(body, status_code=status, headers={"Retry-After": str(retry_after_s)})
 
 
 def unavailable(message: str) -> JSONResponse:
     return refusal(503, message, "unavailable")
-
-
-def suspect_message(failures: list[str]) -> str:
-    """Why a request is not re-sent: it was in flight on every engine of ``failures`` as it failed."""
-    return (
-        f"not re-sent: {len(failures)} engines failed while serving this request (gateway.suspect_after), so it "
-        f"may be what made them fail; last: {failures[-1]}"
-    )
 
 
 def suspect_answer(message: str) -> JSONResponse:

@@ -60,6 +60,8 @@ class GatewayMetrics:
         )
         self.suspects = Counter(
             "hotweights_gateway_suspect_requests",
-            "requests not re-sent because engines failed while serving them (gateway.suspect_after)",
+            "requests refused because engines failed while serving them, by rule (failures: not re-sent; body: a "
+            "suspect body; client: a client at its bound)",
+            ["rule"],
             registry=r,
         )

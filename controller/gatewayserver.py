@@ -30,6 +30,7 @@ from hotweights.controller.config import GATEWAY_TOKEN_FIX, load_config
 from hotweights.controller.dcs import LeaderUrls
 from hotweights.controller.events import EventLog
 from hotweights.controller.gateway import Gateway, default_admission
+from hotweights.controller.suspectjournal import JOURNAL_FILE
 from hotweights.errors import ConfigError
 from hotweights.httpguard import ErrorShape, HttpLimits, server_config
 from hotweights.standby.serving import AnnouncingServer, bind_port, is_listening, run_until_signal
@@ -131,7 +132,8 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         leaders=LeaderUrls(config, httpx.AsyncClient(trust_env=False)) if config.dcs.enabled else None,
         events=EventLog(None if args.upstream else config.state_dir / GATEWAY_EVENTS_FILE),
         admission=default_admission(config),
-        suspect_after=config.gateway.suspect_after,
+        suspects=config.gateway.suspect_limits(),
+        suspects_file=None if args.upstream else config.state_dir / JOURNAL_FILE,
     )
     log.info("routing /v1 to the primary among %s", ", ".join(urls))
     server = AnnouncingServer(

@@ -221,7 +221,6 @@ class Ledger:
     text: str = ""  # everything sent (kept for a non-streamed reply)
     shown: int = 0  # choices shown to the client so far
     migrations: int = 0
-    failed_on: dict[str, str] = field(default_factory=dict)  # engine -> how it failed with this request in flight
     weights: str | None = None  # what the engine of its first segment computes with (WEIGHTS_HEADER); None: unnamed
     stops: StopStrings = field(init=False)
 
@@ -246,8 +245,8 @@ class Ledger:
 
     def restart(self) -> None:
         """Forget what was generated, so that the request runs again from its prompt (when the weights that
-        computed it are no longer served and its client saw nothing); which engines failed with it is kept."""
-        self.__dict__.update(Ledger(self.request, migrations=self.migrations, failed_on=self.failed_on).__dict__)
+        computed it are no longer served and its client saw nothing)."""
+        self.__dict__.update(Ledger(self.request, migrations=self.migrations).__dict__)
 
     @property
     def remaining(self) -> int:

@@ -349,6 +349,7 @@ def test_a_stream_cut_mid_event_ends_with_a_well_formed_error_event() -> None:
     """The relay never splices the error event into an event the upstream had only half sent."""
     from hotweights.controller.discovery import Upstream
     from hotweights.controller.gateway import Gateway
+    from hotweights.controller.suspectguard import Tracked
 
     async def chunks() -> AsyncIterator[bytes]:
         yield b'ta: {"b":2}\n\ndata: {"c"'
@@ -357,7 +358,8 @@ def test_a_stream_cut_mid_event_ends_with_a_well_formed_error_event() -> None:
     async def relayed() -> bytes:
         gateway = Gateway([], interval_s=1.0, timeout_s=1.0, queue_limit=1, hold_s=1.0)
         try:
-            relay = gateway.relay(Upstream("http://x"), b'data: {"a":1}\n\nda', chunks(), is_sse=True)
+            tracked = Tracked("digest", 0, "client")
+            relay = gateway.relay(Upstream("http://x"), b'data: {"a":1}\n\nda', chunks(), True, tracked)
             return b"".join([chunk async for chunk in relay])
         finally:
             await gateway.client.aclose()
