@@ -109,5 +109,5 @@ class StartFailures:
     @staticmethod
     def ended(how: str, log_path: Path) -> str:
         """``how`` a process ended, with the last line of its log when it has one and did not die of a signal."""
-        line = None if "signal" in how else last_line(log_path)
+        line = None if "(signal " in how else last_line(log_path)  # ``supervisor.exit_reason``'s words
         return f"{how}; its log ends: {line}" if line else how
