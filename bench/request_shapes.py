@@ -20,7 +20,8 @@ Per shape: how its requests were answered (status -> count, and the first refusa
 the health checks' p99 and max, the other clients' p99 and its ratio to the quiet p99, how many of theirs were
 refused (429: a request of several prompts takes a slot for each, so while ``batch`` waits for its slots the
 others meet a full queue) and any other error. Over the run: the controller's ``failover`` and ``fence`` events
-(none is planned here, so each is one the requests caused). Targets: health p99 <= 50 ms, the clients' p99 <= 2x
+(none is planned here, so each is one the requests caused), and the sentence of each, and of each ``detect``
+(``incidents``). Targets: health p99 <= 50 ms, the clients' p99 <= 2x
 quiet, no failover, no client error.
 
 The last stdout line is one JSON object. The stack is stopped at the end (``hotweights down``, then its process
@@ -62,6 +63,7 @@ MB = 1 << 20
 HEALTH_P99_MS_TARGET = 50.0
 CLIENTS_P99_RATIO_TARGET = 2.0
 SHAPES = ("chat", "completion", "token_ids", "prompts", "batch")
+INCIDENTS = ("detect", "fence", "failover")  # the controller's events that none of these requests may cause
 
 
 def shape_body(shape: str, scale: float, max_tokens: int) -> tuple[str, dict]:
@@ -251,15 +253,17 @@ async def measure(stack: UpStack, primary: str, args: argparse.Namespace) -> dic
     return {"quiet": quiet, "shapes": shapes}
 
 
-def summary(result: dict, failovers: int, fences: int) -> dict[str, object]:
+def summary(result: dict, incidents: list[dict]) -> dict[str, object]:
+    """The run's figures against the targets; ``incidents``: the controller's detect, fence and failover events."""
     shapes = result["shapes"].values()
     return {
         "health_p99_ms_max": max((s.get("health_p99_ms", 0.0) for s in shapes), default=0.0),
         "health_max_ms": max((s.get("health_max_ms", 0.0) for s in shapes), default=0.0),
         "clients_p99_over_quiet_max": max((s.get("clients_p99_over_quiet", 0.0) for s in shapes), default=0.0),
         "client_errors": sum(s["client_errors"] for s in shapes) + result["quiet"]["client_errors"],
-        "failovers": failovers,
-        "fences": fences,
+        "failovers": sum(e["kind"] == "failover" for e in incidents),
+        "fences": sum(e["kind"] == "fence" for e in incidents),
+        "incidents": [f"{e['time']} {e['kind']}: {e['message'][:300]}" for e in incidents],
         "targets": {
             "health_p99_ms": HEALTH_P99_MS_TARGET,
             "clients_p99_over_quiet": CLIENTS_P99_RATIO_TARGET,
@@ -288,9 +292,9 @@ def main() -> int:
         primary = stack.wait_whole()
         began = time.time()
         result = asyncio.run(measure(stack, primary, args))
-        failovers, fences = len(stack.events("failover", began)), len(stack.events("fence", began))
+        incidents = sorted((e for k in INCIDENTS for e in stack.events(k, began)), key=lambda e: e["seq"])
     settings = {"cpu_cores": os.cpu_count(), "scale": args.scale, "requests": args.requests, "clients": args.clients}
-    print(json.dumps(settings | {"max_tokens": args.max_tokens} | result | summary(result, failovers, fences)))
+    print(json.dumps(settings | {"max_tokens": args.max_tokens} | result | summary(result, incidents)))
     return 0
 
 

@@ -135,7 +135,8 @@ def _depth_only(value: object, depth: int = 0) -> None:
         raise BadJson(f"nested deeper than {MAX_DEPTH} levels")
     children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
     for item in children:
-        _depth_only(item, depth + 1)
+        if isinstance(item, dict | list):  # a scalar adds no depth: no call for each of a million numbers
+            _depth_only(item, depth + 1)
 
 
 def _containers(body: bytes) -> int:

@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException
 
 from hotweights.bearer import UNAUTHORIZED, bearer_check
 from hotweights.contract import HEALTH_METHODS, Endpoint, Role
+from hotweights.requestschema import invalid
 from hotweights.standby.fencing import Fencing
 from hotweights.standby.metrics import EngineMetrics, RequestCounter
 from hotweights.standby.roles import Outcome, Roles
@@ -216,9 +217,7 @@ def finish_app(app: FastAPI, metrics: EngineMetrics) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
-        problems = [(".".join(str(p) for p in e["loc"][1:]) or "body", e["msg"]) for e in exc.errors()]
-        message = "; ".join(f"{where}: {msg}" for where, msg in problems)
-        return error(400, message, "invalid_request_error", problems[0][0].split(".")[0])
+        return invalid([e | {"loc": e["loc"][1:]} for e in exc.errors()]).response()  # loc[0]: body, header...
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, exc: HTTPException) -> JSONResponse:

@@ -157,7 +157,7 @@ def build_app(ctx: EngineContext) -> FastAPI:
             return request.response()
         if replay is None:
             replay = 0
-        elif request.prompt_count != 1 or isinstance(request.prompt, str) or replay >= len(request.prompt):
+        elif len(request.prompts) != 1 or isinstance(request.prompts[0], str) or replay >= len(request.prompts[0]):
             message = f"{REPLAY_HEADER} {replay} needs one prompt of token ids longer than that"
             return error(400, message, "invalid_request_error", REPLAY_HEADER)
         return await admitted(request, Api.COMPLETIONS, size, replay, owed is not None, refused)
