@@ -45,7 +45,7 @@ class Tracked:
     client: str  # ``client_key``
     failures: dict[str, str] = field(default_factory=dict)  # failure id -> how the engine failed, in order
     stalls: dict[str, Stall] = field(default_factory=dict)  # failure id -> a stall that does not count yet
-    answered: bool = False  # an engine answered it whole (and answered its probes still)
+    answered: bool = False  # an engine answered it whole, and had not stopped answering its probes meanwhile
 
     def resolve(self, expired: bool) -> None:
         """Count the stalls that turned out failures (all those unresolved once ``expired``); forget the cleared."""
@@ -124,22 +124,22 @@ class SuspectGuard:
             tracked.resolve(expired=time.monotonic() >= deadline)
             now = self.sync()
             if rule := self.table.on_failure(tracked.failures, tracked.digest, tracked.client, now):
-                return self.not_resent(tracked, rule, now)
+                return self.not_resent(tracked, rule, now, how)
             at_worst = tracked.failures.keys() | tracked.stalls.keys()
             if self.table.on_failure(at_worst, tracked.digest, tracked.client, now) is None:
                 return None
             await next_probe(list(tracked.stalls.values()), deadline)
 
-    def not_resent(self, tracked: Tracked, rule: Rule, now: float) -> str:
-        failures = list(tracked.failures.values())
+    def not_resent(self, tracked: Tracked, rule: Rule, now: float, last: str) -> str:
+        """Log and count that ``rule`` refuses to send the request again (its engine failed: ``last``); why."""
         if rule is Rule.FAILURES:
-            message = failures_message(failures)
+            message = failures_message(len(tracked.failures))
         elif rule is Rule.BODY:
             message = body_message(len(self.table.body_failures(tracked.digest, now)), self.limits)
         else:
             count = len(self.table.client_failures(tracked.client, now).keys() | tracked.failures.keys())
             message = client_message(count, self.limits)
-        return self.refused(tracked, rule, f"not re-sent: {message}; last failure: {failures[-1]}")
+        return self.refused(tracked, rule, f"not re-sent: {message}; last failure: {last}")
 
     def finish(self, tracked: Tracked) -> None:
         """The request ended. Answered with no failure on the way: its body is one an engine answers (shared when
@@ -180,10 +180,9 @@ class SuspectGuard:
         return message
 
 
-def failures_message(failures: list[str]) -> str:
+def failures_message(count: int) -> str:
     return (
-        f"{len(failures)} engines failed while serving this request (gateway.suspect_after), so it may be what made "
-        "them fail"
+        f"{count} engines failed while serving this request (gateway.suspect_after), so it may be what made them fail"
     )
 
 

@@ -55,6 +55,7 @@ class SuspectJournal:
         self.partial = b""  # the start of a line whose end was not written yet
         self.pending: deque[bytes] = deque(maxlen=MAX_PENDING)
         self.failing = ""  # the error the last write met ("" while writes succeed)
+        self.unreadable = ""  # the error the last failed read met (logged once)
 
     def append(self, record: Record) -> None:
         """Share ``record`` (with any that wait from failed writes)."""
@@ -115,8 +116,14 @@ class SuspectJournal:
         except FileNotFoundError:
             pass
         except OSError as exc:
-            log.warning("cannot read %s: %s", self.path, exc.strerror or exc)
+            self.read_failed(exc)
         return records
+
+    def read_failed(self, exc: OSError) -> None:
+        error = exc.strerror or str(exc)
+        if error != self.unreadable:
+            log.warning("cannot read %s (%s): this worker goes on with what it knows", self.path, error)
+        self.unreadable = error
 
     def successor(self) -> bool:
         """Whether the file open for reading was rotated and another one begun since."""

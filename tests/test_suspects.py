@@ -3,10 +3,16 @@ through (``controller.suspectjournal``), on real files."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from hotweights.controller.discovery import Upstream
+from hotweights.controller.gatewaymetrics import GatewayMetrics
+from hotweights.controller.suspectguard import Stall, SuspectGuard, Tracked
 from hotweights.controller.suspectjournal import SuspectJournal, encode
 from hotweights.controller.suspects import (
     MEMORY,
@@ -90,6 +96,53 @@ def test_how_long_a_client_at_its_bound_waits(times: list[float], now: float, wa
 )
 def test_what_a_stall_turns_out_to_be(answered_at: float, pid_now: int, gone_at: float, outcome: Outcome) -> None:
     assert stall_outcome(7, 10.0, answered_at, pid_now, gone_at) is outcome
+
+
+@pytest.mark.unit
+def test_a_stall_counts_once_resolved_or_expired() -> None:
+    """Stalls stay aside until their engine is gone (a failure) or answers again as the same process (forgotten);
+    at the deadline those still unresolved count."""
+    gone, slow, hung = (Upstream(f"http://{name}", pid=7) for name in ("gone", "slow", "hung"))
+    tracked = Tracked("d", 1, "c")
+    for upstream in (gone, slow, hung):
+        tracked.stalls[f"{upstream.url} pid 7"] = Stall(upstream, 7, 10.0, f"{upstream.url} stopped answering")
+    gone.gone_at, slow.answered_at = 11.0, 11.0
+    tracked.resolve(expired=False)
+    assert list(tracked.failures) == ["http://gone pid 7"] and list(tracked.stalls) == ["http://hung pid 7"]
+    tracked.resolve(expired=True)
+    assert list(tracked.failures) == ["http://gone pid 7", "http://hung pid 7"] and not tracked.stalls
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("known", "failure", "refused"),
+    [
+        ([], "cut", False),  # a first failure: sent again
+        ([unanswered("d", "a", client="other")], "cut", True),  # with one its body had already: not
+        ([unanswered("d", "a", "b", client="other")], "slow", True),  # its body became suspect meanwhile
+        ([unanswered("e", "a", "b")], "slow", True),  # its client reached its bound meanwhile
+        ([unanswered("d", "a", client="other")], "gone", True),  # a stall that would decide: the engine is gone
+        ([unanswered("d", "a", client="other")], "slow", False),  # ... the same process answers again: only slow
+    ],
+)
+def test_whether_a_request_is_sent_again_after_a_failure(known: list[Record], failure: str, refused: bool) -> None:
+    """A cut counts at once; a stall (the engine stopped answering its probes) once resolved, when it decides."""
+
+    async def decide() -> str | None:
+        guard = SuspectGuard(LIMITS, SuspectJournal(None), GatewayMetrics())
+        for record in known:
+            guard.table.apply(replace(record, at=time.time()))  # the guard decides on the wall clock
+        tracked, deadline = Tracked("d", 1, "c"), time.monotonic() + 5
+        if failure == "cut":
+            return await guard.on_failure(tracked, "http://e pid 7", "cut", deadline)
+        upstream = Upstream("http://e", pid=7)
+        resolved_at = time.monotonic() + 1  # by the time it is looked at
+        upstream.gone_at, upstream.answered_at = (resolved_at, 0.0) if failure == "gone" else (0.0, resolved_at)
+        return await guard.on_failure(tracked, "http://e pid 7", "stopped answering", deadline, upstream)
+
+    message = asyncio.run(decide())
+    assert (message is not None) is refused, message
+    assert message is None or message.startswith("not re-sent: ")
 
 
 @pytest.mark.unit
