@@ -19,7 +19,8 @@
 
 Every refusal is a short JSON body in the server's own error shape (``ErrorShape``); values from the
 request are never echoed longer than ``ECHO_CHARS``. Work that scales with the body (the strict parse of
-a large one) runs in a worker thread, never on the event loop that answers health checks.
+a large one) runs in a worker thread, never on the event loop that answers health checks, and hands the GIL over
+as it goes (``_offer_gil``).
 """
 
 from __future__ import annotations

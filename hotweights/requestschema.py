@@ -12,10 +12,10 @@ while a Python loop gives the GIL back every few milliseconds. With an engine's 
 prompts, or a longer prompt of token ids, is refused before any of its items is looked at.
 
 What an engine adds on top depends on its configuration and model (its context, its vocabulary:
-``standby.intake``); the gateway checks the fields it reads or rewrites with these same models
-(``controller.migration``), and leaves the rest to the engine, which sees them as the client sent them. Either
-way a refusal is ``Invalid``: every field named with what was expected, the first one as ``param``, answered 400
-in OpenAI's error shape.
+``standby.intake``). The gateway checks, with these same models, the fields it reads or rewrites of a completion it
+continues across failovers (``controller.migration``); every other field, and every other request, reaches the
+engine as the client sent it. Either way a refusal is ``Invalid``: every field named with what was expected, the
+first one as ``param``, answered 400 in OpenAI's error shape.
 """
 
 from __future__ import annotations
