@@ -158,6 +158,7 @@ class Slots:
             raise
 
     def give(self, n: int) -> None:
+        """Return ``n`` slots; the waiters at the head that now fit take theirs."""
         self.free += n
         self._wake()
 
