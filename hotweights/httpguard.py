@@ -5,7 +5,8 @@
   takes longer than ``body_timeout_s`` to arrive is 408.
 - A JSON body is parsed strictly once, before the handler: non-finite numbers (``NaN``, ``Infinity``,
   ``1e999``), integers beyond 64 bits, nesting deeper than ``MAX_DEPTH``, more than ``MAX_CONTAINERS``
-  arrays and objects (counted before the parse, which would hold the GIL while it builds them), duplicate
+  arrays and objects or ``MAX_VALUES`` values in them (counted before the parse, which would hold the GIL while
+  it builds them), duplicate
   keys, invalid UTF-8 and lone surrogates are 400 with one short reason. What passes is plain JSON every
   later step can encode again (a validation error echoing it, a tokenizer, a log line); the handler finds it
   parsed (``parsed_json``).
@@ -49,6 +50,7 @@ BODY_TIMEOUT_S = 30.0
 MAX_CONNECTIONS = 4096  # per server, at most half its open-files limit (``connection_cap``)
 MAX_DEPTH = 32  # JSON nesting; our bodies are two levels deep
 MAX_CONTAINERS = 1 << 17  # JSON arrays and objects in one body; a chat's messages and content parts are far fewer
+MAX_VALUES = 1 << 18  # values in one body's arrays and objects: 64 prompts of 4096 token ids
 MAX_INT = 2**63  # integers beyond a signed 64-bit number are refused
 ECHO_CHARS = 200  # values from the request quoted in an answer are cut to this
 INLINE_PARSE_BYTES = 64 * 1024  # larger JSON bodies are checked in a worker thread
@@ -161,13 +163,25 @@ def _depth_only(value: object, depth: int = 0) -> None:
         _offer_gil()
 
 
+def _outside_strings(body: bytes) -> bytes:
+    """``body`` without its JSON strings (escaped quotes and backslashes taken out first), in C, at once."""
+    return b"".join(body.replace(b"\\\\", b"").replace(b'\\"', b"").split(b'"')[::2])
+
+
 def _containers(body: bytes) -> int:
     """How many arrays and objects ``body`` opens: its brackets, outside strings when there are many of them."""
     count = body.count(b"[") + body.count(b"{")
     if count <= MAX_CONTAINERS:
         return count
-    outside = b"".join(body.replace(b"\\\\", b"").replace(b'\\"', b"").split(b'"')[::2])
+    outside = _outside_strings(body)
     return outside.count(b"[") + outside.count(b"{")
+
+
+def _values(body: bytes) -> int:
+    """At least how many values ``body``'s arrays and objects hold: one more than its commas, outside strings when
+    there are many of them (a parse of a million token ids costs a second of the GIL before any check)."""
+    count = body.count(b",")
+    return 1 + (count if count < MAX_VALUES else _outside_strings(body).count(b","))
 
 
 NO_JSON = object()  # ``parsed_json`` of a request whose body was not parsed as JSON
@@ -194,6 +208,8 @@ def parse_json(body: bytes) -> tuple[object, str | None]:
         return NO_JSON, f"the body is not UTF-8 (byte {exc.start})"
     if (containers := _containers(body)) > MAX_CONTAINERS:
         return NO_JSON, f"invalid JSON: {containers} arrays and objects, more than {MAX_CONTAINERS}"
+    if (values := _values(body)) > MAX_VALUES:
+        return NO_JSON, f"its arrays and objects hold at least {values} values, more than the {MAX_VALUES} a body may"
     try:
         value = json.loads(
             text,

@@ -46,6 +46,9 @@ pytestmark = pytest.mark.timeout(60)
         (b'{"prompt": "\\ud800"}', "lone surrogate"),
         (b'{"\\udfff": 1}', "lone surrogate"),
         (b'{"a": ', "invalid JSON: Expecting value"),
+        (b'{"prompt": [' + b"1," * (1 << 18) + b"1]}", "more than the 262144 a body may"),
+        (b'{"prompt": [' + b"1," * ((1 << 18) - 1) + b"1]}", None),
+        (b'{"prompt": "' + b"1," * (1 << 19) + b'"}', None),  # commas inside a string are no values
     ],
 )
 def test_json_refusal_names_what_is_not_plain_json(body: bytes, problem: str | None) -> None:

@@ -313,7 +313,9 @@ def test_a_large_request_through_the_gateway_never_stalls_health_checks(
         ordinary.start()
         response = gateway.client.post(path, content=content, headers={"content-type": "application/json"})
         ordinary.join(60)
-    assert response.status_code == 400 and response.json()["error"]["param"] in ("max_tokens", "prompt"), response.text
+    refused = response.json()["error"]
+    assert response.status_code == 400, response.text
+    assert refused["param"] in ("max_tokens", "prompt") or "a body may" in refused["message"], response.text
     assert served and served[0].status_code == 200, served
     assert max(probe.seconds) < HEALTH_TIMEOUT_S, f"{shape}: slowest check {max(probe.seconds) * 1000:.0f} ms"
 
