@@ -8,9 +8,12 @@ hold deadline; the same process answering again clears it: it was slow, not stal
 planned role change (a 503 from a standby or a draining primary) is none. A failure's id names the engine's
 process (``http://host:port pid N``; an engine that names no pid, its URL), so every gateway worker counts it
 once. A request that ends *unanswered* after failures (refused, cut, abandoned by its client)
-counts them for its body (the SHA-256 of its bytes) and its client (its bearer credentials when it sends some,
-else its address), unless an engine answered that body, with no failure on the way, within T: a request of death
-gets no answer, while a popular body caught in faults that were not its doing (a host that flaps, a drill) does.
+counts them for its body (the SHA-256 of its bytes), and, when it was itself in flight at S of them (what a request
+of death does: it kills the engine it is re-sent to as well), for its client (its bearer credentials when it sends
+some, else its address), unless an engine answered that body, with no failure on the way, within T: a request of
+death gets no answer, while a popular body caught in faults that were not its doing (a host that flaps, a drill)
+does. The requests left unanswered by an outage (one failure each, no primary within their hold) count for no
+client: a proxy's address, which many clients share, is not refused for a bad minute of the group's own.
 
 With ``[gateway]``'s ``suspect_after`` (S), ``suspect_ttl_s`` (T), ``client_failures`` (C; 0: no client bound) and
 ``client_window_s`` (W):
@@ -140,7 +143,7 @@ class SuspectTable:
 
     limits: SuspectLimits
     bodies: dict[str, dict[str, float]] = field(default_factory=dict)  # digest -> failure id -> when
-    clients: dict[str, dict[str, float]] = field(default_factory=dict)  # client -> failure id -> when (unanswered)
+    clients: dict[str, dict[str, float]] = field(default_factory=dict)  # client -> failure id -> when (module doc)
     answered: dict[str, float] = field(default_factory=dict)  # digest -> when an engine last answered it
 
     def apply(self, record: Record) -> None:
@@ -152,7 +155,8 @@ class SuspectTable:
                 del self.answered[next(iter(self.answered))]
         elif not self.is_answered(record.digest, record.at):
             remember(self.bodies, record.digest, record.failures, record.at, self.limits.suspect_ttl_s)
-            remember(self.clients, record.client, record.failures, record.at, self.limits.client_window_s)
+            if len(record.failures) >= self.limits.suspect_after:  # a request of death's mark, not an outage's
+                remember(self.clients, record.client, record.failures, record.at, self.limits.client_window_s)
 
     def is_answered(self, digest: str, now: float) -> bool:
         return self.answered.get(digest, -float("inf")) > now - self.limits.suspect_ttl_s

@@ -180,7 +180,8 @@ def test_when_a_body_is_suspect(records: list[Record], rule: Rule | None) -> Non
     ("records", "digest", "now", "rule"),
     [
         ([unanswered("d", "a", "b")], "new body", 1.0, Rule.CLIENT),  # whatever it sends next
-        ([unanswered("d1", "a"), unanswered("d2", "b")], "new body", 1.0, Rule.CLIENT),  # two requests, one each
+        ([unanswered("d1", "a"), unanswered("d2", "b")], "new body", 1.0, None),  # two requests, one each: an outage
+        ([unanswered("d1", "a", "b"), unanswered("d2", "c")], "new body", 1.0, Rule.CLIENT),  # one was in flight at two
         ([unanswered("d1", "a"), unanswered("d2", "a")], "new body", 1.0, None),  # one failure twice
         ([unanswered("d", "a", "b")], "new body", 60.5, None),  # the window has passed
         ([unanswered("d", "a", "b"), answered("known")], "known", 1.0, None),  # a body an engine answered passes
@@ -194,10 +195,12 @@ def test_when_a_client_is_refused(records: list[Record], digest: str, now: float
 
 @pytest.mark.unit
 def test_a_re_send_counts_its_own_failures_with_those_of_its_body_and_client() -> None:
-    """One failure of its own, one of its body's from an earlier request: not re-sent; the same with one of its
-    client's; a body an engine answered is refused by its own failures only (rule 1), a drill's load in a storm."""
+    """One failure of its own, one of its body's from an earlier request: not re-sent; the same for a client one of
+    whose requests was in flight at two (not one left unanswered by an outage); a body an engine answered is refused
+    by its own failures only (rule 1), a drill's load in a storm."""
     assert table(unanswered("d", "a", client="x")).on_failure(["b"], "d", "c", 1.0) is Rule.BODY
-    assert table(unanswered("e", "a")).on_failure(["b"], "d", "c", 1.0) is Rule.CLIENT
+    assert table(unanswered("e", "a", "b")).on_failure(["c"], "d", "c", 1.0) is Rule.CLIENT
+    assert table(unanswered("e", "a")).on_failure(["b"], "d", "c", 1.0) is None  # an outage's unanswered request
     assert table(unanswered("d", "a")).on_failure(["a"], "d", "c", 1.0) is None  # the same failure
     popular = table(answered("d"), unanswered("d", "a", "b"))
     assert popular.on_failure(["c"], "d", "c", 1.0) is None
