@@ -101,8 +101,7 @@ class CompletionRun:
         for index, ids in enumerate(prompt_ids):
             sequence = Sequence(ids, params, run._sink(loop, index), replay)
             run.choices.append(Choice(index, len(ids), TextStream(tokenizer, request.stop_strings), sequence))
-        for choice in run.choices:
-            scheduler.submit(choice.sequence)
+        scheduler.submit(*(choice.sequence for choice in run.choices))
         return run
 
     def _sink(self, loop: asyncio.AbstractEventLoop, index: int) -> Callable[[Event], None]:

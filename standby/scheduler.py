@@ -122,7 +122,7 @@ class Scheduler:
         self.adopted_tokens = 0  # the tokens whose keys and values they copied
         self._recorded: list[tuple[int, list[int], int]] = []  # (slot, ids, prefilled) for the ledger, once computed
         self.heartbeat = time.monotonic()  # last time the worker went round its loop
-        self._inbox: queue.Queue[Sequence | None] = queue.Queue()  # None only wakes the worker
+        self._inbox: queue.Queue[tuple[Sequence, ...] | None] = queue.Queue()  # None only wakes the worker
         self._waiting: deque[Sequence] = deque()
         self._active: list[Sequence] = []
         self._lock = threading.Condition()  # guards _decoder, _free_slots, _kept, _keeping and _live
@@ -159,13 +159,16 @@ class Scheduler:
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
-    def submit(self, seq: Sequence) -> None:
+    def submit(self, *seqs: Sequence) -> None:
+        """Hand ``seqs`` (one request's) to the worker as one: they join the waiting line together, so they are
+        prefilled together where they fit, whatever the worker was doing as they came."""
         with self._lock:
             if not self._closed:
-                self._live.add(seq)
-                self._inbox.put(seq)  # under the lock, so the ending worker either sees it or refuses it
+                self._live.update(seqs)
+                self._inbox.put(seqs)  # under the lock, so the ending worker either sees them or refuses them
                 return
-        seq.sink(Finish("error", "the inference thread has stopped"))
+        for seq in seqs:
+            seq.sink(Finish("error", "the inference thread has stopped"))
 
     def starts_soon(self, share: float, waiting: int) -> bool:
         """``hotweights.admission.starts_soon`` for a sequence submitted behind ``waiting`` others that wait for
@@ -278,7 +281,7 @@ class Scheduler:
             item = self._inbox.get(timeout=IDLE_WAIT_S) if block else self._inbox.get_nowait()
             while True:
                 if item is not None:
-                    self._waiting.append(item)
+                    self._waiting.extend(item)
                 item = self._inbox.get_nowait()
         except queue.Empty:
             pass
