@@ -85,8 +85,7 @@ class KvCapacity:
     def release(self, grace_s: float) -> tuple[dict[str, object], str]:
         """Detach the KV cache (close it unless ``reserved``); the slots kept for a successor go with the deposit
         handed over to the daemon (``Scheduler.release_kv``)."""
-        kept = self.scheduler.kept_slots
-        decoder = self.scheduler.release_kv(grace_s)
+        decoder, kept = self.scheduler.release_kv(grace_s)
         handed = {"kv_slots_handed_over": kept}
         over = f", the slots of {kept} cut request(s) handed over to the next primary" if kept else ""
         if decoder is not None and decoder is self.reserved:

@@ -220,20 +220,21 @@ class Scheduler:
         if decoder.shared is not None and self.kv_share is not None:
             self.kv_share.deposit(decoder.shared)
 
-    def release_kv(self, timeout_s: float) -> Decoder | None:
+    def release_kv(self, timeout_s: float) -> tuple[Decoder | None, int]:
         """Detach the decoder once no sequence uses its KV cache (waiting up to ``timeout_s`` for
-        cancelled ones to unwind) and return it. Raises RuntimeError if sequences remain."""
+        cancelled ones to unwind) and return it, with how many kept slots went with its deposit to a successor
+        (counted once the cancelled sequences have unwound). Raises RuntimeError if sequences remain."""
         with self._lock:
             if not self._lock.wait_for(lambda: not self._live, timeout_s):
                 raise RuntimeError(f"{len(self._live)} sequence(s) still use the KV cache")
             decoder, self._decoder, self._free_slots = self._decoder, None, set()
-            kept, self._kept = bool(self._kept), []
+            kept, self._kept = len(self._kept), []
         if decoder is not None and decoder.shared is not None:
             if self.kv_share is not None:  # done before the caller may free the memory
-                futures.wait([self._give_up_deposit(kept)], timeout=2 * REQUEST_TIMEOUT_S)  # behind a deposit
+                futures.wait([self._give_up_deposit(kept > 0)], timeout=2 * REQUEST_TIMEOUT_S)  # behind a deposit
             if not kept:
                 decoder.shared.ledger.reset_all()
-        return decoder
+        return decoder, kept
 
     def _give_up_deposit(self, kept: bool) -> futures.Future[None]:
         """Hand the deposited KV cache over to a successor when slots are ``kept`` for one, else withdraw it."""

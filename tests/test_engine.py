@@ -316,13 +316,11 @@ class FakeScheduler:
     def attach_kv(self, kv: object) -> None:
         pass
 
-    def release_kv(self, timeout_s: float) -> None:
-        return None
+    def release_kv(self, timeout_s: float) -> tuple[None, int]:
+        return None, 0
 
     def keep_cut(self, keep: bool) -> None:
         pass
-
-    kept_slots = 0
 
 
 def test_a_role_change_queued_behind_a_resume_stops_serving_at_once() -> None:
