@@ -68,7 +68,7 @@ from hotweights.controller.config import ClusterConfig
 from hotweights.controller.dcs import LeaderUrls
 from hotweights.controller.discovery import Discovery, Upstream, reason_of, refused
 from hotweights.controller.events import EventLog
-from hotweights.controller.gatewayanswers import UpstreamFailed, not_found, refusal, suspect_answer, unavailable
+from hotweights.controller.gatewayanswers import UpstreamFailed, not_found, refusal, suspect_answer
 from hotweights.controller.gatewaymetrics import GatewayMetrics
 from hotweights.controller.gatewaymigration import MigratingProxy, upstream_headers
 from hotweights.controller.migration import Ledger, Migratable, Refusal, plan_off_loop
@@ -182,26 +182,11 @@ class Gateway(MigratingProxy):
             return migration.response()
         if isinstance(migration, Migratable):
             return await self.migrating(request, path, Ledger(migration), tracked, deadline, owed)
-        last_failure = ""
-        busy = 0  # 429s met so far
-        while True:
-            if refusal := await self.wait_for_primary(deadline):
-                if last_failure:
-                    refusal += f"; last upstream failure: {last_failure}"
-                return unavailable(refusal)
-            upstream = self.discovery.pick()
-            assert upstream is not None, "available is set and nothing ran since"
-            try:
-                return await self.send(upstream, request, path, body, tracked, migration, owed)
-            except UpstreamFailed as exc:
-                last_failure = f"{upstream.url}: {exc}"
-                if exc.kind == "busy":
-                    busy += 1
-                    await self.wait_busy(busy, deadline)
-                    continue
-                if suspect := await self.upstream_failed(upstream, exc, tracked, last_failure, deadline):
-                    return suspect
-                owed = True  # the failover's now, not its client's load
+
+        async def attempt(upstream: Upstream, owed: bool) -> Response:
+            return await self.send(upstream, request, path, body, tracked, migration, owed)
+
+        return await self.retried(attempt, tracked, deadline, owed)
 
     async def upstream_failed(
         self, upstream: Upstream, exc: UpstreamFailed, tracked: Tracked, failure: str, deadline: float

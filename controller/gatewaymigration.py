@@ -12,7 +12,8 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
 import httpx
 from starlette.requests import Request
@@ -43,6 +44,9 @@ def upstream_headers(request: Request, owed: bool, upstream: Upstream) -> list[t
         return headers
     refused, upstream.refused_for = upstream.refused_for, 0
     return headers + ([(REFUSED_HEADER, str(refused))] if refused else [])
+
+
+T = TypeVar("T")
 
 
 class MigratingProxy:
@@ -96,6 +100,19 @@ class MigratingProxy:
         fails before its first byte (an ``owed`` one after a 429 too); an engine's own non-200 answer (a 400,
         say) as it is; 503 at the deadline; 422 once it is suspect (``controller.suspects``). ``replay``: a
         continuation's generated tokens at the end of its prompt (``REPLAY_HEADER``)."""
+
+        async def attempt(upstream: Upstream, owed: bool) -> tuple[Upstream, httpx.Response] | Response:
+            headers = upstream_headers(request, owed, upstream) + ([(REPLAY_HEADER, str(replay))] if replay else [])
+            return await self.open_stream(upstream, path, headers, body, owed)
+
+        return await self.retried(attempt, tracked, deadline, owed)
+
+    async def retried(
+        self, attempt: Callable[[Upstream, bool], Awaitable[T]], tracked: Tracked, deadline: float, owed: bool
+    ) -> T | Response:
+        """``attempt`` on the current primary, again on the next one while it fails before any byte reached the
+        client (UpstreamFailed; after a 429, a wait first, and only when ``owed``, which a failure makes it); 503
+        once no primary comes by ``deadline``, 422 once the request is suspect (``upstream_failed``)."""
         last_failure = ""
         busy = 0  # 429s met so far
         while True:
@@ -104,8 +121,7 @@ class MigratingProxy:
             upstream = self.discovery.pick()
             assert upstream is not None, "available is set and nothing ran since"
             try:
-                headers = upstream_headers(request, owed, upstream) + ([(REPLAY_HEADER, str(replay))] if replay else [])
-                return await self.open_stream(upstream, path, headers, body, owed)
+                return await attempt(upstream, owed)
             except UpstreamFailed as exc:
                 last_failure = f"{upstream.url}: {exc}"
                 if exc.kind == "busy":
