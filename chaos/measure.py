@@ -85,7 +85,8 @@ class RoundResult:
             found.append(self.problem)
         errors = self.failed - (self.suspects if self.suspects_expected else 0)
         if judge_client_errors and errors and not self.client_errors_expected:
-            found.append(f"{errors} client-visible error(s)")
+            first = f", the first {self.errors[0]}" if self.errors else ""
+            found.append(f"{errors} client-visible error(s){first}")
         if judge_client_errors and self.broken_streams and not self.client_errors_expected:
             found.append(f"{self.broken_streams} broken stream(s)")
         return found
