@@ -5,8 +5,9 @@ model"): the connection passes ``cache.connection``'s checks (socket, directory 
 the reply well-typed, ``version`` our int); the manifest's fingerprint equals ours field by field;
 every manifest row fits (known dtype, non-negative dims, aligned offset, nbytes == numel * itemsize,
 inside the arena, no overlaps); the handle's size equals the manifest's; the backend checks the fd
-itself (cpu-shm: a memfd with the shrink, grow, write and seal seals, of exactly that size). Every
-exchange has one whole-reply deadline.
+itself (cpu-shm: a memfd with the shrink, grow, write and seal seals, of exactly that size); the mapped
+bytes have the manifest's content hash, recomputed here the first time this host's engines meet the arena and
+remembered for it after (``cache.verified``). Every exchange has one whole-reply deadline.
 
 What happens when the cache cannot be used is the caller's choice (``standby.weights``):
 
@@ -18,6 +19,7 @@ What happens when the cache cannot be used is the caller's choice (``standby.wei
 | another fingerprint (daemon's or manifest's)      | AttachRefused     | loads from disk, warns loudly     |
 | another protocol version                          | AttachRefused     | loads from disk, warns loudly     |
 | bad manifest, wrong fd type, size or seals        | AttachRefused     | loads from disk, warns loudly     |
+| bytes whose content hash is not the manifest's    | AttachRefused     | loads from disk, warns loudly     |
 
 The attach connection stays open for the engine's life, so the daemon can list its clients. If the
 daemon dies, the mapping stays valid (the kernel or driver refcounts the memory) and nothing here
@@ -26,6 +28,7 @@ reacts: an engine must never kill itself because its daemon went away.
 
 from __future__ import annotations
 
+import enum
 import fcntl
 import logging
 import os
@@ -49,6 +52,7 @@ from hotweights.cache.connection import (
     call,
     close_all,
     connect,
+    peer,
     receive_reply,
     request,
     send_request,
@@ -58,6 +62,7 @@ from hotweights.cache.digest import content_hash
 from hotweights.cache.fingerprint import Fingerprint, describe_differences
 from hotweights.cache.handover import HandoverOffer, offer_path
 from hotweights.cache.protocol import MAX_FDS, PROTOCOL_VERSION, ProtocolError, check_version
+from hotweights.cache.verified import VerifiedArenas, served_arena
 from hotweights.spawn import readable
 
 log = logging.getLogger(__name__)
@@ -65,6 +70,14 @@ log = logging.getLogger(__name__)
 
 class ReplyLate(DaemonUnavailable):
     """No byte of a reply came in time on the attach connection, which stays open for it (``Attachment.call``)."""
+
+
+class ContentCheck(enum.Enum):
+    """How an attach knows the mapped bytes are the ones the manifest describes (their content hash)."""
+
+    HASHED = "hashed by this attach"
+    REMEMBERED = "hashed by an earlier attach on this host"
+    LEFT_TO_CALLER = "left to the caller"
 
 
 @dataclass
@@ -77,8 +90,9 @@ class Attachment:
     seconds: float
     _conn: socket.socket | None = field(default=None, repr=False)
     handover: HandoverOffer | None = field(default=None, repr=False)  # offers the arena to a successor daemon
-    parts: dict[str, float] = field(default_factory=dict)  # ms of the attach's steps: reply, map, offer
+    parts: dict[str, float] = field(default_factory=dict)  # ms of the attach's steps: reply, map, digest, offer
     socket_path: Path | None = None  # the daemon's
+    content: ContentCheck = ContentCheck.LEFT_TO_CALLER  # how the bytes were checked against the manifest
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # one request at a time on _conn
     _late: bool = field(default=False, repr=False)  # whether the daemon owes us a reply (``call``)
 
@@ -165,15 +179,16 @@ def attach(
     check_content: bool = True,
 ) -> Attachment:
     """Attach to the arena on ``socket_path`` if the daemon and its manifest pass every check, the mapped
-    bytes' content hash included (``check_content`` False: the caller reports it, as ``cache verify`` does).
-    With ``offer_handover``, keep the arena fd and offer it to a daemon that replaces this one
-    (``cache.handover``)."""
+    bytes' content hash included (``_check_content``; ``check_content`` False: the caller reports it, as
+    ``cache verify`` does). With ``offer_handover``, keep the arena fd and offer it to a daemon that replaces
+    this one (``cache.handover``)."""
     start = time.perf_counter()
     deadline = time.monotonic() + timeout
     device = torch.device(device)
     conn = connect(socket_path, timeout)
     kept = -1
     try:
+        daemon_pid = peer(conn)[0]
         request = {"op": "attach", "version": PROTOCOL_VERSION, "fingerprint": expected.to_json()}
         reply, fds = call(conn, request, max_fds=MAX_FDS, deadline=deadline)
         try:
@@ -186,8 +201,9 @@ def attach(
         imported = _import(reply, fds, device, socket_path)
         try:
             mapped = time.perf_counter()
+            content = ContentCheck.LEFT_TO_CALLER
             if check_content:
-                _check_content(imported.tensor, reply["manifest"], socket_path)
+                content = _check_content(imported, reply["manifest"], daemon_pid, socket_path)
             tensors = arena_layout.views(imported.tensor, entries)
         except BaseException:
             imported.close()
@@ -207,20 +223,32 @@ def attach(
         "digest": (checked - mapped) * 1e3,
         "offer": (end - checked) * 1e3,
     }
-    return Attachment(tensors, reply["manifest"], imported, end - start, conn, offer, parts, Path(socket_path))
+    path = Path(socket_path)
+    return Attachment(tensors, reply["manifest"], imported, end - start, conn, offer, parts, path, content=content)
 
 
-def _check_content(data: torch.Tensor, manifest: dict[str, Any], socket_path: str | Path) -> None:
+def _check_content(
+    imported: ImportedArena, manifest: dict[str, Any], daemon_pid: int, socket_path: str | Path
+) -> ContentCheck:
     """AttachRefused unless the mapped bytes have the manifest's content hash: recomputed here, on the arena's
     device (at the memory bus's speed on a GPU), from our own mapping, so a daemon cannot serve other bytes
-    (zeros, another model's) under a manifest that describes the real ones."""
-    recorded = manifest.get("content_hash")
-    actual = content_hash(data, manifest["used_bytes"])
+    (zeros, another model's) under a manifest that describes the real ones. Once per arena and host: an arena
+    an engine of ours hashed before, served by the same daemon process, is taken from its record
+    (``cache.verified``); a record is written after a hash that matched."""
+    recorded = manifest["content_hash"]
+    arena = served_arena(daemon_pid, manifest, imported.identity())
+    remembered = VerifiedArenas()
+    if arena is not None and remembered.vouches(arena, recorded):
+        return ContentCheck.REMEMBERED
+    actual = content_hash(imported.tensor, manifest["used_bytes"])
     if actual != recorded:
         raise AttachRefused(
             f"daemon on {socket_path} serves an arena whose content hash is {actual}, but its manifest says "
             f"{str(recorded)[:80]}: its bytes are not the ones it describes"
         )
+    if arena is not None:
+        remembered.remember(arena, actual)
+    return ContentCheck.HASHED
 
 
 def _keep_for_handover(handle: dict[str, Any], fds: list[int]) -> int:

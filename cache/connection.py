@@ -86,7 +86,7 @@ def connect(
     check_socket_path(socket_path, trusted)
     conn = _connect_retrying(socket_path, time.monotonic() + timeout)
     try:
-        pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        pid, uid = peer(conn)
     except OSError as exc:
         conn.close()
         raise DaemonUnavailable(f"no weight cache daemon answers on {socket_path}: {exc.strerror or exc}") from None
@@ -96,6 +96,13 @@ def connect(
             f"the process serving {socket_path} (pid {pid}) runs as uid {uid}; engines trust uids {sorted(trusted)}"
         )
     return conn
+
+
+def peer(conn: socket.socket) -> tuple[int, int]:
+    """The pid and uid of the process on the other end of ``conn``, as the kernel recorded them when it listened
+    (SO_PEERCRED; pid 0 when that process is in a pid namespace we cannot see into)."""
+    pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    return pid, uid
 
 
 def _connect_retrying(socket_path: Path, deadline: float) -> socket.socket:

@@ -1,9 +1,9 @@
 """The weight cache daemon: run the load pipeline once into one arena, then serve attach requests.
 
 Lifecycle: take the lock -> check the socket path (refuse a directory, a file, a live listener)
--> load into the arena -> hash it -> bind the socket (0600, in a 0700 directory) -> write the ready
-marker -> publish the socket in the runtime dir if it lives elsewhere (``paths.publish``) -> serve
-until SIGTERM/SIGINT -> remove link, socket and marker.
+-> load into the arena -> hash it -> freeze it (cpu-shm: no process can write it any more) -> bind the
+socket (0600, in a 0700 directory) -> write the ready marker -> publish the socket in the runtime dir if
+it lives elsewhere (``paths.publish``) -> serve until SIGTERM/SIGINT -> remove link, socket and marker.
 Each client gets its own thread and one deadline for each whole request, so a silent, trickling or
 malformed client costs its own connection and nothing else. At most ``max_connections`` are open at
 once: past that, the connection waiting longest for a request is shed to make room (attached
@@ -296,8 +296,9 @@ class CacheDaemon:
         raise NoSource(f"nothing to serve, every source in {list(self.fill_from)} refused: {'; '.join(passed_over)}")
 
     def _serve_filled(self, name: str, filled: Filled, seconds: float, read: int, passed_over: list[str]) -> None:
-        """Adopt ``filled`` as the arena and record it for a successor (a failure to record only costs that). A
-        new allocation gets a new ``arena_id`` in its manifest; a re-adopted one keeps the recorded one."""
+        """Freeze ``filled`` (``ExportedArena.freeze``), serve it, record it for a successor (a failure to record
+        only costs that). A new allocation gets a new ``arena_id``; a re-adopted one keeps the recorded one."""
+        filled.arena.freeze()
         if name != "readopt":
             filled = replace(filled, manifest=filled.manifest | {"arena_id": secrets.token_hex(16)})
         self.arena, self.manifest = filled.arena, filled.manifest

@@ -241,12 +241,13 @@ def load_model(
             seconds = time.perf_counter() - start
             log.info(
                 "attached %d tensors from %s in %.1f ms (checkpoint headers %.1f, waiting for the CUDA context "
-                "%.1f, attach %.1f, bind %.1f; attach: daemon's reply %.1f, map %.1f, content hash %.1f, offer %.1f)%s",
+                "%.1f, attach %.1f, bind %.1f; attach: daemon's reply %.1f, map %.1f, content hash %.1f, offer %.1f)%s"
+                "; content %s",
                 len(attachment.tensors), paths.socket, seconds * 1e3, (headers - start) * 1e3, waited * 1e3,
                 attachment.seconds * 1e3, (time.perf_counter() - headers - waited - attachment.seconds) * 1e3,
                 attachment.parts["reply"], attachment.parts["map"], attachment.parts["digest"],
                 attachment.parts["offer"],
-                "; prepared before this spare was started" if prepared else "",
+                "; prepared before this spare was started" if prepared else "", attachment.content.value,
             )  # fmt: skip
             return LoadedModel(model, checkpoint, fingerprint, weight_cache, "cache", seconds, attachment)
     model = load_from_disk(checkpoint, spec, group)

@@ -28,7 +28,7 @@ ENV = os.environ
 
 
 class ThreadDaemon:
-    """A CacheDaemon running in this (test) process, so the test can write into its arena."""
+    """A CacheDaemon running in this (test) process, so the test can look at its arena."""
 
     def __init__(self, model: Path, socket_path: Path, spec: LoadSpec | None = None, **kwargs: Any) -> None:
         checkpoint = read_checkpoint(model)

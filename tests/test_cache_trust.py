@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import fcntl
 import json
 import logging
 import os
@@ -143,9 +144,13 @@ def test_the_honest_fake_is_attached(tiny_model: Path, sock: Path) -> None:
 
 def test_zeros_under_the_real_manifest_are_refused(tiny_model: Path, sock: Path, runtime: Path) -> None:
     """A daemon of our own uid that serves an all-zero arena under the manifest of the real weights (content
-    hash included, copied from a real daemon) is refused on attach: the engine recomputes the content hash."""
+    hash included, copied from a real daemon) is refused on attach: the engine recomputes the content hash.
+    That this host's engines checked the real arena already (``cache.verified``) vouches for that daemon's
+    arena only, not for another process's bytes under the same manifest."""
     with ThreadDaemon(tiny_model, runtime / "real.sock") as real:
         real_hash = real.manifest["content_hash"]
+        for _ in range(2):
+            attach(runtime / "real.sock", fingerprint_of(tiny_model), "cpu").close()  # hashed, then remembered
     refused = pytest.raises(AttachRefused, match=f"manifest says {real_hash}: its bytes are not the ones")
     with hostile(tiny_model, sock, attach=lie(tiny_model, "manifest.content_hash", real_hash)), refused:
         attach(sock, fingerprint_of(tiny_model), "cpu")
@@ -380,14 +385,30 @@ def test_no_client_can_write_the_arena(tiny_model: Path, sock: Path, uid: int | 
         assert verify.stdout.startswith("OK: content hash ")
 
 
-def test_verify_catches_a_changed_byte(tiny_model: Path, sock: Path) -> None:
-    """The digest is real: one flipped byte (written through the daemon's own mapping) is a mismatch."""
-    with ThreadDaemon(tiny_model, sock) as daemon:
+def test_not_even_the_daemon_can_write_its_arena(tiny_model: Path, sock: Path) -> None:
+    """Once filled and hashed, the arena is write-sealed (F_SEAL_WRITE) and the daemon itself maps it read-only:
+    no process can change a byte of what engines checked once and remember (``cache.verified``)."""
+    request = {"op": "attach", "version": PROTOCOL_VERSION, "fingerprint": fingerprint_of(tiny_model).to_json()}
+    with ThreadDaemon(tiny_model, sock), client_connect(sock) as conn:  # the daemon is a thread of this process
+        _, (fd,) = connection_module.call(conn, request, max_fds=1)
+        seals, inode = fcntl.fcntl(fd, fcntl.F_GET_SEALS), os.fstat(fd).st_ino
+        os.close(fd)
+        maps = [line.split() for line in Path("/proc/self/maps").read_text().splitlines()]
+        modes = [fields[1] for fields in maps if len(fields) > 5 and fields[4] == str(inode)]
+    assert seals & fcntl.F_SEAL_WRITE and modes == ["r--s"], (seals, modes)
+
+
+def test_verify_reports_bytes_that_are_not_the_manifests(tiny_model: Path, sock: Path, runtime: Path) -> None:
+    """``cache verify`` recomputes the content hash over the bytes served: zeros under the manifest of the real
+    weights are a mismatch (exit 1)."""
+    with ThreadDaemon(tiny_model, runtime / "real.sock") as real:
+        real_hash = real.manifest["content_hash"]
+    status = {"fingerprint": fingerprint_of(tiny_model).to_json(), "device": "cpu"}
+    lies = {"attach": lie(tiny_model, "manifest.content_hash", real_hash), "status": {"ok": True, "status": status}}
+    with hostile(tiny_model, sock, **lies):
         command = hotweights_command("cache", "verify", "--socket", str(sock))
-        assert subprocess.run(command, env=ENV, capture_output=True, timeout=120).returncode == 0
-        daemon.arena.tensor[daemon.manifest["used_bytes"] - 1] ^= 1
         result = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=120)
-        assert result.returncode == 1 and result.stdout.startswith("MISMATCH"), result.stdout
+    assert result.returncode == 1 and result.stdout.startswith("MISMATCH"), result.stdout + result.stderr
 
 
 # -- the daemon's side: deadlines and a connection cap --------------------------------------------

@@ -44,6 +44,12 @@ class ExportedArena(ABC):
         successor daemon can tell the arena it recorded from any other; None where nothing does."""
         return None
 
+    def freeze(self) -> None:
+        """Once the arena is filled and hashed: make its bytes immutable for every process, this one included,
+        where the backend can (cpu-shm: F_SEAL_WRITE); ``tensor`` stays readable. Every other view of ``tensor``
+        must be dropped first. This default: nothing (CUDA memory has no such seal)."""
+        return
+
 
 class ImportedArena(ABC):
     """An engine's side: a read-mostly view of the daemon's arena. Engines never write to it."""
@@ -54,6 +60,11 @@ class ImportedArena(ABC):
     @abstractmethod
     def close(self) -> None:
         """Unmap. Every tensor viewing ``tensor`` must be dropped first."""
+
+    def identity(self) -> dict[str, int | str] | None:
+        """What names the mapped memory to the kernel (cpu-shm: the memfd's inode and the boot), so that a
+        check of its bytes can be remembered for it (``cache.verified``); None where nothing does."""
+        return None
 
 
 class ArenaBackend(ABC):

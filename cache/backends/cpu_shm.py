@@ -3,10 +3,13 @@
 This is real zero-copy shared memory (the kernel refcounts the pages, so an engine's mapping
 outlives the daemon) and the backend CI exercises. Once the daemon has mapped it, the memfd is
 sealed against shrinking and growing (no process can pull pages from under the others, so no
-SIGBUS), against writing (F_SEAL_FUTURE_WRITE: write, pwrite, fallocate and every new writable
+SIGBUS) and against writing (F_SEAL_FUTURE_WRITE: write, pwrite, fallocate and every new writable
 shared mapping fail with EPERM, even through a read-write reopen of /proc/<pid>/fd/N; only the
-daemon's own mapping, made before the seal, can still write) and against changing the seals.
-An engine maps only a memfd that carries all four seals and exactly the size the manifest names.
+daemon's own mapping, made before the seal, can still write). Once the daemon has filled and hashed
+the weights' arena it freezes it (``freeze``): it drops that mapping and adds F_SEAL_WRITE, so no
+process, the daemon included, can change a byte after the hash. Then, or at the first export of an
+arena never frozen (a KV cache), the seals themselves are sealed. An engine maps only a memfd that
+carries the shrink, grow, future-write and seal seals and exactly the size the manifest names.
 """
 
 from __future__ import annotations
@@ -69,14 +72,43 @@ class _MemfdArena(ExportedArena):
 class CpuShmExported(_MemfdArena):
     def __init__(self, nbytes: int, name: str = ARENA_NAME) -> None:
         self.nbytes = -(-max(nbytes, 1) // PAGE) * PAGE
-        self._fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        os.ftruncate(self._fd, self.nbytes)
-        self._map = mmap.mmap(self._fd, self.nbytes, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, ARENA_SEALS)  # after our mapping: it alone stays writable
+        writable = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        os.ftruncate(writable, self.nbytes)
+        self._map = mmap.mmap(writable, self.nbytes, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        # after our mapping: it alone stays writable; F_SEAL_SEAL waits for ``_seal`` (freeze adds F_SEAL_WRITE)
+        fcntl.fcntl(writable, fcntl.F_ADD_SEALS, ARENA_SEALS & ~fcntl.F_SEAL_SEAL)
         self.tensor = _frombuffer(self._map, self.nbytes)
-        writable, self._fd = self._fd, os.open(f"/proc/self/fd/{self._fd}", os.O_RDONLY | os.O_CLOEXEC)
-        os.close(writable)  # our mapping keeps the memory; engines and identity() use the read-only fd
-        self._owned = (self._fd,)
+        self._fd = os.open(f"/proc/self/fd/{writable}", os.O_RDONLY | os.O_CLOEXEC)  # engines' and identity()'s
+        self._writable = writable  # only for the last seals (F_ADD_SEALS needs a writable fd), closed with them
+        self._owned = (self._fd, writable)
+
+    def export(self) -> tuple[dict[str, Any], list[int]]:
+        self._seal(0)
+        return super().export()
+
+    def freeze(self) -> None:
+        """Unmap our writable mapping (BufferError, nothing changed, while another view of ``tensor`` lives), add
+        F_SEAL_WRITE and F_SEAL_SEAL, and map the bytes again read-only. Nothing once sealed."""
+        if self._writable < 0:
+            return
+        self.tensor = None  # type: ignore[assignment]
+        try:
+            self._map.close()
+        except BufferError:
+            self.tensor = _frombuffer(self._map, self.nbytes)
+            raise
+        self._seal(fcntl.F_SEAL_WRITE)
+        # populated: every page stays mapped here too, so an engine's mapping of it is shared, not private
+        self._map = mmap.mmap(self._fd, self.nbytes, mmap.MAP_SHARED | mmap.MAP_POPULATE, mmap.PROT_READ)
+        self.tensor = _frombuffer(self._map, self.nbytes)
+
+    def _seal(self, seals: int) -> None:
+        """Add ``seals`` and F_SEAL_SEAL (after which no seal can be added) and close the writable fd; once."""
+        if self._writable < 0:
+            return
+        fcntl.fcntl(self._writable, fcntl.F_ADD_SEALS, seals | fcntl.F_SEAL_SEAL)
+        os.close(self._writable)
+        self._writable, self._owned = -1, (self._fd,)
 
 
 def check_arena_fd(fd: int, nbytes: int) -> None:
@@ -118,11 +150,15 @@ class CpuShmImported(ImportedArena):
     def __init__(self, fd: int, nbytes: int) -> None:
         try:
             check_arena_fd(fd, nbytes)
+            self._identity = memfd_identity(fd)
             self._map = mmap.mmap(fd, nbytes, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
         self.nbytes = nbytes
         self.tensor = _frombuffer(self._map, nbytes)
+
+    def identity(self) -> dict[str, int | str]:
+        return self._identity
 
     def close(self) -> None:
         if getattr(self, "tensor", None) is None:
