@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -177,6 +178,7 @@ class Decoder:
         self.graph_batches = [kv.batch] if batch_invariant else batch_buckets(kv.batch)  # decode's batch sizes
         self._graphs: dict[tuple[int, int], DecodeGraph] = {}  # (batch size, KV length) -> its captured step
         self._prefills: dict[tuple[int, int], PrefillGraph] = {}  # (rows, length) -> its capture
+        self.prefill_times: dict[tuple[int, int], float] = {}  # (rows, length) -> its seconds at warm-up
 
     @property
     def batch(self) -> int:
@@ -241,13 +243,18 @@ class Decoder:
     def warm_up(self, pace: Callable[[], object] = lambda: None) -> None:
         """Run every shape serving uses (module docstring) and the sampling path once; with graphs, capture the
         decode step at every batch size instead of running it eagerly (a capture runs its step once first).
-        ``pace`` is called after each shape (``standby.pacing.Pacer.step``). Leaves finite garbage in the KV
-        cache, which serving overwrites before it reads (reads beyond a sequence's length are masked)."""
+        ``pace`` is called after each shape (``standby.pacing.Pacer.step``); each prefill's time is kept in
+        ``prefill_times`` (what ``standby.progress`` expects of a prefill of its shape). Leaves finite garbage in the
+        KV cache, which serving overwrites before it reads (reads beyond a sequence's length are masked)."""
         device = self.model.device
         for rows in range(1, self.batch + 1):
             for length in self.lengths:
                 if self.prefill_fits(rows, length):
+                    started = time.monotonic()
                     logits = self.prefill(0, [[0] * length] * rows)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                    self.prefill_times[rows, length] = time.monotonic() - started
                     pace()
         if not self.graphs_enabled:
             for n in self.graph_batches if self.batch_invariant else range(1, self.batch + 1):
