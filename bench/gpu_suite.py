@@ -48,9 +48,6 @@ Steps, each a subprocess with its own time limit, so one failure or hang cannot 
             warm up
   storm_xl  the same with a fault every 3 s, SIGKILL and SIGSTOP alternating, 8 warmed spares
   overload_medium  bench/overload.py on medium: admitted latency and refusals at 1x, 2x and 5x the measured capacity
-  overload_medium_deep, storm_xl_invariant_deep  overload_medium and storm_xl_invariant with the engines' queue as
-            deep as max_batch and no wait share (engine.max_queue 4, engine.queue_wait_share 0): what the shipped
-            short queue and wait share change, at 5x the capacity and in a storm of faults
   migration_xl  bench/migration.py on xl: 64 greedy streams of 256 tokens in flight through the gateway at a SIGKILL
             and at a SIGSTOP of the primary (broken and mismatched streams, the largest gap at the cut)
   invariance_xl  bench/invariance.py on xl: which step shapes (prefill rows, decode batch size, KV length bucket,
@@ -92,7 +89,6 @@ def steps(workdir: Path, out: Path) -> dict[str, tuple[list[str], int]]:
 
     rollout = f"{bench}/rollout.py --device cuda:0 --rps 10"
     redundancy = f"{bench}/redundancy.py --model {xl} --device cuda:0 --rps 10 --keep-logs"
-    deep_queue = "--max-queue 4 --queue-wait-share 0"  # the engines' admission the *_deep steps run
     # An Inductor cache of its own, empty: the engines compile their kernels at once, as on a fresh machine, and a
     # continuation's text must not depend on which engine compiled what (``standby.fused``).
     cold = f"TORCHINDUCTOR_CACHE_DIR=$(mktemp -d -p {shlex.quote(str(workdir))})"
@@ -152,10 +148,6 @@ def steps(workdir: Path, out: Path) -> dict[str, tuple[list[str], int]]:
             540,
         ),
         "overload_medium": (f"{make('medium', medium)} && {bench}/overload.py --device cuda:0 --model {medium}", 300),
-        "overload_medium_deep": (
-            f"{make('medium', medium)} && {bench}/overload.py --device cuda:0 --model {medium} {deep_queue}",
-            300,
-        ),
         "migration_xl": (
             f"{make('xl', xl)} && {migration}",
             540,
@@ -168,11 +160,6 @@ def steps(workdir: Path, out: Path) -> dict[str, tuple[list[str], int]]:
         "storm_xl_invariant": (
             f"{make('xl', xl)} && {redundancy} {out / 'logs-storm-xl-invariant'} --spare-engines 8 --faults 10 "
             "--interval 3 --signals kill,stop --batch-invariant",
-            540,
-        ),
-        "storm_xl_invariant_deep": (
-            f"{make('xl', xl)} && {redundancy} {out / 'logs-storm-xl-invariant-deep'} --spare-engines 8 --faults 10 "
-            f"--interval 3 --signals kill,stop --batch-invariant {deep_queue}",
             540,
         ),
     }

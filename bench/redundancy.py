@@ -11,7 +11,7 @@ warming), then one engine's cold start beside it (a plain ``hotweights engine`` 
 ready), then sends ``--faults`` faults to whichever engine serves as primary, ``--interval`` s apart on a fixed
 schedule (it never waits for recovery), the signals cycling through ``--signals`` (a stopped primary is fenced by
 the controller; it gets SIGCONT at the end). Everything it started is stopped at the end, on SIGINT and SIGTERM too.
-``--batch-invariant``, ``--max-queue`` and ``--queue-wait-share`` set the engines' ``[engine]`` keys of those names
+``--batch-invariant`` and ``--queue-budget`` set the engines' ``engine.batch_invariant`` and ``engine.queue_budget_s``
 (default: the drills' engines, with the shipped admission).
 
 Measured, per fault and over all of them:
@@ -179,8 +179,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         workdir, "gateway", proxied=False, model=args.model or "", device=args.device,
         spare_engines=args.spare_engines, spare_duty=args.spare_duty,
         limits=replace(
-            DRILL_LIMITS, batch_invariant=args.batch_invariant, max_queue=args.max_queue,
-            queue_wait_share=args.queue_wait_share,
+            DRILL_LIMITS, batch_invariant=args.batch_invariant, queue_budget_s=args.queue_budget
         ),
     )  # fmt: skip
     api = stack.control_api()
@@ -233,8 +232,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "spare_engines": args.spare_engines,
         "spare_duty": args.spare_duty,
         "batch_invariant": args.batch_invariant,
-        "max_queue": args.max_queue,
-        "queue_wait_share": args.queue_wait_share,
+        "queue_budget_s": args.queue_budget,
         "engine_start_s": round(cold_s, 3),
         "quiet_requests": len(quiet),
         "quiet_p50_ms": round(quiet_p50, 1),
@@ -263,16 +261,10 @@ def main() -> int:
     parser.add_argument("--spare-duty", type=float, help="the group's spare_duty (default: cluster.toml's default)")
     parser.add_argument("--batch-invariant", action="store_true", help="the engines' engine.batch_invariant")
     parser.add_argument(
-        "--max-queue",
-        type=int,
-        default=DRILL_LIMITS.max_queue,
-        help="the engines' engine.max_queue (default %(default)s)",
-    )
-    parser.add_argument(
-        "--queue-wait-share",
+        "--queue-budget",
         type=float,
-        default=DRILL_LIMITS.queue_wait_share,
-        help="the engines' engine.queue_wait_share (default %(default)s)",
+        default=DRILL_LIMITS.queue_budget_s,
+        help="the engines' engine.queue_budget_s (default %(default)s)",
     )
     parser.add_argument("--keep-logs", metavar="DIR", help="copy the stack's logs here at the end")
     parser.add_argument("--quiet", type=float, default=5.0, help="seconds of the quiet window (default 5)")

@@ -4,9 +4,10 @@
                                  [--max-tokens 64]
 
 Starts one ``hotweights engine`` (primary; the embedded tiny model unless --model) that generates one sequence at a
-time and queues one (``--max-batch 1 --max-queue 1``), then times --requests completions of --max-tokens one after
-the other (a 429 is sent again): alone, and while other clients send completions at each of --rates a second, which
-find the slot and the queue taken and are refused (429) but for the few that find the queue free. Reports the
+time and, once it has timed one, lets none wait (``--max-batch 1 --queue-budget 0``), then times --requests
+completions of --max-tokens one after the other (a 429 is sent again): alone, and while other clients send
+completions at each of --rates a second, which find the slot taken and are refused (429) but for the few that find
+it free. Reports the
 timed completions' milliseconds per token (streamed, first token to last) alone and under each rate
 (``slowdown``: their ratio), the flood's answers, and the CPU the engine's event loop thread spent per flood
 request beyond what it spends on the timed ones alone. Without the gateway in front, every
@@ -119,7 +120,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the finally block stops the engine
     port = free_port()
     command = hotweights_command("engine", "--port", str(port), "--device", args.device)
-    command += ["--max-batch", "1", "--max-queue", "1"] + (["--model", args.model] if args.model else [])
+    command += ["--max-batch", "1", "--queue-budget", "0"] + (["--model", args.model] if args.model else [])
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory(prefix="hw-refusal-") as tmp:
         log = Path(tmp) / "engine.log"

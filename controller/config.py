@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from hotweights.admission import ServingLimits
+from hotweights.admission import MAX_WAITING, ServingLimits
 from hotweights.cache.protocol import KV_RETAIN_S
 from hotweights.contract import ENGINE_PORT, read_token, refuse_open_listener
 from hotweights.controller.ids import engine_id
@@ -117,7 +117,7 @@ class GatewaySection:
     workers: int = 2  # one killed, the others accept at once; the socket queues while none runs
     probe_interval_ms: int = 200  # with 2 workers, the probes one worker sent every 100 ms
     max_body_bytes: int = COMPLETION_BODY_BYTES  # completion bodies, at the gateway and the engines: 413 above
-    max_in_flight: int = 0  # proxied at once per worker (0: IN_FLIGHT_HEADROOM x every group's max_batch + max_queue)
+    max_in_flight: int = 0  # proxied at once per worker (0: IN_FLIGHT_HEADROOM x every group's max_batch + MAX_WAITING)
     suspect_after: int = SUSPECT_AFTER  # engines that failed with a request in flight before it is refused
     suspect_ttl_s: float = SUSPECT_TTL_S
     client_failures: int = CLIENT_FAILURES
@@ -215,10 +215,10 @@ class ClusterConfig:
 
     def gateway_in_flight(self) -> int:
         """Requests each gateway worker proxies at once: ``gateway.max_in_flight``, by default ``IN_FLIGHT_HEADROOM``
-        times what every group's primary generates and queues. The engines refuse what is beyond their own bound
-        in milliseconds; the headroom is for the requests a hung primary holds until it is fenced, which would
-        otherwise fill a worker and turn the hang into 429s."""
-        per_group = self.engine.max_batch + self.engine.queue()
+        times what every group's primary generates and lets wait at most (``MAX_WAITING``). The engines refuse what is
+        beyond their own bound in milliseconds; the headroom is for the requests a hung primary holds until it is
+        fenced, which would otherwise fill a worker and turn the hang into 429s."""
+        per_group = self.engine.max_batch + MAX_WAITING
         return self.gateway.max_in_flight or IN_FLIGHT_HEADROOM * per_group * len(self.groups)
 
     def engine_urls(self) -> list[str]:
@@ -440,13 +440,11 @@ def validate(config: ClusterConfig) -> None:
         ("gateway.suspect_after", config.gateway.suspect_after),
         ("gateway.suspect_ttl_s", config.gateway.suspect_ttl_s),
         ("gateway.client_window_s", config.gateway.client_window_s),
-        ("engine.queue_timeout_s", config.engine.queue_timeout_s),
         ("cluster.api_max_body_bytes", config.cluster.api_max_body_bytes),
     ]:
         positive(where, value)
     for where, count in [
-        ("engine.max_queue", config.engine.max_queue),
-        ("engine.queue_wait_share", config.engine.queue_wait_share),
+        ("engine.queue_budget_s", config.engine.queue_budget_s),
         ("gateway.max_in_flight", config.gateway.max_in_flight),
         ("gateway.client_failures", config.gateway.client_failures),
     ]:

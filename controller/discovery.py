@@ -42,7 +42,6 @@ class Upstream:
     wake: asyncio.Event = field(default_factory=asyncio.Event)  # set to probe now instead of next interval
     lost: asyncio.Event = field(default_factory=asyncio.Event)  # set while its streams are to be cut (``cuts``)
     full_until: float = 0.0  # monotonic time until which it gets no fresh request (``refused``)
-    refused_for: int = 0  # fresh requests refused here meanwhile, told with the next one sent (REFUSED_HEADER)
     pid: int | None = None  # its process, as its last answered probe named it
     failure: str = ""  # while it has failed (``Discovery.failed``) and answered no probe since: the failure's id
     failed_at: float = 0.0  # monotonic time it last failed: a probe sent before does not say it serves
@@ -118,11 +117,6 @@ class Discovery:
         them, or none is known (the hold rules apply then)."""
         now = time.monotonic()
         return max(min((u.full_until for u in self.primaries()), default=now) - now, 0.0)
-
-    def refuse_for_all(self) -> None:
-        """A fresh request is refused here because every primary is full: each is told with its next one."""
-        for upstream in self.primaries():
-            upstream.refused_for += 1
 
     async def wait_available(self, timeout_s: float) -> bool:
         with contextlib.suppress(TimeoutError):

@@ -19,14 +19,12 @@ failover because of three rules:
   event): the gateway continues it on the next primary from the tokens already sent (saying how many were
   generated: ``REPLAY_HEADER``), within the hold rules (counted from the cut), and the client sees one
   uninterrupted response.
-- A request the gateway owes to a failover (one it held while no primary was known, or a migrated
-  completion's continuation) is not refused by the new primary's admission: an engine's 429 sends it
-  back to wait ``BUSY_RETRY_S``, doubling up to ``BUSY_RETRY_MAX_S``, and try again within the same
-  deadline, so a burst released together is queued here rather than answered 429. So is a request whose upstream
-  failed before its first byte, once it is re-sent. Each is sent marked owed (``OWED_HEADER``): the engine queues
-  it in its deeper queue for such requests, first come first served, and the requests that arrive until the last
-  of them is answered join it (``hotweights.admission``), so a new primary takes the burst in order and refuses no
-  arrival for it; the 429 retry is for when even that queue is full.
+- A request the gateway owes to a failover (one it held while no primary was known, a migrated completion's
+  continuation, or one whose upstream failed before its first byte, once it is re-sent) is sent marked owed
+  (``OWED_HEADER``): the engine queues it whatever its expected start (``hotweights.admission``), first come first
+  served, so a new primary takes the burst in order. Should an engine answer it 429 all the same (one that does not
+  know the mark), it waits ``BUSY_RETRY_S``, doubling up to ``BUSY_RETRY_MAX_S``, and tries again within the same
+  deadline, so a burst released together is queued here rather than answered 429.
 - Any other request whose bytes have been relayed cannot hide a failure: an SSE stream ends with a
   ``data: {"error": ...}`` event and no ``[DONE]`` (as the engine itself ends a cancelled stream);
   any other body is cut off, so the client sees a truncated response, never a silently short one.
@@ -141,12 +139,11 @@ class Gateway(MigratingProxy):
         if not self.discovery.available.is_set():  # held under the failover rules, not admission's
             return self.answer(await self.ending(self.forward(request, path, tracked, owed=True), tracked, False))
         if request.method == "POST" and (full_s := self.discovery.full_for()):  # what the engines would answer
-            self.discovery.refuse_for_all()
             self.metrics.admission.labels(Verdict.REFUSE.value).inc()
             message = f"overloaded: every primary engine is full; the soonest expects a slot in {full_s * 1000:.0f} ms"
             return self.answer(refusal(429, message, "overloaded"))
-        if reason := await self.admission.enter():
-            return self.answer(refusal(429, reason, "overloaded"))
+        if refused := await self.admission.enter():
+            return self.answer(refusal(429, refused.reason, "overloaded"))
         return self.answer(await self.ending(self.forward(request, path, tracked), tracked, True))
 
     async def ending(self, forwarding: Awaitable[Response], tracked: Tracked, admitted: bool) -> Response:
@@ -249,7 +246,7 @@ class Gateway(MigratingProxy):
     ) -> Response:
         """Open the upstream response and read its first chunk: until then a failure can be retried (and an
         engine's 429 too, when the request is ``owed``)."""
-        headers = upstream_headers(request, owed, upstream)
+        headers = upstream_headers(request, owed)
         query = f"?{request.url.query}" if request.url.query else ""
         outgoing = self.client.build_request(request.method, upstream.url + path + query, headers=headers, content=body)
         try:
@@ -363,4 +360,4 @@ async def ending_with(chunks: AsyncIterator, end: Callable[[], Awaitable[None]])
 def default_admission(config: ClusterConfig) -> Admission:
     """As many requests proxied at once as ``config`` derives, none waiting here: the engines queue (what
     they generate and queue is what the gateway passes on), so a second queue would only add latency."""
-    return Admission(config.gateway_in_flight(), 0, config.engine.queue_timeout_s)
+    return Admission(config.gateway_in_flight(), queue=0)

@@ -19,7 +19,7 @@ import httpx
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from hotweights.contract import OWED_HEADER, REFUSED_HEADER, REPLAY_HEADER, WEIGHTS_HEADER, Endpoint
+from hotweights.contract import OWED_HEADER, REPLAY_HEADER, WEIGHTS_HEADER, Endpoint
 from hotweights.controller.discovery import Discovery, Upstream, reason_of, refused
 from hotweights.controller.events import EventLog
 from hotweights.controller.gatewayanswers import SegmentFailed, UpstreamFailed, sse_event, unavailable
@@ -30,20 +30,14 @@ from hotweights.proxying import HOP_BY_HOP
 
 log = logging.getLogger(__name__)
 
-GATEWAY_HEADERS = (REPLAY_HEADER, OWED_HEADER, REFUSED_HEADER)  # set by the gateway only: a client's own are dropped
+GATEWAY_HEADERS = (REPLAY_HEADER, OWED_HEADER)  # set by the gateway only: a client's own are dropped
 
 
-def upstream_headers(request: Request, owed: bool, upstream: Upstream) -> list[tuple[str, str]]:
-    """The client's headers that go on to ``upstream``: not the hop-by-hop ones, nor those only the gateway sets (the
-    replay count, ``REPLAY_HEADER``; ``OWED_HEADER``, here when ``owed``; ``REFUSED_HEADER``, here on a fresh completion
-    (a POST) when fresh completions were refused on its behalf since the last one, which it is then told of)."""
+def upstream_headers(request: Request, owed: bool) -> list[tuple[str, str]]:
+    """The client's headers that go on to an engine: not the hop-by-hop ones, nor those only the gateway sets (the
+    replay count, ``REPLAY_HEADER``; ``OWED_HEADER``, here when ``owed``)."""
     headers = [(k, v) for k, v in request.headers.items() if k not in HOP_BY_HOP and k not in GATEWAY_HEADERS]
-    if owed:
-        return [*headers, (OWED_HEADER, "1")]
-    if request.method != "POST":  # not a completion: no slot of the engine's
-        return headers
-    refused, upstream.refused_for = upstream.refused_for, 0
-    return headers + ([(REFUSED_HEADER, str(refused))] if refused else [])
+    return [*headers, (OWED_HEADER, "1")] if owed else headers
 
 
 T = TypeVar("T")
@@ -102,7 +96,7 @@ class MigratingProxy:
         continuation's generated tokens at the end of its prompt (``REPLAY_HEADER``)."""
 
         async def attempt(upstream: Upstream, owed: bool) -> tuple[Upstream, httpx.Response] | Response:
-            headers = upstream_headers(request, owed, upstream) + ([(REPLAY_HEADER, str(replay))] if replay else [])
+            headers = upstream_headers(request, owed) + ([(REPLAY_HEADER, str(replay))] if replay else [])
             return await self.open_stream(upstream, path, headers, body, owed)
 
         return await self.retried(attempt, tracked, deadline, owed)

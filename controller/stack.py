@@ -202,8 +202,7 @@ class Layout:
         command += ["--role", Role.STANDBY, "--engine-id", spec.id]
         command += ["--kv-cache-tokens", str(engine.kv_cache_tokens), "--max-batch", str(engine.max_batch)]
         command += ["--drain-timeout", str(engine.drain_timeout_s)]
-        command += ["--max-queue", str(engine.queue()), "--queue-timeout", str(engine.queue_timeout_s)]
-        command += ["--queue-wait-share", str(engine.queue_wait_share)]
+        command += ["--queue-budget", str(engine.queue_budget_s)]
         command += ["--batch-invariant"] if engine.batch_invariant else []
         command += ["--max-body-bytes", str(self.config.gateway.max_body_bytes)]
         if model.dtype:

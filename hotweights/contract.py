@@ -69,14 +69,11 @@ REPLAY_HEADER = "x-hotweights-replay"
 # an agent's --weights-id). A migrated completion continues only on an engine that names the same weights.
 WEIGHTS_HEADER = "x-hotweights-weights"
 # On a request the gateway owes to a failover (held through it, re-sent or continued after it): the engine queues it
-# in its deeper queue for such requests instead of refusing it as fresh load (``hotweights.admission``).
+# whatever its expected start, never refusing it for want of queue (``hotweights.admission``).
 OWED_HEADER = "x-hotweights-owed"
 # On an engine's 429: in how many milliseconds it expects to queue a fresh request again. Until then a gateway sends it
 # no fresh request and answers those 429 itself (``controller.discovery``), so refusals cost its event loop nothing.
 ADMITS_IN_HEADER = "x-hotweights-admits-in-ms"
-# On a fresh request a gateway forwards: how many fresh requests it refused itself since its last one to that engine,
-# while the engine's last 429 held (``ADMITS_IN_HEADER``). The engine counts them as its arrivals (``overloaded``).
-REFUSED_HEADER = "x-hotweights-refused"
 ENGINE_PORT = (
     8200  # an engine's, and a cluster's first engine's (``base_port``); the controller's 8100, the gateway's 8000
 )

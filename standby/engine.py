@@ -4,8 +4,6 @@ Start-up order: bind the port (a taken one ends it at once, exit code 2), load o
 up every shape serving uses (``standby.decoder``), start the inference thread, listen, and only then print one
 ``{"event": "ready", ...}`` line to stdout. Logs go to stderr. On SIGTERM or SIGINT: stop listening, let
 in-flight requests finish for up to --shutdown-timeout, cancel the rest, stop the inference thread, exit 0.
-SIGUSR2 freezes the inference thread for good while the HTTP server goes on (the drill's stall fault,
-``standby.progress``: the engine then reports itself unhealthy).
 The HTTP contract is ``docs/engine-contract.md``.
 
 Where the KV cache lives: on CUDA with --cuda-graphs (the default there) it is allocated at start-up by
@@ -43,7 +41,6 @@ import functools
 import gc
 import logging
 import os
-import signal
 import socket
 import sys
 import time
@@ -55,7 +52,7 @@ import torch
 import torch.distributed as dist
 import uvicorn
 
-from hotweights.admission import Admission, ServingLimits, queue_or_default
+from hotweights.admission import MAX_WAITING, Admission, ServingLimits
 from hotweights.cache.checkpoint import read_checkpoint
 from hotweights.cache.connection import AttachRefused, DaemonUnavailable
 from hotweights.cache.loadspec import LoadSpec
@@ -77,7 +74,6 @@ from hotweights.standby.kvshare import KvShare
 from hotweights.standby.metrics import EngineMetrics
 from hotweights.standby.model import KVCache, Transformer
 from hotweights.standby.pacing import CpuShare, Pacer
-from hotweights.standby.progress import FREEZE_SIGNAL
 from hotweights.standby.roles import CANCEL_GRACE_S, KvCapacity, Roles
 from hotweights.standby.scheduler import Scheduler
 from hotweights.standby.server import EngineContext, build_app
@@ -222,11 +218,10 @@ def check_options(options: EngineOptions) -> None:
         raise ConfigError(f"--kv-cache-tokens must be >= 2, found {options.kv_cache_tokens}")
     if options.max_batch < 1:
         raise ConfigError(f"--max-batch must be >= 1, found {options.max_batch}")
-    if options.max_queue < 0 or not options.queue_timeout > 0 or options.max_body_bytes < 1:
-        found = f"{options.max_queue}, {options.queue_timeout}, {options.max_body_bytes}"
-        raise ConfigError(f"--max-queue >= 0, --queue-timeout > 0 and --max-body-bytes >= 1 expected, found {found}")
-    if not options.queue_wait_share >= 0:
-        raise ConfigError(f"--queue-wait-share must be >= 0, found {options.queue_wait_share}")
+    if options.max_body_bytes < 1:
+        raise ConfigError(f"--max-body-bytes must be >= 1, found {options.max_body_bytes}")
+    if not options.queue_budget >= 0:  # NaN too
+        raise ConfigError(f"--queue-budget must be >= 0, found {options.queue_budget}")
     for flag in ("drain_timeout", "shutdown_timeout"):
         if getattr(options, flag) < 0:
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= 0, found {getattr(options, flag)}")
@@ -483,11 +478,9 @@ def serve(
         group_refusal=functools.partial(followers.refusal, channel) if followers else lambda: None,
         admission=Admission(
             options.max_batch,
-            queue_or_default(options.max_queue, options.max_batch),
-            options.queue_timeout,
-            lambda verdict: metrics.admission.labels(verdict.value).inc(),
-            share=options.queue_wait_share,
+            budget_s=options.queue_budget,
             timing=scheduler,
+            on_verdict=lambda verdict: metrics.admission.labels(verdict.value).inc(),
             on_wait=metrics.queue_wait.observe,
         ),
     )
@@ -507,7 +500,6 @@ def serve(
 
     sys.setswitchinterval(GIL_SWITCH_S)
     scheduler.start()
-    signal.signal(FREEZE_SIGNAL, lambda *_: scheduler.freeze())  # the drill's stall fault (standby.progress)
     try:
         run_until_signal(server, sock)
     finally:
@@ -535,25 +527,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     batch = LIMITS.max_batch
     p.add_argument("--max-batch", type=int, default=batch, help=f"sequences generated concurrently (default {batch})")
     p.add_argument(
-        "--max-queue",
-        type=int,
-        default=LIMITS.max_queue,
-        help="completions that may wait beyond the --max-batch being generated; more are answered 429 at once "
-        f"(default {LIMITS.max_queue}; 0: as many as --max-batch)",
-    )
-    p.add_argument(
-        "--queue-timeout",
+        "--queue-budget",
         type=float,
-        default=LIMITS.queue_timeout_s,
-        help=f"seconds a waiting completion may wait before it is answered 429 (default {LIMITS.queue_timeout_s})",
-    )
-    p.add_argument(
-        "--queue-wait-share",
-        type=float,
-        default=LIMITS.queue_wait_share,
-        help="above 0, under overload a completion waits only while a slot is expected to free within this share "
-        "of a typical completion's time, else it is answered 429 at once: admitted latency over refusals "
-        f"(default {LIMITS.queue_wait_share}; 0: off)",
+        default=LIMITS.queue_budget_s,
+        help="seconds a completion's expected start may be away (from the remaining tokens of what is generating "
+        "and of what waits ahead, at the measured times) for it to wait for a slot; beyond, it is answered 429 at "
+        f"once, with Retry-After (default {LIMITS.queue_budget_s:g}; at most {MAX_WAITING} sequences wait)",
     )
     p.add_argument(
         "--max-body-bytes",

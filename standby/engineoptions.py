@@ -34,9 +34,7 @@ class EngineOptions:
     engine_id: str | None
     kv_cache_tokens: int
     max_batch: int
-    max_queue: int
-    queue_timeout: float
-    queue_wait_share: float
+    queue_budget: float
     max_body_bytes: int
     cuda_graphs: bool
     batch_invariant: bool

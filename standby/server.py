@@ -24,8 +24,8 @@ from pydantic.json_schema import models_json_schema
 from starlette.types import Receive, Scope, Send
 from tokenizers import Tokenizer
 
-from hotweights.admission import RETRY_AFTER_S, Admission
-from hotweights.contract import ADMITS_IN_HEADER, OWED_HEADER, REFUSED_HEADER, REPLAY_HEADER, WEIGHTS_HEADER, Endpoint
+from hotweights.admission import Admission, Refusal, retry_after
+from hotweights.contract import ADMITS_IN_HEADER, OWED_HEADER, REPLAY_HEADER, WEIGHTS_HEADER, Endpoint
 from hotweights.httpguard import parsed_json, short
 from hotweights.requestschema import ChatRequest, CompletionRequest, Invalid, SamplingRequest
 from hotweights.standby.chat import ChatTemplate
@@ -39,7 +39,6 @@ from hotweights.standby.weights import LoadedModel
 
 log = logging.getLogger(__name__)
 
-MAX_REFUSED = 1_000_000  # the most REFUSED_HEADER may say (a gateway refuses fewer than that in a second)
 STALL_S = 30.0  # an inference thread that has not gone round its loop for this long is not ready
 
 
@@ -73,12 +72,9 @@ class EngineContext:
         return None if self.scheduler.is_alive else "the inference thread has died"
 
     def readiness_refusal(self) -> str | None:
-        """Weights are bound and warmed before the server listens, so readiness is the worker's health: alive, making
-        progress while work is pending (``standby.progress``), going round its loop."""
+        """Weights are bound and warmed before the server listens, so readiness is the worker's health."""
         if not self.scheduler.is_alive:
             return "the inference thread has died"
-        if reason := self.scheduler.stall_refusal():
-            return reason
         stalled = time.monotonic() - self.scheduler.heartbeat
         if stalled > STALL_S:
             return f"the inference thread has not gone round its loop for {stalled:.0f} s"
@@ -141,7 +137,6 @@ def build_app(ctx: EngineContext) -> FastAPI:
         http: Request,
         replay: Annotated[int | None, Header(alias=REPLAY_HEADER, ge=0)] = None,
         owed: Annotated[str | None, Header(alias=OWED_HEADER)] = None,
-        refused: Annotated[int, Header(alias=REFUSED_HEADER, ge=0, le=MAX_REFUSED)] = 0,
     ) -> Response:
         """OpenAI completions; ``stream`` gives server-sent events ending in ``data: [DONE]``.
 
@@ -163,13 +158,12 @@ def build_app(ctx: EngineContext) -> FastAPI:
         elif len(request.prompts) != 1 or isinstance(request.prompts[0], str) or replay >= len(request.prompts[0]):
             message = f"{REPLAY_HEADER} {replay} needs one prompt of token ids longer than that"
             return error(400, message, "invalid_request_error", REPLAY_HEADER)
-        return await admitted(request, Api.COMPLETIONS, size, replay, owed is not None, refused)
+        return await admitted(request, Api.COMPLETIONS, size, replay, owed is not None)
 
     @app.post(Endpoint.CHAT_COMPLETIONS, response_model=None, responses=answers, openapi_extra=body(ChatRequest))
     async def chat_completions(
         http: Request,
         owed: Annotated[str | None, Header(alias=OWED_HEADER)] = None,
-        refused: Annotated[int, Header(alias=REFUSED_HEADER, ge=0, le=MAX_REFUSED)] = 0,
     ) -> Response:
         """OpenAI chat completions (one choice), the messages rendered by the checkpoint's chat template
         or the built-in one (``standby.chat``); answers as ``/v1/completions`` does."""
@@ -177,7 +171,7 @@ def build_app(ctx: EngineContext) -> FastAPI:
         request = await intake.request(ChatRequest, parsed_json(http.scope), size)
         if isinstance(request, Invalid):
             return request.response()
-        return await admitted(request, Api.CHAT, size, owed=owed is not None, refused=refused)
+        return await admitted(request, Api.CHAT, size, owed=owed is not None)
 
     async def admitted(
         request: CompletionRequest | ChatRequest,
@@ -185,21 +179,19 @@ def build_app(ctx: EngineContext) -> FastAPI:
         size: int,
         replay: int = 0,
         owed: bool = False,
-        refused: int = 0,
     ) -> Response:
         """The request run once admission lets it in (as many sequences as it has prompts) and its prompts
         (tokenized by the intake, in its thread for a body of ``size`` beyond its inline size) fit, ``replay`` of
         its last tokens fed through decode steps (``standby.scheduler``); the refusal otherwise. ``owed``: admitted
-        as a request owed to a failover; ``refused``: fresh requests a gateway refused on this engine's behalf
-        (``REFUSED_HEADER``)."""
+        as a request owed to a failover (``hotweights.admission``: never refused for want of queue)."""
         if reason := roles.serving_refusal():
             return unavailable(reason)
         if request.model is not None and request.model != ctx.model_name:
             message = f"model {short(request.model)!r} is not served here; try {ctx.model_name!r}"
             return error(404, message, "not_found_error", "model")
         prompts = request.prompt_count
-        if reason := await ctx.admission.enter(owed, refused, prompts):
-            return overloaded(reason, ctx.admission.reopens_in())
+        if refused := await ctx.admission.enter(owed, prompts):
+            return overloaded(refused)
         handed_over = False  # to the run, whose close gives the admission slots back
         try:
             prompt_ids = await intake.prompt_ids(request, size)
@@ -208,14 +200,12 @@ def build_app(ctx: EngineContext) -> FastAPI:
             if reason := roles.serving_refusal():  # it may have changed while the request waited
                 return unavailable(reason)
             handed_over = True
-            return await serve(request, prompt_ids, api, replay, owed)
+            return await serve(request, prompt_ids, api, replay)
         finally:
             if not handed_over:
-                ctx.admission.leave(owed, prompts)
+                ctx.admission.leave(prompts)
 
-    async def serve(
-        request: SamplingRequest, prompt_ids: list[list[int]], api: Api, replay: int = 0, owed: bool = False
-    ) -> Response:
+    async def serve(request: SamplingRequest, prompt_ids: list[list[int]], api: Api, replay: int = 0) -> Response:
         roles.admit()
         run = CompletionRun.start(
             request, ctx.model_name, prompt_ids, ctx.tokenizer, ctx.stop_ids, ctx.scheduler, api, replay
@@ -224,7 +214,7 @@ def build_app(ctx: EngineContext) -> FastAPI:
         def close() -> None:
             run.cancel()
             roles.release()
-            ctx.admission.leave(owed, len(prompt_ids))
+            ctx.admission.leave(len(prompt_ids))
             usage = run.usage()
             metrics.prompt_tokens.inc(usage["prompt_tokens"])
             metrics.completion_tokens.inc(usage["completion_tokens"])
@@ -271,11 +261,11 @@ def documented(app: FastAPI, *schemas: type[BaseModel]) -> FastAPI:
     return app
 
 
-def overloaded(reason: str, admits_in_s: float | None) -> JSONResponse:
-    """429 for a completion beyond what admission allows, with ``Retry-After`` and, when the engine expects to
-    queue a fresh request again in ``admits_in_s``, ``ADMITS_IN_HEADER`` for the gateway."""
-    response = error(429, reason, "overloaded")
-    response.headers["Retry-After"] = str(RETRY_AFTER_S)
-    if admits_in_s is not None:
-        response.headers[ADMITS_IN_HEADER] = str(round(admits_in_s * 1000))
+def overloaded(refused: Refusal) -> JSONResponse:
+    """429 for a completion beyond what admission allows, with ``Retry-After`` (``retry_after``) and, when the engine
+    expects to queue a fresh request again in ``refused.admits_in_s``, ``ADMITS_IN_HEADER`` for the gateway."""
+    response = error(429, refused.reason, "overloaded")
+    response.headers["Retry-After"] = str(retry_after(refused.admits_in_s))
+    if refused.admits_in_s is not None:
+        response.headers[ADMITS_IN_HEADER] = str(round(refused.admits_in_s * 1000))
     return response

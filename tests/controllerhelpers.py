@@ -44,7 +44,6 @@ class ControllerStack:
         groups: int = 1,
         failure_threshold: int = 2,
         drain_timeout_s: float = 5.0,
-        max_queue: int = 8,
         max_batch: int = 2,
         engine_extra: str = "",
         group_extra: str = "",
@@ -53,9 +52,8 @@ class ControllerStack:
     ) -> None:
         """``group_extra``: more keys for every ``[[groups]]`` table (e.g. a vLLM group's); ``engine_extra``: more
         keys for ``[engine]``; ``gateway_extra``: more keys for ``[gateway]``; ``extra``: more sections (e.g.
-        ``[dcs]``). ``max_queue``: the engines' queue beyond their ``max_batch`` (2) running completions; the default
-        8 (the product's would be 2) makes an engine that two shared cores slow down queue its load rather than
-        refuse it: these tests are about failovers, not admission."""
+        ``[dcs]``). The engines generate ``max_batch`` (2) sequences at once and queue the rest as shipped (by its
+        expected start: ``engine.queue_budget_s``)."""
         self.env = ENV  # the controller's environment
         self.root = Path(tempfile.mkdtemp(prefix="hwc-", dir="/tmp"))
         self.port = free_port()
@@ -71,7 +69,7 @@ class ControllerStack:
             + "".join(
                 f"[[groups]]\nengines = {engines}\nbase_port = {base}\n{group_extra}\n" for base in self.base_ports
             )
-            + f"[engine]\nkv_cache_tokens = 256\nmax_batch = {max_batch}\nmax_queue = {max_queue}\n"
+            + f"[engine]\nkv_cache_tokens = 256\nmax_batch = {max_batch}\n"
             f"drain_timeout_s = {drain_timeout_s}\n{engine_extra}\n"
             # a 500 ms timeout: two cores shared with the whole stack make 250 ms checks flaky in CI
             f"[health]\ninterval_ms = 100\ntimeout_ms = 500\nfailure_threshold = {failure_threshold}\n\n"

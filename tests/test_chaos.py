@@ -294,7 +294,7 @@ def test_load_generator_records_correct_completions(tiny_model: Path) -> None:
 
 def test_a_drill_stacks_engines_run_the_limits_it_was_given(tmp_path: Path, default_model: Path) -> None:
     """Every field of the engines' limits (the benchmarks' admission flags among them) reaches cluster.toml."""
-    limits = replace(DRILL_LIMITS, max_queue=1, queue_wait_share=0.5, queue_timeout_s=2.5, batch_invariant=True)
+    limits = replace(DRILL_LIMITS, queue_budget_s=2.5, batch_invariant=True)
     stack = DrillStack.create(tmp_path, "gateway", proxied=False, model=str(default_model), limits=limits)
     assert asdict(stack.config.engine) == asdict(limits) != asdict(DRILL_LIMITS)
 

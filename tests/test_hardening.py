@@ -11,7 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from hotweights.contract import Endpoint
+from hotweights.admission import retry_after
+from hotweights.contract import ADMITS_IN_HEADER, Endpoint
 from hotweights.controller.config import HealthSection, load_config
 from tests.controllerhelpers import ControllerStack
 
@@ -48,9 +49,13 @@ CONTROLLER_MUTATIONS = [
 
 @pytest.fixture(scope="module")
 def stack(tiny_model: Path) -> Iterator[ControllerStack]:
-    """``up`` with the health timings a cluster ships with, and a gateway that proxies one request at a
-    time (one worker), so that overload is easy to make."""
-    stack = ControllerStack(tiny_model, engines=2, max_queue=1, gateway_extra="max_in_flight = 1\nworkers = 1")
+    """``up`` with the health timings a cluster ships with, a gateway that proxies one request at a time (one
+    worker), and engines that let no request wait once they have timed one (a queue budget of 0), so that overload
+    is easy to make."""
+    engine_extra = "queue_budget_s = 0"
+    stack = ControllerStack(
+        tiny_model, engines=2, engine_extra=engine_extra, gateway_extra="max_in_flight = 1\nworkers = 1"
+    )
     shipped = HealthSection()
     health = f"[health]\ninterval_ms = {shipped.interval_ms}\ntimeout_ms = {shipped.timeout_ms}\n"
     text = stack.config_path.read_text()
@@ -131,13 +136,20 @@ def flood(url: str) -> list[httpx.Response]:
 
 @pytest.mark.parametrize("where", ["gateway", "engine"])
 def test_overload_is_refused_at_once_with_retry_after(stack: ControllerStack, where: str) -> None:
-    """The gateway proxies one request at a time here; the engine generates max_batch (2) and queues 1."""
+    """The gateway proxies one request at a time here; the engine generates max_batch (2) and, once it has timed a
+    completion, lets none wait: each refusal says when a slot is expected (``Retry-After``, whole seconds, and the
+    engine's ``ADMITS_IN_HEADER`` in milliseconds)."""
     url = gateway(stack) if where == "gateway" else stack.primary()["url"]
+    assert httpx.post(url + Endpoint.COMPLETIONS, json={"prompt": "hello", "max_tokens": 8}, timeout=60).is_success
     responses = flood(url)
     statuses = sorted(r.status_code for r in responses)
     assert set(statuses) <= {200, 429}, statuses
     refused = [r for r in responses if r.status_code == 429]
-    assert refused and all(r.headers["retry-after"] == "1" for r in refused), statuses
+    assert refused, statuses
+    for answer in refused:
+        admits_in_ms = answer.headers.get(ADMITS_IN_HEADER)
+        expected = retry_after(None if admits_in_ms is None else int(admits_in_ms) / 1000)
+        assert answer.headers["retry-after"] == str(expected), answer.headers
     assert all(r.json()["error"]["type"] == "overloaded" for r in refused)
     metrics = httpx.get(url + Endpoint.METRICS).text
     assert f'hotweights_{where}_admission_total{{verdict="refused"}}' in metrics

@@ -1,0 +1,243 @@
+"""Admission by expected wait: when a request's slots are expected to free, what happens to it, and what a refusal
+says, as tables; then ``Admission`` itself on an event loop, against a scheduler's times as the test sets them."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass
+
+import pytest
+
+from hotweights.admission import (
+    RETRY_AFTER_S,
+    Admission,
+    LiveTimes,
+    Refusal,
+    Verdict,
+    expected_start,
+    retry_after,
+    verdict,
+)
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize(
+    ("remaining_s", "sequence_s", "running", "held", "ahead", "expected"),
+    [
+        ([0.3, 0.3, 0.3, 0.3], 0.32, 4, 4, 0, 0.3),  # a wave ends together
+        ([0.3, 0.3, 0.3, 0.3], 0.32, 4, 4, 3, 0.3),
+        ([0.3, 0.3, 0.3, 0.3], 0.32, 4, 4, 4, 0.62),  # behind a whole wave of those waiting
+        ([0.3, 0.3, 0.3, 0.3], 0.32, 4, 4, 8, 0.94),
+        ([0.01, 0.3, 0.3, 0.3], 0.32, 4, 4, 0, 0.01),  # one ends soon
+        ([0.01, 0.3, 0.3, 0.3], 0.32, 4, 4, 1, 0.3),
+        ([0.01, 0.3, 0.3, 0.3], 0.32, 4, 4, 4, 0.33),  # the soonest slot serves the first who waited
+        ([5.0, 0.1], 1.0, 2, 2, 4, 4.1),  # a long one holds its slot: the short one's serves those waiting
+        ([5.0, 0.1], 1.0, 2, 2, 5, 5.0),
+        ([0.5, 0.5], 1.0, 4, 2, 1, 0.0),  # free slots
+        ([0.5, 0.5], 1.0, 4, 2, 2, 0.5),
+        ([0.5], 1.0, 2, 2, 1, 1.0),  # a slot held by a sequence not yet started: a whole sequence's time
+        ([0.5], 1.0, 2, 2, 2, 1.5),
+        ([0.2, 0.9], 1.0, 1, 1, 0, 0.2),  # more live than slots (one cancelled, not yet unwound): the soonest
+    ],
+)
+def test_a_waiting_request_starts_when_the_slot_it_waits_for_frees(
+    remaining_s: list[float], sequence_s: float, running: int, held: int, ahead: int, expected: float
+) -> None:
+    found = expected_start(LiveTimes(remaining_s, sequence_s), running, held, ahead)
+    assert found == pytest.approx(expected, abs=1e-3)
+
+
+@pytest.mark.parametrize(
+    ("slot_free", "owed", "room", "start_s", "expected"),
+    [
+        (True, False, False, 99.0, Verdict.ADMIT),  # a free slot serves at once, whatever else
+        (False, False, True, 9.9, Verdict.QUEUE),  # within the budget of 10 s
+        (False, False, True, 10.0, Verdict.QUEUE),
+        (False, False, True, 10.1, Verdict.REFUSE),  # beyond it
+        (False, False, True, None, Verdict.QUEUE),  # nothing timed yet
+        (False, False, False, None, Verdict.REFUSE),  # the queue is full
+        (False, False, False, 0.1, Verdict.REFUSE),
+        (False, True, False, 99.0, Verdict.QUEUE),  # owed: never refused for want of queue
+    ],
+)
+def test_admission_verdict(slot_free: bool, owed: bool, room: bool, start_s: float | None, expected: Verdict) -> None:
+    assert verdict(slot_free, owed, room, start_s, 10.0) is expected
+
+
+@pytest.mark.parametrize(
+    ("admits_in_s", "expected"), [(None, RETRY_AFTER_S), (0.0, 1), (0.2, 1), (1.0, 1), (1.01, 2), (12.3, 13)]
+)
+def test_retry_after_is_the_whole_seconds_until_a_request_would_wait(admits_in_s: float | None, expected: int) -> None:
+    assert retry_after(admits_in_s) == expected
+
+
+@dataclass
+class Times:
+    """A scheduler's times as a test sets them (``hotweights.admission.Timing``); None: nothing timed yet."""
+
+    times: LiveTimes | None = None
+
+    def live_times(self) -> LiveTimes | None:
+        return self.times
+
+
+async def queued(admission: Admission, n: int, owed: bool = False) -> list[asyncio.Task[Refusal | None]]:
+    """``n`` requests that arrive now, once each has been decided (a refused one is done, a queued one waits)."""
+    tasks = [asyncio.create_task(admission.enter(owed)) for _ in range(n)]
+    await asyncio.sleep(0)
+    return tasks
+
+
+def test_before_anything_is_timed_a_burst_waits_and_is_served_in_order() -> None:
+    async def scenario() -> tuple[list[Verdict], list[int]]:
+        seen: list[Verdict] = []
+        admission = Admission(2, budget_s=0.0, timing=Times(), on_verdict=seen.append)
+        order: list[int] = []
+
+        async def enter(i: int) -> None:
+            assert await admission.enter() is None
+            order.append(i)
+
+        tasks = [asyncio.create_task(enter(i)) for i in range(10)]
+        await asyncio.sleep(0)
+        assert (admission.serving, admission.waiting) == (2, 8)
+        for _ in range(10):
+            admission.leave()
+            await asyncio.sleep(0)
+        await asyncio.gather(*tasks)
+        return seen, order
+
+    seen, order = asyncio.run(scenario())
+    assert seen == [Verdict.ADMIT] * 2 + [Verdict.QUEUE] * 8
+    assert order == list(range(10))
+
+
+def test_a_request_waits_while_its_start_is_within_the_budget_and_is_refused_at_once_beyond() -> None:
+    """One slot, its sequence 0.4 s from its end, a sequence 0.4 s long, a budget of 1 s: the first two that find no
+    slot are expected at 0.4 and 0.8 s and wait; the third, at 1.2 s, is refused, told that one arriving 0.2 s later
+    would wait."""
+
+    async def scenario() -> tuple[list[Refusal | None], Refusal | None]:
+        admission = Admission(1, budget_s=1.0, timing=Times(LiveTimes([0.4], 0.4)))
+        assert await admission.enter() is None
+        waiting = await queued(admission, 2)
+        refused = await admission.enter()
+        for _ in range(3):
+            admission.leave()
+            await asyncio.sleep(0)
+        return [await task for task in waiting], refused
+
+    waited, refused = asyncio.run(scenario())
+    assert waited == [None, None]
+    assert refused is not None and "a slot is expected in 1.2 s, beyond the queue budget of 1 s" in refused.reason
+    assert refused.admits_in_s == pytest.approx(0.2, abs=1e-3)
+
+
+def test_a_request_of_several_prompts_waits_as_that_many_sequences() -> None:
+    """Two slots, one free and one held 0.3 s more: a request of two prompts waits as two sequences, for the first
+    two slots to free (now and at 0.3 s); one of one prompt behind it, for the third (the free one again, a sequence
+    of 1 s later): beyond a budget of 0.9 s."""
+
+    async def scenario() -> tuple[Refusal | None, Refusal | None, int]:
+        admission = Admission(2, budget_s=0.9, timing=Times(LiveTimes([0.3], 1.0)))
+        assert await admission.enter() is None
+        pair = asyncio.create_task(admission.enter(prompts=2))
+        await asyncio.sleep(0)
+        waiting = admission.waiting
+        single = await admission.enter()
+        admission.leave()
+        return await pair, single, waiting
+
+    pair, single, waiting = asyncio.run(scenario())
+    assert pair is None and waiting == 2
+    assert single is not None and single.admits_in_s == pytest.approx(0.1, abs=1e-3)
+
+
+def test_an_owed_request_waits_whatever_its_start_and_the_queue() -> None:
+    """Past the budget and past a full queue, a request owed to a failover waits its turn; a fresh one meets both."""
+
+    async def scenario() -> tuple[list[Refusal | None], Refusal | None, int]:
+        admission = Admission(1, queue=1, budget_s=0.5, timing=Times(LiveTimes([2.0], 2.0)))
+        assert await admission.enter() is None
+        owed = await queued(admission, 3, owed=True)
+        fresh = await admission.enter()
+        waiting = admission.waiting
+        for _ in range(4):
+            admission.leave()
+            await asyncio.sleep(0)
+        return [await task for task in owed], fresh, waiting
+
+    owed, fresh, waiting = asyncio.run(scenario())
+    assert owed == [None] * 3 and waiting == 3
+    assert fresh is not None and "beyond the queue budget" in fresh.reason
+
+
+@pytest.mark.parametrize(
+    ("times", "admits_in_s"), [(None, None), (LiveTimes([0.4], 0.4), 0.4)], ids=["untimed", "timed"]
+)
+def test_a_full_queue_refuses_and_says_when_it_has_room(times: LiveTimes | None, admits_in_s: float | None) -> None:
+    """One slot, a queue of two, a budget no start reaches: the third to find no slot is refused; timed, it is told
+    that the queue has room once the slot held now frees and the first waiting starts."""
+
+    async def scenario() -> Refusal | None:
+        admission = Admission(1, queue=2, budget_s=100.0, timing=Times(times))
+        assert await admission.enter() is None
+        waiting = await queued(admission, 2)
+        refused = await admission.enter()
+        for _ in range(3):
+            admission.leave()
+            await asyncio.sleep(0)
+        await asyncio.gather(*waiting)
+        return refused
+
+    refused = asyncio.run(scenario())
+    assert refused is not None and "1 being served and 2 waiting, the most that may wait" in refused.reason
+    assert refused.admits_in_s == (pytest.approx(admits_in_s, abs=1e-3) if admits_in_s is not None else None)
+
+
+def test_without_a_queue_a_full_server_refuses_at_once() -> None:
+    """A gateway's admission: as many proxied at once as it may, none waiting, nothing timed."""
+
+    async def scenario() -> tuple[Refusal | None, Refusal | None]:
+        admission = Admission(1, queue=0)
+        assert await admission.enter() is None
+        refused = await admission.enter()
+        admission.leave()
+        return refused, await admission.enter()
+
+    refused, again = asyncio.run(scenario())
+    assert refused is not None and refused.admits_in_s is None
+    assert again is None
+
+
+def test_a_request_whose_client_goes_away_while_it_waits_leaves_the_line() -> None:
+    async def scenario() -> tuple[int, Refusal | None]:
+        admission = Admission(1, timing=Times())
+        assert await admission.enter() is None
+        gone, behind = await queued(admission, 2)
+        gone.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await gone
+        waiting = admission.waiting
+        admission.leave()
+        return waiting, await behind
+
+    waiting, behind = asyncio.run(scenario())
+    assert waiting == 1 and behind is None
+
+
+def test_a_queued_request_reports_how_long_it_waited_for_its_slot() -> None:
+    async def scenario() -> list[float]:
+        waits: list[float] = []
+        admission = Admission(1, on_wait=waits.append)
+        assert await admission.enter() is None  # served at once: no wait reported
+        waiter = asyncio.create_task(admission.enter())
+        await asyncio.sleep(0.05)  # the time it waits
+        admission.leave()
+        assert await waiter is None
+        return waits
+
+    waits = asyncio.run(scenario())
+    assert len(waits) == 1 and 0.05 <= waits[0] < 5.0, waits
