@@ -4,6 +4,8 @@ Start-up order: bind the port (a taken one ends it at once, exit code 2), load o
 up every shape serving uses (``standby.decoder``), start the inference thread, listen, and only then print one
 ``{"event": "ready", ...}`` line to stdout. Logs go to stderr. On SIGTERM or SIGINT: stop listening, let
 in-flight requests finish for up to --shutdown-timeout, cancel the rest, stop the inference thread, exit 0.
+SIGUSR2 freezes the inference thread for good while the HTTP server goes on (the drill's stall fault,
+``standby.progress``: the engine then reports itself unhealthy).
 The HTTP contract is ``docs/engine-contract.md``.
 
 Where the KV cache lives: on CUDA with --cuda-graphs (the default there) it is allocated at start-up by
@@ -41,6 +43,7 @@ import functools
 import gc
 import logging
 import os
+import signal
 import socket
 import sys
 import time
@@ -74,6 +77,7 @@ from hotweights.standby.kvshare import KvShare
 from hotweights.standby.metrics import EngineMetrics
 from hotweights.standby.model import KVCache, Transformer
 from hotweights.standby.pacing import CpuShare, Pacer
+from hotweights.standby.progress import FREEZE_SIGNAL
 from hotweights.standby.roles import CANCEL_GRACE_S, KvCapacity, Roles
 from hotweights.standby.scheduler import Scheduler
 from hotweights.standby.server import EngineContext, build_app
@@ -500,6 +504,7 @@ def serve(
 
     sys.setswitchinterval(GIL_SWITCH_S)
     scheduler.start()
+    signal.signal(FREEZE_SIGNAL, lambda *_: scheduler.freeze())  # the drill's stall fault (standby.progress)
     try:
         run_until_signal(server, sock)
     finally:

@@ -50,12 +50,12 @@ import torch
 from hotweights.admission import LiveTimes
 from hotweights.standby.decoder import Decoder
 from hotweights.standby.kvshare import REQUEST_TIMEOUT_S, KvShare, SlotLedger
+from hotweights.standby.progress import ProgressClock, averaged, padded
 from hotweights.standby.sampling import sample_rows, uniform
 
 log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.5  # how long an idle worker sleeps between heartbeats
-SMOOTHING = 0.2  # the weight of the newest measurement in the round and completion time averages
 
 
 @dataclass(frozen=True)
@@ -122,6 +122,8 @@ class Scheduler:
         self.adopted_tokens = 0  # the tokens whose keys and values they copied
         self._recorded: list[tuple[int, list[int], int]] = []  # (slot, ids, prefilled) for the ledger, once computed
         self.heartbeat = time.monotonic()  # last time the worker went round its loop
+        self.progress = ProgressClock()  # its operations as the health checks judge them (``standby.progress``)
+        self._frozen = threading.Event()  # the drill's stall fault (``freeze``)
         self._inbox: queue.Queue[tuple[Sequence, ...] | None] = queue.Queue()  # None only wakes the worker
         self._waiting: deque[Sequence] = deque()
         self._active: list[Sequence] = []
@@ -164,6 +166,8 @@ class Scheduler:
         prefilled together where they fit, whatever the worker was doing as they came."""
         with self._lock:
             if not self._closed:
+                if not self._live:
+                    self.progress.arrived()
                 self._live.update(seqs)
                 self._inbox.put(seqs)  # under the lock, so the ending worker either sees them or refuses them
                 return
@@ -182,6 +186,17 @@ class Scheduler:
         """The tokens each live sequence has yet to generate."""
         with self._lock:
             return [seq.params.max_tokens - seq.generated for seq in self._live]
+
+    def stall_refusal(self) -> str | None:
+        """Why the worker counts as stalled (``standby.progress``: work pending, no progress within its bound), or
+        None."""
+        return self.progress.refusal(len(self._live))
+
+    def freeze(self) -> None:
+        """Freeze the worker for the rest of the process's life at its next round, whatever it holds (the drill's
+        stall fault: ``standby.progress.FREEZE_SIGNAL``); the HTTP server goes on answering. Any thread, or a
+        signal handler."""
+        self._frozen.set()
 
     def cancel_all(self) -> int:
         """Cancel every live sequence; returns how many. Each still gets its ``Finish``."""
@@ -204,6 +219,7 @@ class Scheduler:
         """Serve from ``decoder``; a shared KV cache is deposited with the daemon (``standby.kvshare``)."""
         if decoder.shared is not None:
             decoder.shared.ledger.reset_all()
+        self.progress.learn(decoder.prefill_times)
         with self._lock:
             if self._decoder is not None:
                 raise RuntimeError("a KV cache is already attached")
@@ -250,15 +266,19 @@ class Scheduler:
     def _run(self) -> None:
         try:
             while not self._stopping.is_set():
+                if self._frozen.is_set():
+                    log.error("the inference thread is frozen for good (the drill's stall fault)")
+                    threading.Event().wait()
                 self.heartbeat = time.monotonic()
                 self._collect(block=not (self._active or self._waiting))  # sleep only with nothing to do
                 if self.kv_share is not None:
-                    self.kv_share.idle()
+                    with self.progress.calling_daemon():
+                        self.kv_share.idle()
                 started = time.monotonic()
                 self._admit()
                 if self._active:
                     self._step()
-                    self._round_s = _averaged(self._round_s, time.monotonic() - started)
+                    self._round_s = averaged(self._round_s, time.monotonic() - started)
         except Exception:
             log.exception("inference thread crashed; this is a bug, please report it")
             raise
@@ -297,7 +317,9 @@ class Scheduler:
                 seq = self._waiting.popleft()
                 self._retire(seq, Finish("error", "no KV cache is attached: this engine is a standby"))
                 continue
-            if self._adopt(decoder, self._waiting[0]):
+            with self.progress.calling_daemon():
+                adopted = self._adopt(decoder, self._waiting[0])
+            if adopted:
                 continue
             with self._lock:
                 group = self._claim(decoder)
@@ -353,7 +375,10 @@ class Scheduler:
         for seq in group:
             _seed(seq)
         prompts = [seq.prefilled(decoder.batch_invariant) for seq in group]
-        logits = decoder.prefill(group[0].slot, prompts)
+        with self.progress.prefilling((len(prompts), padded(decoder.lengths, max(map(len, prompts))))):
+            logits = decoder.prefill(group[0].slot, prompts)
+            if logits.device.type == "cuda":  # its time is the device's (the next round would wait for it anyway)
+                torch.cuda.synchronize(logits.device)
         for seq, prompt, row in zip(group, prompts, logits, strict=True):
             seq.logits, seq.greedy = row, None
             seq.pos = len(prompt)
@@ -412,7 +437,8 @@ class Scheduler:
         tokens, positions = [0] * n, [0] * n  # a free slot's row: token 0 at its own position 0
         for seq in self._active:
             tokens[seq.slot], positions[seq.slot] = seq.token, seq.pos
-        logits, greedy = decoder.decode(tokens, positions)  # (n, V), n argmaxes, on the host: the step is done
+        with self.progress.decoding(n):
+            logits, greedy = decoder.decode(tokens, positions)  # (n, V), n argmaxes, on the host: the step is done
         if decoder.shared is not None:
             self._record(decoder.shared.ledger, tokens, positions)
         for seq in self._active:
@@ -434,7 +460,7 @@ class Scheduler:
 
     def _retire(self, seq: Sequence, finish: Finish) -> None:
         if finish.reason in ("stop", "length"):
-            self._completion_s = _averaged(self._completion_s, time.monotonic() - seq.submitted)
+            self._completion_s = averaged(self._completion_s, time.monotonic() - seq.submitted)
         if seq in self._active:
             self._active.remove(seq)
         seq.logits = seq.greedy = None
@@ -468,8 +494,3 @@ def _seed(seq: Sequence) -> None:
     if seed is None:
         seed = secrets.randbits(62) if seq.params.temperature > 0 else 0
     seq.seed = seed
-
-
-def _averaged(average: float, value: float) -> float:
-    """An exponentially weighted average (SMOOTHING) with ``value`` in; the first value as it is."""
-    return value if not average else (1 - SMOOTHING) * average + SMOOTHING * value

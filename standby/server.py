@@ -72,9 +72,12 @@ class EngineContext:
         return None if self.scheduler.is_alive else "the inference thread has died"
 
     def readiness_refusal(self) -> str | None:
-        """Weights are bound and warmed before the server listens, so readiness is the worker's health."""
+        """Weights are bound and warmed before the server listens, so readiness is the worker's health: alive, making
+        progress while work is pending (``standby.progress``), going round its loop."""
         if not self.scheduler.is_alive:
             return "the inference thread has died"
+        if reason := self.scheduler.stall_refusal():
+            return reason
         stalled = time.monotonic() - self.scheduler.heartbeat
         if stalled > STALL_S:
             return f"the inference thread has not gone round its loop for {stalled:.0f} s"
