@@ -23,6 +23,7 @@ from hotweights.chaos.faults import Target, is_alive, netem_unavailable, send
 from hotweights.chaos.load import BatchClient
 from hotweights.contract import Endpoint, State
 from hotweights.controller.config import REFERENCE
+from hotweights.standby.progress import FREEZE_SIGNAL
 
 if TYPE_CHECKING:
     from hotweights.chaos.clusterview import ClusterView, ControlApi
@@ -147,6 +148,29 @@ class HangPrimary(Stops):
 
     async def inject(self, r: Round) -> None:
         r.hit(r.primary(), signal.SIGSTOP)
+
+
+class StallPrimary(Scenario):
+    name = "stall-primary"
+    measures = (
+        f"{FREEZE_SIGNAL.name} freezes the primary's inference thread while its HTTP server answers: its progress "
+        "check reports it unhealthy, then failover (fence, promote; in-flight requests re-sent or continued)"
+    )
+
+    def skip_reason(self, stack: DrillStack) -> str | None:
+        engine = stack.config.groups[0].engine
+        return None if engine == REFERENCE else f"needs reference engines (it freezes their worker), not {engine}"
+
+    async def inject(self, r: Round) -> None:
+        r.hit(r.primary(), FREEZE_SIGNAL)
+
+    async def settle(self, r: Round) -> None:
+        if not await wait_dead(r.targets[0]):
+            r.problem = "the stalled primary was not fenced"
+
+    async def cleanup(self, r: Round) -> None:
+        for target in r.targets:  # a frozen inference thread cannot be thawed: one left unfenced is ended here
+            send(target, signal.SIGKILL)
 
 
 class SlowPrimary(Scenario):
@@ -500,6 +524,7 @@ SCENARIOS: dict[str, type[Scenario]] = {
         KillPrimary,
         TermPrimary,
         HangPrimary,
+        StallPrimary,
         SlowPrimary,
         SlowPrimaryNetem,
         KillStandby,
