@@ -30,7 +30,7 @@ import asyncio
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from hotweights.contract import CHAT_KEYS, CHAT_ONLY, Endpoint
+from hotweights.contract import CHAT_KEYS, CHAT_ONLY, Endpoint, choice_text
 from hotweights.requestschema import (
     DEFAULT_MAX_TOKENS,
     INLINE_BODY_BYTES,
@@ -194,11 +194,6 @@ class StopStrings:
     def prefix_len(self) -> int:
         """Length of the longest tail of the held text that a stop string starts with."""
         return max((n for s in self.stop for n in range(len(s) - 1, 0, -1) if self.held.endswith(s[:n])), default=0)
-
-
-def choice_text(choice: dict) -> str:
-    """A completion choice's text or a chat choice's content ('' when it has none)."""
-    return choice["text"] if "text" in choice else (choice.get("delta") or {}).get("content") or ""
 
 
 @dataclass

@@ -61,6 +61,13 @@ CHAT_KEYS = frozenset(
     | {"stream", "stream_options", "return_token_ids", "user", "n"}
 )
 CHAT_ONLY = ("messages", "max_completion_tokens")  # left out of a chat's continuation (a completion)
+
+
+def choice_text(choice: dict) -> str:
+    """A streamed or whole completion choice's text, or a chat choice's delta content ('' when it has none)."""
+    return choice["text"] if "text" in choice else (choice.get("delta") or {}).get("content") or ""
+
+
 SUSPECT_REQUEST = "suspect_request"  # the error type of a request the gateway will not re-send (gateway.suspect_after)
 # On a migrated completion's continuation: how many of its prompt's last token ids an engine generated before the cut.
 # A batch-invariant reference engine feeds them through decode steps, as they were first computed; others ignore it.

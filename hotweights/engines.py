@@ -23,6 +23,7 @@ class EngineKind:
     name: str
     server_module: str  # python -m this serves the OpenAI API
     model_flag: str  # the server's flag naming the checkpoint
+    tokenizer_flag: str  # its flag naming another tokenizer than the checkpoint's
     health: str  # the engine's own health endpoint
     running_metric: str  # its Prometheus gauge of requests being generated
     chat_token_ids: bool  # streams a chat's token ids itself (else the agent bridges it: standby.chatbridge)
@@ -33,11 +34,18 @@ KINDS = {
         "vllm",
         "vllm.entrypoints.openai.api_server",
         "--model",
+        "--tokenizer",
         "/health",
         "vllm:num_requests_running",
         chat_token_ids=True,
     ),
     "sglang": EngineKind(
-        "sglang", "sglang.launch_server", "--model-path", "/health", "sglang:num_running_reqs", chat_token_ids=False
+        "sglang",
+        "sglang.launch_server",
+        "--model-path",
+        "--tokenizer-path",
+        "/health",
+        "sglang:num_running_reqs",
+        chat_token_ids=False,
     ),
 }

@@ -4,9 +4,11 @@ The agent starts the engine as its child (through ``hotweights agent-guard``, wh
 whole process group when the agent dies, however it dies), keeps the role and state the engine
 does not have, serves the contract's health endpoints and role changes, and passes ``/v1/*`` through
 to the engine while it is the primary (503 with the reason and ``Retry-After`` otherwise; streams
-relayed unbuffered). Ready = the engine's own health endpoint plus one one-token completion. A drain
-stops admitting, waits for the requests the agent passed on (and reports the engine's own running
-count from its metrics), then cancels the rest at the deadline by closing them.
+relayed unbuffered). A streamed completion or chat with ``return_token_ids`` (what the gateway asks for) is relayed
+chunk by chunk with each choice's token ids kept with their text (``standby.tokenalign``), decoded with the engine's
+tokenizer (its command's tokenizer or model directory). Ready = the engine's own health endpoint plus one one-token
+completion. A drain stops admitting, waits for the requests the agent passed on (and reports the engine's own
+running count from its metrics), then cancels the rest at the deadline by closing them.
 
 The engine command names the engine's port as ``{port}``; the agent picks a free loopback port for
 it. When the engine exits the agent logs its exit and its last log lines and exits with code 1, so
@@ -35,6 +37,7 @@ import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
+from tokenizers import Tokenizer
 
 from hotweights.admission import ServingLimits
 from hotweights.contract import (
@@ -48,16 +51,18 @@ from hotweights.contract import (
     refuse_open_listener,
 )
 from hotweights.engines import KINDS, PORT_PLACEHOLDER, EngineKind
-from hotweights.errors import ConfigError
-from hotweights.httpguard import ErrorShape, HttpLimits, server_config
+from hotweights.errors import CheckpointError, ConfigError
+from hotweights.httpguard import ErrorShape, HttpLimits, parsed_json, server_config
 from hotweights.ports import free_port
-from hotweights.proxying import HOP_BY_HOP, ProxiedStream
+from hotweights.proxying import HOP_BY_HOP, ProxiedStream, rewritten_events
 from hotweights.spawn import hotweights_command
-from hotweights.standby.chatbridge import TOKENIZE, bridgeable, chat_events, completion_body, tokenize_body
+from hotweights.standby.chatbridge import TOKENIZE, ChatChunks, bridgeable, completion_body, tokenize_body
 from hotweights.standby.contract_routes import SERVING, add_contract_routes, error, finish_app, unavailable
 from hotweights.standby.metrics import EngineMetrics
 from hotweights.standby.roles import Roles
 from hotweights.standby.serving import AnnouncingServer, bind_port, run_until_signal
+from hotweights.standby.tokenalign import StreamIds, wants_aligned
+from hotweights.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +71,9 @@ PROBE_TIMEOUT_S = 5.0
 LIVE_FAILURES = 3  # probes in a row the engine may miss before /health/live turns 503
 LOG_TAIL_LINES = 15
 KEEPALIVE_S = 2.0  # below the engine's (uvicorn's 5 s), so a pooled connection is never reused as it closes
+EVENT_STREAM = "text/event-stream"
+ALIGNED = (Endpoint.COMPLETIONS, Endpoint.CHAT_COMPLETIONS)  # the streams whose token ids are kept with their text
+DECODED = ("content-encoding",)  # what a rewritten stream no longer has: its lines are read decoded
 
 
 class PassThrough:
@@ -153,6 +161,7 @@ class AgentContext:
     capacity: PassThrough
     model: str | None = None  # the served model id, once ready
     weights_id: str | None = None  # named on every relayed answer (WEIGHTS_HEADER); None: not named
+    tokenizer: Tokenizer | None = None  # the engine's, which streamed token ids are aligned with; None: not aligned
     ready: bool = False
     missed: int = 0  # health probes in a row the engine did not answer with 200
     started: float = field(default_factory=time.monotonic)
@@ -190,6 +199,32 @@ def engine_command(command: list[str], port: int) -> list[str]:
     if not any(PORT_PLACEHOLDER in arg for arg in command):
         raise ConfigError(f"the engine command must take its port as {PORT_PLACEHOLDER} (e.g. --port {{port}})")
     return [arg.replace(PORT_PLACEHOLDER, str(port)) for arg in command]
+
+
+def flag_value(command: list[str], flag: str) -> str | None:
+    """What ``command`` gives ``flag`` (``--flag value`` or ``--flag=value``, the last one if several), else None."""
+    value = None
+    for arg, following in zip(command, [*command[1:], None], strict=True):
+        if arg == flag:
+            value = following
+        elif arg.startswith(f"{flag}="):
+            value = arg.removeprefix(f"{flag}=")
+    return value
+
+
+def engine_tokenizer(kind: EngineKind, command: list[str]) -> Tokenizer | None:
+    """The tokenizer the engine decodes with: its command's tokenizer directory, else its model's. None, said in one
+    warning, when that is no directory with a ``tokenizer.json`` (a hub name, say): streamed token ids then go as the
+    engine sends them, and a completion cut inside a character may lose it on its way to the next primary."""
+    named = flag_value(command, kind.tokenizer_flag) or flag_value(command, kind.model_flag)
+    reason = f"the engine command names no {kind.model_flag}"
+    if named is not None:
+        try:
+            return load_tokenizer(Path(named))
+        except CheckpointError as exc:
+            reason = str(exc)
+    log.warning("%s: streamed token ids are relayed as the engine sends them, not kept with their text", reason)
+    return None
 
 
 def start_engine(command: list[str], log_dir: Path, engine_id: str) -> EngineChild:
@@ -284,7 +319,21 @@ async def send(ctx: AgentContext, client: httpx.AsyncClient, request: Request, p
         response = unavailable(f"the engine did not answer: {type(exc).__name__} {exc}".strip())
         return response
     reply_headers = {k: v for k, v in upstream.headers.items() if k not in HOP_BY_HOP}
-    return relayed(ctx, upstream, upstream.aiter_raw(), upstream.status_code, reply_headers)
+    ids = stream_ids(ctx, parsed_json(request.scope)) if path in ALIGNED else None
+    if ids is None or not upstream.headers.get("content-type", "").startswith(EVENT_STREAM):
+        return relayed(ctx, upstream, upstream.aiter_raw(), upstream.status_code, reply_headers)
+    reply_headers = {k: v for k, v in reply_headers.items() if k not in DECODED}
+    return relayed(
+        ctx, upstream, rewritten_events(upstream.aiter_lines(), ids.chunk), upstream.status_code, reply_headers
+    )
+
+
+def stream_ids(ctx: AgentContext, request: object) -> StreamIds | None:
+    """The alignment of a streamed response's token ids with their text (``standby.tokenalign``), for a ``request``
+    (its body's JSON value) that asks for them on an agent that has the engine's tokenizer; None otherwise."""
+    if ctx.tokenizer is None or not wants_aligned(request):
+        return None
+    return StreamIds(ctx.tokenizer, request.get("skip_special_tokens") is not False)
 
 
 def relayed(
@@ -325,7 +374,8 @@ async def bridge(ctx: AgentContext, client: httpx.AsyncClient, request: Request,
         await upstream.aclose()
         ctx.roles.release()
         return Response(content, upstream.status_code, media_type=upstream.headers.get("content-type"))
-    events = chat_events(upstream.aiter_lines(), prompt_ids)
+    chat, ids = ChatChunks(prompt_ids), stream_ids(ctx, body)
+    events = rewritten_events(upstream.aiter_lines(), chat if ids is None else lambda chunk: chat(ids.chunk(chunk)))
     return relayed(ctx, upstream, events, 200, {"content-type": "text/event-stream", "cache-control": "no-cache"})
 
 
@@ -396,6 +446,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
     if not command:
         raise ConfigError("no engine command: give it after --, e.g. -- python -m vllm.entrypoints.openai.api_server")
     engine_command(command, 0)  # its port placeholder, before anything starts
+    kind = KINDS[args.kind]
+    tokenizer = engine_tokenizer(kind, command)
     sock = bind_port(args.host, args.port)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per probe would drown the log
     engine_id = args.engine_id or f"{socket.gethostname()}-{os.getpid()}"
@@ -405,11 +457,13 @@ def cmd_agent(args: argparse.Namespace) -> int:
         timeout=httpx.Timeout(None, connect=5.0),
         limits=httpx.Limits(keepalive_expiry=KEEPALIVE_S),
     )
-    capacity = PassThrough(KINDS[args.kind], client)
+    capacity = PassThrough(kind, client)
     roles = Roles(Role(args.role), capacity, args.drain_timeout)
     metrics = EngineMetrics()
     metrics.bind(roles, lambda: 0, {"engine_id": engine_id, "mode": "agent", "source": args.kind})
-    ctx = AgentContext(engine_id, KINDS[args.kind], child, roles, metrics, token, capacity, weights_id=args.weights_id)
+    ctx = AgentContext(
+        engine_id, kind, child, roles, metrics, token, capacity, weights_id=args.weights_id, tokenizer=tokenizer
+    )
     config = server_config(
         build_agent_app(ctx, client), HttpLimits(), ErrorShape.OPENAI, host=args.host, lifespan="off"
     )

@@ -6,14 +6,13 @@ own ids. vLLM serves that itself. SGLang refuses it on a streamed chat but serve
 renders and encodes a chat's messages at ``/v1/tokenize`` as its chat completion would. For such an engine
 (``EngineKind.chat_token_ids`` false) the agent bridges: it has the engine encode the messages, streams the
 completion of those ids and writes each chunk as a chat chunk (the role on the first delta, the prompt's ids
-on the first chunk). Only a request the gateway could continue is bridged (``bridgeable``); any other goes
-to the engine as it is, which answers for itself.
+on the first chunk), its ids kept with their text as on any stream (``standby.tokenalign``). Only a request the
+gateway could continue is bridged (``bridgeable``); any other goes to the engine as it is, which answers for itself.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 
 from hotweights.contract import CHAT_KEYS, CHAT_ONLY
 
@@ -59,21 +58,18 @@ def chat_choice(choice: dict, first: bool) -> dict:
     return chat | ({"token_ids": choice["token_ids"]} if choice.get("token_ids") is not None else {})
 
 
-async def chat_events(lines: AsyncIterator[str], prompt_ids: list[int]) -> AsyncIterator[bytes]:
-    """The completion's server-sent events as a chat's: chunks with choices rewritten, the first carrying
-    ``prompt_ids``; a usage chunk, an error event and ``[DONE]`` passed on."""
-    first = True
-    async for line in lines:
-        payload = line.removeprefix("data: ").strip()
-        if not line.startswith("data: ") or not payload:
-            continue
-        if payload == "[DONE]":
-            yield b"data: [DONE]\n\n"
-            return
-        chunk = json.loads(payload)
-        if "choices" in chunk:
-            chunk = chunk | {"object": CHAT_CHUNK, "choices": [chat_choice(c, first) for c in chunk["choices"]]}
-            if first and chunk["choices"]:
-                chunk["prompt_token_ids"] = prompt_ids
-                first = False
-        yield f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n".encode()
+class ChatChunks:
+    """Rewrites a completion's streamed chunks as a chat's (``hotweights.proxying.rewritten_events``): chunks with
+    choices rewritten, the first carrying ``prompt_ids``; a usage chunk and an error event as they are."""
+
+    def __init__(self, prompt_ids: list[int]) -> None:
+        self.prompt_ids, self.first = prompt_ids, True
+
+    def __call__(self, chunk: dict) -> dict:
+        if "choices" not in chunk:
+            return chunk
+        chunk = chunk | {"object": CHAT_CHUNK, "choices": [chat_choice(c, self.first) for c in chunk["choices"]]}
+        if self.first and chunk["choices"]:
+            chunk["prompt_token_ids"] = self.prompt_ids
+            self.first = False
+        return chunk

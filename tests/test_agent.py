@@ -6,6 +6,7 @@ run everywhere and in seconds.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -16,7 +17,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from tokenizers import Tokenizer
 
+from hotweights.cache.makemodel import MAX_TOKENIZER_VOCAB, PRESETS, tokenizer_json
 from hotweights.contract import WEIGHTS_HEADER, Endpoint
 from hotweights.ports import free_port
 from hotweights.spawn import hotweights_command
@@ -166,3 +169,44 @@ def test_the_agent_answers_hostile_bodies_with_a_short_4xx_and_never_relays_them
             assert conn.recv(100).split()[1] == b"413"  # announced, none of it sent: refused before it is read
     finally:
         process.kill()
+
+
+def test_a_stream_with_token_ids_is_relayed_with_each_chunks_ids_kept_with_their_text(tmp_path: Path) -> None:
+    """An engine that coalesces steps and holds back a character's text sends ids ahead of their text; the agent,
+    with the tokenizer of its engine command's ``--model``, relays each chunk with the ids whose text has been sent
+    (the rest with a later chunk), and any other stream byte for byte."""
+    tokenizer = Tokenizer.from_str(tokenizer_json(min(PRESETS["tiny"].vocab_size, MAX_TOKENIZER_VOCAB)))
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    engine = Path(__file__).with_name("coalescing_engine.py")
+    process = agent(tmp_path, sys.executable, str(engine), "--model", str(tmp_path), "{port}", role="primary")
+    try:
+        url = f"http://127.0.0.1:{process.port}"  # type: ignore[attr-defined]
+        ready = lambda: httpx.get(url + Endpoint.READY, timeout=5).status_code == 200  # noqa: E731
+        wait_until(lambda: _answers(ready), 60, "the agent ready")
+        engine_url = f"http://127.0.0.1:{httpx.get(url + Endpoint.LIVE).json()['engine']['port']}"
+        asked = {"prompt": "hi", "max_tokens": 99, "stream": True, "return_token_ids": True}
+        assert not all(_whole(tokenizer, _chunks(engine_url, asked)))  # some chunk ends inside a character
+        assert all(_whole(tokenizer, _chunks(url, asked)))
+        plain = {k: v for k, v in asked.items() if k != "return_token_ids"}
+        relayed = httpx.post(url + Endpoint.COMPLETIONS, json=plain, timeout=10)
+        assert relayed.content == httpx.post(engine_url + Endpoint.COMPLETIONS, json=plain, timeout=10).content
+    finally:
+        process.kill()
+
+
+def _chunks(url: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", url + Endpoint.COMPLETIONS, json=body, timeout=10) as response:
+        return [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+
+
+def _whole(tokenizer: Tokenizer, chunks: list[dict]) -> list[bool]:
+    """Per chunk but the last: whether the ids sent so far are exactly the text sent so far. Checks that the last
+    has every id and the whole text."""
+    released, sent, whole = [], "", []
+    for chunk in chunks:
+        (choice,) = chunk["choices"]
+        released += choice["token_ids"]
+        sent += choice["text"]
+        whole.append(tokenizer.decode(released) == sent)
+    assert released == tokenizer.encode(sent, add_special_tokens=False).ids and whole[-1]
+    return whole[:-1]

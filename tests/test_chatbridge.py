@@ -8,7 +8,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from hotweights.standby.chatbridge import bridgeable, chat_events, completion_body, tokenize_body
+from hotweights.proxying import rewritten_events
+from hotweights.standby.chatbridge import ChatChunks, bridgeable, completion_body, tokenize_body
 
 pytestmark = pytest.mark.unit
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -63,7 +64,7 @@ def test_completion_chunks_become_chat_chunks_with_the_prompts_ids_first() -> No
             yield line
 
     async def collect() -> list[bytes]:
-        return [event async for event in chat_events(source(), [1, 2])]
+        return [event async for event in rewritten_events(source(), ChatChunks([1, 2]))]
 
     events = asyncio.run(collect())
     assert events[-1] == b"data: [DONE]\n\n" and len(events) == 4
