@@ -60,7 +60,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from hotweights.admission import Admission, Verdict
+from hotweights.admission import Admission, Held, Verdict
 from hotweights.contract import NOT_NORMALIZED, forwardable_path
 from hotweights.controller.config import ClusterConfig
 from hotweights.controller.dcs import LeaderUrls
@@ -137,23 +137,24 @@ class Gateway(MigratingProxy):
         if suspect := self.guard.on_arrival(tracked):
             return self.answer(suspect)
         if not self.discovery.available.is_set():  # held under the failover rules, not admission's
-            return self.answer(await self.ending(self.forward(request, path, tracked, owed=True), tracked, False))
+            return self.answer(await self.ending(self.forward(request, path, tracked, owed=True), tracked, None))
         if request.method == "POST" and (full_s := self.discovery.full_for()):  # what the engines would answer
             self.metrics.admission.labels(Verdict.REFUSE.value).inc()
             message = f"overloaded: every primary engine is full; the soonest expects a slot in {full_s * 1000:.0f} ms"
             return self.answer(refusal(429, message, "overloaded"))
-        if refused := await self.admission.enter():
-            return self.answer(refusal(429, refused.reason, "overloaded"))
-        return self.answer(await self.ending(self.forward(request, path, tracked), tracked, True))
+        held = await self.admission.enter()
+        if not isinstance(held, Held):
+            return self.answer(refusal(429, held.reason, "overloaded"))
+        return self.answer(await self.ending(self.forward(request, path, tracked), tracked, held))
 
-    async def ending(self, forwarding: Awaitable[Response], tracked: Tracked, admitted: bool) -> Response:
+    async def ending(self, forwarding: Awaitable[Response], tracked: Tracked, held: Held | None) -> Response:
         """The response ``forwarding`` gives; once it ends (a relay or a migrating stream: when its last byte is
-        sent, or the client goes away), the request's end is told to the suspect rules and, when ``admitted``, its
-        admission slot given back."""
+        sent, or the client goes away), the request's end is told to the suspect rules and the admission slot it
+        ``held``, if any, given back."""
 
         async def end() -> None:
-            if admitted:
-                self.admission.leave()
+            if held is not None:
+                self.admission.leave(held)
             self.guard.finish(tracked)
 
         try:

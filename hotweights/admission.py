@@ -2,12 +2,13 @@
 
 At most ``running`` sequences are generated at a time. A request that finds no free slot waits for one, first come
 first served, while its expected start is within ``budget_s`` (an engine's ``queue_budget_s``): the time until as many
-slots as it needs have freed, from what the engine's scheduler has measured (``Timing``: each sequence it generates
-ends once its remaining tokens are done, at the time its rounds take now, and every slot then serves the sequences
-waiting ahead, one after another, a typical sequence's time each: ``expected_start``). Beyond the budget it is refused
-at once, 429 with the time after which one arriving would wait instead (``Refusal.admits_in_s``), so that a burst
-waits and is served while sustained overload is refused in milliseconds, what is admitted starting within the budget.
-Until the scheduler has timed a sequence every request waits; however long the budget, at most ``queue`` sequences
+slots as it needs have freed: each sequence the engine generates ends once its remaining tokens are done, at the time
+its rounds take now (``Timing``: what its scheduler has measured), and every slot then serves the sequences waiting
+ahead, one after another, each for as long as a request typically holds its slots (``Admission.hold_s``, measured
+here: its generation and what it costs around it): ``expected_start``. Beyond the budget it is refused at once, 429
+with the time after which one arriving would wait instead (``Refusal.admits_in_s``), so that a burst waits and is
+served while sustained overload is refused in milliseconds, what is admitted starting within the budget. Until a
+round and a request's hold have been timed every request waits; however long the budget, at most ``queue`` sequences
 wait (a bound for memory: ``MAX_WAITING`` on an engine; a gateway, which bounds what it proxies, lets none wait).
 
 An engine counts a request as the sequences it generates (``prompts``: a list of prompts takes a slot for each, all at
@@ -36,6 +37,7 @@ RETRY_AFTER_S = 1  # what a refusal tells the client to wait before it tries aga
 QUEUE_BUDGET_S = 10.0  # how long a request's expected start may be away for it to wait: ``ServingLimits``
 MAX_WAITING = 1024  # the most sequences an engine lets wait, whatever their expected start (memory)
 RESOLUTION_S = 1e-4  # how closely ``expected_start`` finds a time
+HOLD_WAVES = 4  # ``Admission.hold_s`` averages about the holds of this many times as many requests as it has slots
 
 
 @dataclass(frozen=True)
@@ -53,20 +55,21 @@ class ServingLimits:
 
 @dataclass(frozen=True)
 class LiveTimes:
-    """What a scheduler has measured of the sequences it generates: how long each has yet to go (its remaining
-    tokens at the time a round takes now) and a typical sequence's time, from its start to its last token (> 0)."""
+    """What an engine has measured: how long each sequence it generates has yet to go (its remaining tokens at the
+    time a round takes now) and how long a request typically holds its slots, from taking them to giving them back
+    (> 0)."""
 
     remaining_s: list[float]
-    sequence_s: float
+    hold_s: float
 
 
 def expected_start(times: LiveTimes, running: int, held: int, ahead: int) -> float:
     """Seconds until the ``ahead``-th slot to free from now (0: the first) frees, of ``running`` slots: those not
     ``held`` are free now; one held by a live sequence frees when it ends (``times.remaining_s``), one held by a
-    sequence not yet started (admitted, not yet live: ``held`` beyond the live ones) after a typical sequence's time;
-    each slot then frees again every typical sequence's time, as it serves those waiting. A request of ``n``
-    sequences behind ``waiting`` others starts once the ``waiting + n - 1``-th has freed."""
-    step = times.sequence_s
+    sequence not yet started (admitted, not yet live: ``held`` beyond the live ones) after a typical hold; each slot
+    then frees again every typical hold (``times.hold_s``), as it serves those waiting. A request of ``n`` sequences
+    behind ``waiting`` others starts once the ``waiting + n - 1``-th has freed."""
+    step = times.hold_s
     ends = sorted(times.remaining_s)[:running]
     ends += [step] * (min(held, running) - len(ends)) + [0.0] * (running - max(held, len(ends)))
 
@@ -113,6 +116,14 @@ class Refusal:
     admits_in_s: float | None = None
 
 
+@dataclass(frozen=True)
+class Held:
+    """The slots an admitted request holds, since when (``Admission.leave`` gives them back)."""
+
+    prompts: int
+    since: float  # monotonic time they were granted to it
+
+
 @dataclass
 class Slots:
     """``capacity`` slots, taken several at a time, first come first served: a taker waits until as many as it asks
@@ -120,7 +131,7 @@ class Slots:
 
     capacity: int
     free: int = field(init=False)
-    _waiters: deque[tuple[int, asyncio.Future[None]]] = field(init=False, default_factory=deque)
+    _waiters: deque[tuple[int, asyncio.Future[float]]] = field(init=False, default_factory=deque)
 
     def __post_init__(self) -> None:
         self.free = self.capacity
@@ -129,15 +140,16 @@ class Slots:
         """Whether ``n`` slots would be taken at once."""
         return not self._waiters and self.free >= n
 
-    async def take(self, n: int) -> None:
-        """Hold ``n`` slots (``give`` returns them); cancelled while it waits, it holds none."""
+    async def take(self, n: int) -> float:
+        """Hold ``n`` slots (``give`` returns them): the monotonic time they were granted, which for a taker that
+        waited is when another gave them back, not when it went on; cancelled while it waits, it holds none."""
         if self.available(n):
             self.free -= n
-            return
-        entry = (n, asyncio.get_running_loop().create_future())
+            return time.monotonic()
+        entry: tuple[int, asyncio.Future[float]] = (n, asyncio.get_running_loop().create_future())
         self._waiters.append(entry)
         try:
-            await entry[1]
+            return await entry[1]
         except BaseException:
             if entry[1].done() and not entry[1].cancelled():
                 self.give(n)  # granted as its wait ended
@@ -156,22 +168,21 @@ class Slots:
             n, future = self._waiters.popleft()
             if not future.done():
                 self.free -= n
-                future.set_result(None)
+                future.set_result(time.monotonic())
 
 
 class Timing(Protocol):
     """What an engine's scheduler has measured (``standby.scheduler.Scheduler``)."""
 
-    def live_times(self) -> LiveTimes | None: ...  # None until a round and a sequence have been timed
+    def remaining_s(self) -> list[float] | None: ...  # each live sequence's time to go; None until a round is timed
 
 
 @dataclass
 class Admission:
-    """``enter`` before serving, ``leave`` once answered (``prompts`` as it entered); ``waiting`` and ``serving``
-    count sequences. ``queue``: at most this many wait (0: none), owed requests aside; ``budget_s`` and ``timing``:
-    how far away a request's start may be for it to wait (module docstring; without ``timing``, room in the queue is
-    enough). ``on_verdict`` counts each arrival's verdict; ``on_wait`` gets the seconds a queued request waited once
-    it holds its slots."""
+    """``enter`` before serving, ``leave`` once answered; ``waiting`` and ``serving`` count sequences. ``queue``: at
+    most this many wait (0: none), owed requests aside; ``budget_s`` and ``timing``: how far away a request's start
+    may be for it to wait (module docstring; without ``timing``, room in the queue is enough). ``on_verdict`` counts
+    each arrival's verdict; ``on_wait`` gets the seconds a queued request waited once it holds its slots."""
 
     running: int
     queue: int = MAX_WAITING
@@ -181,38 +192,46 @@ class Admission:
     on_wait: Callable[[float], None] = lambda _: None
     waiting: int = 0  # sequences queued now
     serving: int = 0  # sequences holding a slot now
+    hold_s: float = 0.0  # how long a request held its slots, averaged over the last HOLD_WAVES waves (0: none yet)
     _slots: Slots = field(init=False)
 
     def __post_init__(self) -> None:
         self._slots = Slots(self.running)
 
-    async def enter(self, owed: bool = False, prompts: int = 1) -> Refusal | None:
-        """None once a slot for each of the request's ``prompts`` is held (``leave`` gives them back), after a wait
-        when none was free; the refusal otherwise, at once. ``owed``: a request owed to a failover (module
+    async def enter(self, owed: bool = False, prompts: int = 1) -> Refusal | Held:
+        """The slots for each of the request's ``prompts`` once it holds them (``leave`` gives them back), after a
+        wait when none was free; the refusal otherwise, at once. ``owed``: a request owed to a failover (module
         docstring). ``prompts`` must not exceed ``running`` (it would wait for ever)."""
         slot_free = self._slots.available(prompts)
-        times = None if slot_free or self.timing is None else self.timing.live_times()
+        times = None if slot_free else self._times()
         start = self._start(times, self.waiting + prompts - 1)
         decided = verdict(slot_free, owed, self.waiting + prompts <= self.queue, start, self.budget_s)
         self.on_verdict(decided)
         if decided is Verdict.REFUSE:
             return self._refusal(times, start, prompts)
         if decided is Verdict.ADMIT:
-            await self._slots.take(prompts)  # free: returns at once
+            granted = await self._slots.take(prompts)  # free: returns at once
         else:
-            await self._wait(prompts)
+            granted = await self._wait(prompts)
         self.serving += prompts
-        return None
+        return Held(prompts, granted)
 
-    async def _wait(self, prompts: int) -> None:
-        """Hold ``prompts`` slots once they are this request's turn; cancelled (its client gone), it holds none."""
+    async def _wait(self, prompts: int) -> float:
+        """Hold ``prompts`` slots once they are this request's turn (``Slots.take``: when they were granted);
+        cancelled (its client gone), it holds none."""
         self.waiting += prompts
         queued_at = time.monotonic()
         try:
-            await self._slots.take(prompts)
+            granted = await self._slots.take(prompts)
         finally:
             self.waiting -= prompts
         self.on_wait(time.monotonic() - queued_at)
+        return granted
+
+    def _times(self) -> LiveTimes | None:
+        """What ``expected_start`` needs, once a round and a request's hold have been timed."""
+        remaining_s = None if self.timing is None else self.timing.remaining_s()
+        return None if remaining_s is None or not self.hold_s else LiveTimes(remaining_s, self.hold_s)
 
     def _start(self, times: LiveTimes | None, ahead: int) -> float | None:
         """``expected_start`` of the ``ahead``-th slot to free; None while nothing is timed."""
@@ -231,7 +250,14 @@ class Admission:
         reason = f"overloaded: {self.serving} being served and {self.waiting} waiting, the most that may wait"
         return Refusal(reason, self._start(times, self.waiting + prompts - self.queue - 1))
 
-    def leave(self, prompts: int = 1) -> None:
-        """Give the slots back; ``prompts``: as the request entered."""
-        self.serving -= prompts
-        self._slots.give(prompts)
+    def leave(self, held: Held) -> None:
+        """Give ``held`` back; how long it was held, from its grant, counts in ``hold_s``: the time a slot is busy
+        with a request, what it takes on the event loop before the request goes on included."""
+        self.serving -= held.prompts
+        self.hold_s = _averaged(self.hold_s, time.monotonic() - held.since, 1 / (HOLD_WAVES * self.running))
+        self._slots.give(held.prompts)
+
+
+def _averaged(average: float, value: float, weight: float) -> float:
+    """An exponentially weighted average with ``value`` in at ``weight``; the first value as it is."""
+    return value if not average else (1 - weight) * average + weight * value

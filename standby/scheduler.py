@@ -47,7 +47,6 @@ from dataclasses import dataclass
 
 import torch
 
-from hotweights.admission import LiveTimes
 from hotweights.standby.decoder import Decoder
 from hotweights.standby.kvshare import REQUEST_TIMEOUT_S, KvShare, SlotLedger
 from hotweights.standby.progress import ProgressClock, averaged, padded
@@ -101,7 +100,6 @@ class Sequence:
         self.token = 0  # the last token sampled: the next one fed
         self.generated = 0
         self.seed = 0  # the request's seed, or a fresh one (see ``sampling.token_seed``)
-        self.submitted = time.monotonic()
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -137,7 +135,6 @@ class Scheduler:
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="inference", daemon=True)
         self._round_s = 0.0  # a round's time (a token for every active sequence, newcomers' prefills), averaged
-        self._completion_s = 0.0  # a completed sequence's time from submit to its last token, averaged
 
     # --- called from other threads -------------------------------------------------------------
 
@@ -174,13 +171,12 @@ class Scheduler:
         for seq in seqs:
             seq.sink(Finish("error", "the inference thread has stopped"))
 
-    def live_times(self) -> LiveTimes | None:
-        """What admission needs to know when a waiting sequence starts (``hotweights.admission.LiveTimes``): each
-        live sequence's remaining tokens at this worker's measured round time, and its measured completion time (a
-        sequence's, from submit to its last token); None until both have been measured."""
-        if not (self._round_s and self._completion_s):
+    def remaining_s(self) -> list[float] | None:
+        """How long each live sequence has yet to go: its remaining tokens at this worker's measured round time
+        (``hotweights.admission.Timing``); None until a round has been timed."""
+        if not self._round_s:
             return None
-        return LiveTimes([tokens * self._round_s for tokens in self._remaining()], self._completion_s)
+        return [tokens * self._round_s for tokens in self._remaining()]
 
     def _remaining(self) -> list[int]:
         """The tokens each live sequence has yet to generate."""
@@ -459,8 +455,6 @@ class Scheduler:
         self._retire(seq, Finish("error", f"{type(exc).__name__}: {exc}"))
 
     def _retire(self, seq: Sequence, finish: Finish) -> None:
-        if finish.reason in ("stop", "length"):
-            self._completion_s = averaged(self._completion_s, time.monotonic() - seq.submitted)
         if seq in self._active:
             self._active.remove(seq)
         seq.logits = seq.greedy = None

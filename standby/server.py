@@ -24,7 +24,7 @@ from pydantic.json_schema import models_json_schema
 from starlette.types import Receive, Scope, Send
 from tokenizers import Tokenizer
 
-from hotweights.admission import Admission, Refusal, retry_after
+from hotweights.admission import Admission, Held, Refusal, retry_after
 from hotweights.contract import ADMITS_IN_HEADER, OWED_HEADER, REPLAY_HEADER, WEIGHTS_HEADER, Endpoint
 from hotweights.httpguard import parsed_json, short
 from hotweights.requestschema import ChatRequest, CompletionRequest, Invalid, SamplingRequest
@@ -193,8 +193,9 @@ def build_app(ctx: EngineContext) -> FastAPI:
             message = f"model {short(request.model)!r} is not served here; try {ctx.model_name!r}"
             return error(404, message, "not_found_error", "model")
         prompts = request.prompt_count
-        if refused := await ctx.admission.enter(owed, prompts):
-            return overloaded(refused)
+        held = await ctx.admission.enter(owed, prompts)
+        if isinstance(held, Refusal):
+            return overloaded(held)
         handed_over = False  # to the run, whose close gives the admission slots back
         try:
             prompt_ids = await intake.prompt_ids(request, size)
@@ -203,12 +204,14 @@ def build_app(ctx: EngineContext) -> FastAPI:
             if reason := roles.serving_refusal():  # it may have changed while the request waited
                 return unavailable(reason)
             handed_over = True
-            return await serve(request, prompt_ids, api, replay)
+            return await serve(request, prompt_ids, api, held, replay)
         finally:
             if not handed_over:
-                ctx.admission.leave(prompts)
+                ctx.admission.leave(held)
 
-    async def serve(request: SamplingRequest, prompt_ids: list[list[int]], api: Api, replay: int = 0) -> Response:
+    async def serve(
+        request: SamplingRequest, prompt_ids: list[list[int]], api: Api, held: Held, replay: int = 0
+    ) -> Response:
         roles.admit()
         run = CompletionRun.start(
             request, ctx.model_name, prompt_ids, ctx.tokenizer, ctx.stop_ids, ctx.scheduler, api, replay
@@ -217,7 +220,7 @@ def build_app(ctx: EngineContext) -> FastAPI:
         def close() -> None:
             run.cancel()
             roles.release()
-            ctx.admission.leave(len(prompt_ids))
+            ctx.admission.leave(held)
             usage = run.usage()
             metrics.prompt_tokens.inc(usage["prompt_tokens"])
             metrics.completion_tokens.inc(usage["completion_tokens"])

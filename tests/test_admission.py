@@ -10,8 +10,10 @@ from dataclasses import dataclass
 import pytest
 
 from hotweights.admission import (
+    HOLD_WAVES,
     RETRY_AFTER_S,
     Admission,
+    Held,
     LiveTimes,
     Refusal,
     Verdict,
@@ -24,7 +26,7 @@ pytestmark = pytest.mark.unit
 
 
 @pytest.mark.parametrize(
-    ("remaining_s", "sequence_s", "running", "held", "ahead", "expected"),
+    ("remaining_s", "hold_s", "running", "held", "ahead", "expected"),
     [
         ([0.3, 0.3, 0.3, 0.3], 0.32, 4, 4, 0, 0.3),  # a wave ends together
         ([0.3, 0.3, 0.3, 0.3], 0.32, 4, 4, 3, 0.3),
@@ -37,15 +39,15 @@ pytestmark = pytest.mark.unit
         ([5.0, 0.1], 1.0, 2, 2, 5, 5.0),
         ([0.5, 0.5], 1.0, 4, 2, 1, 0.0),  # free slots
         ([0.5, 0.5], 1.0, 4, 2, 2, 0.5),
-        ([0.5], 1.0, 2, 2, 1, 1.0),  # a slot held by a sequence not yet started: a whole sequence's time
+        ([0.5], 1.0, 2, 2, 1, 1.0),  # a slot held by a sequence not yet started: a whole hold
         ([0.5], 1.0, 2, 2, 2, 1.5),
         ([0.2, 0.9], 1.0, 1, 1, 0, 0.2),  # more live than slots (one cancelled, not yet unwound): the soonest
     ],
 )
 def test_a_waiting_request_starts_when_the_slot_it_waits_for_frees(
-    remaining_s: list[float], sequence_s: float, running: int, held: int, ahead: int, expected: float
+    remaining_s: list[float], hold_s: float, running: int, held: int, ahead: int, expected: float
 ) -> None:
-    found = expected_start(LiveTimes(remaining_s, sequence_s), running, held, ahead)
+    found = expected_start(LiveTimes(remaining_s, hold_s), running, held, ahead)
     assert found == pytest.approx(expected, abs=1e-3)
 
 
@@ -75,36 +77,52 @@ def test_retry_after_is_the_whole_seconds_until_a_request_would_wait(admits_in_s
 
 @dataclass
 class Times:
-    """A scheduler's times as a test sets them (``hotweights.admission.Timing``); None: nothing timed yet."""
+    """A scheduler's times as a test sets them (``hotweights.admission.Timing``); None: no round timed yet."""
 
-    times: LiveTimes | None = None
+    remaining: list[float] | None = None
 
-    def live_times(self) -> LiveTimes | None:
-        return self.times
+    def remaining_s(self) -> list[float] | None:
+        return self.remaining
 
 
-async def queued(admission: Admission, n: int, owed: bool = False) -> list[asyncio.Task[Refusal | None]]:
+def served(answers: list[Refusal | Held]) -> bool:
+    return all(isinstance(answer, Held) for answer in answers)
+
+
+async def queued(admission: Admission, n: int, owed: bool = False) -> list[asyncio.Task[Refusal | Held]]:
     """``n`` requests that arrive now, once each has been decided (a refused one is done, a queued one waits)."""
     tasks = [asyncio.create_task(admission.enter(owed)) for _ in range(n)]
     await asyncio.sleep(0)
     return tasks
 
 
+async def release(admission: Admission, entered: list[Refusal | Held | asyncio.Task[Refusal | Held]]) -> None:
+    """Each request of ``entered`` that holds slots gives them back in turn, once it holds them."""
+    for each in entered:
+        held = await each if isinstance(each, asyncio.Task) else each
+        if isinstance(held, Held):
+            admission.leave(held)
+        await asyncio.sleep(0)
+
+
 def test_before_anything_is_timed_a_burst_waits_and_is_served_in_order() -> None:
     async def scenario() -> tuple[list[Verdict], list[int]]:
         seen: list[Verdict] = []
-        admission = Admission(2, budget_s=0.0, timing=Times(), on_verdict=seen.append)
+        admission = Admission(2, budget_s=0.0, timing=Times([0.5, 0.5]), on_verdict=seen.append)  # no hold timed
         order: list[int] = []
+        holds: list[Held] = []
 
         async def enter(i: int) -> None:
-            assert await admission.enter() is None
+            held = await admission.enter()
+            assert isinstance(held, Held)
+            holds.append(held)
             order.append(i)
 
         tasks = [asyncio.create_task(enter(i)) for i in range(10)]
         await asyncio.sleep(0)
         assert (admission.serving, admission.waiting) == (2, 8)
         for _ in range(10):
-            admission.leave()
+            admission.leave(holds.pop(0))
             await asyncio.sleep(0)
         await asyncio.gather(*tasks)
         return seen, order
@@ -119,19 +137,18 @@ def test_a_request_waits_while_its_start_is_within_the_budget_and_is_refused_at_
     slot are expected at 0.4 and 0.8 s and wait; the third, at 1.2 s, is refused, told that one arriving 0.2 s later
     would wait."""
 
-    async def scenario() -> tuple[list[Refusal | None], Refusal | None]:
-        admission = Admission(1, budget_s=1.0, timing=Times(LiveTimes([0.4], 0.4)))
-        assert await admission.enter() is None
+    async def scenario() -> tuple[list[Refusal | Held], Refusal | Held]:
+        admission = Admission(1, budget_s=1.0, timing=Times([0.4]), hold_s=0.4)
+        first = await admission.enter()
         waiting = await queued(admission, 2)
         refused = await admission.enter()
-        for _ in range(3):
-            admission.leave()
-            await asyncio.sleep(0)
+        await release(admission, [first, *waiting])
         return [await task for task in waiting], refused
 
     waited, refused = asyncio.run(scenario())
-    assert waited == [None, None]
-    assert refused is not None and "a slot is expected in 1.2 s, beyond the queue budget of 1 s" in refused.reason
+    assert served(waited)
+    assert isinstance(refused, Refusal)
+    assert "a slot is expected in 1.2 s, beyond the queue budget of 1 s" in refused.reason
     assert refused.admits_in_s == pytest.approx(0.2, abs=1e-3)
 
 
@@ -140,104 +157,118 @@ def test_a_request_of_several_prompts_waits_as_that_many_sequences() -> None:
     two slots to free (now and at 0.3 s); one of one prompt behind it, for the third (the free one again, a sequence
     of 1 s later): beyond a budget of 0.9 s."""
 
-    async def scenario() -> tuple[Refusal | None, Refusal | None, int]:
-        admission = Admission(2, budget_s=0.9, timing=Times(LiveTimes([0.3], 1.0)))
-        assert await admission.enter() is None
+    async def scenario() -> tuple[Refusal | Held, Refusal | Held, int]:
+        admission = Admission(2, budget_s=0.9, timing=Times([0.3]), hold_s=1.0)
+        first = await admission.enter()
         pair = asyncio.create_task(admission.enter(prompts=2))
         await asyncio.sleep(0)
         waiting = admission.waiting
         single = await admission.enter()
-        admission.leave()
+        await release(admission, [first])
         return await pair, single, waiting
 
     pair, single, waiting = asyncio.run(scenario())
-    assert pair is None and waiting == 2
-    assert single is not None and single.admits_in_s == pytest.approx(0.1, abs=1e-3)
+    assert isinstance(pair, Held) and pair.prompts == 2 and waiting == 2
+    assert isinstance(single, Refusal) and single.admits_in_s == pytest.approx(0.1, abs=1e-3)
 
 
 def test_an_owed_request_waits_whatever_its_start_and_the_queue() -> None:
     """Past the budget and past a full queue, a request owed to a failover waits its turn; a fresh one meets both."""
 
-    async def scenario() -> tuple[list[Refusal | None], Refusal | None, int]:
-        admission = Admission(1, queue=1, budget_s=0.5, timing=Times(LiveTimes([2.0], 2.0)))
-        assert await admission.enter() is None
+    async def scenario() -> tuple[list[Refusal | Held], Refusal | Held, int]:
+        admission = Admission(1, queue=1, budget_s=0.5, timing=Times([2.0]), hold_s=2.0)
+        first = await admission.enter()
         owed = await queued(admission, 3, owed=True)
         fresh = await admission.enter()
         waiting = admission.waiting
-        for _ in range(4):
-            admission.leave()
-            await asyncio.sleep(0)
+        await release(admission, [first, *owed])
         return [await task for task in owed], fresh, waiting
 
     owed, fresh, waiting = asyncio.run(scenario())
-    assert owed == [None] * 3 and waiting == 3
-    assert fresh is not None and "beyond the queue budget" in fresh.reason
+    assert served(owed) and waiting == 3
+    assert isinstance(fresh, Refusal) and "beyond the queue budget" in fresh.reason
 
 
-@pytest.mark.parametrize(
-    ("times", "admits_in_s"), [(None, None), (LiveTimes([0.4], 0.4), 0.4)], ids=["untimed", "timed"]
-)
-def test_a_full_queue_refuses_and_says_when_it_has_room(times: LiveTimes | None, admits_in_s: float | None) -> None:
+@pytest.mark.parametrize(("hold_s", "admits_in_s"), [(0.0, None), (0.4, 0.4)], ids=["untimed", "timed"])
+def test_a_full_queue_refuses_and_says_when_it_has_room(hold_s: float, admits_in_s: float | None) -> None:
     """One slot, a queue of two, a budget no start reaches: the third to find no slot is refused; timed, it is told
     that the queue has room once the slot held now frees and the first waiting starts."""
 
-    async def scenario() -> Refusal | None:
-        admission = Admission(1, queue=2, budget_s=100.0, timing=Times(times))
-        assert await admission.enter() is None
+    async def scenario() -> Refusal | Held:
+        admission = Admission(1, queue=2, budget_s=100.0, timing=Times([0.4]), hold_s=hold_s)
+        first = await admission.enter()
         waiting = await queued(admission, 2)
         refused = await admission.enter()
-        for _ in range(3):
-            admission.leave()
-            await asyncio.sleep(0)
-        await asyncio.gather(*waiting)
+        await release(admission, [first, *waiting])
         return refused
 
     refused = asyncio.run(scenario())
-    assert refused is not None and "1 being served and 2 waiting, the most that may wait" in refused.reason
+    assert isinstance(refused, Refusal) and "1 being served and 2 waiting, the most that may wait" in refused.reason
     assert refused.admits_in_s == (pytest.approx(admits_in_s, abs=1e-3) if admits_in_s is not None else None)
 
 
 def test_without_a_queue_a_full_server_refuses_at_once() -> None:
     """A gateway's admission: as many proxied at once as it may, none waiting, nothing timed."""
 
-    async def scenario() -> tuple[Refusal | None, Refusal | None]:
+    async def scenario() -> tuple[Refusal | Held, Refusal | Held]:
         admission = Admission(1, queue=0)
-        assert await admission.enter() is None
+        first = await admission.enter()
         refused = await admission.enter()
-        admission.leave()
+        await release(admission, [first])
         return refused, await admission.enter()
 
     refused, again = asyncio.run(scenario())
-    assert refused is not None and refused.admits_in_s is None
-    assert again is None
+    assert isinstance(refused, Refusal) and refused.admits_in_s is None
+    assert isinstance(again, Held)
 
 
 def test_a_request_whose_client_goes_away_while_it_waits_leaves_the_line() -> None:
-    async def scenario() -> tuple[int, Refusal | None]:
+    async def scenario() -> tuple[int, Refusal | Held]:
         admission = Admission(1, timing=Times())
-        assert await admission.enter() is None
+        first = await admission.enter()
         gone, behind = await queued(admission, 2)
         gone.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await gone
         waiting = admission.waiting
-        admission.leave()
+        await release(admission, [first])
         return waiting, await behind
 
     waiting, behind = asyncio.run(scenario())
-    assert waiting == 1 and behind is None
+    assert waiting == 1 and isinstance(behind, Held)
 
 
 def test_a_queued_request_reports_how_long_it_waited_for_its_slot() -> None:
     async def scenario() -> list[float]:
         waits: list[float] = []
         admission = Admission(1, on_wait=waits.append)
-        assert await admission.enter() is None  # served at once: no wait reported
+        first = await admission.enter()  # served at once: no wait reported
         waiter = asyncio.create_task(admission.enter())
         await asyncio.sleep(0.05)  # the time it waits
-        admission.leave()
-        assert await waiter is None
+        await release(admission, [first])
+        assert isinstance(await waiter, Held)
         return waits
 
     waits = asyncio.run(scenario())
     assert len(waits) == 1 and 0.05 <= waits[0] < 5.0, waits
+
+
+def test_a_request_s_hold_is_measured_from_taking_its_slots_to_giving_them_back() -> None:
+    """The first hold is taken as it is, later ones averaged in, each from when its slot was granted (for one that
+    waited, when the one before gave it back); until one has been given back nothing is timed and every request
+    waits, whatever the budget."""
+
+    async def scenario() -> tuple[float, float, Refusal | Held]:
+        admission = Admission(1, budget_s=0.0, timing=Times([1.0]))
+        first = await admission.enter()
+        waiting = await queued(admission, 1)  # nothing timed: it waits
+        await asyncio.sleep(0.05)
+        await release(admission, [first])
+        one = admission.hold_s
+        await release(admission, waiting)
+        return one, admission.hold_s, await admission.enter()
+
+    one, two, third = asyncio.run(scenario())
+    assert 0.05 <= one < 5.0
+    assert (1 - 1 / HOLD_WAVES) * one <= two < one  # a short one averaged in (one slot: a wave is one request)
+    assert isinstance(third, Held)
