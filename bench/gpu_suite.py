@@ -48,6 +48,8 @@ Steps, each a subprocess with its own time limit, so one failure or hang cannot 
             warm up
   storm_xl  the same with a fault every 3 s, SIGKILL and SIGSTOP alternating, 8 warmed spares
   overload_medium  bench/overload.py on medium: admitted latency and refusals at 1x, 2x and 5x the measured capacity
+  concurrency_xl  bench/concurrency.py on xl: two bursts of 64 concurrent greedy streams of 256 tokens through
+            hotweights up with its defaults (refused, errors, tokens/s)
   migration_xl  bench/migration.py on xl: 64 greedy streams of 256 tokens in flight through the gateway at a SIGKILL
             and at a SIGSTOP of the primary (broken and mismatched streams, the largest gap at the cut)
   invariance_xl  bench/invariance.py on xl: which step shapes (prefill rows, decode batch size, KV length bucket,
@@ -148,6 +150,10 @@ def steps(workdir: Path, out: Path) -> dict[str, tuple[list[str], int]]:
             540,
         ),
         "overload_medium": (f"{make('medium', medium)} && {bench}/overload.py --device cuda:0 --model {medium}", 300),
+        "concurrency_xl": (
+            f"{make('xl', xl)} && {bench}/concurrency.py --model {xl} --device cuda:0 --streams 64 --max-tokens 256",
+            540,
+        ),
         "migration_xl": (
             f"{make('xl', xl)} && {migration}",
             540,

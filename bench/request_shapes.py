@@ -19,9 +19,9 @@ after the other (their bodies encoded beforehand, so the bench's own loop stays 
 Per shape: how its requests were answered (status -> count, and the first refusal's message), their mean time,
 the health checks' p99 and max, the other clients' p99 and its ratio to the quiet p99, how many of theirs were
 refused (429: a request of several prompts takes a slot for each, so while ``batch`` waits for its slots the
-others meet a full queue) and any other error. Over the run: the controller's ``failover`` and ``fence`` events
-(none is planned here, so each is one the requests caused), and the sentence of each, and of each ``detect``
-(``incidents``). Targets: health p99 <= 50 ms, the clients' p99 <= 2x
+others wait behind it, refused once their expected start passes the queue budget) and any other error. Over the
+run: the controller's ``failover`` and ``fence`` events (none is planned here, so each is one the requests caused),
+and the sentence of each, and of each ``detect`` (``incidents``). Targets: health p99 <= 50 ms, the clients' p99 <= 2x
 quiet, no failover, no client error.
 
 The last stdout line is one JSON object. The stack is stopped at the end (``hotweights down``, then its process
@@ -81,9 +81,10 @@ def shape_body(shape: str, scale: float, max_tokens: int) -> tuple[str, dict]:
 
 
 class UpStack:
-    """``hotweights up`` with its defaults, on free ports in a temp dir; ``close`` stops it all."""
+    """``hotweights up`` with its defaults (its group on ``device``), on free ports in a temp dir; ``close`` stops it
+    all."""
 
-    def __init__(self, model: str | None) -> None:
+    def __init__(self, model: str | None, device: str = "cpu") -> None:
         self.root = Path(tempfile.mkdtemp(prefix="hwrs-", dir="/tmp"))
         base_port = free_ports(5, consecutive=True)[0]  # three engines, the controller, the gateway
         controller_port, self.gateway_port = base_port + 3, base_port + 4
@@ -91,7 +92,7 @@ class UpStack:
         self.config = self.root / "cluster.toml"
         self.config.write_text(
             f'[cluster]\nport = {controller_port}\nstate_dir = "{self.root / "state"}"\n\n{model_section}'
-            f"[[groups]]\nbase_port = {base_port}\n\n[gateway]\nport = {self.gateway_port}\n"
+            f'[[groups]]\ndevice = "{device}"\nbase_port = {base_port}\n\n[gateway]\nport = {self.gateway_port}\n'
         )
         self.env = {**os.environ, "HOTWEIGHTS_RUNTIME_DIR": str(self.root / "run")}
         self.api = httpx.Client(base_url=f"http://127.0.0.1:{controller_port}", timeout=5.0)
@@ -134,8 +135,8 @@ class UpStack:
 
 
 @contextlib.contextmanager
-def up_stack(model: str | None) -> Iterator[UpStack]:
-    stack = UpStack(model)
+def up_stack(model: str | None, device: str = "cpu") -> Iterator[UpStack]:
+    stack = UpStack(model, device)
     try:
         yield stack
     finally:
