@@ -24,7 +24,10 @@ from hotweights.state import read_state
 log = logging.getLogger(__name__)
 
 STATE_POLL_S = 1.0  # how often the controller's state file is re-read for engines added at runtime
-FULL_DEFAULT_S = 0.01  # how long an engine that answered 429 without ADMITS_IN_HEADER gets no fresh request
+# The least time an engine that answered a fresh request 429 gets no other (its ADMITS_IN_HEADER may say more): it
+# refuses only once its queue holds its budget's worth of work, which a pause this short cannot empty, and each
+# refusal it answers itself costs the event loop that feeds its inference thread.
+FULL_MIN_S = 0.05
 FULL_MAX_S = float(RETRY_AFTER_S)  # the longest it gets none, whatever its header says
 
 
@@ -62,13 +65,13 @@ class Upstream:
 
 def refused(upstream: Upstream, response: httpx.Response) -> None:
     """``upstream`` answered a fresh request 429: it is full for as long as its ``ADMITS_IN_HEADER`` says
-    (``FULL_DEFAULT_S`` without one, at most ``FULL_MAX_S``). Fresh requests go to another primary meanwhile, or
+    (at least ``FULL_MIN_S``, at most ``FULL_MAX_S``). Fresh requests go to another primary meanwhile, or
     are refused by the gateway, so an overloaded engine spends no time on refusals it would answer alike."""
     try:
         full_s = int(response.headers[ADMITS_IN_HEADER]) / 1000
     except (KeyError, ValueError):
-        full_s = FULL_DEFAULT_S
-    upstream.full_until = time.monotonic() + min(max(full_s, 0.0), FULL_MAX_S)
+        full_s = 0.0
+    upstream.full_until = time.monotonic() + min(max(full_s, FULL_MIN_S), FULL_MAX_S)
 
 
 def engine_urls_in_state(state_file: Path, host: str = "127.0.0.1") -> list[str]:

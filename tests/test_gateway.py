@@ -25,7 +25,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from hotweights.contract import ADMITS_IN_HEADER, REPLAY_HEADER, SUSPECT_REQUEST, Endpoint
-from hotweights.controller.discovery import Discovery, Upstream, cuts
+from hotweights.controller.discovery import FULL_MAX_S, FULL_MIN_S, Discovery, Upstream, cuts, refused
 from hotweights.ports import free_port
 from hotweights.spawn import hotweights_command
 from hotweights.standby.serving import bind_port
@@ -491,6 +491,21 @@ class FullUpstreams(ThreadedUpstreams):
                 self.reply(429, body.encode(), {"retry-after": "1", ADMITS_IN_HEADER: "1000"})
 
         return Handler
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("admits_in_ms", "full_s"),
+    [(None, FULL_MIN_S), ("0", FULL_MIN_S), ("20", FULL_MIN_S), ("300", 0.3), ("99999", FULL_MAX_S), ("x", FULL_MIN_S)],
+)
+def test_an_engine_that_refused_gets_no_fresh_request_for_as_long_as_it_says_within_bounds(
+    admits_in_ms: str | None, full_s: float
+) -> None:
+    """At least ``FULL_MIN_S`` (an engine refuses only with its queue budget's worth waiting), at most a second."""
+    upstream = Upstream("http://127.0.0.1:1")
+    before = time.monotonic()
+    refused(upstream, httpx.Response(429, headers={ADMITS_IN_HEADER: admits_in_ms} if admits_in_ms else {}))
+    assert upstream.full_until - before == pytest.approx(full_s, abs=0.01)
 
 
 def test_engines_that_refused_get_no_fresh_request_until_they_expect_to_queue_one(tmp_path: Path) -> None:
