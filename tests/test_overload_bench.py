@@ -28,7 +28,9 @@ def test_overload_answers_every_request_with_a_completion_or_a_refusal() -> None
     assert at5["admitted"] > 0 and at5["refused"] > at5["admitted"], at5
     assert at5["admitted"] + at5["refused"] == at5["sent"]
     assert result["loads"]["1x"]["admitted"] > 0
-    assert set(at5["engine_mean_ms"]) == {"queue_wait", "first_token", "service", "queued"}
+    means = at5["engine_mean_ms"]  # queue_wait only where some request waited (a slow machine's refuses them all)
+    assert {"first_token", "service", "queued"} <= set(means) <= {"queue_wait", "first_token", "service", "queued"}
+    assert ("queue_wait" in means) == (means["queued"] > 0), means
 
 
 @pytest.mark.timeout(300)
