@@ -22,7 +22,7 @@ import httpx
 import pytest
 from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
 
-from hotweights.admission import Admission, Slots
+from hotweights.admission import Admission, Held, Refusal, Slots
 from hotweights.cache.loadspec import LoadSpec
 from hotweights.contract import Endpoint
 from hotweights.controller.config import HealthSection
@@ -189,22 +189,23 @@ def test_slots_are_taken_several_at_a_time_first_come_first_served() -> None:
 
 @pytest.mark.unit
 def test_admission_counts_a_request_as_its_prompts() -> None:
-    """Four slots and a queue of one: three prompts are served at once; two more wait (the queue had room for the
-    first of them), so the next request finds the queue full; the three answered, the two start."""
+    """Four slots and room for two waiting: three prompts are served at once; two more wait, so the next request
+    finds the queue full; the three answered, the two start."""
 
-    async def scenario() -> tuple[str | None, int, int]:
-        admission = Admission(4, 1, 5.0)
-        assert await admission.enter(prompts=3) is None
+    async def scenario() -> tuple[Refusal | Held, int, int]:
+        admission = Admission(4, queue=2)
+        first = await admission.enter(prompts=3)
+        assert isinstance(first, Held) and first.prompts == 3
         waiter = asyncio.create_task(admission.enter(prompts=2))
         await asyncio.sleep(0)
         assert (admission.serving, admission.waiting) == (3, 2)
         refused = await admission.enter()
-        admission.leave(prompts=3)
-        assert await waiter is None
+        admission.leave(first)
+        assert isinstance(await waiter, Held)
         return refused, admission.serving, admission.waiting
 
     refused, serving, waiting = asyncio.run(scenario())
-    assert refused is not None and "2 are waiting" in refused
+    assert isinstance(refused, Refusal) and "2 waiting, the most that may wait" in refused.reason, refused
     assert (serving, waiting) == (2, 0)
 
 
