@@ -7,7 +7,8 @@ worker must finish within ``stall_bound_s`` of the previous one's end (or of the
 pending): a decode step (a token for every active sequence), a prefill, a call to the cache daemon. The bound is
 STALL_FACTOR times the expected duration of the operation in flight, never below STALL_FLOOR_S:
 
-- a decode step: the engine's decode steps, averaged;
+- a decode step, or the time between operations: the engine's decode steps, averaged (none decoded yet: no bound
+  but the loop's heartbeat, as below: an engine just promoted is not judged before it has measured a step);
 - a prefill: the measured time of its shape (prompts, padded length: the fixed shapes of ``standby.decoder``), its
   own where that shape ran before (at warm-up or since), else the least that a measured shape gives when scaled up
   (``expected_prefill_s``), so a long prompt is allowed its long prefill; none measured at all (the first prefill
@@ -68,7 +69,7 @@ class Progress:
 def stall_bound_s(progress: Progress) -> float | None:
     """How long the worker may go without progress now (module docstring); None: no bound (nothing measured to
     expect the operation in flight by)."""
-    expected = progress.step.expected_s if progress.step is not None else progress.decode_s
+    expected = progress.step.expected_s if progress.step is not None else progress.decode_s or None
     return None if expected is None else max(STALL_FLOOR_S, STALL_FACTOR * expected)
 
 
