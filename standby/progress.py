@@ -40,7 +40,7 @@ from hotweights.standby.kvshare import REQUEST_TIMEOUT_S
 log = logging.getLogger(__name__)
 
 STALL_FLOOR_S = 1.0  # the least time without progress, work pending, that makes the engine unhealthy
-STALL_FACTOR = 5.0  # how many times its expected duration an operation of the worker may take
+STALL_FACTOR = 10.0  # how many times its expected duration an operation of the worker may take (a loaded host)
 SMOOTHING = 0.2  # the weight of the newest measurement in an engine's averaged times
 FREEZE_SIGNAL = signal.SIGUSR2  # freezes the inference thread for good (the drill's stall fault)
 

@@ -54,10 +54,10 @@ def step(expected_s: float | None, what: str = "a decode step of 1 row(s)") -> S
         (Progress(0, 0.0, None, 0.01), 100.0, None),  # nothing pending: idle, never stalled
         (Progress(2, 100.0, None, 0.01), 100.9, None),  # between operations: the floor
         (Progress(2, 100.0, None, 0.01), 101.1, "no progress for 1.1 s with 2 sequence(s) pending (its bound: 1.0 s)"),
-        (Progress(1, 100.0, None, 0.5), 102.4, None),  # slow steps: five of them
-        (Progress(1, 100.0, None, 0.5), 102.6, "no progress for 2.6 s with 1 sequence(s) pending (its bound: 2.5 s)"),
-        (Progress(1, 100.0, step(1.0), 0.01), 104.9, None),  # the step in flight expects a second
-        (Progress(1, 100.0, step(1.0), 0.01), 105.5, "pending, in a decode step of 1 row(s) for 5.5 s (its bound: 5.0"),
+        (Progress(1, 100.0, None, 0.5), 104.9, None),  # slow steps: ten of them
+        (Progress(1, 100.0, None, 0.5), 105.1, "no progress for 5.1 s with 1 sequence(s) pending (its bound: 5.0 s)"),
+        (Progress(1, 100.0, step(1.0), 0.01), 109.9, None),  # the step in flight expects a second
+        (Progress(1, 100.0, step(1.0), 0.01), 110.5, "in a decode step of 1 row(s) for 10.5 s (its bound: 10.0"),
         (Progress(1, 100.0, step(0.01, "a prefill of 1 x 16 tokens"), 0.01), 101.2, "in a prefill of 1 x 16 tokens"),
         (Progress(1, 100.0, step(None, "a prefill of 1 x 4096 tokens"), 0.01), 900.0, None),  # nothing to expect by
     ],
