@@ -81,7 +81,8 @@ from hotweights.chaos.proxy import DelayProxy
 from hotweights.chaos.splitbrain import SplitBrainDetector
 from hotweights.chaos.stack import free_ports
 from hotweights.contract import Endpoint
-from hotweights.engines import KINDS
+from hotweights.engines import KINDS, Engine
+from hotweights.eventkinds import EventKind
 from hotweights.spawn import hotweights_command
 from hotweights.standby import sglang_nodriver
 from hotweights.stats import percentile
@@ -125,7 +126,7 @@ def main() -> int:
         return asyncio.run(multihost(args))
     if args.simultaneous:
         return simultaneous(args)
-    if args.engine != "reference":
+    if args.engine != Engine.REFERENCE:
         return engine_failover(args)
     args.rounds = args.rounds or 20
     faults = GROUP_FAULTS if args.tp_size > 1 else ("kill-primary",)
@@ -261,7 +262,7 @@ class GroupsStack:
         """Per group: ms from ``since`` (the kill) to its failover event from the killed primary."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            events = self.api.get("/events", params={"kind": "failover", "limit": 1000}).json()["events"]
+            events = self.api.get("/events", params={"kind": EventKind.FAILOVER, "limit": 1000}).json()["events"]
             found = {
                 e["group"]: (datetime.fromisoformat(e["time"]).timestamp() - since) * 1000
                 for e in events
@@ -357,13 +358,13 @@ ENGINES = {"vllm": 2, "sglang": 3}  # per group: vLLM's CPU servers take more me
 
 def engine_failover(args: argparse.Namespace) -> int:
     """``--engine vllm|sglang``: a group of that engine's servers, start-up timed both ways, then the drill."""
-    python = args.vllm_python if args.engine == "vllm" else args.sglang_python
+    python = args.vllm_python if args.engine == Engine.VLLM else args.sglang_python
     if not python:
         raise SystemExit(f"--engine {args.engine} needs --{args.engine}-python (a Python with it and hotweights)")
     args.rounds = args.rounds or 3
     model = Path(tempfile.mkdtemp(prefix="hwb-model-")) / "tiny"
     subprocess.run(hotweights_command("make-model", str(model), "--preset", "tiny", "--quiet"), check=True)
-    if args.engine == "vllm":
+    if args.engine == Engine.VLLM:
         env = VLLM_ENV
     else:
         env = sglang_nodriver.environment(model.parent / "nodriver", {"HF_HUB_OFFLINE": "1"})

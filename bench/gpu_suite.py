@@ -27,6 +27,10 @@ Steps, each a subprocess with its own time limit, so one failure or hang cannot 
             CUDA graph bytes
   engine_xl_nographs  the same on xl with --no-cuda-graphs: the standby's memory without graphs
   engine_xl_invariant  the same on xl with --batch-invariant: what one decode shape and one prompt per prefill cost
+  warmup_xl  bench/warmup.py on xl, twice on the same fresh Triton cache (cold, then as a later engine
+            of the host finds it): start to ready by part (imports, context, load, eager prefills, each decode
+            graph's first run and capture, prefill graphs, compile), the graphs captured, and decode ms per step at
+            batch 1/2/4 and KV lengths 16/512/4096, split-KV against masked SDPA graphs (the result: the warm run)
   attach_ipc  the attach benchmark again with the cuda-ipc backend
   drill_medium, drill_xl  hotweights drill kill-primary hang-primary through the gateway, cuda-vmm, 8 rounds:
             medium at 20 requests/s, xl at 10 (reports in DIR/drill-medium, DIR/drill-xl)
@@ -43,13 +47,20 @@ Steps, each a subprocess with its own time limit, so one failure or hang cannot 
             daemon (respawn_ms), re-adopting, while the engines serve (report in DIR/drill-daemon-xl)
   drill_flapping_xl  hotweights drill flapping on xl at 10 requests/s: three primary kills a round, each as
             soon as a new primary serves, the replacements from the spare (report in DIR/drill-flapping-xl)
-  redundancy_xl  bench/redundancy.py on xl at 10 requests/s: the primary SIGKILLed 10 times 10 s apart, 8 warmed
-            spares: time to full redundancy per fault, clients' extra latency, the primary's slowdown while spares
-            warm up
-  storm_xl  the same with a fault every 3 s, SIGKILL and SIGSTOP alternating, 8 warmed spares
+  launch_xl  bench/launch.py on xl: one standby's start to ready, forked from the stack's launcher against a fresh
+            process, idle and beside 4 busy processes, with the engine's own breakdown (imports, context and attach,
+            warm-up)
+  redundancy_xl  bench/redundancy.py on xl at 10 requests/s, hotweights up's defaults (one spare): the primary
+            SIGKILLed 10 times 10 s apart: time to full redundancy per fault, clients' extra latency, the primary's
+            slowdown while engines warm up
+  storm_xl  the same with a fault every 3 s, SIGKILL and SIGSTOP alternating
+  gray_xl  bench/gray.py on xl at 10 requests/s, the defaults: the primary's inference loop stalled, slowed 20x, and
+            made to answer wrong tokens (first success, switchover, fence), and the overload and long prompts that
+            must cause no incident
   overload_medium  bench/overload.py on medium: admitted latency and refusals at 1x, 2x and 5x the measured capacity
   concurrency_xl  bench/concurrency.py on xl: two bursts of 64 concurrent greedy streams of 256 tokens through
-            hotweights up with its defaults (refused, errors, tokens/s)
+            hotweights up with its defaults, the engines' KV pools and max_batch sized by the device (refused, errors,
+            tokens/s against one stream alone: targets 0, 0 and at least 40x; fails unless met)
   migration_xl  bench/migration.py on xl: 64 greedy streams of 256 tokens in flight through the gateway at a SIGKILL
             and at a SIGSTOP of the primary (broken and mismatched streams, the largest gap at the cut)
   invariance_xl  bench/invariance.py on xl: which step shapes (prefill rows, decode batch size, KV length bucket,
@@ -57,6 +68,9 @@ Steps, each a subprocess with its own time limit, so one failure or hang cannot 
             sequence's logits, with the serving and the batch-invariant decoder
   migration_xl_invariant, storm_xl_invariant  migration_xl and storm_xl with batch-invariant engines
             (engine.batch_invariant: mismatched and wrong texts against what the padding costs)
+  seeding_xl  bench/seeding.py on xl, cuda-vmm, loopback: a daemon filled from a peer daemon (through pinned buffers
+            into device memory) against a raw TCP copy of as many bytes in the same run (seed_gbps, raw_gbps, ratio,
+            digest_verified, disk_bytes_read); a serving engine's latency while its daemon seeds is not measured
 Results go to DIR/gpu_suite.json and every step's output to DIR/steps.log; the drills' report folders
 are packed into DIR/reports.tar (a few files to copy back from a remote GPU machine); the last stdout line is
 one JSON object. Exits 1 if any step failed.
@@ -88,12 +102,16 @@ def steps(workdir: Path, out: Path) -> dict[str, tuple[list[str], int]]:
     synthetic = "--device cuda:0 --source synthetic --sizes-gb 1,10,80"
     pytest = f"{shlex.quote(sys.executable)} -m pytest -q -m cuda -p no:cacheprovider"
     engine_bench = f"{bench}/engine.py --device cuda:0 --cycles 20 --gen-tokens 256 --max-batch 4"
+    # Twice on one fresh compile cache: cold, then as a later engine of the host finds it.
+    fresh = f"c=$(mktemp -d -p {shlex.quote(str(workdir))})"
+    caches = f"{fresh} && export TRITON_CACHE_DIR=$c/triton"
+    warmup = f"{caches} && for run in cold warm; do {bench}/warmup.py --model {xl} --steps 20 || exit 1; done"
 
     rollout = f"{bench}/rollout.py --device cuda:0 --rps 10"
     redundancy = f"{bench}/redundancy.py --model {xl} --device cuda:0 --rps 10 --keep-logs"
-    # An Inductor cache of its own, empty: the engines compile their kernels at once, as on a fresh machine, and a
+    # A Triton cache of its own, empty: the engines compile their kernels at once, as on a fresh machine, and a
     # continuation's text must not depend on which engine compiled what (``standby.fused``).
-    cold = f"TORCHINDUCTOR_CACHE_DIR=$(mktemp -d -p {shlex.quote(str(workdir))})"
+    cold = f"TRITON_CACHE_DIR=$(mktemp -d -p {shlex.quote(str(workdir))})"
     migration = f"{cold} {bench}/migration.py --model {xl} --device cuda:0 --streams 64 --max-tokens 256"
 
     def drill_at(name: str, path: str, rps: int, scenarios: str = "kill-primary hang-primary", rounds: int = 8) -> str:
@@ -122,6 +140,7 @@ def steps(workdir: Path, out: Path) -> dict[str, tuple[list[str], int]]:
         "engine_xl": (f"{make('xl', xl)} && {engine_bench} --model {xl}", 420),
         "engine_xl_nographs": (f"{make('xl', xl)} && {engine_bench} --model {xl} --no-cuda-graphs", 300),
         "engine_xl_invariant": (f"{make('xl', xl)} && {engine_bench} --model {xl} --batch-invariant", 420),
+        "warmup_xl": (f"{make('xl', xl)} && {warmup}", 480),
         # Drill loads: medium at 20 requests/s, xl at 10 (batched decode serves them).
         "drill_medium": (f"{make('medium', medium)} && {drill_at('medium', medium, 20)}", 300),
         "drill_xl": (f"{make('xl', xl)} && {drill_at('xl', xl, 10)}", 420),
@@ -139,19 +158,20 @@ def steps(workdir: Path, out: Path) -> dict[str, tuple[list[str], int]]:
         "recover_xl": (f"{make('xl', xl)} && {bench}/recover.py --device cuda:0 --model {xl} --tmp /dev/shm", 500),
         "drill_daemon_xl": (f"{make('xl', xl)} && {drill_at('daemon-xl', xl, 10, 'kill-daemon', 4)}", 420),
         "drill_flapping_xl": (f"{make('xl', xl)} && {drill_at('flapping-xl', xl, 10, 'flapping', 3)}", 420),
+        "launch_xl": (f"{make('xl', xl)} && {bench}/launch.py --model {xl} --device cuda:0 --trials 3 --load 4", 420),
         "redundancy_xl": (
-            f"{make('xl', xl)} && {redundancy} {out / 'logs-redundancy-xl'} --spare-engines 8 --faults 10 "
-            "--interval 10 --signals kill",
+            f"{make('xl', xl)} && {redundancy} {out / 'logs-redundancy-xl'} --faults 10 --interval 10 --signals kill",
             540,
         ),
         "storm_xl": (
-            f"{make('xl', xl)} && {redundancy} {out / 'logs-storm-xl'} --spare-engines 8 --faults 10 --interval 3 "
-            "--signals kill,stop",
+            f"{make('xl', xl)} && {redundancy} {out / 'logs-storm-xl'} --faults 10 --interval 3 --signals kill,stop",
             540,
         ),
+        "gray_xl": (f"{make('xl', xl)} && {bench}/gray.py --model {xl} --device cuda:0", 540),
         "overload_medium": (f"{make('medium', medium)} && {bench}/overload.py --device cuda:0 --model {medium}", 300),
         "concurrency_xl": (
-            f"{make('xl', xl)} && {bench}/concurrency.py --model {xl} --device cuda:0 --streams 64 --max-tokens 256",
+            f"{make('xl', xl)} && {bench}/concurrency.py --model {xl} --device cuda:0 --streams 64 --max-tokens 256 "
+            "--min-speedup 40 --exit-unmet",
             540,
         ),
         "migration_xl": (
@@ -163,9 +183,14 @@ def steps(workdir: Path, out: Path) -> dict[str, tuple[list[str], int]]:
             f"{make('xl', xl)} && {migration} --batch-invariant",
             540,
         ),
+        "seeding_xl": (
+            f"{make('xl', xl)} && {bench}/seeding.py --device cuda:0 --model {xl} --backend cuda-vmm --streams 8 "
+            "--repeats 2",
+            600,
+        ),
         "storm_xl_invariant": (
-            f"{make('xl', xl)} && {redundancy} {out / 'logs-storm-xl-invariant'} --spare-engines 8 --faults 10 "
-            "--interval 3 --signals kill,stop --batch-invariant",
+            f"{make('xl', xl)} && {redundancy} {out / 'logs-storm-xl-invariant'} --faults 10 --interval 3 "
+            "--signals kill,stop --batch-invariant",
             540,
         ),
     }

@@ -48,7 +48,8 @@ from hotweights.chaos.faults import Target, send
 from hotweights.chaos.scenarios import serving_primary, wait_dead
 from hotweights.chaos.stack import DRILL_LIMITS, DrillStack, run_interruptible
 from hotweights.contract import Endpoint
-from hotweights.controller.gatewayserver import GATEWAY_EVENTS_FILE
+from hotweights.eventkinds import EventField, EventKind
+from hotweights.gateway.server import GATEWAY_EVENTS_FILE
 
 START_TIMEOUT_S = 900.0
 SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
@@ -157,7 +158,7 @@ def migrations_after(events: Path, offset: int) -> list[dict[str, Any]]:
     with events.open("rb") as log:
         log.seek(offset)
         logged = [json.loads(line) for line in log if line.strip()]
-    return [event for event in logged if event.get("kind") == "migration"]
+    return [event for event in logged if event.get("kind") == EventKind.MIGRATION]
 
 
 async def adopted(client: httpx.AsyncClient, engines: set[str]) -> int:
@@ -223,7 +224,7 @@ async def fault(
         "signal": name,
         "in_flight": in_flight,
         "migrated": len(migrations),
-        "adopted": await adopted(client, {m["to"] for m in migrations}),
+        "adopted": await adopted(client, {m[EventField.TO] for m in migrations}),
         "broken": sum(s.outcome != "done" for s in streams),
         "mismatched": sum(s.outcome == "done" and s.text != want for s, want in zip(streams, expected, strict=True)),
         "max_gap_ms": round(max(gaps) * 1000, 1),

@@ -43,6 +43,7 @@ from hotweights.cache.checkpoint import read_checkpoint
 from hotweights.cache.client import attach
 from hotweights.cache.connection import request
 from hotweights.cache.digest import fill_digests
+from hotweights.cache.diskio import evict
 from hotweights.cache.fingerprint import compute_fingerprint
 from hotweights.cache.loadspec import LoadSpec
 from hotweights.cache.makemodel import PRESETS, write_checkpoint
@@ -52,17 +53,6 @@ from hotweights.spawn import hotweights_command
 
 READ_BYTES = 64 << 20
 START_TIMEOUT_S = 600.0
-
-
-def evict(paths: list[Path]) -> None:
-    """Drop the files' clean pages from the page cache, so the next read of them goes to the disk."""
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def resident_bytes(paths: list[Path]) -> int:

@@ -14,7 +14,7 @@ after the other (their bodies encoded beforehand, so the bench's own loop stays 
 - ``completion``: a completion whose prompt is 2 MB of text;
 - ``token_ids``: a completion whose prompt is 1M token ids;
 - ``prompts``: a completion of 2,000 prompts;
-- ``batch``: a completion of as many prompts as an engine generates at once (``engine.max_batch``), served.
+- ``batch``: a completion of as many prompts as the primary generates at once (its ``max_batch``), served.
 
 Per shape: how its requests were answered (status -> count, and the first refusal's message), their mean time,
 the health checks' p99 and max, the other clients' p99 and its ratio to the quiet p99, how many of theirs were
@@ -50,9 +50,10 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hotweights.admission import ServingLimits
+from bench.overload import engine_max_batch
 from hotweights.chaos.clusterview import ClusterView
 from hotweights.contract import Endpoint
+from hotweights.eventkinds import EventKind
 from hotweights.ports import free_ports
 from hotweights.spawn import hotweights_command
 from hotweights.stats import percentile
@@ -63,11 +64,12 @@ MB = 1 << 20
 HEALTH_P99_MS_TARGET = 50.0
 CLIENTS_P99_RATIO_TARGET = 2.0
 SHAPES = ("chat", "completion", "token_ids", "prompts", "batch")
-INCIDENTS = ("detect", "fence", "failover")  # the controller's events that none of these requests may cause
+# The controller's events that none of these requests may cause.
+INCIDENTS = (EventKind.DETECT, EventKind.FENCE, EventKind.FAILOVER)
 
 
-def shape_body(shape: str, scale: float, max_tokens: int) -> tuple[str, dict]:
-    """(path, body) of one request of ``shape`` (module docstring) at ``scale``."""
+def shape_body(shape: str, scale: float, max_tokens: int, max_batch: int) -> tuple[str, dict]:
+    """(path, body) of one request of ``shape`` (module docstring) at ``scale``; ``max_batch``: the primary's."""
     text = "word " * round(2 * MB * scale / 5)
     if shape == "chat":
         return Endpoint.CHAT_COMPLETIONS, {"messages": [{"role": "system", "content": text}], "max_tokens": max_tokens}
@@ -75,7 +77,7 @@ def shape_body(shape: str, scale: float, max_tokens: int) -> tuple[str, dict]:
         "completion": text,
         "token_ids": [1 + i % 9 for i in range(round(1_000_000 * scale))],  # one digit each: 2 bytes an id
         "prompts": [PROMPT] * round(2000 * scale),
-        "batch": [PROMPT] * ServingLimits().max_batch,
+        "batch": [PROMPT] * max_batch,
     }
     return Endpoint.COMPLETIONS, {"prompt": prompts[shape], "max_tokens": max_tokens}
 
@@ -115,9 +117,13 @@ class UpStack:
                 body = self.api.get("/cluster").json()
                 view = ClusterView(*(body[k] for k in ("members", "services", "spares", "batch", "daemon_spares")))
                 if (missing := view.incomplete()) is None:
-                    return self.api.get("/primary").json()["groups"]["0"]["url"]
+                    return self.primary_url()
             time.sleep(0.2)
         raise SystemExit(f"the stack was not whole within {timeout:g} s ({missing}): see {self.root}")
+
+    def primary_url(self) -> str:
+        """The URL of group 0's primary, as the controller knows it now."""
+        return self.api.get("/primary").json()["groups"]["0"]["url"]
 
     def events(self, kind: str, since: float) -> list[dict]:
         """The controller's events of ``kind`` at or after ``since`` (time.time())."""
@@ -226,7 +232,7 @@ async def send_shape(url: str, path: str, body: bytes, requests: int) -> dict[st
 
 async def measure(stack: UpStack, primary: str, args: argparse.Namespace) -> dict[str, object]:
     samples, stop = Samples(), asyncio.Event()
-    bodies = {s: shape_body(s, args.scale, 1) for s in args.shapes}
+    bodies = {s: shape_body(s, args.scale, 1, engine_max_batch(primary)) for s in args.shapes}
     encoded = {s: (path, json.dumps(body).encode()) for s, (path, body) in bodies.items()}
     workers = [asyncio.create_task(probe(primary, samples, stop))]
     workers += [
@@ -262,8 +268,8 @@ def summary(result: dict, incidents: list[dict]) -> dict[str, object]:
         "health_max_ms": max((s.get("health_max_ms", 0.0) for s in shapes), default=0.0),
         "clients_p99_over_quiet_max": max((s.get("clients_p99_over_quiet", 0.0) for s in shapes), default=0.0),
         "client_errors": sum(s["client_errors"] for s in shapes) + result["quiet"]["client_errors"],
-        "failovers": sum(e["kind"] == "failover" for e in incidents),
-        "fences": sum(e["kind"] == "fence" for e in incidents),
+        "failovers": sum(e["kind"] == EventKind.FAILOVER for e in incidents),
+        "fences": sum(e["kind"] == EventKind.FENCE for e in incidents),
         "incidents": [f"{e['time']} {e['kind']}: {e['message'][:300]}" for e in incidents],
         "targets": {
             "health_p99_ms": HEALTH_P99_MS_TARGET,

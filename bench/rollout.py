@@ -39,6 +39,7 @@ from hotweights.chaos.clusterview import ControlApi
 from hotweights.chaos.drill import wait_up
 from hotweights.chaos.load import MAX_TOKENS, PROMPT, LoadGenerator, reference_completion
 from hotweights.chaos.stack import DrillStack
+from hotweights.eventkinds import EventField, EventKind
 from hotweights.spawn import hotweights_command
 
 
@@ -53,7 +54,8 @@ async def batch_back(api: ControlApi, since: float) -> float:
     never yielded (it yields before every engine start)."""
     if missing := await api.wait_complete(60.0):  # whole includes the batch engine serving again
         raise SystemExit(f"the cluster was not whole 60 s after the rollout: {missing}")
-    backs = [e["back_ms"] for e in await api.events(since) if e["kind"] == "batch_return" and e.get("back_ms")]
+    returns = [e for e in await api.events(since) if e["kind"] == EventKind.BATCH_RETURN]
+    backs = [e[EventField.BACK_MS] for e in returns if e.get(EventField.BACK_MS)]
     if not backs:
         raise SystemExit("the batch engine recorded no return (batch_return with back_ms) during the rollout")
     return max(backs)
@@ -62,7 +64,7 @@ async def batch_back(api: ControlApi, since: float) -> float:
 def roll(stack: DrillStack, *extra: str) -> float:
     """``hotweights rollout`` through the stack's controller; its wall time in seconds."""
     started = time.monotonic()
-    done = subprocess.run(stack.cli("rollout", *extra), env=stack.env(), capture_output=True, text=True, timeout=900)
+    done = subprocess.run(stack.cli("rollout", *extra), capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
         raise SystemExit(f"hotweights rollout {' '.join(extra)} exited with {done.returncode}: {done.stderr.strip()}")
     return time.monotonic() - started

@@ -35,12 +35,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from hotweights.chaos.clusterview import ControlApi
 from hotweights.chaos.stack import DrillStack, run_interruptible
 from hotweights.contract import Endpoint
+from hotweights.eventkinds import EventKind
 from hotweights.stats import ms, percentile
 
 PER_ATTACKER = 8000  # connections one attacker process holds (its open-files limit must allow them)
 START_TIMEOUT_S = 300.0
 PARTIAL = b"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
-WATCHED = ("failover", "promote", "respawn", "fence")  # controller events that would mean the attack hurt
+# Controller events that would mean the attack hurt.
+WATCHED = (EventKind.FAILOVER, EventKind.PROMOTE, EventKind.RESPAWN, EventKind.FENCE)
 
 
 async def hold(host: str, port: int, count: int, seconds: float) -> None:

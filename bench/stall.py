@@ -6,7 +6,8 @@ Starts one ``hotweights engine`` (a primary with the shipped defaults; the embed
 asks its ``GET /health/ready`` every ``CHECK_S`` throughout, from a thread of its own, as the controller does: a
 503 there is a failover. Then, one phase after the other:
 
-- ``capacity``: ``max_batch`` clients in a closed loop for --seconds: completions per second;
+- ``capacity``: ``max_batch`` clients in a closed loop for --seconds: completions per second (the overload bench's
+  closed loop and open-loop sender, ``bench.overload``);
 - ``overload``: completions sent open-loop at --multiple times that capacity for --seconds (429s are expected);
 - ``long_prompts``: --long-prompts completions whose prompts fill the KV slot (token ids), one at a time, then as
   many at once beside ordinary clients;
@@ -38,6 +39,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.overload import PROMPT, capacity, engine_max_batch, offered
 from hotweights.admission import ServingLimits
 from hotweights.contract import Endpoint
 from hotweights.ports import free_port
@@ -48,7 +50,6 @@ from hotweights.stats import percentile
 LIMITS = ServingLimits()  # the engine's defaults
 CHECK_S = 0.05  # the controller's health check interval (health.interval_ms)
 CHECK_TIMEOUT_S = 1.0  # a check unanswered this long is counted unready (the controller's own is 200 ms)
-PROMPT = "The quick brown fox jumps over the lazy dog"
 MAX_TOKENS = 32
 LONG_MAX_TOKENS = 8  # a long prompt's completion: the prompt fills the rest of the KV slot
 
@@ -98,31 +99,14 @@ async def complete(client: httpx.AsyncClient, url: str, prompt: object, max_toke
         return type(exc).__name__
 
 
-async def capacity(url: str, seconds: float) -> float:
-    """Completions per second with ``max_batch`` clients in a closed loop."""
-    done = 0
-    deadline = time.monotonic() + seconds
-
-    async def loop(client: httpx.AsyncClient) -> None:
-        nonlocal done
-        while time.monotonic() < deadline:
-            done += await complete(client, url, PROMPT, MAX_TOKENS) == 200
-
-    started = time.monotonic()
-    async with httpx.AsyncClient(timeout=120) as client:
-        await asyncio.gather(*(loop(client) for _ in range(LIMITS.max_batch)))
-    return done / (time.monotonic() - started)
+def loads(seconds: float) -> argparse.Namespace:
+    """The overload bench's settings of a load of ``seconds`` (``bench.overload``: its prompt, MAX_TOKENS each)."""
+    return argparse.Namespace(seconds=seconds, max_tokens=MAX_TOKENS)
 
 
 async def overload(url: str, rate: float, seconds: float) -> dict[str, int]:
     """Completions sent open-loop at ``rate`` per second for ``seconds``: how many were answered with each status."""
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=1000)
-    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
-        started, tasks = time.monotonic(), []
-        for i in range(max(1, round(rate * seconds))):
-            await asyncio.sleep(max(0.0, started + i / rate - time.monotonic()))
-            tasks.append(asyncio.create_task(complete(client, url, PROMPT, MAX_TOKENS)))
-        statuses = await asyncio.gather(*tasks)
+    statuses = [status for status, _, _ in await offered(url, rate, loads(seconds))]
     return {str(status): statuses.count(status) for status in set(statuses)}
 
 
@@ -169,7 +153,7 @@ async def measure(url: str, pid: int, args: argparse.Namespace) -> dict[str, obj
 
     async with httpx.AsyncClient(timeout=120) as client:
         await complete(client, url, PROMPT, MAX_TOKENS)  # warm: the first connection
-    await run("capacity", capacity(url, args.seconds))
+    await run("capacity", capacity(url, loads(args.seconds), engine_max_batch(url)))
     rate = result["capacity"]["result"] * args.multiple  # type: ignore[index]
     await run("overload", overload(url, rate, args.seconds))
     await run("long_prompts", long_prompts(url, args.long_prompts))

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hotweights.cache.digest import HEX
+from hotweights.cache.protocol import HEX
 from hotweights.dtypes import ARENA_DTYPES
 
 ALIGNMENT = 256  # bytes; enough for vectorised CPU and CUDA kernels

@@ -28,6 +28,7 @@ from hotweights.cache.pipeline import (
     model_dir_from_args,
 )
 from hotweights.cache.protocol import KV_RETAIN_S
+from hotweights.cache.seeding import add_seed_arguments, seed_options
 from hotweights.cache.sglang_format import sglang_source
 from hotweights.cache.snapshot import write_snapshot
 from hotweights.cache.vllm_format import vllm_source
@@ -52,6 +53,7 @@ def _source(args: argparse.Namespace) -> ArenaSource:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     context = device_context(args.device)  # made while the checkpoint's headers are read, or a spare waits
+    seed = seed_options(args)  # a bad flag or token file: one line now, not after the wait
     if args.start_fd is not None and wait_for_start(args.start_fd, args.ready_fd) is None:
         return 0
     source = _source(args)
@@ -63,7 +65,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     uids = frozenset([os.getuid(), *args.allow_uid])
     backend = args.backend or default_backend_name(source.device)
     snapshot = Path(args.snapshot) if args.snapshot else None
-    options = {"fill_from": args.fill_from, "snapshot": snapshot, "kv_retain_s": args.kv_retain_s}
+    options = {"fill_from": args.fill_from, "snapshot": snapshot, "kv_retain_s": args.kv_retain_s, "seed": seed}
     serve(source, paths, backend=backend, allowed_uids=uids, **options)
     return 0
 
@@ -169,6 +171,10 @@ def _format_status(status: dict[str, Any]) -> str:
         f"  fingerprint {status['fingerprint_digest']}, arena {status['arena_id']}",
         f"  clients: {len(status['clients'])} connected (this query included), {attached} attached",
     ]
+    if seeding := status.get("seeding"):
+        lines.append(f"  seeding peers on {seeding['listen']}: {seeding['clients']} of {seeding['max_clients']} now, "
+                     f"{seeding['sessions']} served, {seeding['bytes_sent'] / 1e9:.3f} GB sent, "
+                     f"{seeding['refused']} refused")  # fmt: skip
     deposits = status.get("kv_deposits", [])
     if deposits:
         kept = sum(not d["alive"] for d in deposits)
@@ -234,7 +240,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=FILL_SOURCES,
         metavar="SOURCES",
         help="where to fill the arena from, first that passes its checks: readopt (the arena a live engine "
-        "kept), snapshot (--snapshot), disk (the checkpoint) (default: readopt,snapshot,disk)",
+        "kept), peer (a daemon serving the same weights, --seed-from), snapshot (--snapshot), disk (the checkpoint) "
+        f"(default: {','.join(FILL_SOURCES)})",
     )
     serve_p.add_argument(
         "--kv-retain-s",
@@ -245,6 +252,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "that continues its requests (0: dropped at once; a hung engine's is kept while it lives) "
         f"(default {KV_RETAIN_S:g})",
     )
+    add_seed_arguments(serve_p)
     add_spare_arguments(serve_p, "reading the checkpoint and filling the arena")
     serve_p.set_defaults(func=cmd_serve)
 

@@ -1,9 +1,11 @@
 """The weight cache daemon: run the load pipeline once into one arena, then serve attach requests.
 
-Lifecycle: take the lock -> check the socket path (refuse a directory, a file, a live listener)
--> load into the arena -> hash it -> freeze it (cpu-shm: no process can write it any more) -> bind the
-socket (0600, in a 0700 directory) -> write the ready marker -> publish the socket in the runtime dir if
-it lives elsewhere (``paths.publish``) -> serve until SIGTERM/SIGINT -> remove link, socket and marker.
+Lifecycle: take the lock -> check the socket path (refuse a directory, a file, a live listener) -> bind the
+seeding port (``--seed-listen``) -> fill the arena (``fill``: re-adopted, seeded from a peer, a snapshot, the
+checkpoint) -> hash it -> freeze it (cpu-shm: no process can write it any more) -> bind the socket (0600, in a
+0700 directory) -> write the ready marker -> publish the socket in the runtime dir if it lives elsewhere
+(``paths.publish``) -> seed peers (``cache.seedserver``) -> serve until SIGTERM/SIGINT -> remove link, socket
+and marker.
 Each client gets its own thread and one deadline for each whole request, so a silent, trickling or
 malformed client costs its own connection and nothing else. At most ``max_connections`` are open at
 once: past that, the connection waiting longest for a request is shed to make room (attached
@@ -22,7 +24,6 @@ import os
 import secrets
 import signal
 import socket
-import stat
 import struct
 import threading
 import time
@@ -39,10 +40,11 @@ from hotweights.cache.backends.base import ArenaBackend, ExportedArena
 from hotweights.cache.checkpoint import Checkpoint, read_checkpoint
 from hotweights.cache.connection import close_all
 from hotweights.cache.digest import fill_digests
+from hotweights.cache.diskio import disk_read_bytes
 from hotweights.cache.fingerprint import Fingerprint, compute_fingerprint, describe_differences
 from hotweights.cache.kvdeposits import KV_OPS, KvDeposits
 from hotweights.cache.loadspec import LoadSpec
-from hotweights.cache.paths import DaemonPaths, ensure_private_dir, publish, unpublish
+from hotweights.cache.paths import DaemonPaths, check_socket_path_free, ensure_private_dir, publish, unpublish
 from hotweights.cache.pipeline import check_spec, iter_processed, processed_config, processed_dtype
 from hotweights.cache.protocol import (
     KV_RETAIN_S,
@@ -55,6 +57,8 @@ from hotweights.cache.protocol import (
     send_message,
 )
 from hotweights.cache.recovery import Filled, SourceRefused, SourceSkipped, readopt, write_record
+from hotweights.cache.seeding import SeedOptions, seed_arena
+from hotweights.cache.seedserver import SeedServer
 from hotweights.cache.snapshot import load_snapshot
 from hotweights.dtypes import ARENA_DTYPES
 from hotweights.errors import BindingError, ConfigError, HotweightsError
@@ -68,7 +72,7 @@ REQUEST_TIMEOUT_S = 10.0  # for each whole request from a client that has not at
 MAX_CONNECTIONS = 128  # open connections (attached engines included); one thread each
 LISTEN_BACKLOG = 4096  # connections the kernel queues before accept (a connect storm must not refuse engines)
 MAX_SOCKET_PATH = 107  # sun_path is 108 bytes including the NUL
-FILL_SOURCES = ("readopt", "snapshot", "disk")  # the order a daemon tries them in, unless told otherwise
+FILL_SOURCES = ("readopt", "peer", "snapshot", "disk")  # the order a daemon tries them in, unless told otherwise
 
 
 @dataclass(frozen=True)
@@ -161,14 +165,6 @@ def _copy_tensors(
         torch.cuda.synchronize(source.device)
 
 
-def disk_read_bytes() -> int:
-    """Bytes this process has made the kernel fetch from storage so far (``read_bytes`` of /proc/self/io)."""
-    for line in Path("/proc/self/io").read_text().splitlines():
-        if line.startswith("read_bytes:"):
-            return int(line.split()[1])
-    return 0
-
-
 @dataclass
 class Client:
     pid: int
@@ -205,6 +201,7 @@ class CacheDaemon:
         fill_from: tuple[str, ...] = FILL_SOURCES,
         snapshot: Path | None = None,
         kv_retain_s: float = KV_RETAIN_S,
+        seed: SeedOptions = SeedOptions(),  # noqa: B008 (frozen)
     ) -> None:
         if len(os.fsencode(paths.socket)) > MAX_SOCKET_PATH:
             raise ConfigError(f"socket path {paths.socket} is longer than {MAX_SOCKET_PATH} bytes")
@@ -223,9 +220,11 @@ class CacheDaemon:
         self.fill_report: dict[str, Any] = {}
         self._fillers: dict[str, Callable[[], Filled]] = {
             "readopt": self._readopt,
+            "peer": self._fill_from_peer,
             "snapshot": self._fill_from_snapshot,
             "disk": self.load,
         }
+        self.seed, self.seeder = seed, None  # SeedServer once bound (--seed-listen)
         self.clients: dict[int, Client] = {}
         self.kv = KvDeposits(self.backend, source.device, kv_retain_s)
         self._clients_lock = threading.Lock()
@@ -253,10 +252,13 @@ class CacheDaemon:
         self._take_lock()
         try:
             check_socket_path_free(self.paths.socket)  # before the (slow) load, not after it
+            self.seeder = SeedServer.bind(self.seed) if self.seed.listen else None
             self.fill()
             self._bind()
             self._write_ready()
             self._published = publish(self.paths, self.source.device, self.fingerprint.digest())
+            if self.seeder is not None:
+                self.seeder.serve(self.fingerprint, self.manifest, self.arena.tensor)
             log.info(
                 "serving %d tensors (%.2f GB, %s) on %s; fingerprint %s",
                 len(self.manifest["tensors"]),
@@ -318,6 +320,9 @@ class CacheDaemon:
 
     def _readopt(self) -> Filled:
         return readopt(self.paths.record, self.fingerprint, self.backend, self.source.device, self.allowed_uids)
+
+    def _fill_from_peer(self) -> Filled:
+        return seed_arena(self.seed, self.fingerprint, self.backend, self.source.device, self.paths.seeding)
 
     def _fill_from_snapshot(self) -> Filled:
         if self.snapshot is None:
@@ -412,6 +417,8 @@ class CacheDaemon:
     def _cleanup(self) -> None:
         """Close and remove what we made; a path we never bound (maybe someone else's) is left alone."""
         unpublish(self._published, self.paths.socket)
+        if self.seeder is not None:
+            self.seeder.close()
         if self._listener is not None:
             self._listener.close()
             for path in (self.paths.ready, self.paths.socket):
@@ -556,39 +563,9 @@ class CacheDaemon:
             "fill": self.fill_report,
             "clients": clients,
             "kv_deposits": self.kv.status(),
+            "seeding": self.seeder.status() if self.seeder is not None else None,
         }
         return {"ok": True, "status": status}, []
-
-
-def check_socket_path_free(path: Path) -> None:
-    """ConfigError unless ``path`` is absent or a stale socket (one nobody listens on): a directory, a
-    regular file or a symlink is never deleted, and a live listener is never replaced."""
-    try:
-        info = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(info.st_mode):
-        kind = "a directory" if stat.S_ISDIR(info.st_mode) else "a symlink" if stat.S_ISLNK(info.st_mode) else "a file"
-        raise ConfigError(f"{path} is {kind}, not a socket; hotweights will not remove it: move it or pass --socket")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-    probe.settimeout(1.0)
-    with probe:
-        try:
-            probe.connect(str(path))
-        except (ConnectionRefusedError, FileNotFoundError):
-            return  # stale: its listener is gone
-        except OSError as exc:
-            raise ConfigError(f"cannot tell whether {path} is in use ({exc.strerror}): pass another --socket") from None
-        pid, uid, _gid = struct.unpack("3i", probe.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-    owner = f"pid {pid}, uid {uid}, {_command(pid)}"
-    raise ConfigError(f"{path} is in use by another process ({owner}): stop it or pass --socket")
-
-
-def _command(pid: int) -> str:
-    try:
-        return repr(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip())
-    except OSError:
-        return "command unknown"
 
 
 def _version_mismatch(request: dict[str, Any]) -> dict[str, Any]:

@@ -22,13 +22,14 @@ It is no proof against someone who knows the key: from the matrix one can solve 
 from __future__ import annotations
 
 import hashlib
-import re
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from hotweights.cache.protocol import HEX
 
 ROW_BYTES = 4096
 WIDTH = 8  # products per row and key: each level lets a chosen change through with probability <= 2^-64
@@ -37,7 +38,6 @@ CHUNK_ROWS = 1 << 16  # rows per product (256 MiB of input, 2 MiB of products pe
 MIN_ROWS = 17  # torch._int_mm on CUDA needs more than 16 rows
 PUBLIC_KEY = "hotweights-content-v1"
 VERSION = b"hotweights-digest-v1"
-HEX = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """KV caches that engines deposit with their daemon, so that a successor can continue their sequences.
 
 An engine attached to this daemon's arena may deposit, on its attach connection, the KV cache it computes
-with and the ledger of its slots (which token ids each slot's keys and values hold: ``standby.kvshare``): two
+with (its pool of blocks) and the ledger of its slots (which token ids each slot's keys and values hold, in which
+blocks: ``standby.kvshare``): two
 exported allocations, the KV cache on the arena's backend and device, the ledger in host memory (cpu-shm).
 The daemon maps both, so their memory outlives the engine, and hands their fds to any other attached engine
 that asks (``kv_sources``): a newly promoted primary copies the slots that hold a migrated request's tokens
@@ -56,32 +57,41 @@ KV_OPS = ("kv_deposit", "kv_withdraw", "kv_hand_over", "kv_sources", "kv_release
 
 @dataclass(frozen=True)
 class KvLayout:
-    """Where keys and values lie in a deposited allocation: two tensors of ``shape`` (layers, slots, kv heads,
-    positions, head dim) and ``dtype``, keys at byte 0 and values at ``v_offset``."""
+    """Where keys and values lie in a deposited allocation: two tensors of ``shape`` (layers, blocks, block size, kv
+    heads, head dim) and ``dtype``, keys at byte 0 and values at ``v_offset``; the ledger's ``slots`` of up to
+    ``positions`` positions each (``standby.kvshare.SlotLedger``: which blocks and tokens each slot holds)."""
 
     dtype: str
     shape: tuple[int, int, int, int, int]
     v_offset: int
+    slots: int
+    positions: int
 
     @property
-    def slots(self) -> int:
-        return self.shape[1]
-
-    @property
-    def positions(self) -> int:
-        return self.shape[3]
+    def block_size(self) -> int:
+        return self.shape[2]
 
     @property
     def tensor_bytes(self) -> int:
         return math.prod(self.shape) * ARENA_DTYPES[self.dtype].itemsize
 
+    @property
+    def ledger_bytes(self) -> int:
+        return ledger_nbytes(self.slots, self.positions, self.block_size)
+
     def to_json(self) -> dict[str, Any]:
-        return {"dtype": self.dtype, "shape": list(self.shape), "v_offset": self.v_offset}
+        return {
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "v_offset": self.v_offset,
+            "slots": self.slots,
+            "positions": self.positions,
+        }
 
     @classmethod
     def from_json(cls, value: object, kv_bytes: int) -> KvLayout:
-        """Strict: a known dtype, five positive int dims, keys and values apart and inside ``kv_bytes``;
-        ValueError naming the field."""
+        """Strict: a known dtype, five positive int dims, keys and values apart and inside ``kv_bytes``, positive
+        slots and positions; ValueError naming the field."""
         if not isinstance(value, dict):
             raise ValueError("layout must be an object")
         dtype, shape, v_offset = value.get("dtype"), value.get("shape"), value.get("v_offset")
@@ -89,7 +99,10 @@ class KvLayout:
             raise ValueError(f"layout dtype {str(dtype)[:40]!r} is not one of {sorted(ARENA_DTYPES)}")
         if not (isinstance(shape, list) and len(shape) == 5 and all(type(d) is int and d > 0 for d in shape)):
             raise ValueError(f"layout shape {str(shape)[:80]} must be five positive ints")
-        layout = cls(dtype, tuple(shape), v_offset)  # type: ignore[arg-type]
+        for name in ("slots", "positions"):
+            if type(value.get(name)) is not int or value[name] <= 0:
+                raise ValueError(f"layout {name} {str(value.get(name))[:40]} must be a positive int")
+        layout = cls(dtype, tuple(shape), v_offset, value["slots"], value["positions"])  # type: ignore[arg-type]
         size = layout.tensor_bytes
         if type(v_offset) is not int or v_offset < size or v_offset % ARENA_DTYPES[dtype].itemsize:
             raise ValueError(f"layout v_offset {str(v_offset)[:40]} must be an aligned int >= the keys' {size} bytes")
@@ -98,10 +111,11 @@ class KvLayout:
         return layout
 
 
-def ledger_nbytes(slots: int, positions: int) -> int:
-    """The ledger of ``slots`` slots of ``positions`` tokens: LEDGER_FIELDS int64 per slot (generation, length,
-    prefilled), then int32 token ids (``standby.kvshare.SlotLedger``)."""
-    return 8 * LEDGER_FIELDS * slots + 4 * slots * positions
+def ledger_nbytes(slots: int, positions: int, block_size: int) -> int:
+    """The ledger of ``slots`` slots of ``positions`` tokens in blocks of ``block_size``: LEDGER_FIELDS int64 per slot
+    (generation, length, prefilled), then int32 token ids, then each slot's int32 block table
+    (``standby.kvshare.SlotLedger``)."""
+    return 8 * LEDGER_FIELDS * slots + 4 * slots * positions + 4 * slots * -(-positions // block_size)
 
 
 @dataclass
@@ -228,7 +242,7 @@ class KvDeposits:
                 raise ValueError(f"backends {kv.get('backend')!r}, {ledger.get('backend')!r}: "
                                  f"expected {self.backend.name!r}, {LEDGER_BACKEND!r}")  # fmt: skip
             layout = KvLayout.from_json(request.get("layout"), _nbytes(kv))
-            if _nbytes(ledger) < ledger_nbytes(layout.slots, layout.positions):
+            if _nbytes(ledger) < layout.ledger_bytes:
                 raise ValueError(f"the ledger's {ledger.get('nbytes')} bytes are too few for {layout.shape}")
             kept = tuple(fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 0) for fd in fds)
             imported.append(self.backend.import_arena(kv, [kept[0]], self.device))

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import functools
 import hashlib
 import json
 import math
@@ -23,15 +22,15 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from importlib import resources
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer
 from tqdm import tqdm
 
+from hotweights.cache.maketokenizer import BOS_TOKEN, EOS_TOKEN, MAX_TOKENIZER_VOCAB, tokenizer_json
 from hotweights.dtypes import MODEL_DTYPES, config_name
 from hotweights.errors import CheckpointError, ConfigError
 from hotweights.layout import ROLE_LINES_TEMPLATE, ModelConfig, TensorSpec, checkpoint_tensors
@@ -39,9 +38,6 @@ from hotweights.paths import INDEX_FILE, default_model_dir, made_default_model
 from hotweights.quant import FP8_BLOCK, FP8_DTYPE, QUANT_CONFIG, QUANT_METHODS, SCALE_SUFFIX, quantize, scale_shape
 from hotweights.stats import human_bytes
 
-BOS_TOKEN = "<|begin_of_text|>"
-EOS_TOKEN = "<|end_of_text|>"
-MAX_TOKENIZER_VOCAB = 4096  # the corpus is small; more merges would only learn whole sentences
 VOCAB_ROWS = ("model.embed_tokens.weight", "lm_head.weight")  # one row per token id
 MIN_VOCAB = 300  # 256 byte tokens + 2 specials + room for some merges
 DEFAULT_SHARD_SIZE = 2 * 10**9
@@ -219,33 +215,6 @@ def write_weights(
             weight_map.update(dict.fromkeys(tensors, name))
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     write_json(out / INDEX_FILE, index)
-
-
-def _train_tokenizer(vocab_size: int) -> Tokenizer:
-    """Train byte-level BPE on the packaged corpus; bytes first, so any text encodes."""
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[BOS_TOKEN, EOS_TOKEN],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    corpus = resources.files("hotweights.cache").joinpath("corpus.txt").read_text(encoding="utf-8")
-    tokenizer.train_from_iterator(corpus.splitlines(), trainer=trainer)
-    bos = tokenizer.token_to_id(BOS_TOKEN)
-    # Like Llama 3: encode() prepends <|begin_of_text|>; decode() drops it again.
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B", special_tokens=[(BOS_TOKEN, bos)]
-    )
-    return tokenizer
-
-
-@functools.lru_cache(maxsize=4)
-def tokenizer_json(vocab_size: int) -> str:
-    """The trained tokenizer as JSON, cached: training is deterministic, so once per process."""
-    return _train_tokenizer(vocab_size).to_str()
 
 
 def write_tokenizer(out: Path, config: ModelConfig) -> tuple[int, int]:

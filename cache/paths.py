@@ -19,6 +19,7 @@ import logging
 import os
 import socket
 import stat
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -80,6 +81,16 @@ class DaemonPaths:
     def record(self) -> Path:
         """The serving daemon's record of its arena, kept after it dies so a successor can re-adopt it."""
         return self.socket.with_suffix(".arena.json")
+
+    @property
+    def seeding(self) -> Path:
+        """While the daemon fills its arena from a peer (``cache.seeding``): the copy's progress, as JSON."""
+        return self.socket.with_suffix(".seeding.json")
+
+    @property
+    def seed_sources(self) -> Path:
+        """The peers a controller chose for the daemon to seed from (``--seed-from @FILE``), one per line."""
+        return self.socket.with_suffix(".seed-sources")
 
     @property
     def log(self) -> Path:
@@ -174,3 +185,34 @@ def unpublish(link: Path | None, target: Path) -> None:
     with contextlib.suppress(OSError):
         if link is not None and Path(os.readlink(link)) == target.resolve():
             link.unlink()
+
+
+def check_socket_path_free(path: Path) -> None:
+    """ConfigError unless ``path`` is absent or a stale socket (one nobody listens on): a directory, a
+    regular file or a symlink is never deleted, and a live listener is never replaced."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(info.st_mode):
+        kind = "a directory" if stat.S_ISDIR(info.st_mode) else "a symlink" if stat.S_ISLNK(info.st_mode) else "a file"
+        raise ConfigError(f"{path} is {kind}, not a socket; hotweights will not remove it: move it or pass --socket")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    probe.settimeout(1.0)
+    with probe:
+        try:
+            probe.connect(str(path))
+        except (ConnectionRefusedError, FileNotFoundError):
+            return  # stale: its listener is gone
+        except OSError as exc:
+            raise ConfigError(f"cannot tell whether {path} is in use ({exc.strerror}): pass another --socket") from None
+        pid, uid, _gid = struct.unpack("3i", probe.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    owner = f"pid {pid}, uid {uid}, {_command(pid)}"
+    raise ConfigError(f"{path} is in use by another process ({owner}): stop it or pass --socket")
+
+
+def _command(pid: int) -> str:
+    try:
+        return repr(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip())
+    except OSError:
+        return "command unknown"

@@ -13,6 +13,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -229,7 +230,25 @@ def add_read_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def load_spec_from_args(args: argparse.Namespace, *, tp_rank: int | None = None) -> LoadSpec:
+class LoadFlags(Protocol):
+    """What ``add_load_spec_arguments``'s flags give a command: its ``argparse.Namespace``, or the engine's typed
+    ``standby.engineoptions.EngineOptions`` (a layer above, so named here by what it holds). ``tp_rank`` too where
+    the command has that flag."""
+
+    @property
+    def model(self) -> str | None: ...
+    @property
+    def device(self) -> str: ...
+    @property
+    def dtype(self) -> str | None: ...
+    @property
+    def tp_size(self) -> int: ...
+    @property
+    def quantize(self) -> str | None: ...
+
+
+def load_spec_from_args(args: LoadFlags, *, tp_rank: int | None = None) -> LoadSpec:
+    """The ``LoadSpec`` the flags name; ``tp_rank`` overrides the flags' own (0 without that flag)."""
     return LoadSpec(
         device=args.device,
         dtype=args.dtype,
@@ -239,7 +258,7 @@ def load_spec_from_args(args: argparse.Namespace, *, tp_rank: int | None = None)
     )
 
 
-def model_dir_from_args(args: argparse.Namespace) -> Path:
+def model_dir_from_args(args: LoadFlags) -> Path:
     """--model, or the embedded tiny default (generated on first use)."""
     if args.model:
         return Path(args.model)

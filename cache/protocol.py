@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import struct
 import time
@@ -35,6 +36,7 @@ PROTOCOL_VERSION = 1
 KV_RETAIN_S = 10.0  # how long a daemon keeps a failed engine's deposited KV cache, by default (cache.kvdeposits)
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # a 10k-tensor manifest is ~1 MB
 MAX_FDS = 8
+HEX = re.compile(r"[0-9a-f]{64}")  # a content hash or digest as the wire and the records carry it (cache.digest)
 HEADER = struct.Struct(">I")
 ERROR_CODES = (
     "bad_message",  # not a JSON object, too large, truncated, missing or mistyped fields

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from hotweights.cache.digest import HEX
+from hotweights.cache.protocol import HEX
 from hotweights.errors import ConfigError
 from hotweights.paths import private_dir, runtime_dir
 

@@ -6,6 +6,7 @@ when the target was chosen, so a fault never lands on an unrelated process that 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -56,6 +57,29 @@ def send(target: Target, sig: signal.Signals) -> bool:
 
 def is_alive(target: Target) -> bool:
     return start_time(target.pid) == target.start_time
+
+
+def descendant_titled(pid: int, title: str) -> int | None:
+    """The first process under ``pid`` whose command line starts with ``title`` (the title vLLM and SGLang give their
+    engine core with setproctitle); None if there is none."""
+    parents = [pid]
+    while parents:
+        for child in children(parents.pop()):
+            with contextlib.suppress(OSError):  # gone meanwhile
+                if Path(f"/proc/{child}/cmdline").read_bytes().startswith(title.encode()):
+                    return child
+            parents.append(child)
+    return None
+
+
+def children(pid: int) -> list[int]:
+    """The children of every thread of ``pid`` (none once it is gone)."""
+    found = []
+    with contextlib.suppress(OSError):
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError):  # a thread that ended
+                found += map(int, (task / "children").read_text().split())
+    return found
 
 
 def netem_unavailable() -> str | None:

@@ -1,5 +1,5 @@
 """The faults of several hosts (``hotweights drill --hosts N --dcs etcd``), one class each, and the drill's
-registry of every scenario (one host's, from ``scenarios``, and these).
+registry of every scenario (one host's, from ``scenarios`` and ``grayscenarios``, and these).
 
 Each acts on the host of the primary, as the merged view of every host's controller shows it, then waits in
 ``settle`` until an engine of another host answers ``/primary`` 200 (etcd-restart: until any does), and only
@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import httpx
 
+from hotweights.chaos.grayscenarios import GRAY_SCENARIOS
 from hotweights.chaos.hosts import HostsStack, SimulatedHost
 from hotweights.chaos.scenarios import SCENARIOS as ONE_HOST_SCENARIOS
 from hotweights.chaos.scenarios import KillPrimary, Round, Scenario
@@ -168,4 +169,4 @@ HOST_SCENARIOS: dict[str, type[Scenario]] = {
 }
 # The default rounds of a drill on several hosts: these, and a primary engine's crash (cross-host failover).
 HOST_DEFAULT = [*HOST_SCENARIOS, KillPrimary.name]
-SCENARIOS: dict[str, type[Scenario]] = ONE_HOST_SCENARIOS | HOST_SCENARIOS  # every scenario a drill knows
+SCENARIOS: dict[str, type[Scenario]] = ONE_HOST_SCENARIOS | GRAY_SCENARIOS | HOST_SCENARIOS  # every scenario

@@ -26,6 +26,7 @@ from typing import Any
 
 from hotweights.chaos.clusterview import EVENT_TIME_RESOLUTION_S, event_time, since_ms
 from hotweights.chaos.load import RequestRecord
+from hotweights.eventkinds import EventField, EventKind
 
 MEASURES = (
     "detection_ms", "fence_ms", "promotion_ms", "lb_convergence_ms", "outage_ms", "quiet_outage_ms",
@@ -99,23 +100,25 @@ def apply_events(result: RoundResult, events: Sequence[dict[str, Any]], targets:
     """Fill the controller timings from the events recorded since the fault (oldest first)."""
     assert result.fault_at is not None
     for event in events:
-        subject = {event.get("member"), event.get("service")}
+        subject = {event.get(EventField.MEMBER), event.get(EventField.SERVICE)}
         if result.detected_at is None and subject & targets:
             result.detected_at = event_time(event)
             result.detection_ms = since_ms(result.fault_at, result.detected_at)
-        if result.fence_ms is None and event["kind"] == "fence" and "fence_ms" in event:
-            result.fence_ms = event["fence_ms"]
-        if result.promotion_ms is None and event["kind"] == "promote":
-            result.promotion_ms = event["promote_ms"]
+        if result.fence_ms is None and event["kind"] == EventKind.FENCE and EventField.FENCE_MS in event:
+            result.fence_ms = event[EventField.FENCE_MS]
+        if result.promotion_ms is None and event["kind"] == EventKind.PROMOTE:
+            result.promotion_ms = event[EventField.PROMOTE_MS]
             result.promoted_at = event_time(event)
-        if result.respawn_ms is None and event["kind"] == "respawn" and "duration_ms" in event:
-            result.respawn_ms = event["duration_ms"]
+        if result.respawn_ms is None and event["kind"] == EventKind.RESPAWN and EventField.DURATION_MS in event:
+            result.respawn_ms = event[EventField.DURATION_MS]
         last_fault = max([result.fault_at, *result.later_faults])
-        restored = event["kind"] == "redundancy_restored" and event_time(event) >= last_fault - EVENT_TIME_RESOLUTION_S
+        restored = (
+            event["kind"] == EventKind.REDUNDANCY_RESTORED and event_time(event) >= last_fault - EVENT_TIME_RESOLUTION_S
+        )
         if result.redundancy_ms is None and restored:
             result.redundancy_ms = since_ms(last_fault, event_time(event))
-        if event["kind"] == "batch_return" and event.get("back_ms") is not None:
-            result.batch_back_ms = max(result.batch_back_ms or 0.0, event["back_ms"])
+        if event["kind"] == EventKind.BATCH_RETURN and event.get(EventField.BACK_MS) is not None:
+            result.batch_back_ms = max(result.batch_back_ms or 0.0, event[EventField.BACK_MS])
 
 
 def apply_requests(result: RoundResult, records: Sequence[RequestRecord], until: float) -> None:

@@ -2,7 +2,7 @@
 
 - stack processes: every process whose command line names the stack's config or state dir (a fenced engine
   that did not die, or a duplicate, is a leak even before it holds much memory), but for spares still
-  waiting for a slot (``controller.spares``: one per group, replaced as the primary moves);
+  waiting for a slot and what they started (``controller.spares``: one per group, replaced as the primary moves);
 - weight arenas: distinct memfd files those processes map (cpu-shm). A respawned daemon re-adopts the
   arena from a live engine; one that cannot loads a new arena while engines attached to the old one keep
   it mapped until they are replaced, so a round that respawned the daemon may add one arena;
@@ -23,6 +23,7 @@ from pathlib import Path
 from hotweights.cache.backends.base import ARENA_NAME, KV_NAME
 from hotweights.cache.kvdeposits import MAX_RETAINED
 from hotweights.controller.spares import is_waiting
+from hotweights.proctree import descendants
 
 GPU_TOLERANCE_BYTES = 256 << 20  # allocator caches and CUDA contexts of restarted engines
 
@@ -41,9 +42,10 @@ class MemorySnapshot:
 
 
 def stack_pids(markers: tuple[str, ...]) -> list[int]:
-    """Processes whose command line contains one of ``markers``, except the drill and its ancestors."""
+    """Processes whose command line contains one of ``markers``, except the drill and its ancestors, and spares still
+    waiting for a slot with every process below them (a vLLM or SGLang spare's server)."""
     ours = ancestors()
-    pids = []
+    pids, waiting = [], []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) in ours:
             continue
@@ -51,9 +53,10 @@ def stack_pids(markers: tuple[str, ...]) -> list[int]:
             command = (entry / "cmdline").read_bytes().decode(errors="replace")
         except OSError:
             continue
-        if any(marker in command for marker in markers) and not is_waiting(int(entry.name), command.split("\0")):
-            pids.append(int(entry.name))
-    return pids
+        if any(marker in command for marker in markers):
+            (waiting if is_waiting(int(entry.name), command.split("\0")) else pids).append(int(entry.name))
+    spared = set().union(*map(descendants, waiting))
+    return [pid for pid in pids if pid not in spared]
 
 
 def ancestors() -> set[int]:

@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, ClassVar
 
 import httpx
 
-from hotweights.chaos.faults import Target, is_alive, netem_unavailable, send
+from hotweights.chaos.faults import Target, descendant_titled, is_alive, netem_unavailable, send
 from hotweights.chaos.load import BatchClient
 from hotweights.contract import Endpoint, State
-from hotweights.controller.config import REFERENCE
+from hotweights.engines import KINDS, Engine
 from hotweights.standby.progress import FREEZE_SIGNAL
 
 if TYPE_CHECKING:
@@ -153,23 +153,25 @@ class HangPrimary(Stops):
 class StallPrimary(Scenario):
     name = "stall-primary"
     measures = (
-        f"{FREEZE_SIGNAL.name} freezes the primary's inference thread while its HTTP server answers: its progress "
-        "check reports it unhealthy, then failover (fence, promote; in-flight requests re-sent or continued)"
+        f"{FREEZE_SIGNAL.name} freezes the primary's inference thread (vLLM's or SGLang's engine core: SIGSTOP) while "
+        "its HTTP server answers: its progress check reports it unhealthy, then failover (fence, promote; in-flight "
+        "requests re-sent or continued)"
     )
 
-    def skip_reason(self, stack: DrillStack) -> str | None:
-        engine = stack.config.groups[0].engine
-        return None if engine == REFERENCE else f"needs reference engines (it freezes their worker), not {engine}"
-
     async def inject(self, r: Round) -> None:
-        r.hit(r.primary(), FREEZE_SIGNAL)
+        primary, engine = r.primary(), r.stack.config.groups[0].engine
+        if engine == Engine.REFERENCE or primary is None:
+            r.hit(primary, FREEZE_SIGNAL)
+            return
+        core = descendant_titled(primary.pid, KINDS[engine].core_title)  # under the agent, its guard, its engine
+        r.hit(None if core is None else Target.of(primary.name, core), signal.SIGSTOP)
 
     async def settle(self, r: Round) -> None:
         if not await wait_dead(r.targets[0]):
             r.problem = "the stalled primary was not fenced"
 
     async def cleanup(self, r: Round) -> None:
-        for target in r.targets:  # a frozen inference thread cannot be thawed: one left unfenced is ended here
+        for target in r.targets:  # a frozen thread cannot be thawed: one left unfenced (or an engine core) ends here
             send(target, signal.SIGKILL)
 
 
@@ -503,7 +505,7 @@ class ModelUpdate(Planned):
 
     def skip_reason(self, stack: DrillStack) -> str | None:
         group = stack.config.groups[0]
-        if not stack.owned or group.tp_size > 1 or group.engine != REFERENCE:
+        if not stack.owned or group.tp_size > 1 or group.engine != Engine.REFERENCE:
             return "needs the drill's own stack of one-rank reference engines"
         return None if stack.models else "the drill made no second model"
 

@@ -40,8 +40,8 @@ ENGINES = 3  # one primary and two standbys
 # the load on its cores; on a GPU host the drill runs the shipped defaults.
 CPU_HEALTH = "[health]\ntimeout_ms = 250\n"
 DOWN_TIMEOUT_S = 30.0
-# Each engine's: a small KV cache (the drills' requests are short) and a quick drain; admission as shipped.
-DRILL_LIMITS = ServingLimits(kv_cache_tokens=256, max_batch=4, drain_timeout_s=5.0)
+# Each engine's limits: the shipped ones (``[engine]``'s defaults), so that a drill measures what users run.
+DRILL_LIMITS = ServingLimits()
 
 CONFIG_TEMPLATE = """\
 # Written by `hotweights drill` for its own stack.
@@ -58,7 +58,7 @@ device = "{device}"
 engines = {engines}
 tp_size = {tp_size}
 base_port = {base_port}
-{listen_base_port}{batch_port}{spares}
+{listen_base_port}{batch_port}{spares}{group}
 [engine]
 {engine}
 {health}
@@ -119,10 +119,12 @@ class DrillStack:
         spare_engines: int | None = None,
         spare_duty: float | None = None,
         limits: ServingLimits = DRILL_LIMITS,
+        group: str = "",
     ) -> DrillStack:
         """Write the config of a fresh stack in ``workdir`` (default: the embedded tiny model on CPU; engines of
         ``tp_size`` ranks, a daemon per rank; ``batch``: with a co-located batch engine; ``spare_engines``,
-        ``spare_duty``: the group's, instead of the defaults; ``limits``: each engine's ``[engine]`` section)."""
+        ``spare_duty``: the group's, instead of the defaults; ``limits``: each engine's ``[engine]`` section;
+        ``group``: more keys of the ``[[groups]]`` table, one a line, e.g. a vLLM group's)."""
         workdir.mkdir(parents=True, exist_ok=True)
         controller_port, gateway_port, lb_port, batch_port = free_ports(4)
         ports = free_ports(2 * ENGINES if proxied else ENGINES, consecutive=True)  # public, then private
@@ -148,6 +150,7 @@ class DrillStack:
                 batch_port=f"batch_port = {batch_port}  # a co-located batch engine\n" if batch else "",
                 spares=(f"spare_engines = {spare_engines}\n" if spare_engines is not None else "")
                 + (f"spare_duty = {spare_duty}\n" if spare_duty is not None else ""),
+                group=group,
             )
         )
         config = load_config(path)
@@ -193,17 +196,12 @@ class DrillStack:
         surely an absolute path) or the state dir (daemons and engines, through their socket path)."""
         return (str(self.config_path), str(self.config.state_dir)) if self.owned else (str(self.config.state_dir),)
 
-    def env(self) -> dict[str, str]:
-        return {**os.environ, "OMP_NUM_THREADS": "1"}
-
     # --- processes -------------------------------------------------------------------------------
 
     def spawn(self, name: str, command: list[str], **kwargs: object) -> subprocess.Popen:
         """A process of ours in its own session, output to ``workdir/name.log``; killed at teardown."""
         with open(self.workdir / f"{name}.log", "ab") as log:
-            process = subprocess.Popen(
-                command, stdout=log, stderr=log, env=kwargs.pop("env", self.env()), start_new_session=True, **kwargs
-            )
+            process = subprocess.Popen(command, stdout=log, stderr=log, start_new_session=True, **kwargs)
         self.started.append(process)
         return process
 
@@ -231,7 +229,7 @@ class DrillStack:
         self.models = (model, other)
         command = hotweights_command("generate", "--model", str(other), "--device", device, "--prompt", PROMPT)
         command += ["--max-tokens", str(MAX_TOKENS)]
-        done = subprocess.run(command, env=self.env(), capture_output=True, text=True, timeout=600)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
             raise HotweightsError(f"hotweights generate on {other} exited with {done.returncode}: {done.stderr[-300:]}")
         return done.stdout.removesuffix("\n")
@@ -245,7 +243,7 @@ class DrillStack:
         log_dir = self.config.state_dir / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
         with open(log_dir / "controller-restarted.log", "ab") as log:
-            subprocess.Popen(self.cli("controller"), stdout=log, stderr=log, env=self.env(), start_new_session=True)
+            subprocess.Popen(self.cli("controller"), stdout=log, stderr=log, start_new_session=True)
 
     def start_failure(self) -> str | None:
         """None while our ``up`` runs (or there is none); else its exit code and the end of its log."""
@@ -264,9 +262,7 @@ class DrillStack:
 
     def start_haproxy(self) -> None:
         cfg = self.workdir / "haproxy.cfg"
-        subprocess.run(
-            self.cli("haproxy-config", "--port", str(self.lb_port), "-o", str(cfg)), env=self.env(), check=True
-        )
+        subprocess.run(self.cli("haproxy-config", "--port", str(self.lb_port), "-o", str(cfg)), check=True)
         self.haproxy = self.spawn("haproxy", ["haproxy", "-db", "-f", str(cfg)])
 
     def haproxy_target(self) -> Target | None:
@@ -282,9 +278,7 @@ class DrillStack:
         """Stop all we started, in order: the stack (``down``), then our own processes, then stragglers."""
         lines = []
         if self.owned:
-            down = subprocess.run(
-                self.cli("down", "--timeout", "5"), env=self.env(), capture_output=True, text=True, timeout=120
-            )
+            down = subprocess.run(self.cli("down", "--timeout", "5"), capture_output=True, text=True, timeout=120)
             lines += down.stderr.strip().splitlines()
         for process in reversed(self.started):
             if process.poll() is None:

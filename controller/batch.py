@@ -33,6 +33,7 @@ from hotweights.controller.devices import free_bytes
 from hotweights.controller.engineapi import EngineApi, EngineUnreachable
 from hotweights.controller.events import EventLog
 from hotweights.controller.supervisor import Process, Supervisor, evict_orphans
+from hotweights.eventkinds import EventKind
 from hotweights.stats import ms
 
 log = logging.getLogger(__name__)
@@ -90,6 +91,7 @@ class BatchEngines:
         command: Callable[[EngineSpec], list[str]],
         environment: Callable[[int], dict[str, str] | None],
         generation: Callable[[int], int],
+        record: Callable[[], None],
     ) -> None:
         self.supervisor = supervisor
         self.engines = engines
@@ -97,6 +99,7 @@ class BatchEngines:
         self.command = command  # the batch engine's command line for its group's current generation
         self.environment = environment
         self.generation = generation  # a group's current weight generation: what a batch engine started now maps
+        self.record = record  # writes state.json: each process started is recorded, so a new controller adopts it
         self.batches: dict[int, BatchEngine] = {}
 
     def add(self, spec: EngineSpec, start_timeout_s: float, yield_timeout_s: float) -> None:
@@ -143,7 +146,7 @@ class BatchEngines:
         if not batch.serving:
             batch.failed_at = time.monotonic()
             message += f" before it served; starting it again in {RETRY_S:g} s"
-        self.events.record("batch_exit", message, member=batch.spec.id, group=batch.spec.group)
+        self.events.record(EventKind.BATCH_EXIT, message, member=batch.spec.id, group=batch.spec.group)
         batch.process, batch.serving, batch.reason = None, False, message
 
     async def _start(self, batch: BatchEngine) -> None:
@@ -155,6 +158,7 @@ class BatchEngines:
             batch.spec.id, self.command(batch.spec), self.environment(batch.spec.group)
         )
         batch.generation, batch.reason = self.generation(batch.spec.group), "starting"
+        self.record()
         while not await self.engines.is_standby(batch.spec.url):
             if not batch.process.alive:
                 return  # the next tend records the exit
@@ -171,7 +175,7 @@ class BatchEngines:
         assert batch.process is not None
         how = await self.supervisor.stop(batch.process, batch.yield_timeout_s)
         message = f"batch engine {batch.spec.id} (pid {batch.process.pid}) {how}: its group's engines changed"
-        self.events.record("batch_restart", message, member=batch.spec.id, group=batch.spec.group)
+        self.events.record(EventKind.BATCH_RESTART, message, member=batch.spec.id, group=batch.spec.group)
         batch.serving, batch.role_unknown = False, False
         await self._start(batch)
 
@@ -201,7 +205,7 @@ class BatchEngines:
         batch.serving, batch.role_unknown, batch.away, batch.reason = True, False, False, ""
         what = f"back {batch.back_ms} ms after its group settled" if returned else "serving"
         self.events.record(
-            "batch_return", f"batch engine {batch.spec.id} {what}: {body.get('message')}", member=batch.spec.id,
+            EventKind.BATCH_RETURN, f"batch engine {batch.spec.id} {what}: {body.get('message')}", member=batch.spec.id,
             group=batch.spec.group, back_ms=batch.back_ms if returned else None,
             promote_ms=ms(time.monotonic() - sent),
         )  # fmt: skip
@@ -239,7 +243,7 @@ class BatchEngines:
         batch.reason = f"yielded for {why}"
         sentence = f"batch engine {batch.spec.id} yielded for {why} in {ms(time.monotonic() - start)} ms: {how}"
         self.events.record(
-            "batch_yield", sentence, member=batch.spec.id, group=group, yield_ms=ms(time.monotonic() - start)
+            EventKind.BATCH_YIELD, sentence, member=batch.spec.id, group=group, yield_ms=ms(time.monotonic() - start)
         )
         return sentence
 

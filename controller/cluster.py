@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
@@ -20,12 +19,13 @@ from typing import Any
 from hotweights.cache.connection import AttachRefused, DaemonUnavailable, hello, request
 from hotweights.contract import Role
 from hotweights.controller.batch import BatchEngines
-from hotweights.controller.config import REFERENCE, ClusterConfig, EngineSpec, batch_spec
+from hotweights.controller.config import ClusterConfig, EngineSpec, batch_spec
 from hotweights.controller.engineapi import EngineApi
 from hotweights.controller.events import EventLog
 from hotweights.controller.gatewayworkers import GatewayWorkers
 from hotweights.controller.health import HealthChecker
 from hotweights.controller.ids import daemon_id, engine_id, engine_slot, spare_engine_id, spare_key
+from hotweights.controller.records import read_recorded, state_of
 from hotweights.controller.slots import Member, Service, Weights, member_view, service_view, slot_order
 from hotweights.controller.snapshot import Snapshot
 from hotweights.controller.sockets import remove_dead_offers, remove_dead_sockets, run_dir
@@ -37,22 +37,13 @@ from hotweights.controller.supervisor import (
     Supervisor,
     evict_orphans,
     inheritors,
-    read_identity,
     stack_marker,
-    stop_leftovers,
     stop_recorded,
 )
+from hotweights.engines import Engine
 from hotweights.ports import is_free
 from hotweights.standby.serving import PortUnavailable
-from hotweights.state import (
-    ClusterState,
-    GroupRecord,
-    MemberRecord,
-    ServiceKind,
-    ServiceRecord,
-    StateCorrupt,
-    read_state,
-)
+from hotweights.state import ServiceKind
 
 log = logging.getLogger(__name__)
 
@@ -73,13 +64,14 @@ class Cluster:
         self.config = layout.config
         self.checker = checker
         self.wake = wake
-        self.supervisor = Supervisor(layout.log_dir, self.handle_exit, stack_marker(layout.state_dir))
+        launcher_dir = run_dir(layout.state_dir) if self.config.cluster.launcher else None  # engines forked there
+        self.supervisor = Supervisor(layout.log_dir, self.handle_exit, stack_marker(layout.state_dir), launcher_dir)
         self.state_file = StateWriter(layout.state_file, events.health)  # never raises: kept and retried
         self.run_dir = run_dir(layout.state_dir)  # its sockets
         self.spares = Spares(self.supervisor, wake)
         self.daemon_spares = Spares(self.supervisor, wake)  # one per group, for its current daemon
         self.batch = BatchEngines(
-            self.supervisor, engines, events, self._batch_command, self._environment, self._generation_number
+            self.supervisor, engines, events, self._batch_command, self._environment, self._generation_number, self.save
         )
         for group, section in enumerate(self.config.groups):
             if spec := batch_spec(group, section):
@@ -99,7 +91,7 @@ class Cluster:
 
         A role belongs to a process: a slot whose process is gone (a clean stop, a crash of the whole
         stack, a reboot) starts as a standby, so a second start is a start-up, not a failover."""
-        state, notes = self._read_state()
+        state, notes = read_recorded(self.layout)
         self.removed = set(state.removed)
         specs = {spec.id: spec for spec in self.config.engines() if spec.id not in self.removed}
         for member_id, row in state.members.items():
@@ -158,55 +150,10 @@ class Cluster:
             stopped += [f"{line} (a {what} this stack no longer has)" for line in stop_recorded(stale)]
         return adopted + notes + stopped
 
-    def _read_state(self) -> tuple[ClusterState, list[str]]:
-        """The recorded state; a corrupt file is moved aside and the stack's leftovers (processes naming
-        its state dir or config) are stopped, for a fresh start. An unknown version raises (ConfigError)."""
-        try:
-            return read_state(self.layout.state_file), []
-        except StateCorrupt as exc:
-            aside = self.layout.state_file.with_name(f"state.json.corrupt-{time.strftime('%Y%m%dT%H%M%S')}")
-            self.layout.state_file.replace(aside)
-            log.warning("%s; moved it to %s and starting fresh", exc, aside)
-            stopped = stop_leftovers(stack_marker(self.layout.state_dir), self.layout.markers)
-            return ClusterState(), [f"none from {aside.name} (corrupt)", *stopped]
-
     def save(self) -> None:
         """Write state.json (while the state dir fails, kept in memory and written later: ``controller.statedir``)."""
-        me = read_identity(os.getpid())
-        configured = {spec.id for spec in self.config.engines()}
-        members = {
-            m.spec.id: MemberRecord(
-                group=m.spec.group,
-                device=m.spec.device,
-                port=m.spec.port,
-                role=m.current_role() if m.process and m.process.alive else Role.STANDBY,
-                added=m.spec.id not in configured,
-                process=m.process.record() if m.process and m.process.alive else None,
-                generation=m.generation,
-            )
-            for m in self.members.values()
-        }
-        services = {
-            s.id: ServiceRecord(s.kind, s.process.record() if s.process and s.process.alive else None)
-            for s in self.services.values()
-        }
-        for batch_id, process in self.batch.processes().items():
-            services[batch_id] = ServiceRecord(
-                ServiceKind.BATCH, process.record() if process and process.alive else None
-            )
-        state = ClusterState(
-            cluster=self.config.cluster.name,
-            controller=me,
-            members=members,
-            services=services,
-            removed=tuple(sorted(self.removed)),
-            groups={
-                str(group): GroupRecord(w.current.number, str(w.current.model_dir), w.served)
-                for group, w in self.weights.items()
-                if w.current.number
-            },
-        )
-        self.state_file.save(state)
+        batches = self.batch.processes()
+        self.state_file.save(state_of(self.config, self.members, self.services, batches, self.weights, self.removed))
 
     def reconfigure(self, config: ClusterConfig) -> None:
         """Take ``config``'s engine settings (a rollout's: nothing else differs, see ``rollout_changes``):
@@ -257,10 +204,10 @@ class Cluster:
         return process
 
     def spares_wanted(self, group: int) -> int:
-        """How many spare engines the group keeps: ``spare_engines``; none with ``spare = false`` or for other than
-        reference engines."""
+        """How many spare engines the group keeps: ``spare_engines``, none with ``spare = false`` (reference engines'
+        spares warm up, vLLM's and SGLang's agents start their server: ``standby.agentspare``)."""
         config = self.config.groups[group]
-        return config.spare_engines if config.spare and config.engine == REFERENCE else 0
+        return config.spare_engines if config.spare else 0
 
     def _batch_command(self, spec: EngineSpec) -> list[str]:
         return self.layout.batch_command(spec, self.weights[spec.group].current)
@@ -282,7 +229,7 @@ class Cluster:
     def keeps_daemon_spare(self, group: int) -> bool:
         """Whether the group keeps a spare daemon: ``spare = true``, one daemon per group, reference engines."""
         config = self.config.groups[group]
-        return config.spare and config.tp_size == 1 and config.engine == REFERENCE
+        return config.spare and config.tp_size == 1 and config.engine == Engine.REFERENCE
 
     def daemon_spare_for(self, group: int) -> Service | None:
         """The daemon the group's spare daemon is for now: its serving daemon of the current generation; None
@@ -358,7 +305,7 @@ class Cluster:
         self.save()
         return how
 
-    def set_role(self, member_id: str, role: str) -> None:
+    def set_role(self, member_id: str, role: Role) -> None:
         """Record our role change; a primary's process is watched for the first sign of its exit."""
         member = self.members[member_id]
         member.role, member.role_set_at = role, time.monotonic()
@@ -574,6 +521,8 @@ class Cluster:
         daemons = [s for s in self.services.values() if s.kind == ServiceKind.DAEMON]
         results = await asyncio.gather(*(self.stop_service(s.id) for s in daemons))
         lines += [f"{s.id}: {how}" for s, how in zip(daemons, results, strict=True)]
+        if self.supervisor.launcher is not None:  # last: it reported the exits of the engines it forked
+            await self.supervisor.launcher.stop()
         self.save()
         log.info("removed %d socket(s) the stopped processes left", len(remove_dead_sockets(self.run_dir)))
         return lines
@@ -589,6 +538,8 @@ class Cluster:
         await self.batch.release()
         self.save()
         await self.gateways.close()
+        if self.supervisor.launcher is not None:  # the engines it forked run on, in their own sessions
+            self.supervisor.launcher.close()
         for process in list(self.supervisor.processes.values()):
             self.supervisor.forget(process)
 

@@ -37,9 +37,12 @@ from typing import Any
 
 import httpx
 
-from hotweights.contract import Endpoint, Role, read_token
+from hotweights.contract import Endpoint, Role, State, read_token
 from hotweights.controller.config import ClusterConfig, load_config
+from hotweights.controller.graydecide import last_gray_failure
 from hotweights.errors import ConfigError
+from hotweights.eventkinds import EventField, EventKind, FailoverKind
+from hotweights.standby.kvpool import cells
 from hotweights.waiting import wait_until
 
 WATCH_INTERVAL_S = 2.0  # how often `status --watch` refreshes unless told
@@ -192,11 +195,12 @@ class EngineRow:
     generation: int
     weights: str  # where its weights came from (the engine's weight_cache source)
     url: str
+    kv_pool: tuple[str, str, str] = ("-", "-", "-")  # KV, RUN, WAIT: a reference engine's (``kvpool.cells``)
 
 
 @dataclass(frozen=True)
 class LastFailover:
-    kind: str  # automatic, forced, switchover
+    kind: FailoverKind
     time: str
     old: str | None
     new: str | None
@@ -218,6 +222,7 @@ class GroupStatus:
     daemon: str
     last_failover: LastFailover | None
     engines: list[EngineRow]
+    gray: str | None = None  # the last gray failure (``graydecide.last_gray_failure``)
 
 
 def engine_row(member: dict[str, Any]) -> EngineRow:
@@ -227,7 +232,7 @@ def engine_row(member: dict[str, Any]) -> EngineRow:
     weights = (body.get("weight_cache") or {}).get("source") or "-"
     return EngineRow(
         member["id"], member["role"], member["state"], health, member["pid"], member.get("generation", 0), weights,
-        member["url"],
+        member["url"], cells(body.get("kv_pool")),
     )  # fmt: skip
 
 
@@ -245,12 +250,18 @@ def daemon_summary(services: list[dict[str, Any]], group: int) -> str:
 
 def last_failover(events: list[dict[str, Any]], group: int) -> LastFailover | None:
     """The group's newest ``failover`` or ``switchover`` event."""
-    mine = [e for e in events if e["kind"] in ("failover", "switchover") and e.get("group") == group]
+    moves = (EventKind.FAILOVER, EventKind.SWITCHOVER)
+    mine = [e for e in events if e["kind"] in moves and e.get(EventField.GROUP) == group]
     if not mine:
         return None
     event = max(mine, key=lambda e: e["seq"])
-    kind = event.get("mode", "switchover") if event["kind"] == "failover" else "switchover"
-    return LastFailover(kind, event["time"], event.get("old"), event.get("new"), event.get("total_ms"))
+    kind = (
+        FailoverKind(event.get(EventField.MODE, FailoverKind.SWITCHOVER))
+        if event["kind"] == EventKind.FAILOVER
+        else FailoverKind.SWITCHOVER
+    )
+    old, new, total_ms = (event.get(f) for f in (EventField.OLD, EventField.NEW, EventField.TOTAL_MS))
+    return LastFailover(kind, event["time"], old, new, total_ms)
 
 
 def unassessed(cluster: dict[str, Any], group: int) -> dict[str, Any]:
@@ -286,10 +297,11 @@ def group_status(cluster: dict[str, Any], events: list[dict[str, Any]], group: i
         daemon=daemon_summary(cluster["services"], group),
         last_failover=last_failover(events, group),
         engines=[engine_row(m) for m in cluster["members"] if m["group"] == group],
+        gray=last_gray_failure(events, group),
     )
 
 
-COLUMNS = ("ENGINE", "ROLE", "STATE", "HEALTH", "PID", "GEN", "WEIGHTS", "URL")
+COLUMNS = ("ENGINE", "ROLE", "STATE", "HEALTH", "PID", "GEN", "WEIGHTS", "KV", "RUN", "WAIT", "URL")
 
 
 def render_group(status: GroupStatus) -> list[str]:
@@ -308,8 +320,10 @@ def render_group(status: GroupStatus) -> list[str]:
         last = status.last_failover
         took = f" in {last.total_ms:g} ms" if last.total_ms is not None else ""
         lines.append(f"  last failover: {last.kind} {last.old or '-'} -> {last.new or '-'}{took} at {last.time}")
+    if status.gray is not None:
+        lines.append(f"  last gray failure: {status.gray}")
     rows = [COLUMNS] + [
-        (e.id, e.role, e.state, e.health, str(e.pid or "-"), str(e.generation), e.weights, e.url)
+        (e.id, e.role, e.state, e.health, str(e.pid or "-"), str(e.generation), e.weights, *e.kv_pool, e.url)
         for e in status.engines
     ]
     widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
@@ -322,7 +336,20 @@ def render(cluster: dict[str, Any], groups: list[GroupStatus], url: str) -> str:
     lines = [f"cluster {cluster['name']!r} ({mode}), controller {url}"]
     for status in groups:
         lines += ["", *render_group(status)]
+    seeding = (cluster.get("dcs") or {}).get("seeding")
+    if seeding:
+        lines += ["", "seeding (every host's daemons)", *(render_seed(record) for record in seeding)]
     return "\n".join(lines)
+
+
+def render_seed(record: dict[str, Any]) -> str:
+    """One daemon's seeding record (``controller.seedplacement.SeedRecord``): a source, or a copy's progress."""
+    where = f"  {record['host']} g{record['group']} r{record['rank']} {record['address']}: {record['state']}"
+    if record["state"] != "seeding":
+        return where + (f" ({record['fingerprint']})" if record["fingerprint"] else "")
+    done, total = record["bytes_done"], max(record["bytes_total"], 1)
+    return (f"{where} from {record['source']} {100 * done / total:.0f}% ({done / 1e9:.2f} of {total / 1e9:.2f} GB) "
+            f"at {record['rate_gbps']:.2f} GB/s")  # fmt: skip
 
 
 def read_status(api: Api, group: int | None) -> tuple[dict[str, Any], list[GroupStatus]]:
@@ -388,7 +415,7 @@ def ready_standbys(cluster: dict[str, Any]) -> str:
     ready = [
         m["id"]
         for m in cluster["members"]
-        if m["role"] == Role.STANDBY and m["state"] == "ready" and m["status"] == "healthy"
+        if m["role"] == Role.STANDBY and m["state"] == State.READY and m["status"] == "healthy"
     ]
     return ", ".join(ready) or "none"
 
@@ -447,13 +474,15 @@ def cmd_drain(api: Api, args: argparse.Namespace) -> Exit:
 
 
 def restarted_daemons(events: list[dict[str, Any]], group: int) -> list[str]:
-    return [e["service"] for e in events if e["kind"] == "cache_restart" and e.get("group") == group]
+    restarts = [e for e in events if e["kind"] == EventKind.CACHE_RESTART and e.get(EventField.GROUP) == group]
+    return [e[EventField.SERVICE] for e in restarts]
 
 
 def respawn_outcome(events: list[dict[str, Any]], services: list[str]) -> tuple[list[str], str | None]:
     """The respawn messages of ``services`` seen in ``events`` (all or nothing), and the last failed start's."""
-    respawned = {e["service"]: e["message"] for e in events if e["kind"] == "respawn" and e.get("service") in services}
-    failures = [e["message"] for e in events if e["kind"] == "start_failed" and e.get("service") in services]
+    mine = [e for e in events if e.get(EventField.SERVICE) in services]
+    respawned = {e[EventField.SERVICE]: e["message"] for e in mine if e["kind"] == EventKind.RESPAWN}
+    failures = [e["message"] for e in mine if e["kind"] == EventKind.START_FAILED]
     done = [respawned[s] for s in services] if services and all(s in respawned for s in services) else []
     return done, failures[-1] if failures else None
 

@@ -65,6 +65,7 @@ from hotweights.controller.supervisor import (
     stop_recorded,
 )
 from hotweights.errors import ConfigError, HotweightsError
+from hotweights.eventkinds import EventKind
 from hotweights.httpguard import ErrorShape, HttpLimits, server_config
 from hotweights.limits import raise_open_files
 from hotweights.paths import private_dir
@@ -218,7 +219,7 @@ async def serve(
         engines = EngineApi(client, config.token())
         cluster = Cluster(layout, checker, wake.set, engines, events)
         on_ready = partial(announce, layout, with_gateway)
-        leader_keys = leadership(config, client, engines)
+        leader_keys = leadership(config, client, engines, layout)
         await leader_keys.start(wake.set)  # ConfigError: etcd out of reach, or its prefix is another cluster's
         on_give_up = flags.give_up if owns_stack else None
         ha = Ha(cluster, engines, events, metrics, wake, on_ready, leader_keys, on_give_up)
@@ -233,7 +234,7 @@ async def serve(
                 return 0
             adopted = cluster.load(with_gateway)
             events.record(
-                "controller_start",
+                EventKind.CONTROLLER_START,
                 f"controller started; adopted {len(adopted)} running process(es)"
                 + (f": {', '.join(adopted)}" if adopted else ""),
                 adopted=adopted,
@@ -244,12 +245,12 @@ async def serve(
             if owns_stack:
                 for line in await stop_stack(cluster, flags):
                     log.info("stopped %s", line)
-                events.record("controller_stop", "controller stopped with its stack")
+                events.record(EventKind.CONTROLLER_STOP, "controller stopped with its stack")
             else:
                 await cluster.release()
                 kept = ", ".join(sorted(cluster.members) + sorted(cluster.services))
                 log.info("controller stopped; left the data path running (%s); `hotweights down` stops it", kept)
-                events.record("controller_stop", "controller stopped; the data path keeps running")
+                events.record(EventKind.CONTROLLER_STOP, "controller stopped; the data path keeps running")
             await leader_keys.stop(revoke=owns_stack)
         finally:
             flags.detach(asyncio.get_running_loop())
@@ -355,7 +356,7 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 def print_new_events(client: httpx.Client, after: int) -> int:
     """Print the ``rollout`` events newer than sequence number ``after``; returns the newest one's."""
-    for event in client.get(Endpoint.EVENTS, params={"kind": "rollout"}).json()["events"]:
+    for event in client.get(Endpoint.EVENTS, params={"kind": EventKind.ROLLOUT}).json()["events"]:
         if event["seq"] > after:
             print(f"{event['time']}  {event['message']}", flush=True)
             after = event["seq"]

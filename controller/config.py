@@ -19,16 +19,19 @@ from pathlib import Path
 from typing import Any
 
 from hotweights.admission import MAX_WAITING, ServingLimits
+from hotweights.cache import seedtransport
 from hotweights.cache.protocol import KV_RETAIN_S
 from hotweights.contract import ENGINE_PORT, read_token, refuse_open_listener
 from hotweights.controller.ids import engine_id
 from hotweights.controller.suspects import SuspectLimits
 from hotweights.dtypes import MODEL_DTYPE_NAMES
+from hotweights.engines import Engine
 from hotweights.errors import ConfigError
 from hotweights.httpguard import COMPLETION_BODY_BYTES, CONTROLLER_BODY_BYTES, MAX_CONNECTIONS
 from hotweights.paths import hotweights_home
 from hotweights.quant import QUANT_METHODS
 from hotweights.spawn import SPARE_DUTY
+from hotweights.standby.kvpool import MAX_AUTO_BATCH
 
 # Why an exposed gateway needs the cluster's token: it forwards only /v1, and the engines behind it then
 # refuse role changes without the token, whatever a client manages to send.
@@ -45,8 +48,8 @@ SUSPECT_TTL_S = 3600.0  # how long a failure counts for the body in flight (cont
 CLIENT_FAILURES = 2  # failures of its requests of death after which a client is refused (rule 3; 0: never)
 CLIENT_WINDOW_S = 60.0  # ... within this many seconds
 MAX_SPARE_ENGINES = 16
-REFERENCE, VLLM, SGLANG = "reference", "vllm", "sglang"
-START_TIMEOUTS_S = {REFERENCE: 120.0, VLLM: 600.0, SGLANG: 600.0}
+SEED_PORT = 8300  # [seeding] port: the first daemon's seeding listener
+START_TIMEOUTS_S = {Engine.REFERENCE: 120.0, Engine.VLLM: 600.0, Engine.SGLANG: 600.0}
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,7 @@ class ClusterSection:
     token_file: str = ""
     state_dir: str = ""
     api_max_body_bytes: int = CONTROLLER_BODY_BYTES
+    launcher: bool = True  # reference engines forked from a launcher that did their imports once (standby.launcher)
 
 
 @dataclass(frozen=True)
@@ -75,7 +79,7 @@ class GroupSection:
     base_port: int = ENGINE_PORT
     listen_base_port: int = 0  # 0: engines listen on their client ports (base_port + i)
     backend: str = ""
-    engine: str = REFERENCE
+    engine: Engine = Engine.REFERENCE
     engine_python: str = ""
     engine_args: tuple[str, ...] = ()
     engine_env: dict[str, str] = field(default_factory=dict)
@@ -94,6 +98,10 @@ class GroupSection:
         """How long an engine of this group may take to become ready (vLLM and SGLang profile and warm up first)."""
         return self.start_timeout_s or START_TIMEOUTS_S[self.engine]
 
+    def rank_device(self, rank: int) -> str:
+        """Where an engine's ``rank`` runs: rank r on cuda:r in a tensor-parallel group on GPUs (``_check_tp``)."""
+        return f"cuda:{rank}" if self.device.startswith("cuda") and self.tp_size > 1 else self.device
+
 
 @dataclass(frozen=True)
 class EngineSection(ServingLimits):
@@ -106,6 +114,10 @@ class HealthSection:
     timeout_ms: int = 200
     failure_threshold: int = 2
     redundancy_alert_s: float = 30.0  # degraded (fewer ready standbys than wanted) longer than this: alerting
+    canary_interval_ms: int = 5000  # every engine's canary asked this often (``controller.graywatch``)
+    degraded_factor: float = 4.0  # a primary this many times slower than its best and a standby's is degraded
+    degraded_for_s: float = 2.0  # ... for this long in a row: switched over (planned)
+    degraded_every_s: float = 300.0  # at most one such switchover per group this often
 
 
 @dataclass(frozen=True)
@@ -130,6 +142,19 @@ class GatewaySection:
         """The gateway workers' service ids: ``gateway`` (the one a single-worker gateway always had),
         then ``gateway-1`` and on."""
         return ["gateway", *(f"gateway-{i}" for i in range(1, self.workers))]
+
+
+@dataclass(frozen=True)
+class SeedingSection:
+    """A new host's daemons fill from a peer's (``[dcs]`` only; docs/operations.md, Seeding)."""
+
+    enabled: bool = False
+    port: int = SEED_PORT  # the daemon of each group and rank listens on port + its index, at dcs.address
+    token_file: str = ""  # the token every host's daemons share (required)
+    streams: int = seedtransport.STREAMS
+    max_clients: int = seedtransport.MAX_CLIENTS
+    rate_gbps: float = seedtransport.RATE_GBPS
+    wait_s: float = seedtransport.WAIT_S
 
 
 PREFIX = re.compile(r"(/[A-Za-z0-9._-]+)+")  # absolute, no trailing slash, plain segments
@@ -196,6 +221,7 @@ class ClusterConfig:
     health: HealthSection = field(default_factory=HealthSection)
     gateway: GatewaySection = field(default_factory=GatewaySection)
     dcs: DcsSection = field(default_factory=DcsSection)
+    seeding: SeedingSection = field(default_factory=SeedingSection)
 
     def engines(self) -> list[EngineSpec]:
         """Every engine of every group: ``g<group>-e<index>`` on ``base_port + index``, listening on
@@ -215,11 +241,25 @@ class ClusterConfig:
 
     def gateway_in_flight(self) -> int:
         """Requests each gateway worker proxies at once: ``gateway.max_in_flight``, by default ``IN_FLIGHT_HEADROOM``
-        times what every group's primary generates and lets wait at most (``MAX_WAITING``). The engines refuse what is
-        beyond their own bound in milliseconds; the headroom is for the requests a hung primary holds until it is
-        fenced, which would otherwise fill a worker and turn the hang into 429s."""
-        per_group = self.engine.max_batch + MAX_WAITING
+        times what every group's primary generates (at most MAX_AUTO_BATCH where ``engine.max_batch`` is automatic) and
+        lets wait at most (``MAX_WAITING``). The engines refuse what is beyond their own bound in milliseconds; the
+        headroom is for the requests a hung primary holds until it is fenced, which would otherwise fill a worker and
+        turn the hang into 429s."""
+        per_group = (self.engine.max_batch or MAX_AUTO_BATCH) + MAX_WAITING
         return self.gateway.max_in_flight or IN_FLIGHT_HEADROOM * per_group * len(self.groups)
+
+    def engines_on(self, device: str) -> int:
+        """The engine processes every group keeps on ``device``: its engines, spare engines and batch engine."""
+        return sum(
+            group.engines + (group.spare_engines if group.spare else 0) + (1 if group.batch_port else 0)
+            for group in self.groups
+            if group.device == device
+        )
+
+    def kv_pool_share(self, device: str) -> float:
+        """What each reference engine on ``device`` passes as --kv-pool-share: ``engine.kv_memory_share`` split evenly
+        between the engines that device holds (``engines_on``)."""
+        return self.engine.kv_memory_share / max(self.engines_on(device), 1)
 
     def engine_urls(self) -> list[str]:
         return [spec.url for spec in self.engines()]
@@ -263,6 +303,7 @@ SECTIONS = {
     "health": HealthSection,
     "gateway": GatewaySection,
     "dcs": DcsSection,
+    "seeding": SeedingSection,
 }
 
 
@@ -344,6 +385,10 @@ def _typed(value: object, kind: str, where: str) -> object:
         if not isinstance(value, dict) or not all(isinstance(item, str) for item in value.values()):
             raise ConfigError(f"{where} must be a table of strings, found {value!r}")
         return dict(value)
+    if kind == "Engine":
+        if value not in Engine._value2member_map_:
+            raise ConfigError(f"{where} must be one of {sorted(Engine)}, found {value!r}")
+        return Engine(value)
     expected = {"int": int, "float": float, "str": str, "bool": bool}[kind]
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
@@ -354,11 +399,9 @@ def _typed(value: object, kind: str, where: str) -> object:
 
 def _check_engine(group: GroupSection, where: str) -> None:
     """The engine kind of a group, and what a vLLM or SGLang group needs."""
-    if group.engine not in START_TIMEOUTS_S:
-        raise ConfigError(f"{where}.engine must be one of {sorted(START_TIMEOUTS_S)}, found {group.engine!r}")
     if group.start_timeout_s < 0:
         raise ConfigError(f"{where}.start_timeout_s must be >= 0 (0: the default), found {group.start_timeout_s}")
-    if group.engine == REFERENCE:
+    if group.engine == Engine.REFERENCE:
         if group.engine_python or group.engine_args or group.engine_env:
             raise ConfigError(f'{where}: engine_python, engine_args and engine_env need engine = "vllm" or "sglang"')
         return
@@ -376,7 +419,7 @@ def _check_tp(group: GroupSection, where: str) -> None:
         raise ConfigError(f"{where}.tp_size must be >= 1, found {group.tp_size}")
     if group.tp_size == 1:
         return
-    if group.engine != REFERENCE:
+    if group.engine != Engine.REFERENCE:
         raise ConfigError(f'{where}.tp_size {group.tp_size} needs engine = "reference", found {group.engine!r}')
     if group.device not in ("cpu", "cuda:0"):
         raise ConfigError(
@@ -400,7 +443,7 @@ def _check_batch(config: ClusterConfig, i: int, ports: dict[int, str]) -> None:
     if group.batch_yield_timeout_s <= 0:
         raise ConfigError(f"{where}.batch_yield_timeout_s must be > 0, found {group.batch_yield_timeout_s}")
     for needs, ok, found in [
-        ('engine = "reference"', group.engine == REFERENCE, f"engine = {group.engine!r}"),
+        ('engine = "reference"', group.engine == Engine.REFERENCE, f"engine = {group.engine!r}"),
         ("tp_size = 1", group.tp_size == 1, f"tp_size = {group.tp_size}"),
         ("one host (no [dcs] etcd)", not config.dcs.enabled, "dcs.etcd set"),
     ]:
@@ -430,8 +473,10 @@ def validate(config: ClusterConfig) -> None:
         ("health.timeout_ms", config.health.timeout_ms),
         ("health.failure_threshold", config.health.failure_threshold),
         ("health.redundancy_alert_s", config.health.redundancy_alert_s),
+        ("health.canary_interval_ms", config.health.canary_interval_ms),
+        ("health.degraded_for_s", config.health.degraded_for_s),
+        ("health.degraded_every_s", config.health.degraded_every_s),
         ("engine.kv_cache_tokens", config.engine.kv_cache_tokens),
-        ("engine.max_batch", config.engine.max_batch),
         ("engine.drain_timeout_s", config.engine.drain_timeout_s),
         ("gateway.queue_limit", config.gateway.queue_limit),
         ("gateway.hold_timeout_s", config.gateway.hold_timeout_s),
@@ -443,7 +488,13 @@ def validate(config: ClusterConfig) -> None:
         ("cluster.api_max_body_bytes", config.cluster.api_max_body_bytes),
     ]:
         positive(where, value)
+    if not config.health.degraded_factor > 1:  # NaN too
+        raise ConfigError(f"{src}: health.degraded_factor must be > 1, found {config.health.degraded_factor}")
+    if not 0 < config.engine.kv_memory_share <= 1:  # NaN too
+        raise ConfigError(f"{src}: engine.kv_memory_share must be in (0, 1], found {config.engine.kv_memory_share}")
     for where, count in [
+        ("engine.max_batch", config.engine.max_batch),
+        ("engine.kv_pool_tokens", config.engine.kv_pool_tokens),
         ("engine.queue_budget_s", config.engine.queue_budget_s),
         ("gateway.max_in_flight", config.gateway.max_in_flight),
         ("gateway.client_failures", config.gateway.client_failures),
@@ -461,7 +512,7 @@ def validate(config: ClusterConfig) -> None:
     for i, group in enumerate(config.groups):
         if group.engines < 1:
             raise ConfigError(f"{src}: groups[{i}].engines must be >= 1, found {group.engines}")
-        if not (group.device == "cpu" or group.device.startswith("cuda:")):
+        if not (group.device == "cpu" or re.fullmatch(r"cuda:\d+", group.device)):
             raise ConfigError(f"{src}: groups[{i}].device must be cpu or cuda:N, found {group.device!r}")
         _check_engine(group, f"{src}: groups[{i}]")
         _check_spares(group, f"{src}: groups[{i}]")
@@ -500,6 +551,8 @@ def validate(config: ClusterConfig) -> None:
     refuse_open_listener(config.dcs.address, has_token, f"{src}: dcs.address", GATEWAY_TOKEN_FIX)
     if config.dcs.enabled:
         _check_dcs(config.dcs, src)
+    if config.seeding.enabled:
+        _check_seeding(config, src)
     if has_token:
         config.token()
 
@@ -527,3 +580,21 @@ def _check_dcs(dcs: DcsSection, src: str) -> None:
         )
     if not re.fullmatch(r"[A-Za-z0-9._-]+", dcs.host_name):
         raise ConfigError(f"{src}: dcs.host must be a name of letters, digits, '.', '_' or '-', found {dcs.host!r}")
+
+
+def _check_seeding(config: ClusterConfig, src: str) -> None:
+    """[seeding] needs [dcs] (etcd names the peers), a readable token file, ports in range, sane limits."""
+    seeding = config.seeding
+    if not config.dcs.enabled:
+        raise ConfigError(f"{src}: seeding.enabled needs [dcs] (etcd tells a new host which peers serve)")
+    if not seeding.token_file:
+        raise ConfigError(f"{src}: seeding.token_file is empty; every host's daemons need the same token file")
+    read_token(Path(seeding.token_file), f"{src}: seeding.token_file")
+    last = seeding.port + sum(group.tp_size for group in config.groups) - 1
+    if not 0 < seeding.port <= last < 65536:
+        raise ConfigError(f"{src}: seeding.port {seeding.port} gives ports up to {last}, expected 1-65535")
+    bounds = [("seeding.streams", seeding.streams, 1), ("seeding.max_clients", seeding.max_clients, 1),
+              ("seeding.rate_gbps", seeding.rate_gbps, 0), ("seeding.wait_s", seeding.wait_s, 0)]  # fmt: skip
+    for where, value, low in bounds:
+        if not value >= low:  # NaN too
+            raise ConfigError(f"{src}: {where} must be >= {low}, found {value}")

@@ -37,14 +37,18 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from hotweights.contract import Endpoint
 from hotweights.controller.config import ClusterConfig, DcsSection
 from hotweights.controller.engineapi import EngineApi, EngineUnreachable
+from hotweights.controller.seedplacement import SeedPlacement
 from hotweights.errors import ConfigError
+
+if TYPE_CHECKING:
+    from hotweights.controller.stack import Layout
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +118,9 @@ class Etcd:
         return (await self.call("/v3/kv/range", {"key": _b64(prefix), "range_end": _b64(_prefix_end(prefix))})).get(
             "kvs", []
         )
+
+    async def put(self, key: str, value: str, lease: int) -> None:
+        await self.call("/v3/kv/put", {"key": _b64(key), "value": _b64(value), "lease": lease})
 
     async def put_if(self, key: str, value: str, *, create_revision: int | None = None, mod_revision: int | None = None,
                      lease: int = 0) -> tuple[bool, int, dict[str, Any] | None]:  # fmt: skip
@@ -239,7 +246,9 @@ class Held:
 class EtcdLeadership(Solo):
     """Multi-host mode: this controller promotes in a group only while it holds the group's leader key."""
 
-    def __init__(self, config: ClusterConfig, client: httpx.AsyncClient, engines: EngineApi) -> None:
+    def __init__(
+        self, config: ClusterConfig, client: httpx.AsyncClient, engines: EngineApi, layout: Layout | None = None
+    ) -> None:
         dcs: DcsSection = config.dcs
         self.config, self.dcs, self.source = config, dcs, config.source
         self.host = dcs.host_name
@@ -255,6 +264,7 @@ class EtcdLeadership(Solo):
         self.lock = asyncio.Lock()  # one refresh or claim at a time (one lease, one view)
         self.wake: Callable[[], None] = lambda: None
         self.tasks: list[asyncio.Task] = []
+        self.seeding = SeedPlacement(layout, self.host, self.keys.root) if layout and config.seeding.enabled else None
 
     # --- start and stop -----------------------------------------------------------------------
 
@@ -266,6 +276,7 @@ class EtcdLeadership(Solo):
             await self._check_marker()
             await self._retake()
             await self.refresh()
+            await self._seed()  # the daemons about to start find their peers listed
         except DcsError as exc:
             raise ConfigError(f"{self.source}: dcs.etcd {list(self.dcs.etcd)}: {exc}; is etcd running?") from None
         self.tasks = [
@@ -330,6 +341,7 @@ class EtcdLeadership(Solo):
             self.changed.clear()
             try:
                 await self.refresh()
+                await self._seed()
             except DcsError as exc:
                 self._unreachable(str(exc))
             self.wake()
@@ -337,6 +349,20 @@ class EtcdLeadership(Solo):
     async def _watch(self) -> None:
         async for _ in self.etcd.watch(self.keys.leaders):
             self.changed.set()
+
+    async def _seed(self) -> None:
+        """Publish our daemons' seeding records and refresh their peer lists (``controller.seedplacement``), outside
+        the lock a claim takes. Raises DcsError."""
+        if self.seeding is None or self.lease is None:
+            return
+        lease = self.lease
+
+        async def read(prefix: str) -> list[tuple[str, str]]:
+            return [
+                (_unb64(kv.get("key", "")), _unb64(kv.get("value", ""))) for kv in await self.etcd.range_prefix(prefix)
+            ]
+
+        await self.seeding.refresh(lambda key, value: self.etcd.put(key, value, lease), read, lease)
 
     def _unreachable(self, error: str) -> None:
         if self.error is None:
@@ -458,12 +484,16 @@ class EtcdLeadership(Solo):
                 str(g): leader if isinstance(leader, str) else leader.to_json() for g, leader in self.leaders.items()
             },
             "held": sorted(self.held),
+            "seeding": self.seeding.describe() if self.seeding is not None else None,
         }
 
 
-def leadership(config: ClusterConfig, client: httpx.AsyncClient, engines: EngineApi) -> Solo:
-    """The policy ``config`` asks for: etcd leader keys with ``[dcs]``, else this controller alone."""
-    return EtcdLeadership(config, client, engines) if config.dcs.enabled else Solo()
+def leadership(
+    config: ClusterConfig, client: httpx.AsyncClient, engines: EngineApi, layout: Layout | None = None
+) -> Solo:
+    """The policy ``config`` asks for: etcd leader keys with ``[dcs]`` (and seeding with ``[seeding]``, which needs
+    the ``layout``), else this controller alone."""
+    return EtcdLeadership(config, client, engines, layout) if config.dcs.enabled else Solo()
 
 
 class LeaderUrls:

@@ -8,7 +8,8 @@ situations and the decisions expected (``tests/test_decide.py``).
 
 For each failover group the loop takes the first of these that applies (``controller.ha`` has the order):
 
-1. ``failed_primary``: two live primaries: resolve (keep one); a primary that failed: fail over from it;
+1. ``failed_primary``: two live primaries: resolve (keep one); a primary that failed: fail over from it, step by
+   step (``next_failover_step``: fence, ask, promote, restart);
 2. a queued REST intent (``Intent``), one at a time per group;
 3. ``plan_slots``: standbys that failed are fenced, absent or exited slots (re)started once the group's daemons
    serve, a slot whose engines exit before ever being ready only after its backoff;
@@ -20,18 +21,28 @@ failed the same way (``after_start``), and whether ``up`` gives up on its stack 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
+from typing import Any, NamedTuple
 
 from hotweights.contract import Role
-from hotweights.controller.executor import backoff_s
+from hotweights.controller.graydecide import slowness_of
 from hotweights.controller.snapshot import MemberView, Status
+from hotweights.eventkinds import FailoverKind
 
 Verdict = Callable[[MemberView], str | None]  # why an engine counts as failed (``controller.health``), or None
 # Failed starts of one slot in a row, each for the same reason, after which ``up`` stops its stack and exits: the
 # first is reported at once, the others confirm that retrying does not help (backoff 0.5, 1 s between them).
 GIVE_UP_AFTER = 3
+BACKOFF_FIRST_S = 0.5  # the wait before the first retry of something that keeps failing; it doubles with each retry
+BACKOFF_MAX_S = 30.0
+
+
+def backoff_s(failures: int) -> float:
+    """The wait before retry number ``failures`` (1: the first retry): 0.5 s, doubling, at most 30 s."""
+    return min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** (failures - 1))
 
 
 class Intent(StrEnum):
@@ -89,6 +100,166 @@ def keep_in_split_brain(live: Sequence[MemberView]) -> MemberView:
     return max(live, key=lambda m: (m.is_serving_primary, m.age_s))
 
 
+# --- a failover, step by step ------------------------------------------------------------------------------------
+# ``Ha.failover`` asks ``next_failover_step`` what to do, does it (fence, ask, promote), records what it found in the
+# ``FailoverFacts`` and asks again, until the answer is a ``Stop``; every decision of a failover is made here.
+
+
+class Promotion(NamedTuple):
+    """What promoting a standby came to: ``done`` (it answers /primary 200), its duration, the engine's message
+    (or why it failed)."""
+
+    done: bool
+    ms: float
+    message: str
+
+
+@dataclass(frozen=True)
+class FailoverFacts:
+    """What a failover of ``group`` has found out so far; None: not asked yet."""
+
+    group: int
+    old: MemberView | None  # the primary failed over from (None: a forced failover in a group with no primary)
+    candidate: MemberView | None  # the standby to promote: the request's, else the best ready one (None: none)
+    fenced: bool | None = None  # ``old`` killed (False: still alive after SIGKILL)
+    stranger: bool | None = None  # after the fence: a process we do not supervise answers /primary on its port
+    serving: tuple[str, ...] | None = None  # with no ``old``: the group's engines that answer /primary 200
+    promotion: Promotion | None = None
+
+
+@dataclass(frozen=True)
+class FenceOld:
+    """Kill ``old``, so that it cannot serve beside the engine promoted next."""
+
+    old: MemberView
+
+
+@dataclass(frozen=True)
+class AskStranger:
+    """Ask ``old``'s port for /primary: an engine we do not supervise may hold it (and serve)."""
+
+    old: MemberView
+
+
+@dataclass(frozen=True)
+class AskServing:
+    """Nothing fenced: ask every engine of the group for /primary (one our checks do not know as primary yet)."""
+
+    group: int
+
+
+@dataclass(frozen=True)
+class Promote:
+    candidate: MemberView
+
+
+class FailoverOutcome(StrEnum):
+    """How a failover ended."""
+
+    PROMOTED = "promoted"
+    FENCE_FAILED = "fence_failed"  # the old primary is still alive after SIGKILL: another would make two
+    STRANGER = "stranger"  # a process we do not supervise answers /primary on the old primary's port
+    SERVING = "serving"  # nothing fenced, and an engine of the group answers /primary 200
+    NO_STANDBY = "no_standby"
+    PROMOTE_FAILED = "promote_failed"  # retried by the loop, after its backoff
+
+
+@dataclass(frozen=True)
+class Stop:
+    """The failover ends with ``outcome``; ``restart_old``: the old primary's slot starts again (as a standby);
+    ``release``: the group's leadership is given up (another host's standby may take over)."""
+
+    outcome: FailoverOutcome
+    restart_old: bool = False
+    release: bool = False
+
+
+FailoverStep = FenceOld | AskStranger | AskServing | Promote | Stop
+
+
+def next_failover_step(facts: FailoverFacts) -> FailoverStep:
+    """The failover's next step from what it found so far: fence the old primary, and stop if it outlives
+    SIGKILL or a stranger answers on its port (with none, stop if an engine of the group answers /primary); then
+    promote the candidate; stop with none to promote (releasing the leadership), or once the promotion is done
+    or failed. The old primary's slot restarts once nothing more is to be done with it."""
+    old = facts.old
+    if old is not None:
+        if facts.fenced is None:
+            return FenceOld(old)
+        if not facts.fenced:
+            return Stop(FailoverOutcome.FENCE_FAILED)
+        if facts.stranger is None:
+            return AskStranger(old)
+        if facts.stranger:
+            return Stop(FailoverOutcome.STRANGER)
+    elif facts.serving is None:
+        return AskServing(facts.group)
+    elif facts.serving:
+        return Stop(FailoverOutcome.SERVING)
+    if facts.candidate is None:
+        return Stop(FailoverOutcome.NO_STANDBY, restart_old=old is not None, release=True)
+    if facts.promotion is None:
+        return Promote(facts.candidate)
+    done = FailoverOutcome.PROMOTED if facts.promotion.done else FailoverOutcome.PROMOTE_FAILED
+    return Stop(done, restart_old=old is not None)
+
+
+def failed_at(old: MemberView | None, kind: FailoverKind, now: float) -> float:
+    """When the failure a failover answers began (time.monotonic()): an automatic one's, the old primary's exit,
+    else the first sign of it (every thread exiting, then its first failed check); a forced one's, ``now`` (the
+    request)."""
+    if old is None or kind != FailoverKind.AUTOMATIC:
+        return now
+    return (old.exited_at if not old.alive else old.exiting_at or old.health.failing_since) or now
+
+
+@dataclass(frozen=True)
+class FailoverResult:
+    """What a failover reports: its sentence, how it ended, and (once promoted) the new primary and timings."""
+
+    sentence: str
+    outcome: FailoverOutcome
+    group: int
+    kind: FailoverKind
+    old_primary: str | None
+    new_primary: str | None = None
+    timings: Mapping[str, float] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome == FailoverOutcome.PROMOTED
+
+    def to_json(self) -> dict[str, Any]:
+        """The REST answer (``POST /failover``)."""
+        done = {"new_primary": self.new_primary, "message": self.sentence, **self.timings} if self.ok else {}
+        return {"ok": self.ok, "group": self.group, "kind": self.kind, "old_primary": self.old_primary} | done
+
+
+def failover_sentence(
+    outcome: FailoverOutcome, facts: FailoverFacts, reason: str, timings: Mapping[str, float], fence_timeout_s: float
+) -> str:
+    """The loop's sentence for a failover that ended with ``outcome`` (what became of the old slot is added by
+    the loop, once it has restarted it)."""
+    old, new = facts.old, facts.candidate
+    if outcome == FailoverOutcome.FENCE_FAILED and old is not None:
+        return (
+            f"not failing over: primary {old.id} {reason} but is still alive {fence_timeout_s:g} s after SIGKILL; "
+            "promoting another engine could make two primaries"
+        )
+    prefix = f"failing over: primary {old.id} {reason}" if old else f"failing over in group {facts.group}: {reason}"
+    prefix += f"; fenced in {timings['fence_ms']} ms" if facts.fenced else ""
+    if outcome == FailoverOutcome.STRANGER and old is not None:
+        stranger = f"{old.url} still answers /primary 200 (a process we do not supervise): stop it"
+        return f"{prefix}; not promoting another: {stranger}"
+    if outcome == FailoverOutcome.SERVING:
+        return f"{prefix}; not promoting: {', '.join(facts.serving or ())} answer /primary 200"
+    if new is None or facts.promotion is None:
+        return f"{prefix}; no ready standby to promote"
+    if outcome == FailoverOutcome.PROMOTE_FAILED:
+        return f"{prefix}; promoting {new.id} failed ({facts.promotion.message}), will retry"
+    return f"{prefix}; promoted {new.id} in {timings['promote_ms']} ms ({timings['total_ms']} ms after the failure)"
+
+
 @dataclass(frozen=True)
 class SlotRestarts:
     """Backoff of an engine slot whose engines exit before ever being ready."""
@@ -130,9 +301,10 @@ def plan_slots(
     daemons_serve: bool,
     is_failed: Verdict,
 ) -> SlotPlan:
-    """Step 3 for one group's ``members``: a live standby that failed is fenced; a healthy engine clears its slot's
-    backoff; an absent or exited standby slot is started once ``daemons_serve``, at once after an engine that was
-    ever ready, else after ``backoff_s`` of the exits in a row that never were (a dead primary is step 1's)."""
+    """Step 3 for one group's ``members``: a live standby that failed is fenced (one that passes its health checks
+    too: its canary answer may be wrong, ``controller.graywatch``); a healthy engine clears its slot's backoff; an
+    absent or exited standby slot is started once ``daemons_serve``, at once after an engine that was ever ready,
+    else after ``backoff_s`` of the exits in a row that never were (a dead primary is step 1's)."""
     after = dict(restarts)
     fence: list[tuple[MemberView, str]] = []
     start: list[MemberView] = []
@@ -140,10 +312,10 @@ def plan_slots(
     for view in members:
         slot = after.get(view.id, SlotRestarts())
         if view.alive:
-            if view.status == Status.HEALTHY:
-                slot = replace(slot, failures=0)
-            elif view.role == Role.STANDBY and (reason := is_failed(view)):
+            if view.role == Role.STANDBY and (reason := is_failed(view)):  # a healthy one too: a wrong canary
                 fence.append((view, reason))
+            elif view.status == Status.HEALTHY:
+                slot = replace(slot, failures=0)
         elif view.role != Role.PRIMARY:
             if view.status == Status.EXITED and slot.seen_exit_at != view.exited_at:  # first look at this exit
                 failures = slot.failures + (not view.health.ever_ok)
@@ -190,14 +362,15 @@ def missing_primary(
 
 
 def best_standby(members: Sequence[MemberView], generation: int, served: bool) -> MemberView | None:
-    """A ready standby with the fewest failed checks; ties go to the lowest slot (``members``' order). During a
+    """A ready standby with the fewest failed checks, then the least slow (``graydecide.slowness_of``: a primary
+    switched over for slowness is a standby afterwards); ties go to the lowest slot (``members``' order). During a
     model update (``generation``: the group's current weight generation; ``served``: whether an engine of it has
     been primary), those of the current generation first; one of an older generation only while none of the
     current one has been primary (answers switch generation once, never back)."""
     ready = [m for m in members if m.is_ready_standby]
     if served or any(m.generation == generation for m in ready):
         ready = [m for m in ready if m.generation == generation]
-    return min(ready, key=lambda m: m.health.consecutive_failures, default=None)
+    return min(ready, key=lambda m: (m.health.consecutive_failures, math.floor(slowness_of(m) or 1.0)), default=None)
 
 
 @dataclass(frozen=True)

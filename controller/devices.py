@@ -1,16 +1,10 @@
-"""Memory free on a device and held by processes, read without touching the device: what a model update, a batch
-engine's return and ``POST /engines`` check."""
+"""Memory free on a device, read without touching the device: what a model update, a batch engine's return and
+``POST /engines`` check (what processes hold: ``hotweights.proctree``)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
-from collections.abc import Iterable
 from pathlib import Path
-
-from hotweights.controller.supervisor import descendants
-
-PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def free_bytes(device: str) -> int | None:
@@ -28,29 +22,3 @@ def free_bytes(device: str) -> int | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return int(result.stdout.split()[0]) << 20  # MiB
-
-
-def tree_rss_bytes(pid: int) -> int | None:
-    """Resident memory of ``pid`` and every process below it (an agent's engine and its workers, say); None once
-    ``pid`` is gone."""
-    total = 0
-    for member in (pid, *descendants(pid)):
-        try:
-            total += int(Path(f"/proc/{member}/statm").read_text().split()[1]) * PAGE
-        except OSError:
-            if member == pid:
-                return None
-    return total
-
-
-def device_bytes_of(pids: Iterable[int]) -> int | None:
-    """The most device memory any of ``pids`` holds (``nvidia-smi``'s compute processes); None when none of
-    them is listed or it cannot be read."""
-    query = ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"]
-    try:
-        result = subprocess.run(query, capture_output=True, text=True, timeout=10, check=True)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    used = {int(pid): int(mib) << 20 for pid, mib in (line.split(",") for line in result.stdout.splitlines() if line)}
-    held = [used[pid] for pid in pids if pid in used]
-    return max(held) if held else None

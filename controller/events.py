@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from hotweights.controller.statedir import StateDirHealth
+from hotweights.eventkinds import EventField, EventKind, undeclared
 
 MAX_BYTES = 8 << 20  # events.jsonl rotates to events.jsonl.1 at this size
 MAX_HELD = 10_000  # events kept in memory while the file cannot be written (a few MB); beyond, the oldest are dropped
-LOST = "events_lost"  # the kind of the line that stands for dropped events
 
 
 def now_iso() -> str:
@@ -56,8 +56,11 @@ class EventLog:
         self.health = health or StateDirHealth(path.parent if path else None)
         self.health.watch(self.flush)
 
-    def record(self, kind: str, message: str, **fields: Any) -> dict[str, Any]:
-        """Append one event; ``fields`` carry the subject (member, group) and durations (``*_ms``)."""
+    def record(self, kind: EventKind, message: str, **fields: Any) -> dict[str, Any]:
+        """Append one event; ``fields`` carry the subject (member, group) and durations (``*_ms``), each one that
+        ``kind`` declares (``EventKind.fields``): TypeError for any other, a writer drifting from the vocabulary."""
+        if extra := undeclared(kind, fields):
+            raise TypeError(f"event {kind} declares no field {', '.join(extra)} (hotweights.eventkinds.EventKind)")
         self.seq += 1
         event = {"seq": self.seq, "time": now_iso(), "kind": kind, "message": message} | fields
         self.events.append(event)
@@ -99,7 +102,8 @@ class EventLog:
             f"{last - first + 1} events (seq {first} to {last}) were dropped unwritten: the state dir failed while "
             f"more than {self.max_held} waited in memory"
         )
-        return json.dumps({"time": now_iso(), "kind": LOST, "message": message, "first_seq": first, "last_seq": last})
+        event = {"time": now_iso(), "kind": EventKind.EVENTS_LOST, "message": message}
+        return json.dumps(event | {EventField.FIRST_SEQ: first, EventField.LAST_SEQ: last})
 
     def recent(self, limit: int, kind: str | None = None) -> list[dict[str, Any]]:
         chosen = [e for e in self.events if kind is None or e["kind"] == kind]

@@ -4,7 +4,7 @@ The loop decides; an action (fence and promote, a switchover's drain, a standby'
 as a task of its group. While it runs, the loop leaves that group alone and reports the action "in
 progress", but keeps deciding for every other group: a switchover that waits on a long drain in
 group 0 never delays a failover in group 1. An action of a kind (say "elect") that failed holds
-that kind back in its group with exponential backoff (``BACKOFF``), so no decision is retried in a
+that kind back in its group with exponential backoff (``decide.backoff_s``), so no decision is retried in a
 tight loop; a success of the kind clears it.
 """
 
@@ -17,18 +17,14 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from tenacity import RetryCallState, wait_exponential
+from tenacity import wait_exponential
+
+from hotweights.controller.decide import BACKOFF_FIRST_S, BACKOFF_MAX_S, backoff_s
 
 log = logging.getLogger(__name__)
 
-BACKOFF = wait_exponential(multiplier=0.5, max=30)  # retries of things that keep failing, in seconds
-
-
-def backoff_s(failures: int) -> float:
-    """The wait before retry number ``failures`` (1: the first retry)."""
-    state = RetryCallState(None, None, (), {})
-    state.attempt_number = failures
-    return BACKOFF(state)
+# ``decide.backoff_s`` as tenacity's wait, for the retries tenacity runs (the services' keepers).
+BACKOFF = wait_exponential(multiplier=BACKOFF_FIRST_S, max=BACKOFF_MAX_S)
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,8 @@ from collections.abc import Iterable
 
 import httpx
 
-from hotweights.contract import Endpoint
+from hotweights.contract import GATEWAY_BACKLOG, Endpoint
 from hotweights.controller.config import ClusterConfig
-from hotweights.controller.gatewayserver import BACKLOG
 from hotweights.controller.stack import Layout
 from hotweights.standby.serving import bind_port
 
@@ -36,7 +35,7 @@ class GatewayWorkers:
         if self.listener is None:
             gateway = self.config.gateway
             sock = bind_port(gateway.host, gateway.port, reuse_port=True)
-            sock.listen(BACKLOG)
+            sock.listen(GATEWAY_BACKLOG)
             self.listener = sock
         return self.listener
 

@@ -28,40 +28,54 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from hotweights.contract import Endpoint, Role
 from hotweights.controller.cluster import SERVICE_START_TIMEOUT_S, Cluster
 from hotweights.controller.dcs import Solo
 from hotweights.controller.decide import (
+    AskServing,
+    AskStranger,
     Elect,
     FailOver,
+    FailoverFacts,
+    FailoverOutcome,
+    FailoverResult,
+    FenceOld,
     GiveUp,
     Intent,
+    Promote,
+    Promotion,
     ResolveSplitBrain,
     SlotRestarts,
+    Stop,
     TendSlots,
     Wait,
     best_standby,
+    failed_at,
     failed_primary,
+    failover_sentence,
     keep_in_split_brain,
     missing_primary,
+    next_failover_step,
     plan_slots,
 )
 from hotweights.controller.engineapi import EngineApi, EngineUnreachable
 from hotweights.controller.events import EventLog
 from hotweights.controller.executor import GroupExecutor, Outcome
+from hotweights.controller.graywatch import GrayWatch
 from hotweights.controller.health import checks_failed, not_ready_within, process_exited
-from hotweights.controller.intents import Actions, Conflict, Refused, Unavailable, check_group, member_of
+from hotweights.controller.intents import Actions, Conflict, LoopSteps, Refused, Unavailable, check_group, member_of
 from hotweights.controller.keepers import ServiceKeepers
 from hotweights.controller.metrics import ControllerMetrics
 from hotweights.controller.redundancy import Tracker, assess
 from hotweights.controller.rollout import RolloutProgress, rollout_wait_s
-from hotweights.controller.snapshot import MemberView, Snapshot, Status
+from hotweights.controller.snapshot import UNKNOWN_STATE, MemberView, Snapshot, Status
 from hotweights.controller.spares import is_spare
 from hotweights.controller.startfailures import StartFailures
 from hotweights.controller.supervisor import FENCE_TIMEOUT_S
+from hotweights.eventkinds import EventKind, FailoverKind
 from hotweights.stats import ms
 
 log = logging.getLogger(__name__)
@@ -103,10 +117,25 @@ class Ha:
         self.on_ready = on_ready
         self.interval_s = health.interval_ms / 1000
         self.check_timeout_s = health.timeout_ms / 1000
-        self.is_failed = process_exited() | checks_failed(health.failure_threshold) | not_ready_within()
+        self.gray = GrayWatch(cluster, engines, events, metrics, self.wakeup, health)  # canaries, slow primaries
+        failed = process_exited() | checks_failed(health.failure_threshold) | not_ready_within()
+        self.is_failed = failed | self.gray.wrong_output()
         self.executor = GroupExecutor(self.wakeup)
         self.intents: deque[Queued] = deque()
-        actions = Actions(self)
+        self.rollouts: dict[int, RolloutProgress] = {}  # per group: the rollout queued or running
+        self.restarts: dict[str, SlotRestarts] = {}  # the start backoff of each engine slot
+        self.heartbeat = time.monotonic()
+        self.redundancy = Tracker(health.redundancy_alert_s)
+        self.announced = False
+        self.stopping = False
+        self.task: asyncio.Task | None = None
+        self.failures = StartFailures(cluster, events, on_give_up)
+        self.keepers = ServiceKeepers(cluster, events, metrics, self.wakeup, lambda: self.stopping, self.failures)
+        steps = LoopSteps(
+            self.best_standby, self.promote, self.failover, self.answering_primary, self.restart_slot,
+            self.keepers.keep, self.retire, self.is_failed, self.restarts, self.rollouts,
+        )  # fmt: skip
+        actions = Actions(cluster, events, metrics, engines, steps)
         self.actions: dict[Intent, Callable[..., Awaitable[tuple[str, dict[str, Any]]]]] = {
             Intent.SWITCHOVER: actions.do_switchover,
             Intent.FAILOVER: actions.do_failover,
@@ -117,15 +146,6 @@ class Ha:
             Intent.RESTART_CACHE: actions.do_restart_cache,
             Intent.ROLLOUT: actions.do_rollout,
         }
-        self.rollouts: dict[int, RolloutProgress] = {}  # per group: the rollout queued or running
-        self.restarts: dict[str, SlotRestarts] = {}  # the start backoff of each engine slot
-        self.heartbeat = time.monotonic()
-        self.redundancy = Tracker(health.redundancy_alert_s)
-        self.announced = False
-        self.stopping = False
-        self.task: asyncio.Task | None = None
-        self.failures = StartFailures(cluster, events, on_give_up)
-        self.keepers = ServiceKeepers(cluster, events, metrics, self.wakeup, lambda: self.stopping, self.failures)
 
     # --- the loop -----------------------------------------------------------------------------
 
@@ -134,6 +154,7 @@ class Ha:
 
     def start(self) -> None:
         self.task = asyncio.create_task(self.run(), name="ha-loop")
+        self.gray.start()
 
     async def stop(self) -> None:
         """Stop deciding; let the actions in progress finish (a failover half done is worse than a late
@@ -142,6 +163,7 @@ class Ha:
         self.wakeup()
         if self.task is not None:
             await self.task
+        await self.gray.stop()
         for what in await self.executor.stop(STOP_TIMEOUT_S):
             log.warning("cancelled %s: it did not finish within %g s of the stop", what, STOP_TIMEOUT_S)
         for intent in self.intents:
@@ -172,6 +194,7 @@ class Ha:
         steps = (
             self.process_failed_primary,
             self.process_intent,
+            self.process_degraded,
             self.process_members,
             self.process_missing_primary,
             self.process_retiring,
@@ -211,14 +234,14 @@ class Ha:
             case ResolveSplitBrain(live):
                 what = f"resolving {len(live)} primaries"
                 return self.executor.run(group, what, self.resolve_split_brain(group, live))
-            case FailOver(old, reason) if not self.executor.backing_off(group, "failover"):
+            case FailOver(old, reason) if not self.executor.backing_off(group, EventKind.FAILOVER):
                 what = f"failing over from {old.id} ({reason})"
-                return self.executor.run(group, what, self._failover(snap, group, old, reason), kind="failover")
+                return self.executor.run(group, what, self._failover(snap, group, old, reason), kind=EventKind.FAILOVER)
         return None
 
     async def _failover(self, snap: Snapshot, group: int, old: MemberView, reason: str) -> Outcome:
-        sentence, details = await self.failover(snap, group, old, reason, "automatic")
-        return Outcome(sentence, details["ok"])
+        result = await self.failover(snap, group, old, reason, FailoverKind.AUTOMATIC)
+        return Outcome(result.sentence, result.ok)
 
     async def failover(
         self,
@@ -226,62 +249,65 @@ class Ha:
         group: int,
         old: MemberView | None,
         reason: str,
-        kind: str,
+        kind: FailoverKind,
         candidate: MemberView | None = None,
-    ) -> tuple[str, dict[str, Any]]:
-        """Fence ``old``, promote ``candidate`` (or the best ready standby), confirm, restart ``old``'s slot.
+    ) -> FailoverResult:
+        """Fail over from ``old`` to ``candidate`` (or the best ready standby) one step at a time, each step
+        ``decide.next_failover_step``'s (fence, ask, promote), until it stops; then restart ``old``'s slot.
 
-        Durations run from the failure: the exit (pidfd) or the first failed health check; for a
-        forced failover, from the request."""
+        Durations run from the failure (``decide.failed_at``): the exit (pidfd) or the first failed health check;
+        for a forced failover, from the request."""
         now = time.monotonic()
-        failed_at = now
-        if old is not None and kind == "automatic":
-            failed_at = (old.exited_at if not old.alive else old.exiting_at or old.health.failing_since) or now
-        timings: dict[str, Any] = {"detect_ms": ms(now - failed_at), "fence_ms": 0.0}
-        details: dict[str, Any] = {"ok": False, "group": group, "kind": kind, "old_primary": old.id if old else None}
-        prefix = f"failing over: primary {old.id} {reason}" if old else f"failing over in group {group}: {reason}"
+        started = failed_at(old, kind, now)
+        timings = {"detect_ms": ms(now - started), "fence_ms": 0.0}
         if old is not None:
-            self.events.record("detect", f"primary {old.id} {reason}", member=old.id, group=group, **timings)
+            self.events.record(EventKind.DETECT, f"primary {old.id} {reason}", member=old.id, group=group, **timings)
             self.cluster.wake_gateways()  # they stop sending it requests before their next probe
-            fence_start = time.monotonic()
-            if not await self.cluster.fence(old.id, until_exit=False):
-                self.events.record("fence_failed", f"{old.id} still alive after SIGKILL", member=old.id, group=group)
-                sentence = (
-                    f"not failing over: primary {old.id} {reason} but is still alive {FENCE_TIMEOUT_S:g} s after "
-                    "SIGKILL; promoting another engine could make two primaries"
-                )
-                return sentence, details
-            timings["fence_ms"] = ms(time.monotonic() - fence_start)
-            self.events.record("fence", f"fenced {old.id} (pid {old.pid})", member=old.id, group=group, **timings)
-            prefix += f"; fenced in {timings['fence_ms']} ms"
-            if await self._stranger_answers(old):
-                self.events.record("stranger", f"{old.url} answers /primary 200 from a process we do not supervise")
-                stranger = f"{old.url} still answers /primary 200 (a process we do not supervise): stop it"
-                return f"{prefix}; not promoting another: {stranger}", details
-        else:  # nothing fenced: never promote beside an engine our checks do not know as primary (yet)
-            if serving := await self.answering_primary(snap, group):
-                return f"{prefix}; not promoting: {serving} answer /primary 200", details
-        candidate = candidate or self.best_standby(snap, group)
-        if candidate is None:
-            self.events.record("no_standby", f"group {group} has no ready standby to promote", group=group)
-            await self.leadership.release(group)  # another host's standby may take over now
-            restart = await self.restart_slot(snap, old.id) if old else "nothing to restart"
-            return f"{prefix}; no ready standby to promote: {restart}", details
-        promoted, promote_ms, message = await self.promote(candidate)
-        timings["promote_ms"] = promote_ms
-        if not promoted:
-            restart = await self.restart_slot(snap, old.id) if old else ""
-            return f"{prefix}; promoting {candidate.id} failed ({message}), will retry; {restart}", details
-        timings["total_ms"] = ms(time.monotonic() - failed_at)
-        self.metrics.failovers.labels(str(group), kind).inc()
-        self.metrics.failover_duration.labels(kind).observe(timings["total_ms"] / 1000)
-        sentence = f"{prefix}; promoted {candidate.id} in {promote_ms} ms ({timings['total_ms']} ms after the failure)"
-        self.events.record(
-            "failover", sentence, group=group, mode=kind, old=details["old_primary"], new=candidate.id, **timings
-        )
-        if old is not None:
+        facts = FailoverFacts(group, old, candidate or self.best_standby(snap, group))
+        while not isinstance(step := next_failover_step(facts), Stop):
+            facts = await self._failover_step(snap, step, facts, timings)
+        if step.release:  # no standby here: another host's may take over now
+            self.events.record(EventKind.NO_STANDBY, f"group {group} has no ready standby to promote", group=group)
+            await self.leadership.release(group)
+        new = facts.candidate.id if facts.candidate and step.outcome == FailoverOutcome.PROMOTED else None
+        if new is not None:
+            timings["total_ms"] = ms(time.monotonic() - started)
+            self.metrics.failovers.labels(str(group), kind).inc()
+            self.metrics.failover_duration.labels(kind).observe(timings["total_ms"] / 1000)
+        sentence = failover_sentence(step.outcome, facts, reason, timings, FENCE_TIMEOUT_S)
+        old_id = old.id if old else None
+        if new is not None:
+            self.events.record(EventKind.FAILOVER, sentence, group=group, mode=kind, old=old_id, new=new, **timings)
+        if step.restart_old and old is not None:
             sentence += f"; {await self.restart_slot(snap, old.id)}"
-        return sentence, details | {"ok": True, "new_primary": candidate.id, "message": sentence} | timings
+        return FailoverResult(sentence, step.outcome, group, kind, old_id, new, timings if new else {})
+
+    async def _failover_step(
+        self, snap: Snapshot, step: FenceOld | AskStranger | AskServing | Promote, facts: FailoverFacts, timings: dict
+    ) -> FailoverFacts:
+        """Carry out one step of a failover, record it, and return the facts with what it found."""
+        match step:
+            case FenceOld(old):
+                fence_start = time.monotonic()
+                if not await self.cluster.fence(old.id, until_exit=False):
+                    failed = f"{old.id} still alive after SIGKILL"
+                    self.events.record(EventKind.FENCE_FAILED, failed, member=old.id, group=facts.group)
+                    return replace(facts, fenced=False)
+                timings["fence_ms"] = ms(time.monotonic() - fence_start)
+                fenced = f"fenced {old.id} (pid {old.pid})"
+                self.events.record(EventKind.FENCE, fenced, member=old.id, group=facts.group, **timings)
+                return replace(facts, fenced=True)
+            case AskStranger(old):
+                if stranger := await self._stranger_answers(old):
+                    unknown = f"{old.url} answers /primary 200 from a process we do not supervise"
+                    self.events.record(EventKind.STRANGER, unknown, member=old.id, group=facts.group)
+                return replace(facts, stranger=stranger)
+            case AskServing(group):
+                return replace(facts, serving=tuple(await self.answering_primary(snap, group)))
+            case _:
+                promotion = await self.promote(step.candidate)
+                timings["promote_ms"] = promotion.ms
+                return replace(facts, promotion=promotion)
 
     async def resolve_split_brain(self, group: int, live: Sequence[MemberView]) -> Outcome:
         """Keep one (``keep_in_split_brain``); fence the others (they restart as standbys)."""
@@ -290,7 +316,7 @@ class Ha:
         for member_id in fenced:
             await self.cluster.fence(member_id)
         message = f"group {group} had {len(live)} primaries; kept {keep.id}, fenced {', '.join(fenced)}"
-        self.events.record("split_brain", message, group=group, kept=keep.id, fenced=fenced)
+        self.events.record(EventKind.SPLIT_BRAIN, message, group=group, kept=keep.id, fenced=fenced)
         return Outcome(message)
 
     def best_standby(self, snap: Snapshot, group: int) -> MemberView | None:
@@ -298,42 +324,44 @@ class Ha:
         weights = self.cluster.weights[group]
         return best_standby(snap.group(group), weights.current.number, weights.served)
 
-    async def promote(self, candidate: MemberView) -> tuple[bool, float, str]:
-        """POST /promote, then confirm /primary answers 200; returns (done, ms, the engine's message)."""
+    async def promote(self, candidate: MemberView) -> Promotion:
+        """POST /promote, then confirm /primary answers 200; returns the ``Promotion``."""
         start = time.monotonic()
         claim, refusal = await self.leadership.claim(candidate.group, candidate.id, candidate.url)
         if refusal is not None:
-            return False, ms(time.monotonic() - start), refusal
+            return Promotion(False, ms(time.monotonic() - start), refusal)
         try:
             status, body = await self.engines.post(candidate.url, Endpoint.PROMOTE, claim)
         except EngineUnreachable as exc:
-            return False, ms(time.monotonic() - start), await self._fence_unconfirmed(candidate, str(exc))
+            return Promotion(False, ms(time.monotonic() - start), await self._fence_unconfirmed(candidate, str(exc)))
         message = str(body.get("message", ""))
         if status != 200:
-            return False, ms(time.monotonic() - start), f"{status}: {message}"
+            return Promotion(False, ms(time.monotonic() - start), f"{status}: {message}")
         # Where a promotion's time goes: the POST as we saw it, the engine's own part of it, the confirmation.
         parts = {"post_ms": ms(time.monotonic() - start), "engine_ms": body.get("duration_ms")}
         if not await self.engines.is_primary(candidate.url):
             failed = "promoted, but /primary does not answer 200"
-            return False, ms(time.monotonic() - start), await self._fence_unconfirmed(candidate, failed)
+            return Promotion(False, ms(time.monotonic() - start), await self._fence_unconfirmed(candidate, failed))
         self.cluster.set_role(candidate.id, Role.PRIMARY)
         self.cluster.mark_served(candidate.group, candidate.id)
         # Failovers that failed before (no standby to promote, say) were about an earlier primary: this one's
         # failure is a new one, to be failed over at once, not after their backoff.
-        self.executor.clear(candidate.group, "failover")
+        self.executor.clear(candidate.group, EventKind.FAILOVER)
         self.cluster.wake_gateways()
         promote_ms = ms(time.monotonic() - start)
         self.events.record(
-            "promote", f"promoted {candidate.id}: {message}", member=candidate.id, group=candidate.group,
+            EventKind.PROMOTE, f"promoted {candidate.id}: {message}", member=candidate.id, group=candidate.group,
             promote_ms=promote_ms, **parts,
         )  # fmt: skip
-        return True, promote_ms, message
+        return Promotion(True, promote_ms, message)
 
     async def _fence_unconfirmed(self, candidate: MemberView, failure: str) -> str:
         """A promotion we could not confirm may still take effect (or already has, unseen): fence the
         candidate, so that promoting another engine, or resuming the old primary, never makes two."""
         if await self.cluster.fence(candidate.id):
-            self.events.record("fence", f"{candidate.id}: {failure}", member=candidate.id, group=candidate.group)
+            self.events.record(
+                EventKind.FENCE, f"{candidate.id}: {failure}", member=candidate.id, group=candidate.group
+            )
             return f"{failure}; fenced {candidate.id}"
         return f"{failure}; {candidate.id} is still alive after SIGKILL"
 
@@ -361,7 +389,7 @@ class Ha:
         process = await self.cluster.start_engine(member_id)
         spare = is_spare(process)
         started = f"{member_id} (pid {process.pid}{', its spare' if spare else ''})"
-        self.events.record("engine_start", f"started standby {started}", member=member_id, spare=spare)
+        self.events.record(EventKind.ENGINE_START, f"started standby {started}", member=member_id, spare=spare)
         return started
 
     # --- 2. REST intents ------------------------------------------------------------------------
@@ -431,6 +459,14 @@ class Ha:
             if not progress.started:  # withdrawn before it began; once begun, do_rollout ends it
                 self.rollouts.pop(group, None)
 
+    async def process_degraded(self, snap: Snapshot, group: int) -> str | None:
+        """A primary much slower than its best and than a standby (``controller.graywatch``): a planned switchover."""
+        if self.executor.backing_off(group, EventKind.DEGRADED) or (switch := self.gray.degraded(snap, group)) is None:
+            return None
+        what = f"switching over from slow primary {switch.old.id} to {switch.new.id}"
+        done = self.gray.switch_over(snap, switch, self.actions[Intent.SWITCHOVER])
+        return self.executor.run(group, what, done, kind=EventKind.DEGRADED)
+
     # --- 3. engine slots -----------------------------------------------------------------------
 
     async def process_members(self, snap: Snapshot, group: int) -> str | None:
@@ -443,7 +479,7 @@ class Ha:
         for seen in plan.exits:
             view = seen.member
             self.events.record(
-                "exit", f"standby {view.id} {view.exit_reason}; restarting in {seen.delay_s:.1f} s",
+                EventKind.EXIT, f"standby {view.id} {view.exit_reason}; restarting in {seen.delay_s:.1f} s",
                 member=view.id, group=view.group,
             )  # fmt: skip
             if not view.health.ever_ok:  # it never started: a start that failed (``controller.startfailures``)
@@ -459,10 +495,10 @@ class Ha:
     async def _tend(self, tend: TendSlots) -> Outcome:
         done, ok = [], True
         for view, reason in tend.fence:
-            if not view.health.ever_ok:
-                self.failures.fenced(view.id, reason)
+            if not view.health.ever_ok:  # alike at every start without its last check's error (refused, timed out, 503)
+                self.failures.fenced(view.id, reason.removesuffix(f" ({view.health.error})"))
             if await self.cluster.fence(view.id):
-                self.events.record("fence", f"standby {view.id} {reason}", member=view.id, group=view.group)
+                self.events.record(EventKind.FENCE, f"standby {view.id} {reason}", member=view.id, group=view.group)
                 done.append(f"fenced standby {view.id} ({reason})")
             else:
                 done.append(f"standby {view.id} ({reason}) is still alive {FENCE_TIMEOUT_S:g} s after SIGKILL")
@@ -479,9 +515,9 @@ class Ha:
         match missing_primary(group, members, refusal, self.best_standby(snap, group)):
             case Wait(sentence):
                 return sentence
-            case Elect(candidate) if not self.executor.backing_off(group, "elect"):
+            case Elect(candidate) if not self.executor.backing_off(group, EventKind.ELECT):
                 what = f"electing {candidate.id}"
-                return self.executor.run(group, what, self._elect(snap, group, candidate), kind="elect")
+                return self.executor.run(group, what, self._elect(snap, group, candidate), kind=EventKind.ELECT)
         return None
 
     async def _elect(self, snap: Snapshot, group: int, candidate: MemberView) -> Outcome:
@@ -491,7 +527,7 @@ class Ha:
         promoted, promote_ms, message = await self.promote(candidate)
         if not promoted:
             return Outcome(f"group {group} has no primary: promoting {candidate.id} failed ({message})", False)
-        self.events.record("elect", f"group {group} had no primary: promoted {candidate.id}", group=group)
+        self.events.record(EventKind.ELECT, f"group {group} had no primary: promoted {candidate.id}", group=group)
         return Outcome(f"group {group} had no primary: promoted ready standby {candidate.id} in {promote_ms} ms")
 
     # --- 5. daemons of an older weight generation --------------------------------------------------
@@ -512,7 +548,7 @@ class Ha:
             self.keepers.forget(service_id)
             how = await self.cluster.remove_service(service_id)
             message = f"{service_id}: no engine maps its generation any more; {how}"
-            self.events.record("retire", message, service=service_id, group=group)
+            self.events.record(EventKind.RETIRE, message, service=service_id, group=group)
             done.append(f"retired {service_id} ({how})")
         return "; ".join(done)
 
@@ -523,7 +559,7 @@ class Ha:
         standbys = sum(m.is_ready_standby for m in snap.group(group))
         if primary is None:
             return f"group {group} has no primary"
-        what = "healthy" if primary.is_serving_primary else f"{primary.state} ({primary.status})"
+        what = "healthy" if primary.is_serving_primary else f"{primary.state or UNKNOWN_STATE} ({primary.status})"
         return f"primary {primary.id} {what}, {standbys} standby(s) ready"
 
     def _is_settled(self, snap: Snapshot, group: int) -> bool:
@@ -543,11 +579,12 @@ class Ha:
             for g in range(snap.groups)
         ]
         for change in self.redundancy.observe(snap.taken_at, states):
-            log.log(logging.INFO if change.kind == "redundancy_restored" else logging.WARNING, "%s", change.message)
+            restored = change.kind == EventKind.REDUNDANCY_RESTORED
+            log.log(logging.INFO if restored else logging.WARNING, "%s", change.message)
             self.events.record(
                 change.kind, change.message, group=change.group, degraded_ms=ms(change.degraded_s), **change.details
             )
-            if change.kind == "redundancy_restored":
+            if restored:
                 self.metrics.time_to_redundancy.observe(change.degraded_s)
         for state in states:
             self.metrics.export_redundancy(

@@ -21,45 +21,17 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import httpx
 
 from hotweights.contract import Endpoint
+from hotweights.controller.snapshot import HealthRecord
 from hotweights.limits import is_out_of_descriptors
 
 # A check that timed out counts only if this controller woke up on time for its deadline: later than this
 # fraction of the timeout, our own event loop was starved (a saturated CPU), which says nothing of the engine.
 STALL_FRACTION = 0.5
-
-
-@dataclass
-class HealthRecord:
-    """What the checks of one engine process have seen so far (a fresh record per process)."""
-
-    checked_at: float | None = None  # time.time() of the last check's answer
-    sent_at: float = 0.0  # time.monotonic() when the last check was sent
-    body_at: float = 0.0  # time.monotonic() when the check that gave ``body`` was sent: the body is from after this
-    ok: bool | None = None  # None: not checked yet
-    consecutive_failures: int = 0
-    failing_since: float | None = None  # time.monotonic() when the first failed check of this run began
-    ever_ok: bool = False
-    status_code: int | None = None
-    body: dict[str, Any] | None = None
-    error: str | None = None
-    latency_ms: float | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "checked_at": self.checked_at,
-            "ok": self.ok,
-            "consecutive_failures": self.consecutive_failures,
-            "status_code": self.status_code,
-            "latency_ms": self.latency_ms,
-            "error": self.error,
-            "body": self.body,
-        }
 
 
 class HealthChecker:

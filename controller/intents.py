@@ -2,32 +2,38 @@
 engine added or deleted, a cache daemon restarted, and a rollout or model update.
 
 ``Ha`` queues each intent and runs its action here, one at a time per group, in its group's executor; the
-actions use the loop's own failover, promotion and slot restarts (``Actions.ha``). Each returns the loop's
-sentence and the JSON the request answers with, or raises a ``Refused`` whose class gives the HTTP status.
+actions use the loop's own failover, promotion and slot restarts, which the loop hands over as ``LoopSteps``
+(no reference back to the loop). Each returns the loop's sentence and the JSON the request answers with, or
+raises a ``Refused`` whose class gives the HTTP status.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hotweights.contract import Endpoint, Role
 from hotweights.controller.checks import arena_bytes
-from hotweights.controller.config import VLLM, load_config, rollout_changes
-from hotweights.controller.decide import Footprint, room_refusal
-from hotweights.controller.devices import device_bytes_of, free_bytes, tree_rss_bytes
-from hotweights.controller.engineapi import EngineUnreachable
+from hotweights.controller.cluster import Cluster
+from hotweights.controller.config import load_config, rollout_changes
+from hotweights.controller.decide import FailoverResult, Footprint, Promotion, SlotRestarts, room_refusal
+from hotweights.controller.devices import free_bytes
+from hotweights.controller.engineapi import EngineApi, EngineUnreachable
+from hotweights.controller.events import EventLog
+from hotweights.controller.metrics import ControllerMetrics
 from hotweights.controller.rollout import Rollout, RolloutProgress, StepFailed
-from hotweights.controller.snapshot import MemberView, Snapshot
+from hotweights.controller.snapshot import UNKNOWN_STATE, MemberView, Snapshot
+from hotweights.engines import Engine
 from hotweights.errors import ConfigError, HotweightsError
+from hotweights.eventkinds import EventKind, FailoverKind
+from hotweights.proctree import device_bytes_of, tree_rss_bytes
 from hotweights.stats import ms
 from hotweights.tokenizer import load_tokenizer, stop_token_ids
-
-if TYPE_CHECKING:
-    from hotweights.controller.ha import Ha
 
 POST_MARGIN_S = 10.0  # an engine's answer to a role change may come this long after the wait it was given
 
@@ -70,21 +76,40 @@ def ready_standby(snap: Snapshot, member_id: str) -> MemberView:
     if not member.is_ready_standby:
         ready = [m.id for m in snap.group(member.group) if m.is_ready_standby]
         raise NotPossible(
-            f"{member.id} is not a ready standby (role {member.role}, state {member.state}, status "
+            f"{member.id} is not a ready standby (role {member.role}, state {member.state or UNKNOWN_STATE}, status "
             f"{member.status}); ready standbys of group {member.group}: {', '.join(ready) or 'none'}"
         )
     return member
 
 
-class Actions:
-    """The intents' actions, on the loop ``ha`` (its cluster, events, metrics and engine API)."""
+@dataclass(frozen=True)
+class LoopSteps:
+    """What the intents' actions use of the HA loop, handed over by the loop: its steps, and the state of its
+    own they change (the loop owns both; the actions hold no reference back to it)."""
 
-    def __init__(self, ha: Ha) -> None:
-        self.ha = ha
-        self.cluster = ha.cluster
-        self.events = ha.events
-        self.metrics = ha.metrics
-        self.engines = ha.engines
+    best_standby: Callable[[Snapshot, int], MemberView | None]
+    promote: Callable[[MemberView], Awaitable[Promotion]]
+    failover: Callable[..., Awaitable[FailoverResult]]
+    answering_primary: Callable[[Snapshot, int], Awaitable[list[str]]]
+    restart_slot: Callable[[Snapshot, str], Awaitable[str]]
+    keep_service: Callable[[str], Awaitable[None]]  # a cache daemon's keeper: respawned with backoff until it serves
+    retire: Callable[[int], Awaitable[str]]  # a model update's old weight generation, once no engine uses it
+    is_failed: Callable[[MemberView], str | None]
+    restarts: dict[str, SlotRestarts]  # the start backoff of each engine slot
+    rollouts: dict[int, RolloutProgress]  # per group: the rollout queued or running
+
+
+class Actions:
+    """The intents' actions, on the loop's cluster, events, metrics and engine API, with its ``LoopSteps``."""
+
+    def __init__(
+        self, cluster: Cluster, events: EventLog, metrics: ControllerMetrics, engines: EngineApi, loop: LoopSteps
+    ) -> None:
+        self.cluster = cluster
+        self.events = events
+        self.metrics = metrics
+        self.engines = engines
+        self.loop = loop
 
     async def _resume(self, old: MemberView, drain_s: float) -> str:
         """Undo a drain of ``old`` (a drained primary resumes serving); says what happened."""
@@ -101,11 +126,12 @@ class Actions:
         )
 
     async def do_switchover(
-        self, snap: Snapshot, group: int | None = None, candidate: str | None = None
+        self, snap: Snapshot, group: int | None = None, candidate: str | None = None, drain_s: float | None = None
     ) -> tuple[str, dict[str, Any]]:
-        """Planned: drain the primary, promote the candidate, demote the old primary to standby (the group's batch
-        engine yields first). The streams the gateway cuts from the draining primary go on on the new one from the
-        old one's KV cache, which its demote hands over (``standby.kvshare``), as after a failover."""
+        """Planned: drain the primary (for ``drain_s``, default the engines' drain timeout), promote the candidate,
+        demote the old primary to standby (the group's batch engine yields first). The streams the gateway cuts from
+        the draining primary go on on the new one from the old one's KV cache, which its demote hands over
+        (``standby.kvshare``), as after a failover."""
         if candidate is not None:
             new = ready_standby(snap, candidate)
             if group is not None and group != new.group:
@@ -117,12 +143,12 @@ class Actions:
         if old is None:
             raise NotPossible(f"group {group} has no serving primary to switch over from; use POST /failover")
         if candidate is None:
-            new = self.ha.best_standby(snap, group)
+            new = self.loop.best_standby(snap, group)
             if new is None:
                 raise NotPossible(f"group {group} has no ready standby to switch over to")
         # The new primary's KV cache is allocated while the old one still holds its own.
         await self.cluster.batch.make_room(group, f"a switchover from {old.id} to {new.id}")
-        drain_s = self.drain_timeout_s()
+        drain_s = self.drain_timeout_s() if drain_s is None else drain_s
         start = time.monotonic()
         try:
             status, body = await self._post(old, Endpoint.DRAIN, drain_s, {"timeout_s": drain_s})
@@ -131,7 +157,7 @@ class Actions:
         drain_ms = ms(time.monotonic() - start)
         if status != 200:
             raise Conflict(f"{old.id} refused to drain: {body.get('message')}; {await self._resume(old, drain_s)}")
-        promoted, promote_ms, message = await self.ha.promote(new)
+        promoted, promote_ms, message = await self.loop.promote(new)
         if not promoted:
             # The candidate may have taken the role unseen: resume the old primary only once it is gone.
             if not await self.cluster.fence(new.id):
@@ -156,8 +182,8 @@ class Actions:
             "demote_ms": ms(time.monotonic() - demote_start),
             "total_ms": ms(time.monotonic() - start),
         }
-        self.metrics.failovers.labels(str(group), "switchover").inc()
-        self.metrics.failover_duration.labels("switchover").observe(timings["total_ms"] / 1000)
+        self.metrics.failovers.labels(str(group), FailoverKind.SWITCHOVER).inc()
+        self.metrics.failover_duration.labels(FailoverKind.SWITCHOVER).observe(timings["total_ms"] / 1000)
         sentence = (
             f"switched over group {group} from {old.id} to {new.id} in {timings['total_ms']} ms "
             f"(drain {drain_ms} ms, promote {promote_ms} ms); {old.id} "
@@ -166,7 +192,13 @@ class Actions:
         )
         details = {"group": group, "old_primary": old.id, "new_primary": new.id, "kv_slots_handed_over": handed_over}
         self.events.record(
-            "switchover", sentence, group=group, old=old.id, new=new.id, kv_slots_handed_over=handed_over, **timings
+            EventKind.SWITCHOVER,
+            sentence,
+            group=group,
+            old=old.id,
+            new=new.id,
+            kv_slots_handed_over=handed_over,
+            **timings,
         )
         return sentence, details | timings
 
@@ -174,12 +206,12 @@ class Actions:
         """Forced: fence the primary whatever its state, promote ``candidate``."""
         new = ready_standby(snap, candidate)
         primaries = snap.primaries(new.group)
-        sentence, details = await self.ha.failover(
-            snap, new.group, primaries[0] if primaries else None, "failover requested", "forced", new
+        result = await self.loop.failover(
+            snap, new.group, primaries[0] if primaries else None, "failover requested", FailoverKind.FORCED, new
         )
-        if not details["ok"]:
-            raise Unavailable(sentence)
-        return sentence, details
+        if not result.ok:
+            raise Unavailable(result.sentence)
+        return result.sentence, result.to_json()
 
     async def do_drain(self, snap: Snapshot, engine_id: str, timeout_s: float | None = None) -> tuple[str, dict]:
         member = member_of(snap, engine_id)
@@ -188,7 +220,9 @@ class Actions:
         if status != 200:
             raise Conflict(f"{member.id} refused to drain: {body.get('message')}")
         sentence = f"drained {member.id}: {body.get('message')}"
-        self.events.record("drain", sentence, member=member.id, group=member.group, duration_ms=body.get("duration_ms"))
+        self.events.record(
+            EventKind.DRAIN, sentence, member=member.id, group=member.group, duration_ms=body.get("duration_ms")
+        )
         return sentence, body | {"message": sentence}  # the engine's own message does not name it
 
     async def do_promote(self, snap: Snapshot, engine_id: str) -> tuple[str, dict]:
@@ -203,9 +237,9 @@ class Actions:
         if live:
             raise Conflict(f"group {member.group} already has primary {live[0]}; use POST /switchover to move the role")
         member = ready_standby(snap, engine_id)
-        if serving := await self.ha.answering_primary(snap, member.group):  # a primary our checks have not seen
+        if serving := await self.loop.answering_primary(snap, member.group):  # a primary our checks have not seen
             raise Conflict(f"{serving} answer /primary 200 in group {member.group}; use POST /switchover")
-        promoted, promote_ms, message = await self.ha.promote(member)
+        promoted, promote_ms, message = await self.loop.promote(member)
         if not promoted:
             raise Unavailable(f"promoting {member.id} failed: {message}")
         return f"promoted {member.id} on request in {promote_ms} ms", {"member": member.id, "promote_ms": promote_ms}
@@ -218,9 +252,9 @@ class Actions:
         if refusal := await asyncio.to_thread(self.room_refusal, snap, group):
             raise Conflict(refusal)
         member = self.cluster.add_engine(group)
-        started = await self.ha.restart_slot(snap, member.spec.id)
+        started = await self.loop.restart_slot(snap, member.spec.id)
         sentence = f"added standby {member.spec.id} on port {member.spec.port}: {started}"
-        self.events.record("add", sentence, member=member.spec.id, group=group)
+        self.events.record(EventKind.ADD, sentence, member=member.spec.id, group=group)
         return sentence, {"id": member.spec.id, "group": group, "port": member.spec.port, "url": member.spec.url}
 
     def room_refusal(self, snap: Snapshot, group: int) -> str | None:
@@ -241,9 +275,9 @@ class Actions:
         if process is not None and process.alive:  # forgetting the slot would leave it running unsupervised
             raise Unavailable(f"{member.id} (pid {process.pid}) {how}; its slot is kept")
         self.cluster.remove_engine(member.id)
-        self.ha.restarts.pop(member.id, None)
+        self.loop.restarts.pop(member.id, None)
         sentence = f"removed {member.id}: {how}"
-        self.events.record("delete", sentence, member=member.id, group=member.group)
+        self.events.record(EventKind.DELETE, sentence, member=member.id, group=member.group)
         return sentence, {"id": member.id}
 
     async def do_restart_cache(self, snap: Snapshot, group: int) -> tuple[str, dict]:
@@ -253,9 +287,9 @@ class Actions:
         sentences = []
         for service_id in snap.daemon_ids(group):  # one per rank in a tensor-parallel group
             how = await self.cluster.stop_service(service_id)
-            self.cluster.respawn(service_id, partial(self.ha.keepers.keep, service_id))
+            self.cluster.respawn(service_id, partial(self.loop.keep_service, service_id))
             sentences.append(f"restarting cache daemon {service_id}: old one {how}; engines keep serving")
-            self.events.record("cache_restart", sentences[-1], service=service_id, group=group)
+            self.events.record(EventKind.CACHE_RESTART, sentences[-1], service=service_id, group=group)
         return "; ".join(sentences), {"service": snap.daemon(group).id}
 
     async def do_rollout(self, snap: Snapshot, group: int, model: str | None = None) -> tuple[str, dict[str, Any]]:
@@ -263,23 +297,23 @@ class Actions:
         ``controller.rollout``), onto ``model``'s weights if given. NotPossible before anything restarts: no
         serving primary, no ready standby, a cluster.toml that is invalid or changes more than engine settings,
         or a ``model`` that is invalid or does not fit; Unavailable: a step failed."""
-        progress = self.ha.rollouts.setdefault(group, RolloutProgress(group))
+        progress = self.loop.rollouts.setdefault(group, RolloutProgress(group))
         progress.started = True
         try:
             new_model = await asyncio.to_thread(self._model_preconditions, group, model) if model else None
             primary, changed = self._rollout_preconditions(snap, group)
             standbys = [m for m in snap.group(group) if m.id != primary.id]
             rollout = Rollout(
-                self.cluster, self.events, progress, self.ha.is_failed, partial(self._rollout_switch, group),
-                partial(self.ha.retire, group),
+                self.cluster, self.events, progress, self.loop.is_failed, partial(self._rollout_switch, group),
+                partial(self.loop.retire, group),
             )  # fmt: skip
             try:
                 sentence, steps = await rollout.run(primary, standbys, new_model)
             except StepFailed as exc:
                 raise Unavailable(f"{exc}; the group keeps serving") from None
         finally:
-            if self.ha.rollouts.get(group) is progress:
-                del self.ha.rollouts[group]
+            if self.loop.rollouts.get(group) is progress:
+                del self.loop.rollouts[group]
         applied = f"; applied {', '.join(changed)}" if changed else ""
         return sentence + applied, {"group": group, "steps": steps, "changed": changed}
 
@@ -289,7 +323,7 @@ class Actions:
         current one. NotPossible naming the reason (the numbers, for memory), before anything starts. It waits for a
         checking process (``controller.checks``): run it off the event loop, as ``do_rollout`` does."""
         section, current = self.cluster.config.groups[group], self.cluster.weights[group].current
-        if section.engine == VLLM or section.tp_size != 1:
+        if section.engine == Engine.VLLM or section.tp_size != 1:
             raise NotPossible(
                 f"group {group}: a model update needs reference or SGLang engines with tp_size 1, found engine "
                 f"{section.engine!r} with tp_size {section.tp_size}; nothing restarted"
@@ -323,7 +357,7 @@ class Actions:
         primary = next((p for p in snap.primaries(group) if p.is_serving_primary), None)
         if primary is None:
             raise NotPossible(f"group {group} has no serving primary; nothing restarted")
-        if self.ha.best_standby(snap, group) is None:
+        if self.loop.best_standby(snap, group) is None:
             raise NotPossible(f"group {group} has no ready standby to switch over to; nothing restarted")
         self.cluster.reconfigure(config)
         return primary, changed

@@ -18,6 +18,7 @@ from hotweights.controller.executor import BACKOFF
 from hotweights.controller.metrics import ControllerMetrics
 from hotweights.controller.snapshot import Snapshot
 from hotweights.controller.startfailures import StartFailures
+from hotweights.eventkinds import EventKind
 from hotweights.state import ServiceKind
 from hotweights.stats import ms
 
@@ -60,7 +61,7 @@ class ServiceKeepers:
             if view.restarting or self.stopping():
                 continue
             if view.pid is not None and not view.alive:
-                self.events.record("exit", f"{view.id} {view.exit_reason}", service=view.id, group=view.group)
+                self.events.record(EventKind.EXIT, f"{view.id} {view.exit_reason}", service=view.id, group=view.group)
                 actions.append(f"{view.id} {view.exit_reason}: respawning it")
                 if view.kind == ServiceKind.DAEMON:
                     self.metrics.daemon_restarts.labels(str(view.group)).inc()
@@ -92,10 +93,8 @@ class ServiceKeepers:
             missed = self.unanswered[service_id] = self.unanswered.get(service_id, 0) + 1
             if missed >= self._hung_after(service_id) and not self.stopping():
                 self.unanswered[service_id] = 0
-                self.events.record(
-                    "hung", f"{service_id} answered none of {missed} probes {SERVICE_PROBE_S:g} s apart: killing it",
-                    service=service_id,
-                )  # fmt: skip
+                message = f"{service_id} answered none of {missed} probes {SERVICE_PROBE_S:g} s apart: killing it"
+                self.events.record(EventKind.HUNG, message, service=service_id)
                 await self.cluster.fence_service(service_id)
                 self.wakeup()
                 return
@@ -122,7 +121,7 @@ class ServiceKeepers:
         async def failed(state: RetryCallState) -> None:
             reason = await self._failure(service_id, state.outcome.exception() if state.outcome else None)
             delay = state.next_action.sleep if state.next_action else 0.0
-            self.events.record("start_failed", f"{reason}; retrying in {delay:.1f} s", service=service_id)
+            self.events.record(EventKind.START_FAILED, f"{reason}; retrying in {delay:.1f} s", service=service_id)
             self.failures.failed(service_id, reason)
 
         retrying = AsyncRetrying(wait=BACKOFF, retry=retry_if_exception_type(ServiceFailed), before_sleep=failed)
@@ -136,8 +135,9 @@ class ServiceKeepers:
         spare = " (its spare, imports done)" if service.from_spare else ""
         message = f"{service_id} (pid {service.process.pid}){spare} serving after {duration_ms} ms{filled(fill)}"
         self.events.record(
-            "respawn" if service.restarts else "start", message, service=service_id, group=service.group,
-            duration_ms=duration_ms, attempts=retrying.statistics.get("attempt_number", 1), spare=service.from_spare,
+            EventKind.RESPAWN if service.restarts else EventKind.START, message, service=service_id,
+            group=service.group, duration_ms=duration_ms, attempts=retrying.statistics.get("attempt_number", 1),
+            spare=service.from_spare,
             **({"fill_source": fill.get("source"), "fill_ms": ms(fill.get("seconds", 0.0))} if fill else {}),
         )  # fmt: skip
         self.wakeup()

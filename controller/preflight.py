@@ -7,10 +7,12 @@ way restarted for ever:
 - the model (``model.path``, or the embedded tiny model) is what a group's daemon loads and its engines read:
   config, index, safetensors headers, the load settings' checks, tokenizer;
 - each group's ``device`` exists for this torch (``cuda:N``: a CUDA build that sees more than N devices);
-- one engine's KV cache (``engine.kv_cache_tokens`` x ``engine.max_batch`` x the model's bytes per token position)
-  beside the group's arena fits in the device's free memory (``controller.devices``). One engine's: a lower
-  bound, since a standby frees its KV cache after its warm-up; a stack that fits one engine but not all of them
-  is stopped by the give-up rule instead (``controller.startfailures``).
+- one engine's KV pool can hold a sequence of ``engine.kv_cache_tokens`` (``standby.kvpool``), and beside the
+  group's arena fits in the device's free memory (``controller.devices``): ``engine.kv_pool_tokens`` x the model's
+  bytes per token position, where automatic on CPU its fixed size, on CUDA one sequence (the rest is a share of
+  what the device holds, sized by each engine). One engine's: a lower bound, since a standby frees its KV cache
+  after its warm-up; a stack that fits one engine but not all of them is stopped by the give-up rule instead
+  (``controller.startfailures``).
 
 Only a fresh start is checked: a start that adopts a running stack (some process of it runs) checks nothing, since
 its model loaded, its ports and memory are its own, and a restarted controller must take over at once, not wait
@@ -28,11 +30,13 @@ import logging
 from collections.abc import Callable
 
 from hotweights.controller.checks import Serving, never, serving_checks
-from hotweights.controller.config import REFERENCE, ClusterConfig
+from hotweights.controller.config import ClusterConfig, EngineSection
 from hotweights.controller.devices import free_bytes
 from hotweights.controller.stack import Layout
 from hotweights.controller.supervisor import listening_pids, read_identity, stack_marker, stack_orphans
+from hotweights.engines import Engine
 from hotweights.errors import ConfigError, HotweightsError
+from hotweights.standby.kvpool import MAX_AUTO_BATCH, auto_pool_tokens, pool_refusal
 from hotweights.standby.serving import PortUnavailable, bind_port
 from hotweights.stats import human_bytes
 
@@ -49,7 +53,7 @@ def preflight(layout: Layout, with_gateway: bool, stopped: Callable[[], bool] = 
         log.info("adopting a running stack (%d processes): its ports, model and memory are not checked", len(ours))
         return
     check_ports(layout.config, with_gateway)
-    groups = [i for i, group in enumerate(layout.config.groups) if group.engine == REFERENCE]
+    groups = [i for i, group in enumerate(layout.config.groups) if group.engine == Engine.REFERENCE]
     specs = [layout.load_spec(i) for i in groups]
     outcomes = serving_checks(layout.model_dir, [(spec, spec.device) for spec in specs], stopped)
     for i, spec, (serving, device_refusal) in zip(groups, specs, outcomes, strict=True):
@@ -106,23 +110,39 @@ def port_refusal(host: str, port: int, ours: set[int]) -> str | None:
 
 
 def check_memory(config: ClusterConfig, group: int, device: str, serving: Serving) -> None:
-    """ConfigError when one engine's KV cache beside the group's arena does not fit in ``device``'s free memory;
-    nothing when that cannot be read."""
+    """ConfigError when one engine's KV pool cannot hold one sequence, or does not fit beside the group's arena in
+    ``device``'s free memory (nothing when that cannot be read)."""
+    engine, src = config.engine, config.source
+    tokens = pool_tokens(engine, device)
+    setting = f"engine.kv_pool_tokens = {engine.kv_pool_tokens}" + ("" if engine.kv_pool_tokens else " (automatic)")
+    if reason := pool_refusal(tokens, engine.kv_cache_tokens):
+        raise ConfigError(
+            f"{src}: engine.kv_cache_tokens = {engine.kv_cache_tokens}: {reason} ({setting}); raise "
+            "engine.kv_pool_tokens or lower engine.kv_cache_tokens"
+        )
     free = free_bytes(device)
-    engine = config.engine
-    kv = serving.kv_token_bytes * engine.kv_cache_tokens * engine.max_batch
+    kv = serving.kv_token_bytes * tokens
     need = serving.arena_bytes + kv
-    log.debug("group %d needs %d bytes on %s (arena %d, one engine's KV cache %d), %s free", group, need, device,
+    log.debug("group %d needs %d bytes on %s (arena %d, one engine's KV pool %d), %s free", group, need, device,
               serving.arena_bytes, kv, free)  # fmt: skip
     if free is None or need <= free:
         return
-    src, room = config.source, f"{human_bytes(free)} are free on {device}"
+    room = f"{human_bytes(free)} are free on {device}"
     if serving.arena_bytes > free:
         raise ConfigError(f"{src}: model.path: group {group}'s arena needs {human_bytes(serving.arena_bytes)}, {room}")
-    tokens, batch = engine.kv_cache_tokens, engine.max_batch
     raise ConfigError(
-        f"{src}: engine.kv_cache_tokens = {tokens}: one engine's KV cache ({tokens} tokens x engine.max_batch = {batch}"
-        f" x {serving.kv_token_bytes} bytes a token = {human_bytes(kv)}) and group {group}'s arena "
-        f"({human_bytes(serving.arena_bytes)}) need {human_bytes(need)}, {room}; lower engine.kv_cache_tokens or "
-        "engine.max_batch"
+        f"{src}: {setting}: one engine's KV pool ({tokens} positions x {serving.kv_token_bytes} bytes a position = "
+        f"{human_bytes(kv)}) and group {group}'s arena ({human_bytes(serving.arena_bytes)}) need {human_bytes(need)}, "
+        f"{room}; lower engine.kv_pool_tokens"
     )
+
+
+def pool_tokens(engine: EngineSection, device: str) -> int:
+    """The positions of one engine's KV pool as the checks count them: ``engine.kv_pool_tokens``, else the automatic
+    pool on CPU, else one sequence of ``engine.kv_cache_tokens`` (on CUDA the rest is a share of the device's
+    memory)."""
+    if engine.kv_pool_tokens:
+        return engine.kv_pool_tokens
+    if device == "cpu":
+        return auto_pool_tokens(None, 1, engine.max_batch or MAX_AUTO_BATCH, engine.kv_cache_tokens)
+    return engine.kv_cache_tokens

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hotweights.controller.snapshot import MemberView, Snapshot, Status
+from hotweights.eventkinds import EventKind
 
 NO_PRIMARY = "no serving primary"
 
@@ -85,7 +86,7 @@ def slot_state(member: MemberView) -> str:
 class Change:
     """Something to record: ``kind`` is ``redundancy_lost``, ``redundancy_restored`` or ``redundancy_alert``."""
 
-    kind: str
+    kind: EventKind
     group: int
     message: str
     degraded_s: float = 0.0
@@ -130,18 +131,20 @@ class Tracker:
             degraded_s = now - episode.since
             message = f"group {group} has full redundancy again after {degraded_s:.3f} s ({episode.first_reason})"
             details = counts | {"reason": episode.first_reason}
-            return Change("redundancy_restored", group, message, degraded_s, details)
+            return Change(EventKind.REDUNDANCY_RESTORED, group, message, degraded_s, details)
         if group not in self.tracked:
             return None
         if episode is None:
             assert state.reason is not None
             self.episodes[group] = Episode(now, state.reason)
-            return Change("redundancy_lost", group, state.lost_message(), 0.0, counts | {"reason": state.reason})
+            return Change(
+                EventKind.REDUNDANCY_LOST, group, state.lost_message(), 0.0, counts | {"reason": state.reason}
+            )
         degraded_s = now - episode.since
         if not episode.alerted and degraded_s > self.alert_after_s:
             episode.alerted = True
             message = f"group {group} has run without full redundancy for {degraded_s:.1f} s: {state.reason}"
-            return Change("redundancy_alert", group, message, degraded_s, counts | {"reason": state.reason})
+            return Change(EventKind.REDUNDANCY_ALERT, group, message, degraded_s, counts | {"reason": state.reason})
         return None
 
     def degraded_s(self, group: int, now: float) -> float:

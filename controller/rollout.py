@@ -40,6 +40,7 @@ from hotweights.controller.events import EventLog
 from hotweights.controller.snapshot import MemberView
 from hotweights.controller.stack import Generation
 from hotweights.controller.supervisor import FENCE_TIMEOUT_S, STOP_TIMEOUT_S
+from hotweights.eventkinds import EventKind
 from hotweights.stats import ms
 
 log = logging.getLogger(__name__)
@@ -128,7 +129,7 @@ class Rollout:
             f"rolled out group {group}: restarted {len(standbys) + 1} engine(s) one at a time in {total_ms} ms; "
             f"{new} is the primary"
         )
-        self.events.record("rollout", sentence, group=group, step="done", primary=new, total_ms=total_ms)
+        self.events.record(EventKind.ROLLOUT, sentence, group=group, step="done", primary=new, total_ms=total_ms)
         return sentence, self.steps
 
     async def _roll(self, primary: MemberView, standbys: list[MemberView]) -> str:
@@ -155,7 +156,7 @@ class Rollout:
             f"reverted group {group} to generation {previous.number} ({previous.model_dir}): no engine of generation "
             f"{abandoned} had served; {stopped}"
         )
-        self.events.record("rollout", message, group=group, step="reverted", generation=previous.number)
+        self.events.record(EventKind.ROLLOUT, message, group=group, step="reverted", generation=previous.number)
         return message
 
     async def _step(self, action: Awaitable[tuple[str, str, dict[str, Any]]], member: str) -> str:
@@ -169,7 +170,7 @@ class Rollout:
         except StepFailed as exc:
             message = f"rollout of group {self.progress.group} aborted at {where}: {exc}"
             self.events.record(
-                "rollout", message, group=self.progress.group, member=member, step="aborted",
+                EventKind.ROLLOUT, message, group=self.progress.group, member=member, step="aborted",
                 index=self.progress.step, of=len(self.progress.plan), total_ms=ms(time.monotonic() - started),
             )  # fmt: skip
             raise StepFailed(message) from None
@@ -177,7 +178,7 @@ class Rollout:
         report = {"step": self.progress.plan[self.progress.step - 1], "member": member, "message": sentence} | timings
         self.steps.append(report)
         self.events.record(
-            "rollout", f"{where}: {sentence}", group=self.progress.group, member=member,
+            EventKind.ROLLOUT, f"{where}: {sentence}", group=self.progress.group, member=member,
             step=report["step"].split()[0], index=self.progress.step, of=len(self.progress.plan), **timings,
         )  # fmt: skip
         return primary

@@ -8,12 +8,13 @@ import asyncio
 from dataclasses import dataclass, field, replace
 
 from hotweights.contract import Role
-from hotweights.controller.config import REFERENCE, START_TIMEOUTS_S, EngineSpec
+from hotweights.controller.config import START_TIMEOUTS_S, EngineSpec
 from hotweights.controller.health import HealthRecord
 from hotweights.controller.ids import engine_slot
-from hotweights.controller.snapshot import MemberView, ServiceView, Status
+from hotweights.controller.snapshot import MemberView, ServiceView, Status, engine_state
 from hotweights.controller.stack import Generation
 from hotweights.controller.supervisor import Process
+from hotweights.engines import Engine
 from hotweights.state import ServiceKind
 
 
@@ -22,20 +23,20 @@ class Member:
     """One engine slot: the spec is permanent, the process behind it is replaced on failure."""
 
     spec: EngineSpec
-    role: str = Role.STANDBY  # what we last set; the engine's own later health replies override it
+    role: Role = Role.STANDBY  # what we last set; the engine's own later health replies override it
     role_set_at: float = 0.0  # time.monotonic() of our last role change: older replies are stale
     process: Process | None = None
     health: HealthRecord = field(default_factory=HealthRecord)
     started_at: float = 0.0  # time.monotonic()
-    start_timeout_s: float = START_TIMEOUTS_S[REFERENCE]  # its group's: how long it may take to be ready
+    start_timeout_s: float = START_TIMEOUTS_S[Engine.REFERENCE]  # its group's: how long it may take to be ready
     generation: int = 0  # the weight generation its process maps
 
-    def current_role(self) -> str:
+    def current_role(self) -> Role:
         """The engine's word when its latest reply postdates our last role change, else ours. By
         ``body_at``, not ``sent_at``: a failed check keeps the previous body, which may predate it."""
         body = self.health.body or {}
         if body.get("role") in (Role.PRIMARY, Role.STANDBY) and self.health.body_at > self.role_set_at:
-            return body["role"]
+            return Role(body["role"])
         return self.role
 
 
@@ -87,7 +88,7 @@ def member_view(member: Member, now: float) -> MemberView:
         device=member.spec.device,
         url=member.spec.url,
         role=member.current_role(),
-        state=body.get("state", "unknown") if health.ok is not None else "unknown",
+        state=engine_state(body) if health.ok is not None else None,
         status=status,
         pid=process.pid if process else None,
         alive=alive,

@@ -8,8 +8,44 @@ from enum import StrEnum
 from typing import Any
 
 from hotweights.contract import Role, State
-from hotweights.controller.health import HealthRecord
 from hotweights.state import ServiceKind
+
+
+@dataclass
+class HealthRecord:
+    """What the checks of one engine process have seen so far (a fresh record per process)."""
+
+    checked_at: float | None = None  # time.time() of the last check's answer
+    sent_at: float = 0.0  # time.monotonic() when the last check was sent
+    body_at: float = 0.0  # time.monotonic() when the check that gave ``body`` was sent: the body is from after this
+    ok: bool | None = None  # None: not checked yet
+    consecutive_failures: int = 0
+    failing_since: float | None = None  # time.monotonic() when the first failed check of this run began
+    ever_ok: bool = False
+    status_code: int | None = None
+    body: dict[str, Any] | None = None
+    error: str | None = None
+    latency_ms: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "checked_at": self.checked_at,
+            "ok": self.ok,
+            "consecutive_failures": self.consecutive_failures,
+            "status_code": self.status_code,
+            "latency_ms": self.latency_ms,
+            "error": self.error,
+            "body": self.body,
+        }
+
+
+UNKNOWN_STATE = "unknown"  # GET /cluster's state of an engine whose state is not known
+
+
+def engine_state(body: dict[str, Any]) -> State | None:
+    """The state an engine's health reply names, None when it names none of the contract's."""
+    state = body.get("state")
+    return State(state) if state in State._value2member_map_ else None
 
 
 class Status(StrEnum):
@@ -30,8 +66,8 @@ class MemberView:
     port: int
     device: str
     url: str
-    role: str  # primary | standby (the engine's word when it has answered, else ours)
-    state: str  # the engine's: ready | draining | drained | unknown
+    role: Role  # the engine's word when it has answered, else ours
+    state: State | None  # the engine's (None: unknown, it has not answered, or with no state of the contract)
     status: Status
     pid: int | None
     alive: bool
@@ -56,7 +92,7 @@ class MemberView:
             "id": self.id,
             "group": self.group,
             "role": self.role,
-            "state": self.state,
+            "state": self.state or UNKNOWN_STATE,
             "status": self.status,
             "pid": self.pid,
             "port": self.port,

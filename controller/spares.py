@@ -155,7 +155,7 @@ class Spares:
         pipes = SparePipes.open()
         name = f"{key}-spare{index}" if index else f"{key}-spare"
         try:
-            process = self.supervisor.spawn(name, [*command, *pipes.flags], env, pass_fds=pipes.theirs, log_id=key)
+            process = self.supervisor.spawn(name, pipes.command(command), env, pass_fds=pipes.theirs, log_id=key)
         except BaseException:
             os.close(pipes.start_fd)
             os.close(pipes.ready_fd)

@@ -18,16 +18,25 @@ from hotweights.cache.loadspec import LoadSpec
 from hotweights.cache.paths import DaemonPaths
 from hotweights.contract import Role
 from hotweights.controller.checks import default_model, never, tensor_parallel_refusals
-from hotweights.controller.config import REFERENCE, ClusterConfig, EngineSpec
+from hotweights.controller.config import ClusterConfig, EngineSpec
 from hotweights.controller.ids import spare_engine_id
 from hotweights.controller.sockets import run_dir
 from hotweights.dtypes import model_config_name
-from hotweights.engines import KINDS, LOAD_FORMAT, PORT_PLACEHOLDER, SERVED_NAME_FLAG, SOCKET_RANK
+from hotweights.engines import KINDS, LOAD_FORMAT, PORT_PLACEHOLDER, SERVED_NAME_FLAG, SOCKET_RANK, Engine
 from hotweights.errors import ConfigError, HotweightsError
 from hotweights.paths import private_dir, runtime_dir
 from hotweights.spawn import hotweights_command
 
 MAX_SOCKET_PATH = 107  # sun_path is 108 bytes including the NUL
+
+
+def cpu_threads(config: ClusterConfig, cores: int) -> int:
+    """The threads each CPU engine of ``config`` may use: the host's ``cores`` shared out among every engine,
+    spare engine and batch engine of its CPU groups, at least one. Each would otherwise use every core, so that
+    engines warming up beside a serving primary (or several at once after a fault) oversubscribe the cores, and
+    torch's threads spin at their barriers while their siblings wait for a core (measured on 2 cores beside other
+    work: one engine's warm-up 0.29 s on one thread, 4.2 s on two)."""
+    return max(1, cores // max(1, config.engines_on("cpu")))
 
 
 def controller_lock(state_dir: Path) -> Path:
@@ -149,7 +158,7 @@ class Layout:
     def load_spec(self, group: int, rank: int = 0) -> LoadSpec:
         model, config = self.config.model, self.config.groups[group]
         return LoadSpec(
-            device=f"cuda:{rank}" if config.device.startswith("cuda") and config.tp_size > 1 else config.device,
+            device=config.rank_device(rank),
             dtype=model.dtype or None,
             tp_size=config.tp_size,
             tp_rank=rank,
@@ -165,13 +174,29 @@ class Layout:
         paths, backend = DaemonPaths(self.socket(group, rank, generation.number)), config.backend or None
         extra = ["--snapshot", str(self.snapshot(group, rank))] if config.snapshot and not generation.number else []
         extra += ["--direct-io"] if config.direct_io else []
-        if config.engine == REFERENCE:  # only its engines deposit KV caches
+        extra += self.seed_flags(group, rank) if self.config.seeding.enabled and not generation.number else []
+        if config.engine == Engine.REFERENCE:  # only its engines deposit KV caches
             spec = self.load_spec(group, rank)
             extra += ["--kv-retain-s", f"{config.kv_retain_s:g}"]
             return [*daemon_command(generation.model_dir, spec, paths, backend), *extra]
         spec, python = self.load_spec(group), config.engine_python
         command = daemon_command(generation.model_dir, spec, paths, backend, python=python)
         return [*command, "--format", config.engine, *extra]  # the formats are named after the engines
+
+    def seed_address(self, group: int, rank: int = 0) -> str:
+        """Where the daemon of ``group`` and ``rank`` seeds peers: ``[dcs] address``, ``seeding.port`` plus the
+        daemon's place among every group's ranks."""
+        index = sum(g.tp_size for g in self.config.groups[:group]) + rank
+        return f"{self.config.dcs.address}:{self.config.seeding.port + index}"
+
+    def seed_flags(self, group: int, rank: int) -> list[str]:
+        """``[seeding]`` as the daemon's flags: it serves its arena to peers and fills from the peers its controller
+        lists in its sources file (``controller.seedplacement``) before its snapshot or checkpoint."""
+        seeding, sources = self.config.seeding, DaemonPaths(self.socket(group, rank)).seed_sources
+        return ["--seed-listen", self.seed_address(group, rank), "--seed-from", f"@{sources}",
+                "--seed-token-file", seeding.token_file, "--seed-streams", str(seeding.streams),
+                "--seed-max-clients", str(seeding.max_clients), "--seed-rate-gbps", f"{seeding.rate_gbps:g}",
+                "--seed-wait-s", f"{seeding.wait_s:g}"]  # fmt: skip
 
     def snapshot(self, group: int, rank: int = 0) -> Path:
         """The group's ``snapshot`` path (its ``{rank}`` replaced by ``rank``); a relative one is relative to
@@ -181,17 +206,27 @@ class Layout:
             path = self.config_path.parent / path
         return path
 
+    @property
+    def compile_cache(self) -> Path:
+        """Where a vLLM or SGLang group's servers keep their compile caches (``EngineKind.compile_caches``): in the
+        state dir, so that every later server of the stack, spares included, reuses what an earlier one compiled."""
+        return self.state_dir / "compile-cache"
+
     def environment(self, group: int) -> dict[str, str] | None:
-        """The environment of the group's daemon and engines: ours plus ``engine_env`` (None: ours)."""
-        extra = self.config.groups[group].engine_env
-        return {**os.environ, **extra} if extra else None
+        """The environment of the group's daemon and engines: ours plus ``engine_env``, and for a vLLM or SGLang
+        group its compile caches under ``compile_cache``, where neither names them (None: ours)."""
+        config = self.config.groups[group]
+        caches = {}
+        if config.engine != Engine.REFERENCE:
+            caches = {name: str(self.compile_cache / folder) for name, folder in KINDS[config.engine].compile_caches}
+        return {**caches, **os.environ, **config.engine_env} if caches or config.engine_env else None
 
     def engine_command(self, spec: EngineSpec, generation: Generation | None = None) -> list[str]:
         """Every engine starts as a standby; the controller promotes one, so no start races a live primary.
         It listens on ``spec.listen_port``; clients keep using ``spec.port`` (a proxy may sit in between). It
         maps ``generation``'s weights (default the first) from that generation's daemon."""
         generation = generation or self.first_generation
-        if self.config.groups[spec.group].engine != REFERENCE:
+        if self.config.groups[spec.group].engine != Engine.REFERENCE:
             return self.agent_command(spec, generation)
         model, engine, tp_size = self.config.model, self.config.engine, self.config.groups[spec.group].tp_size
         command = hotweights_command("engine", "--model", str(generation.model_dir))
@@ -201,7 +236,11 @@ class Layout:
         command += ["--host", spec.host, "--port", str(spec.listen_port)]
         command += ["--role", Role.STANDBY, "--engine-id", spec.id]
         command += ["--kv-cache-tokens", str(engine.kv_cache_tokens), "--max-batch", str(engine.max_batch)]
+        command += ["--kv-pool-tokens", str(engine.kv_pool_tokens)]
+        command += ["--kv-pool-share", f"{self.config.kv_pool_share(spec.device):g}"]
         command += ["--drain-timeout", str(engine.drain_timeout_s)]
+        if spec.device == "cpu":
+            command += ["--cpu-threads", str(cpu_threads(self.config, len(os.sched_getaffinity(0))))]
         command += ["--queue-budget", str(engine.queue_budget_s)]
         command += ["--batch-invariant"] if engine.batch_invariant else []
         command += ["--max-body-bytes", str(self.config.gateway.max_body_bytes)]
@@ -217,9 +256,12 @@ class Layout:
 
     def spare_command(self, group: int, generation: Generation | None = None) -> list[str]:
         """A spare engine of ``group`` (``controller.spares``): its engines' command for no slot yet (port 0, id
-        ``g<group>-spare``; its start message names the slot), warming up at the group's ``spare_duty``."""
+        ``g<group>-spare``; its start message names the slot), a reference engine warming up at the group's
+        ``spare_duty`` (an agent starts its server at once: ``standby.agentspare``)."""
         config, host = self.config.groups[group], self.config.dcs.address
         spec = EngineSpec(spare_engine_id(group), group, config.device, 0, host=host)
+        if config.engine != Engine.REFERENCE:
+            return self.engine_command(spec, generation)
         return [*self.engine_command(spec, generation), "--spare-duty", str(config.spare_duty)]
 
     def batch_command(self, spec: EngineSpec, generation: Generation) -> list[str]:

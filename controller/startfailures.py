@@ -30,6 +30,7 @@ from hotweights.controller.decide import GiveUp, Streak, after_start, give_up
 from hotweights.controller.events import EventLog
 from hotweights.controller.preflight import listeners, port_refusal, stack_pids
 from hotweights.controller.snapshot import MemberView
+from hotweights.eventkinds import EventKind
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ class StartFailures:
         if self.on_give_up is None or self.gave_up is not None or (decision := give_up(self.streaks)) is None:
             return
         self.gave_up = decision
-        self.events.record("gave_up", decision.sentence, slot=decision.slot, reason=decision.reason)
+        self.events.record(EventKind.GAVE_UP, decision.sentence, slot=decision.slot, reason=decision.reason)
         self.on_give_up(decision)
 
     def fenced(self, slot: str, reason: str) -> None:

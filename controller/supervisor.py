@@ -24,8 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
+from hotweights.controller.launcherclient import LAUNCHER_LOG, LAUNCHER_SOCKET, Launched, Launcher
 from hotweights.errors import ConfigError
 from hotweights.pidlock import LockHeld, PidLock, is_held
+from hotweights.proctree import descendants
 from hotweights.spawn import readable
 from hotweights.state import ProcessRecord
 
@@ -42,7 +44,8 @@ Identity = ProcessRecord  # what tells a live process from another one that reus
 
 
 def read_identity(pid: int) -> Identity | None:
-    """The identity of a live (not zombie) pid, None if it is gone."""
+    """The identity of a live (not zombie) pid, None if it is gone. The command line ends at its last non-empty
+    argument: an engine the launcher forked shows its argv followed by NULs (``standby.launcher``)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
         raw_command = Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -51,7 +54,12 @@ def read_identity(pid: int) -> Identity | None:
     fields = stat[stat.rindex(")") + 2 :].split()  # comm may hold spaces and parentheses; fields 3.. follow
     if fields[0] in ("Z", "X"):
         return None
-    return Identity(pid, int(fields[19]), tuple(raw_command.decode(errors="replace").split("\0")[:-1]))
+    return Identity(pid, int(fields[19]), command_identity(raw_command.decode(errors="replace").split("\0")))
+
+
+def command_identity(command: list[str]) -> tuple[str, ...]:
+    """A command line as an identity holds it: without trailing empty arguments (``read_identity``)."""
+    return tuple(command[: max((i + 1 for i, arg in enumerate(command) if arg), default=0)])
 
 
 def _task_flags(stat_path: Path) -> int | None:
@@ -134,7 +142,7 @@ class Process:
     id: str
     identity: Identity
     pidfd: int
-    popen: subprocess.Popen | None  # None when adopted from a previous controller
+    popen: subprocess.Popen | Launched | None  # None when adopted from a previous controller
     exited: asyncio.Event = field(default_factory=asyncio.Event)
     exit_reason: str | None = None
     exited_at: float | None = None  # time.monotonic()
@@ -156,10 +164,15 @@ class Process:
 class Supervisor:
     """Owns the pidfds; ``on_exit`` runs on the event loop right after a watched process ends."""
 
-    def __init__(self, log_dir: Path, on_exit: Callable[[Process], None], stack: str = "") -> None:
+    def __init__(
+        self, log_dir: Path, on_exit: Callable[[Process], None], stack: str = "", launcher_dir: Path | None = None
+    ) -> None:
         """``on_exit`` also runs when a process watched for an early exit is seen exiting (``exiting_at``);
-        ``stack``: the ``STACK_ENV`` value of the processes it starts (``stack_marker``; "": none)."""
+        ``stack``: the ``STACK_ENV`` value of the processes it starts (``stack_marker``; "": none); ``launcher_dir``:
+        where the socket of the launcher that forks its engines is (``controller.launcherclient``; None: none)."""
         self.log_dir = log_dir
+        env = {**os.environ, STACK_ENV: stack} if stack else dict(os.environ)
+        self.launcher = Launcher(launcher_dir / LAUNCHER_SOCKET, log_dir / LAUNCHER_LOG, env) if launcher_dir else None
         self.stack = stack
         self.on_exit = on_exit
         self.processes: dict[str, Process] = {}
@@ -180,10 +193,14 @@ class Supervisor:
     ) -> Process:
         """Start ``command`` in a new session (it outlives us), output appended to the log of ``log_id``
         (default ``process_id``); ``env``: its environment (None: ours), with ``STACK_ENV``; ``pass_fds``: our
-        fds it inherits under the same numbers."""
+        fds it inherits under the same numbers. An engine is forked by the launcher when it serves."""
         if self.stack:
             env = {**(os.environ if env is None else env), STACK_ENV: self.stack}
         with self._open_log(log_id or process_id) as out:
+            launched = self.launcher.launch(command, env, pass_fds, out) if self.launcher else None
+            if launched is not None:
+                identity = Identity(launched.pid, launched.start_time, command_identity(command))
+                return self._started(Process(process_id, identity, launched.pidfd, launched))
             popen = subprocess.Popen(
                 command,
                 stdin=subprocess.DEVNULL,
@@ -196,10 +213,12 @@ class Supervisor:
         pidfd = os.pidfd_open(popen.pid)  # our unreaped child: pid and /proc entry stay until we reap it
         # The command as we exec'd it, not /proc/<pid>/cmdline: Popen can return while the kernel is still
         # setting up the new image (vfork), when cmdline reads empty.
-        identity = Identity(popen.pid, _start_time(popen.pid), tuple(command))
-        process = Process(process_id, identity, pidfd, popen)
+        identity = Identity(popen.pid, _start_time(popen.pid), command_identity(command))
+        return self._started(Process(process_id, identity, pidfd, popen))
+
+    def _started(self, process: Process) -> Process:
         self._watch(process)
-        log.debug("started %s (pid %d): %s", process_id, popen.pid, " ".join(command))
+        log.debug("started %s (pid %d): %s", process.id, process.pid, " ".join(process.identity.command))
         return process
 
     def _open_log(self, log_id: str) -> BinaryIO:
@@ -294,6 +313,8 @@ class Supervisor:
     def forget(self, process: Process) -> None:
         """Stop watching without touching the process (controller shutdown that leaves it running)."""
         self.early.discard(process)
+        if isinstance(process.popen, Launched):
+            process.popen.close()
         if process.alive:
             asyncio.get_running_loop().remove_reader(process.pidfd)
             os.close(process.pidfd)
@@ -306,6 +327,12 @@ class Supervisor:
 
     def _handle_exit(self, process: Process) -> None:
         asyncio.get_running_loop().remove_reader(process.pidfd)
+        if isinstance(process.popen, Launched):  # its status comes from the launcher, which reaps it at once
+            process.popen.when_reported(lambda: self._exited(process))
+        else:
+            self._exited(process)
+
+    def _exited(self, process: Process) -> None:
         os.close(process.pidfd)
         process.pidfd = -1
         process.exit_reason = exit_reason(process.popen.poll() if process.popen else None)
@@ -504,27 +531,6 @@ def _fd_targets(pid: int) -> set[str]:
     return targets
 
 
-def descendants(pid: int) -> set[int]:
-    """Every live descendant of ``pid`` (from each thread's /proc children list). A process or thread that exits
-    while it is read (an exiting primary's, as a failover checks its port) is skipped: its /proc entries vanish
-    between the listing and the read (``Path.glob`` would raise then)."""
-    found: set[int] = set()
-    parents = [pid]
-    while parents:
-        parent = parents.pop()
-        try:
-            tasks = os.listdir(f"/proc/{parent}/task")
-        except OSError:  # gone meanwhile
-            continue
-        for task in tasks:
-            with contextlib.suppress(OSError):
-                for child in map(int, Path(f"/proc/{parent}/task/{task}/children").read_text().split()):
-                    if child not in found:
-                        found.add(child)
-                        parents.append(child)
-    return found
-
-
 def evict_orphans(
     port: int, engine_id: str, timeout: float = STOP_TIMEOUT_S, ours: int | None = None, spare_id: str = ""
 ) -> list[str]:
@@ -553,8 +559,9 @@ def evict_orphans(
 
 
 def _is_engine_of(command: tuple[str, ...], engine_id: str) -> bool:
+    """Whether ``command`` is a reference engine's or an agent's, with ``--engine-id engine_id``."""
     args = list(command)
-    if "engine" not in args or "--engine-id" not in args:
+    if not {"engine", "agent"} & set(args) or "--engine-id" not in args:
         return False
     return args[args.index("--engine-id") + 1 :][:1] == [engine_id]
 

@@ -31,13 +31,20 @@ A request that completes elsewhere after failures (re-sent, or migrated mid-stre
 same completions at two failovers minutes apart are ordinary. What that leaves is a request that kills an engine
 only after its answer began and whose continuation then completes: it costs one engine each time it is sent.
 
+A failure counts against a request only where that engine had started it (``is_started``): a request that only
+waited there for a slot, with no byte of its answer sent, cannot have made it fail. An engine sends a stream's
+response headers once the request holds its slots, before its model sees it (docs/engine-contract.md), so a
+stream cut before its headers was waiting; a whole reply's headers come only with its end, so a failure while it
+is in flight counts whenever it came. Without this, under overload (a queue that holds its budget's worth) a
+request that waited at two primaries as they failed would be refused, and its body with it.
+
 A first failure alone never refuses a request, whatever else is known about it. The only request in flight at a
 crash is the common case at low load (one client, one request at a time), and at any load some request arrived
 just before any failure, so neither tells a request that kills engines from one that was there when an engine
 died; refusing them would make ordinary failovers visible to clients. What a request of death costs is bounded
 instead: S engines per body, C per client and window.
 
-Workers share what they learn as ``Record``s (``controller.suspectjournal``); applying one twice changes nothing.
+Workers share what they learn as ``Record``s (``gateway.suspectjournal``); applying one twice changes nothing.
 """
 
 from __future__ import annotations
@@ -74,6 +81,14 @@ class Outcome(StrEnum):
     FAILED = "failed"
     CLEARED = "cleared"  # the same process answered again: it was slow
     UNRESOLVED = "unresolved"
+
+
+def is_started(answer_began: bool, streamed: bool) -> bool:
+    """Whether the engine that failed with a request in flight had started it, so that its failure counts against
+    the request: ``answer_began``, its response headers came; ``streamed``, the request asked for a stream, whose
+    headers an engine sends as it starts it (before that it was only waiting for its slots). A whole reply's
+    headers come with its end, so without them it may have started all the same."""
+    return answer_began or not streamed
 
 
 def stall_outcome(pid: int | None, since: float, answered_at: float, pid_now: int | None, gone_at: float) -> Outcome:

@@ -11,6 +11,11 @@ served while sustained overload is refused in milliseconds, what is admitted sta
 round and a request's hold have been timed every request waits; however long the budget, at most ``queue`` sequences
 wait (a bound for memory: ``MAX_WAITING`` on an engine; a gateway, which bounds what it proxies, lets none wait).
 
+An engine with a paged KV cache (``standby.kvpool``) also reserves, once a request's prompts are tokenized, the KV
+blocks its sequences take (``Admission.reserve``): a request whose blocks are not free waits for them, first come
+first served, however long (what holds them finishes, nothing is preempted); it is never refused for them. One
+whose sequences need more blocks than the whole pool can never run and is refused before (``kvpool.shortfall``).
+
 An engine counts a request as the sequences it generates (``prompts``: a list of prompts takes a slot for each, all at
 once, and waits as that many), so that a request of many prompts is bounded by what it costs, not by its count; slots
 are handed out first come first served, so small requests never pass one that waits for several.
@@ -30,8 +35,10 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
+
+from hotweights.standby.kvpool import AUTO, KV_MEMORY_SHARE
 
 RETRY_AFTER_S = 1  # what a refusal tells the client to wait before it tries again, when no better time is known
 QUEUE_BUDGET_S = 10.0  # how long a request's expected start may be away for it to wait: ``ServingLimits``
@@ -43,11 +50,13 @@ HOLD_WAVES = 4  # ``Admission.hold_s`` averages about the holds of this many tim
 @dataclass(frozen=True)
 class ServingLimits:
     """How one engine serves and how much it takes on: the defaults of ``hotweights engine``'s flags, ``hotweights
-    agent``'s and ``[engine]`` of ``cluster.toml``, defined here once (``queue_budget_s`` and ``batch_invariant``
-    are the reference engine's only)."""
+    agent``'s and ``[engine]`` of ``cluster.toml``, defined here once (``queue_budget_s``, ``batch_invariant`` and the
+    KV pool's are the reference engine's only: ``standby.kvpool``)."""
 
-    kv_cache_tokens: int = 4096  # KV cache positions per sequence slot (prompt and generated tokens)
-    max_batch: int = 4  # sequences generated at once
+    kv_cache_tokens: int = 4096  # the KV positions one sequence may hold (prompt and generated tokens)
+    max_batch: int = AUTO  # sequences generated at once (0: what the KV pool holds, standby.kvpool.auto_max_batch)
+    kv_pool_tokens: int = AUTO  # KV positions in each engine's pool of blocks (0: sized automatically)
+    kv_memory_share: float = KV_MEMORY_SHARE  # on CUDA, the device memory after the weights its engines' pools take
     drain_timeout_s: float = 30.0  # how long a drain waits for what is generating before it cancels it
     queue_budget_s: float = QUEUE_BUDGET_S  # a completion waits while its expected start is within this; else 429
     batch_invariant: bool = False  # a request's text independent of what shares its steps (standby.decoder)
@@ -118,10 +127,12 @@ class Refusal:
 
 @dataclass(frozen=True)
 class Held:
-    """The slots an admitted request holds, since when (``Admission.leave`` gives them back)."""
+    """The slots an admitted request holds, since when, and the KV blocks it reserved once its prompts were known
+    (``Admission.reserve``; ``Admission.leave`` gives them all back)."""
 
     prompts: int
     since: float  # monotonic time they were granted to it
+    blocks: int = 0
 
 
 @dataclass
@@ -190,13 +201,17 @@ class Admission:
     timing: Timing | None = None
     on_verdict: Callable[[Verdict], None] = lambda _: None
     on_wait: Callable[[float], None] = lambda _: None
+    blocks: int = 0  # the KV pool's blocks its sequences reserve (``reserve``; 0: not counted)
     waiting: int = 0  # sequences queued now
     serving: int = 0  # sequences holding a slot now
+    short: int = 0  # of those serving, sequences whose request waits for its KV blocks
     hold_s: float = 0.0  # how long a request held its slots, averaged over the last HOLD_WAVES waves (0: none yet)
     _slots: Slots = field(init=False)
+    _blocks: Slots = field(init=False)
 
     def __post_init__(self) -> None:
         self._slots = Slots(self.running)
+        self._blocks = Slots(self.blocks)
 
     async def enter(self, owed: bool = False, prompts: int = 1) -> Refusal | Held:
         """The slots for each of the request's ``prompts`` once it holds them (``leave`` gives them back), after a
@@ -228,6 +243,21 @@ class Admission:
         self.on_wait(time.monotonic() - queued_at)
         return granted
 
+    async def reserve(self, held: Held, blocks: int) -> Held:
+        """``held`` with ``blocks`` of the KV pool reserved too, once they are free: first come first served, a
+        request waits for them however long (the sequences holding them finish: nothing is preempted) and is never
+        refused for them; cancelled (its client gone), it reserves none. ``blocks`` must not exceed the pool
+        (``standby.kvpool.shortfall`` refuses such a request first); without a pool (``blocks`` 0), ``held``."""
+        if not self.blocks:
+            return held
+        short = 0 if self._blocks.available(blocks) else held.prompts
+        self.short += short
+        try:
+            await self._blocks.take(blocks)
+        finally:
+            self.short -= short
+        return replace(held, blocks=blocks)
+
     def _times(self) -> LiveTimes | None:
         """What ``expected_start`` needs, once a round and a request's hold have been timed."""
         remaining_s = None if self.timing is None else self.timing.remaining_s()
@@ -256,6 +286,8 @@ class Admission:
         self.serving -= held.prompts
         self.hold_s = _averaged(self.hold_s, time.monotonic() - held.since, 1 / (HOLD_WAVES * self.running))
         self._slots.give(held.prompts)
+        if held.blocks:
+            self._blocks.give(held.blocks)
 
 
 def _averaged(average: float, value: float, weight: float) -> float:

@@ -35,7 +35,7 @@ COMMANDS: dict[str, str] = {
     "engine": "hotweights.standby.engine",
     "agent": "hotweights.standby.agent",
     "agent-guard": "hotweights.guard",
-    "gateway": "hotweights.controller.gatewayserver",
+    "gateway": "hotweights.gateway.server",
     "haproxy-config": "hotweights.controller.haproxy",
     "controller": "hotweights.controller.commands",
     "up": "hotweights.controller.commands",

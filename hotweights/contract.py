@@ -42,6 +42,7 @@ class Endpoint(StrEnum):
     DRAIN = "/drain"
     DEMOTE = "/demote"
     LEASE = "/lease"  # POST: a multi-host controller renews its primary's lease under its fencing token
+    CANARY = "/canary"  # POST: the reference engine's known-answer check (the controller's, behind the token)
     METRICS = "/metrics"  # Prometheus text format (also the controller's and the gateway's)
     MODELS = "/v1/models"
     COMPLETIONS = "/v1/completions"
@@ -79,12 +80,17 @@ WEIGHTS_HEADER = "x-hotweights-weights"
 # whatever its expected start, never refusing it for want of queue (``hotweights.admission``).
 OWED_HEADER = "x-hotweights-owed"
 # On an engine's 429: in how many milliseconds it expects to queue a fresh request again. Until then a gateway sends it
-# no fresh request and answers those 429 itself (``controller.discovery``), so refusals cost its event loop nothing.
+# no fresh request and answers those 429 itself (``gateway.discovery``), so refusals cost its event loop nothing.
 ADMITS_IN_HEADER = "x-hotweights-admits-in-ms"
 ENGINE_PORT = (
     8200  # an engine's, and a cluster's first engine's (``base_port``); the controller's 8100, the gateway's 8000
 )
 SERVING_PREFIX = "/v1/"  # what a load balancer or the gateway forwards to the primary, and nothing else
+# The gateway's listening socket: connections the kernel queues while no worker accepts (one respawning); capped by
+# somaxconn. The controller listens with it on the socket its workers inherit, a standalone gateway on its own.
+GATEWAY_BACKLOG = 4096
+# Seconds open requests get after SIGTERM before they are cancelled: the engine's, the agent's engine's, the gateway's.
+SHUTDOWN_TIMEOUT_S = 30.0
 HEALTH_METHODS = ("GET", "HEAD", "OPTIONS")  # HAProxy checks with OPTIONS, Kubernetes with GET
 
 TOKEN_REQUIRED = "a valid bearer token is required"

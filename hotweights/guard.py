@@ -25,6 +25,7 @@ def cmd_guard(args: argparse.Namespace) -> int:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGUSR1)
     if os.getppid() != args.parent:  # the agent died before the line above
         return 1
+    os.nice(args.nice)  # the engine inherits it
     engine = subprocess.Popen(command, process_group=0)
 
     def kill_group(sig: int) -> None:
@@ -54,5 +55,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     g.add_argument("--parent", type=int, required=True, help="the agent's pid")
     g.add_argument("--grace", type=int, default=10, help="seconds between SIGTERM and SIGKILL (default 10)")
+    g.add_argument("--nice", type=int, default=0, help="run the command this much nicer (lower priority; default 0)")
     g.add_argument("engine_command", nargs=argparse.REMAINDER, help="-- the engine command")
     g.set_defaults(func=cmd_guard)

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from hotweights import quant
+
+if TYPE_CHECKING:
+    import torch
 
 TP_SPLIT_FIELDS = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
 """Config fields every tensor-parallel size must divide."""
@@ -115,7 +117,9 @@ def projection_shapes(config: ModelConfig, tp_size: int) -> dict[str, tuple[int,
 def processed_tensors(
     config: ModelConfig, dtype: torch.dtype, tp_size: int = 1
 ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Name -> (shape, dtype) of every processed tensor one tensor-parallel rank holds."""
+    """Name -> (shape, dtype) of every processed tensor one tensor-parallel rank holds (imports torch)."""
+    import torch
+
     check_tensor_parallel(config, tp_size, 0)
     h, vocab = config.hidden_size, config.vocab_size // tp_size
     out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {"embed_tokens.weight": ((vocab, h), dtype)}

@@ -13,7 +13,7 @@ prompts, or a longer prompt of token ids, is refused before any of its items is 
 
 What an engine adds on top depends on its configuration and model (its context, its vocabulary:
 ``standby.intake``). The gateway checks, with these same models, the fields it reads or rewrites of a completion it
-continues across failovers (``controller.migration``); every other field, and every other request, reaches the
+continues across failovers (``gateway.migration``); every other field, and every other request, reaches the
 engine as the client sent it. Either way a refusal is ``Invalid``: every field named with what was expected, the
 first one as ``param``, answered 400 in OpenAI's error shape.
 """

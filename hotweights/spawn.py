@@ -5,12 +5,13 @@ Children run this interpreter's installed package, never whatever ``cache/`` or 
 folder happens to lie in the current directory, and nothing sets or extends ``PYTHONPATH``.
 
 Spares (``controller.spares``): an engine or cache daemon started with START_FLAG and READY_FLAG does its
-imports (an engine also its attach and warm-up), says so with one message on its ready pipe, and waits on its start
-pipe (``wait_for_start``) for one message that starts it. A message is one JSON object on one line, smaller than
-PIPE_BUF so that it is written whole, and the writer closes the pipe after it: the ready message says what the
-spare holds (``{}``, or an engine's device bytes), the start message what it starts as (``{}``, or an engine's
-slot: ``{"port": P, "engine_id": ID}``). A pipe closed without a message says no: the spare exited before it was
-ready, or it is not needed after all and exits 0.
+imports (an engine also its attach and warm-up; a vLLM or SGLang agent starts its engine server and waits until it
+is ready), says so with one message on its ready pipe, and waits on its start pipe (``wait_for_start``) for one
+message that starts it. A message is one JSON object on one line, smaller than PIPE_BUF so that it is written whole,
+and the writer closes the pipe after it: the ready message says what the spare holds (``{}``, or an engine's
+device bytes, or an agent's engine's host and device bytes), the start message what it starts as (``{}``, or an
+engine's slot: ``Slot``). A pipe closed without a message says no: the spare exited before it was ready, or it is
+not needed after all and exits 0.
 """
 
 from __future__ import annotations
@@ -65,8 +66,9 @@ def add_spare_arguments(parser: argparse.ArgumentParser, starts: str) -> None:
 
 @dataclass(frozen=True)
 class SparePipes:
-    """The two pipes of a spare about to be spawned: ``flags`` for its command, ``theirs`` for it to inherit (close
-    them here once it is spawned), and our ends: the start pipe's write end and the ready pipe's read end."""
+    """The two pipes of a spare about to be spawned: ``flags`` for its command (``command``), ``theirs`` for it to
+    inherit (close them here once it is spawned), and our ends: the start pipe's write end and the ready pipe's read
+    end."""
 
     flags: tuple[str, ...]
     theirs: tuple[int, int]
@@ -78,6 +80,12 @@ class SparePipes:
         (start_read, start_write), (ready_read, ready_write) = os.pipe(), os.pipe()
         flags = (START_FLAG, str(start_read), READY_FLAG, str(ready_write))
         return cls(flags, (start_read, ready_write), start_write, ready_read)
+
+    def command(self, command: list[str]) -> list[str]:
+        """``command`` with ``flags``, before its first ``--`` (the command another program runs follows it, as an
+        agent's engine's), else at its end."""
+        end = command.index("--") if "--" in command else len(command)
+        return [*command[:end], *self.flags, *command[end:]]
 
     def close_theirs(self) -> None:
         for fd in self.theirs:
@@ -124,16 +132,53 @@ def parse_message(data: bytes) -> dict[str, Any] | None:
     return message
 
 
+def announce_ready(ready_fd: int, ready: dict[str, Any]) -> None:
+    """A spare's ready message ``ready`` on ``ready_fd``, which is then closed. EPIPE is no error: the controller
+    took or released the spare before the message, and its start pipe says which."""
+    with contextlib.suppress(BrokenPipeError):
+        send_message(ready_fd, ready)
+    os.close(ready_fd)
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A spare engine's start message: the slot it starts as (``{"port": P, "engine_id": ID, "log": PATH}``, each
+    optional; None: keep its command's)."""
+
+    port: int | None = None
+    engine_id: str | None = None
+    log: str | None = None
+
+    @classmethod
+    def of(cls, message: dict[str, Any]) -> Slot:
+        """ConfigError for a malformed message, naming the field."""
+        port, engine_id, log_file = message.get("port"), message.get("engine_id"), message.get("log")
+        if port is not None and (not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535):
+            raise ConfigError(f"the start message's port must be an integer in 0..65535, found {port!r}")
+        for name, value in (("engine_id", engine_id), ("log", log_file)):
+            if value is not None and not isinstance(value, str):
+                raise ConfigError(f"the start message's {name} must be a string, found {value!r}")
+        return cls(port, engine_id, log_file)
+
+    def move_output(self) -> None:
+        """Go on writing stdout and stderr to the slot's log file (appended to), if the message named one."""
+        if self.log is None:
+            return
+        sys.stdout.flush()
+        sys.stderr.flush()
+        fd = os.open(self.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        for target in (1, 2):
+            os.dup2(fd, target)
+        os.close(fd)
+
+
 def wait_for_start(start_fd: int, ready_fd: int | None, ready: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """A spare: send ``ready`` (default ``{}``) on ``ready_fd`` and close it, then block until the controller sends
     the start message on ``start_fd`` (returned: start now, as it says) or closes it without one (None: not needed
     after all)."""
     try:
         if ready_fd is not None:
-            # EPIPE: the controller took or released us before the message; the start pipe says which
-            with contextlib.suppress(BrokenPipeError):
-                send_message(ready_fd, ready or {})
-            os.close(ready_fd)
+            announce_ready(ready_fd, ready or {})
         log.info("spare: ready and waiting on fd %d to start", start_fd)
         started = read_message(start_fd)
         os.close(start_fd)

@@ -62,7 +62,7 @@ class MemberRecord:
     group: int
     device: str
     port: int
-    role: str = "standby"  # of ``process``; meaningless without one
+    role: Role = Role.STANDBY  # of ``process``; meaningless without one
     added: bool = False
     process: ProcessRecord | None = None
     generation: int = 0  # the weight generation ``process`` runs (its group's ``GroupRecord``)
@@ -203,14 +203,14 @@ class _Reader:
 
     def member(self, value: Any, where: str) -> MemberRecord:
         row = self.object(value, where)
-        role = row.get("role", "standby")
+        role = row.get("role", Role.STANDBY)
         if role not in set(Role):
             raise self.fail(f"{where}.role", " or ".join(Role), role)
         return MemberRecord(
             group=self.typed(row.get("group"), int, f"{where}.group"),
             device=self.typed(row.get("device"), str, f"{where}.device"),
             port=self.typed(row.get("port"), int, f"{where}.port"),
-            role=role,
+            role=Role(role),
             added=self.typed(row.get("added", False), bool, f"{where}.added"),
             process=self.process(row.get("process"), f"{where}.process"),
             generation=self.typed(row.get("generation", 0), int, f"{where}.generation"),

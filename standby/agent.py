@@ -7,30 +7,29 @@ to the engine while it is the primary (503 with the reason and ``Retry-After`` o
 relayed unbuffered). A streamed completion or chat with ``return_token_ids`` (what the gateway asks for) is relayed
 chunk by chunk with each choice's token ids kept with their text (``standby.tokenalign``), decoded with the engine's
 tokenizer (its command's tokenizer or model directory). Ready = the engine's own health endpoint plus one one-token
-completion. A drain stops admitting, waits for the requests the agent passed on (and reports the engine's own
-running count from its metrics), then cancels the rest at the deadline by closing them.
+completion, and, with requests pending, progress within a bound from the engine's own token times
+(``standby.agentprogress``: an engine core stuck while its HTTP server answers is not ready). A drain stops
+admitting, waits for the requests the agent passed on (and reports the engine's own running count from its
+metrics), then cancels the rest at the deadline by closing them.
 
 The engine command names the engine's port as ``{port}``; the agent picks a free loopback port for
-it. When the engine exits the agent logs its exit and its last log lines and exits with code 1, so
-its supervisor sees the slot end at once.
+it (``standby.agentengine``). When the engine exits the agent logs its exit and its last log lines and exits with
+code 1, so its supervisor sees the slot end at once. With ``--start-fd`` it is a spare (``standby.agentspare``): its
+engine starts and gets ready before the agent has a slot, and the start message names the slot it serves as.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
+import functools
 import logging
 import os
-import re
-import signal
 import socket
-import subprocess
 import sys
 import time
-from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import httpx
@@ -43,6 +42,7 @@ from hotweights.admission import ServingLimits
 from hotweights.contract import (
     ENGINE_PORT,
     NOT_NORMALIZED,
+    SHUTDOWN_TIMEOUT_S,
     WEIGHTS_HEADER,
     Endpoint,
     Role,
@@ -50,12 +50,23 @@ from hotweights.contract import (
     read_token,
     refuse_open_listener,
 )
-from hotweights.engines import KINDS, PORT_PLACEHOLDER, EngineKind
+from hotweights.engines import KINDS, Engine, EngineKind
 from hotweights.errors import CheckpointError, ConfigError
 from hotweights.httpguard import ErrorShape, HttpLimits, parsed_json, server_config
-from hotweights.ports import free_port
 from hotweights.proxying import HOP_BY_HOP, ProxiedStream, rewritten_events
-from hotweights.spawn import hotweights_command
+from hotweights.spawn import READY_FLAG, START_FLAG, add_spare_arguments
+from hotweights.standby.agentengine import (
+    EngineChild,
+    engine_client,
+    engine_command,
+    engine_exit,
+    engine_log,
+    start_engine,
+    stop_engine,
+    wait_ready,
+)
+from hotweights.standby.agentprogress import Relayed, RelayWatch, metric_total
+from hotweights.standby.agentspare import Started, wait_as_spare
 from hotweights.standby.chatbridge import TOKENIZE, ChatChunks, bridgeable, completion_body, tokenize_body
 from hotweights.standby.contract_routes import SERVING, add_contract_routes, error, finish_app, unavailable
 from hotweights.standby.metrics import EngineMetrics
@@ -69,8 +80,6 @@ log = logging.getLogger(__name__)
 PROBE_INTERVAL_S = 1.0
 PROBE_TIMEOUT_S = 5.0
 LIVE_FAILURES = 3  # probes in a row the engine may miss before /health/live turns 503
-LOG_TAIL_LINES = 15
-KEEPALIVE_S = 2.0  # below the engine's (uvicorn's 5 s), so a pooled connection is never reused as it closes
 EVENT_STREAM = "text/event-stream"
 ALIGNED = (Endpoint.COMPLETIONS, Endpoint.CHAT_COMPLETIONS)  # the streams whose token ids are kept with their text
 DECODED = ("content-encoding",)  # what a rewritten stream no longer has: its lines are read decoded
@@ -105,50 +114,6 @@ class PassThrough:
 
 
 @dataclass
-class EngineChild:
-    """The engine (under its guard), its log file, and how it ended."""
-
-    process: subprocess.Popen  # the guard; the engine is its one child and leads its own process group
-    log_path: Path
-    port: int
-    started: float = field(default_factory=time.monotonic)
-    _engine_pid: int | None = None
-
-    @property
-    def engine_pid(self) -> int | None:
-        """The engine's own pid (the guard's child), once it runs."""
-        if self._engine_pid is None:
-            children = Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children")
-            with contextlib.suppress(OSError, ValueError, IndexError):  # IndexError: not forked yet
-                self._engine_pid = int(children.read_text().split()[0])
-        return self._engine_pid
-
-    def kill_group(self) -> None:
-        """SIGKILL whatever is left of the engine's process group (when the guard could not: it died)."""
-        if self.engine_pid is not None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.engine_pid, signal.SIGKILL)
-
-    def tail(self) -> str:
-        """The engine log's last lines, one string (for errors and events)."""
-        try:
-            with self.log_path.open(errors="replace") as lines:
-                return " | ".join(line.rstrip() for line in deque(lines, LOG_TAIL_LINES) if line.strip())
-        except OSError:
-            return "(no log)"
-
-    def exit_text(self) -> str:
-        """How the engine ended: the guard exits with the engine's code, or 128 + the signal that ended it."""
-        code = self.process.returncode
-        if code is not None and code < 0:
-            how = f"signal {-code} (to its guard)"
-        else:
-            how = f"signal {code - 128}" if code is not None and code > 128 else f"code {code}"
-        lived = time.monotonic() - self.started
-        return f"the engine exited with {how} after {lived:.1f} s; last log lines: {self.tail()}"
-
-
-@dataclass
 class AgentContext:
     """What the contract routes read, and the agent's view of its engine."""
 
@@ -162,6 +127,7 @@ class AgentContext:
     model: str | None = None  # the served model id, once ready
     weights_id: str | None = None  # named on every relayed answer (WEIGHTS_HEADER); None: not named
     tokenizer: Tokenizer | None = None  # the engine's, which streamed token ids are aligned with; None: not aligned
+    progress: RelayWatch = field(default_factory=RelayWatch)  # the engine's progress, as relayed
     ready: bool = False
     missed: int = 0  # health probes in a row the engine did not answer with 200
     started: float = field(default_factory=time.monotonic)
@@ -191,14 +157,8 @@ class AgentContext:
             return refusal
         if not self.ready:
             return f"the engine is starting ({time.monotonic() - self.child.started:.0f} s)"
-        return None  # a slow probe or two under load is no reason to stop serving: liveness counts them
-
-
-def engine_command(command: list[str], port: int) -> list[str]:
-    """The engine's argv with ``{port}`` replaced; ConfigError when it does not name its port."""
-    if not any(PORT_PLACEHOLDER in arg for arg in command):
-        raise ConfigError(f"the engine command must take its port as {PORT_PLACEHOLDER} (e.g. --port {{port}})")
-    return [arg.replace(PORT_PLACEHOLDER, str(port)) for arg in command]
+        # A slow probe or two under load is no reason to stop serving (liveness counts them); no progress is.
+        return self.progress.refusal
 
 
 def flag_value(command: list[str], flag: str) -> str | None:
@@ -227,39 +187,6 @@ def engine_tokenizer(kind: EngineKind, command: list[str]) -> Tokenizer | None:
     return None
 
 
-def start_engine(command: list[str], log_dir: Path, engine_id: str) -> EngineChild:
-    """The guard (and through it the engine) as our child; the engine's output goes to a log file."""
-    port = free_port()
-    log_path = log_dir / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', engine_id)}.engine.log"
-    argv = hotweights_command("agent-guard", "--parent", str(os.getpid()), "--", *engine_command(command, port))
-    with log_path.open("ab") as out:
-        process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
-    log.info("engine starting (pid %d via guard, port %d), log %s", process.pid, port, log_path)
-    return EngineChild(process, log_path, port)
-
-
-async def wait_ready(ctx: AgentContext, client: httpx.AsyncClient, timeout_s: float) -> None:
-    """Until the engine's health answers 200 and one one-token completion succeeds; ConfigError at the
-    deadline or when the engine exits, naming its last log lines."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if ctx.child.process.poll() is not None:
-            raise ConfigError(f"{ctx.engine_id}: {ctx.child.exit_text()}")
-        ctx.child.engine_pid  # noqa: B018 - learn it now, while the guard lives, for kill_group
-        if time.monotonic() > deadline:
-            raise ConfigError(
-                f"{ctx.engine_id}: the engine did not become ready on port {ctx.child.port} within {timeout_s:g} s "
-                f"(does its command listen on {PORT_PLACEHOLDER}?); last log lines: {ctx.child.tail()}"
-            )
-        with contextlib.suppress(httpx.HTTPError):
-            if (await client.get(ctx.kind.health)).status_code == 200:
-                ctx.model = (await client.get(Endpoint.MODELS)).json()["data"][0]["id"]
-                probe = {"model": ctx.model, "prompt": "hello", "max_tokens": 1, "temperature": 0}
-                if (await client.post(Endpoint.COMPLETIONS, json=probe)).status_code == 200:
-                    return
-        await asyncio.sleep(0.2)
-
-
 async def probe_forever(ctx: AgentContext, client: httpx.AsyncClient) -> None:
     """The engine's health once a second: ``missed`` counts the probes in a row without a 200."""
     while True:
@@ -273,12 +200,15 @@ async def probe_forever(ctx: AgentContext, client: httpx.AsyncClient) -> None:
 
 async def engine_running(kind: EngineKind, client: httpx.AsyncClient) -> float | None:
     """The engine's own count of running requests, from its metrics (None if unreadable)."""
+    return await engine_metric(client, kind.running_metric, PROBE_TIMEOUT_S)
+
+
+async def engine_metric(client: httpx.AsyncClient, name: str, timeout_s: float) -> float | None:
+    """The total of the engine's metric ``name`` (None if unreadable within ``timeout_s``)."""
     try:
-        text = (await client.get(Endpoint.METRICS, timeout=PROBE_TIMEOUT_S)).text
+        return metric_total((await client.get(Endpoint.METRICS, timeout=timeout_s)).text, name)
     except httpx.HTTPError:
         return None
-    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(kind.running_metric)]
-    return sum(values) if values else None
 
 
 def build_agent_app(ctx: AgentContext, client: httpx.AsyncClient) -> FastAPI:
@@ -312,20 +242,20 @@ async def send(ctx: AgentContext, client: httpx.AsyncClient, request: Request, p
     query = f"?{request.url.query}" if request.url.query else ""
     outgoing = client.build_request(request.method, path + query, headers=headers, content=await request.body())
     ctx.roles.admit()
+    pending = ctx.progress.sent(parsed_json(request.scope))
     try:
         upstream = await client.send(outgoing, stream=True)
     except httpx.HTTPError as exc:  # nothing was answered: a gateway may send it to the next primary
-        ctx.roles.release()
+        unrelayed(ctx, pending)
         response = unavailable(f"the engine did not answer: {type(exc).__name__} {exc}".strip())
         return response
     reply_headers = {k: v for k, v in upstream.headers.items() if k not in HOP_BY_HOP}
     ids = stream_ids(ctx, parsed_json(request.scope)) if path in ALIGNED else None
     if ids is None or not upstream.headers.get("content-type", "").startswith(EVENT_STREAM):
-        return relayed(ctx, upstream, upstream.aiter_raw(), upstream.status_code, reply_headers)
+        return relayed(ctx, pending, upstream, upstream.aiter_raw(), upstream.status_code, reply_headers)
     reply_headers = {k: v for k, v in reply_headers.items() if k not in DECODED}
-    return relayed(
-        ctx, upstream, rewritten_events(upstream.aiter_lines(), ids.chunk), upstream.status_code, reply_headers
-    )
+    events = rewritten_events(upstream.aiter_lines(), ids.chunk)
+    return relayed(ctx, pending, upstream, events, upstream.status_code, reply_headers)
 
 
 def stream_ids(ctx: AgentContext, request: object) -> StreamIds | None:
@@ -337,17 +267,26 @@ def stream_ids(ctx: AgentContext, request: object) -> StreamIds | None:
 
 
 def relayed(
-    ctx: AgentContext, upstream: httpx.Response, content: AsyncIterator[bytes], status: int, headers: dict[str, str]
+    ctx: AgentContext,
+    pending: Relayed,
+    upstream: httpx.Response,
+    content: AsyncIterator[bytes],
+    status: int,
+    headers: dict[str, str],
 ) -> ProxiedStream:
     """``content`` of the engine's ``upstream`` response as the reply, naming this agent's weights (if it was
-    given them); the roles stop counting the request (``Roles.admit``) once it is closed."""
+    given them), each piece counted as the engine's progress on ``pending``; the roles stop counting the request
+    (``Roles.admit``) once it is closed."""
     ctx.capacity.relayed.add(upstream)
+    streams = status == 200 and upstream.headers.get("content-type", "").startswith(EVENT_STREAM)
+    content = ctx.progress.relay(pending, content, streams)
     headers = {k: v for k, v in headers.items() if k.lower() != WEIGHTS_HEADER}
     if ctx.weights_id is not None:
         headers[WEIGHTS_HEADER] = ctx.weights_id
 
     async def closed() -> None:
         ctx.capacity.relayed.discard(upstream)
+        ctx.progress.ended(pending, finished=False)  # if it has not ended with its content
         ctx.roles.release()
 
     return ProxiedStream(content, status, headers, upstream, on_close=closed)
@@ -358,25 +297,34 @@ async def bridge(ctx: AgentContext, client: httpx.AsyncClient, request: Request,
     own answer when it refuses to encode the messages or to complete them."""
     headers = [(k, v) for k, v in request.headers.items() if k not in HOP_BY_HOP]
     ctx.roles.admit()
+    pending = ctx.progress.sent(chat)
     try:
         encoded = await client.post(TOKENIZE, json=tokenize_body(chat), headers=headers)
         if encoded.status_code != 200:
-            ctx.roles.release()
+            unrelayed(ctx, pending)
             return Response(encoded.content, encoded.status_code, media_type=encoded.headers.get("content-type"))
         prompt_ids = encoded.json()["tokens"]
         body = completion_body(chat, prompt_ids)
-        upstream = await client.send(client.build_request("POST", Endpoint.COMPLETIONS, headers=headers, json=body))
+        outgoing = client.build_request("POST", Endpoint.COMPLETIONS, headers=headers, json=body)
+        upstream = await client.send(outgoing, stream=True)
     except httpx.HTTPError as exc:
-        ctx.roles.release()
+        unrelayed(ctx, pending)
         return unavailable(f"the engine did not answer: {type(exc).__name__} {exc}".strip())
     if upstream.status_code != 200:
         content = b"".join([chunk async for chunk in upstream.aiter_raw()])
         await upstream.aclose()
-        ctx.roles.release()
+        unrelayed(ctx, pending)
         return Response(content, upstream.status_code, media_type=upstream.headers.get("content-type"))
     chat, ids = ChatChunks(prompt_ids), stream_ids(ctx, body)
     events = rewritten_events(upstream.aiter_lines(), chat if ids is None else lambda chunk: chat(ids.chunk(chunk)))
-    return relayed(ctx, upstream, events, 200, {"content-type": "text/event-stream", "cache-control": "no-cache"})
+    headers = {"content-type": "text/event-stream", "cache-control": "no-cache"}
+    return relayed(ctx, pending, upstream, events, 200, headers)
+
+
+def unrelayed(ctx: AgentContext, pending: Relayed) -> None:
+    """An admitted request ends with no response of the engine's relayed: neither counted nor pending any more."""
+    ctx.progress.ended(pending, finished=False)
+    ctx.roles.release()
 
 
 class AgentServer(AnnouncingServer):
@@ -396,27 +344,23 @@ class AgentServer(AnnouncingServer):
                 task.cancel()
 
     async def become_ready(self) -> None:
-        try:
-            await wait_ready(self.ctx, self.client, self.ready_s)
-        except ConfigError as exc:
-            self.stop(str(exc))
-            return
-        self.ctx.ready = True
-        log.info("engine ready in %.1f s (model %s)", time.monotonic() - self.ctx.child.started, self.ctx.model)
-        await probe_forever(self.ctx, self.client)
+        """Wait for the engine's readiness (unless a spare saw it before its start), then probe it and watch its
+        progress."""
+        if not self.ctx.ready:
+            child = self.ctx.child
+            try:
+                self.ctx.model = await wait_ready(self.ctx.kind, child, self.ctx.engine_id, self.client, self.ready_s)
+            except ConfigError as exc:
+                self.stop(str(exc))
+                return
+            self.ctx.ready = True
+            log.info("engine ready in %.1f s (model %s)", time.monotonic() - child.started, self.ctx.model)
+        read = functools.partial(engine_metric, self.client, self.ctx.kind.step_metric, PROBE_TIMEOUT_S)
+        await asyncio.gather(probe_forever(self.ctx, self.client), self.ctx.progress.watch(read))
 
     async def watch_engine(self) -> None:
-        """The engine's end, the instant it happens (a pidfd turns readable), without a thread."""
-        process, ended = self.ctx.child.process, asyncio.Event()
-        pidfd = os.pidfd_open(process.pid)
-        loop = asyncio.get_running_loop()
-        loop.add_reader(pidfd, ended.set)
-        try:
-            await ended.wait()
-        finally:
-            loop.remove_reader(pidfd)
-            os.close(pidfd)
-        process.wait()
+        """The engine's end, the instant it happens."""
+        await engine_exit(self.ctx.child)
         self.stop(f"{self.ctx.engine_id}: {self.ctx.child.exit_text()}")
 
     def stop(self, failure: str) -> None:
@@ -426,17 +370,15 @@ class AgentServer(AnnouncingServer):
             self.should_exit = True
 
 
-def stop_engine(child: EngineChild, timeout_s: float) -> None:
-    """SIGTERM to the guard (it stops the engine's group), SIGKILL after ``timeout_s``; then whatever
-    is left of the group, should the guard have died before the engine."""
-    if child.process.poll() is None:
-        child.process.terminate()
-        try:
-            child.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            child.process.kill()
-            child.process.wait()
-    child.kill_group()
+@dataclass(frozen=True)
+class Serving:
+    """What the agent serves with, once it has its slot."""
+
+    kind: EngineKind
+    engine_id: str
+    token: str | None
+    tokenizer: Tokenizer | None
+    model: str | None = None  # the served model, when a spare saw its engine ready (None: wait for it)
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
@@ -446,36 +388,72 @@ def cmd_agent(args: argparse.Namespace) -> int:
     if not command:
         raise ConfigError("no engine command: give it after --, e.g. -- python -m vllm.entrypoints.openai.api_server")
     engine_command(command, 0)  # its port placeholder, before anything starts
+    if (args.start_fd is None) != (args.ready_fd is None):
+        raise ConfigError(f"{START_FLAG} and {READY_FLAG} go together (a spare has both pipes)")
     kind = KINDS[args.kind]
     tokenizer = engine_tokenizer(kind, command)
-    sock = bind_port(args.host, args.port)
+    spare = args.start_fd is not None
+    sock = None if spare else bind_port(args.host, args.port)  # a spare binds its slot's port at its start
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per probe would drown the log
-    engine_id = args.engine_id or f"{socket.gethostname()}-{os.getpid()}"
-    child = start_engine(command, Path(args.log_dir), engine_id)
-    client = httpx.AsyncClient(
-        base_url=f"http://127.0.0.1:{child.port}",
-        timeout=httpx.Timeout(None, connect=5.0),
-        limits=httpx.Limits(keepalive_expiry=KEEPALIVE_S),
-    )
-    capacity = PassThrough(kind, client)
+    serving = Serving(kind, args.engine_id or f"{socket.gethostname()}-{os.getpid()}", token, tokenizer)
+    child = start_engine(command, engine_log(Path(args.log_dir), serving.engine_id, os.getpid() if spare else None))
+    try:
+        failure = run_spare(args, serving, child) if sock is None else serve(args, serving, child, sock)
+    finally:
+        stop_engine(child, args.shutdown_timeout)
+    if failure:
+        print(f"hotweights agent: error: {failure}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def run_spare(args: argparse.Namespace, serving: Serving, child: EngineChild) -> str | None:
+    """A spare (``standby.agentspare``): wait for the start, then serve as the slot's engine; released, remove its
+    engine's log (the caller stops the engine). The failure, if any (its engine exited, or was not ready in time)."""
+    try:
+        started = asyncio.run(wait_as_spare(serving.kind, child, serving.engine_id, args.ready_timeout,
+                                            args.start_fd, args.ready_fd))  # fmt: skip
+    except ConfigError as exc:
+        return str(exc)
+    if started is None:
+        child.log_path.unlink(missing_ok=True)
+        return None
+    serving, sock = take_slot(args, serving, child, started)
+    return serve(args, serving, child, sock)
+
+
+def take_slot(
+    args: argparse.Namespace, serving: Serving, child: EngineChild, started: Started
+) -> tuple[Serving, socket.socket]:
+    """A spare's start (``standby.agentspare``): its output to the slot's log, its engine's log named after the
+    slot, the slot's port bound."""
+    slot = started.slot
+    slot.move_output()
+    serving = replace(serving, engine_id=slot.engine_id or serving.engine_id, model=started.model)
+    sock = bind_port(args.host, args.port if slot.port is None else slot.port)
+    child.move_log(engine_log(Path(args.log_dir), serving.engine_id, os.getpid()))
+    log.info("spare started as %s (engine %s); the engine logs to %s", serving.engine_id,
+             "ready" if started.model else "not ready yet", child.log_path)  # fmt: skip
+    return serving, sock
+
+
+def serve(args: argparse.Namespace, serving: Serving, child: EngineChild, sock: socket.socket) -> str | None:
+    """Serve the contract on ``sock`` for ``child`` until a signal or the engine's end: the failure, if any."""
+    client = engine_client(child)
+    capacity = PassThrough(serving.kind, client)
     roles = Roles(Role(args.role), capacity, args.drain_timeout)
     metrics = EngineMetrics()
-    metrics.bind(roles, lambda: 0, {"engine_id": engine_id, "mode": "agent", "source": args.kind})
+    metrics.bind(roles, lambda: 0, {"engine_id": serving.engine_id, "mode": "agent", "source": args.kind})
     ctx = AgentContext(
-        engine_id, kind, child, roles, metrics, token, capacity, weights_id=args.weights_id, tokenizer=tokenizer
-    )
+        serving.engine_id, serving.kind, child, roles, metrics, serving.token, capacity,
+        model=serving.model, weights_id=args.weights_id, tokenizer=serving.tokenizer, ready=serving.model is not None,
+    )  # fmt: skip
     config = server_config(
         build_agent_app(ctx, client), HttpLimits(), ErrorShape.OPENAI, host=args.host, lifespan="off"
     )
     server = AgentServer(config, ctx, client, args.ready_timeout)
-    try:
-        run_until_signal(server, sock)
-    finally:
-        stop_engine(child, args.shutdown_timeout)
-    if server.failure:
-        print(f"hotweights agent: error: {server.failure}", file=sys.stderr)
-        return 1
-    return 0
+    run_until_signal(server, sock)
+    return server.failure
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -486,21 +464,27 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "the engine contract (health endpoints, promote/drain/demote, /metrics) and pass /v1/* through "
         "while primary. The engine dies with the agent. Prints a JSON ready line to stdout once listening.",
     )
-    p.add_argument("--kind", choices=sorted(KINDS), default="vllm", help="the engine's kind (default vllm)")
+    p.add_argument("--kind", choices=sorted(KINDS), default=Engine.VLLM, help="the engine's kind (default vllm)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=ENGINE_PORT, help=f"port to listen on (default {ENGINE_PORT})")
-    p.add_argument("--role", choices=[r.value for r in Role], default="standby", help="starting role (default standby)")
+    p.add_argument("--role", choices=list(Role), default=Role.STANDBY, help="starting role (default standby)")
     p.add_argument("--engine-id", help="name in health replies and logs (default HOST-PID)")
     p.add_argument("--token-file", help="file holding the bearer token that promote/drain/demote require")
     drain = ServingLimits.drain_timeout_s
     p.add_argument("--drain-timeout", type=float, default=drain, help=f"seconds a drain waits (default {drain:g})")
     p.add_argument("--ready-timeout", type=float, default=900.0, help="seconds the engine gets to be ready (900)")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds the engine gets to stop (30)")
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=SHUTDOWN_TIMEOUT_S,
+        help=f"seconds the engine gets to stop (default {SHUTDOWN_TIMEOUT_S:g})",
+    )
     p.add_argument("--log-dir", default=".", help="where the engine's log goes (default: here)")
     p.add_argument(
         "--weights-id",
         help="an id of the weights the engine serves, named on every answer it relays, so that a gateway continues "
         "a cut completion only on an engine with the same weights (default: none named, never checked)",
     )
+    add_spare_arguments(p, "binding --port (or the start message's) and serving the engine, ready")
     p.add_argument("engine_command", nargs=argparse.REMAINDER, help="-- the engine command, with {port}")
     p.set_defaults(func=cmd_agent)

@@ -22,7 +22,6 @@ position takes in one sequence slot of the reference engine's KV cache (keys and
 from __future__ import annotations
 
 import json
-import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -69,9 +68,9 @@ def serving(model: str, spec: dict[str, Any]) -> dict[str, int]:
     checkpoint = read_checkpoint(Path(model))
     load_tokenizer(checkpoint.path)
     stop_token_ids(checkpoint.path)
-    shape = KVCache.shape(processed_config(checkpoint, load_spec), TensorParallel(load_spec.tp_size), 1, 1)
-    itemsize = torch.empty((), dtype=processed_dtype(checkpoint, load_spec)).element_size()
-    return {"arena_bytes": _arena_bytes(checkpoint, load_spec), "kv_token_bytes": 2 * math.prod(shape) * itemsize}
+    config, tp = processed_config(checkpoint, load_spec), TensorParallel(load_spec.tp_size)
+    token_bytes = KVCache.position_bytes(config, tp, processed_dtype(checkpoint, load_spec))
+    return {"arena_bytes": _arena_bytes(checkpoint, load_spec), "kv_token_bytes": token_bytes}
 
 
 def device(device: str) -> None:

@@ -82,27 +82,37 @@ class CompletionRun:
         self.id = self.id or f"{self.api.id_prefix}-{secrets.token_hex(12)}"
 
     @classmethod
-    def start(
+    def prepare(
         cls,
         request: SamplingRequest,
         model_name: str,
         prompt_ids: list[list[int]],
         tokenizer: Tokenizer,
         stop_ids: frozenset[int],
-        scheduler: Scheduler,
         api: Api = Api.COMPLETIONS,
         replay: int = 0,
     ) -> CompletionRun:
-        """Every prompt submitted to ``scheduler``; ``replay``: of a single prompt, its last tokens fed through
-        decode steps (``standby.scheduler.Sequence``)."""
+        """A sequence for every prompt, which ``submit`` hands to the scheduler; ``replay``: of a single prompt, its
+        last tokens fed through decode steps (``standby.scheduler.Sequence``)."""
         run = cls(request, model_name, api, prompt_ids=prompt_ids)
         loop = asyncio.get_running_loop()
         params = SamplingParams(request.max_tokens, request.temperature, request.top_p, request.seed, stop_ids)
         for index, ids in enumerate(prompt_ids):
             sequence = Sequence(ids, params, run._sink(loop, index), replay)
             run.choices.append(Choice(index, len(ids), TextStream(tokenizer, request.stop_strings), sequence))
-        scheduler.submit(*(choice.sequence for choice in run.choices))
         return run
+
+    def submit(self, scheduler: Scheduler) -> None:
+        """Hand every choice's sequence to ``scheduler``: from now on the model computes them."""
+        scheduler.submit(*(choice.sequence for choice in self.choices))
+
+    async def submitted_sse(self, scheduler: Scheduler) -> AsyncIterator[str]:
+        """``sse``, the sequences submitted to ``scheduler`` as its first event is asked for: a response sends its
+        headers before that, so a client that saw none knows the model had not seen the request
+        (docs/engine-contract.md)."""
+        self.submit(scheduler)
+        async for event in self.sse():
+            yield event
 
     def _sink(self, loop: asyncio.AbstractEventLoop, index: int) -> Callable[[Event], None]:
         def sink(event: Event) -> None:

@@ -1,68 +1,99 @@
 """The shapes the scheduler runs the model at, warmed up before an engine serves; CUDA graphs of decode.
 
-A ``Decoder`` owns one KV cache (``batch`` slots of ``max_tokens`` positions) and runs two things on
-it for the scheduler:
+A ``Decoder`` owns one paged KV cache (``standby.kvpool``: a pool of blocks, and a block table of ``batch`` rows of up
+to ``max_tokens`` positions; the scheduler gives a row its blocks with ``assign``) and runs two things on it for the
+scheduler:
 
 - ``prefill(first, prompts)``: one forward pass over up to ``batch`` prompts, each padded to the next
   length of ``lengths`` (powers of two from 16, ending with ``max_tokens``) that holds the longest,
-  written into consecutive slots from ``first``. Padding sits after each prompt, so causal attention
+  written into the blocks of consecutive rows from ``first``. Padding sits after each prompt, so causal attention
   keeps it out of the prompt's logits; its keys and values are overwritten by the decode steps that
-  follow, and masked until then. A prefill holds at most ``max_tokens`` tokens in all (rows times
-  padded length: ``prefill_fits``), as one slot's longest prompt does, so prompts that arrive together
-  (a queue after a failover) cost one pass instead of one each.
-- ``decode(tokens, positions)``: one step for slots 0 .. n-1 at once (``Transformer.decode``), each
-  at its own position, attending over the next length of ``lengths`` that holds every row.
+  follow, and masked until then (padding past a row's blocks lands in the null block). A prefill holds at most
+  ``max_tokens`` tokens in all (rows times padded length: ``prefill_fits``), as one row's longest prompt does, so
+  prompts that arrive together (a queue after a failover) cost one pass instead of one each.
+- ``decode(tokens, positions)``: one step for rows 0 .. n-1 at once (``Transformer.decode``), each
+  at its own position. Graphed where the split-KV kernels serve the model (``split_kv``: CUDA with Triton,
+  ``standby.decodeattention``), each row attends over its own length, device data, so the step's shape is
+  its batch size alone; otherwise over the next length of ``lengths`` that holds every row, with a mask.
 
-So the shapes serving uses form a small fixed set, and ``warm_up`` runs every one of them (and the sampling
-path) before the engine reports ready (with graphs, the decode steps only as their captures' first runs):
-later requests find every kernel, allocator block and library plan already made. With ``graphs`` (CUDA only)
+So the shapes serving uses form a small fixed set, and ``warm_up`` runs them (and the sampling path) before the
+engine reports ready (with graphs, the decode steps as their captures' first runs): later requests find every
+kernel, allocator block and library plan already made. Eagerly, though, only the shapes
+of up to WARMED_LENGTH tokens and those of a whole row (one prompt filling it: its time is what the progress
+check expects of the longest prefills, ``standby.progress``), at the batch sizes of ``batch_buckets`` with graphs and
+at one row and every row without (``warmed_rows``; the progress check bounds the other shapes' prefills from
+theirs): the first run
+of any other shape costs what its later runs do, there being no per-shape plan to make (cuDNN's attention is
+excluded, ``standby.model``), while running them all cost a new engine seconds of its start (every prompt count up to
+4096 tokens in all, every batch size up to a ``batch`` of 32 on CPU). Measured: on an H100
+with ``xl`` (``bench/warmup.py --cold-shapes``) each prefill shape's first run in a process cost at most 9.9 ms more
+than its second, where running them all took 2.35 s of warm-up; on CPU with ``tiny`` a first prefill of 4096
+tokens 0.69 s against 0.62-0.71 s again, a first decode step at KV length 4096 within the later ones' spread.
+With ``graphs`` (CUDA only)
 the decode step at each batch size of ``batch_buckets`` (1, 2, 4, 8, then every multiple of 8, then ``batch``)
-and each KV length is captured as a CUDA graph during warm-up, its elementwise steps fused
-(``standby.fused``); a step of n rows replays the smallest size that holds them, its extra rows the same dummy
-rows the scheduler already feeds free slots (token 0 at position 0 of a slot no sequence uses). A replay
-copies the step's tokens and positions into the graph's own input buffer first and returns a copy of its
-output, so it never reads a previous step's inputs nor hands out a buffer the next replay overwrites.
-Prefills of up to GRAPHED_PREFILL tokens per prompt (the short prompts most requests bring) are captured
-too, one graph per prompt count and length, with the eager path's own kernels: an eager pass over every
-layer is bound by the host's kernel launches (on ``xl`` ~36 ms, against ~11 ms of device time), and every
-sequence in a batch waits for each newcomer's prefill. A prefill from position 0 attends only to its own
-keys and values, never to what the cache held, so the graph writes them into a scratch area of its own and
-two copies move them into the prefill's slots: one capture serves every first slot. The number of graphs
-thus grows with ``batch`` and the lengths, not with their product (``batch`` 64 on ``xl`` would otherwise
-take minutes of captures). Graphs point at this cache's memory, which is why a graphed ``Decoder`` is kept for the
-engine's whole life (reserved at start-up, standby included) rather than allocated on promote. KV lengths
-stay bucketed with graphs too: attention over all ``max_tokens`` positions at every step would cost an
-``xl`` step 8 ms more at 4096 (measured on an H200: "Measured facts" in ``docs/architecture.md``).
+is captured as a CUDA graph during warm-up (with ``split_kv`` one graph per batch size, serving every KV length;
+without it one per batch size and KV length), its elementwise steps fused
+(``standby.fused``), each kernel first checked against plain torch on the device (``standby.kernelcheck``: one
+that fails there is not used); a step of n rows replays the smallest size that holds them, its extra rows the same dummy
+rows the scheduler already feeds free rows (token 0 at position 0 of a row no sequence uses: the null block). A replay
+copies the step's tokens and positions into the graph's own input buffer first and returns a copy of its output, so it
+never reads a previous step's inputs nor hands out a buffer the next replay overwrites. Prefills of up to
+GRAPHED_PREFILL_ROWS prompts of up to GRAPHED_PREFILL tokens each (the short prompts most requests bring, a few at a
+time) are captured too, one graph per prompt count and length, with the eager path's own kernels: an eager pass over
+every layer is bound by the host's kernel launches (on ``xl`` ~36 ms, against ~11 ms of device time), and every sequence
+in a batch waits for each newcomer's prefill. A larger prefill runs eagerly: it costs those launches once for all its
+prompts, and capturing every prompt count up to a ``batch`` of 64 would hold an output per capture. A prefill from
+position 0 attends only to its own keys and values, never to what the cache held; the graph writes them through a block
+table of its own, into which a replay copies its rows' entries first: one capture serves every first row. The number of
+graphs thus grows with ``batch`` and the lengths, not with their product (``batch`` 64 on ``xl`` would otherwise take
+minutes of captures). Graphs point at this cache's memory (its blocks and table), which is why a graphed ``Decoder`` is
+kept for the engine's whole life (reserved at start-up, standby included) rather than allocated on promote. Why one
+decode graph per batch size: a graph replays fixed shapes, and with masked SDPA the KV length is one of them (attention
+over all ``max_tokens`` positions at every step would cost an ``xl`` step 8 ms more at 4096, measured on an H200:
+"Measured facts" in ``docs/architecture.md``), so the lengths were bucketed, 9 of them up to 4096 times the batch sizes,
+each capture and its first run a share of a standby's warm-up. The split-KV kernels read each row's length on the device
+and stop there, so one capture per batch size costs a step what its rows' lengths cost. Without graphs
+(``--no-cuda-graphs``, CPU) decode keeps the masked SDPA at bucketed lengths: eagerly a shape is only a first run, and
+CPU has no Triton kernels to run.
 
 ``batch_invariant``: a sequence's logits then depend on its own tokens only, never on what shares its steps, so
 that a request gives the same text alone or in any batch, and a migrated one continues exactly. Low-precision
 kernels round differently with a step's shape (a GEMM of 4 rows and one of 64, a prefill of one prompt and one
 of several), and a model whose logits are nearly flat turns such rounding into other tokens. So every prefill
 holds one prompt (its shape is the prompt's length bucket alone), and every decode step runs at the one shape
-(``batch`` rows, ``max_tokens`` KV positions), its unused rows the usual dummy rows. It costs the padding: a step
+(``batch`` rows, ``max_tokens`` KV positions), its unused rows the usual dummy rows. Which blocks hold a sequence
+never changes what it computes: its keys and values are the same wherever they lie. It costs the padding: a step
 of one sequence costs what a full batch does, and the prompts that arrive together are prefilled one by one.
+With ``split_kv`` attention computes each row from its own query, keys, values and length alone, whatever the
+batch, so only the rows are padded: a step pays its rows' lengths, not ``max_tokens`` positions each.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
 
+from hotweights.standby import decodeattention, kernelcheck
 from hotweights.standby.fused import fusing
 from hotweights.standby.kvshare import SharedKv
 from hotweights.standby.model import KVCache, Transformer
 from hotweights.standby.sampling import sample_rows, to_host
+from hotweights.standby.steptimes import WATCH, Clock, StepWatch
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 MIN_LENGTH = 16  # the shortest prefill and KV length
-GRAPHED_PREFILL = 64  # with graphs, prefills of prompts padded to at most this many tokens replay a capture
+GRAPHED_PREFILL = 64  # with graphs, prefills of prompts padded to at most this many tokens replay a capture ...
+GRAPHED_PREFILL_ROWS = 8  # ... when they hold at most this many prompts (a larger prefill runs eagerly: docstring)
+WARMED_LENGTH = 64  # warm-up runs the shapes of at most this many tokens eagerly, and the longest (docstring)
 
 
 def length_buckets(max_tokens: int) -> list[int]:
@@ -89,38 +120,48 @@ def batch_buckets(batch: int) -> list[int]:
     return [*sizes, batch]
 
 
-def _step(model: Transformer, inputs: torch.Tensor, kv: KVCache, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One decode step for ``inputs`` (2, B) (tokens, positions): (B, V) logits and each row's argmax."""
+def _step(
+    model: Transformer, inputs: torch.Tensor, kv: KVCache, kv_len: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step for ``inputs`` (2, B) (tokens, positions): (B, V) logits and each row's argmax. ``kv_len``
+    as for ``Transformer.decode`` (None: each row's own length, split-KV)."""
     logits = model.decode(inputs[0], inputs[1], kv, kv_len)
     return logits, logits.argmax(-1)
 
 
-def _captured(device: torch.device, pool: object, step: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
+def _captured(device: torch.device, pool: object, step: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T, float]:
     """``step`` run once on a side stream (lazy initialisation and compiles, which a capture cannot hold), then
-    captured as a CUDA graph in ``pool``: the graph, and what the captured call returned (its static outputs)."""
+    captured as a CUDA graph in ``pool``: the graph, what the captured call returned (its static outputs), and the
+    seconds of that first run (its compiles included)."""
+    started = time.perf_counter()
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         step()
     torch.cuda.current_stream(device).wait_stream(side)
+    torch.cuda.synchronize(device)
+    first_run = time.perf_counter() - started
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
         outputs = step()
-    return graph, outputs
+    return graph, outputs, first_run
 
 
 class DecodeGraph:
-    """One decode step (and its rows' argmax) at a fixed batch size and KV length, captured as a CUDA graph with
-    its elementwise steps fused."""
+    """One decode step (and its rows' argmax) at a fixed batch size, and KV length unless ``kv_len`` is None (each
+    row's own, split-KV), captured as a CUDA graph with its elementwise steps fused; ``first_run_s``: the seconds
+    of its step's run before the capture (the compiles of its kernels included)."""
 
-    def __init__(self, model: Transformer, kv: KVCache, batch: int, kv_len: int, pool: object) -> None:
+    def __init__(
+        self, model: Transformer, kv: KVCache, batch: int, kv_len: int | None, pool: object, fuse: bool = True
+    ) -> None:
         self.inputs = torch.zeros((2, batch), dtype=torch.long, device=model.device)  # tokens, positions
 
         def step() -> tuple[torch.Tensor, torch.Tensor]:
-            with fusing():
+            with fusing() if fuse else contextlib.nullcontext():
                 return _step(model, self.inputs, kv, kv_len)
 
-        self.graph, (self.logits, self.argmax) = _captured(model.device, pool, step)  # (batch, V), (batch,)
+        self.graph, (self.logits, self.argmax), self.first_run_s = _captured(model.device, pool, step)
 
     def run(self, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(batch, V) logits and (batch,) argmax for ``inputs`` (2, batch): every input written before
@@ -132,25 +173,36 @@ class DecodeGraph:
 
 class PrefillGraph:
     """One prefill of ``rows`` padded prompts of ``length`` tokens from position 0, captured as a CUDA graph with
-    the same kernels the eager pass runs (so the same results), its keys and values written into ``scratch``
-    (a flat (layers, N) pair, N >= rows * length * kv heads * head dim) and copied into the slots of a replay."""
+    the same kernels the eager pass runs (so the same results), its keys and values written through a block table of
+    its own (``table``: the prefill's rows of the decoder's, copied in before each replay), so that one capture serves
+    every first row."""
 
-    def __init__(self, model: Transformer, scratch: KVCache, rows: int, length: int, pool: object) -> None:
+    def __init__(self, model: Transformer, kv: KVCache, rows: int, length: int, pool: object) -> None:
         self.ids = torch.zeros((rows, length), dtype=torch.long, device=model.device)
-        shape = (scratch.k.shape[0], rows, model.config.num_key_value_heads // model.tp.size, length, -1)
-        n = rows * length * shape[2] * model.config.head_dim
-        self.written = KVCache(scratch.k[:, :n].view(shape), scratch.v[:, :n].view(shape))  # (L, rows, nkv, T, hd)
-        self.graph, self.hidden = _captured(model.device, pool, lambda: model.hidden(self.ids, 0, self.written))
+        self.table = torch.zeros((rows, kv.table.shape[1]), dtype=kv.table.dtype, device=model.device)
+        written = KVCache(kv.k, kv.v, self.table, kv.max_tokens)
+        self.graph, self.hidden, _ = _captured(model.device, pool, lambda: model.hidden(self.ids, 0, written))
 
     def run(self, ids: torch.Tensor, kv: KVCache, first: int) -> torch.Tensor:
         """(rows, length, H) hidden states of ``ids``, valid until the next replay; their keys and values are
-        written into slots ``first`` .. of ``kv``."""
+        written into the blocks of rows ``first`` .. of ``kv`` (the cache the graph was captured on)."""
         self.ids.copy_(ids)
+        self.table.copy_(kv.table[first : first + self.ids.shape[0]])
         self.graph.replay()
-        rows, length = self.ids.shape
-        kv.k[:, first : first + rows, :, :length].copy_(self.written.k)
-        kv.v[:, first : first + rows, :, :length].copy_(self.written.v)
         return self.hidden
+
+
+@dataclass
+class WarmUpTimes:
+    """Seconds of ``warm_up``'s parts: what a decoder's readiness costs (``bench/warmup.py`` prints them)."""
+
+    eager: float = 0.0  # the shapes run eagerly: prefills, and decode steps without graphs
+    sampling: float = 0.0
+    # (batch size, KV length) -> its step's run before the capture: the first compiles the fused and attention kernels
+    decode_first_runs: dict[tuple[int, int], float] = field(default_factory=dict)
+    decode_captures: dict[tuple[int, int], float] = field(default_factory=dict)  # the capture and a first replay
+    prefill_graphs: float = 0.0  # every short prefill's first run, capture and first replay
+    kernel_check: float = 0.0  # the kernels' check against plain torch (``standby.kernelcheck``)
 
 
 class Decoder:
@@ -163,26 +215,60 @@ class Decoder:
         graphs: bool = False,
         batch_invariant: bool = False,
         shared: SharedKv | None = None,
+        watch: StepWatch = WATCH,
     ) -> None:
-        """``shared``: where ``kv`` lies when it can outlive the engine (``standby.kvshare``), its ledger included."""
+        """``shared``: where ``kv`` lies when it can outlive the engine (``standby.kvshare``), its ledger included;
+        ``watch``: what its decode steps are timed into and its drill faults come from (``standby.steptimes``)."""
         if graphs and model.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {model.device}")
         self.model = model
         self.kv = kv
         self.shared = shared
+        self.watch = watch
         self.graphs_enabled = graphs
         self.batch_invariant = batch_invariant
         self.lengths = length_buckets(kv.max_tokens)  # of prefills
-        self.kv_lengths = self.lengths[-1:] if batch_invariant else self.lengths  # the KV positions decode reads
+        # Graphed decode reads each row's own length where the split-KV kernels serve the model (module docstring).
+        self.split_kv = graphs and decodeattention.supported(model.device, model.dtype, model.config.head_dim)
+        one_length = batch_invariant or self.split_kv
+        self.kv_lengths = self.lengths[-1:] if one_length else self.lengths  # the KV positions decode's shapes name
+        self.fused = graphs  # graphed steps run the fused elementwise kernels (unless their check fails)
         self.graph_bytes = 0  # device memory the captured graphs hold
         self.graph_batches = [kv.batch] if batch_invariant else batch_buckets(kv.batch)  # decode's batch sizes
         self._graphs: dict[tuple[int, int], DecodeGraph] = {}  # (batch size, KV length) -> its captured step
         self._prefills: dict[tuple[int, int], PrefillGraph] = {}  # (rows, length) -> its capture
         self.prefill_times: dict[tuple[int, int], float] = {}  # (rows, length) -> its seconds at warm-up
+        self.warm_up_times = WarmUpTimes()
 
     @property
     def batch(self) -> int:
         return self.kv.batch
+
+    def assign(self, row: int, blocks: list[int]) -> None:
+        """Row ``row`` holds a sequence in ``blocks`` from now on (``standby.kvpool``); no blocks: the row is free,
+        its table on the null block (as a dummy row's must be)."""
+        self.kv.assign(row, blocks)
+
+    @property
+    def warmed_rows(self) -> list[int]:
+        """The prompt counts and decode batch sizes ``warm_up`` runs eagerly: with graphs every batch size a graph
+        serves (a first run on a GPU makes a plan per shape); without, one row and every row, as a shape's first run
+        eagerly costs what its later runs do, and ``standby.progress`` bounds the others' prefills from theirs."""
+        return batch_buckets(self.batch) if self.graphs_enabled else sorted({1, self.batch})
+
+    @property
+    def warmed_lengths(self) -> list[int]:
+        """The prefill lengths ``warm_up`` runs eagerly: those up to WARMED_LENGTH, and the longest."""
+        return self._warmed(self.lengths)
+
+    @property
+    def warmed_kv_lengths(self) -> list[int]:
+        """The KV lengths of the decode steps ``warm_up`` runs eagerly, chosen as ``warmed_lengths``."""
+        return self._warmed(self.kv_lengths)
+
+    @staticmethod
+    def _warmed(lengths: list[int]) -> list[int]:
+        return [length for length in lengths if length <= WARMED_LENGTH or length == lengths[-1]]
 
     def close(self) -> None:
         """Free a shared KV cache's memory now (a plain one goes with the last reference)."""
@@ -206,8 +292,9 @@ class Decoder:
         return rows, longest
 
     def prefill(self, first: int, prompts: list[list[int]]) -> torch.Tensor:
-        """Write ``prompts[i]`` into KV slot ``first + i`` from position 0, in one forward pass; (len(prompts), V)
-        float32 logits, row i for the token after ``prompts[i]``. ValueError unless ``prefill_fits``."""
+        """Write ``prompts[i]`` into the blocks of row (slot) ``first + i`` from position 0, in one forward pass;
+        (len(prompts), V) float32 logits, row i for the token after ``prompts[i]``. ValueError unless
+        ``prefill_fits``."""
         rows, longest = self.check_prefill(first, prompts)
         length = bucket(self.lengths, longest)
         ids = torch.zeros((rows, length), dtype=torch.long)
@@ -219,13 +306,15 @@ class Decoder:
         else:
             hidden = self.model.hidden(ids.to(self.model.device), 0, self.kv.rows(first, rows))
         last = torch.tensor([len(prompt) - 1 for prompt in prompts], device=self.model.device)
-        return self.model.logits(hidden[torch.arange(rows, device=self.model.device), last])
+        return self.watch.faults.logits(self.model.logits(hidden[torch.arange(rows, device=self.model.device), last]))
 
     def decode(self, tokens: list[int], positions: list[int]) -> tuple[torch.Tensor, list[int]]:
         """(n, V) float32 logits and each row's argmax (the greedy token): slot b is fed ``tokens[b]``
-        at ``positions[b]``, for b < n <= batch. With graphs or ``batch_invariant``, the slots from n up to the
-        batch size run must be free: position 0 of each is written. Waits for the device without holding the GIL,
-        so the engine's HTTP thread runs meanwhile."""
+        at ``positions[b]``, for b < n <= batch. With graphs or ``batch_invariant``, the slots from n up to the batch
+        size run must be free (their tables on the null block, where position 0 of each is written). Waits for the
+        device without holding the GIL, so the engine's HTTP thread runs meanwhile. The step's time, results on the
+        host, goes to ``watch``."""
+        started = Clock.now()
         n = len(tokens)
         kv_len = bucket(self.kv_lengths, max(positions) + 1)
         size = bucket(self.graph_batches, n)
@@ -237,79 +326,133 @@ class Decoder:
         if graph is not None:
             logits, argmax = graph.run(inputs)
         else:
-            logits, argmax = _step(self.model, inputs.to(self.model.device), self.kv, kv_len)
-        return logits[:n], to_host(argmax[:n])
+            logits, argmax = _step(self.model, inputs.to(self.model.device), self.kv, self._reads(kv_len))
+        greedy = to_host(argmax[:n])
+        self.watch.stepped((size, kv_len), started, self.model.device.type == "cpu")
+        faults = self.watch.faults
+        return faults.logits(logits[:n]), faults.greedy(greedy, logits.shape[-1])
+
+    def _reads(self, kv_len: int) -> int | None:
+        """What a step whose shapes name ``kv_len`` passes ``Transformer.decode``: None where it reads each row's
+        own length (``split_kv``)."""
+        return None if self.split_kv else kv_len
 
     def warm_up(self, pace: Callable[[], object] = lambda: None) -> None:
         """Run every shape serving uses (module docstring) and the sampling path once; with graphs, capture the
         decode step at every batch size instead of running it eagerly (a capture runs its step once first).
         ``pace`` is called after each shape (``standby.pacing.Pacer.step``); each prefill's time is kept in
         ``prefill_times`` (what ``standby.progress`` expects of a prefill of its shape). Leaves finite garbage in the
-        KV cache, which serving overwrites before it reads (reads beyond a sequence's length are masked)."""
+        KV cache, which serving overwrites before it reads (reads beyond a sequence's length are masked). The parts'
+        times go to ``warm_up_times``."""
         device = self.model.device
-        for rows in range(1, self.batch + 1):
-            for length in self.lengths:
+        started = time.perf_counter()
+        for rows in self.warmed_rows:
+            for length in self.warmed_lengths:
                 if self.prefill_fits(rows, length):
-                    started = time.monotonic()
+                    began = time.monotonic()
                     logits = self.prefill(0, [[0] * length] * rows)
                     if device.type == "cuda":
                         torch.cuda.synchronize(device)
-                    self.prefill_times[rows, length] = time.monotonic() - started
+                    self.prefill_times[rows, length] = time.monotonic() - began
                     pace()
         if not self.graphs_enabled:
-            for n in self.graph_batches if self.batch_invariant else range(1, self.batch + 1):
-                for kv_len in self.kv_lengths:
+            for n in self.warmed_rows:
+                for kv_len in self.warmed_kv_lengths:
                     self.decode([0] * n, [kv_len - 1] * n)
                     pace()
+        self.warm_up_times.eager = time.perf_counter() - started
+        started = time.perf_counter()
         for rows in (1, self.batch):  # the sampling path: one row, and every slot at once
             sample_rows(logits[:1].expand(rows, -1), [1.0] * rows, [0.9] * rows, [0.5] * rows)
             sample_rows(logits[:1].expand(rows, -1), [0.0] * rows, [1.0] * rows, [0.5] * rows)
+        self.warm_up_times.sampling = time.perf_counter() - started
         if self.graphs_enabled:
+            started = time.perf_counter()
+            self._check_kernels()
+            self.warm_up_times.kernel_check = time.perf_counter() - started
             self._capture(pace)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
+    def _check_kernels(self) -> None:
+        """Use only the kernels that compute on this device what plain torch does (``standby.kernelcheck``): a
+        failed split-KV check brings back a graph per KV length, a failed fused one unfused graphed steps."""
+        config = self.model.config
+        inputs = kernelcheck.probe_inputs(self.batch, self.kv.max_tokens, config.vocab_size, self.model.device)
+
+        def step(kv_len: int | None, fuse: bool) -> torch.Tensor:
+            with fusing() if fuse else contextlib.nullcontext():
+                return _step(self.model, inputs, self.kv, kv_len)[0]
+
+        with self._probed():
+            verdict = kernelcheck.verdict(step, self.split_kv, self.kv.max_tokens)
+        if self.split_kv and not verdict.split_kv:
+            self.split_kv = False
+            self.kv_lengths = self.lengths[-1:] if self.batch_invariant else self.lengths
+        self.fused = verdict.fused
+
+    @contextlib.contextmanager
+    def _probed(self) -> Iterator[None]:
+        """The kernel check's cache: every row's table spread over the pool's blocks in a shuffled order, the blocks
+        holding random keys and values, so that a kernel reading another block or offset than the table names computes
+        otherwise; the tables as they were after, the blocks zeroed."""
+        kv = self.kv
+        rows, width = kv.table.shape
+        saved = kv.table.clone()
+        order = 1 + torch.randperm(kv.blocks - 1, generator=torch.Generator().manual_seed(0))
+        kv.table.copy_(order[torch.arange(rows * width) % (kv.blocks - 1)].view(rows, width))
+        kv.k.normal_()
+        kv.v.normal_()
+        try:
+            yield
+        finally:
+            kv.table.copy_(saved)
+            kv.k.zero_()
+            kv.v.zero_()
+
     def _capture(self, pace: Callable[[], object]) -> None:
-        """A graph per batch size and KV length, and per short prefill (module docstring), sharing one memory
-        pool; ``graph_bytes`` is what they added. ``pace`` after each capture."""
+        """A decode graph per batch size (and KV length, unless ``split_kv``), and per short prefill (module
+        docstring), sharing one memory pool; ``graph_bytes`` is what they added. ``pace`` after each capture."""
         device = self.model.device
         before = _reserved_in_use(device)
         pool = torch.cuda.graph_pool_handle()
+        times = self.warm_up_times
         for n in self.graph_batches:
             for kv_len in self.kv_lengths:
-                graph = self._graphs[n, kv_len] = DecodeGraph(self.model, self.kv, n, kv_len, pool)
+                started = time.perf_counter()
+                reads = self._reads(kv_len)
+                graph = self._graphs[n, kv_len] = DecodeGraph(self.model, self.kv, n, reads, pool, self.fused)
                 graph.run(torch.zeros((2, n), dtype=torch.long))  # a first replay, as serving's would be
+                torch.cuda.synchronize(device)
+                times.decode_first_runs[n, kv_len] = graph.first_run_s
+                times.decode_captures[n, kv_len] = time.perf_counter() - started - graph.first_run_s
                 pace()
-        prefills = self.graphed_prefills()
-        if prefills:
-            scratch = self.prefill_scratch(prefills)
-            for rows, length in prefills:
-                prefill = self._prefills[rows, length] = PrefillGraph(self.model, scratch, rows, length, pool)
-                prefill.run(torch.zeros((rows, length), dtype=torch.long), self.kv, 0)
-                pace()
+        started = time.perf_counter()
+        for rows, length in self.graphed_prefills():
+            prefill = self._prefills[rows, length] = PrefillGraph(self.model, self.kv, rows, length, pool)
+            prefill.run(torch.zeros((rows, length), dtype=torch.long), self.kv, 0)
+            pace()
+        times.prefill_graphs = time.perf_counter() - started
         self.graph_bytes = _reserved_in_use(device) - before
         log.info(
-            "captured %d decode CUDA graphs (batch sizes %s, KV lengths %s) and %d prefill graphs: %d bytes",
+            "captured %d decode CUDA graphs (batch sizes %s, %s) in %.3f s, their first runs (kernels compiled) "
+            "%.3f s, and %d prefill graphs in %.3f s: %d bytes",
             len(self._graphs),
             self.graph_batches,
-            self.kv_lengths,
+            "each row's own KV length" if self.split_kv else f"KV lengths {self.kv_lengths}",
+            sum(times.decode_captures.values()),
+            sum(times.decode_first_runs.values()),
             len(self._prefills),
+            times.prefill_graphs,
             self.graph_bytes,
         )
 
-    def prefill_scratch(self, prefills: list[tuple[int, int]]) -> KVCache:
-        """Flat (layers, N) keys and values that the largest of ``prefills`` (rows, length) fills."""
-        layers, _, heads, _, head_dim = self.kv.k.shape
-        size = max(rows * length for rows, length in prefills) * heads * head_dim
-        k, v = (torch.zeros((layers, size), dtype=self.kv.k.dtype, device=self.kv.k.device) for _ in range(2))
-        return KVCache(k, v)
-
     def graphed_prefills(self) -> list[tuple[int, int]]:
-        """(rows, length) of every prefill captured with graphs: lengths up to GRAPHED_PREFILL."""
+        """(rows, length) of every prefill captured with graphs: up to GRAPHED_PREFILL_ROWS prompts of lengths up to
+        GRAPHED_PREFILL."""
         short = [length for length in self.lengths if length <= GRAPHED_PREFILL]
-        return [
-            (rows, length) for rows in range(1, self.batch + 1) for length in short if self.prefill_fits(rows, length)
-        ]
+        rows = range(1, min(self.batch, GRAPHED_PREFILL_ROWS) + 1)
+        return [(n, length) for n in rows for length in short if self.prefill_fits(n, length)]
 
 
 def _reserved_in_use(device: torch.device) -> int:

@@ -5,7 +5,8 @@ up every shape serving uses (``standby.decoder``), start the inference thread, l
 ``{"event": "ready", ...}`` line to stdout. Logs go to stderr. On SIGTERM or SIGINT: stop listening, let
 in-flight requests finish for up to --shutdown-timeout, cancel the rest, stop the inference thread, exit 0.
 SIGUSR2 freezes the inference thread for good while the HTTP server goes on (the drill's stall fault,
-``standby.progress``: the engine then reports itself unhealthy).
+``standby.progress``: the engine then reports itself unhealthy); SIGUSR1 and SIGRTMIN toggle slower steps and wrong
+outputs (the drills' gray faults, ``standby.drillfaults``).
 The HTTP contract is ``docs/engine-contract.md``.
 
 Where the KV cache lives: on CUDA with --cuda-graphs (the default there) it is allocated at start-up by
@@ -55,24 +56,34 @@ import torch
 import torch.distributed as dist
 import uvicorn
 
-from hotweights.admission import MAX_WAITING, Admission, ServingLimits
+from hotweights.admission import Admission
 from hotweights.cache.checkpoint import read_checkpoint
 from hotweights.cache.connection import AttachRefused, DaemonUnavailable
 from hotweights.cache.loadspec import LoadSpec
 from hotweights.cache.pipeline import (
-    add_load_spec_arguments,
     check_spec,
     load_spec_from_args,
     model_dir_from_args,
 )
-from hotweights.contract import ENGINE_PORT, Role, read_token, refuse_open_listener
+from hotweights.contract import Role, read_token
 from hotweights.errors import ConfigError, HotweightsError
-from hotweights.httpguard import COMPLETION_BODY_BYTES, ErrorShape, HttpLimits, server_config
+from hotweights.httpguard import ErrorShape, HttpLimits, server_config
 from hotweights.ports import free_port
-from hotweights.spawn import SPARE_DUTY, add_spare_arguments, readable, wait_for_start
-from hotweights.standby import tpgroup
+from hotweights.spawn import Slot, readable, wait_for_start
+from hotweights.standby import startclock, tpgroup
 from hotweights.standby.decoder import Decoder
+from hotweights.standby.engineflags import add_engine_arguments, check_options
 from hotweights.standby.engineoptions import EngineOptions
+from hotweights.standby.kvpool import (
+    AUTO,
+    BLOCK_SIZE,
+    MAX_AUTO_BATCH,
+    auto_max_batch,
+    auto_pool_tokens,
+    blocks_for,
+    pool_blocks,
+    pool_refusal,
+)
 from hotweights.standby.kvshare import KvShare
 from hotweights.standby.metrics import EngineMetrics
 from hotweights.standby.model import KVCache, Transformer
@@ -82,12 +93,12 @@ from hotweights.standby.roles import CANCEL_GRACE_S, KvCapacity, Roles
 from hotweights.standby.scheduler import Scheduler
 from hotweights.standby.server import EngineContext, build_app
 from hotweights.standby.serving import AnnouncingServer, bind_port, run_until_signal
-from hotweights.standby.weights import LoadedModel, Prepared, add_weight_cache_arguments, load_model, prepare
+from hotweights.standby.steptimes import WATCH
+from hotweights.standby.weights import LoadedModel, Prepared, load_model, prepare
 from hotweights.tokenizer import load_tokenizer, stop_token_ids
 
 log = logging.getLogger(__name__)
 
-LIMITS = ServingLimits()  # the flags' defaults
 # How long a thread may keep the GIL while another waits for it (Python: 5 ms, a third of an xl decode
 # step): the inference thread gets it back this soon from the HTTP thread to launch its next step.
 GIL_SWITCH_S = 0.0005
@@ -97,17 +108,44 @@ def new_decoder(
     model: Transformer,
     max_batch: int,
     kv_tokens: int,
+    pool_tokens: int,
     batch_invariant: bool,
     graphs: bool = False,
     share: KvShare | None = None,
 ) -> Decoder:
-    """A decoder with a fresh, zeroed KV cache of ``max_batch`` slots of ``kv_tokens`` positions; with ``share``,
-    in memory that can outlive the engine (``standby.kvshare``)."""
+    """A decoder with a fresh, zeroed KV pool of ``pool_tokens`` positions for ``max_batch`` rows of up to ``kv_tokens``
+    (``standby.kvpool``); with ``share``, in memory that can outlive the engine (``standby.kvshare``)."""
+    blocks = pool_blocks(pool_tokens)
     if share is None:
-        kv = KVCache.allocate(model.config, model.tp, max_batch, kv_tokens, model.device, model.dtype)
+        kv = KVCache.pool(model.config, model.tp, max_batch, kv_tokens, blocks, model.device, model.dtype)
         return Decoder(model, kv, graphs, batch_invariant)
-    shared = share.allocate(KVCache.shape(model.config, model.tp, max_batch, kv_tokens), model.dtype)
+    shared = share.allocate(KVCache.shape(model.config, model.tp, blocks), max_batch, kv_tokens, model.dtype)
     return Decoder(model, shared.kv, graphs, batch_invariant, shared)
+
+
+def sized(options: EngineOptions, model: Transformer) -> EngineOptions:
+    """``options`` with the KV pool's positions and ``max_batch`` resolved where they are automatic (``pool_sizes``)."""
+    sizes = pool_sizes(model, options.max_batch, options.kv_cache_tokens, options.kv_pool_tokens, options.kv_pool_share)
+    return replace(options, max_batch=sizes[0], kv_pool_tokens=sizes[1])
+
+
+def pool_sizes(model: Transformer, max_batch: int, kv_tokens: int, pool_tokens: int, share: float) -> tuple[int, int]:
+    """(max_batch, pool positions) of an engine of ``model`` on its device: the given ones, each where automatic (0)
+    as ``standby.kvpool`` sizes it, the pool on CUDA from ``share`` of the device's memory beyond this rank's weights
+    (--kv-pool-share); ConfigError when the pool cannot hold one sequence of ``kv_tokens``."""
+    pool = pool_tokens
+    if pool == AUTO:
+        memory = None
+        if model.device.type == "cuda":
+            weights = sum(tensor.nbytes for tensor in model.parameters())
+            memory = int(share * max(torch.cuda.mem_get_info(model.device)[1] - weights, 0))
+        position = KVCache.position_bytes(model.config, model.tp, model.dtype)
+        pool = auto_pool_tokens(memory, position, max_batch or MAX_AUTO_BATCH, kv_tokens)
+    if reason := pool_refusal(pool, kv_tokens):
+        setting = f"--kv-pool-tokens {pool_tokens}" + ("" if pool_tokens else " (automatic)")
+        fix = "raise --kv-pool-tokens (or --kv-pool-share) or lower --kv-cache-tokens"
+        raise ConfigError(f"--kv-cache-tokens {kv_tokens}: {reason} ({setting}); {fix}")
+    return max_batch or auto_max_batch(pool), pool
 
 
 def warm_up(
@@ -131,11 +169,12 @@ def warm_up(
         decoder.close()  # a shared KV cache's memory is not the allocator's: free it now
         raise
     log.info(
-        "warmed up in %.3f s: prefill and decode at %d lengths up to %d, decode at batch 1..%d%s",
+        "warmed up in %.3f s: prefill at %d lengths up to %d, decode at batch 1..%d and %d KV lengths%s",
         time.perf_counter() - start,
-        len(decoder.lengths),
-        decoder.kv.max_tokens,
+        len(decoder.warmed_lengths),
+        decoder.warmed_lengths[-1],
         decoder.batch,
+        len(decoder.warmed_kv_lengths),
         f", CUDA graphs {decoder.graph_bytes} bytes" if graphs else "",
     )
     if graphs or keep:
@@ -160,23 +199,19 @@ def warm(
     pacer: Pacer | None = None,
     share: KvShare | None = None,
 ) -> Decoder | None:
-    """``warm_up`` at the flags' shapes, on this rank or (``channel``) on the whole group; the decoder to keep.
-    ``pacer``: a spare's, on one rank. ``share``: where a decoder that is kept allocates its KV cache."""
+    """``warm_up`` at the flags' shapes (``options`` ``sized``), on this rank or (``channel``) on the whole group; the
+    decoder to keep. ``pacer``: a spare's, on one rank. ``share``: where a decoder that is kept allocates its KV
+    cache."""
     graphs = uses_graphs(options, model)
     keep = options.role is Role.PRIMARY
+    sizes = (options.max_batch, options.kv_cache_tokens, options.kv_pool_tokens)
     make = functools.partial(
-        new_decoder,
-        model,
-        options.max_batch,
-        options.kv_cache_tokens,
-        options.batch_invariant,
-        graphs,
-        share if graphs or keep else None,
+        new_decoder, model, *sizes, options.batch_invariant, graphs, share if graphs or keep else None
     )
     if channel is None:
         return warm_up(make, graphs, keep=keep, pace=pacer.step if pacer else lambda: None)
     free = functools.partial(channel.send, tpgroup.Op.FREE)
-    return warm_up(tpgroup.group_allocator(channel, make, graphs), graphs, keep=keep, free=free)
+    return warm_up(tpgroup.group_allocator(channel, make, graphs, options), graphs, keep=keep, free=free)
 
 
 class EngineServer(AnnouncingServer):
@@ -202,35 +237,6 @@ class EngineServer(AnnouncingServer):
             await super().shutdown(sockets=sockets)
         finally:
             timer.cancel()
-
-
-def duty(text: str) -> float:
-    """--spare-duty: a number in (0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], found {text!r}")
-    return value
-
-
-def check_options(options: EngineOptions) -> None:
-    if options.tp_size < 1:
-        raise ConfigError(f"--tp-size must be >= 1, found {options.tp_size}")
-    if options.kv_cache_tokens < 2:
-        raise ConfigError(f"--kv-cache-tokens must be >= 2, found {options.kv_cache_tokens}")
-    if options.max_batch < 1:
-        raise ConfigError(f"--max-batch must be >= 1, found {options.max_batch}")
-    if options.max_body_bytes < 1:
-        raise ConfigError(f"--max-body-bytes must be >= 1, found {options.max_body_bytes}")
-    if not options.queue_budget >= 0:  # NaN too
-        raise ConfigError(f"--queue-budget must be >= 0, found {options.queue_budget}")
-    for flag in ("drain_timeout", "shutdown_timeout"):
-        if getattr(options, flag) < 0:
-            raise ConfigError(f"--{flag.replace('_', '-')} must be >= 0, found {getattr(options, flag)}")
-    fix = "pass --token-file so that role changes need it, or listen on 127.0.0.1"
-    refuse_open_listener(options.host, bool(options.token_file), "--host", fix)
 
 
 def rank_spec(options: EngineOptions, rank: int) -> LoadSpec:
@@ -312,10 +318,10 @@ def prepare_spare(options: EngineOptions) -> tuple[Prepared | None, Ahead | None
     pacer = Pacer(options.spare_duty, functools.partial(readable, options.start_fd), sync)
     try:
         share = KvShare.for_engine(loaded.attachment, device, options.tp_size)
-        ahead = Ahead(prepared, loaded, warm(options, loaded.model, None, pacer, share))
-    except torch.OutOfMemoryError as exc:
+        ahead = Ahead(prepared, loaded, warm(sized(options, loaded.model), loaded.model, None, pacer, share))
+    except (torch.OutOfMemoryError, ConfigError) as exc:  # no device memory, or none for its KV pool
         first_line = str(exc).splitlines()[0]
-        log.warning("spare: no device memory to warm up before its start, it will at its start: %s", first_line)
+        log.warning("spare: not warmed up before its start, it will at its start: %s", first_line)
         Ahead(prepared, loaded, None).release()
         return prepared, None
     seconds = time.perf_counter() - start
@@ -370,35 +376,30 @@ def run_follower(options: EngineOptions) -> int:
         model = load_rank(options, options.tp_rank, options.engine_id).model
     except HotweightsError as exc:
         tpgroup.exit_refused(tpgroup.in_group(exc, options.engine_id, options.tp_rank))
-    decoder = functools.partial(new_decoder, model, options.max_batch, options.kv_cache_tokens, options.batch_invariant)
+
+    def decoder(graphs: bool, max_batch: int, pool_tokens: int) -> Decoder:  # rank 0 sized the pool (``sized``)
+        return new_decoder(model, max_batch, options.kv_cache_tokens, pool_tokens, options.batch_invariant, graphs)
+
     tpgroup.Follower(decoder).run(channel)
     dist.destroy_process_group()
     return 0
 
 
-def take_slot(options: EngineOptions, slot: dict[str, object]) -> EngineOptions:
-    """A spare's start message: the slot it starts as (``{"port": P, "engine_id": ID, "log": PATH}``, each
-    optional). Returns ``options`` with the slot's port and engine id for --port and --engine-id; stdout and
-    stderr go on in the slot's log file (appended to). ConfigError for a malformed message."""
-    port, engine_id, log_file = slot.get("port", options.port), slot.get("engine_id"), slot.get("log")
-    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
-        raise ConfigError(f"the start message's port must be an integer in 0..65535, found {port!r}")
-    for name, value in (("engine_id", engine_id), ("log", log_file)):
-        if value is not None and not isinstance(value, str):
-            raise ConfigError(f"the start message's {name} must be a string, found {value!r}")
-    if log_file is not None:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        fd = os.open(log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        for target in (1, 2):
-            os.dup2(fd, target)
-        os.close(fd)
-    return replace(options, port=port, engine_id=engine_id or options.engine_id)
+def take_slot(options: EngineOptions, message: dict[str, object]) -> EngineOptions:
+    """A spare's start message (``hotweights.spawn.Slot``): ``options`` with the slot's port and engine id for
+    --port and --engine-id; stdout and stderr go on in the slot's log file. ConfigError for a malformed message."""
+    slot = Slot.of(message)
+    slot.move_output()
+    port = options.port if slot.port is None else slot.port
+    return replace(options, port=port, engine_id=slot.engine_id or options.engine_id)
 
 
 def cmd_engine(args: argparse.Namespace) -> int:
+    startclock.mark("command")
     options = EngineOptions.from_args(args)
     check_options(options)
+    if options.cpu_threads:
+        torch.set_num_threads(options.cpu_threads)
     if options.tp_rank > 0:
         return run_follower(options)
     prepared = ahead = None
@@ -411,6 +412,7 @@ def cmd_engine(args: argparse.Namespace) -> int:
         cpus.restore()
         torch.set_num_threads(threads)
         options = take_slot(options, slot)
+        startclock.mark("spare_wait")  # its preparation too, and with a warm-up ahead its attach and warm-up
         if ahead is not None and not ahead.still_current(options):
             ahead.release()
             prepared = ahead = None
@@ -443,20 +445,24 @@ def serve(
     else:
         loaded = load_rank(options, 0, engine_id, prepared)
         log.info("weights from %s (--weight-cache %s) in %.3f s", loaded.source, loaded.mode, loaded.seconds)
+        startclock.mark("weights")  # the CUDA context and the attach (or load) and bind
     model = loaded.model
+    options = sized(options, model)
+    pool, batch = options.kv_pool_tokens, options.max_batch
+    log.info("KV pool: %d positions in blocks of %d; sequences at once: %d", pool, BLOCK_SIZE, batch)
     share = KvShare.for_engine(loaded.attachment, model.device, options.tp_size)
     if ahead is None:
         warmed = warm(options, model, channel, share=share)
+        startclock.mark("warm_up")
     role = options.role
     graphs = uses_graphs(options, model)
-    make = functools.partial(
-        new_decoder, model, options.max_batch, options.kv_cache_tokens, options.batch_invariant, share=share
-    )
+    sizes = (options.max_batch, options.kv_cache_tokens, options.kv_pool_tokens)
+    make = functools.partial(new_decoder, model, *sizes, options.batch_invariant, share=share)
     scheduler = Scheduler(share)
     if channel is None:
         capacity = KvCapacity(scheduler, make, reserved=warmed if graphs else None)
     else:
-        allocate = tpgroup.group_allocator(channel, make, False)
+        allocate = tpgroup.group_allocator(channel, make, False, options)
         capacity = tpgroup.GroupKvCapacity(scheduler, allocate, reserved=warmed if graphs else None, channel=channel)
     if warmed is not None and role is Role.PRIMARY:
         scheduler.attach_kv(warmed)
@@ -486,8 +492,10 @@ def serve(
             timing=scheduler,
             on_verdict=lambda verdict: metrics.admission.labels(verdict.value).inc(),
             on_wait=metrics.queue_wait.observe,
+            blocks=blocks_for(options.kv_pool_tokens),
         ),
     )
+    metrics.bind_pool(ctx.pool)
     config = server_config(
         build_app(ctx),
         HttpLimits(body_bytes=options.max_body_bytes),
@@ -499,12 +507,13 @@ def serve(
     )
     ready = {"engine_id": engine_id, "role": role.value, "fingerprint": ctx.fingerprint}
     ready |= {"kv_cache_bytes": capacity.held_bytes(), "cuda_graph_bytes": ctx.cuda_graph_bytes}
-    ready |= {"rank_pids": list(ctx.rank_pids)}
+    ready |= {"rank_pids": list(ctx.rank_pids), "start_s": startclock.breakdown()}
     server = EngineServer(config, ready, scheduler.cancel_all, options.shutdown_timeout)
 
     sys.setswitchinterval(GIL_SWITCH_S)
     scheduler.start()
     signal.signal(FREEZE_SIGNAL, lambda *_: scheduler.freeze())  # the drill's stall fault (standby.progress)
+    WATCH.faults.install()  # the drills' gray faults (standby.drillfaults)
     try:
         run_until_signal(server, sock)
     finally:
@@ -519,77 +528,5 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Load or attach the weights, warm up, then serve OpenAI completions, health checks "
         "and role changes (promote, drain, demote). Prints a JSON ready line to stdout once listening.",
     )
-    add_load_spec_arguments(p, with_rank=False)
-    add_weight_cache_arguments(p)
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument(
-        "--port", type=int, default=ENGINE_PORT, help=f"port to listen on; 0 picks a free one (default {ENGINE_PORT})"
-    )
-    p.add_argument("--role", choices=[r.value for r in Role], default="primary", help="starting role (default primary)")
-    p.add_argument("--token-file", help="file holding the bearer token that promote/drain/demote require")
-    tokens = LIMITS.kv_cache_tokens
-    p.add_argument("--kv-cache-tokens", type=int, default=tokens, help=f"KV cache tokens per sequence slot ({tokens})")
-    batch = LIMITS.max_batch
-    p.add_argument("--max-batch", type=int, default=batch, help=f"sequences generated concurrently (default {batch})")
-    p.add_argument(
-        "--queue-budget",
-        type=float,
-        default=LIMITS.queue_budget_s,
-        help="seconds a completion's expected start may be away (from the remaining tokens of what is generating "
-        "and of what waits ahead, at the measured times) for it to wait for a slot; beyond, it is answered 429 at "
-        f"once, with Retry-After (default {LIMITS.queue_budget_s:g}; at most {MAX_WAITING} sequences wait)",
-    )
-    p.add_argument(
-        "--max-body-bytes",
-        type=int,
-        default=COMPLETION_BODY_BYTES,
-        help=f"largest request body, prompt included; larger ones are 413 (default {COMPLETION_BODY_BYTES})",
-    )
-    p.add_argument(
-        "--cuda-graphs",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="on CUDA, capture the decode step per batch size as a CUDA graph at start-up; the KV cache is "
-        "then allocated at start-up by standbys too (default on; no effect on CPU)",
-    )
-    p.add_argument(
-        "--batch-invariant",
-        action=argparse.BooleanOptionalAction,
-        default=LIMITS.batch_invariant,
-        help="every prefill holds one prompt and every decode step runs at --max-batch rows over all "
-        "--kv-cache-tokens positions, so a request's text does not depend on what shares its steps and a migrated "
-        "one continues exactly, at the cost of the padding (default off)",
-    )
-    p.add_argument("--engine-id", help="name in health replies and metrics (default HOST-PID)")
-    add_spare_arguments(p, "binding the port and attaching")
-    p.add_argument(
-        "--spare-warm-up",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="with --start-fd, --weight-cache client and one rank: attach and warm up before waiting, while the "
-        "daemon serves, so the start only listens; the spare then holds a standby's device memory (default on)",
-    )
-    p.add_argument(
-        "--spare-duty",
-        type=duty,
-        default=SPARE_DUTY,
-        help="with --start-fd: the share of time the spare's warm-up may keep the device busy; it pauses for the "
-        f"rest, so that it slows the engines serving beside it little, until it is started (default {SPARE_DUTY})",
-    )
-    # A follower rank of a tensor-parallel group (standby.tpgroup): set by rank 0 on the ranks it starts.
-    p.add_argument("--tp-rank", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--tp-port", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--tp-leader", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=LIMITS.drain_timeout_s,
-        help=f"seconds a drain waits before cancelling (default {LIMITS.drain_timeout_s:g})",
-    )
-    p.add_argument(
-        "--shutdown-timeout",
-        type=float,
-        default=30.0,
-        help="seconds in-flight requests get after SIGTERM before they are cancelled (default 30)",
-    )
+    add_engine_arguments(p)
     p.set_defaults(func=cmd_engine)

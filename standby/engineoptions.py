@@ -1,6 +1,6 @@
 """``hotweights engine``'s configuration: its flags as one typed, immutable object.
 
-``standby.engine.add_parser`` defines and documents every flag; ``EngineOptions.from_args`` takes the parsed
+``standby.engineflags`` defines and documents every flag; ``EngineOptions.from_args`` takes the parsed
 flags once, at the command's entry, and nothing below it sees an ``argparse.Namespace``. The load flags keep
 the names that ``cache.pipeline``'s and ``standby.weights``' helpers read (``model``, ``device``, ...), which
 every command that loads a model shares.
@@ -33,11 +33,14 @@ class EngineOptions:
     token_file: str | None
     engine_id: str | None
     kv_cache_tokens: int
-    max_batch: int
+    max_batch: int  # 0 (kvpool.AUTO) until ``standby.engine.sized`` resolves it
+    kv_pool_tokens: int  # likewise
+    kv_pool_share: float
     queue_budget: float
     max_body_bytes: int
     cuda_graphs: bool
     batch_invariant: bool
+    cpu_threads: int
     drain_timeout: float
     shutdown_timeout: float
     verbose: bool  # the CLI's -v, passed on to the ranks a tensor-parallel rank 0 starts

@@ -10,7 +10,8 @@ from generation, and at most one thread competes with the event loop for the GIL
 
 Every step is bounded by the request's size: the body (``--max-body-bytes``); the prompts of one request (at most
 ``--max-batch``, what the engine generates at once, refused before any is looked at); each prompt's tokens
-(prompt and ``max_tokens`` within the KV slot, checked before its ids are); the messages (``MAX_MESSAGES``). Where
+(prompt and ``max_tokens`` within the KV slot, checked before its ids are); the messages (``MAX_MESSAGES``); the KV
+blocks its sequences need, within the engine's pool (``standby.kvpool``). Where
 the tokenizer bounds how much text one token stands for (``bytes_per_token``: byte-level BPE), a text that
 cannot fit the KV slot whatever its tokens is refused before it is tokenized: a prompt of megabytes costs the
 engine no more than its JSON.
@@ -37,6 +38,7 @@ from hotweights.requestschema import (
     validated,
 )
 from hotweights.standby.chat import ChatTemplate
+from hotweights.standby.kvpool import sequence_blocks, shortfall
 
 T = TypeVar("T")
 R = TypeVar("R", bound=SamplingRequest)
@@ -52,6 +54,7 @@ class Intake:
     vocab_size: int
     context_tokens: int
     max_prompts: int
+    kv_blocks: int = 0  # the engine's KV pool (``standby.kvpool``); 0: none to check against
     _thread: ThreadPoolExecutor = field(
         init=False, default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="intake")
     )
@@ -95,7 +98,13 @@ class Intake:
             if refusal := self.length_refusal(len(prompt if encoding is None else encoding), request.max_tokens):
                 return refusal
             prompt_ids.append(prompt if isinstance(prompt, list) else encoding.ids)
-        return self.vocabulary_refusal(prompt_ids) or prompt_ids
+        return self.vocabulary_refusal(prompt_ids) or self.pool_refusal(prompt_ids, request.max_tokens) or prompt_ids
+
+    def pool_refusal(self, prompt_ids: list[list[int]], max_tokens: int) -> Invalid | None:
+        """Why the prompts' sequences can never run at once on this engine's KV pool (they need more blocks than it
+        holds, ``kvpool.shortfall``), or None (they may wait for their blocks: ``Admission.reserve``)."""
+        reason = self.kv_blocks and shortfall(blocks_needed(prompt_ids, max_tokens), self.kv_blocks)
+        return Invalid(f"{reason} (--kv-pool-tokens)", "max_tokens") if reason else None
 
     def text_refusal(self, text: str, max_tokens: int) -> Invalid | None:
         """Why ``text`` cannot fit the KV slot with ``max_tokens`` whatever its tokens (at least one per
@@ -131,6 +140,11 @@ class Intake:
                 message = f"prompt token ids {bad[:5]} are outside this model's vocabulary [0, {self.vocab_size})"
                 return Invalid(message, "prompt")
         return None
+
+
+def blocks_needed(prompt_ids: list[list[int]], max_tokens: int) -> int:
+    """The KV blocks a request's sequences hold while they run (``kvpool.sequence_blocks``)."""
+    return sum(sequence_blocks(len(ids), max_tokens) for ids in prompt_ids)
 
 
 def bytes_per_token(tokenizer: Tokenizer) -> int | None:

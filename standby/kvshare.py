@@ -1,19 +1,20 @@
 """KV caches that outlive their engine: a new primary continues a failed one's sequences from its keys and values.
 
-A migrated request (``controller.migration``) reaches the next primary as its prompt plus the tokens generated
-so far. Computing their keys and values again costs a prefill and, with a batch-invariant decoder, one decode
-step per generated token (``standby.scheduler``): over a second for 64 streams of ~128 tokens on ``xl``. The
-failed primary had them all. So an engine that serves from a daemon's arena allocates its KV cache as the
-arena is allocated (``cache.backends``: exported, on the same device) and, while it is a primary, deposits it
-with the daemon together with its ``SlotLedger`` (``cache.kvdeposits``), whose memory the daemon then keeps
-after the engine dies. The next primary, given a continuation, looks for a deposited slot that holds the
-request's tokens (``KvShare.find``), copies that slot's keys and values into one of its own slots
+A migrated request (``gateway.migration``) reaches the next primary as its prompt plus the tokens generated so far.
+Computing their keys and values again costs a prefill and, with a batch-invariant decoder, one decode step per generated
+token (``standby.scheduler``): over a second for 64 streams of ~128 tokens on ``xl``. The failed primary had them all.
+So an engine that serves from a daemon's arena allocates its KV cache (its pool of blocks, ``standby.kvpool``) as the
+arena is allocated (``cache.backends``: exported, on the same device) and, while it is a primary, deposits it with the
+daemon together with its ``SlotLedger`` (``cache.kvdeposits``), whose memory the daemon then keeps after the engine
+dies. The next primary, given a continuation, looks for a deposited slot that holds the request's tokens
+(``KvShare.find``), copies the blocks that hold them into blocks of its own sequence
 (``KvShare.copy``) and decodes from there: the continuation's first token costs one decode step.
 
-The ledger says, per slot, which token ids its keys and values hold (``length`` of them, ``prefilled`` of those by
-the slot's prefill) and a generation, bumped whenever the slot is given up. The owner writes it after the device
-finished the work it records (``Scheduler``), and gives a slot up (``reset``) before anything may overwrite it,
-so a reader that finds the same even generation before and after its copy copied keys and values that match the
+The ledger says, per slot, which token ids its keys and values hold (``length`` of them, ``prefilled`` of those by the
+slot's prefill), which blocks of the pool they lie in (the slot's row of the block table) and a generation, bumped
+whenever the slot is given up. The owner writes it after the device finished the work it records (``Scheduler``), and
+gives a slot up (``reset``) before anything may overwrite it (its blocks go back to the pool only then), so a reader
+that finds the same even generation before and after its copy copied keys and values that match the
 ledger's tokens, whatever the owner (alive, hung or dead) did meanwhile. A slot is taken only for a request
 whose tokens it holds, which are the tokens the request itself sends: nothing a client sends selects another
 client's keys and values. With a batch-invariant decoder a slot is taken only when it was prefilled with
@@ -43,8 +44,9 @@ from hotweights.cache.backends import get_backend
 from hotweights.cache.backends.base import KV_NAME, LEDGER_NAME, BackendUnavailable, ExportedArena, ImportedArena
 from hotweights.cache.client import Attachment
 from hotweights.cache.connection import DaemonUnavailable, close_all
-from hotweights.cache.kvdeposits import LEDGER_BACKEND, LEDGER_FIELDS, MAX_SOURCES, KvLayout, ledger_nbytes
+from hotweights.cache.kvdeposits import LEDGER_BACKEND, LEDGER_FIELDS, MAX_SOURCES, KvLayout
 from hotweights.dtypes import ARENA_DTYPES
+from hotweights.standby.kvpool import blocks_for
 from hotweights.standby.model import KVCache
 
 log = logging.getLogger(__name__)
@@ -55,13 +57,17 @@ REQUEST_TIMEOUT_S = 0.5  # for each reply of the daemon (one that stops answerin
 
 
 class SlotLedger:
-    """Which token ids each slot's keys and values hold, in shared host memory (module docstring)."""
+    """Which token ids each slot's keys and values hold, and in which blocks of the pool, in shared host memory
+    (module docstring; ``cache.kvdeposits.ledger_nbytes``)."""
 
-    def __init__(self, data: torch.Tensor, slots: int, positions: int) -> None:
+    def __init__(self, data: torch.Tensor, layout: KvLayout) -> None:
+        slots, positions = layout.slots, layout.positions
         header = data[: 8 * LEDGER_FIELDS * slots].view(torch.int64).view(LEDGER_FIELDS, slots)
         self.generation, self.length, self.prefilled = header
-        self.tokens = data[8 * LEDGER_FIELDS * slots : ledger_nbytes(slots, positions)].view(torch.int32)
-        self.tokens = self.tokens.view(slots, positions)
+        start = 8 * LEDGER_FIELDS * slots
+        self.tokens = data[start : start + 4 * slots * positions].view(torch.int32).view(slots, positions)
+        start += 4 * slots * positions
+        self.table = data[start : layout.ledger_bytes].view(torch.int32).view(slots, -1)  # (slots, blocks a slot has)
 
     def reset(self, slot: int) -> None:
         """Give ``slot`` up: its keys and values may be overwritten from now on."""
@@ -73,9 +79,11 @@ class SlotLedger:
         for slot in range(len(self.length)):
             self.reset(slot)
 
-    def record(self, slot: int, ids: list[int], prefilled: int) -> None:
-        """``slot``'s keys and values now hold ``ids``, the first ``prefilled`` of them computed by one prefill."""
+    def record(self, slot: int, ids: list[int], prefilled: int, blocks: list[int]) -> None:
+        """``slot``'s keys and values now hold ``ids``, the first ``prefilled`` of them computed by one prefill, in
+        ``blocks`` of the pool (in order)."""
         self.tokens[slot, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        self.table[slot, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
         self.prefilled[slot] = prefilled
         self.length[slot] = len(ids)  # last: a reader trusts no token beyond it
 
@@ -111,12 +119,8 @@ class SharedKv:
     def __init__(self, kv_arena: ExportedArena, ledger_arena: ExportedArena, layout: KvLayout) -> None:
         self.arenas = (kv_arena, ledger_arena)
         self.layout = layout
-        dtype = ARENA_DTYPES[layout.dtype]
-        size = layout.tensor_bytes
-        k = kv_arena.tensor[:size].view(dtype).view(layout.shape)
-        v = kv_arena.tensor[layout.v_offset : layout.v_offset + size].view(dtype).view(layout.shape)
-        self.kv = KVCache(k, v)
-        self.ledger = SlotLedger(ledger_arena.tensor, layout.slots, layout.positions)
+        self.kv = _mapped_kv(kv_arena.tensor, layout)
+        self.ledger = SlotLedger(ledger_arena.tensor, layout)
 
     def close(self) -> None:
         for arena in self.arenas:
@@ -175,14 +179,17 @@ class KvShare:
             return None
         return share if share.backend.adoptable else None
 
-    def allocate(self, shape: tuple[int, int, int, int, int], dtype: torch.dtype) -> SharedKv:
-        """A zeroed KV cache of ``shape`` (layers, slots, kv heads, positions, head dim) and an empty ledger."""
+    def allocate(
+        self, shape: tuple[int, int, int, int, int], slots: int, positions: int, dtype: torch.dtype
+    ) -> SharedKv:
+        """A zeroed KV pool of ``shape`` (layers, blocks, block size, kv heads, head dim) for ``slots`` slots of up to
+        ``positions`` positions, and an empty ledger."""
         name = str(dtype).removeprefix("torch.")
         size = math.prod(shape) * dtype.itemsize
-        layout = KvLayout(name, shape, -(-size // ALIGNMENT) * ALIGNMENT)
+        layout = KvLayout(name, shape, -(-size // ALIGNMENT) * ALIGNMENT, slots, positions)
         kv_arena = self.backend.allocate(layout.v_offset + size, self.device, KV_NAME)
         try:
-            ledger_bytes = ledger_nbytes(shape[1], shape[3])
+            ledger_bytes = layout.ledger_bytes
             ledger_arena = get_backend(LEDGER_BACKEND).allocate(ledger_bytes, torch.device("cpu"), LEDGER_NAME)
         except BaseException:
             kv_arena.close()
@@ -241,12 +248,16 @@ class KvShare:
                 found = Match(source, *best)
         return found
 
-    def copy(self, match: Match, own: KVCache, slot: int) -> bool:
-        """Copy ``match``'s keys and values into ``slot`` of ``own``; False when its owner gave the slot up
-        meanwhile (``own``'s slot then holds nothing usable)."""
-        held, source = match.length, match.source
-        own.k[:, slot, :, :held].copy_(source.kv.k[:, match.slot, :, :held])
-        own.v[:, slot, :, :held].copy_(source.kv.v[:, match.slot, :, :held])
+    def copy(self, match: Match, own: KVCache, blocks: list[int]) -> bool:
+        """Copy ``match``'s keys and values, block by block, into ``blocks`` of ``own`` (at least as many as they
+        fill); False when its owner gave the slot up meanwhile (``blocks`` then hold nothing usable)."""
+        source, n = match.source, blocks_for(match.length)
+        held = source.ledger.table[match.slot, :n].tolist()
+        if not all(0 < block < source.kv.blocks for block in held):  # a slot given up and reused as it was read
+            return False
+        read, written = (torch.tensor(b, dtype=torch.long, device=own.k.device) for b in (held, blocks[:n]))
+        own.k.index_copy_(1, written, source.kv.k.index_select(1, read))
+        own.v.index_copy_(1, written, source.kv.v.index_select(1, read))
         if own.k.device.type == "cuda":
             torch.cuda.synchronize(own.k.device)
         source.used = True
@@ -297,7 +308,7 @@ class KvShare:
                 raise ValueError(f"backends {kv_handle.get('backend')!r} and {ledger_handle.get('backend')!r}")
             imported.append(self.backend.import_arena(kv_handle, [fds[0]], self.device))
             imported.append(get_backend(LEDGER_BACKEND).import_arena(ledger_handle, [fds[1]], torch.device("cpu")))
-            if imported[1].nbytes < ledger_nbytes(layout.slots, layout.positions):
+            if imported[1].nbytes < layout.ledger_bytes:
                 raise ValueError(f"a ledger of {imported[1].nbytes} bytes for {layout.shape}")
         except (KeyError, TypeError, ValueError, BackendUnavailable) as exc:
             for arena in imported:
@@ -305,13 +316,9 @@ class KvShare:
             close_all(fds[len(imported) :])
             log.warning("a KV deposit the daemon listed cannot be used: %s", exc)
             return None
-        dtype = ARENA_DTYPES[layout.dtype]
-        size = layout.tensor_bytes
-        data = imported[0].tensor
-        k = data[:size].view(dtype).view(layout.shape)
-        v = data[layout.v_offset : layout.v_offset + size].view(dtype).view(layout.shape)
-        ledger = SlotLedger(imported[1].tensor, layout.slots, layout.positions)
-        return Source(entry["id"], bool(entry.get("alive")), KVCache(k, v), ledger, (imported[0], imported[1]))
+        ledger = SlotLedger(imported[1].tensor, layout)
+        kv = _mapped_kv(imported[0].tensor, layout)
+        return Source(entry["id"], bool(entry.get("alive")), kv, ledger, (imported[0], imported[1]))
 
     def _request(self, message: dict, fds: tuple[int, ...] = (), max_fds: int = 0) -> tuple[dict | None, list[int]]:
         """The daemon's reply, or (None, []) when it refused or is gone (logged)."""
@@ -327,8 +334,16 @@ class KvShare:
         return reply, received
 
 
+def _mapped_kv(data: torch.Tensor, layout: KvLayout) -> KVCache:
+    """The KV pool ``layout`` describes in the bytes ``data``, with a table of its own (every entry null)."""
+    dtype, size = ARENA_DTYPES[layout.dtype], layout.tensor_bytes
+    k = data[:size].view(dtype).view(layout.shape)
+    v = data[layout.v_offset : layout.v_offset + size].view(dtype).view(layout.shape)
+    return KVCache.over(k, v, layout.slots, layout.positions)
+
+
 def _compatible(source: KVCache, own: KVCache) -> bool:
-    """Whether a slot of ``source`` can be copied into ``own``: the same dtype, device, layers, heads and head
-    dim (slots and positions may differ)."""
+    """Whether a slot of ``source`` can be copied into ``own``: the same dtype, device, layers, block size, heads
+    and head dim (the pools' blocks, slots and positions may differ)."""
     a, b = source.k, own.k
-    return a.dtype == b.dtype and a.device == b.device and a.shape[0::2] == b.shape[0::2]
+    return a.dtype == b.dtype and a.device == b.device and a.shape[0] == b.shape[0] and a.shape[2:] == b.shape[2:]

@@ -71,6 +71,12 @@ class EngineMetrics:
         self.in_flight = Gauge("hotweights_engine_in_flight_requests", "admitted, unanswered /v1 requests", registry=r)
         self.kv_cache_bytes = Gauge("hotweights_engine_kv_cache_bytes", "bytes of KV cache held", registry=r)
         self.weight_cache = Info("hotweights_engine_weight_cache", "where the weights came from", registry=r)
+        self.kv_pool = Gauge(
+            "hotweights_engine_kv_pool",
+            "the KV pool: its blocks, those sequences hold (used), the sequences running and waiting",
+            ["measure"],
+            registry=r,
+        )
         self.kv_adopted = Gauge(
             "hotweights_engine_kv_adopted_sequences",
             "continuations started from another engine's deposited KV cache, since start",
@@ -86,6 +92,11 @@ class EngineMetrics:
         """The reference engine's continuations from deposited KV caches (``standby.kvshare``)."""
         self.kv_adopted.set_function(lambda: scheduler.adopted)
         self.kv_adopted_tokens.set_function(lambda: scheduler.adopted_tokens)
+
+    def bind_pool(self, pool: Callable[[], dict[str, int]]) -> None:
+        """The reference engine's KV pool (``standby.server.EngineContext.pool``), read at scrape time."""
+        for measure in ("blocks", "used", "running", "waiting"):
+            self.kv_pool.labels(measure).set_function(lambda measure=measure: pool()[measure])
 
     def bind(self, roles: Roles, kv_cache_bytes: Callable[[], int], weight_cache: dict[str, str]) -> None:
         """Read live state at scrape time from its owners; ``weight_cache`` labels where the weights came from."""

@@ -15,14 +15,18 @@ any chunk): attention is ``F.scaled_dot_product_attention`` with cuDNN's backend
 on CUDA cuDNN builds a plan for every new KV length (~57 ms each on an H200, see
 "Measured facts" in ``docs/architecture.md``); a chunk at position 0 is causal with no mask, so it stays
 on flash attention. ``decode`` runs one token per row, each row at its own position (continuous
-batching): keys and values are written into each row's slot at its position (``index_put_`` with
-index tensors, which neither syncs nor depends on the values), and attention reads a fixed number
-of KV positions (``kv_len``) with each row's length as an additive mask (made once per step, so no
-layer converts a boolean one); the q heads that share a kv
-head stand in for the query positions, so grouped-query attention needs no copy of the keys (on
-CUDA the masked call runs on the memory-efficient kernel). Its shapes depend only on the batch size
-and ``kv_len``, never on where the sequences are, which is what lets a scheduler warm every shape
-up front and capture the step as a CUDA graph.
+batching). The KV cache is paged (``KVCache``, ``standby.kvpool``): blocks of 16 positions in one pool, and a
+block table, device data, naming each row's blocks. Keys and values are written into the block and offset of each
+row's position (``slots``: ``index_put_`` with index tensors read from the table, which neither syncs nor depends
+on the values), and attention reads each row's positions one of two ways. With a ``kv_len``, ``MaskedReads``: the
+row's first ``kv_len`` positions gathered through its table, with each row's length as an additive mask (made once
+per step, so no layer converts a boolean one); the q heads that share a kv head stand in for the query positions,
+so grouped-query attention needs no copy of the keys (on CUDA the masked call runs on the memory-efficient kernel);
+the shapes depend on the batch size and ``kv_len``, and every step pays for ``kv_len`` positions. Without one (CUDA
+with Triton), ``SplitKv``: each row's length and table are device data that split-KV kernels read
+(``standby.decodeattention``), so a step costs its rows' lengths and its shapes depend on the batch size alone.
+Either way nothing depends on where the sequences are, nor on which blocks they hold, which is what lets a
+scheduler warm every shape up front and capture the step as a CUDA graph.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ from hotweights import quant
 from hotweights.layout import ModelConfig, check_tensor_parallel
 from hotweights.quant import dequantize, scale_shape
 from hotweights.standby import fused
+from hotweights.standby.decodeattention import SplitKv
+from hotweights.standby.kvpool import BLOCK_SIZE, blocks_for
 from hotweights.standby.sampling import sample_token
 
 # Every SDPA backend but cuDNN's (module docstring): these take any length without a per-shape plan.
@@ -140,6 +146,11 @@ def rope_tables(
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
+# One layer's cache as a forward pass sees it: the layer's key and value blocks, the rows' block table, and the
+# (block, offset) of each of the pass's positions (``slots``: the same for every layer, so made once per pass).
+LayerKv = tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
+
+
 class Attention(nn.Module):
     """Causal grouped-query attention over this rank's heads; ``o_proj`` partial sums are reduced."""
 
@@ -159,25 +170,28 @@ class Attention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         start_pos: int,
-        kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
+        kv_cache: LayerKv | None,
     ) -> torch.Tensor:
+        """x (B, T, H) at positions start_pos ..; ``kv_cache``: this layer's blocks, the rows' block table and where
+        the positions lie (``LayerKv``), or None. Returns (B, T, H)."""
         B, T, _ = x.shape
         hd, nh = self.head_dim, self.n_head
         qk, v = self.qkv_proj(x).split([(nh + self.n_kv_head) * hd, self.n_kv_head * hd], -1)
         qk = fused.rope(qk.view(B, T, -1, hd), cos[:, None], sin[:, None])  # q and k heads: (B, T, nh + nkv, hd)
-        q, k = qk[:, :, :nh].transpose(1, 2), qk[:, :, nh:].transpose(1, 2)  # (B, nh, T, hd), (B, nkv, T, hd)
-        v = v.view(B, T, self.n_kv_head, hd).transpose(1, 2)  # (B, nkv, T, hd)
+        v = v.view(B, T, self.n_kv_head, hd)
+        q, k = qk[:, :, :nh].transpose(1, 2), qk[:, :, nh:]  # (B, nh, T, hd), (B, T, nkv, hd)
 
         mask = None  # from position 0 the chunk attends causally to itself only
         if kv_cache is not None:
             end = start_pos + T
-            cache_k, cache_v = kv_cache
-            cache_k[:, :, start_pos:end] = k
-            cache_v[:, :, start_pos:end] = v
-            if start_pos > 0:  # attend over everything so far: (B, nkv, start_pos + T, hd)
-                k, v = cache_k[:, :, :end], cache_v[:, :, :end]
+            cache_k, cache_v, table, at = kv_cache
+            cache_k.index_put_(at, k)
+            cache_v.index_put_(at, v)
+            if start_pos > 0:  # attend over everything so far: (B, start_pos + T, nkv, hd)
+                k, v = gathered(cache_k, table, end), gathered(cache_v, table, end)
                 query_pos = torch.arange(start_pos, end, device=x.device)[:, None]
                 mask = query_pos >= torch.arange(end, device=x.device)[None, :]  # (T, end), True = attend
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, nkv, T or end, hd)
 
         with sdpa_kernel(SDPA_BACKENDS):  # q head i reads kv head i // (nh / nkv)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
@@ -189,27 +203,66 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        at: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-        mask: torch.Tensor,
+        at: tuple[torch.Tensor, torch.Tensor],
+        reads: MaskedReads | SplitKv,
         cache_k: torch.Tensor,
         cache_v: torch.Tensor,
     ) -> torch.Tensor:
-        """One token per row: x (B, H); cos/sin (B, 1, hd); ``at`` indexes each row's (row, kv head,
-        position) in its slot, broadcasting to (B, nkv); ``mask`` (B, 1, 1, L) is 0 where a row may
-        attend and -inf elsewhere; cache_k/v are the rows' slots (B, nkv, S, hd). Writes each row's k and v at its
-        position, attends over the first L positions, returns (B, H)."""
+        """One token per row: x (B, H); cos/sin (B, 1, hd); ``at`` each row's (block, offset) of its position, (B, 1)
+        each (``slots``); ``reads`` how attention reads each row's positions (``Transformer.decode``); cache_k/v this
+        layer's blocks (blocks, BLOCK_SIZE, nkv, hd). Writes each row's k and v at its position, attends over the row's
+        positions up to it, returns (B, H)."""
         B, hd, nh, nkv = x.shape[0], self.head_dim, self.n_head, self.n_kv_head
         qk, v = self.qkv_proj(x).split([(nh + nkv) * hd, nkv * hd], -1)
         qk = fused.rope(qk.view(B, nh + nkv, hd), cos, sin)  # q and k heads
         q, k = qk[:, :nh], qk[:, nh:]  # (B, nh, hd), (B, nkv, hd)
-        cache_k.index_put_(at, k)
-        cache_v.index_put_(at, v.view(B, nkv, hd))
-        L = mask.shape[-1]
-        # The group of q heads that share a kv head stand in for the query positions: (B, nkv, g, hd).
-        q = q.view(B, nkv, self.n_head // nkv, hd)
-        with sdpa_kernel(SDPA_BACKENDS):
-            y = F.scaled_dot_product_attention(q, cache_k[:, :, :L], cache_v[:, :, :L], attn_mask=mask)
+        cache_k.index_put_(at, k[:, None])
+        cache_v.index_put_(at, v.view(B, 1, nkv, hd))
+        y = reads.attend(q, cache_k, cache_v)  # (B, nh, hd)
         return _all_reduce(self.o_proj(y.reshape(B, self.n_head * hd)), self.tp)
+
+
+def slots(table: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where ``positions`` (B, T) of the rows of ``table`` (B, W) lie in a layer's blocks: (block, offset) index
+    tensors, (B, T) each, that index (blocks, BLOCK_SIZE, ...) tensors. Device work only: nothing syncs."""
+    return table.gather(1, positions // BLOCK_SIZE).long(), positions % BLOCK_SIZE
+
+
+def gathered(blocks: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` positions of each row of ``table`` (B, W) from a layer's ``blocks`` (blocks, BLOCK_SIZE,
+    nkv, hd), in order: (B, length, nkv, hd), a copy."""
+    index = table[:, : blocks_for(length)].long()  # (B, n); no copy where ``table`` is already that (``MaskedReads``)
+    rows = blocks.index_select(0, index.flatten())  # (B x n, BLOCK_SIZE, nkv, hd): on CPU ~6x an indexing's speed
+    return rows.view(index.shape[0], -1, *blocks.shape[2:])[:, :length]
+
+
+@dataclass(frozen=True)
+class MaskedReads:
+    """Decode attention over the first L positions of every row, gathered through its block table's first blocks
+    (B, ceil(L / BLOCK_SIZE)), each row's length an additive mask (B, 1, 1, L): 0 where the row may attend, -inf
+    elsewhere. Both made once per step (the table's entries as the int64 indices ``gathered`` takes), so no layer
+    converts them again."""
+
+    mask: torch.Tensor
+    table: torch.Tensor
+
+    @classmethod
+    def for_step(cls, positions: torch.Tensor, kv_len: int, dtype: torch.dtype, table: torch.Tensor) -> MaskedReads:
+        """Rows at ``positions`` (B,), each attending to 0 .. its position, over ``kv_len`` positions of its blocks."""
+        beyond = torch.arange(kv_len, device=positions.device) > positions[:, None]  # (B, L)
+        mask = torch.zeros(beyond.shape, dtype=dtype, device=positions.device).masked_fill_(beyond, float("-inf"))
+        return cls(mask[:, None, None], table[:, : blocks_for(kv_len)].long())
+
+    def attend(self, q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor) -> torch.Tensor:
+        """q (B, nh, hd); cache_k/v a layer's blocks (blocks, BLOCK_SIZE, nkv, hd): (B, nh, hd). The group of q heads
+        that share a kv head stand in for the query positions, (B, nkv, g, hd), so grouped-query attention needs no
+        copy of the keys beyond the gather."""
+        B, nh, hd = q.shape
+        nkv, L = cache_k.shape[2], self.mask.shape[-1]
+        k, v = (gathered(cache, self.table, L).transpose(1, 2) for cache in (cache_k, cache_v))  # (B, nkv, L, hd)
+        with sdpa_kernel(SDPA_BACKENDS):
+            y = F.scaled_dot_product_attention(q.view(B, nkv, nh // nkv, hd), k, v, attn_mask=self.mask)
+        return y.reshape(B, nh, hd)
 
 
 class MLP(nn.Module):
@@ -244,7 +297,7 @@ class Block(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         start_pos: int,
-        kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
+        kv_cache: LayerKv | None,
         delta: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         x, h = self.input_layernorm.add(x, delta)
@@ -280,10 +333,13 @@ class VocabParallelEmbedding(nn.Module):
 
 @dataclass
 class KVCache:
-    """Keys and values for every layer, written in place by ``Transformer.forward``."""
+    """Keys and values for every layer in blocks of BLOCK_SIZE positions, and the block table that says where each
+    row's positions lie (``standby.kvpool``), written in place by ``Transformer.forward`` and ``decode``."""
 
-    k: torch.Tensor  # (layers, B, nkv/tp, max_tokens, hd)
-    v: torch.Tensor  # (layers, B, nkv/tp, max_tokens, hd)
+    k: torch.Tensor  # (layers, blocks, BLOCK_SIZE, nkv/tp, hd)
+    v: torch.Tensor  # (layers, blocks, BLOCK_SIZE, nkv/tp, hd)
+    table: torch.Tensor  # (rows, ceil(max_tokens / BLOCK_SIZE)) int32: row r's position p is in block table[r, p // 16]
+    max_tokens: int  # positions a row may hold
 
     @classmethod
     def allocate(
@@ -295,31 +351,69 @@ class KVCache:
         device: torch.device | str,
         dtype: torch.dtype,
     ) -> KVCache:
-        shape = cls.shape(config, tp, batch, max_tokens)
+        """``batch`` rows, each with blocks of its own for all ``max_tokens`` positions (``generate``'s)."""
+        width = blocks_for(max_tokens)
+        cache = cls.pool(config, tp, batch, max_tokens, 1 + batch * width, device, dtype)
+        cache.table.copy_(torch.arange(1, 1 + batch * width, dtype=torch.int32).view(batch, width))
+        return cache
+
+    @classmethod
+    def pool(
+        cls,
+        config: ModelConfig,
+        tp: TensorParallel,
+        rows: int,
+        max_tokens: int,
+        blocks: int,
+        device: torch.device | str,
+        dtype: torch.dtype,
+    ) -> KVCache:
+        """A pool of ``blocks`` blocks for ``rows`` rows of up to ``max_tokens`` positions, every row's table on the
+        null block (``standby.kvpool``: ``assign`` gives a row its blocks)."""
+        shape = cls.shape(config, tp, blocks)
         # Zeros, not empty: reads are masked, but a NaN from stale memory would survive 0 * NaN.
-        return cls(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
+        k, v = (torch.zeros(shape, device=device, dtype=dtype) for _ in range(2))
+        return cls.over(k, v, rows, max_tokens)
+
+    @classmethod
+    def over(cls, k: torch.Tensor, v: torch.Tensor, rows: int, max_tokens: int) -> KVCache:
+        """A cache on the blocks ``k`` and ``v`` (allocated elsewhere: ``standby.kvshare``), every table entry null."""
+        table = torch.zeros((rows, blocks_for(max_tokens)), dtype=torch.int32, device=k.device)
+        return cls(k, v, table, max_tokens)
 
     @staticmethod
-    def shape(config: ModelConfig, tp: TensorParallel, batch: int, max_tokens: int) -> tuple[int, int, int, int, int]:
-        """Keys' (and values') shape: (layers, B, nkv/tp, max_tokens, hd)."""
+    def shape(config: ModelConfig, tp: TensorParallel, blocks: int) -> tuple[int, int, int, int, int]:
+        """Keys' (and values') shape: (layers, blocks, BLOCK_SIZE, nkv/tp, hd)."""
         check_tensor_parallel(config, tp.size, tp.rank)
-        return config.num_hidden_layers, batch, config.num_key_value_heads // tp.size, max_tokens, config.head_dim
+        return config.num_hidden_layers, blocks, BLOCK_SIZE, config.num_key_value_heads // tp.size, config.head_dim
+
+    @classmethod
+    def position_bytes(cls, config: ModelConfig, tp: TensorParallel, dtype: torch.dtype) -> int:
+        """The bytes of one KV position on rank ``tp.rank``: keys and values of every layer."""
+        layers, _, _, heads, head_dim = cls.shape(config, tp, 1)
+        return 2 * layers * heads * head_dim * dtype.itemsize
 
     @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
     @property
-    def max_tokens(self) -> int:
-        return self.k.shape[3]
+    def batch(self) -> int:
+        return self.table.shape[0]
 
     @property
-    def batch(self) -> int:
+    def blocks(self) -> int:
         return self.k.shape[1]
 
     def rows(self, first: int, count: int) -> KVCache:
-        """A view of rows ``first`` .. ``first + count - 1``, sharing their memory."""
-        return KVCache(self.k[:, first : first + count], self.v[:, first : first + count])
+        """Rows ``first`` .. ``first + count - 1``: their table, the same blocks."""
+        return KVCache(self.k, self.v, self.table[first : first + count], self.max_tokens)
+
+    def assign(self, row: int, blocks: list[int]) -> None:
+        """Row ``row``'s positions lie in ``blocks`` from now on, those past them in the null block."""
+        entries = torch.zeros(self.table.shape[1], dtype=torch.int32)
+        entries[: len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        self.table[row].copy_(entries)
 
 
 class Transformer(nn.Module):
@@ -367,10 +461,13 @@ class Transformer(nn.Module):
         positions = torch.arange(start_pos, start_pos + T, device=input_ids.device)
         cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta, self.dtype)
 
+        at = None if cache is None else slots(cache.table, positions.expand(B, T))  # (B, T) each, for every layer
+
         x = self.embed_tokens(input_ids)  # (B, T, H)
         delta = torch.zeros_like(x)
         for i, layer in enumerate(self.layers):
-            x, delta = layer(x, cos, sin, start_pos, None if cache is None else (cache.k[i], cache.v[i]), delta)
+            kv = None if at is None else (cache.k[i], cache.v[i], cache.table, at)
+            x, delta = layer(x, cos, sin, start_pos, kv, delta)
         return self.norm.add(x, delta)[1]
 
     @torch.inference_mode()
@@ -380,25 +477,30 @@ class Transformer(nn.Module):
         return _all_gather_last(F.linear(x, head).float(), self.tp)
 
     @torch.inference_mode()
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, kv_len: int) -> torch.Tensor:
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, kv_len: int | None) -> torch.Tensor:
         """Float32 logits (B, V): row b feeds ``tokens[b]`` at ``positions[b]`` into row b of the cache.
 
-        Rows are the cache's first B (B <= cache.batch); each attends to its positions 0 .. positions[b],
-        which must be < ``kv_len`` <= cache.max_tokens (not checked: that would sync the device).
-        Shapes depend only on B and ``kv_len``, and nothing here syncs, so the call can be captured
-        in a CUDA graph.
+        Rows are the cache's first B (B <= cache.batch); each attends to its positions 0 .. positions[b]
+        (< cache.max_tokens; not checked: that would sync the device). With ``kv_len`` None each row's length is
+        device data, read by the split-KV kernels (``standby.decodeattention``; only where ``supported``), so
+        the shapes depend on B alone; with a ``kv_len`` (every positions[b] < ``kv_len``) attention reads that
+        many positions with a mask (``MaskedReads``), the shapes depend on B and ``kv_len``. Nothing here syncs,
+        so the call can be captured in a CUDA graph.
         """
-        B, device = tokens.shape[0], tokens.device
+        B = tokens.shape[0]
         cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta, self.dtype)
-        heads = torch.arange(self.config.num_key_value_heads // self.tp.size, device=device)  # this rank's
-        at = (torch.arange(B, device=device)[:, None], heads[None, :], positions[:, None])  # (B, nkv) when broadcast
-        beyond = torch.arange(kv_len, device=device) > positions[:, None]  # (B, L)
-        mask = torch.zeros(beyond.shape, dtype=self.dtype, device=device).masked_fill_(beyond, float("-inf"))
-        attention = (cos[:, None], sin[:, None], at, mask[:, None, None])
+        table = cache.table[:B]
+        at = slots(table, positions[:, None])  # (B, 1) each
+        if kv_len is None:
+            q_heads = self.config.num_attention_heads // self.tp.size
+            reads = SplitKv.for_step(positions + 1, table, q_heads, cache.max_tokens, self.config.head_dim)
+        else:
+            reads = MaskedReads.for_step(positions, kv_len, self.dtype, table)
+        attention = (cos[:, None], sin[:, None], at, reads)
         x = self.embed_tokens(tokens)  # (B, H)
         delta = torch.zeros_like(x)
         for i, layer in enumerate(self.layers):
-            x, delta = layer.decode(x, delta, *attention, cache.k[i, :B], cache.v[i, :B])
+            x, delta = layer.decode(x, delta, *attention, cache.k[i], cache.v[i])
         return self.logits(self.norm.add(x, delta)[1])
 
 

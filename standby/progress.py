@@ -5,7 +5,10 @@ that never completes, a lock never released) passes every check that only asks w
 engine judges its worker by progress. With sequences pending (submitted and not finished), each operation of the
 worker must finish within ``stall_bound_s`` of the previous one's end (or of the work's arrival, after none was
 pending): a decode step (a token for every active sequence), a prefill, a call to the cache daemon. The bound is
-STALL_FACTOR times the expected duration of the operation in flight, never below STALL_FLOOR_S:
+STALL_FACTOR times the expected duration of the operation in flight, never below STALL_FLOOR_S. The time the
+inference thread spent runnable but waiting for a core (Linux's ``schedstat`` of the thread: a host whose cores
+other processes keep busy, as a burst of requests beside its other engines does) is not counted as time without
+progress; a thread blocked (a frozen loop, a lock, a collective, a stopped process) waits for no core, so it is:
 
 - a decode step, or the time between operations: the engine's decode steps, averaged (none decoded yet: no bound
   but the loop's heartbeat, as below: an engine just promoted is not judged before it has measured a step);
@@ -19,6 +22,8 @@ Past the bound, ``/health/ready`` (hence ``/primary``) answers 503 with the reas
 controller fails over from the engine as from a hang (fence, promote) and the gateway re-sends or continues what
 was in flight there. The decision is a pure function of one ``Progress`` snapshot; ``ProgressClock`` keeps what it
 reads, written by the inference thread.
+The agent beside a vLLM or SGLang engine judges that engine by the same decision (one floor, one factor), from the
+tokens it relays (``standby.agentprogress``).
 
 ``FREEZE_SIGNAL`` is the drill's way to make this happen (``hotweights drill stall-primary``): the engine freezes
 its inference thread for the rest of its life while its HTTP server goes on answering. Only a process allowed to
@@ -30,12 +35,12 @@ from __future__ import annotations
 import bisect
 import contextlib
 import logging
+import os
 import signal
 import time
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-
-from hotweights.standby.kvshare import REQUEST_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +69,9 @@ class Progress:
     since: float  # time.monotonic() of the last operation's end, or of the work's arrival after none was pending
     step: Step | None  # what runs now; None: between operations
     decode_s: float  # a decode step's time, averaged; 0 until one ran
+    subject: str = "the inference thread"  # what makes the progress, as the reason names it
+    units: str = "sequence(s)"  # what ``pending`` counts
+    waited_s: float = 0.0  # of the time since ``since``, what the worker spent runnable, waiting for a core
 
 
 def stall_bound_s(progress: Progress) -> float | None:
@@ -77,13 +85,14 @@ def stall_refusal(progress: Progress, now: float) -> str | None:
     """Why the worker counts as stalled at ``now``, or None: work is pending and no operation ended for longer than
     ``stall_bound_s``."""
     bound = stall_bound_s(progress)
-    quiet = now - progress.since
+    quiet = now - progress.since - progress.waited_s
     if not progress.pending or bound is None or quiet <= bound:
         return None
     doing = f", in {progress.step.what} for {now - progress.step.started:.1f} s" if progress.step else ""
+    waited = f", {progress.waited_s:.1f} s more waiting for a core" if progress.waited_s >= 0.05 else ""
     return (
-        f"the inference thread has made no progress for {quiet:.1f} s with {progress.pending} sequence(s) "
-        f"pending{doing} (its bound: {bound:.1f} s)"
+        f"{progress.subject} has made no progress for {quiet:.1f} s{waited} with {progress.pending} "
+        f"{progress.units} pending{doing} (its bound: {bound:.1f} s)"
     )
 
 
@@ -117,6 +126,8 @@ class ProgressClock:
 
     def __init__(self) -> None:
         self.since = time.monotonic()
+        self.waits = RunQueueWait()  # the inference thread's (``RunQueueWait.follow_this_thread`` as it starts)
+        self.waited_since = 0.0  # its run-queue wait at ``since``
         self.step: Step | None = None
         self.decode_s = 0.0
         self.prefills: dict[Shape, float] = {}  # seconds per prefill shape, averaged
@@ -124,7 +135,7 @@ class ProgressClock:
 
     def arrived(self) -> None:
         """Work arrived while none was pending: the time without progress counts from now."""
-        self.since = time.monotonic()
+        self.since, self.waited_since = time.monotonic(), self.waits.seconds()
 
     def learn(self, prefills: Mapping[Shape, float]) -> None:
         """Take prefill times measured elsewhere (a decoder's warm-up) for the shapes not measured here."""
@@ -145,6 +156,8 @@ class ProgressClock:
         self.prefills[shape] = averaged(self.prefills.get(shape, 0.0), time.monotonic() - started)
 
     def calling_daemon(self) -> contextlib.AbstractContextManager[float]:
+        from hotweights.standby.kvshare import REQUEST_TIMEOUT_S  # here: it imports torch, which the agent has not
+
         return self._running("a call to the cache daemon", REQUEST_TIMEOUT_S)
 
     @contextlib.contextmanager
@@ -154,10 +167,11 @@ class ProgressClock:
         try:
             yield step.started
         finally:
-            self.step, self.since = None, time.monotonic()
+            self.step, self.since, self.waited_since = None, time.monotonic(), self.waits.seconds()
 
     def reading(self, pending: int) -> Progress:
-        return Progress(pending, self.since, self.step, self.decode_s)
+        waited = max(self.waits.seconds() - self.waited_since, 0.0)
+        return Progress(pending, self.since, self.step, self.decode_s, waited_s=waited)
 
     def refusal(self, pending: int) -> str | None:
         """``stall_refusal`` now, for ``pending`` sequences; a stall's start and end are logged once each."""
@@ -169,6 +183,28 @@ class ProgressClock:
             else:
                 log.warning("the inference thread makes progress again")
         return reason
+
+
+class RunQueueWait:
+    """How long one thread has been runnable but waiting for a core, in all (``/proc/thread-self/schedstat``'s second
+    field, kept open so that any thread reads it in a few microseconds); 0 where the kernel does not say."""
+
+    def __init__(self) -> None:
+        self._fd: int | None = None
+
+    def follow_this_thread(self) -> None:
+        """Read the calling thread's from now on (called once, by the worker as it starts)."""
+        with contextlib.suppress(OSError):
+            self._fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+            weakref.finalize(self, os.close, self._fd)
+
+    def seconds(self) -> float:
+        if self._fd is None:
+            return 0.0
+        try:
+            return int(os.pread(self._fd, 128, 0).split()[1]) / 1e9
+        except (OSError, IndexError, ValueError):
+            return 0.0
 
 
 def averaged(average: float, value: float) -> float:

@@ -1,21 +1,22 @@
 """The inference thread: one worker owns the model and steps every active sequence at once.
 
-The HTTP loop never runs model compute. Sequences are submitted here; the worker keeps up to
-``max_batch`` of them active, each in its own slot of one KV cache (continuous batching). A new
-sequence is prefilled alone as soon as a slot is free; then every round samples one token for
-each active sequence from its pending logits and runs ONE batched decode step
-(``Decoder.decode``) over slots 0 .. n-1, where n is one past the highest slot in use: slots are
-handed out lowest first, and a free slot below n rides along as a dummy row (token 0 at position
-0 of its own, unused slot). The round's tokens are chosen for every sequence at once
-(``standby.sampling.sample_rows``: each sequence draws from its own seed per token, whatever rows
-share the step), and the computation is ``standby.model.generate``'s (prefill, then one
-decode step per token, with the same sampling function), so a sequence yields the tokens
-``generate`` yields for the same prompt, seed and temperature, up to the rounding differences of
+The HTTP loop never runs model compute. Sequences are submitted here; the worker keeps up to ``max_batch`` of them
+active, each in its own slot (a row of the KV cache's block table) with the blocks of the pool it can need
+(``standby.kvpool``: its prompt and every token it may generate), taken when it starts and given back when it ends, so
+that a started sequence always finishes: one that finds no slot or not its blocks free waits, first in line, and nothing
+is ever preempted (kept slots, below, are given up first). A new sequence is prefilled as soon as a slot and its blocks
+are free; then every round samples one token for each active sequence from its pending logits and runs ONE batched
+decode step (``Decoder.decode``) over slots 0 .. n-1, where n is one past the highest slot in use: slots are handed out
+lowest first, and a free slot below n rides along as a dummy row (token 0 at position 0 of its own, unused slot, whose
+table names the null block). The round's tokens are chosen for every sequence at once (``standby.sampling.sample_rows``:
+each sequence draws from its own seed per token, whatever rows share the step), and the computation is
+``standby.model.generate``'s (prefill, then one decode step per token, with the same sampling function), so a sequence
+yields the tokens ``generate`` yields for the same prompt, seed and temperature, up to the rounding differences of
 batched kernels (tests compare them exactly).
 
 A sequence may continue: the last ``replay`` tokens of its prompt are ones an engine generated before (a
 migrated request's continuation). Where another engine's deposited KV cache holds its tokens
-(``standby.kvshare``: the failed primary's), their keys and values are copied into the sequence's slot and
+(``standby.kvshare``: the failed primary's), their keys and values are copied into the sequence's blocks and
 only the last token is fed, through a decode step. Otherwise, with a batch-invariant ``Decoder``, only the rest
 is prefilled and the replayed tokens are fed one per round through the same decode steps that first computed
 them; nothing is emitted for them, so the sequence's keys, values and logits are the ones of the uninterrupted
@@ -24,9 +25,10 @@ run. Without one, the whole prompt is prefilled.
 With a shared KV cache the worker keeps its ``SlotLedger``: a slot's tokens are recorded once the device has
 computed their keys and values (after the next decode step's results reached the host), and a slot is given up
 before anything can overwrite it. While the engine stops serving (``keep_cut``: a drain), a cancelled sequence's
-slot is kept as it is, for the next primary to continue the request from (``standby.kvshare``): it is given up
-when the engine serves again, or when a waiting sequence finds no free slot; a KV cache released with kept slots
-is handed over to the daemon rather than withdrawn.
+slot is kept as it is, with its blocks, for the next primary to continue the request from (``standby.kvshare``;
+its table is cleared at once, so no dummy row writes into its blocks): it is given up when the engine serves again,
+or when a waiting sequence finds no free slot or blocks; a KV cache released with kept slots is handed over to the
+daemon rather than withdrawn.
 
 Events reach the caller through its sink, called on the worker thread: token ids as they are
 sampled, then one ``Finish``. A standby has no KV cache attached, and a sequence that reaches the
@@ -48,6 +50,7 @@ from dataclasses import dataclass
 import torch
 
 from hotweights.standby.decoder import Decoder
+from hotweights.standby.kvpool import BlockPool, sequence_blocks, shortfall
 from hotweights.standby.kvshare import REQUEST_TIMEOUT_S, KvShare, SlotLedger
 from hotweights.standby.progress import ProgressClock, averaged, padded
 from hotweights.standby.sampling import sample_rows, uniform
@@ -94,6 +97,7 @@ class Sequence:
         self.cancelled = False  # read by the worker between steps
         # Owned by the worker once submitted:
         self.slot: int | None = None
+        self.blocks: list[int] = []  # of the KV pool, held from its slot's claim to its end (``standby.kvpool``)
         self.logits: torch.Tensor | None = None  # (V,) for the next token
         self.greedy: int | None = None  # the argmax of ``logits`` when the step computed it
         self.pos = 0  # where the next fed token goes
@@ -103,6 +107,11 @@ class Sequence:
 
     def cancel(self) -> None:
         self.cancelled = True
+
+    @property
+    def needs(self) -> int:
+        """The KV blocks it holds while it runs (``kvpool.sequence_blocks``)."""
+        return sequence_blocks(len(self.prompt_ids), self.params.max_tokens)
 
     def prefilled(self, batch_invariant: bool) -> list[int]:
         """The tokens its prefill computes (module docstring): with a batch-invariant decoder, the prompt without
@@ -118,17 +127,18 @@ class Scheduler:
         self.kv_share = kv_share
         self.adopted = 0  # sequences started from another engine's KV cache
         self.adopted_tokens = 0  # the tokens whose keys and values they copied
-        self._recorded: list[tuple[int, list[int], int]] = []  # (slot, ids, prefilled) for the ledger, once computed
+        self._recorded: list[tuple[int, list[int], int, list[int]]] = []  # (slot, ids, prefilled, blocks), computed
         self.heartbeat = time.monotonic()  # last time the worker went round its loop
         self.progress = ProgressClock()  # its operations as the health checks judge them (``standby.progress``)
         self._frozen = threading.Event()  # the drill's stall fault (``freeze``)
         self._inbox: queue.Queue[tuple[Sequence, ...] | None] = queue.Queue()  # None only wakes the worker
         self._waiting: deque[Sequence] = deque()
         self._active: list[Sequence] = []
-        self._lock = threading.Condition()  # guards _decoder, _free_slots, _kept, _keeping and _live
+        self._lock = threading.Condition()  # guards _decoder, _free_slots, _blocks, _kept, _keeping and _live
         self._decoder: Decoder | None = None
         self._free_slots: set[int] = set()
-        self._kept: list[int] = []  # slots of sequences cut while keeping, oldest first (``keep_cut``)
+        self._blocks = BlockPool(1)  # the attached KV pool's free blocks
+        self._kept: list[tuple[int, list[int]]] = []  # (slot, blocks) of sequences cut while keeping, oldest first
         self._keeping = False
         self._live: set[Sequence] = set()  # submitted and not yet finished
         self._closed = False  # the worker has ended: a submitted sequence would never be answered
@@ -221,6 +231,7 @@ class Scheduler:
                 raise RuntimeError("a KV cache is already attached")
             self._decoder = decoder
             self._free_slots = set(range(decoder.batch))
+            self._blocks = BlockPool(decoder.kv.blocks)
             self._kept, self._keeping = [], False
         if decoder.shared is not None and self.kv_share is not None:
             self.kv_share.deposit(decoder.shared)
@@ -252,6 +263,15 @@ class Scheduler:
         with self._lock:
             return len(self._kept)
 
+    def pool(self) -> dict[str, int]:
+        """The attached KV pool now: its blocks (``blocks``, ``used``: held by sequences, kept ones included), and
+        the sequences running (holding blocks) and waiting here for a slot or blocks. Any thread."""
+        with self._lock:
+            attached = self._decoder is not None
+            blocks, used = (self._blocks.total, self._blocks.used) if attached else (0, 0)
+            running = sum(seq.slot is not None for seq in self._live)
+            return {"blocks": blocks, "used": used, "running": running, "waiting": len(self._live) - running}
+
     @property
     def kv_cache_bytes(self) -> int:
         decoder = self._decoder
@@ -260,6 +280,7 @@ class Scheduler:
     # --- the worker ----------------------------------------------------------------------------
 
     def _run(self) -> None:
+        self.progress.waits.follow_this_thread()
         try:
             while not self._stopping.is_set():
                 if self._frozen.is_set():
@@ -297,54 +318,66 @@ class Scheduler:
             pass
 
     def _admit(self) -> None:
-        """Give free slots to waiting sequences, in order, and prefill them: as many at once as take consecutive
-        free slots and fit one prefill (``Decoder.prefill_fits``)."""
+        """Give free slots and their blocks to waiting sequences, in order, and prefill them: as many at once as take
+        consecutive free slots, find their blocks and fit one prefill (``Decoder.prefill_fits``). The first waits for
+        a slot and its blocks (kept slots given up first); one that needs more than the whole pool ends at once."""
         for seq in [s for s in self._waiting if s.cancelled]:
             self._waiting.remove(seq)
             self._retire(seq, Finish("cancelled"))
         while self._waiting:
             with self._lock:
-                decoder = self._decoder
-                if decoder is not None and not self._free_slots and self._kept:
-                    self._give_up_kept()  # a waiting sequence comes before a cut one's successor
-                if decoder is not None and not self._free_slots:
+                decoder, head = self._decoder, self._waiting[0]
+                reason = None if decoder is None else shortfall(head.needs, self._blocks.total)
+                if decoder is not None and reason is None and not self._room_for(head):
                     return
-            if decoder is None:
-                seq = self._waiting.popleft()
-                self._retire(seq, Finish("error", "no KV cache is attached: this engine is a standby"))
+            if decoder is None or reason is not None:
+                self._waiting.popleft()
+                self._retire(head, Finish("error", reason or "no KV cache is attached: this engine is a standby"))
                 continue
             with self.progress.calling_daemon():
-                adopted = self._adopt(decoder, self._waiting[0])
+                adopted = self._adopt(decoder, head)
             if adopted:
                 continue
             with self._lock:
                 group = self._claim(decoder)
             self._active.extend(group)
             try:
+                for seq in group:
+                    decoder.assign(seq.slot, seq.blocks)
                 self._prefill(decoder, group)
             except Exception as exc:
                 for seq in group:
                     self._fail(seq, exc)
 
+    def _room_for(self, seq: Sequence) -> bool:
+        """Under the lock: whether a slot and ``seq``'s blocks are free, once kept slots are given up for it (a
+        waiting sequence comes before a cut one's successor)."""
+        while self._kept and not (self._free_slots and self._blocks.free >= seq.needs):
+            self._give_up_kept()
+        return bool(self._free_slots) and self._blocks.free >= seq.needs
+
     def _claim(self, decoder: Decoder) -> list[Sequence]:
-        """The waiting sequences of the next prefill, each given its slot: the lowest free slot and the free
-        slots right after it, as far as the prompts fit one prefill (a prompt that fits none goes alone)."""
+        """The waiting sequences of the next prefill, each given its slot and blocks: the lowest free slot and the
+        free slots right after it, as far as their blocks are free and the prompts fit one prefill (a prompt that fits
+        none goes alone)."""
         group = [self._waiting.popleft()]
         first = min(self._free_slots)
         invariant = decoder.batch_invariant
+        needed = group[0].needs
         while self._waiting and first + len(group) in self._free_slots:
             longest = max(len(s.prefilled(invariant)) for s in [*group, self._waiting[0]])
-            if not decoder.prefill_fits(len(group) + 1, longest):
+            needed += self._waiting[0].needs
+            if not decoder.prefill_fits(len(group) + 1, longest) or needed > self._blocks.free:
                 break
             group.append(self._waiting.popleft())
         for i, seq in enumerate(group):
-            seq.slot = first + i
+            seq.slot, seq.blocks = first + i, self._blocks.take(seq.needs)
             self._free_slots.discard(seq.slot)
         return group
 
     def _adopt(self, decoder: Decoder, seq: Sequence) -> bool:
         """Start ``seq``, a continuation, from a deposited slot that holds its tokens (module docstring): True when
-        it took the lowest free slot and is active, its last token to be fed."""
+        it took the lowest free slot and its blocks and is active, its last token to be fed."""
         if not seq.replay or self.kv_share is None or decoder.shared is None:
             return False
         ids, prompt = seq.prompt_ids, len(seq.prompt_ids) - seq.replay
@@ -352,16 +385,18 @@ class Scheduler:
         if match is None:
             return False
         with self._lock:
-            slot = min(self._free_slots)
+            slot, blocks = min(self._free_slots), self._blocks.take(seq.needs)
             self._free_slots.discard(slot)
-        if not self.kv_share.copy(match, decoder.kv, slot):
+        if not self.kv_share.copy(match, decoder.kv, blocks):
             with self._lock:
                 self._free_slots.add(slot)
+                self._blocks.give(blocks)
             return False
-        decoder.shared.ledger.record(slot, ids[: match.length], match.prefilled)
+        decoder.assign(slot, blocks)
+        decoder.shared.ledger.record(slot, ids[: match.length], match.prefilled, blocks)
         self._waiting.popleft()
         _seed(seq)
-        seq.slot, seq.pos, seq.forced = slot, match.length, deque(ids[match.length :])
+        seq.slot, seq.blocks, seq.pos, seq.forced = slot, blocks, match.length, deque(ids[match.length :])
         self._active.append(seq)
         self.adopted += 1
         self.adopted_tokens += match.length
@@ -380,7 +415,7 @@ class Scheduler:
             seq.pos = len(prompt)
             seq.forced = deque(seq.prompt_ids[len(prompt) :])
             if decoder.shared is not None:
-                self._recorded.append((seq.slot, prompt, len(prompt)))
+                self._recorded.append((seq.slot, prompt, len(prompt), seq.blocks))
 
     def _step(self) -> None:
         """One token for every active sequence, then one batched decode step for those that go on."""
@@ -443,8 +478,8 @@ class Scheduler:
 
     def _record(self, ledger: SlotLedger, tokens: list[int], positions: list[int]) -> None:
         """Into the ledger: the prefills before this step, then the tokens it fed the active sequences."""
-        for slot, ids, prefilled in self._recorded:
-            ledger.record(slot, ids, prefilled)
+        for slot, ids, prefilled, blocks in self._recorded:
+            ledger.record(slot, ids, prefilled, blocks)
         self._recorded.clear()
         slots = [seq.slot for seq in self._active]
         ledger.append(slots, [positions[slot] for slot in slots], [tokens[slot] for slot in slots])
@@ -455,31 +490,39 @@ class Scheduler:
         self._retire(seq, Finish("error", f"{type(exc).__name__}: {exc}"))
 
     def _retire(self, seq: Sequence, finish: Finish) -> None:
+        """End ``seq`` with ``finish``: its slot's table is cleared at once (nothing writes its blocks any more, not
+        even a dummy row), then its slot and blocks are free, or kept as they are for the next primary (module
+        docstring). The worker's thread only."""
         if seq in self._active:
             self._active.remove(seq)
         seq.logits = seq.greedy = None
+        if seq.slot is not None and self._decoder is not None:
+            self._decoder.assign(seq.slot, [])
         with self._lock:
             if seq.slot is not None and self._decoder is not None:
                 shared = self._decoder.shared
                 if shared is not None:
                     self._recorded = [entry for entry in self._recorded if entry[0] != seq.slot]
                 if shared is not None and self._keeping and finish.reason == "cancelled":
-                    self._kept.append(seq.slot)  # as it is, for the next primary (module docstring)
+                    self._kept.append((seq.slot, seq.blocks))  # as it is, for the next primary (module docstring)
                 else:
                     if shared is not None:
                         shared.ledger.reset(seq.slot)
                     self._free_slots.add(seq.slot)
-            seq.slot = None
+                    self._blocks.give(seq.blocks)
+            seq.slot, seq.blocks = None, []
             self._live.discard(seq)
             self._lock.notify_all()
         seq.sink(finish)
 
     def _give_up_kept(self) -> None:
-        """Under the lock: the oldest kept slot is given up and free."""
-        slot = self._kept.pop(0)
+        """Under the lock: the oldest kept slot is given up and free, with its blocks (its table was cleared when it
+        was kept: no device work here, so any thread may)."""
+        slot, blocks = self._kept.pop(0)
         assert self._decoder is not None and self._decoder.shared is not None
         self._decoder.shared.ledger.reset(slot)
         self._free_slots.add(slot)
+        self._blocks.give(blocks)
 
 
 def _seed(seq: Sequence) -> None:

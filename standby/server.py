@@ -28,13 +28,16 @@ from hotweights.admission import Admission, Held, Refusal, retry_after
 from hotweights.contract import ADMITS_IN_HEADER, OWED_HEADER, REPLAY_HEADER, WEIGHTS_HEADER, Endpoint
 from hotweights.httpguard import parsed_json, short
 from hotweights.requestschema import ChatRequest, CompletionRequest, Invalid, SamplingRequest
+from hotweights.standby.canary import CANARY_WATCH, Canary, add_canary_route
 from hotweights.standby.chat import ChatTemplate
 from hotweights.standby.completions import Api, CompletionRun, GenerationAborted
 from hotweights.standby.contract_routes import SERVING, add_contract_routes, declare, error, finish_app, unavailable
-from hotweights.standby.intake import Intake
+from hotweights.standby.intake import Intake, blocks_needed
+from hotweights.standby.kvpool import BLOCK_SIZE
 from hotweights.standby.metrics import EngineMetrics
 from hotweights.standby.roles import Roles
 from hotweights.standby.scheduler import Scheduler
+from hotweights.standby.steptimes import WATCH, Slowness
 from hotweights.standby.weights import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -83,6 +86,24 @@ class EngineContext:
             return f"the inference thread has not gone round its loop for {stalled:.0f} s"
         return self.group_refusal()
 
+    def pool(self) -> dict[str, int]:
+        """Its KV pool (``standby.kvpool``): the positions of a block, the blocks and those sequences hold now, the
+        sequences running (holding blocks) and those waiting (for a slot, for their blocks, or to start)."""
+        pool, admission = self.scheduler.pool(), self.admission
+        waiting = admission.waiting + admission.short + pool["waiting"]
+        used, running = pool["used"], pool["running"]
+        return {
+            "block_tokens": BLOCK_SIZE,
+            "blocks": admission.blocks,
+            "used": used,
+            "running": running,
+            "waiting": waiting,
+        }
+
+    def slowness(self) -> Slowness | None:
+        """How slow its serving's recent decode steps were, else its canary's (``standby.steptimes``)."""
+        return WATCH.times.recent() or CANARY_WATCH.times.recent()
+
     def health(self) -> dict[str, object]:
         return {
             "engine_id": self.engine_id,
@@ -95,9 +116,12 @@ class EngineContext:
             "uptime_s": round(time.monotonic() - self.started, 3),
             "in_flight": self.roles.in_flight,
             "kv_cache_bytes": self.kv_cache_bytes(),
+            "max_batch": self.admission.running,
+            "kv_pool": self.pool(),
             "cuda_graph_bytes": self.cuda_graph_bytes,
             "pid": os.getpid(),
             "rank_pids": list(self.rank_pids),
+            "slowness": slowness.to_json() if (slowness := self.slowness()) else None,
         }
 
 
@@ -119,6 +143,10 @@ def build_app(ctx: EngineContext) -> FastAPI:
     app = FastAPI(title="hotweights engine", description="The engine contract: docs/engine-contract.md.")
     roles, metrics = ctx.roles, ctx.metrics
     add_contract_routes(app, ctx)
+    canary = Canary(ctx.loaded.model, ctx.tokenizer)
+    add_canary_route(
+        app, canary, ctx.token, {"engine_id": ctx.engine_id, "fingerprint": ctx.fingerprint}, len(ctx.rank_pids)
+    )
 
     @app.get(Endpoint.MODELS, responses=SERVING)
     async def models() -> JSONResponse:
@@ -130,7 +158,9 @@ def build_app(ctx: EngineContext) -> FastAPI:
 
     template = ChatTemplate.load(ctx.loaded.checkpoint.path)
     vocab_size = ctx.loaded.model.config.vocab_size
-    intake = Intake(ctx.tokenizer, template, vocab_size, ctx.context_tokens, ctx.admission.running)
+    intake = Intake(
+        ctx.tokenizer, template, vocab_size, ctx.context_tokens, ctx.admission.running, ctx.admission.blocks
+    )
     answers = declare(400, 404, 408, 413, 429, 500, 503) | {
         200: {"content": {"application/json": {}, "text/event-stream": {}}, "description": "the completion"}
     }
@@ -184,7 +214,8 @@ def build_app(ctx: EngineContext) -> FastAPI:
         owed: bool = False,
     ) -> Response:
         """The request run once admission lets it in (as many sequences as it has prompts) and its prompts
-        (tokenized by the intake, in its thread for a body of ``size`` beyond its inline size) fit, ``replay`` of
+        (tokenized by the intake, in its thread for a body of ``size`` beyond its inline size) fit, and once the KV
+        blocks they need are free (``Admission.reserve``: it waits for them, never refused), ``replay`` of
         its last tokens fed through decode steps (``standby.scheduler``); the refusal otherwise. ``owed``: admitted
         as a request owed to a failover (``hotweights.admission``: never refused for want of queue)."""
         if reason := roles.serving_refusal():
@@ -201,6 +232,7 @@ def build_app(ctx: EngineContext) -> FastAPI:
             prompt_ids = await intake.prompt_ids(request, size)
             if isinstance(prompt_ids, Invalid):
                 return prompt_ids.response()
+            held = await ctx.admission.reserve(held, blocks_needed(prompt_ids, request.max_tokens))
             if reason := roles.serving_refusal():  # it may have changed while the request waited
                 return unavailable(reason)
             handed_over = True
@@ -213,9 +245,7 @@ def build_app(ctx: EngineContext) -> FastAPI:
         request: SamplingRequest, prompt_ids: list[list[int]], api: Api, held: Held, replay: int = 0
     ) -> Response:
         roles.admit()
-        run = CompletionRun.start(
-            request, ctx.model_name, prompt_ids, ctx.tokenizer, ctx.stop_ids, ctx.scheduler, api, replay
-        )
+        run = CompletionRun.prepare(request, ctx.model_name, prompt_ids, ctx.tokenizer, ctx.stop_ids, api, replay)
 
         def close() -> None:
             run.cancel()
@@ -229,8 +259,9 @@ def build_app(ctx: EngineContext) -> FastAPI:
                 metrics.time_to_first_token.observe(run.first_token_s)
 
         weights = {WEIGHTS_HEADER: ctx.fingerprint}
-        if request.stream:
-            return ClosingStream(run.sse(), close, weights)
+        if request.stream:  # its headers go out before the model sees it (CompletionRun.submitted_sse)
+            return ClosingStream(run.submitted_sse(ctx.scheduler), close, weights)
+        run.submit(ctx.scheduler)
         try:
             return JSONResponse(await run.collect(), headers=weights)
         except GenerationAborted as exc:

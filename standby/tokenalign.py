@@ -1,6 +1,6 @@
 """Streamed token ids kept with their text, for an engine that sends ids ahead of their text (vLLM, SGLang).
 
-The gateway continues a cut completion from the token ids it was sent (``controller.migration.Ledger``) and relies on
+The gateway continues a cut completion from the token ids it was sent (``gateway.migration.Ledger``) and relies on
 the engine contract (docs/engine-contract.md, "Continuation"): a chunk's ``token_ids`` are the tokens whose text has
 now been wholly sent, and no text beyond them is sent with them. vLLM and SGLang send each step's ids at once but hold
 back the text of a character whose bytes have not all come, and merge several steps into one chunk when their client
@@ -35,7 +35,7 @@ CONTEXT_IDS = 4  # prompt ids a choice's first tokens are decoded after (SGLang'
 
 def wants_aligned(request: object) -> bool:
     """Whether the agent re-aligns the response to ``request`` (its body's JSON value): a streamed completion or chat
-    with ``return_token_ids``, what the gateway asks for (``controller.migration.FORCED``)."""
+    with ``return_token_ids``, what the gateway asks for (``gateway.migration.FORCED``)."""
     return isinstance(request, dict) and request.get("stream") is True and request.get("return_token_ids") is True
 
 

@@ -70,12 +70,13 @@ class GroupError(HotweightsError):
 
 
 class Op(IntEnum):
-    ALLOCATE = 1  # a: 1 for CUDA graphs; a fresh KV cache, replacing the follower's current one
+    ALLOCATE = 1  # a: 1 for CUDA graphs; payload: rows, pool positions; a fresh KV cache, replacing the current one
     WARM_UP = 2
     PREFILL = 3  # a: slot; payload: prompt ids
     DECODE = 4  # payload: tokens then positions
     FREE = 5  # drop the KV cache
     STOP = 6
+    TABLE = 7  # a: row; payload: its blocks (none: the row is free)
 
 
 # --- checks and names -----------------------------------------------------------------------------
@@ -180,6 +181,9 @@ class GroupDecoder:
         bucket(self.local.lengths, max(positions) + 1)
         return self._run(Op.DECODE, 0, [*tokens, *positions], lambda: self.local.decode(tokens, positions))
 
+    def assign(self, row: int, blocks: list[int]) -> None:
+        self._run(Op.TABLE, row, blocks, lambda: self.local.assign(row, blocks))
+
     def warm_up(self, pace: Callable[[], object] = lambda: None) -> None:
         """``Decoder.warm_up`` on every rank; ``pace`` paces this rank (collectives keep the others in step)."""
         self._run(Op.WARM_UP, 0, (), lambda: self.local.warm_up(pace))
@@ -208,11 +212,14 @@ class GroupKvCapacity(KvCapacity):
         return reply
 
 
-def group_allocator(channel: Channel, make: Callable[[], Decoder], graphs: bool) -> Callable[[], GroupDecoder]:
-    """Rank 0's decoder factory: every rank allocates its KV cache, then rank 0 wraps its own."""
+def group_allocator(
+    channel: Channel, make: Callable[[], Decoder], graphs: bool, options: EngineOptions
+) -> Callable[[], GroupDecoder]:
+    """Rank 0's decoder factory: every rank allocates its KV cache, of the rows and pool positions rank 0 sized
+    (``options``, ``standby.engine.sized``), then rank 0 wraps its own."""
 
     def allocate() -> GroupDecoder:
-        channel.send(Op.ALLOCATE, int(graphs))
+        channel.send(Op.ALLOCATE, int(graphs), (options.max_batch, options.kv_pool_tokens))
         return GroupDecoder(make(), channel)
 
     return allocate
@@ -336,10 +343,10 @@ def die_with_leader(leader_pid: int) -> None:
 
 
 class Follower:
-    """A follower rank: rank 0's commands run on this rank's decoder, one at a time. ``make(graphs)``
-    allocates a decoder; at most one is held (``ALLOCATE`` drops the previous one first)."""
+    """A follower rank: rank 0's commands run on this rank's decoder, one at a time. ``make(graphs, rows, pool
+    positions)`` allocates a decoder; at most one is held (``ALLOCATE`` drops the previous one first)."""
 
-    def __init__(self, make: Callable[[bool], Decoder]) -> None:
+    def __init__(self, make: Callable[[bool, int, int], Decoder]) -> None:
         self.make = make
         self.decoder: Decoder | None = None
 
@@ -351,6 +358,7 @@ class Follower:
             Op.WARM_UP: lambda a, payload: self.decoder.warm_up(),
             Op.PREFILL: self.prefill,
             Op.DECODE: self.decode,
+            Op.TABLE: lambda a, payload: self.decoder.assign(a, payload),
         }
         while (command := channel.receive())[0] is not Op.STOP:
             op, a, payload = command
@@ -368,7 +376,8 @@ class Follower:
 
     def allocate(self, graphs: int, payload: list[int]) -> None:
         self.free(0, payload)
-        self.decoder = self.make(bool(graphs))
+        rows, pool_tokens = payload
+        self.decoder = self.make(bool(graphs), rows, pool_tokens)
 
     def free(self, a: int, payload: list[int]) -> None:
         self.decoder = None

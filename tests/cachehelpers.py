@@ -9,13 +9,10 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from hotweights.cache.checkpoint import read_checkpoint
-from hotweights.cache.daemon import CacheDaemon, pipeline_source
-from hotweights.cache.fingerprint import compute_fingerprint
 from hotweights.cache.loadspec import LoadSpec
 from hotweights.cache.paths import DaemonPaths
 from hotweights.spawn import hotweights_command
@@ -26,11 +23,18 @@ REPO = Path(__file__).resolve().parent.parent
 # dir there, and the children a test starts with ``env=ENV`` must see this test's, not the first one's.
 ENV = os.environ
 
+if TYPE_CHECKING:  # the daemon and the checkpoint reader import torch: on first use only (tests/conftest.py)
+    from hotweights.cache.daemon import CacheDaemon
+    from hotweights.cache.fingerprint import Fingerprint
+
 
 class ThreadDaemon:
     """A CacheDaemon running in this (test) process, so the test can look at its arena."""
 
     def __init__(self, model: Path, socket_path: Path, spec: LoadSpec | None = None, **kwargs: Any) -> None:
+        from hotweights.cache.checkpoint import read_checkpoint
+        from hotweights.cache.daemon import CacheDaemon, pipeline_source
+
         checkpoint = read_checkpoint(model)
         kwargs.setdefault("allowed_uids", frozenset([os.getuid()]))
         kwargs.setdefault("backend", "cpu-shm")
@@ -129,7 +133,10 @@ class Engine:
         self.stop()
 
 
-def fingerprint_of(model: Path, device: str = "cpu"):
+def fingerprint_of(model: Path, device: str = "cpu") -> Fingerprint:
+    from hotweights.cache.checkpoint import read_checkpoint
+    from hotweights.cache.fingerprint import compute_fingerprint
+
     return compute_fingerprint(read_checkpoint(model), LoadSpec(device=device))
 
 

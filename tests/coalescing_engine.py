@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import json
 import sys
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from fakeengine import WHOLE, FakeEngineHandler, serve  # tests/fakeengine.py: a script's folder is on sys.path
 from tokenizers import Tokenizer
 
 TEXT = "ab日本語 🙂 ünï done"
@@ -35,16 +35,13 @@ def chunks(tokenizer: Tokenizer, with_ids: bool) -> list[dict]:
     return out
 
 
-class Handler(BaseHTTPRequestHandler):
+class Handler(FakeEngineHandler):
     tokenizer: Tokenizer
 
-    def do_GET(self) -> None:
-        self.reply({"data": [{"id": "fake"}]} if self.path == "/v1/models" else {})
-
     def do_POST(self) -> None:
-        request = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        request = self.request_body()
         if not request.get("stream"):
-            self.reply({"choices": [{"text": "x", "index": 0, "finish_reason": "length"}]})
+            self.reply(WHOLE)
             return
         self.send_response(200)
         self.send_header("content-type", "text/event-stream")
@@ -53,18 +50,7 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
         self.wfile.write(b"data: [DONE]\n\n")
 
-    def reply(self, body: dict) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(200)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, format: str, *args: object) -> None:
-        pass
-
 
 if __name__ == "__main__":
     Handler.tokenizer = Tokenizer.from_file(str(Path(sys.argv[2]) / "tokenizer.json"))
-    ThreadingHTTPServer(("127.0.0.1", int(sys.argv[3])), Handler).serve_forever()
+    serve(int(sys.argv[3]), Handler)

@@ -16,25 +16,47 @@ module is left for the end.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import torch
 
-from hotweights.cache.makemodel import PRESETS, ensure_default_model, write_checkpoint
 from hotweights.paths import DEFAULT_MODEL_NAME
 
 SERIAL = ("test_sglang.py", "test_vllm.py", "test_chaos.py", "test_redundancy_faults.py")
-LONG = ("test_rollout.py", "test_controller_up.py", "test_openapi.py", "test_controller.py", "test_recover.py")
+UNIT_MARK = "pytest.mark.unit"  # how a test module marks its unit tests (or all of them, as ``pytestmark``)
+LONG = (  # longest first
+    "test_rollout.py",
+    "test_controller_up.py",
+    "test_controller.py",
+    "test_recover.py",
+    "test_state_dir_faults.py",
+    "test_readme.py",
+    "test_openapi.py",
+)
 
-# Tests spawn many torch processes on small machines; one thread each keeps them from thrashing.
+# Tests spawn many torch processes on small machines; one thread each keeps them from thrashing (torch reads it when
+# it starts, in this process too). Nothing here imports torch before a fixture needs it: the fast tier
+# (``pytest -m unit``) runs where torch is not installed.
 os.environ["OMP_NUM_THREADS"] = "1"
-torch.set_num_threads(1)
+if "torch" in sys.modules:  # a plugin imported it first, before the variable was set
+    sys.modules["torch"].set_num_threads(1)
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """The fast tier (``-m unit``) where torch is not installed: a test module with no unit test is not even
+    imported (most import torch); one with unit tests must import without torch (``.ci/run`` runs the tier so)."""
+    if config.option.markexpr != "unit" or importlib.util.find_spec("torch") is not None:
+        return None
+    if collection_path.suffix != ".py" or not collection_path.name.startswith("test_"):
+        return None
+    return UNIT_MARK not in collection_path.read_text() or None
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -87,6 +109,8 @@ def own_world(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
 @pytest.fixture(scope="session")
 def shared_default_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The embedded default model, generated once per session (outside any test's home)."""
+    from hotweights.cache.makemodel import ensure_default_model
+
     home = tmp_path_factory.mktemp("default-home")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("HOTWEIGHTS_HOME", str(home))
@@ -104,6 +128,11 @@ def default_model(own_world: Path, shared_default_model: Path) -> Path:
 
 
 def make_checkpoint(out: Path, *, quant: str | None = None, tie: bool = False, seed: int = 0, **fields) -> Path:
+    """A tiny-preset checkpoint in float32 at ``out`` (torch imported here, on first use)."""
+    import torch
+
+    from hotweights.cache.makemodel import PRESETS, write_checkpoint
+
     config = replace(PRESETS["tiny"], tie_word_embeddings=tie, **fields)
     return write_checkpoint(
         out, config, dtype=torch.float32, quant=quant, seed=seed, shard_size=1 << 20, progress=False

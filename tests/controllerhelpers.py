@@ -159,6 +159,11 @@ class ControllerStack:
 
     # --- teardown ---------------------------------------------------------------------------------
 
+    def down(self) -> subprocess.CompletedProcess[str]:
+        """``hotweights down`` of this stack, to its end (what it printed, its exit status)."""
+        command = hotweights_command("down", "--config", str(self.config_path))
+        return subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=180)
+
     def pids_naming_root(self) -> list[int]:
         """Every process whose command line names this stack's directory: also those the state file
         no longer records (a test may have made orphans on purpose)."""

@@ -2,11 +2,16 @@
 as the gateway migrates them, or one JSON reply), except a request of death: one whose body holds ``DEADLY``, or
 the continuation of one (its prompt ids begin with ``DEADLY_ID``, as its first chunk said), reaching any engine:
 
-- ``kill``: the process exits at once, with the request in flight (an engine the request crashes);
+- ``kill``: the process exits with the request in flight (an engine the request crashes): a stream once its headers
+  went out (an engine sends them as it starts a request, before the model sees it: docs/engine-contract.md), any
+  other request before its headers;
 - ``stall``: it stops answering anything, its health checks included (an engine whose event loop the request
   blocks), until it is killed; a stream after its first event, any other request before its headers.
 
-Usage: python tests/deadly_engine.py PORT kill|stall
+Or ``queue``: every stream waits ``QUEUED_S`` before its headers (a full engine's queue), then is answered; its
+``/primary`` answer counts those waiting (``waiting``).
+
+Usage: python tests/deadly_engine.py PORT kill|stall|queue
 """
 
 from __future__ import annotations
@@ -19,7 +24,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 DEADLY = "request of death"
 DEADLY_ID = 666
+QUEUED_S = 10.0
 STALLED = threading.Event()
+WAITING: list[int] = []  # one entry per stream waiting in the queue
 CHUNK = {"id": "c", "object": "text_completion", "created": 1, "model": "fake"}
 CHOICE = {"index": 0, "text": "x", "token_ids": [5], "prompt_token_ids": [1], "finish_reason": None}
 
@@ -41,14 +48,19 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # /primary, /health/*
         if STALLED.is_set():
             stall_forever()
-        self.reply("application/json", json.dumps({"role": "primary", "state": "ready", "pid": os.getpid()}))
+        answer = {"role": "primary", "state": "ready", "pid": os.getpid(), "waiting": len(WAITING)}
+        self.reply("application/json", json.dumps(answer))
 
     def do_POST(self) -> None:
         raw = self.rfile.read(int(self.headers["content-length"]))
         body = json.loads(raw)
         stream, deadly = bool(body.get("stream")), is_deadly(raw, body)
-        if deadly and self.mode == "kill":
+        if deadly and self.mode == "kill" and not stream:
             os._exit(1)
+        if stream and self.mode == "queue":
+            WAITING.append(1)
+            threading.Event().wait(QUEUED_S)
+            WAITING.pop()
         if deadly and not stream:
             stall_forever()
         if not stream:
@@ -58,6 +70,8 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("content-type", "text/event-stream")
         self.send_header("transfer-encoding", "chunked")
         self.end_headers()
+        if deadly and self.mode == "kill":
+            os._exit(1)
         self.event(CHUNK | {"choices": [CHOICE | ({"prompt_token_ids": [DEADLY_ID]} if deadly else {})]})
         if deadly:
             stall_forever()

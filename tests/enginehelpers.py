@@ -23,8 +23,6 @@ from hotweights.cache.loadspec import LoadSpec
 from hotweights.contract import Endpoint
 from hotweights.ports import free_port
 from hotweights.spawn import SparePipes, hotweights_command, parse_message, send_message
-from hotweights.standby.model import generate
-from hotweights.standby.weights import load_model
 from hotweights.tokenizer import load_tokenizer, stop_token_ids
 from tests.cachehelpers import ENV
 
@@ -190,6 +188,9 @@ class SpareEngine(EngineProcess):
 
 def reference_completer(model_dir: Path, device: str = "cpu") -> Reference:
     """In-process ``generate()`` at TP=1 on ``device``: (text, completion tokens) for a prompt."""
+    from hotweights.standby.model import generate  # the engine's modules import torch: on first use only
+    from hotweights.standby.weights import load_model
+
     model = load_model(model_dir, LoadSpec(device=device)).model
     tokenizer = load_tokenizer(model_dir)
     stop_ids = stop_token_ids(model_dir)

@@ -272,3 +272,36 @@ def test_a_request_s_hold_is_measured_from_taking_its_slots_to_giving_them_back(
     assert 0.05 <= one < 5.0
     assert (1 - 1 / HOLD_WAVES) * one <= two < one  # a short one averaged in (one slot: a wave is one request)
     assert isinstance(third, Held)
+
+
+def test_a_request_waits_for_its_kv_blocks_first_come_first_served_and_is_never_refused_for_them() -> None:
+    """A pool of 10 blocks, four slots: a request holding 8 blocks; one needing 4 waits (counted short), and one
+    needing 2 behind it waits too though 2 are free (no one passes a request that waits); both hold theirs once the
+    first leaves, which gives its slot and blocks back. A cancelled wait reserves nothing."""
+
+    async def scenario() -> tuple[list[int], list[int], int]:
+        admission = Admission(4, blocks=10)
+        first = await admission.reserve(await admission.enter(), 8)
+        second = asyncio.create_task(admission.reserve(await admission.enter(), 4))
+        third = asyncio.create_task(admission.reserve(await admission.enter(), 2))
+        await asyncio.sleep(0)
+        short = [admission.short]
+        gone = asyncio.create_task(admission.reserve(await admission.enter(), 1))
+        await asyncio.sleep(0)
+        gone.cancel()
+        await asyncio.gather(gone, return_exceptions=True)
+        short.append(admission.short)
+        admission.leave(first)
+        held = [(await second).blocks, (await third).blocks]
+        return short, held, admission.serving
+
+    short, held, serving = asyncio.run(scenario())
+    assert short == [2, 2] and held == [4, 2] and serving == 3  # the cancelled one's slot is its caller's to leave
+
+
+def test_without_a_pool_a_request_reserves_nothing() -> None:
+    async def scenario() -> Held:
+        admission = Admission(1)
+        return await admission.reserve(await admission.enter(), 10**6)
+
+    assert asyncio.run(scenario()).blocks == 0

@@ -19,8 +19,10 @@ import httpx
 import pytest
 from tokenizers import Tokenizer
 
-from hotweights.cache.makemodel import MAX_TOKENIZER_VOCAB, PRESETS, tokenizer_json
+from hotweights.cache.maketokenizer import MAX_TOKENIZER_VOCAB, tokenizer_json
 from hotweights.contract import WEIGHTS_HEADER, Endpoint
+from hotweights.controller.supervisor import read_identity
+from hotweights.layout import ModelConfig
 from hotweights.ports import free_port
 from hotweights.spawn import hotweights_command
 from tests.cachehelpers import ENV, wait_until
@@ -104,7 +106,9 @@ def test_a_sigkilled_agent_takes_its_engine_and_the_engines_children_with_it(tmp
         child = int(wait_until(lambda: marker.exists() and marker.read_text().strip(), 30, "the engine's child"))
         os.kill(process.pid, signal.SIGKILL)
         process.wait(10)
-        wait_until(lambda: not _alive(engine) and not _alive(child), 10, "the engine and its child gone")
+        wait_until(
+            lambda: read_identity(engine) is None and read_identity(child) is None, 10, "the engine and its child gone"
+        )
     finally:
         process.kill()
 
@@ -117,14 +121,6 @@ def test_an_engine_killed_under_the_agent_ends_the_agent(tmp_path: Path) -> None
     _, stderr = process.communicate(timeout=30)
     assert process.returncode == 1
     assert "exited with signal 9" in stderr
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state not in ("Z", "X")
 
 
 @pytest.mark.parametrize(
@@ -175,7 +171,7 @@ def test_a_stream_with_token_ids_is_relayed_with_each_chunks_ids_kept_with_their
     """An engine that coalesces steps and holds back a character's text sends ids ahead of their text; the agent,
     with the tokenizer of its engine command's ``--model``, relays each chunk with the ids whose text has been sent
     (the rest with a later chunk), and any other stream byte for byte."""
-    tokenizer = Tokenizer.from_str(tokenizer_json(min(PRESETS["tiny"].vocab_size, MAX_TOKENIZER_VOCAB)))
+    tokenizer = Tokenizer.from_str(tokenizer_json(min(ModelConfig().vocab_size, MAX_TOKENIZER_VOCAB)))
     tokenizer.save(str(tmp_path / "tokenizer.json"))
     engine = Path(__file__).with_name("coalescing_engine.py")
     process = agent(tmp_path, sys.executable, str(engine), "--model", str(tmp_path), "{port}", role="primary")

@@ -57,10 +57,23 @@ def test_layers_import_one_way(tmp_path: Path) -> None:
             "hotweights.cache.arena -> hotweights.standby.model",
         ),
         ("controller/checks.py", "import torch", "hotweights.controller.checks -> torch"),
+        (
+            "controller/cluster.py",
+            "from hotweights.gateway import policy",
+            "hotweights.controller.cluster -> hotweights.gateway.policy",
+        ),
+        ("controller/decide.py", "from hotweights.controller import executor", "hotweights.controller.decide ->"),
+        (
+            "controller/intents.py",
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from hotweights.controller.ha import Ha",
+            ".intents -> .ha",
+        ),
     ],
 )
 def test_a_forbidden_import_breaks_a_contract(tmp_path: Path, module: str, added: str, broken: str) -> None:
-    """An upward import between layers, and torch in the controller, each break a contract that names it."""
+    """An upward import between layers, torch in the controller, the gateway in the controller, mechanism in the
+    decision core, and a cycle among the controller's modules (one made only for type checking too) each break a
+    contract that names it."""
     root = stage(tmp_path)
     path = root / "hotweights" / module
     path.write_text(path.read_text() + f"\n{added}  # noqa\n")
@@ -73,7 +86,7 @@ def test_the_gateway_the_agent_and_the_config_import_no_torch() -> None:
     """A gateway's start (and its respawn after a crash) never waits for torch's second of imports, and an agent
     in front of vLLM or SGLang holds no torch of its own (about 200 MB of memory)."""
     code = (
-        "import sys; import hotweights.controller.gatewayserver, hotweights.controller.config; "
+        "import sys; import hotweights.gateway.server, hotweights.controller.config; "
         "import hotweights.standby.agent; "
         "from hotweights.dtypes import MODEL_DTYPE_NAMES; from hotweights.quant import QUANT_METHODS; "
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
@@ -87,23 +100,24 @@ def test_the_daemon_and_the_gateway_start_without_fastapi_or_the_controller_laye
     the controller's ``cache restart`` client, and the gateway's worker needs no FastAPI (a fifth of its start)."""
     code = (
         "import sys; from hotweights.cli import build_parser; build_parser('cache', 'serve'); "
-        "import hotweights.controller.gatewayserver as g; "
+        "import hotweights.gateway.server as g; "
         "print(sorted(m for m in sys.modules if m == 'fastapi' or m == 'hotweights.controller.clusterctl'))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert result.stdout.strip() == "[]", result.stdout[:500]
 
 
-def test_the_controller_imports_neither_torch_nor_the_reference_engine() -> None:
+def test_the_controller_imports_neither_torch_nor_the_reference_engine_nor_the_gateway() -> None:
     """Every module of the controller process imports without torch and the reference engine's modules: its
-    checks that need them run in a process of their own (``controller.checks``)."""
+    checks that need them run in a process of their own (``controller.checks``); the gateway is a program of
+    its own, which the controller starts by name (``hotweights gateway``)."""
     engine = ("engine", "model", "decoder", "scheduler", "tpgroup", "weights", "sampling", "fused")
     code = (
         "import importlib, pkgutil, sys; import hotweights.controller as c\n"
         "names = [m.name for m in pkgutil.walk_packages(c.__path__, 'hotweights.controller.')]\n"
         "for name in names: importlib.import_module(name)\n"
         f"banned = {['torch', *(f'hotweights.standby.{m}' for m in engine)]!r}\n"
-        "print(len(names), sorted(m for m in sys.modules if m in banned))"
+        "print(len(names), sorted(m for m in sys.modules if m in banned or m.startswith('hotweights.gateway')))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     count, imported = result.stdout.strip().split(" ", 1)

@@ -1,11 +1,11 @@
 """Co-located batch engines (``[[groups]] batch_port``) on a real stack: serving beside the group, yielding before
-the group starts an engine, back once it is settled, 503 with ``Retry-After`` meanwhile; refusals of bad configs."""
+the group starts an engine, back once it is settled, 503 with ``Retry-After`` meanwhile, restarted onto the group's
+new weights after a model update; refusals of bad configs."""
 
 from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,12 +13,12 @@ import pytest
 
 from hotweights.chaos.clusterview import event_time
 from hotweights.chaos.load import BatchClient
+from hotweights.contract import Endpoint
 from hotweights.controller.config import load_config
 from hotweights.controller.supervisor import read_identity
 from hotweights.errors import ConfigError
 from hotweights.ports import free_port
-from hotweights.spawn import hotweights_command
-from tests.cachehelpers import ENV
+from tests.conftest import make_checkpoint
 from tests.controllerhelpers import ControllerStack, completion_text, running_on_a_thread, wait_until
 
 BAD_BATCH = [
@@ -49,7 +49,11 @@ def test_a_batch_engine_needs_one_host(tmp_path: Path) -> None:
         load_config(path)
 
 
-def test_a_batch_engine_yields_for_a_replacement_standby_and_is_back_once_the_group_settled(tiny_model: Path) -> None:
+def test_a_batch_engine_yields_for_a_replacement_standby_and_follows_a_model_update(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """It yields before the replacement of a killed primary starts and is back, the same process, once the group
+    settled; a model update restarts it onto the new generation's weights; a new controller adopts it."""
     batch_port = free_port()
     # direct_io: the daemon reads the checkpoint with O_DIRECT (the text below is the same as without)
     stack = ControllerStack(tiny_model, engines=2, group_extra=f"batch_port = {batch_port}\ndirect_io = true\n")
@@ -84,17 +88,34 @@ def test_a_batch_engine_yields_for_a_replacement_standby_and_is_back_once_the_gr
         assert away and set(away) == {503}, away  # while it was away: refused at once, never held
         after = stack.cluster()["batch"][0]
         assert (after["pid"], after["serving"], after["yields"]) == (batch["pid"], True, 1)  # the same process
-        assert completion_text(batch_url) == completion_text(gateway)
+        old_text = completion_text(gateway)
+        assert completion_text(batch_url) == old_text
+
+        batch = updated(stack, make_checkpoint(tmp_path / "tiny-seed1", seed=1), batch["pid"])
+        assert completion_text(batch_url) == completion_text(gateway) != old_text  # the new weights' answer
 
         stack.kill_controller()  # a new controller adopts it, and `down` stops it
         stack.start_controller("up")
         stack.wait_steady()
         adopted = wait_until(lambda: next((b for b in stack.cluster()["batch"] if b["serving"]), None), 60, "adopted")
         assert adopted["pid"] == batch["pid"]
-        down = subprocess.run(
-            hotweights_command("down", "--config", str(stack.config_path)), env=ENV, capture_output=True, text=True
-        )
+        down = stack.down()
         assert down.returncode == 0, down.stderr
         wait_until(lambda: read_identity(batch["pid"]) is None, 30, "the batch engine's exit")
     finally:
         stack.close()
+
+
+def updated(stack: ControllerStack, model: Path, old_pid: int) -> dict:
+    """A model update of the stack's group to ``model`` (its next weight generation) through ``POST /rollout``; the
+    group's batch engine once it serves that generation: restarted onto it, a process other than ``old_pid``."""
+    response = stack.client.post(Endpoint.ROLLOUT, json={"model": str(model)}, timeout=300)
+    assert response.status_code == 200, response.text
+    assert {m["generation"] for m in stack.wait_steady().values()} == {1}
+
+    def restarted() -> dict | None:
+        return next((b for b in stack.cluster()["batch"] if b["serving"] and b["generation"] == 1), None)
+
+    batch = wait_until(restarted, 120, "the batch engine serving the new generation")
+    assert batch["pid"] != old_pid and stack.events("batch_restart"), batch
+    return batch

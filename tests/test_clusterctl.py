@@ -72,7 +72,8 @@ def test_only_y_or_yes_confirms_and_eof_is_a_no(monkeypatch: pytest.MonkeyPatch,
 
 
 def member(id: str, group: int, role: str, status: str = "healthy", failures: int = 0) -> dict[str, Any]:
-    body = {"weight_cache": {"source": "cache"}}
+    pool = {"block_tokens": 16, "blocks": 1024, "used": 40 if role == "primary" else 0, "running": 3, "waiting": 1}
+    body = {"weight_cache": {"source": "cache"}, "kv_pool": pool if role == "primary" else None}
     return {
         "id": id, "group": group, "role": role, "state": "ready", "status": status, "pid": 100 + int(id[-1]),
         "url": f"http://127.0.0.1:820{id[-1]}", "consecutive_failures": failures, "generation": 0,
@@ -137,9 +138,12 @@ def test_status_renders_a_table_per_group() -> None:
     assert "  ALERT: degraded for 42.5 s: g0-e2 failing (2 failed checks)" in lines
     assert "  last failover: automatic g0-e1 -> g0-e0 in 61.2 ms at T3" in lines
     header = next(line for line in lines if line.lstrip().startswith("ENGINE"))
-    assert header.split() == ["ENGINE", "ROLE", "STATE", "HEALTH", "PID", "GEN", "WEIGHTS", "URL"]
+    assert header.split() == ["ENGINE", "ROLE", "STATE", "HEALTH", "PID", "GEN", "WEIGHTS", "KV", "RUN", "WAIT", "URL"]
     row = next(line for line in lines if line.lstrip().startswith("g0-e2"))
     assert row.index("failing") == header.index("HEALTH")  # columns line up
+    primary = next(line for line in lines if line.lstrip().startswith("g0-e0"))
+    assert primary.split()[7:10] == ["40/1024", "3", "1"]  # its KV pool's blocks in use, sequences running, waiting
+    assert row.split()[-4:-1] == ["-", "-", "-"]  # no pool reported
     assert "  not full yet: not assessed yet" in lines  # group 1
 
 

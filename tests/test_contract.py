@@ -58,6 +58,26 @@ def test_engine_refuses_an_open_host_without_a_token(tiny_model: Path) -> None:
     assert "--host '0.0.0.0' is not loopback" in line and "--token-file" in line
 
 
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (("--max-batch", "-1"), "--max-batch must be >= 0 (0: what the KV pool holds), found -1"),
+        (("--kv-pool-tokens", "-16"), "--kv-pool-tokens must be >= 0 (0: sized automatically), found -16"),
+        (("--kv-pool-share", "0"), "--kv-pool-share must be in (0, 1], found 0.0"),
+        (
+            ("--kv-pool-tokens", "1024", "--kv-cache-tokens", "4096"),
+            "--kv-pool-tokens 1024: a KV pool of 1024 positions cannot hold one sequence of 4096 positions "
+            "(--kv-cache-tokens); raise it or lower --kv-cache-tokens",
+        ),
+    ],
+)
+def test_engine_refuses_a_kv_pool_it_cannot_size_or_serve_from(
+    tiny_model: Path, flags: tuple[str, ...], expected: str
+) -> None:
+    line = refused("engine", "--model", str(tiny_model), "--port", str(free_port()), *flags)
+    assert line == f"hotweights engine: error: {expected}"
+
+
 def test_gateway_refuses_an_open_host_without_a_token(tmp_path: Path) -> None:
     config = write_cluster(tmp_path / "open.toml", [free_port()], host="0.0.0.0")
     line = refused("gateway", "--config", str(config))

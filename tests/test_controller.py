@@ -28,7 +28,7 @@ import pytest
 from hotweights.contract import Endpoint
 from hotweights.controller import supervisor
 from hotweights.controller.batch import BatchEngines
-from hotweights.controller.config import EngineSpec, batch_spec, load_config
+from hotweights.controller.config import EngineSpec, HealthSection, batch_spec, load_config
 from hotweights.controller.decide import Intent
 from hotweights.controller.events import EventLog
 from hotweights.controller.ha import Ha
@@ -37,7 +37,8 @@ from hotweights.controller.intents import Conflict
 from hotweights.controller.metrics import ControllerMetrics
 from hotweights.controller.slots import Member, member_view
 from hotweights.controller.snapshot import MemberView, Snapshot
-from hotweights.controller.stack import Generation, Layout
+from hotweights.controller.spares import is_waiting
+from hotweights.controller.stack import Generation, Layout, cpu_threads
 from hotweights.controller.supervisor import Identity, read_identity
 from hotweights.errors import ConfigError
 from hotweights.state import ClusterState, read_state, write_state
@@ -84,6 +85,9 @@ def wait_new_primary(urls: list[str], old: str, timeout: float) -> tuple[str, fl
         ("[engine]\nqueue_budget_s = -0.5\n", "engine.queue_budget_s must be >= 0, found -0.5"),
         ("[engine]\nqueue_budget_s = nan\n", "engine.queue_budget_s must be >= 0, found nan"),
         ("[engine]\nmax_queue = 1\n", "[engine] unknown key(s) ['max_queue']"),
+        ("[engine]\nmax_batch = -1\n", "engine.max_batch must be >= 0, found -1"),
+        ("[engine]\nkv_pool_tokens = -16\n", "engine.kv_pool_tokens must be >= 0, found -16"),
+        ("[engine]\nkv_memory_share = 1.5\n", "engine.kv_memory_share must be in (0, 1], found 1.5"),
         ("[cluster]\napi_max_body_bytes = 0\n", "cluster.api_max_body_bytes must be > 0"),
         ("[[groups]]\nengines = 0\n", "groups[0].engines must be >= 1"),
         ("[cluster]\nhost = '0.0.0.0'\n", "cluster.host '0.0.0.0' is not loopback"),
@@ -114,6 +118,7 @@ def wait_new_primary(urls: list[str], old: str, timeout: float) -> tuple[str, fl
         ("[[groups]]\nkv_retain_s = -1.0\n", "groups[0].kv_retain_s must be a number of seconds >= 0, found -1.0"),
         ("[[groups]]\nkv_retain_s = inf\n", "groups[0].kv_retain_s must be a number of seconds >= 0, found inf"),
         ("[[groups]]\ntp_size = 0\n", "groups[0].tp_size must be >= 1, found 0"),
+        ("[[groups]]\ndevice = 'cuda:one'\n", "groups[0].device must be cpu or cuda:N, found 'cuda:one'"),
         (
             "[[groups]]\ntp_size = 2\nengine = 'vllm'\nengine_python = '/bin/sh'\n",
             'tp_size 2 needs engine = "reference"',
@@ -148,7 +153,8 @@ def test_a_vllm_group_runs_its_daemon_and_agents_with_vllms_python(tmp_path: Pat
     python = sys.executable  # any executable file will do for the config; these are only command lines
     path.write_text(
         f'[model]\npath = "{tiny_model}"\n[[groups]]\nengines = 2\nengine = "vllm"\nengine_python = "{python}"\n'
-        'engine_args = ["--max-model-len", "256"]\nengine_env = { VLLM_CPU_KVCACHE_SPACE = "1" }\n'
+        'engine_args = ["--max-model-len", "256"]\n'
+        'engine_env = { VLLM_CPU_KVCACHE_SPACE = "1", TORCHINDUCTOR_CACHE_DIR = "/elsewhere" }\n'
     )
     layout = Layout.create(load_config(path), path)
     daemon = layout.daemon_command(0)
@@ -160,8 +166,16 @@ def test_a_vllm_group_runs_its_daemon_and_agents_with_vllms_python(tmp_path: Pat
     assert engine[engine.index("--port") + 1] == "{port}" and engine[-2:] == ["--max-model-len", "256"]
     socket = json.loads(engine[engine.index("--model-loader-extra-config") + 1])["socket"]
     assert socket == str(layout.socket(0)) and engine[engine.index("--load-format") + 1] == "hotweights"
-    assert layout.environment(0)["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    env = layout.environment(0)
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    # vLLM's compile caches in the stack's state dir, where engine_env names none (it names Inductor's)
+    assert env["VLLM_CACHE_ROOT"] == str(layout.compile_cache / "vllm")
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == "/elsewhere"
     assert layout.config.groups[0].start_timeout() == 600.0
+    # Its spare: an agent of no slot yet (its start message names the slot), which starts its server at once.
+    spare = layout.spare_command(0)
+    assert spare[spare.index("--port") + 1] == "0" and spare[spare.index("--engine-id") + 1] == "g0-spare"
+    assert "agent" in spare and "--spare-duty" not in spare
 
 
 def test_an_sglang_group_runs_its_daemon_and_agents_with_sglangs_python(tmp_path: Path, tiny_model: Path) -> None:
@@ -184,7 +198,8 @@ def test_an_sglang_group_runs_its_daemon_and_agents_with_sglangs_python(tmp_path
     assert engine[engine.index("--dtype") + 1] == "bfloat16"
     socket = json.loads(engine[engine.index("--model-loader-extra-config") + 1])["socket"]
     assert socket == str(layout.socket(0)) and engine[engine.index("--load-format") + 1] == "hotweights"
-    assert layout.environment(0)["SGLANG_USE_CPU_ENGINE"] == "1"
+    env = layout.environment(0)
+    assert (env["SGLANG_USE_CPU_ENGINE"], env["SGLANG_CACHE_DIR"]) == ("1", str(layout.compile_cache / "sglang"))
     assert layout.config.groups[0].start_timeout() == 600.0
     # A weight update's generation: its daemon and engines load the new checkpoint, under the first one's name.
     update = Generation(1, tmp_path / "tuned")
@@ -218,6 +233,43 @@ def test_direct_io_and_kv_retention_reach_the_daemon_and_the_batch_engine_has_no
     command = layout.batch_command(spec, layout.first_generation)
     assert command[command.index("--port") + 1] == "8300" and command[command.index("--engine-id") + 1] == "g0-batch"
     assert command[-1] == "--no-cuda-graphs" and command[command.index("--role") + 1] == "standby"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("groups", "cores", "threads"),
+    [
+        ("[[groups]]\n", 2, 1),  # 3 engines and a spare on 2 cores: one thread each
+        ("[[groups]]\n", 16, 4),
+        ("[[groups]]\nspare = false\n", 16, 5),
+        ("[[groups]]\nspare_engines = 2\nbatch_port = 8300\n", 24, 4),  # 3 + 2 spares + the batch engine
+        ('[[groups]]\n[[groups]]\nbase_port = 8210\ndevice = "cuda:0"\n', 16, 4),  # GPU engines take no share
+        ("[[groups]]\n[[groups]]\nbase_port = 8210\n", 16, 2),
+    ],
+)
+def test_cpu_engines_share_the_hosts_cores(groups: str, cores: int, threads: int, tmp_path: Path) -> None:
+    path = tmp_path / "cluster.toml"
+    path.write_text(groups)
+    assert cpu_threads(load_config(path), cores) == threads
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("groups", "device", "share"),
+    [
+        ('[[groups]]\ndevice = "cuda:0"\n', "cuda:0", 0.6 / 4),  # 3 engines and a spare
+        ('[engine]\nkv_memory_share = 0.8\n[[groups]]\ndevice = "cuda:0"\nspare = false\n', "cuda:0", 0.8 / 3),
+        ('[[groups]]\ndevice = "cuda:0"\nspare_engines = 2\nbatch_port = 8300\n', "cuda:0", 0.6 / 6),
+        ('[[groups]]\ndevice = "cuda:0"\n[[groups]]\nbase_port = 8210\ndevice = "cuda:0"\n', "cuda:0", 0.6 / 8),
+        ('[[groups]]\ndevice = "cuda:0"\n[[groups]]\nbase_port = 8210\ndevice = "cuda:1"\n', "cuda:1", 0.6 / 4),
+    ],
+)
+def test_the_engines_of_a_device_share_its_kv_memory_evenly(
+    groups: str, device: str, share: float, tmp_path: Path
+) -> None:
+    path = tmp_path / "cluster.toml"
+    path.write_text(groups)
+    assert load_config(path).kv_pool_share(device) == pytest.approx(share)
 
 
 def test_listen_base_port_moves_only_the_engines_listening_socket(tmp_path: Path, tiny_model: Path) -> None:
@@ -326,12 +378,12 @@ def test_a_new_primarys_failure_is_failed_over_at_once_after_failovers_that_foun
     stack = ControllerStack(tiny_model, engines=1)
     try:
         stack.start_controller()
-        for kill in range(1, 7):  # without the fix, the 5th failure waits for the 4th failover's 4 s backoff
+        for kill in range(1, 6):  # without the fix, the 5th (last) failure waits for the 4th failover's 4 s backoff
             pid = wait_until(lambda: stack.is_steady() and stack.primary()["pid"], 60, "a serving primary")
             os.kill(pid, signal.SIGKILL)
             detect = wait_until(lambda: len(d := stack.events("detect")) == kill and d[-1], 30, "its detect")  # noqa: B023
             assert detect["detect_ms"] < 1000, f"kill {kill}: the failure waited {detect['detect_ms']} ms"
-        wait_until(lambda: len(stack.events("no_standby")) == 6, 30, "each kill's failed failover, recorded after it")
+        wait_until(lambda: len(stack.events("no_standby")) == 5, 30, "each kill's failed failover, recorded after it")
     finally:
         stack.close()
 
@@ -415,20 +467,23 @@ def test_controller_restart_adopts_running_engines(stack: ControllerStack) -> No
     assert stack.daemon()["pid"] == daemon_pid
     assert stack.primary()["id"] == primary["id"]
     assert len(stack.events("controller_start")[-1]["adopted"]) == len(before) + 1
-    spares = wait_until(lambda: [s for s in stack.cluster()["spares"] if s["pid"]], 30, "the new controller's spare")
-    waiting = {str(spare["pid"]) for spare in spares}  # a spare waits for a slot: it is no engine of one yet
-    engines = [p for p in Path("/proc").iterdir() if p.name not in waiting and _is_engine_of(p, stack)]
+    wait_until(lambda: [s for s in stack.cluster()["spares"] if s["pid"]], 30, "the new controller's spare")
+    engines = [p for p in Path("/proc").iterdir() if _is_engine_of(p, stack)]
     assert len(engines) == len(before), "duplicate engines after the restart"
 
 
 def _is_engine_of(proc: Path, stack: ControllerStack) -> bool:
+    """An engine of the stack's slots: not a spare waiting for a slot (the new controller's, or one the old controller
+    released, which exits once its warm-up ends and it reads that)."""
     if not proc.name.isdigit():
         return False
     try:
         command = (proc / "cmdline").read_bytes().split(b"\0")
     except OSError:
         return False
-    return b"engine" in command and str(stack.root).encode() in b" ".join(command)
+    words = [word.decode(errors="replace") for word in command]
+    waiting = is_waiting(int(proc.name), words)
+    return b"engine" in command and str(stack.root).encode() in b" ".join(command) and not waiting
 
 
 # --- REST -----------------------------------------------------------------------------------------
@@ -815,10 +870,11 @@ def test_switchover_fences_an_unconfirmed_candidate_before_resuming_the_old_prim
 
     class FakeCluster:
         config = SimpleNamespace(
-            health=SimpleNamespace(interval_ms=100, timeout_ms=250, failure_threshold=2, redundancy_alert_s=30.0),
+            health=HealthSection(interval_ms=100, timeout_ms=250, failure_threshold=2, redundancy_alert_s=30.0),
             engine=SimpleNamespace(drain_timeout_s=1.0),
+            groups=(),  # no GPU to watch
         )
-        batch = BatchEngines(None, None, None, list, dict, int)  # no group has a batch engine: nothing yields
+        batch = BatchEngines(None, None, None, list, dict, int, list)  # no group has a batch engine: nothing yields
 
         async def fence(self, member_id: str) -> bool:
             calls.append(("fence", member_id))

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -43,13 +44,7 @@ def test_up_serves_through_the_gateway_and_down_stops_everything(tiny_model: Pat
         assert response.headers["x-hotweights-upstream"] == f"http://127.0.0.1:{new_port}"
         pids = stack.recorded_pids()
         assert len(pids) == 6  # three engines, the daemon, two gateway workers
-        down = subprocess.run(
-            hotweights_command("down", "--config", str(stack.config_path)),
-            env=ENV,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        down = stack.down()
         assert down.returncode == 0, down.stderr
         assert stack.controller.wait(timeout=30) == 0
         assert [pid for pid in pids if read_identity(pid)] == []  # gone (a zombie counts as gone)
@@ -111,59 +106,6 @@ def _respawned(stack: ControllerStack, killed: dict[str, int]) -> bool:
     return all(workers[i]["pid"] not in (None, pid) and workers[i]["serving"] for i, pid in killed.items())
 
 
-def test_a_gateway_crash_refuses_no_connection(tiny_model: Path) -> None:
-    """The controller holds the gateway's listening socket and hands it to each worker it starts. SIGKILL of
-    one worker under steady load: its peer accepts every new connection at once. SIGKILL of both: new
-    connections wait in the kernel's queue until the respawned workers, on the same port, take them. No
-    connection is ever refused; only requests in flight on a killed worker may fail."""
-    stack = ControllerStack(tiny_model, engines=2)
-    try:
-        stack.start_controller("up")
-        wait_until(lambda: "is up" in stack.logs(), 90, "the ready summary", interval=0.1)
-        url = f"http://127.0.0.1:{stack.config.gateway.port}/v1/completions"
-        with SteadyClients(url) as clients:
-            clients.wait_successes(5)
-            first = {"gateway": _gateway_workers(stack)["gateway"]["pid"]}
-            os.kill(first["gateway"], signal.SIGKILL)
-            clients.wait_successes(5)  # while it is being respawned: its peer serves
-            wait_until(lambda: _respawned(stack, first), 60, "the killed worker respawned")
-            both = {worker_id: s["pid"] for worker_id, s in _gateway_workers(stack).items()}
-            assert len(both) == 2
-            for pid in both.values():
-                os.kill(pid, signal.SIGKILL)
-            clients.wait_successes(5)
-            wait_until(lambda: _respawned(stack, both), 60, "both workers respawned")
-            clients.wait_successes(5)
-        assert clients.refused == []
-        assert len(clients.failed) <= 3 * SteadyClients.THREADS, clients.failed  # three kills, one request each
-    finally:
-        stack.close()
-
-
-@pytest.mark.timeout(240)
-def test_a_hung_gateway_costs_only_the_requests_it_had_accepted(tiny_model: Path) -> None:
-    """SIGSTOP of one worker under steady load: its peer accepts every new connection, and the controller
-    replaces the stopped one after two unanswered probes. Only requests the stopped worker had accepted fail."""
-    stack = ControllerStack(tiny_model, engines=2)
-    try:
-        stack.start_controller("up")
-        wait_until(lambda: "is up" in stack.logs(), 90, "the ready summary", interval=0.1)
-        url = f"http://127.0.0.1:{stack.config.gateway.port}/v1/completions"
-        with SteadyClients(url) as clients:
-            clients.wait_successes(5)
-            first = {"gateway": _gateway_workers(stack)["gateway"]["pid"]}
-            os.kill(first["gateway"], signal.SIGSTOP)
-            clients.wait_successes(5)  # while it is stopped: its peer serves
-            wait_until(lambda: _respawned(stack, first), 60, "the hung worker replaced")
-            clients.wait_successes(5)
-        hung = [e["message"] for e in stack.events("hung")]
-        assert len(hung) == 1 and "answered none of 2 probes" in hung[0], hung
-        assert clients.refused == []
-        assert len(clients.failed) <= SteadyClients.THREADS, clients.failed  # at most one request per client
-    finally:
-        stack.close()
-
-
 def _worker_primaries(stack: ControllerStack) -> dict[str, list[str]]:
     """Each gateway worker's primaries, asked on its own Unix socket (the shared port reaches either)."""
     found = {}
@@ -206,23 +148,6 @@ def _up_serves(stack: ControllerStack, ups: int) -> None:
     wait_until(lambda: stack.logs(10**8).count("is up") >= ups, 60, f"ready summary number {ups}", interval=0.1)
     response = wait_until(lambda: (r := _complete(stack)).status_code == 200 and r, 30, "a completion")
     assert response.json()["choices"][0]["text"] is not None
-
-
-def test_up_again_after_a_clean_stop(tiny_model: Path) -> None:
-    """up -> SIGINT -> up: the second start is a start-up (no failover loop) and serves within a minute."""
-    stack = ControllerStack(tiny_model, engines=2)
-    try:
-        stack.start_controller("up")
-        _up_serves(stack, 1)
-        stack.controller.send_signal(signal.SIGINT)
-        assert stack.controller.wait(timeout=60) == 0
-        assert stack.recorded_pids() == []
-        stack.start_controller("up")
-        _up_serves(stack, 2)
-        second = stack.logs(10**8).split("is up")[1]
-        assert "failing over" not in second and "report it as a BUG" not in second
-    finally:
-        stack.close()
 
 
 def test_up_again_after_the_whole_stack_was_sigkilled(tiny_model: Path) -> None:
@@ -312,7 +237,7 @@ def test_cache_commands_find_a_running_stacks_daemon_and_a_stand_alone_one(tiny_
         assert attached.returncode == 0, attached.stderr
         assert "attached" in attached.stderr
         assert attached.stdout == run_hotweights("generate", *prompt).stdout
-        down = run_hotweights("down", "--config", str(stack.config_path))
+        down = stack.down()
         assert down.returncode == 0, down.stderr
         stack.controller.wait(timeout=30)
         assert list((own_world / "run").glob("*.sock")) == []
@@ -332,10 +257,11 @@ def _stopped_cleanly(stack: ControllerStack, start: int) -> None:
     assert stack.recorded_pids() == []
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_signals_stop_up_cleanly_at_any_moment(tiny_model: Path) -> None:
-    """SIGINT or SIGTERM before anything started, during the start-up, during an adoption, during the stop
-    (a second one escalates: what is left is killed) and after it: `up` exits 0, no traceback, nothing left."""
+    """SIGINT or SIGTERM before anything started, during the start-up, once the stack serves, during an adoption,
+    during the stop (a second one escalates: what is left is killed) and after it: `up` exits 0, no traceback,
+    nothing left. After the clean stop of a serving stack, `up` again is a start-up (no failover loop) and serves."""
     stack = ControllerStack(tiny_model, engines=2)
     try:
         stack.start_controller("up")  # before the event loop: the lock is taken, nothing started yet
@@ -349,6 +275,13 @@ def test_signals_stop_up_cleanly_at_any_moment(tiny_model: Path) -> None:
         _stopped_cleanly(stack, start)
         stack.start_controller("up")
         _up_serves(stack, 1)
+        start = len(stack.logs(10**8))
+        stack.controller.send_signal(signal.SIGINT)
+        _stopped_cleanly(stack, start)
+        stack.start_controller("up")
+        _up_serves(stack, 2)
+        second = stack.logs(10**8)[start:]
+        assert "failing over" not in second and "report it as a BUG" not in second
         stack.kill_controller()
         start = len(stack.logs(10**8))
         stack.start_controller("up")  # adopting the running stack, then a signal once all is stopped
@@ -389,3 +322,60 @@ def test_a_directory_others_control_is_refused_in_one_line(
         assert result.stderr.startswith(f"hotweights {command}: error: {directory} directory {path} {problem}")
     finally:
         stack.close()
+
+
+@pytest.fixture(scope="module")
+def gateway_stack(tiny_model: Path) -> Iterator[ControllerStack]:
+    """A serving ``up`` stack of two engines whose gateway workers the crash tests kill or stop; each test ends
+    once the controller has replaced them, so the next finds both workers serving."""
+    stack = ControllerStack(tiny_model, engines=2)
+    try:
+        stack.start_controller("up")
+        wait_until(lambda: "is up" in stack.logs(), 90, "the ready summary", interval=0.1)
+        yield stack
+    finally:
+        stack.close()
+
+
+def test_a_gateway_crash_refuses_no_connection(gateway_stack: ControllerStack) -> None:
+    """The controller holds the gateway's listening socket and hands it to each worker it starts. SIGKILL of
+    one worker under steady load: its peer accepts every new connection at once. SIGKILL of both: new
+    connections wait in the kernel's queue until the respawned workers, on the same port, take them. No
+    connection is ever refused; only requests in flight on a killed worker may fail."""
+    stack = gateway_stack
+    url = f"http://127.0.0.1:{stack.config.gateway.port}/v1/completions"
+    with SteadyClients(url) as clients:
+        clients.wait_successes(5)
+        first = {"gateway": _gateway_workers(stack)["gateway"]["pid"]}
+        os.kill(first["gateway"], signal.SIGKILL)
+        clients.wait_successes(5)  # while it is being respawned: its peer serves
+        wait_until(lambda: _respawned(stack, first), 60, "the killed worker respawned")
+        both = {worker_id: s["pid"] for worker_id, s in _gateway_workers(stack).items()}
+        assert len(both) == 2
+        for pid in both.values():
+            os.kill(pid, signal.SIGKILL)
+        clients.wait_successes(5)
+        wait_until(lambda: _respawned(stack, both), 60, "both workers respawned")
+        clients.wait_successes(5)
+    assert clients.refused == []
+    assert len(clients.failed) <= 3 * SteadyClients.THREADS, clients.failed  # three kills, one request each
+
+
+@pytest.mark.timeout(240)
+def test_a_hung_gateway_costs_only_the_requests_it_had_accepted(gateway_stack: ControllerStack) -> None:
+    """SIGSTOP of one worker under steady load: its peer accepts every new connection, and the controller
+    replaces the stopped one after two unanswered probes. Only requests the stopped worker had accepted fail."""
+    stack = gateway_stack
+    earlier = len(stack.events("hung"))
+    url = f"http://127.0.0.1:{stack.config.gateway.port}/v1/completions"
+    with SteadyClients(url) as clients:
+        clients.wait_successes(5)
+        first = {"gateway": _gateway_workers(stack)["gateway"]["pid"]}
+        os.kill(first["gateway"], signal.SIGSTOP)
+        clients.wait_successes(5)  # while it is stopped: its peer serves
+        wait_until(lambda: _respawned(stack, first), 60, "the hung worker replaced")
+        clients.wait_successes(5)
+    hung = [e["message"] for e in stack.events("hung")][earlier:]
+    assert len(hung) == 1 and "answered none of 2 probes" in hung[0], hung
+    assert clients.refused == []
+    assert len(clients.failed) <= SteadyClients.THREADS, clients.failed  # at most one request per client

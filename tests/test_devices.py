@@ -1,11 +1,12 @@
-"""Memory read from /proc and nvidia-smi for the controller's checks, on real processes."""
+"""Memory read from /proc and nvidia-smi for the controller's checks and a spare's report, on real processes."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
-from hotweights.controller.devices import device_bytes_of, free_bytes, tree_rss_bytes
+from hotweights.controller.devices import free_bytes
+from hotweights.proctree import device_bytes_of, tree_rss_bytes
 from tests.cachehelpers import wait_until
 
 HOLD_MIB = 64  # what the child below touches, so its resident memory shows it

@@ -48,7 +48,7 @@ def test_the_module_map_lists_every_module_with_its_job_and_what_it_may_import()
     root = DOCS.parent
     modules = {
         path.relative_to(root).as_posix()
-        for package in ("hotweights", "cache", "standby", "controller", "chaos")
+        for package in ("hotweights", "cache", "standby", "controller", "gateway", "chaos")
         for path in (root / package).rglob("*.py")
         if path.name != "__init__.py" or path.parent.name == "backends"
     }

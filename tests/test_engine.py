@@ -38,8 +38,9 @@ HEALTH_PATHS = (Endpoint.LIVE, Endpoint.READY, Endpoint.PRIMARY, Endpoint.STANDB
 
 @pytest.fixture(scope="module")
 def primary(tiny_model: Path) -> Iterator[EngineProcess]:
-    """Off mode (weights loaded from disk in process), starts as primary."""
-    with EngineProcess(tiny_model, *FLAGS, "--engine-id", "engine-a", token=TOKEN) as engine:
+    """Off mode (weights loaded from disk in process), starts as primary; a KV pool of 1024 positions: 64 blocks."""
+    flags = (*FLAGS, "--engine-id", "engine-a", "--kv-pool-tokens", "1024")
+    with EngineProcess(tiny_model, *flags, token=TOKEN) as engine:
         yield engine
 
 
@@ -148,7 +149,8 @@ def test_health_endpoints_answer_get_head_and_options(primary: EngineProcess) ->
                 assert (body["role"], body["state"]) == ("primary", "ready")
                 assert len(body["fingerprint"]) == 16
                 assert body["weight_cache"] == {"mode": "off", "source": "disk"}
-                assert body["kv_cache_bytes"] > 0
+                assert body["kv_cache_bytes"] > 0 and body["max_batch"] == 4
+                assert body["kv_pool"] == {"block_tokens": 16, "blocks": 64, "used": 0, "running": 0, "waiting": 0}
                 assert {"uptime_s", "in_flight"} <= body.keys()
 
 
@@ -167,8 +169,29 @@ def test_metrics_are_exported(primary: EngineProcess) -> None:
         'hotweights_engine_weight_cache_info{engine_id="engine-a"',
         "hotweights_engine_in_flight_requests",
         "hotweights_engine_kv_cache_bytes",
+        'hotweights_engine_kv_pool{measure="blocks"} 64.0',
+        'hotweights_engine_kv_pool{measure="used"} 0.0',
+        'hotweights_engine_kv_pool{measure="running"} 0.0',
+        'hotweights_engine_kv_pool{measure="waiting"} 0.0',
     ):
         assert name in text, name
+
+
+def test_a_sequence_holds_the_kv_blocks_it_needs_while_it_runs_and_a_request_needing_more_than_the_pool_is_400(
+    primary: EngineProcess,
+) -> None:
+    """A prompt of one token with max_tokens 400 holds 25 of the pool's 64 blocks while it streams (``/primary`` says
+    so), none once it is done; four such prompts in one request need 100: refused, naming the numbers."""
+    body = {"prompt": [5], "max_tokens": 400, "temperature": 0, "stream": True}
+    with primary.client.stream("POST", Endpoint.COMPLETIONS, json=body) as response:
+        assert response.status_code == 200 and next(line for line in response.iter_lines() if line)
+        pool = primary.client.get(Endpoint.PRIMARY).json()["kv_pool"]
+        assert (pool["used"], pool["running"], pool["waiting"]) == (25, 1, 0)
+    wait_until(lambda: primary.client.get(Endpoint.PRIMARY).json()["kv_pool"]["used"] == 0, what="the blocks freed")
+    refused = primary.complete(prompt=[[5]] * 4, max_tokens=400)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
+    message = refused.json()["error"]["message"]
+    assert "need 100 KV blocks of 16 positions" in message and "whole KV pool of 64 blocks" in message, message
 
 
 def test_role_changes_need_the_token(primary: EngineProcess) -> None:

@@ -25,7 +25,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from hotweights.contract import ADMITS_IN_HEADER, REPLAY_HEADER, SUSPECT_REQUEST, Endpoint
-from hotweights.controller.discovery import FULL_MAX_S, FULL_MIN_S, Discovery, Upstream, cuts, refused
+from hotweights.gateway.discovery import FULL_MAX_S, FULL_MIN_S, Discovery, Upstream, cuts, refused
 from hotweights.ports import free_port
 from hotweights.spawn import hotweights_command
 from hotweights.standby.serving import bind_port
@@ -351,9 +351,9 @@ def test_hold_deadline_and_queue_overflow_answer_503_with_the_reason(tmp_path: P
 
 def test_a_stream_cut_mid_event_ends_with_a_well_formed_error_event() -> None:
     """The relay never splices the error event into an event the upstream had only half sent."""
-    from hotweights.controller.discovery import Upstream
-    from hotweights.controller.gateway import Gateway
-    from hotweights.controller.suspectguard import Tracked
+    from hotweights.gateway.discovery import Upstream
+    from hotweights.gateway.policy import Gateway
+    from hotweights.gateway.suspectguard import Tracked
 
     async def chunks() -> AsyncIterator[bytes]:
         yield b'ta: {"b":2}\n\ndata: {"c"'
@@ -630,9 +630,10 @@ def test_wake_needs_the_token_when_the_cluster_has_one(tmp_path: Path) -> None:
 
 
 class DyingUpstreams(ThreadedUpstreams):
-    """Three upstreams on threads, each primary until a completion reaches it; then it closes the connection
-    without an answer (``mid_stream``: after one event of a stream) and stops being primary (as an engine that
-    the request itself brought down)."""
+    """Three upstreams on threads, each primary until a completion reaches it; then it closes the connection as an
+    engine the request itself brought down, once it started it (the headers of the stream the gateway asks for; a
+    whole reply's come only with its end), before any event (``mid_stream``: after one), and stops being
+    primary."""
 
     def __init__(self, mid_stream: bool = False) -> None:
         self.dead: set[str] = set()
@@ -651,20 +652,20 @@ class DyingUpstreams(ThreadedUpstreams):
             def do_POST(self) -> None:
                 self.rfile.read(int(self.headers["content-length"]))
                 dead.add(name)
-                self.close_connection = True  # no answer at all, or a chunked stream that never ends
+                self.close_connection = True  # a chunked stream that never ends
+                self.send_response(200)
+                self.send_header("content-type", "text/event-stream")
+                self.send_header("transfer-encoding", "chunked")
+                self.end_headers()
                 if mid_stream:
-                    self.send_response(200)
-                    self.send_header("content-type", "text/event-stream")
-                    self.send_header("transfer-encoding", "chunked")
-                    self.end_headers()
                     self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
 
         return Handler
 
 
 def test_a_request_that_engines_fail_serving_is_not_resent_past_suspect_after(tmp_path: Path) -> None:
-    """With gateway.suspect_after = 2, the second engine failing with the request in flight ends it: 422 saying
-    so, counted as suspect; the third engine never sees it."""
+    """With gateway.suspect_after = 2, the second engine failing with the request in flight, once it started it,
+    ends it: 422 saying so, counted as suspect; the third engine never sees it."""
     config = write_cluster(tmp_path / "cluster.toml", [])
     with DyingUpstreams().running() as upstreams:
         urls = [arg for url in upstreams.urls for arg in ("--upstream", url)]

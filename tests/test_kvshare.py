@@ -20,9 +20,10 @@ from hotweights.cache.backends.cuda_vmm import _check
 from hotweights.cache.cli import _format_status
 from hotweights.cache.client import ReplyLate, attach
 from hotweights.cache.connection import call, connect, request
-from hotweights.cache.kvdeposits import MAX_RETAINED, MAX_SOURCES, ledger_nbytes
+from hotweights.cache.kvdeposits import MAX_RETAINED, MAX_SOURCES, KvLayout
 from hotweights.cache.loadspec import LoadSpec
 from hotweights.contract import REPLAY_HEADER, Endpoint
+from hotweights.standby.kvpool import BLOCK_SIZE
 from hotweights.standby.kvshare import KvShare, SlotLedger
 from tests.cachehelpers import ProcessDaemon, ThreadDaemon, fingerprint_of, wait_until
 from tests.enginehelpers import EngineProcess
@@ -36,7 +37,8 @@ FLAGS = ("--kv-cache-tokens", "512", "--max-batch", "4", "--weight-cache", "clie
 
 
 def ledger() -> SlotLedger:
-    return SlotLedger(torch.zeros(ledger_nbytes(SLOTS, POSITIONS), dtype=torch.uint8), SLOTS, POSITIONS)
+    layout = KvLayout("float32", (1, 1 + SLOTS, BLOCK_SIZE, 1, 1), 0, SLOTS, POSITIONS)
+    return SlotLedger(torch.zeros(layout.ledger_bytes, dtype=torch.uint8), layout)
 
 
 # (what the slots hold: (slot, ids, prefilled), the request's ids, least, prefilled wanted, expected (slot, held))
@@ -59,14 +61,14 @@ def test_the_ledger_picks_the_slot_holding_the_longest_prefix(
 ) -> None:
     book = ledger()
     for slot, tokens, first in held:
-        book.record(slot, tokens, first)
+        book.record(slot, tokens, first, [1 + slot])
     best = book.best(torch.tensor(ids, dtype=torch.int32), least, prefilled)
     assert (best[:2] if best else None) == expected
 
 
 def test_a_slot_given_up_or_being_given_up_is_never_picked() -> None:
     book = ledger()
-    book.record(0, [1, 2, 3], 3)
+    book.record(0, [1, 2, 3], 3, [1])
     book.append([0], [3], [4])
     ids = torch.tensor([1, 2, 3, 4, 5], dtype=torch.int32)
     slot, held, generation, _ = book.best(ids, 1, None)
@@ -76,7 +78,7 @@ def test_a_slot_given_up_or_being_given_up_is_never_picked() -> None:
     book.length[0] = 0  # the rest of the reset
     book.generation[0] += 1
     assert book.best(ids, 1, None) is None
-    book.record(0, [1, 2, 3], 3)
+    book.record(0, [1, 2, 3], 3, [2])
     assert book.best(ids, 1, None)[2] != generation  # a copy begun before the reset is refused afterwards
     book.reset(0)
     assert book.best(ids, 1, None) is None
@@ -127,15 +129,16 @@ def test_a_deposit_outlives_its_engine_until_released_and_only_the_newest_are_ke
     tiny_model: Path, daemon: tuple[Path, str]
 ) -> None:
     """An engine's deposited slot is found and copied by another while its connection lives and after it closed
-    (with the other's keys and values); released, or beyond MAX_RETAINED closed ones, it is gone."""
+    (with the other's keys and values, block by block into the blocks the adopter gives it); released, or beyond
+    MAX_RETAINED closed ones, it is gone."""
     owner, adopter, *others = shares(tiny_model, daemon, 3 + MAX_RETAINED)
-    shape = (2, SLOTS, 2, POSITIONS, 4)
-    deposited = owner.allocate(shape, torch.float32)
+    shape = (2, 2 + SLOTS, BLOCK_SIZE, 2, 4)  # (layers, blocks, block size, kv heads, head dim)
+    deposited = owner.allocate(shape, SLOTS, POSITIONS, torch.float32)
     deposited.kv.k.normal_()
     deposited.kv.v.normal_()
-    deposited.ledger.record(1, [5, 6, 7, 8], 2)
+    deposited.ledger.record(1, [5, 6, 7, 8], 2, [3])
     owner.deposit(deposited).result()
-    own = adopter.allocate(shape, torch.float32).kv
+    own = adopter.allocate(shape, SLOTS, POSITIONS, torch.float32).kv
     assert own.k.device == deposited.kv.k.device == torch.device(daemon[1])
     for alive in (True, False):
         if not alive:
@@ -144,15 +147,15 @@ def test_a_deposit_outlives_its_engine_until_released_and_only_the_newest_are_ke
             adopter._listed_at = float("-inf")  # list again now, not REFRESH_S later
         match = adopter.find([5, 6, 7, 8, 9], 2, 2, own)
         assert (match.slot, match.length, match.source.alive) == (1, 4, alive)
-        assert adopter.copy(match, own, 0)
-        assert torch.equal(own.k[:, 0, :, :4], deposited.kv.k[:, 1, :, :4])
-        assert torch.equal(own.v[:, 0, :, :4], deposited.kv.v[:, 1, :, :4])
+        assert adopter.copy(match, own, [2, 1])
+        assert torch.equal(own.k[:, 2, :4], deposited.kv.k[:, 3, :4])
+        assert torch.equal(own.v[:, 2, :4], deposited.kv.v[:, 3, :4])
         own.k.zero_()
     adopter._used_at = float("-inf")
     adopter.idle()  # unmaps, and releases the failed engine's deposit it used
     assert deposits(adopter) == []
     for other in others:
-        other.deposit(other.allocate(shape, torch.float32)).result()
+        other.deposit(other.allocate(shape, SLOTS, POSITIONS, torch.float32)).result()
         other.attachment.close()
     wait_until(lambda: deposits(adopter) == [(False, SLOTS)] * MAX_RETAINED, what="the newest deposits retained")
     adopter.attachment.close()
@@ -163,7 +166,7 @@ def test_a_failed_engines_deposit_is_dropped_once_its_retention_ends(tiny_model:
     try:
         with ThreadDaemon(tiny_model, runtime / "d.sock", kv_retain_s=0.5):
             owner, watcher = shares(tiny_model, (runtime / "d.sock", "cpu"), 2)
-            owner.deposit(owner.allocate((1, 1, 1, 4, 2), torch.float32)).result()
+            owner.deposit(owner.allocate((1, 2, BLOCK_SIZE, 1, 2), 1, 4, torch.float32)).result()
             owner.attachment.close()
             wait_until(lambda: deposits(watcher) == [], what="the deposit dropped after 0.5 s")
             watcher.attachment.close()
@@ -178,10 +181,10 @@ def test_a_handed_over_deposit_is_kept_as_a_failed_engines_until_its_retention_e
     try:
         with ThreadDaemon(tiny_model, runtime / "d.sock", kv_retain_s=1.0):
             owner, watcher = shares(tiny_model, (runtime / "d.sock", "cpu"), 2)
-            owner.deposit(owner.allocate((1, 1, 1, 4, 2), torch.float32)).result()
+            owner.deposit(owner.allocate((1, 2, BLOCK_SIZE, 1, 2), 1, 4, torch.float32)).result()
             owner.hand_over().result()
             assert deposits(watcher) == [(False, 1)]
-            owner.deposit(owner.allocate((1, 2, 1, 4, 2), torch.float32)).result()
+            owner.deposit(owner.allocate((1, 2, BLOCK_SIZE, 1, 2), 2, 4, torch.float32)).result()
             assert sorted(deposits(watcher)) == [(False, 1), (True, 2)]
             owner.withdraw().result()
             assert deposits(watcher) == [(False, 1)]
@@ -202,9 +205,9 @@ def test_deposits_need_an_attached_connection_and_a_refused_one_leaves_it_attach
     reply, _ = share.attachment.call({"op": "kv_deposit", "layout": {"dtype": "float32"}, "kv": {}, "ledger": {}})
     assert (reply["ok"], reply["error"]) == (False, "bad_message")
     assert "2 file descriptors" in reply["message"]
-    shared = share.allocate((1, 1, 1, 4, 2), torch.float32)
+    shared = share.allocate((1, 2, BLOCK_SIZE, 1, 2), 1, 4, torch.float32)
     (handle, fds), (ledger_handle, ledger_fds) = (arena.export() for arena in shared.arenas)
-    bad = {"dtype": "float32", "shape": [1, 1, 1, 4, 2], "v_offset": handle["nbytes"]}  # past the allocation
+    bad = shared.layout.to_json() | {"v_offset": handle["nbytes"]}  # past the allocation
     message = {"op": "kv_deposit", "layout": bad, "kv": handle, "ledger": ledger_handle}
     reply, _ = share.attachment.call(message, (*fds, *ledger_fds))
     assert (reply["ok"], reply["error"]) == (False, "bad_message")
@@ -225,7 +228,8 @@ def test_a_daemon_slow_to_answer_a_kv_request_leaves_the_engine_attached(tiny_mo
         with ProcessDaemon(tiny_model, runtime / "d.sock") as daemon:
             (share,) = shares(tiny_model, (runtime / "d.sock", "cpu"), 1)
             _stop(daemon.process.pid)
-            share.deposit(share.allocate((1, 1, 1, 4, 2), torch.float32)).result()  # sent; no reply in time
+            shared = share.allocate((1, 2, BLOCK_SIZE, 1, 2), 1, 4, torch.float32)
+            share.deposit(shared).result()  # sent; no reply in time
             assert share.deposited and share.attachment.waits_for_reply
             with pytest.raises(ReplyLate, match="has not answered an earlier request yet"):
                 share.attachment.call({"op": "kv_sources"}, max_fds=2 * MAX_SOURCES)  # not sent: it would wait

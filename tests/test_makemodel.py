@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 from hotweights import quant
-from hotweights.cache import makemodel
+from hotweights.cache import makemodel, maketokenizer
 from hotweights.cache.makemodel import PRESETS, write_checkpoint
 from hotweights.cli import main
 from hotweights.errors import ConfigError
@@ -225,7 +225,7 @@ def test_tokenizer_round_trip(tiny: Path) -> None:
 
 
 def test_tokenizer_training_is_deterministic() -> None:
-    first, second = makemodel._train_tokenizer(1024), makemodel._train_tokenizer(1024)
+    first, second = maketokenizer._train_tokenizer(1024), maketokenizer._train_tokenizer(1024)
     assert first.to_str() == second.to_str()
     assert first.get_vocab_size() == 1024
 

@@ -1,6 +1,6 @@
 """Completions in flight survive a failover: the gateway continues them on the next primary.
 
-Unit tests drive ``controller.migration``'s ledger through cut segments; the process tests run three
+Unit tests drive ``gateway.migration``'s ledger through cut segments; the process tests run three
 engines and the gateway, SIGKILL then SIGSTOP the primary while greedy streams are under way, promote a
 standby as a controller would, and compare every text with the uninterrupted reference.
 """
@@ -20,10 +20,9 @@ import httpx
 import pytest
 
 from hotweights.contract import REPLAY_HEADER, Endpoint
-from hotweights.controller.migration import MIGRATED_IDS, Ledger, Migratable, Refusal, StopStrings, plan
+from hotweights.gateway.migration import MIGRATED_IDS, Ledger, Migratable, Refusal, StopStrings, plan
 from hotweights.httpguard import NO_JSON
 from hotweights.requestschema import MAX_STOP_CHARS, MAX_STOP_STRINGS, Invalid
-from hotweights.standby.sampling import token_seed
 from tests.cachehelpers import wait_until
 from tests.conftest import make_checkpoint
 from tests.enginehelpers import EngineProcess
@@ -252,12 +251,6 @@ def test_a_request_continues_only_on_the_weights_that_began_it(
     ledger.restart()
     assert (ledger.released, ledger.text, ledger.prompt_ids, ledger.weights) == ([], "", None, None)
     assert ledger.migrations == 1 and ledger.client_saw_nothing
-
-
-@pytest.mark.unit
-def test_token_seeds_differ_by_position_and_by_seed() -> None:
-    seeds = {token_seed(seed, position) for seed in (0, 1, 2**62) for position in range(100)}
-    assert len(seeds) == 300 and all(0 <= s < 2**63 for s in seeds)
 
 
 # Process tests: three engines, the gateway, requests cut by SIGKILL and by SIGSTOP.

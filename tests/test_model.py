@@ -17,6 +17,7 @@ from hotweights import quant
 from hotweights.layout import ModelConfig, processed_tensors
 from hotweights.standby.decoder import Decoder, length_buckets
 from hotweights.standby.model import Fp8BlockLinear, KVCache, TensorParallel, Transformer, generate
+from tests.attentionhelpers import held
 
 CONFIG = ModelConfig(
     vocab_size=128,
@@ -188,8 +189,8 @@ def test_kv_cache_decoding_matches_full_forward() -> None:
     ids = torch.randint(0, CONFIG.vocab_size, (2, 12), generator=torch.Generator().manual_seed(2))
     full = model(ids)
     cache = KVCache.allocate(CONFIG, TensorParallel(), 2, 16, "cpu", torch.float32)
-    assert cache.nbytes == 2 * (2 * 2 * 2 * 16 * 16) * 4  # k and v, each (L, B, nkv, max, hd), fp32
-    assert cache.max_tokens == 16 and cache.batch == 2
+    assert cache.nbytes == 2 * (2 * 3 * 16 * 2 * 16) * 4  # k and v, each (L, blocks, 16, nkv, hd), fp32
+    assert cache.max_tokens == 16 and cache.batch == 2 and cache.table.tolist() == [[1], [2]]  # block 0: the null one
     # A 5-token prefill, a 3-token chunk at start_pos 5 (needs the offset causal mask), then single tokens.
     pieces = [model(ids[:, :5], 0, cache), model(ids[:, 5:8], 5, cache)]
     pieces += [model(ids[:, t : t + 1], t, cache) for t in range(8, 12)]
@@ -225,7 +226,7 @@ def test_padded_prefill_matches_unpadded() -> None:
     torch.testing.assert_close(logits[0], model(torch.tensor([prompt]))[0, -1], rtol=1e-4, atol=1e-4)
     reference = KVCache.allocate(CONFIG, TensorParallel(), 1, 40, "cpu", torch.float32)
     model(torch.tensor([prompt]), 0, reference)
-    torch.testing.assert_close(decoder.kv.k[:, 1, :, :17], reference.k[:, 0, :, :17], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(held(decoder.kv, 1, 17), held(reference, 0, 17), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="1 prompts of up to 41 tokens"):
         decoder.prefill(0, [[1] * 41])
 
@@ -241,7 +242,7 @@ def test_prompts_prefilled_together_match_each_alone() -> None:
         alone = KVCache.allocate(CONFIG, TensorParallel(), 1, 64, "cpu", torch.float32)
         torch.testing.assert_close(logits[row], model(torch.tensor([prompt]), 0, alone)[0, -1], rtol=1e-4, atol=1e-4)
         n = len(prompt)
-        torch.testing.assert_close(decoder.kv.k[:, 1 + row, :, :n], alone.k[:, 0, :, :n], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(held(decoder.kv, 1 + row, n), held(alone, 0, n), rtol=1e-5, atol=1e-5)
     assert decoder.prefill_fits(2, 32) and not decoder.prefill_fits(3, 32) and not decoder.prefill_fits(4, 1)
     with pytest.raises(ValueError, match="3 prompts of up to 17 tokens from slot 0"):
         decoder.prefill(0, [prompts[1]] * 3)

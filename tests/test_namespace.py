@@ -19,7 +19,7 @@ from hotweights.spawn import hotweights_command
 from tests.cachehelpers import ENV, wait_until
 from tests.controllerhelpers import ControllerStack
 
-FOREIGN = ("cache", "standby", "controller", "chaos")
+FOREIGN = ("cache", "standby", "controller", "gateway", "chaos")
 
 
 def foreign_project(root: Path, marker: Path) -> Path:

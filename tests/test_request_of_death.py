@@ -8,6 +8,7 @@ import contextlib
 import json
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,7 +17,7 @@ import httpx
 import pytest
 
 from hotweights.contract import SUSPECT_REQUEST, Endpoint
-from hotweights.controller.gatewayanswers import SUSPECT_CLIENT
+from hotweights.gateway.answers import SUSPECT_CLIENT
 from hotweights.ports import free_port
 from tests.cachehelpers import wait_until
 from tests.deadly_engine import DEADLY
@@ -27,6 +28,7 @@ ENGINES = 4
 CHAT = (Endpoint.CHAT_COMPLETIONS, {"messages": [{"role": "user", "content": DEADLY}]})  # no budget: not migrated
 COMPLETION = (Endpoint.COMPLETIONS, {"prompt": DEADLY, "max_tokens": 4})  # migrated when cut mid-way
 OTHER_CLIENT = {"Authorization": "Bearer another-client"}
+HOLD_S = 1.0  # gateway.hold_timeout_s where a request waits in a queue longer
 
 
 class DeadlyEngine(ChildService):
@@ -54,9 +56,9 @@ class DeadlyEngine(ChildService):
 
 
 @contextlib.contextmanager
-def deadly_engines(mode: str) -> Iterator[list[DeadlyEngine]]:
+def deadly_engines(mode: str, count: int = ENGINES) -> Iterator[list[DeadlyEngine]]:
     with contextlib.ExitStack() as stack:
-        engines = [stack.enter_context(DeadlyEngine(mode)) for _ in range(ENGINES)]
+        engines = [stack.enter_context(DeadlyEngine(mode)) for _ in range(count)]
         yield engines
 
 
@@ -144,3 +146,30 @@ def test_a_request_that_stalls_engines_costs_two(tmp_path: Path, path: str, body
             wait_until(lambda: sum(e.dead for e in engines) >= 2, 30, "the stalled engines fenced")
             assert not any(e.is_stalled() for e in engines if not e.dead)
             assert sum(e.dead for e in engines) == 2, gateway.logs()
+
+
+def test_engines_that_fail_while_a_request_waits_in_their_queue_do_not_make_it_suspect(tmp_path: Path) -> None:
+    """An engine sends a stream's headers only once it starts the request: two primaries killed in turn while a
+    completion waits in their queues, before its headers, had not started it, so it is not refused as suspect
+    (what two failures with it in flight would do) but served by the third, and counts against nothing. Each
+    waited there past the gateway's hold timeout: a failure gives it a hold of its own."""
+    with deadly_engines("queue", count=3) as engines:
+        config = write_cluster(tmp_path / "cluster.toml", [e.port for e in engines], hold_timeout_s=HOLD_S)
+        with GatewayProcess(config) as gateway, ThreadPoolExecutor(1) as pool:
+            gateway.wait_health(lambda h: len(h["primaries"]) == 3, what="every engine primary")
+            answer = pool.submit(gateway.client.post, Endpoint.COMPLETIONS, json={"prompt": "hi", "max_tokens": 2})
+            for _ in range(2):
+                wait_until(lambda: any(waiting(e) for e in engines), 30, "the completion waiting in a queue")
+                holder = next(e for e in engines if waiting(e))
+                time.sleep(HOLD_S)  # the scenario: it waits in that queue past its hold timeout
+                holder.process.kill()
+                holder.process.wait()
+                assert not answer.done(), answer.result().text
+            response = answer.result(timeout=60)
+            assert response.status_code == 200 and response.json()["choices"][0]["text"] == "x", response.text
+            assert metric(gateway, "hotweights_gateway_suspect_requests_total") == 0
+
+
+def waiting(engine: DeadlyEngine) -> bool:
+    """Whether a stream waits in ``engine``'s queue (False once it is dead)."""
+    return not engine.dead and engine.client.get(Endpoint.PRIMARY).json()["waiting"] > 0

@@ -26,7 +26,7 @@ from hotweights.admission import Admission, Held, Refusal, Slots
 from hotweights.cache.loadspec import LoadSpec
 from hotweights.contract import Endpoint
 from hotweights.controller.config import HealthSection
-from hotweights.controller.migration import Migratable, plan
+from hotweights.gateway.migration import Migratable, plan
 from hotweights.requestschema import (
     MAX_MESSAGES,
     MAX_STOP_CHARS,
@@ -36,11 +36,7 @@ from hotweights.requestschema import (
     Invalid,
     validated,
 )
-from hotweights.standby.decoder import Decoder
 from hotweights.standby.intake import bytes_per_token
-from hotweights.standby.model import KVCache
-from hotweights.standby.scheduler import IDLE_WAIT_S, Finish, SamplingParams, Scheduler, Sequence
-from hotweights.standby.weights import load_model
 from tests.cachehelpers import bench_result
 from tests.enginehelpers import EngineProcess
 from tests.gatewayhelpers import FLAGS, GatewayProcess, write_cluster
@@ -212,6 +208,11 @@ def test_admission_counts_a_request_as_its_prompts() -> None:
 def test_sequences_beyond_the_slots_run_in_waves_without_idle_waits(tiny_model: Path) -> None:
     """Three waves of one-token sequences through two slots: each wave starts as the last one ends, never after
     the worker's idle sleep."""
+    from hotweights.standby.decoder import Decoder  # the engine's modules import torch: on first use only
+    from hotweights.standby.model import KVCache
+    from hotweights.standby.scheduler import IDLE_WAIT_S, Finish, SamplingParams, Scheduler, Sequence
+    from hotweights.standby.weights import load_model
+
     model = load_model(tiny_model, LoadSpec()).model
     decoder = Decoder(model, KVCache.allocate(model.config, model.tp, 2, 64, model.device, model.dtype))
     decoder.warm_up()

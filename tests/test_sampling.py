@@ -5,9 +5,12 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 
-from hotweights.standby.sampling import sample_rows, sample_token, uniform
+# Sampling is arithmetic on torch's tensors, no decision of the controller's: the fast tier where torch is not
+# installed skips it.
+torch = pytest.importorskip("torch")
+
+from hotweights.standby.sampling import sample_rows, sample_token, token_seed, uniform  # noqa: E402
 
 pytestmark = pytest.mark.unit
 
@@ -72,3 +75,8 @@ def test_uniform_draws_lie_in_the_unit_interval_and_spread() -> None:
     assert all(0.0 <= u < 1.0 for u in draws)
     assert len(set(draws)) == len(draws)
     assert 0.45 < sum(draws) / len(draws) < 0.55
+
+
+def test_token_seeds_differ_by_position_and_by_seed() -> None:
+    seeds = {token_seed(seed, position) for seed in (0, 1, 2**62) for position in range(100)}
+    assert len(seeds) == 300 and all(0 <= s < 2**63 for s in seeds)

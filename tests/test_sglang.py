@@ -9,12 +9,15 @@ daemon's arena, the other was pointed at a socket no daemon serves and fell back
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -22,13 +25,25 @@ import pytest
 import torch
 
 from hotweights.cache.makemodel import PRESETS, write_checkpoint
+from hotweights.chaos.faults import descendant_titled
 from hotweights.contract import Endpoint
+from hotweights.engines import KINDS, Engine
 from hotweights.ports import free_port
 from hotweights.spawn import hotweights_command
 from hotweights.standby import sglang_nodriver
+from hotweights.standby.agentprogress import RelayWatch, metric_total
 from tests.cachehelpers import ENV, engine_python, wait_until
 from tests.controllerhelpers import ControllerStack
-from tests.test_vllm import PROMPT, STREAMS, Load, engine_killed_under_load, reply_text
+from tests.test_vllm import (
+    LONG,
+    PROMPT,
+    STREAMS,
+    Load,
+    engine_core_stopped_under_load,
+    engine_killed_under_load,
+    ready_spare,
+    reply_text,
+)
 
 pytestmark = pytest.mark.sglang
 # --skip-server-warmup: SGLang's warm-up request takes 4 of a start's 28 s on CPU; the agent's readiness check
@@ -43,6 +58,7 @@ SERVER_ARGS = [
     "--skip-server-warmup",
 ]
 PROMPTS = ("The weather", "Once upon a time", "hello")
+STEPS_SEEN = 6  # readings of the step counter (every 250 ms) that moved, longer than the stall bound (1 s at least)
 START_S = 600  # two shared cores: SGLang's start-up takes 20-60 s, more with other servers starting
 
 
@@ -167,6 +183,67 @@ class TestLoader:
         assert "fallback" in json.loads(report.read_text())
         assert httpx.get(fallback.url + "/v1/models", timeout=30).json()["data"]
 
+    def test_a_stopped_scheduler_is_a_stall_with_only_a_request_not_streamed_pending(self, pair: tuple) -> None:
+        """The agent's progress check (``RelayWatch``, reading SGLang's step counter as the agent does) on the mapped
+        server: a streamed completion times a first token, then, with only a completion that is not streamed pending,
+        SGLang's scheduler SIGSTOPped while its HTTP server answers: the stall is reported with that one pending."""
+        mapped = pair[0]
+        scheduler = descendant_titled(mapped.process.pid, KINDS[Engine.SGLANG].core_title)
+        assert scheduler is not None, f"no {KINDS[Engine.SGLANG].core_title} under {mapped.process.pid}"
+        try:
+            reason = asyncio.run(stall_with_one_request_not_streamed(mapped.url, scheduler))
+        finally:
+            os.kill(scheduler, signal.SIGCONT)
+        print(f"\nthe reason: {reason}")
+        assert re.fullmatch(
+            r"the engine has made no progress for .* with 1 request\(s\) pending, in a first .*", reason
+        )
+
+
+async def until(predicate: Callable[[], object], what: str, timeout_s: float = 60.0) -> None:
+    """Poll ``predicate`` on the event loop until it holds, for ``timeout_s`` at most."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s:g} s"
+        await asyncio.sleep(0.05)
+
+
+async def stall_with_one_request_not_streamed(url: str, scheduler: int) -> str | None:
+    """The test above's run: the stall reason once ``scheduler`` stopped mid-way through a completion not streamed."""
+    watch, metric, tasks = RelayWatch(), KINDS[Engine.SGLANG].step_metric, []
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+
+        async def read() -> float | None:
+            return metric_total((await client.get(Endpoint.METRICS)).text, metric)
+
+        try:
+            tasks.append(asyncio.create_task(watch.watch(read)))
+            streamed = {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "stream": True}
+            relayed = watch.sent(streamed)
+            async with client.stream("POST", "/v1/completions", json=streamed) as reply:
+                async for _ in watch.relay(relayed, reply.aiter_raw(), streams=True):
+                    pass
+            whole = {"prompt": PROMPTS[0], "max_tokens": 2000, "temperature": 0, "ignore_eos": True}
+            watch.sent(whole)
+            tasks.append(asyncio.create_task(client.post("/v1/completions", json=whole)))
+            await until(lambda: watch.counter is not None, "reading of the step counter")
+            counted = [watch.counter]
+
+            def moving() -> bool:  # the counter moved at STEPS_SEEN readings, no stall reported meanwhile
+                assert watch.refusal is None, watch.refusal
+                if watch.counter != counted[-1]:
+                    counted.append(watch.counter)
+                return len(counted) > STEPS_SEEN
+
+            await until(moving, f"{STEPS_SEEN} readings of steps while the completion runs")
+            os.kill(scheduler, signal.SIGSTOP)
+            await until(lambda: watch.refusal, "stall reported")
+            return watch.refusal
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
 
 def test_with_fallback_refuse_a_missing_daemon_stops_the_load(
     sglang_python: str, sglang_env: dict[str, str], model: Path, tmp_path: Path
@@ -226,35 +303,57 @@ def completion(gateway: str) -> tuple[str, str]:
 
 @contextlib.contextmanager
 def sglang_group(sglang_python: str, sglang_env: dict[str, str], model: Path) -> Iterator[tuple[ControllerStack, str]]:
-    """A 3-engine SGLang group up and steady behind the gateway: (its stack, the gateway's /v1 URL)."""
+    """A 2-engine SGLang group (and its spare) up and steady behind the gateway: (its stack, the gateway's /v1
+    URL)."""
     group = (
         f'engine = "sglang"\nengine_python = "{sglang_python}"\nengine_args = {json.dumps(SERVER_ARGS)}\n'
         f"engine_env = {{ {', '.join(f'{k} = {json.dumps(v)}' for k, v in sglang_env.items())} }}\n"
     )
     # Three SGLang servers share two cores here: a promotion under load has taken longer than the default hold.
     stack = ControllerStack(
-        model, engines=3, group_extra=group, failure_threshold=3, gateway_extra="hold_timeout_s = 60"
+        model, engines=2, group_extra=group, failure_threshold=3, gateway_extra="hold_timeout_s = 60"
     )
     try:
         stack.start_controller("up")
-        wait_until(lambda: "is up" in stack.logs(), 900, "an SGLang primary and two standbys", interval=0.5)
+        wait_until(lambda: "is up" in stack.logs(), 900, "an SGLang primary and standby", interval=0.5)
         stack.wait_steady(900)
         yield stack, f"http://127.0.0.1:{stack.config.gateway.port}/v1"
     finally:
         stack.close()
 
 
-def test_an_sglang_group_fails_over_twice_under_load_with_no_client_errors(
-    sglang_python: str, sglang_env: dict[str, str], model: Path
-) -> None:
-    """Three SGLang engines behind the gateway: the primary's server SIGKILLed under load (cut streams continued
-    on the next primary), then at once the new primary's SIGSTOPped: the last standby serves, no client error."""
-    with sglang_group(sglang_python, sglang_env, model) as (stack, gateway):
-        name, before = completion(gateway)
-        uncut = [reply_text(httpx.post(f"{gateway}{path[3:]}", json=body, timeout=60).json()) for path, body in STREAMS]
-        engine_killed_under_load(stack, gateway, uncut)  # the chat through the agent's bridge
-        engine_stopped_under_load(stack, gateway)  # the last standby's turn, while the killed slot restarts
-        assert completion(gateway) == (name, before)
+@pytest.fixture(scope="module")
+def group(sglang_python: str, sglang_env: dict[str, str], model: Path) -> Iterator[tuple[ControllerStack, str]]:
+    """``sglang_group``, shared by the tests that fail its primaries over."""
+    with sglang_group(sglang_python, sglang_env, model) as up:
+        yield up
+
+
+@pytest.mark.timeout(600)  # the group's start and its spare's: server starts on shared cores
+def test_an_sglang_primary_whose_scheduler_stops_is_failed_over_within_its_bound(group: tuple) -> None:
+    """SGLang's scheduler process SIGSTOPped while its HTTP server answers (a gray failure): the agent's progress
+    check reports it, the controller fails over, a stream cut there continues on a standby. It runs first, once the
+    spare is ready: the fenced slot starts as the spare, so the next test waits only for the spare's refill."""
+    stack, gateway = group
+    standby = lambda: any(m["role"] == "standby" and m["status"] == "healthy" for m in stack.members().values())  # noqa: E731
+    wait_until(standby, 900, "a standby back")
+    wait_until(lambda: ready_spare(stack), 900, "the group's spare ready", interval=0.5)  # its start would slow this
+    uncut = reply_text(httpx.post(f"{gateway}/completions", json={"prompt": PROMPT, **LONG}, timeout=60).json())
+    engine_core_stopped_under_load(stack, gateway, Engine.SGLANG, uncut)
+
+
+@pytest.mark.timeout(600)  # the spare's refill after the test before: a server start on shared cores
+def test_an_sglang_group_fails_over_twice_under_load_with_no_client_errors(group: tuple) -> None:
+    """Two SGLang engines and a spare behind the gateway: the primary's server SIGKILLed under load once the spare
+    is ready (cut streams continued on the next primary, the killed slot back from the spare in seconds), then the
+    new primary's SIGSTOPped: the slot the spare took serves, no client error."""
+    stack, gateway = group
+    stack.wait_steady(900)  # the slot fenced by the test before is back
+    name, before = completion(gateway)
+    uncut = [reply_text(httpx.post(f"{gateway}{path[3:]}", json=body, timeout=60).json()) for path, body in STREAMS]
+    engine_killed_under_load(stack, gateway, uncut)  # the chat through the agent's bridge
+    engine_stopped_under_load(stack, gateway)  # the spare's turn, as the killed slot's engine
+    assert completion(gateway) == (name, before)
 
 
 @pytest.mark.slow

@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from hotweights.cache.paths import OFFER_SUFFIX, offer_pid
-from hotweights.controller.events import LOST, MAX_BYTES, EventLog, append_lines
+from hotweights.controller.events import MAX_BYTES, EventLog, append_lines
 from hotweights.controller.metrics import ControllerMetrics
 from hotweights.controller.statedir import RETRY_S, StateDirHealth, StateWriter
 from hotweights.controller.supervisor import (
@@ -36,7 +36,7 @@ from hotweights.controller.supervisor import (
     stack_orphans,
     stop_leftovers,
 )
-from hotweights.spawn import hotweights_command
+from hotweights.eventkinds import EventKind
 from hotweights.state import ClusterState, read_state, write_state
 from tests.cachehelpers import ENV, wait_until
 from tests.controllerhelpers import ControllerStack
@@ -75,16 +75,6 @@ def fill(directory: Path) -> Path:
     probe.unlink()
     assert full.value.errno == errno.ENOSPC
     return filler
-
-
-def down(stack: ControllerStack) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        hotweights_command("down", "--config", str(stack.config_path)),
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
 
 
 def leftovers(stack: ControllerStack) -> list[tuple[str, int]]:
@@ -160,7 +150,11 @@ def test_beyond_the_bound_the_oldest_events_are_dropped_and_named_in_one_line(tm
     path.rmdir()
     assert events.flush()
     lost, *kept = [json.loads(line) for line in path.read_text().splitlines()]
-    assert lost["kind"] == LOST and (lost["first_seq"], lost["last_seq"]) == (1, 3) and "3 events" in lost["message"]
+    assert (
+        lost["kind"] == EventKind.EVENTS_LOST
+        and (lost["first_seq"], lost["last_seq"]) == (1, 3)
+        and "3 events" in lost["message"]
+    )
     assert [e["seq"] for e in kept] == [4, 5, 6]
     assert [e["seq"] for e in events.recent(10)] == [1, 2, 3, 4, 5, 6]  # GET /events still has them all
 
@@ -331,7 +325,9 @@ def test_a_full_state_disk_during_failovers_loses_nothing_and_down_stops_everyth
             "every event in events.jsonl",
         )
         written = file_events(state_dir)
-        assert [e["seq"] for e in written] == list(range(1, len(written) + 1))  # in order, none lost (no LOST line)
+        assert [e["seq"] for e in written] == list(
+            range(1, len(written) + 1)
+        )  # in order, none lost (no events_lost line)
         assert len([e for e in written if e["kind"] == "failover"]) == FAILOVERS
         members = stack.members()
         wait_until(
@@ -350,7 +346,7 @@ def test_a_full_state_disk_during_failovers_loses_nothing_and_down_stops_everyth
         metrics = httpx.get(f"{stack.url}/metrics").text
         assert re.search(r"^hotweights_controller_state_dir_failing 0\.0", metrics, re.MULTILINE), metrics
         fill(state_dir)  # and full again for the stop
-        stopped = down(stack)
+        stopped = stack.down()
         assert stopped.returncode == 0 and "Traceback" not in stopped.stderr, stopped.stderr
         assert stack.controller.wait(timeout=60) == 0
         assert leftovers(stack) == []
@@ -430,7 +426,7 @@ def test_down_after_up_was_killed_stops_every_process_whatever_state_json_says(t
             stack.config.state_file.unlink()
         running = [pid for _, pid in leftovers(stack)]
         assert {replacement, *warming} <= set(running)
-        stopped = down(stack)
+        stopped = stack.down()
         assert stopped.returncode == 0, stopped.stderr
         assert leftovers(stack) == [], stopped.stderr
         assert [pid for pid in running if read_identity(pid)] == []

@@ -1,5 +1,5 @@
 """The gateway's suspect rules (``controller.suspects``) as pure decisions, and the file its workers share them
-through (``controller.suspectjournal``), on real files."""
+through (``gateway.suspectjournal``), on real files."""
 
 from __future__ import annotations
 
@@ -10,10 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from hotweights.controller.discovery import Upstream
-from hotweights.controller.gatewaymetrics import GatewayMetrics
-from hotweights.controller.suspectguard import Stall, SuspectGuard, Tracked
-from hotweights.controller.suspectjournal import SuspectJournal, encode
 from hotweights.controller.suspects import (
     MEMORY,
     Kind,
@@ -23,9 +19,14 @@ from hotweights.controller.suspects import (
     SuspectLimits,
     SuspectTable,
     client_wait,
+    is_started,
     refusal,
     stall_outcome,
 )
+from hotweights.gateway.discovery import Upstream
+from hotweights.gateway.metrics import GatewayMetrics
+from hotweights.gateway.suspectguard import Stall, SuspectGuard, Tracked
+from hotweights.gateway.suspectjournal import SuspectJournal, encode
 
 LIMITS = SuspectLimits(suspect_after=2, suspect_ttl_s=3600.0, client_failures=2, client_window_s=60.0)
 NO_CLIENT_BOUND = SuspectLimits(suspect_after=2, suspect_ttl_s=3600.0, client_failures=0, client_window_s=60.0)
@@ -80,6 +81,22 @@ def test_which_rule_refuses_a_request(own: int, body: int, client: int, limits: 
 )
 def test_how_long_a_client_at_its_bound_waits(times: list[float], now: float, wait: float) -> None:
     assert client_wait(times, now, LIMITS) == pytest.approx(wait)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("answer_began", "streamed", "started"),
+    [
+        (False, True, False),  # a stream cut before its headers only waited for its slots: the failure is not its
+        (True, True, True),  # its headers came: the engine had started it
+        (True, False, True),  # a whole reply's headers come with its end
+        (False, False, True),  # a whole reply without headers may have started all the same
+    ],
+)
+def test_whether_a_failure_counts_against_the_request_in_flight(
+    answer_began: bool, streamed: bool, started: bool
+) -> None:
+    assert is_started(answer_began, streamed) is started
 
 
 @pytest.mark.unit

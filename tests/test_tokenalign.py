@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from hotweights.cache.makemodel import MAX_TOKENIZER_VOCAB, PRESETS, tokenizer_json
+from hotweights.cache.maketokenizer import MAX_TOKENIZER_VOCAB, tokenizer_json
 from hotweights.contract import Endpoint
-from hotweights.controller.migration import Ledger, Migratable, plan
 from hotweights.engines import KINDS
+from hotweights.gateway.migration import Ledger, Migratable, plan
+from hotweights.layout import ModelConfig
 from hotweights.standby.agent import engine_tokenizer, flag_value
 from hotweights.standby.tokenalign import INCOMPLETE, StreamIds, WindowDecoder, wants_aligned
 
@@ -24,7 +25,7 @@ CORPUS = "Hello wörld — ünïcödé 日本語テキスト 🙂🙃 the quick 
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
-    return Tokenizer.from_str(tokenizer_json(min(PRESETS["tiny"].vocab_size, MAX_TOKENIZER_VOCAB)))
+    return Tokenizer.from_str(tokenizer_json(min(ModelConfig().vocab_size, MAX_TOKENIZER_VOCAB)))  # the tiny preset
 
 
 def ids_of(tokenizer: Tokenizer, text: str) -> list[int]:

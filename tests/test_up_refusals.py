@@ -30,25 +30,32 @@ from tests.cachehelpers import ENV, wait_until
 REFUSED_WITHIN_S = 30.0  # the issue's target: a bad model path, device or KV size refused this soon
 
 
-def write_config(root: Path, model: Path, *, group: str = "", kv_cache_tokens: int = 256) -> Path:
-    """A cluster.toml of one group of two engines on free ports, its state dir under ``root``; ``group``: more keys
-    for ``[[groups]]``."""
+def write_config(root: Path, model: Path, *, cluster: str = "", group: str = "", engine: str = "") -> Path:
+    """A cluster.toml of one group of two engines on free ports, its state dir under ``root``; ``cluster``,
+    ``group`` and ``engine``: more keys for ``[cluster]``, ``[[groups]]`` and ``[engine]``."""
     base = free_ports(3, consecutive=True)[0]
     path = root / "cluster.toml"
     path.write_text(
-        f'[cluster]\nport = {free_port()}\nstate_dir = "{root / "state"}"\n\n[model]\npath = "{model}"\n\n'
-        f"[[groups]]\nengines = 2\nbase_port = {base}\n{group}\n[engine]\nkv_cache_tokens = {kv_cache_tokens}\n"
+        f'[cluster]\nport = {free_port()}\nstate_dir = "{root / "state"}"\n{cluster}\n[model]\npath = "{model}"\n\n'
+        f"[[groups]]\nengines = 2\nbase_port = {base}\n{group}\n[engine]\nkv_cache_tokens = 256\n{engine}\n"
         f"[gateway]\nport = {free_port()}\n"
     )
     return path
 
 
 def run_up(config: Path, timeout: float = 120.0) -> tuple[subprocess.CompletedProcess[str], float]:
-    """``hotweights up --config CONFIG`` to its end: the result and how long it took."""
+    """``hotweights up --config CONFIG`` to its end: the result and how long it took. Past ``timeout`` (``up`` never
+    stopped), whatever it started is killed before the test fails: nothing of it outlives the test."""
     started = time.monotonic()
-    result = subprocess.run(
-        hotweights_command("up", "--config", str(config)), env=ENV, capture_output=True, text=True, timeout=timeout
-    )
+    try:
+        result = subprocess.run(
+            hotweights_command("up", "--config", str(config)), env=ENV, capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired:
+        for pid in pids_naming(str(config.parent)):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        raise
     return result, time.monotonic() - started
 
 
@@ -69,7 +76,7 @@ def root(own_world: Path) -> Path:
         ("missing model", "model.path: {root}/nowhere does not exist"),
         ("no checkpoint", "model.path: {root}/config.json is missing"),
         ("no cuda", "groups[0].device: cuda:0 is not available: this torch ({torch}) was built without CUDA"),
-        ("kv cache", "engine.kv_cache_tokens = 1000000000: one engine's KV cache (1000000000 tokens x "),
+        ("kv cache", "engine.kv_pool_tokens = 1000000000: one engine's KV pool (1000000000 positions x "),
     ],
 )
 def test_a_config_that_cannot_run_is_refused_in_one_line_naming_the_key(
@@ -80,7 +87,7 @@ def test_a_config_that_cannot_run_is_refused_in_one_line_naming_the_key(
         pytest.skip("a CUDA build of torch has cuda:0 (or says so only once it looks)")
     model = {"missing model": root / "nowhere", "no checkpoint": root}.get(fault, tiny_model)
     group = 'device = "cuda:0"' if fault == "no cuda" else ""
-    config = write_config(root, model, group=group, kv_cache_tokens=10**9 if fault == "kv cache" else 256)
+    config = write_config(root, model, group=group, engine="kv_pool_tokens = 1000000000" if fault == "kv cache" else "")
     result, took = run_up(config)
     expected = f"hotweights up: error: {config}: " + line.format(root=root, torch=torch.__version__)
     assert result.returncode == 2, result.stderr
@@ -119,8 +126,9 @@ def test_a_port_another_process_holds_is_refused_naming_the_process(root: Path, 
 @pytest.mark.timeout(300)
 def test_an_engine_that_keeps_failing_to_start_the_same_way_stops_up(root: Path, tiny_model: Path) -> None:
     """Engines that can never be ready within their start timeout (no port or model fault to refuse up front): the
-    first failure is told on the console, the third alike stops the stack; exit 2 with that reason, last."""
-    config = write_config(root, tiny_model, group="start_timeout_s = 0.2")
+    first failure is told on the console, the third alike stops the stack; exit 2 with that reason, last. The engines
+    start as fresh processes (imports of over a second): one forked by the launcher can be ready within 0.2 s."""
+    config = write_config(root, tiny_model, cluster="launcher = false", group="start_timeout_s = 0.2")
     result, took = run_up(config, timeout=240)
     lines = result.stderr.splitlines()
     assert result.returncode == 2, result.stderr[-3000:]

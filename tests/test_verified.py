@@ -10,13 +10,16 @@ import dataclasses
 import os
 import stat
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
-from hotweights.cache.client import Attachment, ContentCheck, attach
 from hotweights.cache.verified import FOLDER, ServedArena, VerifiedArenas, is_stale, process_start, record_daemon
 from hotweights.paths import runtime_dir
 from tests.cachehelpers import ProcessDaemon, ThreadDaemon, fingerprint_of
+
+if TYPE_CHECKING:
+    from hotweights.cache.client import Attachment
 
 ARENA = ServedArena("boot", 41, 9000, "a" * 32, '{"dev": 1, "ino": 7}', 4096)
 HASH = "0123456789abcdef" * 4
@@ -33,6 +36,8 @@ def records() -> list[str]:
 
 def attached(sock: Path, model: Path) -> Attachment:
     """Attach as an engine does, and let go of the mapping at once (what matters here is how it was checked)."""
+    from hotweights.cache.client import attach
+
     attachment = attach(sock, fingerprint_of(model), "cpu")
     attachment.close()
     return attachment
@@ -76,6 +81,8 @@ def test_a_record_vouches_only_for_its_hash_in_a_private_folder(tmp_path: Path) 
 
 
 def test_the_first_attach_hashes_and_later_ones_remember(tiny_model: Path, sock: Path) -> None:
+    from hotweights.cache.client import ContentCheck  # the client imports torch: on first use only
+
     with ProcessDaemon(tiny_model, sock):
         first, second = attached(sock, tiny_model), attached(sock, tiny_model)
     assert (first.content, second.content) == (ContentCheck.HASHED, ContentCheck.REMEMBERED)
@@ -85,6 +92,8 @@ def test_the_first_attach_hashes_and_later_ones_remember(tiny_model: Path, sock:
 def test_a_new_daemon_is_hashed_again_and_a_stopped_ones_record_removed(tiny_model: Path, sock: Path) -> None:
     """A record names the daemon process: one started later (same model, same bytes) is checked again, and
     the record of the one that stopped goes when the new one's is written."""
+    from hotweights.cache.client import ContentCheck  # the client imports torch: on first use only
+
     with ProcessDaemon(tiny_model, sock):
         assert attached(sock, tiny_model).content is ContentCheck.HASHED
         before = records()
@@ -97,6 +106,8 @@ def test_a_new_daemon_is_hashed_again_and_a_stopped_ones_record_removed(tiny_mod
 def test_a_record_does_not_vouch_for_other_bytes_of_the_same_daemon(tiny_model: Path, sock: Path) -> None:
     """A daemon that serves a second arena (another fill in the same process, here a second daemon thread)
     gets it hashed: the record names the memory and the arena, not only the process."""
+    from hotweights.cache.client import ContentCheck  # the client imports torch: on first use only
+
     with ThreadDaemon(tiny_model, sock):
         assert attached(sock, tiny_model).content is ContentCheck.HASHED
     with ThreadDaemon(tiny_model, sock):

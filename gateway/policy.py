@@ -10,11 +10,12 @@ failover because of three rules:
 - A request whose upstream failed before any response byte reached the client (connect error,
   connection closed before the whole body of a non-streamed reply of up to ``WHOLE_BODY_MAX`` bytes, or
   before the first chunk of a stream or a larger reply, or a 503 from an engine that is now a standby or
-  draining) is re-sent to the next primary within the same deadline: a non-streamed completion is read
+  draining) is re-sent to the next primary within the same deadline (or within ``hold_timeout_s`` of the failure,
+  when later, where its engine failed with it in flight): a non-streamed completion is read
   whole before its first byte is relayed, so a connection cut between its headers and its body (a
   partition) is retried, not relayed as a truncated body. Completions have no side effects, so running
   one twice is safe.
-- A completion of one choice (``controller.migration``; ``controller.gatewaymigration`` sends it) is migrated
+- A completion of one choice (``gateway.migration``; ``gateway.migratingproxy`` sends it) is migrated
   when its upstream fails mid-way (connection lost, the engine no longer primary, or its stream ending in an error
   event): the gateway continues it on the next primary from the tokens already sent (saying how many were
   generated: ``REPLAY_HEADER``), within the hold rules (counted from the cut), and the client sees one
@@ -35,7 +36,7 @@ once): the rest is answered at once, 429 with ``Retry-After``; while
 none is known, the hold rules above apply instead (their 503s carry ``Retry-After`` too). A request that
 engines failed while serving (their connection cut, or their probes unanswered: a stall) may be what kills them:
 ``controller.suspects`` says when it is not sent again, when one with the same body is refused at once, and when
-its client's are (``controller.suspectguard`` applies those rules).
+its client's are (``gateway.suspectguard`` applies those rules).
 
 Only normalized ``/v1/...`` paths are forwarded: each segment of the raw path (as the client sent it,
 before percent-decoding) is a plain RFC 3986 word, so ``..``, ``.``, empty segments and any percent
@@ -64,15 +65,15 @@ from hotweights.admission import Admission, Held, Verdict
 from hotweights.contract import NOT_NORMALIZED, forwardable_path
 from hotweights.controller.config import ClusterConfig
 from hotweights.controller.dcs import LeaderUrls
-from hotweights.controller.discovery import Discovery, Upstream, reason_of, refused
 from hotweights.controller.events import EventLog
-from hotweights.controller.gatewayanswers import UpstreamFailed, not_found, refusal, suspect_answer
-from hotweights.controller.gatewaymetrics import GatewayMetrics
-from hotweights.controller.gatewaymigration import MigratingProxy, upstream_headers
-from hotweights.controller.migration import Ledger, Migratable, Refusal, plan_off_loop
-from hotweights.controller.suspectguard import SuspectGuard, Tracked
-from hotweights.controller.suspectjournal import SuspectJournal
 from hotweights.controller.suspects import SuspectLimits
+from hotweights.gateway.answers import UpstreamFailed, not_found, refusal, suspect_answer
+from hotweights.gateway.discovery import Discovery, Upstream, reason_of, refused
+from hotweights.gateway.metrics import GatewayMetrics
+from hotweights.gateway.migratingproxy import MigratingProxy, opened, upstream_headers
+from hotweights.gateway.migration import Ledger, Migratable, Refusal, plan_off_loop
+from hotweights.gateway.suspectguard import SuspectGuard, Tracked
+from hotweights.gateway.suspectjournal import SuspectJournal
 from hotweights.httpguard import parsed_json
 from hotweights.proxying import HOP_BY_HOP, ProxiedStream
 from hotweights.requestschema import Invalid
@@ -105,7 +106,7 @@ class Gateway(MigratingProxy):
         suspects_file: Path | None = None,
     ) -> None:
         """``suspects``: the suspect rules' bounds (default: ``[gateway]``'s); ``suspects_file``: where the workers
-        share what they learn of them (``controller.suspectjournal``; None: this worker keeps it)."""
+        share what they learn of them (``gateway.suspectjournal``; None: this worker keeps it)."""
         self.events = events or EventLog(None)  # one event per migration, and per one that failed
         self.state_file = state_file  # the controller's state.json: engines added at runtime are routed too
         self.queue_limit = queue_limit
@@ -176,7 +177,7 @@ class Gateway(MigratingProxy):
         body = await request.body()  # kept, so the request can be re-sent
         deadline = time.monotonic() + self.hold_s
         migration = await plan_off_loop(request.method, path, len(body), parsed_json(request.scope))
-        if isinstance(migration, Invalid):  # what an engine would refuse (controller.migration)
+        if isinstance(migration, Invalid):  # what an engine would refuse (gateway.migration)
             return migration.response()
         if isinstance(migration, Migratable):
             return await self.migrating(request, path, Ledger(migration), tracked, deadline, owed)
@@ -194,6 +195,8 @@ class Gateway(MigratingProxy):
         self.metrics.upstream_errors.labels(upstream.url, exc.kind).inc()
         if exc.kind != "disconnected":  # not a failure with it in flight: it did not get there, or a role change
             self.discovery.suspect(upstream, str(exc))
+        elif not exc.started:  # it only waited for its slots there: the failure is not its (controller.suspects)
+            self.discovery.failed(upstream, str(exc))
         elif suspect := await self.guard.on_failure(
             tracked, self.discovery.failed(upstream, str(exc)), failure, deadline
         ):
@@ -250,11 +253,7 @@ class Gateway(MigratingProxy):
         headers = upstream_headers(request, owed)
         query = f"?{request.url.query}" if request.url.query else ""
         outgoing = self.client.build_request(request.method, upstream.url + path + query, headers=headers, content=body)
-        try:
-            response = await self.client.send(outgoing, stream=True)
-        except httpx.TransportError as exc:
-            kind = "connect" if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout) else "disconnected"
-            raise UpstreamFailed(kind, f"{type(exc).__name__} {exc}".strip()) from exc
+        response = await opened(self.client, outgoing, asks_stream(parsed_json(request.scope)))
         chunks = response.aiter_raw()
         is_sse = response.headers.get("content-type", "").startswith("text/event-stream")
         whole = not is_sse and int(response.headers.get("content-length", WHOLE_BODY_MAX + 1)) <= WHOLE_BODY_MAX
@@ -347,6 +346,11 @@ class Gateway(MigratingProxy):
                 await probing
             await self.client.aclose()
             await self.probe_client.aclose()
+
+
+def asks_stream(body: object) -> bool:
+    """Whether a request (its body's JSON value, ``parsed_json``) asks for a stream (``controller.suspects``)."""
+    return isinstance(body, dict) and body.get("stream") is True
 
 
 async def ending_with(chunks: AsyncIterator, end: Callable[[], Awaitable[None]]) -> AsyncIterator:

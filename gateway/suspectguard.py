@@ -1,6 +1,6 @@
 """The gateway's guard against requests that kill engines: the suspect rules (``controller.suspects``) applied to
 each request as it arrives, as engines fail with it in flight and as it ends; what one worker learns shared with
-the others (``controller.suspectjournal``); for each refusal one log line (the body's size and digest, never its
+the others (``gateway.suspectjournal``); for each refusal one log line (the body's size and digest, never its
 content) and ``hotweights_gateway_suspect_requests_total{rule}``."""
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from hotweights.controller.discovery import Upstream
-from hotweights.controller.gatewayanswers import SUSPECT_CLIENT, refusal, suspect_answer
-from hotweights.controller.gatewaymetrics import GatewayMetrics
-from hotweights.controller.suspectjournal import SuspectJournal
 from hotweights.controller.suspects import Kind, Outcome, Record, Rule, SuspectLimits, SuspectTable, stall_outcome
+from hotweights.gateway.answers import SUSPECT_CLIENT, refusal, suspect_answer
+from hotweights.gateway.discovery import Upstream
+from hotweights.gateway.metrics import GatewayMetrics
+from hotweights.gateway.suspectjournal import SuspectJournal
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
-"""The gateway's migrating completions (``controller.migration`` says which, and keeps what each has sent): streamed
+"""The gateway's migrating completions (``gateway.migration`` says which, and keeps what each has sent): streamed
 from an engine with token ids and continued on the next primary whenever their upstream fails mid-way, within the
 hold rules; and the headers every request to an upstream carries.
 
-``MigratingProxy`` is the half of ``controller.gateway.Gateway`` that sends them: it uses the gateway's request
+``MigratingProxy`` is the half of ``gateway.policy.Gateway`` that sends them: it uses the gateway's request
 pool, discovery, metrics, events and suspect guard, and its hold rules (the methods it declares).
 """
 
@@ -20,12 +20,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from hotweights.contract import OWED_HEADER, REPLAY_HEADER, WEIGHTS_HEADER, Endpoint
-from hotweights.controller.discovery import Discovery, Upstream, reason_of, refused
 from hotweights.controller.events import EventLog
-from hotweights.controller.gatewayanswers import SegmentFailed, UpstreamFailed, sse_event, unavailable
-from hotweights.controller.gatewaymetrics import GatewayMetrics
-from hotweights.controller.migration import Ledger
-from hotweights.controller.suspectguard import SuspectGuard, Tracked
+from hotweights.controller.suspects import is_started
+from hotweights.eventkinds import EventKind
+from hotweights.gateway.answers import SegmentFailed, UpstreamFailed, sse_event, unavailable
+from hotweights.gateway.discovery import Discovery, Upstream, reason_of, refused
+from hotweights.gateway.metrics import GatewayMetrics
+from hotweights.gateway.migration import Ledger
+from hotweights.gateway.suspectguard import SuspectGuard, Tracked
 from hotweights.proxying import HOP_BY_HOP
 
 log = logging.getLogger(__name__)
@@ -43,8 +45,20 @@ def upstream_headers(request: Request, owed: bool) -> list[tuple[str, str]]:
 T = TypeVar("T")
 
 
+async def opened(client: httpx.AsyncClient, outgoing: httpx.Request, streamed: bool) -> httpx.Response:
+    """The upstream's response to ``outgoing``, once its headers came; UpstreamFailed when the connection failed or
+    was cut before, started or not as ``controller.suspects.is_started`` says of a request that asked for a stream
+    (``streamed``) or not."""
+    try:
+        return await client.send(outgoing, stream=True)
+    except httpx.TransportError as exc:
+        kind = "connect" if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout) else "disconnected"
+        started = kind == "disconnected" and is_started(answer_began=False, streamed=streamed)
+        raise UpstreamFailed(kind, f"{type(exc).__name__} {exc}".strip(), started) from exc
+
+
 class MigratingProxy:
-    """Migrating completions, for ``controller.gateway.Gateway`` (module docstring)."""
+    """Migrating completions, for ``gateway.policy.Gateway`` (module docstring)."""
 
     client: httpx.AsyncClient  # the request pool
     discovery: Discovery
@@ -106,7 +120,10 @@ class MigratingProxy:
     ) -> T | Response:
         """``attempt`` on the current primary, again on the next one while it fails before any byte reached the
         client (UpstreamFailed; after a 429, a wait first, and only when ``owed``, which a failure makes it); 503
-        once no primary comes by ``deadline``, 422 once the request is suspect (``upstream_failed``)."""
+        once no primary comes by ``deadline``, which an engine failing with the request in flight moves to
+        ``hold_s`` after that failure if later (a failover owes it a hold of its own, as a migrated completion's
+        continuation has: it may have waited its queue budget there), 422 once the request is suspect
+        (``upstream_failed``)."""
         last_failure = ""
         busy = 0  # 429s met so far
         while True:
@@ -122,6 +139,8 @@ class MigratingProxy:
                     busy += 1
                     await self.wait_busy(busy, deadline)
                     continue
+                if exc.kind == "disconnected":
+                    deadline = max(deadline, time.monotonic() + self.hold_s)
                 if suspect := await self.upstream_failed(upstream, exc, tracked, last_failure, deadline):
                     return suspect
                 owed = True  # the failover's now, not its client's load
@@ -133,11 +152,7 @@ class MigratingProxy:
         400, say); UpstreamFailed while it can go elsewhere (connection failed or cut, a 503) or, when ``owed``,
         wait for a slot (a 429)."""
         outgoing = self.client.build_request("POST", upstream.url + path, headers=headers, json=body)
-        try:
-            response = await self.client.send(outgoing, stream=True)
-        except httpx.TransportError as exc:
-            kind = "connect" if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout) else "disconnected"
-            raise UpstreamFailed(kind, f"{type(exc).__name__} {exc}".strip()) from exc
+        response = await opened(self.client, outgoing, streamed=True)
         if response.status_code == 200 and response.headers.get("content-type", "").startswith("text/event-stream"):
             return upstream, response
         try:
@@ -219,7 +234,7 @@ class MigratingProxy:
                 self.migration_failed(ledger, message)
                 raise SegmentFailed(message)
             self.events.record(
-                "migration_restarted", f"{ledger.id} runs again from its prompt: {why}", request=ledger.id
+                EventKind.MIGRATION_RESTARTED, f"{ledger.id} runs again from its prompt: {why}", request=ledger.id
             )
             ledger.restart()
             body = ledger.request.upstream_body()
@@ -229,7 +244,7 @@ class MigratingProxy:
         self.metrics.migrations.labels("migrated").inc()
         to = opened[0].url
         self.events.record(
-            "migration",
+            EventKind.MIGRATION,
             f"{ledger.id} continues on {to} after {replayed} tokens: {failure}",
             request=ledger.id,
             to=to,
@@ -240,7 +255,7 @@ class MigratingProxy:
 
     def migration_failed(self, ledger: Ledger, message: str) -> None:
         self.metrics.migrations.labels("failed").inc()
-        self.events.record("migration_failed", message, request=ledger.id)
+        self.events.record(EventKind.MIGRATION_FAILED, message, request=ledger.id)
 
     async def segment(self, upstream: Upstream, response: httpx.Response, ledger: Ledger) -> AsyncIterator[dict]:
         """One upstream's chunks, as the client sees them; SegmentFailed unless it ends with ``[DONE]``.

@@ -1,6 +1,6 @@
 """``hotweights gateway``, the process: its routes, the listening sockets it serves on, its command line.
 
-``controller.gateway`` holds the policy (where a request goes, how long it waits, when it is re-sent)."""
+``gateway.policy`` holds the policy (where a request goes, how long it waits, when it is re-sent)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,9 @@ from starlette.routing import Route
 
 from hotweights.contract import (
     CHALLENGE,
+    GATEWAY_BACKLOG,
     SERVING_PREFIX,
+    SHUTDOWN_TIMEOUT_S,
     TOKEN_REQUIRED,
     Endpoint,
     bearer_credentials,
@@ -29,16 +31,15 @@ from hotweights.contract import (
 from hotweights.controller.config import GATEWAY_TOKEN_FIX, load_config
 from hotweights.controller.dcs import LeaderUrls
 from hotweights.controller.events import EventLog
-from hotweights.controller.gateway import Gateway, default_admission
-from hotweights.controller.suspectjournal import JOURNAL_FILE
 from hotweights.errors import ConfigError
+from hotweights.gateway.policy import Gateway, default_admission
+from hotweights.gateway.suspectjournal import JOURNAL_FILE
 from hotweights.httpguard import ErrorShape, HttpLimits, server_config
 from hotweights.standby.serving import AnnouncingServer, bind_port, is_listening, run_until_signal
 
 log = logging.getLogger(__name__)
 
 GATEWAY_EVENTS_FILE = "gateway-events.jsonl"  # in the state dir, every worker appending
-BACKLOG = 4096  # connections the kernel queues while no worker accepts (one respawning); capped by somaxconn
 SUPERVISOR_BACKLOG = 16
 EVENTS_LIMIT = 100  # events GET /gateway/events returns by default
 
@@ -143,7 +144,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
             ErrorShape.OPENAI,
             host=host,
             port=port,
-            backlog=BACKLOG,
+            backlog=GATEWAY_BACKLOG,
             timeout_graceful_shutdown=args.shutdown_timeout,
         )
     )
@@ -178,7 +179,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--shutdown-timeout",
         type=float,
-        default=30.0,
-        help="seconds open requests get after SIGTERM before they are cancelled (default 30)",
+        default=SHUTDOWN_TIMEOUT_S,
+        help=f"seconds open requests get after SIGTERM before they are cancelled (default {SHUTDOWN_TIMEOUT_S:g})",
     )
     p.set_defaults(func=cmd_gateway)

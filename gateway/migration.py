@@ -21,7 +21,7 @@ engines' own definitions (``hotweights.requestschema``), so that the gateway ref
 same words: a stop string it applies itself, or a ``stream`` it overrides, never escapes the engine's limits. The
 other fields reach the engine as the client sent them, and it judges them.
 
-Nothing here does I/O: ``controller.gateway`` sends the requests.
+Nothing here does I/O: ``gateway.policy`` sends the requests.
 """
 
 from __future__ import annotations

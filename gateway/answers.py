@@ -35,9 +35,12 @@ class UpstreamFailed(Exception):
     """The upstream failed before any byte reached the client: the request may go elsewhere (or, of kind
     ``busy``, to the same engine once it has a slot)."""
 
-    def __init__(self, kind: str, message: str) -> None:
+    def __init__(self, kind: str, message: str, started: bool = True) -> None:
+        """``started``: the engine had started the request (``controller.suspects.is_started``), so that its failure
+        counts against it."""
         super().__init__(message)
         self.kind = kind
+        self.started = started
 
 
 def sse_event(payload: dict) -> bytes:

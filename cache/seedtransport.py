@@ -1,0 +1,176 @@
+"""How an arena's bytes travel from a serving daemon to a new one: the seeding transport and its TCP implementation.
+
+A ``SeedChannel`` is one stream to a serving daemon: ``open`` authenticates both ends and agrees on the weights
+(returns the peer's manifest), ``read_range`` copies one byte range of the peer's arena into a ``RangeSink``.
+``SeedTransport.connect`` opens channels; TCP is the one transport today, RDMA could be another (its channel
+would read a range straight into registered memory).
+
+The TCP conversation (length-prefixed JSON frames of ``cache.protocol``, then raw bytes):
+
+  client {"op": "seed_hello", "version": 1, "nonce"}           server {"ok", "version", "nonce", "proof"}
+  client {"op": "seed_auth", "proof", "fingerprint",            server {"ok", "manifest"} or a refusal:
+          "session", "listen"}                                    forbidden, fingerprint_mismatch, busy
+  client {"op": "seed_range", "start", "end"}                  server {"ok", "start", "end"} + end-start bytes
+
+Both ends prove they know the shared token without sending it: each sends HMAC-SHA256(token, role, both nonces)
+and checks the other's in constant time. A stranger can neither read (the server refuses it) nor feed weights
+(the client refuses a server that cannot prove the token, and checks the content hash before serving anything).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import socket
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any
+
+from hotweights.cache.protocol import (
+    PROTOCOL_VERSION,
+    ProtocolError,
+    check_version,
+    recv_message,
+    reply_ok,
+    send_message,
+)
+from hotweights.errors import HotweightsError
+
+# Seeding's defaults, here (no torch) so that the controller's configuration takes them from one place:
+STREAMS = 4  # parallel channels per copy
+MAX_CLIENTS = 1  # seed clients a serving daemon copies to at once (a tree doubles per copy time with 1)
+RATE_GBPS = 0.0  # a serving daemon's cap on what seeding sends, GB/s (0: the link's speed)
+WAIT_S = 60.0  # how long a new daemon waits while every peer is busy and none is new, before the next source
+HANDSHAKE_TIMEOUT_S = 10.0  # the whole handshake, and each range's header
+IO_TIMEOUT_S = 10.0  # a stream that moves no byte for this long is dropped (and resumed)
+SOCKET_BUFFER_BYTES = 4 << 20  # SO_SNDBUF / SO_RCVBUF asked for each stream
+
+
+class SeedRefused(HotweightsError):
+    """The peer refused us (or we it) for a reason retrying cannot fix: a wrong token, other weights."""
+
+
+class SeedBusy(HotweightsError):
+    """The peer serves as many seed clients as it allows: try another, or later."""
+
+
+class RangeSink(ABC):
+    """Where a channel writes the bytes of a range: the new arena, directly or through a staging buffer."""
+
+    @abstractmethod
+    def receive(self, start: int, end: int, read_into: Callable[[memoryview], int]) -> int:
+        """Fill arena bytes [start, end) by calling ``read_into(buffer)`` (returns bytes read, 0 at EOF) until done;
+        returns how many bytes are in place (less than end - start when a read failed: OSError is re-raised after
+        the bytes already received are in place, so a resume asks only for the rest)."""
+
+
+class SeedChannel(ABC):
+    """One authenticated stream to a serving daemon."""
+
+    @abstractmethod
+    def open(self, token: str, fingerprint: dict[str, Any], session: str, listen: str) -> dict[str, Any]:
+        """Authenticate both ways and offer our fingerprint; the peer's manifest. SeedRefused (token, weights),
+        SeedBusy, OSError or ProtocolError (the connection failed: worth another try)."""
+
+    @abstractmethod
+    def read_range(self, start: int, end: int, sink: RangeSink, progress: Callable[[int], None]) -> None:
+        """Copy the peer's arena bytes [start, end) into ``sink``, calling ``progress(n)`` as bytes land. On a
+        failure (OSError, ProtocolError) the bytes already reported stay valid."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Close without a word (a failed stream)."""
+
+
+class SeedTransport(ABC):
+    @abstractmethod
+    def connect(self, address: str) -> SeedChannel:
+        """A new channel to the seeding listener at ``address``; OSError when it cannot be reached."""
+
+
+def proof(token: str, role: str, client_nonce: str, server_nonce: str) -> str:
+    """What ``role`` ("client" or "server") sends to show it knows ``token``, bound to both nonces."""
+    message = f"hotweights-seed:{role}:{client_nonce}:{server_nonce}".encode()
+    return hmac.new(token.encode(), message, hashlib.sha256).hexdigest()
+
+
+def proof_matches(given: object, expected: str) -> bool:
+    """Constant-time comparison of a received proof."""
+    return isinstance(given, str) and hmac.compare_digest(given.encode(), expected.encode())
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """``HOST:PORT`` -> (host, port); ValueError naming what is wrong."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"expected HOST:PORT, found {address!r}")
+    return host.strip("[]"), int(port)
+
+
+def tune(sock: socket.socket) -> None:
+    """Large buffers and no Nagle delay for a bulk stream."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
+
+
+class TcpChannel(SeedChannel):
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.sock = socket.create_connection(split_address(address), timeout=HANDSHAKE_TIMEOUT_S)
+        tune(self.sock)
+
+    def _ask(self, message: dict[str, Any]) -> dict[str, Any]:
+        deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
+        send_message(self.sock, message, deadline=deadline)
+        reply, _ = recv_message(self.sock, deadline=deadline)
+        return reply
+
+    def open(self, token: str, fingerprint: dict[str, Any], session: str, listen: str) -> dict[str, Any]:
+        nonce = secrets.token_hex(16)
+        reply = self._ask({"op": "seed_hello", "version": PROTOCOL_VERSION, "nonce": nonce})
+        self._refused(reply)
+        check_version(reply)
+        server_nonce = str(reply.get("nonce", ""))
+        if not proof_matches(reply.get("proof"), proof(token, "server", nonce, server_nonce)):
+            raise SeedRefused(f"seeding peer {self.address} does not know the seeding token: not one of ours")
+        body = {"op": "seed_auth", "proof": proof(token, "client", nonce, server_nonce), "fingerprint": fingerprint,
+                "session": session, "listen": listen}  # fmt: skip
+        reply = self._ask(body)
+        self._refused(reply)
+        manifest = reply.get("manifest")
+        if not isinstance(manifest, dict):
+            raise ProtocolError(f"seeding peer {self.address} sent no manifest")
+        return manifest
+
+    def _refused(self, reply: dict[str, Any]) -> None:
+        if reply_ok(reply):
+            return
+        message = f"seeding peer {self.address} refused: {reply.get('message')}"
+        raise SeedBusy(message) if reply.get("error") == "busy" else SeedRefused(message)
+
+    def read_range(self, start: int, end: int, sink: RangeSink, progress: Callable[[int], None]) -> None:
+        reply = self._ask({"op": "seed_range", "start": start, "end": end})
+        self._refused(reply)
+        if reply.get("start") != start or reply.get("end") != end:
+            raise ProtocolError(f"seeding peer {self.address} answered range {reply.get('start')}-{reply.get('end')}")
+        self.sock.settimeout(IO_TIMEOUT_S)
+
+        def read_into(buffer: memoryview) -> int:
+            n = self.sock.recv_into(buffer)
+            if n == 0:
+                raise ConnectionError(f"seeding peer {self.address} closed the stream mid-range")
+            progress(n)
+            return n
+
+        sink.receive(start, end, read_into)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class TcpTransport(SeedTransport):
+    def connect(self, address: str) -> SeedChannel:
+        return TcpChannel(address)

@@ -1,0 +1,59 @@
+"""A process's tree and the memory it holds, read from /proc and ``nvidia-smi`` without touching any device: what the
+controller's memory checks measure of an engine, and what a vLLM or SGLang spare reports it holds."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+from collections.abc import Iterable
+from pathlib import Path
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live descendant of ``pid`` (from each thread's /proc children list). A process or thread that exits
+    while it is read (an exiting primary's, as a failover checks its port) is skipped: its /proc entries vanish
+    between the listing and the read (``Path.glob`` would raise then)."""
+    found: set[int] = set()
+    parents = [pid]
+    while parents:
+        parent = parents.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:  # gone meanwhile
+            continue
+        for task in tasks:
+            with contextlib.suppress(OSError):
+                for child in map(int, Path(f"/proc/{parent}/task/{task}/children").read_text().split()):
+                    if child not in found:
+                        found.add(child)
+                        parents.append(child)
+    return found
+
+
+def tree_rss_bytes(pid: int) -> int | None:
+    """Resident memory of ``pid`` and every process below it (an agent's engine and its workers, say); None once
+    ``pid`` is gone."""
+    total = 0
+    for member in (pid, *descendants(pid)):
+        try:
+            total += int(Path(f"/proc/{member}/statm").read_text().split()[1]) * PAGE
+        except OSError:
+            if member == pid:
+                return None
+    return total
+
+
+def device_bytes_of(pids: Iterable[int]) -> int | None:
+    """The most device memory any of ``pids`` holds (``nvidia-smi``'s compute processes); None when none of
+    them is listed or it cannot be read."""
+    query = ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"]
+    try:
+        result = subprocess.run(query, capture_output=True, text=True, timeout=10, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    used = {int(pid): int(mib) << 20 for pid, mib in (line.split(",") for line in result.stdout.splitlines() if line)}
+    held = [used[pid] for pid in pids if pid in used]
+    return max(held) if held else None

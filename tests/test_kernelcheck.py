@@ -1,0 +1,68 @@
+"""The kernels' check at warm-up (``standby.kernelcheck``): which ways of a decode step a decoder keeps, from what
+each computes against plain torch's reference step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hotweights.standby.kernelcheck import disagreement, probe_inputs, verdict
+
+REFERENCE = torch.tensor([[4.0, -2.0, 0.5], [1.0, 3.0, -4.0]])
+
+
+def rounded(logits: torch.Tensor) -> torch.Tensor:
+    return logits + 0.01  # rounding of another sum order: well inside the tolerance
+
+
+def wrong(logits: torch.Tensor) -> torch.Tensor:
+    return logits.flip(-1)
+
+
+def nan(logits: torch.Tensor) -> torch.Tensor:
+    return torch.full_like(logits, float("nan"))
+
+
+def fails(logits: torch.Tensor) -> torch.Tensor:
+    raise RuntimeError("PTX assembly aborted\nmore detail")
+
+
+@pytest.mark.parametrize(
+    ("split_kv", "attention", "fused", "expected", "warned"),
+    [
+        (True, rounded, rounded, (True, True), []),
+        (True, wrong, rounded, (False, True), ["split-KV attention"]),
+        (True, nan, fails, (False, False), ["split-KV attention", "the fused kernels"]),
+        (True, rounded, fails, (True, False), ["the fused kernels"]),
+        (False, fails, rounded, (False, True), []),  # no split-KV to check: never run
+    ],
+)
+def test_a_decoder_keeps_only_the_kernels_that_compute_the_reference(
+    split_kv: bool, attention: object, fused: object, expected: tuple[bool, bool], warned: list[str]
+) -> None:
+    calls: list[tuple[int | None, bool]] = []
+
+    def step(kv_len: int | None, fuse: bool) -> torch.Tensor:
+        calls.append((kv_len, fuse))
+        if not fuse and kv_len is not None:
+            return REFERENCE
+        return (fused if fuse else attention)(REFERENCE)  # type: ignore[operator]
+
+    found = verdict(step, split_kv, 4096)
+    assert (found.split_kv, found.fused) == expected
+    assert [line.split(" on this device")[0] for line in found.warnings] == warned
+    # The fused kernels are tried on top of the attention that passed, else the reference's masked length.
+    assert calls[-1] == (None if found.split_kv else 4096, True)
+    assert all("\n" not in line for line in found.warnings)
+
+
+def test_a_disagreement_names_the_largest_difference_against_the_largest_logit() -> None:
+    assert disagreement(rounded(REFERENCE), REFERENCE) is None
+    assert disagreement(wrong(REFERENCE), REFERENCE) == "a logit differs by 5 where the largest is 4"
+    assert disagreement(nan(REFERENCE), REFERENCE) == "a logit is not finite"
+
+
+def test_the_probe_spreads_its_rows_over_the_whole_cache() -> None:
+    tokens, positions = probe_inputs(4, 4096, 100, torch.device("cpu")).tolist()
+    assert positions == [0, 1365, 2730, 4095] and all(0 <= t < 100 for t in tokens)
+    assert probe_inputs(1, 512, 100, torch.device("cpu"))[1].tolist() == [511]
