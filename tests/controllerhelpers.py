@@ -138,6 +138,20 @@ class ControllerStack:
             and all(self.engine_primary_status(p["url"]) == 200 for p in primaries)
         )
 
+    def wait_up(self, timeout: float = 120.0, what: str = "the ready summary") -> None:
+        """Wait for ``up``'s ready summary ("is up"); past ``timeout``, or once the controller has exited, raise
+        with the tail of its log (what it was waiting for)."""
+
+        def up() -> bool:
+            if self.controller is not None and self.controller.poll() is not None:
+                raise RuntimeError(f"controller exited with {self.controller.returncode}:\n{self.logs()}")
+            return "is up" in self.logs()
+
+        try:
+            wait_until(up, timeout, what, interval=0.1)
+        except TimeoutError as late:
+            raise TimeoutError(f"{late}; the controller's log ends:\n{self.logs()}") from None
+
     def wait_steady(self, timeout: float = 90.0) -> dict[str, dict[str, Any]]:
         wait_until(self.is_steady, timeout, "a steady cluster", interval=0.1)
         return self.members()

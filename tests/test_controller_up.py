@@ -25,7 +25,7 @@ def test_up_serves_through_the_gateway_and_down_stops_everything(tiny_model: Pat
     stack = ControllerStack(tiny_model, engines=2)
     try:
         stack.start_controller("up")
-        wait_until(lambda: "is up" in stack.logs(), 90, "the ready summary", interval=0.1)
+        stack.wait_up(90)
         summary = stack.logs()
         gateway = f"http://127.0.0.1:{stack.config.gateway.port}"
         assert f"controller  {stack.url}" in summary and f"gateway     {gateway}/v1" in summary
@@ -121,7 +121,7 @@ def test_gateway_workers_learn_a_new_primary_by_push_not_by_their_poll(tiny_mode
     stack = ControllerStack(tiny_model, engines=2, gateway_extra="probe_interval_ms = 60000\n")
     try:
         stack.start_controller("up")
-        wait_until(lambda: "is up" in stack.logs(), 90, "the ready summary", interval=0.1)
+        stack.wait_up(90)
         old = stack.primary()["url"]
         wait_until(lambda: _worker_primaries(stack) == {"gateway": [old], "gateway-1": [old]}, 30, "both workers")
         switched = stack.client.post("/switchover", json={})
@@ -331,7 +331,7 @@ def gateway_stack(tiny_model: Path) -> Iterator[ControllerStack]:
     stack = ControllerStack(tiny_model, engines=2)
     try:
         stack.start_controller("up")
-        wait_until(lambda: "is up" in stack.logs(), 90, "the ready summary", interval=0.1)
+        stack.wait_up(90)
         yield stack
     finally:
         stack.close()

@@ -72,7 +72,7 @@ def test_up_never_imports_a_foreign_package(tiny_model: Path, tmp_path: Path) ->
     stack = ControllerStack(tiny_model, engines=2)
     try:
         stack.start_controller("up", cwd=project)
-        wait_until(lambda: "is up" in stack.logs(), 90, "the ready summary", interval=0.1)
+        stack.wait_up(90)
         gateway = f"http://127.0.0.1:{stack.config.gateway.port}"
         response = httpx.post(f"{gateway}/v1/completions", json={"prompt": "hello", "max_tokens": 4}, timeout=30)
         assert response.status_code == 200, response.text

@@ -315,7 +315,7 @@ def sglang_group(sglang_python: str, sglang_env: dict[str, str], model: Path) ->
     )
     try:
         stack.start_controller("up")
-        wait_until(lambda: "is up" in stack.logs(), 900, "an SGLang primary and standby", interval=0.5)
+        stack.wait_up(900, "an SGLang primary and standby")
         stack.wait_steady(900)
         yield stack, f"http://127.0.0.1:{stack.config.gateway.port}/v1"
     finally:

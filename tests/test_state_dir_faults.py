@@ -310,7 +310,7 @@ def test_a_full_state_disk_during_failovers_loses_nothing_and_down_stops_everyth
         state_dir = cleanup.enter_context(small_filesystem(stack.config.state_dir, "64m"))
         cleanup.callback(stack.close)
         stack.start_controller("up")
-        wait_until(lambda: "is up" in stack.logs(), 120, "the ready summary", interval=0.1)
+        stack.wait_up(120)
         stack.wait_steady()
         filler = fill(state_dir)
         for _ in range(FAILOVERS):
@@ -374,7 +374,7 @@ def test_dead_engines_sockets_are_removed_and_a_clean_stop_removes_all(tiny_mode
     stack = ControllerStack(tiny_model)
     try:
         stack.start_controller("up")
-        wait_until(lambda: "is up" in stack.logs(), 120, "the ready summary", interval=0.1)
+        stack.wait_up(120)
         for role in ("primary", "standby", "primary", "standby"):
             pid = kill_one(stack, role)
             wait_until(lambda pid=pid: pid not in handover_offers(stack), 30, f"pid {pid}'s offer removed")
@@ -409,7 +409,7 @@ def test_down_after_up_was_killed_stops_every_process_whatever_state_json_says(t
     ]
     try:
         stack.start_controller("up")
-        wait_until(lambda: "is up" in stack.logs(), 120, "the ready summary", interval=0.1)
+        stack.wait_up(120)
         stack.wait_steady()
         wait_until(lambda: [s for s in stack.cluster()["spares"] if s["ready"]], 60, "a ready spare")
         before = stack.config.state_file.read_bytes()

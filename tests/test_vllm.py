@@ -225,7 +225,7 @@ def vllm_group(vllm_python: str, bf16_model: Path) -> Iterator[tuple[ControllerS
     stack = ControllerStack(bf16_model, engines=2, group_extra=group, failure_threshold=3)
     try:
         stack.start_controller("up")
-        wait_until(lambda: "is up" in stack.logs(), 900, "a vLLM primary and standby", interval=0.5)
+        stack.wait_up(900, "a vLLM primary and standby")
         yield stack, f"http://127.0.0.1:{stack.config.gateway.port}/v1"
     finally:
         stack.close()
