@@ -201,7 +201,7 @@ def engine_killed_under_load(stack: ControllerStack, gateway: str, uncut: list[s
     served = load.ok
     wait_until(lambda: load.ok >= served + 5, 120, "load served by the new primary")
     load.finish()
-    assert load.errors == []
+    assert load.errors == [], (load.errors, stack.client.get("/events", params={"limit": 40}).json()["events"])
     assert [cut.finish(stack.primary()["url"]) for cut in cuts] == uncut
     started = [e for e in stack.events("engine_start") if e["member"] == old["id"] and event_time(e) >= killed_at]
     print(f"\nspare ready holding {spare['host_bytes'] >> 20} MiB; full redundancy {restored - killed_at:.2f} s after")
