@@ -4,10 +4,11 @@ Two decisions, from what the engines report and no I/O (``controller.graywatch``
 decisions out; ``tests/test_graydecide.py`` tables them):
 
 - ``degraded_primary``: a primary whose decode steps stay ``factor`` times slower than its own best
-  (``standby.steptimes``: the time of its steps, never of its requests, so a queue under overload adds nothing) and
-  ``factor`` times slower than a ready standby's canary asked while it looked slow (so a slowdown of the whole
-  host, which slows the standbys' canaries alike, never counts), both for ``for_s`` in a row, is switched over to
-  the least slow such standby: planned, its streams handed over with their KV cache, nothing fenced. At most one
+  (``standby.steptimes``: the time of its steps, never of its requests, so a queue under overload adds nothing) for
+  ``for_s`` in a row, and ``factor`` times slower than a ready standby's canary asked while it looked slow (so a
+  slowdown of the whole host, which slows the standbys' canaries alike, never counts: it starts the spell again),
+  is switched over to the least slow such standby: planned, its streams handed over with their KV cache, nothing
+  fenced. At most one
   such switchover per group every ``every_s``: a slowdown that follows the primary never makes the group flap.
 - ``judge_canaries``: the engines that serve the same weights (one fingerprint) must give the canary's answer
   (``standby.canary``). The answer is what a strict majority of them gave, else (no majority: two engines that
@@ -57,8 +58,9 @@ class CanaryReading:
 
 @dataclass(frozen=True)
 class SlowSpell:
-    """A group's primary: slower than ``factor`` times its best since ``slow_since`` (standbys' canaries asked then),
-    and also than ``factor`` times a standby's since ``since``; ``last_switch``: the group's last such switchover."""
+    """A group's primary: slower than ``factor`` times its best since ``slow_since`` (standbys' canaries asked then,
+    none of them as slow since), and found ``factor`` times slower than a standby's at ``since`` (None: not yet);
+    ``last_switch``: the group's last such switchover."""
 
     primary: str | None = None
     slow_since: float | None = None
@@ -108,15 +110,17 @@ def degraded_primary(
         and reading.slowness is not None
     ]
     best, standby = min(measured, key=lambda pair: pair[0], default=(None, None))
-    if best is None or ratio < policy.factor * best:  # no standby measured, or about as slow: the host's slowdown
+    if best is None:  # no standby measured since it looked slow (the caller asks them)
         return None, SlowSpell(primary.id, slow_since, None, spell.last_switch)
+    if ratio < policy.factor * best:  # a standby about as slow: the host's slowdown, the spell starts again
+        return None, SlowSpell(primary.id, now, None, spell.last_switch)
     since = spell.since if same and spell.since is not None else now
     spell = SlowSpell(primary.id, slow_since, since, spell.last_switch)
-    if now - since < policy.for_s or policy.too_soon(spell.last_switch, now):
+    if now - slow_since < policy.for_s or policy.too_soon(spell.last_switch, now):
         return None, spell
     reason = (
-        f"its decode steps have taken {ratio:.1f}x their best, {ratio / best:.1f}x what standby {standby.id}'s "
-        f"canary took, for {now - since:.1f} s (switching at {policy.factor:g}x for {policy.for_s:g} s)"
+        f"its decode steps have taken {ratio:.1f}x their best for {now - slow_since:.1f} s, {ratio / best:.1f}x what "
+        f"standby {standby.id}'s canary took (switching at {policy.factor:g}x for {policy.for_s:g} s)"
     )
     return SwitchAway(primary, standby, reason), replace(spell, last_switch=now)
 

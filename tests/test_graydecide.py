@@ -54,17 +54,39 @@ AS_SLOW = {"g0-e1": canary(1, 6.0), "g0-e2": canary(2, 5.5)}
         pytest.param(member(0, "primary", slowness=1.3), FAST, SlowSpell(), None, SlowSpell(), id="healthy"),
         pytest.param(member(0, "primary"), FAST, SPELL, None, SlowSpell(), id="idle primary: no steps, no verdict"),
         pytest.param(SLOW, {}, SlowSpell(), None, SlowSpell("g0-e0", NOW), id="looks slow: no standby measured yet"),
-        pytest.param(SLOW, FAST, LOOKS_SLOW, None, SlowSpell("g0-e0", NOW - 3.0, NOW), id="a standby confirms it"),
         pytest.param(
             SLOW,
             FAST,
-            SlowSpell("g0-e0", NOW - 3.0, NOW - 1.0),
+            LOOKS_SLOW,
+            "g0-e2",
+            SlowSpell("g0-e0", NOW - 3.0, NOW, NOW),
+            id="a standby confirms a primary slow for longer than for_s: at once",
+        ),
+        pytest.param(
+            SLOW,
+            FAST,
+            SlowSpell("g0-e0", NOW - 1.5),
             None,
-            SlowSpell("g0-e0", NOW - 3.0, NOW - 1.0),
-            id="confirmed for too short",
+            SlowSpell("g0-e0", NOW - 1.5, NOW),
+            id="a standby confirms it, slow for too short",
+        ),
+        pytest.param(
+            SLOW,
+            FAST,
+            SlowSpell("g0-e0", NOW - 1.5, NOW - 1.0),
+            None,
+            SlowSpell("g0-e0", NOW - 1.5, NOW - 1.0),
+            id="confirmed, slow for too short",
         ),
         pytest.param(SLOW, FAST, SPELL, "g0-e2", SlowSpell("g0-e0", NOW - 3.0, NOW - 2.5, NOW), id="20x: least slow"),
-        pytest.param(SLOW, AS_SLOW, SPELL, None, LOOKS_SLOW, id="the standbys are as slow: the host, not the primary"),
+        pytest.param(
+            SLOW,
+            AS_SLOW,
+            SPELL,
+            None,
+            SlowSpell("g0-e0", NOW),
+            id="the standbys are as slow: the host, not the primary; the spell starts again",
+        ),
         pytest.param(
             SLOW,
             {"g0-e1": canary(1, 1.0, at=NOW - 4.0)},
@@ -104,7 +126,7 @@ def test_degraded_primary(primary, canaries, spell, switch_to, spell_after) -> N
     assert (switch.new.id if switch else None) == switch_to
     assert after == spell_after
     if switch is not None:
-        assert switch.old is primary and "20.0x their best" in switch.reason
+        assert switch.old is primary and "20.0x their best for 3.0 s" in switch.reason
 
 
 def test_degraded_primary_needs_a_ready_standby_of_its_process() -> None:
