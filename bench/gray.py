@@ -184,14 +184,16 @@ async def false_positives(stack: UpStack, args: argparse.Namespace) -> dict[str,
         long_ids = [1 + i % 9 for i in range(PROMPT_TOKENS)]
         long = await client.post(url + Endpoint.COMPLETIONS, json={"prompt": long_ids, "max_tokens": 4})
         large = await client.post(url + Endpoint.COMPLETIONS, json={"prompt": "word " * (2 * MB // 5), "max_tokens": 4})
-    incidents = [e["kind"] for kind in INCIDENTS for e in stack.events(kind, since)]
+    incidents = [e for kind in INCIDENTS for e in stack.events(kind, since)]
+    for event in incidents:
+        print(f"  {event['time']} {event['kind']}: {event['message']}", file=sys.stderr)
     return {
         "capacity_rps": round(rate, 1),
         "overload_outcomes": dict(Counter(str(status) for status, _, _ in results)),
         "long_prompt_status": long.status_code,
         "large_prompt_status": large.status_code,
         "incidents": len(incidents),
-        "incident_kinds": sorted(set(incidents)),
+        "incident_kinds": sorted({e["kind"] for e in incidents}),
     }
 
 

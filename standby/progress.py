@@ -6,11 +6,9 @@ engine judges its worker by progress. With sequences pending (submitted and not 
 worker must finish within ``stall_bound_s`` of the previous one's end (or of the work's arrival, after none was
 pending): a decode step (a token for every active sequence), a prefill, a call to the cache daemon. The bound is
 STALL_FACTOR times the expected duration of the operation in flight, never below STALL_FLOOR_S. The time the
-inference thread spent runnable but waiting for a core, and the time the process's main thread did (its event loop:
-between operations the worker needs the GIL, and a main thread that holds it while it waits for a core holds up the
-worker as long), is not counted as time without progress (Linux's ``schedstat`` of each thread: a host whose cores
-other processes keep busy, as a burst of requests beside its other engines does); a thread blocked (a frozen loop, a
-lock, a collective, a stopped process) waits for no core, so it is:
+inference thread spent runnable but waiting for a core (Linux's ``schedstat`` of the thread: a host whose cores
+other processes keep busy, as a burst of requests beside its other engines does) is not counted as time without
+progress; a thread blocked (a frozen loop, a lock, a collective, a stopped process) waits for no core, so it is:
 
 - a decode step, or the time between operations: the engine's decode steps, averaged (none decoded yet: no bound
   but the loop's heartbeat, as below: an engine just promoted is not judged before it has measured a step);
@@ -39,7 +37,6 @@ import contextlib
 import logging
 import os
 import signal
-import threading
 import time
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
@@ -74,7 +71,7 @@ class Progress:
     decode_s: float  # a decode step's time, averaged; 0 until one ran
     subject: str = "the inference thread"  # what makes the progress, as the reason names it
     units: str = "sequence(s)"  # what ``pending`` counts
-    waited_s: float = 0.0  # of the time since ``since``, what the worker and the main thread spent waiting for a core
+    waited_s: float = 0.0  # of the time since ``since``, what the worker spent runnable, waiting for a core
 
 
 def stall_bound_s(progress: Progress) -> float | None:
@@ -129,8 +126,8 @@ class ProgressClock:
 
     def __init__(self) -> None:
         self.since = time.monotonic()
-        self.waits = RunQueueWait()  # the main thread's, and the worker's once it starts (``follow_this_thread``)
-        self.waited_since = 0.0  # their run-queue wait at ``since``
+        self.waits = RunQueueWait()  # the inference thread's (``RunQueueWait.follow_this_thread`` as it starts)
+        self.waited_since = 0.0  # its run-queue wait at ``since``
         self.step: Step | None = None
         self.decode_s = 0.0
         self.prefills: dict[Shape, float] = {}  # seconds per prefill shape, averaged
@@ -189,36 +186,25 @@ class ProgressClock:
 
 
 class RunQueueWait:
-    """How long the threads it follows have been runnable but waiting for a core, in all (each one's
-    ``/proc/PID/task/TID/schedstat``, second field, kept open so that any thread reads it in a few microseconds): the
-    process's main thread from the start, the worker once it calls ``follow_this_thread``; 0 for a thread where the
-    kernel does not say."""
+    """How long one thread has been runnable but waiting for a core, in all (``/proc/thread-self/schedstat``'s second
+    field, kept open so that any thread reads it in a few microseconds); 0 where the kernel does not say."""
 
     def __init__(self) -> None:
-        self._fds: list[int] = []
-        self._follow(f"/proc/self/task/{os.getpid()}/schedstat")
+        self._fd: int | None = None
 
     def follow_this_thread(self) -> None:
-        """Read the calling thread's too from now on (called once, by the worker as it starts)."""
-        if threading.get_native_id() != os.getpid():
-            self._follow("/proc/thread-self/schedstat")
-
-    def _follow(self, path: str) -> None:
+        """Read the calling thread's from now on (called once, by the worker as it starts)."""
         with contextlib.suppress(OSError):
-            fd = os.open(path, os.O_RDONLY)
-            self._fds.append(fd)
-            weakref.finalize(self, os.close, fd)
+            self._fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+            weakref.finalize(self, os.close, self._fd)
 
     def seconds(self) -> float:
-        return sum(map(_run_delay_s, self._fds))
-
-
-def _run_delay_s(fd: int) -> float:
-    """The run-queue wait a ``schedstat`` file open at ``fd`` reports, in seconds; 0 where it reads nothing."""
-    try:
-        return int(os.pread(fd, 128, 0).split()[1]) / 1e9
-    except (OSError, IndexError, ValueError):
-        return 0.0
+        if self._fd is None:
+            return 0.0
+        try:
+            return int(os.pread(self._fd, 128, 0).split()[1]) / 1e9
+        except (OSError, IndexError, ValueError):
+            return 0.0
 
 
 def averaged(average: float, value: float) -> float:
