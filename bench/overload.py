@@ -6,7 +6,8 @@
 Starts one ``hotweights engine`` (primary; the embedded tiny model unless --model) and a ``hotweights
 gateway`` in front of it, both with the admission defaults of a cluster whose ``engine.max_batch`` and
 ``engine.queue_budget_s`` are --max-batch and --queue-budget (and ``gateway.max_in_flight``
---gateway-max-in-flight), then measures through the gateway:
+--gateway-max-in-flight), on CPU with the threads ``hotweights up`` gives each engine of such a cluster's default
+group (the host's cores shared among its engines and spare), then measures through the gateway:
 
 Every request goes on a connection of its own through ``post``, a load generator of ~0.4 ms of CPU per request,
 so that on a small machine the cores serve the stack measured rather than the client.
@@ -33,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -50,6 +52,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hotweights.admission import ServingLimits
 from hotweights.contract import Endpoint
+from hotweights.controller.config import load_config
+from hotweights.controller.stack import cpu_threads
 from hotweights.ports import free_port
 from hotweights.spawn import hotweights_command
 from hotweights.stats import percentile
@@ -105,6 +109,8 @@ def stack(args: argparse.Namespace, workdir: Path) -> Iterator[tuple[str, str]]:
     )
     engine = hotweights_command("engine", "--port", str(engine_port), "--device", args.device)
     engine += ["--max-batch", str(args.max_batch), "--queue-budget", str(args.queue_budget)]
+    if args.device == "cpu":  # the threads ``hotweights up`` gives each CPU engine of a default group
+        engine += ["--cpu-threads", str(cpu_threads(load_config(config), len(os.sched_getaffinity(0))))]
     engine += ["--model", args.model] if args.model else []
     engine_url = f"http://127.0.0.1:{engine_port}"
     gateway = hotweights_command("gateway", "--config", str(config), "--upstream", engine_url)
