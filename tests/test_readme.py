@@ -103,7 +103,8 @@ def test_the_try_it_commands_run_as_written(default_model: Path, own_world: Path
     assert result.returncode == 0 and list(ran) == [line for line in lines if line != "hotweights up"], (
         f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}\n{log}"
     )
-    assert [line for line, (_, status) in ran.items() if status] == [], ran
+    failed = {line: (output[-3000:], status) for line, (output, status) in ran.items() if status}
+    assert failed == {}, failed
     assert "@@up 0" in result.stdout, log  # Ctrl-C stopped the whole stack cleanly
 
     def output_of(prefix: str) -> str:
