@@ -8,8 +8,8 @@ decisions out; ``tests/test_graydecide.py`` tables them):
   ``for_s`` in a row, and ``factor`` times slower than a ready standby's canary asked while it looked slow (so a
   slowdown of the whole host, which slows the standbys' canaries alike, never counts: it starts the spell again),
   is switched over to the least slow such standby: planned, its streams handed over with their KV cache, nothing
-  fenced. At most one
-  such switchover per group every ``every_s``: a slowdown that follows the primary never makes the group flap.
+  fenced. At most one such switchover per group every ``every_s``: a slowdown that follows the primary never makes
+  the group flap.
 - ``judge_canaries``: the engines that serve the same weights (one fingerprint) must give the canary's answer
   (``standby.canary``). The answer is what a strict majority of them gave, else (no majority: two engines that
   differ, one engine alone) the answer agreed before; the first engine to answer for new weights (a model update's)
