@@ -7,7 +7,6 @@ Usage: python tests/coalescing_engine.py --model DIR PORT (DIR holds the tokeniz
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -40,15 +39,10 @@ class Handler(FakeEngineHandler):
 
     def do_POST(self) -> None:
         request = self.request_body()
-        if not request.get("stream"):
+        if request.get("stream"):
+            self.stream(chunks(self.tokenizer, bool(request.get("return_token_ids"))))
+        else:
             self.reply(WHOLE)
-            return
-        self.send_response(200)
-        self.send_header("content-type", "text/event-stream")
-        self.end_headers()
-        for chunk in chunks(self.tokenizer, bool(request.get("return_token_ids"))):
-            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
-        self.wfile.write(b"data: [DONE]\n\n")
 
 
 if __name__ == "__main__":

@@ -8,9 +8,9 @@ Usage: python tests/pacing_engine.py PORT
 
 from __future__ import annotations
 
-import json
 import sys
 import time
+from collections.abc import Iterator
 
 from fakeengine import WHOLE, FakeEngineHandler, serve  # tests/fakeengine.py: a script's folder is on sys.path
 
@@ -18,21 +18,19 @@ from fakeengine import WHOLE, FakeEngineHandler, serve  # tests/fakeengine.py: a
 class Handler(FakeEngineHandler):
     def do_POST(self) -> None:
         request = self.request_body()
-        if not request.get("stream"):
+        if request.get("stream"):
+            self.stream(paced(request))
+        else:
             self.reply(WHOLE)
-            return
-        self.send_response(200)
-        self.send_header("content-type", "text/event-stream")
-        self.end_headers()
-        time.sleep(request.get("first_s", 0.0))
-        for n in range(request["max_tokens"]):
-            time.sleep(request.get("step_s", 0.0) if n else 0.0)
-            time.sleep(request.get("pause_s", 0.0) if n == request.get("pause_at") else 0.0)
-            chunk = {"id": "c", "object": "text_completion", "model": "fake", "choices": [{"index": 0, "text": "x"}]}
-            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
-            self.wfile.flush()
-        self.wfile.write(b"data: [DONE]\n\n")
 
+
+def paced(request: dict) -> Iterator[dict]:
+    """``max_tokens`` chunks at the pace ``request`` asks (module docstring)."""
+    time.sleep(request.get("first_s", 0.0))
+    for n in range(request["max_tokens"]):
+        time.sleep(request.get("step_s", 0.0) if n else 0.0)
+        time.sleep(request.get("pause_s", 0.0) if n == request.get("pause_at") else 0.0)
+        yield {"id": "c", "object": "text_completion", "model": "fake", "choices": [{"index": 0, "text": "x"}]}
 
 if __name__ == "__main__":
     serve(int(sys.argv[1]), Handler)
