@@ -32,5 +32,6 @@ def paced(request: dict) -> Iterator[dict]:
         time.sleep(request.get("pause_s", 0.0) if n == request.get("pause_at") else 0.0)
         yield {"id": "c", "object": "text_completion", "model": "fake", "choices": [{"index": 0, "text": "x"}]}
 
+
 if __name__ == "__main__":
     serve(int(sys.argv[1]), Handler)
