@@ -20,9 +20,9 @@ So the shapes serving uses form a small fixed set, and ``warm_up`` runs them (an
 engine reports ready (with graphs, the decode steps as their captures' first runs): later requests find every
 kernel, allocator block and library plan already made. Eagerly, though, only the shapes
 of up to WARMED_LENGTH tokens and those of a whole row (one prompt filling it: its time is what the progress
-check expects of the longest prefills, ``standby.progress``), at the batch sizes of ``batch_buckets`` with graphs and
-at one row and every row without (``warmed_rows``; the progress check bounds the other shapes' prefills from
-theirs): the first run
+check expects of the longest prefills, ``standby.progress``), at one row and every row (``warmed_rows``; the progress
+check bounds the other shapes' prefills from theirs), less the shapes a graph captures (their captures time them):
+the first run
 of any other shape costs what its later runs do, there being no per-shape plan to make (cuDNN's attention is
 excluded, ``standby.model``), while running them all cost a new engine seconds of its start (every prompt count up to
 4096 tokens in all, every batch size up to a ``batch`` of 32 on CPU). Measured: on an H100
@@ -30,7 +30,7 @@ with ``xl`` (``bench/warmup.py --cold-shapes``) each prefill shape's first run i
 than its second, where running them all took 2.35 s of warm-up; on CPU with ``tiny`` a first prefill of 4096
 tokens 0.69 s against 0.62-0.71 s again, a first decode step at KV length 4096 within the later ones' spread.
 With ``graphs`` (CUDA only)
-the decode step at each batch size of ``batch_buckets`` (1, 2, 4, 8, then every multiple of 8, then ``batch``)
+the decode step at each batch size of ``batch_buckets`` (the powers of two below ``batch``, then ``batch``)
 is captured as a CUDA graph during warm-up (with ``split_kv`` one graph per batch size, serving every KV length;
 without it one per batch size and KV length), its elementwise steps fused
 (``standby.fused``), each kernel first checked against plain torch on the device (``standby.kernelcheck``: one
@@ -39,15 +39,17 @@ rows the scheduler already feeds free rows (token 0 at position 0 of a row no se
 copies the step's tokens and positions into the graph's own input buffer first and returns a copy of its output, so it
 never reads a previous step's inputs nor hands out a buffer the next replay overwrites. Prefills of up to
 GRAPHED_PREFILL_ROWS prompts of up to GRAPHED_PREFILL tokens each (the short prompts most requests bring, a few at a
-time) are captured too, one graph per prompt count and length, with the eager path's own kernels: an eager pass over
+time) are captured too, one graph per length and prompt count of ``batch_buckets`` (fewer prompts replay the next
+count up, their padding rows written into the null block), with the eager path's own kernels: an eager pass over
 every layer is bound by the host's kernel launches (on ``xl`` ~36 ms, against ~11 ms of device time), and every sequence
 in a batch waits for each newcomer's prefill. A larger prefill runs eagerly: it costs those launches once for all its
 prompts, and capturing every prompt count up to a ``batch`` of 64 would hold an output per capture. A prefill from
 position 0 attends only to its own keys and values, never to what the cache held; the graph writes them through a block
 table of its own, into which a replay copies its rows' entries first: one capture serves every first row. The number of
-graphs thus grows with ``batch`` and the lengths, not with their product (``batch`` 64 on ``xl`` would otherwise take
-minutes of captures). Graphs point at this cache's memory (its blocks and table), which is why a graphed ``Decoder`` is
-kept for the engine's whole life (reserved at start-up, standby included) rather than allocated on promote. Why one
+graphs thus grows with the logarithm of ``batch`` and with the lengths, not with their product (``batch`` 64 on ``xl``
+would otherwise take minutes of captures), and each capture is a share of a new engine's start: on ``xl`` some
+0.1 s. Graphs point at this cache's memory (its blocks and table), which is why a graphed ``Decoder`` is kept for the
+engine's whole life (reserved at start-up, standby included) rather than allocated on promote. Why one
 decode graph per batch size: a graph replays fixed shapes, and with masked SDPA the KV length is one of them (attention
 over all ``max_tokens`` positions at every step would cost an ``xl`` step 8 ms more at 4096, measured on an H200:
 "Measured facts" in ``docs/architecture.md``), so the lengths were bucketed, 9 of them up to 4096 times the batch sizes,
@@ -82,6 +84,7 @@ import torch
 
 from hotweights.standby import decodeattention, kernelcheck
 from hotweights.standby.fused import fusing
+from hotweights.standby.kvpool import NULL_BLOCK
 from hotweights.standby.kvshare import SharedKv
 from hotweights.standby.model import KVCache, Transformer
 from hotweights.standby.sampling import sample_rows, to_host
@@ -115,8 +118,13 @@ def bucket(lengths: list[int], n: int) -> int:
 
 
 def batch_buckets(batch: int) -> list[int]:
-    """The decode batch sizes captured as graphs: 1, 2, 4, 8, every multiple of 8 below ``batch``, ``batch``."""
-    sizes = [n for n in (1, 2, 4) if n < batch] + list(range(8, batch, 8))
+    """The decode batch sizes captured as graphs, and the prompt counts of graphed prefills up to ``batch``: the
+    powers of two below ``batch``, then ``batch``."""
+    sizes = []
+    n = 1
+    while n < batch:
+        sizes.append(n)
+        n *= 2
     return [*sizes, batch]
 
 
@@ -184,12 +192,16 @@ class PrefillGraph:
         self.graph, self.hidden, _ = _captured(model.device, pool, lambda: model.hidden(self.ids, 0, written))
 
     def run(self, ids: torch.Tensor, kv: KVCache, first: int) -> torch.Tensor:
-        """(rows, length, H) hidden states of ``ids``, valid until the next replay; their keys and values are
-        written into the blocks of rows ``first`` .. of ``kv`` (the cache the graph was captured on)."""
-        self.ids.copy_(ids)
-        self.table.copy_(kv.table[first : first + self.ids.shape[0]])
+        """(n, length, H) hidden states of ``ids`` (n <= rows prompts), valid until the next replay; their keys and
+        values are written into the blocks of rows ``first`` .. first + n - 1 of ``kv`` (the cache the graph was
+        captured on). The graph's other rows are padding: token 0, written into the null block."""
+        n = ids.shape[0]
+        self.ids[:n].copy_(ids)
+        self.ids[n:].zero_()
+        self.table[:n].copy_(kv.table[first : first + n])
+        self.table[n:].fill_(NULL_BLOCK)
         self.graph.replay()
-        return self.hidden
+        return self.hidden[:n]
 
 
 @dataclass
@@ -235,6 +247,7 @@ class Decoder:
         self.fused = graphs  # graphed steps run the fused elementwise kernels (unless their check fails)
         self.graph_bytes = 0  # device memory the captured graphs hold
         self.graph_batches = [kv.batch] if batch_invariant else batch_buckets(kv.batch)  # decode's batch sizes
+        self.prefill_rows = batch_buckets(min(kv.batch, GRAPHED_PREFILL_ROWS))  # graphed prefills' prompt counts
         self._graphs: dict[tuple[int, int], DecodeGraph] = {}  # (batch size, KV length) -> its captured step
         self._prefills: dict[tuple[int, int], PrefillGraph] = {}  # (rows, length) -> its capture
         self.prefill_times: dict[tuple[int, int], float] = {}  # (rows, length) -> its seconds at warm-up
@@ -251,10 +264,10 @@ class Decoder:
 
     @property
     def warmed_rows(self) -> list[int]:
-        """The prompt counts and decode batch sizes ``warm_up`` runs eagerly: with graphs every batch size a graph
-        serves (a first run on a GPU makes a plan per shape); without, one row and every row, as a shape's first run
-        eagerly costs what its later runs do, and ``standby.progress`` bounds the others' prefills from theirs."""
-        return batch_buckets(self.batch) if self.graphs_enabled else sorted({1, self.batch})
+        """The prompt counts (and, without graphs, decode batch sizes) ``warm_up`` runs eagerly: one row and every
+        row, as a shape's first run eagerly costs what its later runs do, and ``standby.progress`` bounds the others'
+        prefills from theirs."""
+        return sorted({1, self.batch})
 
     @property
     def warmed_lengths(self) -> list[int]:
@@ -300,7 +313,7 @@ class Decoder:
         ids = torch.zeros((rows, length), dtype=torch.long)
         for i, prompt in enumerate(prompts):
             ids[i, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
-        graph = self._prefills.get((rows, length))
+        graph = self._prefills.get((bucket(self.prefill_rows, rows), length)) if rows <= self.prefill_rows[-1] else None
         if graph is not None:
             hidden = graph.run(ids, self.kv, first)
         else:
@@ -346,14 +359,11 @@ class Decoder:
         times go to ``warm_up_times``."""
         device = self.model.device
         started = time.perf_counter()
+        graphed = set(self.graphed_prefills()) if self.graphs_enabled else set()
         for rows in self.warmed_rows:
             for length in self.warmed_lengths:
-                if self.prefill_fits(rows, length):
-                    began = time.monotonic()
-                    logits = self.prefill(0, [[0] * length] * rows)
-                    if device.type == "cuda":
-                        torch.cuda.synchronize(device)
-                    self.prefill_times[rows, length] = time.monotonic() - began
+                if self.prefill_fits(rows, length) and (rows, length) not in graphed:  # a capture times those
+                    self.prefill_times[rows, length] = self._timed_prefill(rows, length)
                     pace()
         if not self.graphs_enabled:
             for n in self.warmed_rows:
@@ -362,9 +372,10 @@ class Decoder:
                     pace()
         self.warm_up_times.eager = time.perf_counter() - started
         started = time.perf_counter()
+        logits = torch.zeros((1, self.model.config.vocab_size), device=device)
         for rows in (1, self.batch):  # the sampling path: one row, and every slot at once
-            sample_rows(logits[:1].expand(rows, -1), [1.0] * rows, [0.9] * rows, [0.5] * rows)
-            sample_rows(logits[:1].expand(rows, -1), [0.0] * rows, [1.0] * rows, [0.5] * rows)
+            sample_rows(logits.expand(rows, -1), [1.0] * rows, [0.9] * rows, [0.5] * rows)
+            sample_rows(logits.expand(rows, -1), [0.0] * rows, [1.0] * rows, [0.5] * rows)
         self.warm_up_times.sampling = time.perf_counter() - started
         if self.graphs_enabled:
             started = time.perf_counter()
@@ -373,6 +384,14 @@ class Decoder:
             self._capture(pace)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+
+    def _timed_prefill(self, rows: int, length: int) -> float:
+        """Seconds of one prefill of ``rows`` prompts of ``length`` tokens from slot 0, its device work included."""
+        started = time.monotonic()
+        self.prefill(0, [[0] * length] * rows)
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
+        return time.monotonic() - started
 
     def _check_kernels(self) -> None:
         """Use only the kernels that compute on this device what plain torch does (``standby.kernelcheck``): a
@@ -384,8 +403,16 @@ class Decoder:
             with fusing() if fuse else contextlib.nullcontext():
                 return _step(self.model, inputs, self.kv, kv_len)[0]
 
-        with self._probed():
-            verdict = kernelcheck.verdict(step, self.split_kv, self.kv.max_tokens)
+        key = kernelcheck.host_key(self.model.device, config, self.model.dtype, self.kv.max_tokens)
+        verdict = kernelcheck.remembered(key)
+        if verdict is None:
+            with self._probed():
+                verdict = kernelcheck.verdict(step, self.split_kv, self.kv.max_tokens)
+            kernelcheck.remember(key, verdict)
+        else:
+            log.info("kernel check: this host's verdict (%s), not checked again", kernelcheck.verdict_path(key))
+            for line in verdict.warnings:
+                log.warning("%s", line)
         if self.split_kv and not verdict.split_kv:
             self.split_kv = False
             self.kv_lengths = self.lengths[-1:] if self.batch_invariant else self.lengths
@@ -429,8 +456,8 @@ class Decoder:
                 pace()
         started = time.perf_counter()
         for rows, length in self.graphed_prefills():
-            prefill = self._prefills[rows, length] = PrefillGraph(self.model, self.kv, rows, length, pool)
-            prefill.run(torch.zeros((rows, length), dtype=torch.long), self.kv, 0)
+            self._prefills[rows, length] = PrefillGraph(self.model, self.kv, rows, length, pool)
+            self.prefill_times[rows, length] = self._timed_prefill(rows, length)  # its first replay
             pace()
         times.prefill_graphs = time.perf_counter() - started
         self.graph_bytes = _reserved_in_use(device) - before
@@ -448,11 +475,10 @@ class Decoder:
         )
 
     def graphed_prefills(self) -> list[tuple[int, int]]:
-        """(rows, length) of every prefill captured with graphs: up to GRAPHED_PREFILL_ROWS prompts of lengths up to
-        GRAPHED_PREFILL."""
+        """(rows, length) of every prefill captured with graphs: ``prefill_rows`` prompts (fewer replay the next
+        count up, padded) of lengths up to GRAPHED_PREFILL (one prompt only in ``batch_invariant`` mode)."""
         short = [length for length in self.lengths if length <= GRAPHED_PREFILL]
-        rows = range(1, min(self.batch, GRAPHED_PREFILL_ROWS) + 1)
-        return [(n, length) for n in rows for length in short if self.prefill_fits(n, length)]
+        return [(n, length) for n in self.prefill_rows for length in short if self.prefill_fits(n, length)]
 
 
 def _reserved_in_use(device: torch.device) -> int:

@@ -36,16 +36,19 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from types import ModuleType
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
 
 TRITON = importlib.util.find_spec("triton") is not None
 ROPE_DIMS = 4  # rope's kernel takes operands of up to (B, T, heads, hd)
+T = TypeVar("T")
 _FUSING: ContextVar[bool] = ContextVar("fusing", default=False)
+_CHECKING: ContextVar[dict[str, float] | None] = ContextVar("checking", default=None)
 
 
 @contextlib.contextmanager
@@ -56,6 +59,43 @@ def fusing() -> Iterator[None]:
         yield
     finally:
         _FUSING.reset(token)
+
+
+@contextlib.contextmanager
+def checking() -> Iterator[dict[str, float]]:
+    """Within it (and ``fusing()``), every kernel's call also runs plain torch on the same inputs, and the dict it
+    yields takes each function's worst ``departure`` over its calls (``standby.kernelcheck``)."""
+    worst: dict[str, float] = {}
+    token = _CHECKING.set(worst)
+    try:
+        yield worst
+    finally:
+        _CHECKING.reset(token)
+
+
+def departure(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """How far a kernel's result is from plain torch's: the largest difference over the largest plain value
+    (rounding: a few units of the dtype's last place); inf where the result is not finite."""
+    if not bool(torch.isfinite(got).all()):
+        return float("inf")
+    scale = float(expected.abs().max()) if expected.numel() else 0.0
+    worst = float((got.float() - expected.float()).abs().max()) if got.numel() else 0.0
+    return worst / scale if scale else worst
+
+
+def checked(name: str, got: T, plain: Callable[[], T]) -> T:
+    """``got``, a kernel's result (a tensor or a tuple of them); within ``checking()`` ``plain`` (the same call in
+    plain torch) runs too and ``name``'s worst departure is kept."""
+    worst = _CHECKING.get()
+    if worst is not None:
+        token = _FUSING.set(False)
+        try:
+            expected = plain()
+        finally:
+            _FUSING.reset(token)
+        pairs = zip(got, expected, strict=True) if isinstance(got, tuple) else [(got, expected)]
+        worst[name] = max([worst.get(name, 0.0), *(departure(g, e) for g, e in pairs)])
+    return got
 
 
 def is_fused(x: torch.Tensor) -> bool:
@@ -72,7 +112,7 @@ def _kernels() -> ModuleType:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x / rms(x) * weight over the last dim (weight (H,)), in float32 so low-precision inputs keep the small terms."""
     if is_fused(x):
-        return _kernels().rms_norm(x, weight, eps)
+        return checked("rms_norm", _kernels().rms_norm(x, weight, eps), lambda: rms_norm(x, weight, eps))
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (xf * weight.float()).to(x.dtype)
@@ -83,7 +123,8 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual add and the next norm in one pass: (x + delta, rms_norm(x + delta))."""
     if is_fused(x):
-        return _kernels().add_rms_norm(x, delta, weight, eps)
+        fused = _kernels().add_rms_norm(x, delta, weight, eps)
+        return checked("add_rms_norm", fused, lambda: add_rms_norm(x, delta, weight, eps))
     y = x + delta
     yf = y.float()
     yf = yf * torch.rsqrt(yf.pow(2).mean(-1, keepdim=True) + eps)
@@ -94,7 +135,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate (..., hd) by position, "rotate-half" convention: pairs are (i, i + hd/2); cos and sin
     broadcast against x."""
     if is_fused(x) and max(x.dim(), cos.dim(), sin.dim()) <= ROPE_DIMS and x.shape[-1] % 2 == 0:
-        return _kernels().rope(x, cos, sin)
+        return checked("rope", _kernels().rope(x, cos, sin), lambda: rope(x, cos, sin))
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
@@ -102,6 +143,6 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU's activation: silu(gate) * up, the two halves of the last dim."""
     if is_fused(gate_up) and gate_up.shape[-1] % 2 == 0:
-        return _kernels().silu_mul(gate_up)
+        return checked("silu_mul", _kernels().silu_mul(gate_up), lambda: silu_mul(gate_up))
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up

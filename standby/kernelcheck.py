@@ -4,22 +4,46 @@ Triton compiles each kernel for the GPU and the Triton release it meets; a kerne
 computes something else, would fail every graph capture or serve wrong tokens. So before a graphed decoder captures
 its steps (``standby.decoder``), one decode step of every slot, at positions spread over the whole cache (so across
 the split-KV kernels' splits), runs three ways: plain torch with masked SDPA (the reference), split-KV attention
-(``standby.decodeattention``), and split-KV with the fused elementwise kernels (``standby.fused``). A way that
-raises, gives a logit that is not finite, or departs from the reference by more than TOLERANCE of the reference's
-largest logit is not used: the decoder captures a graph per KV length instead, or unfused steps, and says so in
-one warning line. Rounding differs between the ways (sums in other orders), which the tolerance leaves room for;
-a miscompiled kernel gives other numbers altogether.
+(``standby.decodeattention``), and split-KV with the fused elementwise kernels (``standby.fused``). Split-KV
+attention that raises, gives a logit that is not finite, or departs from the reference by more than TOLERANCE of the
+reference's largest logit is not used: the decoder captures a graph per KV length instead, and says so in one
+warning line. The fused kernels are checked one call at a time instead (``fused.checking``): each of the step's calls
+runs plain torch on the same inputs too, and a kernel that raises, returns a value that is not finite, or departs
+from plain torch by more than TOLERANCE of the largest plain value means unfused steps. Rounding differs between the
+ways (sums in other orders, one rounding instead of several), which the tolerance leaves room for; a miscompiled
+kernel gives other numbers altogether. Why not the whole step's logits for the fused kernels too: through 48 layers
+of a model the rounding of one kernel grows with every layer, so that on an H200 with ``xl`` kernels that agree with
+plain torch call by call gave logits 5.2-5.9 % of the largest apart, where a wrong kernel and a right one need to be
+told apart.
+
+The verdict depends only on the device, the software and the model's shapes, so it is remembered on the host
+(``hotweights_home()/kernelchecks``, a file per key: the device's name and architecture, the torch and Triton
+versions, the kernels' sources, the model's configuration and dtype, the cache's length): the first engine of a host
+pays the check (on ``xl`` some seconds: three steps over every slot, the kernels' first compiles), every later one
+reads its file. A file that cannot be read is checked again and written over.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import logging
+import os
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
 
 import torch
 
+from hotweights.paths import hotweights_home
+from hotweights.standby import fused
+
 log = logging.getLogger(__name__)
+# The modules whose code the verdict is about: a change to any of them checks again.
+KERNEL_SOURCES = ("fused.py", "fusedkernels.py", "decodeattention.py", "decodekernels.py", "kernelcheck.py")
 
 TOLERANCE = 0.05  # of the reference's largest logit: rounding passes, a wrong kernel does not
 
@@ -59,17 +83,87 @@ def verdict(step: Step, split_kv: bool, positions: int) -> KernelVerdict:
     kernels on top of what passed) against the reference step over ``positions`` KV positions."""
     reference = step(positions, False)
     warnings: list[str] = []
-    attention = split_kv and _passes("split-KV attention", lambda: step(None, False), reference, warnings)
-    fused = _passes("the fused kernels", lambda: step(None if attention else positions, True), reference, warnings)
-    return KernelVerdict(attention, fused, tuple(warnings))
+    attention = split_kv and _passes("split-KV attention", lambda: disagreement(step(None, False), reference), warnings)
+    fused_step = lambda: step(None if attention else positions, True)  # noqa: E731
+    fusing = _passes("the fused kernels", lambda: fused_disagreement(fused_step), warnings)
+    return KernelVerdict(attention, fusing, tuple(warnings))
 
 
-def _passes(what: str, run: Callable[[], torch.Tensor], reference: torch.Tensor, warnings: list[str]) -> bool:
+def fused_disagreement(run: Callable[[], torch.Tensor]) -> str | None:
+    """Why the fused kernels' calls in ``run`` (a fused step: its logits) are not plain torch's up to rounding, each
+    call checked against plain torch on its own inputs (module docstring); None when they are."""
+    with fused.checking() as worst:
+        logits = run()
+    if not bool(torch.isfinite(logits).all()):
+        return "a logit is not finite"
+    off = {name: departure for name, departure in sorted(worst.items()) if not departure <= TOLERANCE}
+    if off:
+        return ", ".join(f"{name} departs by {departure:.3g} of the largest value" for name, departure in off.items())
+    return None
+
+
+def _passes(what: str, reason_of: Callable[[], str | None], warnings: list[str]) -> bool:
     try:
-        reason = disagreement(run(), reference)
+        reason = reason_of()
     except Exception as exc:  # a compile error of Triton's takes many types
         reason = f"it failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     if reason is not None:
         warnings.append(f"{what} on this device do not compute what plain torch does ({reason}): not used")
         log.warning("%s", warnings[-1])
     return reason is None
+
+
+def host_key(device: torch.device, model_config: object, dtype: torch.dtype, positions: int) -> str:
+    """The remembered verdict's key (module docstring): a hash of what the verdict depends on."""
+    sources = Path(__file__).parent
+    parts = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
+        "capability": list(torch.cuda.get_device_capability(device)) if device.type == "cuda" else [],
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "sources": [hashlib.sha256((sources / name).read_bytes()).hexdigest() for name in KERNEL_SOURCES],
+        "model": repr(model_config),
+        "dtype": str(dtype),
+        "positions": positions,
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def _version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return ""
+
+
+def verdict_path(key: str) -> Path:
+    return hotweights_home() / "kernelchecks" / f"{key}.json"
+
+
+def remembered(key: str) -> KernelVerdict | None:
+    """The verdict a host's earlier engine wrote for ``key``; None where there is none or it cannot be read."""
+    path = verdict_path(key)
+    try:
+        found = json.loads(path.read_text())
+        return KernelVerdict(bool(found["split_kv"]), bool(found["fused"]), tuple(map(str, found["warnings"])))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("kernel check: %s cannot be read (%s): checking again", path, exc)
+        return None
+
+
+def remember(key: str, found: KernelVerdict) -> None:
+    """Write ``found`` for the host's later engines, whole or not at all (a file renamed into place); a failure to
+    write costs them the check, so it is logged, not raised."""
+    path, written = verdict_path(key), None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as out:
+            written = Path(out.name)
+            json.dump(dataclasses.asdict(found), out)
+        os.replace(written, path)
+    except OSError as exc:
+        if written is not None:
+            written.unlink(missing_ok=True)
+        log.warning("kernel check: its verdict could not be kept in %s (%s): later engines check again", path, exc)

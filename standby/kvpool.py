@@ -31,8 +31,9 @@ NULL_BLOCK = 0  # the block no sequence owns (module docstring)
 AUTO = 0  # --kv-pool-tokens and --max-batch: sized automatically
 CPU_POOL_TOKENS = 16384  # the automatic pool on CPU: 4 x 4096 positions (module docstring)
 SEQUENCE_TOKENS = 512  # the positions a typical sequence holds (prompt and generated), for the automatic max_batch
-# The automatic max_batch's ceiling: a CUDA graph per 8 rows (``standby.decoder.batch_buckets``), and an xl decode step
-# at 64 rows still within a few of its batch-1 time (the split-KV kernels read each row's own length).
+# The automatic max_batch's ceiling: an xl decode step at 64 rows still within a few of its batch-1 time (the split-KV
+# kernels read each row's own length), and a step of fewer rows replays the next power of two's CUDA graph
+# (``standby.decoder.batch_buckets``), whose padding rows cost little while the weights' reads bound the step.
 MAX_AUTO_BATCH = 64
 KV_MEMORY_SHARE = 0.6  # on CUDA, the share of a device's memory after the weights that its engines' pools take
 # --kv-pool-share's default: an engine's part of KV_MEMORY_SHARE as one of the four ``up`` keeps on a device by default

@@ -135,20 +135,24 @@ def test_a_step_between_captured_batch_sizes_replays_the_next_one_with_free_rows
 
 
 def test_prefill_graphs_write_and_return_what_the_eager_prefill_does(model: Transformer) -> None:
-    """Short prefills replay a capture per (rows, length), whatever their first slot (the graph writes through its
-    copy of their rows' block table): the same logits and keys as the eager pass of a decoder without graphs, at every
-    first slot, including prompts that wait together."""
-    graphed, eager = decoder(model, graphs=True), decoder(model, graphs=False)
+    """Short prefills replay a capture per (prompt count of ``batch_buckets``, length), whatever their first slot (the
+    graph writes through its copy of their rows' block table): the same logits and keys as the eager pass of a decoder
+    without graphs, at every first slot, including prompts that wait together; three prompts replay the capture of
+    four, whose padding row leaves the slot after them as it was."""
+    graphed, eager = decoder(model, graphs=True, batch=5), decoder(model, graphs=False, batch=5)
+    assert graphed.prefill_rows == [1, 2, 4, 5]
     trio = [PROMPTS[0], PROMPTS[2], PROMPTS[4]]
-    cases = [(0, PROMPTS[:1]), (2, PROMPTS[1:2]), (1, PROMPTS[2:4]), (0, trio), (1, PROMPTS[5:])]
+    cases = [(3, PROMPTS[1:2]), (0, PROMPTS[:1]), (2, PROMPTS[1:2]), (1, PROMPTS[2:4]), (0, trio), (4, PROMPTS[5:])]
     for first, prompts in cases:
         length = bucket(graphed.lengths, max(map(len, prompts)))
-        assert (len(prompts), length) in graphed.graphed_prefills()
+        assert (bucket(graphed.prefill_rows, len(prompts)), length) in graphed.graphed_prefills()
         got, expected = graphed.prefill(first, prompts), eager.prefill(first, prompts)
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
         assert got.argmax(-1).tolist() == expected.argmax(-1).tolist()
         for i, prompt in enumerate(prompts):
             torch.testing.assert_close(held(graphed.kv, first + i, len(prompt)), held(eager.kv, first + i, len(prompt)))
+    # Slot 3 held PROMPTS[1] before the trio's padded prefill of slots 0 .. 3.
+    torch.testing.assert_close(held(graphed.kv, 3, len(PROMPTS[1])), held(eager.kv, 3, len(PROMPTS[1])))
 
 
 def test_batched_greedy_with_graphs_equals_generate(model: Transformer) -> None:

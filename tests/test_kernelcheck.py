@@ -3,10 +3,14 @@ each computes against plain torch's reference step."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
-from hotweights.standby.kernelcheck import disagreement, probe_inputs, verdict
+from hotweights.standby import kernelcheck
+from hotweights.standby.fused import checked, checking
+from hotweights.standby.kernelcheck import KernelVerdict, disagreement, fused_disagreement, probe_inputs, verdict
 
 REFERENCE = torch.tensor([[4.0, -2.0, 0.5], [1.0, 3.0, -4.0]])
 
@@ -46,7 +50,9 @@ def test_a_decoder_keeps_only_the_kernels_that_compute_the_reference(
         calls.append((kv_len, fuse))
         if not fuse and kv_len is not None:
             return REFERENCE
-        return (fused if fuse else attention)(REFERENCE)  # type: ignore[operator]
+        if fuse:  # the fused step: one kernel's call, checked against plain torch's on the same inputs
+            return checked("rms_norm", fused(REFERENCE), lambda: REFERENCE)  # type: ignore[operator]
+        return attention(REFERENCE)  # type: ignore[operator]
 
     found = verdict(step, split_kv, 4096)
     assert (found.split_kv, found.fused) == expected
@@ -66,3 +72,37 @@ def test_the_probe_spreads_its_rows_over_the_whole_cache() -> None:
     tokens, positions = probe_inputs(4, 4096, 100, torch.device("cpu")).tolist()
     assert positions == [0, 1365, 2730, 4095] and all(0 <= t < 100 for t in tokens)
     assert probe_inputs(1, 512, 100, torch.device("cpu"))[1].tolist() == [511]
+
+
+def test_each_fused_call_is_held_against_plain_torch_on_its_own_inputs() -> None:
+    """Rounding passes; a kernel far from plain torch on its inputs is named with its departure, one that gives a
+    value that is not finite departs infinitely; logits that are not finite fail whatever the calls did."""
+    tensor = torch.tensor([[4.0, -2.0, 0.5]])
+
+    def step(*calls: tuple[str, torch.Tensor]) -> torch.Tensor:
+        for name, got in calls:
+            checked(name, got, lambda: tensor)
+        return tensor
+
+    assert fused_disagreement(lambda: step(("rope", tensor + 0.01), ("silu_mul", tensor))) is None
+    reason = fused_disagreement(lambda: step(("rope", tensor.flip(-1)), ("silu_mul", tensor + float("nan"))))
+    assert reason == "rope departs by 0.875 of the largest value, silu_mul departs by inf of the largest value"
+    assert fused_disagreement(lambda: tensor * float("nan")) == "a logit is not finite"
+    with checking() as worst:
+        checked("add_rms_norm", (tensor, tensor + 0.02), lambda: (tensor, tensor))
+    assert list(worst) == ["add_rms_norm"] and 0 < worst["add_rms_norm"] < kernelcheck.TOLERANCE
+
+
+def test_a_verdict_is_remembered_for_the_host_and_a_bad_file_is_checked_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HOTWEIGHTS_HOME", str(tmp_path))
+    key = kernelcheck.host_key(torch.device("cpu"), {"hidden": 64}, torch.bfloat16, 4096)
+    assert key != kernelcheck.host_key(torch.device("cpu"), {"hidden": 64}, torch.bfloat16, 2048)
+    assert kernelcheck.remembered(key) is None
+    found = KernelVerdict(True, False, ("the fused kernels on this device do not compute what plain torch does",))
+    kernelcheck.remember(key, found)
+    assert kernelcheck.remembered(key) == found
+    assert [p.name for p in kernelcheck.verdict_path(key).parent.iterdir()] == [f"{key}.json"]  # no temporary left
+    kernelcheck.verdict_path(key).write_text("{not json")
+    assert kernelcheck.remembered(key) is None
