@@ -39,14 +39,15 @@ rows the scheduler already feeds free rows (token 0 at position 0 of a row no se
 copies the step's tokens and positions into the graph's own input buffer first and returns a copy of its output, so it
 never reads a previous step's inputs nor hands out a buffer the next replay overwrites. Prefills of up to
 GRAPHED_PREFILL_ROWS prompts of up to GRAPHED_PREFILL tokens each (the short prompts most requests bring, a few at a
-time) are captured too, one graph per length and prompt count of ``batch_buckets`` (fewer prompts replay the next
-count up, their padding rows written into the null block), with the eager path's own kernels: an eager pass over
+time) are captured too, one graph per prompt count of ``batch_buckets``, of the longest length up to GRAPHED_PREFILL
+that fits (fewer prompts replay the next count up, their padding rows written into the null block; shorter prompts
+are padded to its length, as to a bucket), with the eager path's own kernels: an eager pass over
 every layer is bound by the host's kernel launches (on ``xl`` ~36 ms, against ~11 ms of device time), and every sequence
 in a batch waits for each newcomer's prefill. A larger prefill runs eagerly: it costs those launches once for all its
 prompts, and capturing every prompt count up to a ``batch`` of 64 would hold an output per capture. A prefill from
 position 0 attends only to its own keys and values, never to what the cache held; the graph writes them through a block
 table of its own, into which a replay copies its rows' entries first: one capture serves every first row. The number of
-graphs thus grows with the logarithm of ``batch`` and with the lengths, not with their product (``batch`` 64 on ``xl``
+graphs thus grows with the logarithm of ``batch``, not with its product with the lengths (``batch`` 64 on ``xl``
 would otherwise take minutes of captures), and each capture is a share of a new engine's start: on ``xl`` some
 0.1 s. Graphs point at this cache's memory (its blocks and table), which is why a graphed ``Decoder`` is kept for the
 engine's whole life (reserved at start-up, standby included) rather than allocated on promote. Why one
@@ -309,11 +310,12 @@ class Decoder:
         (len(prompts), V) float32 logits, row i for the token after ``prompts[i]``. ValueError unless
         ``prefill_fits``."""
         rows, longest = self.check_prefill(first, prompts)
-        length = bucket(self.lengths, longest)
+        shape = self.graphed_shape(rows, longest)
+        graph = self._prefills.get(shape) if shape else None
+        length = graph.ids.shape[1] if graph is not None else bucket(self.lengths, longest)
         ids = torch.zeros((rows, length), dtype=torch.long)
         for i, prompt in enumerate(prompts):
             ids[i, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
-        graph = self._prefills.get((bucket(self.prefill_rows, rows), length)) if rows <= self.prefill_rows[-1] else None
         if graph is not None:
             hidden = graph.run(ids, self.kv, first)
         else:
@@ -359,10 +361,10 @@ class Decoder:
         times go to ``warm_up_times``."""
         device = self.model.device
         started = time.perf_counter()
-        graphed = set(self.graphed_prefills()) if self.graphs_enabled else set()
         for rows in self.warmed_rows:
             for length in self.warmed_lengths:
-                if self.prefill_fits(rows, length) and (rows, length) not in graphed:  # a capture times those
+                graphed = self.graphs_enabled and self.graphed_shape(rows, length) is not None
+                if self.prefill_fits(rows, length) and not graphed:  # a capture times the graphed ones
                     self.prefill_times[rows, length] = self._timed_prefill(rows, length)
                     pace()
         if not self.graphs_enabled:
@@ -475,10 +477,24 @@ class Decoder:
         )
 
     def graphed_prefills(self) -> list[tuple[int, int]]:
-        """(rows, length) of every prefill captured with graphs: ``prefill_rows`` prompts (fewer replay the next
-        count up, padded) of lengths up to GRAPHED_PREFILL (one prompt only in ``batch_invariant`` mode)."""
-        short = [length for length in self.lengths if length <= GRAPHED_PREFILL]
-        return [(n, length) for n in self.prefill_rows for length in short if self.prefill_fits(n, length)]
+        """(rows, length) of every prefill captured with graphs: for each prompt count of ``prefill_rows``, the longest
+        length up to GRAPHED_PREFILL that fits (one prompt only in ``batch_invariant`` mode)."""
+        shapes = []
+        for rows in self.prefill_rows:
+            fitting = [
+                length for length in self.lengths if length <= GRAPHED_PREFILL and self.prefill_fits(rows, length)
+            ]
+            shapes += [(rows, fitting[-1])] if fitting else []
+        return shapes
+
+    def graphed_shape(self, rows: int, longest: int) -> tuple[int, int] | None:
+        """The graphed prefill (``graphed_prefills``) that ``rows`` prompts of up to ``longest`` tokens replay: the
+        fewest prompts that hold them, if its length holds the longest; None: an eager prefill."""
+        shapes = dict(self.graphed_prefills())
+        if rows > self.prefill_rows[-1]:
+            return None
+        count = bucket(self.prefill_rows, rows)
+        return (count, shapes[count]) if longest <= shapes.get(count, 0) else None
 
 
 def _reserved_in_use(device: torch.device) -> int:

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from hotweights.cache.loadspec import LoadSpec
 from hotweights.contract import Endpoint
 from hotweights.standby.decodeattention import supported
-from hotweights.standby.decoder import Decoder, bucket
+from hotweights.standby.decoder import Decoder
 from hotweights.standby.model import KVCache, Transformer, generate
 from hotweights.standby.scheduler import SamplingParams
 from hotweights.standby.weights import load_model
@@ -135,17 +135,17 @@ def test_a_step_between_captured_batch_sizes_replays_the_next_one_with_free_rows
 
 
 def test_prefill_graphs_write_and_return_what_the_eager_prefill_does(model: Transformer) -> None:
-    """Short prefills replay a capture per (prompt count of ``batch_buckets``, length), whatever their first slot (the
-    graph writes through its copy of their rows' block table): the same logits and keys as the eager pass of a decoder
+    """Short prefills replay a capture per prompt count of ``batch_buckets``, whatever their first slot (the graph
+    writes through its copy of their rows' block table): the same logits and keys as the eager pass of a decoder
     without graphs, at every first slot, including prompts that wait together; three prompts replay the capture of
     four, whose padding row leaves the slot after them as it was."""
     graphed, eager = decoder(model, graphs=True, batch=5), decoder(model, graphs=False, batch=5)
     assert graphed.prefill_rows == [1, 2, 4, 5]
+    assert graphed.graphed_prefills() == [(1, 64), (2, 32), (4, 16)]  # prompts x length within the cache's 64
     trio = [PROMPTS[0], PROMPTS[2], PROMPTS[4]]
     cases = [(3, PROMPTS[1:2]), (0, PROMPTS[:1]), (2, PROMPTS[1:2]), (1, PROMPTS[2:4]), (0, trio), (4, PROMPTS[5:])]
     for first, prompts in cases:
-        length = bucket(graphed.lengths, max(map(len, prompts)))
-        assert (bucket(graphed.prefill_rows, len(prompts)), length) in graphed.graphed_prefills()
+        assert graphed.graphed_shape(len(prompts), max(map(len, prompts))) in graphed.graphed_prefills()
         got, expected = graphed.prefill(first, prompts), eager.prefill(first, prompts)
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
         assert got.argmax(-1).tolist() == expected.argmax(-1).tolist()
