@@ -102,9 +102,10 @@ def steps(workdir: Path, out: Path) -> dict[str, tuple[list[str], int]]:
     synthetic = "--device cuda:0 --source synthetic --sizes-gb 1,10,80"
     pytest = f"{shlex.quote(sys.executable)} -m pytest -q -m cuda -p no:cacheprovider"
     engine_bench = f"{bench}/engine.py --device cuda:0 --cycles 20 --gen-tokens 256 --max-batch 4"
-    # Twice on one fresh compile cache: cold, then as a later engine of the host finds it.
+    # Twice on one fresh compile cache and kernel verdict (``standby.kernelcheck``): cold, then as a later engine of the
+    # host finds them.
     fresh = f"c=$(mktemp -d -p {shlex.quote(str(workdir))})"
-    caches = f"{fresh} && export TRITON_CACHE_DIR=$c/triton"
+    caches = f"{fresh} && export TRITON_CACHE_DIR=$c/triton HOTWEIGHTS_HOME=$c/home"
     warmup = f"{caches} && for run in cold warm; do {bench}/warmup.py --model {xl} --steps 20 || exit 1; done"
 
     rollout = f"{bench}/rollout.py --device cuda:0 --rps 10"

@@ -16,7 +16,9 @@ from DIR through the off mode's pipeline; an engine attaching from a daemon pays
 ``eager_s`` (the prefills), ``sampling_s``, each decode graph's first run (``decode_first_runs_s``, by batch size;
 the first one compiles the fused elementwise and the attention kernels, or reads them from Triton's on-disk cache:
 ``compile_s`` is it less the median of the others) and its capture with a first replay
-(``decode_captures_s``), and ``prefill_graphs_s``. ``start_to_ready_s``: imports, context, load and warm-up.
+(``decode_captures_s``), ``prefill_graphs_s``, and ``kernel_check_s`` (0 where an earlier engine of the host left its
+verdict, ``standby.kernelcheck``; ``split_kv`` and ``fused`` say what it allowed). ``start_to_ready_s``: imports,
+context, load and warm-up.
 ``graphs``: the decode and prefill graphs captured.
 
 Then the steady decode step, a graph replay and its wait (median ms of --steps), at batch 1, 2 and 4 and KV lengths
@@ -168,6 +170,7 @@ def main() -> int:
         "max_batch": max_batch,
         "kv_pool_tokens": pool_tokens,
         "split_kv": decoder.split_kv,
+        "fused": decoder.fused,
         "imports_s": imports,
         "context_s": context_s,
         "load_s": load_s,
