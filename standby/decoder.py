@@ -19,10 +19,10 @@ scheduler:
 So the shapes serving uses form a small fixed set, and ``warm_up`` runs them (and the sampling path) before the
 engine reports ready (with graphs, the decode steps as their captures' first runs): later requests find every
 kernel, allocator block and library plan already made. Eagerly, though, only the shapes
-of up to WARMED_LENGTH tokens and those of a whole row (one prompt filling it: its time is what the progress
-check expects of the longest prefills, ``standby.progress``), at one row and every row (``warmed_rows``; the progress
-check bounds the other shapes' prefills from theirs), less the shapes a graph captures (their captures time them):
-the first run
+of up to WARMED_LENGTH tokens (the longest that fits) at one row and every row, and one prompt filling a whole row
+(its time is what the progress check expects of the longest prefills, ``standby.progress``), less the shapes a graph
+captures (their captures time them): ``warmed_prefills``; the progress check bounds the other shapes' prefills from
+theirs. The first run
 of any other shape costs what its later runs do, there being no per-shape plan to make (cuDNN's attention is
 excluded, ``standby.model``), while running them all cost a new engine seconds of its start (every prompt count up to
 4096 tokens in all, every batch size up to a ``batch`` of 32 on CPU). Measured: on an H100
@@ -265,24 +265,29 @@ class Decoder:
 
     @property
     def warmed_rows(self) -> list[int]:
-        """The prompt counts (and, without graphs, decode batch sizes) ``warm_up`` runs eagerly: one row and every
+        """The prompt counts and (without graphs) decode batch sizes ``warm_up`` runs eagerly: one row and every
         row, as a shape's first run eagerly costs what its later runs do, and ``standby.progress`` bounds the others'
         prefills from theirs."""
         return sorted({1, self.batch})
 
     @property
-    def warmed_lengths(self) -> list[int]:
-        """The prefill lengths ``warm_up`` runs eagerly: those up to WARMED_LENGTH, and the longest."""
-        return self._warmed(self.lengths)
+    def warmed_prefills(self) -> list[tuple[int, int]]:
+        """The prefills (rows, length) ``warm_up`` runs eagerly: for each of ``warmed_rows``, the longest length up to
+        WARMED_LENGTH that fits, then one prompt of the longest length; less those a graph serves (its capture runs
+        and times them)."""
+        shapes = []
+        for rows in self.warmed_rows:
+            short = [length for length in self.lengths if length <= WARMED_LENGTH and self.prefill_fits(rows, length)]
+            shapes += [(rows, short[-1])] if short else []
+        shapes.append((1, self.lengths[-1]))
+        graphed = set(self.graphed_prefills()) if self.graphs_enabled else set()
+        return [shape for shape in dict.fromkeys(shapes) if self.graphed_shape(*shape) not in graphed]
 
     @property
     def warmed_kv_lengths(self) -> list[int]:
-        """The KV lengths of the decode steps ``warm_up`` runs eagerly, chosen as ``warmed_lengths``."""
-        return self._warmed(self.kv_lengths)
-
-    @staticmethod
-    def _warmed(lengths: list[int]) -> list[int]:
-        return [length for length in lengths if length <= WARMED_LENGTH or length == lengths[-1]]
+        """The KV lengths of the decode steps ``warm_up`` runs eagerly (without graphs): those up to WARMED_LENGTH,
+        and the longest."""
+        return [length for length in self.kv_lengths if length <= WARMED_LENGTH or length == self.kv_lengths[-1]]
 
     def close(self) -> None:
         """Free a shared KV cache's memory now (a plain one goes with the last reference)."""
@@ -361,12 +366,9 @@ class Decoder:
         times go to ``warm_up_times``."""
         device = self.model.device
         started = time.perf_counter()
-        for rows in self.warmed_rows:
-            for length in self.warmed_lengths:
-                graphed = self.graphs_enabled and self.graphed_shape(rows, length) is not None
-                if self.prefill_fits(rows, length) and not graphed:  # a capture times the graphed ones
-                    self.prefill_times[rows, length] = self._timed_prefill(rows, length)
-                    pace()
+        for rows, length in self.warmed_prefills:
+            self.prefill_times[rows, length] = self._timed_prefill(rows, length)
+            pace()
         if not self.graphs_enabled:
             for n in self.warmed_rows:
                 for kv_len in self.warmed_kv_lengths:

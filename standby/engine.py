@@ -169,13 +169,11 @@ def warm_up(
         decoder.close()  # a shared KV cache's memory is not the allocator's: free it now
         raise
     log.info(
-        "warmed up in %.3f s: prefill at %d lengths up to %d, decode at batch 1..%d and %d KV lengths%s",
+        "warmed up in %.3f s: eager prefills %s, decode at batch 1..%d%s",
         time.perf_counter() - start,
-        len(decoder.warmed_lengths),
-        decoder.warmed_lengths[-1],
+        ", ".join(f"{rows}x{length}" for rows, length in decoder.warmed_prefills) or "none",
         decoder.batch,
-        len(decoder.warmed_kv_lengths),
-        f", CUDA graphs {decoder.graph_bytes} bytes" if graphs else "",
+        f", CUDA graphs {decoder.graph_bytes} bytes" if graphs else f" and {len(decoder.warmed_kv_lengths)} KV lengths",
     )
     if graphs or keep:
         return decoder
