@@ -144,27 +144,32 @@ def keep_logs(stack: DrillStack, into: Path) -> None:
         shutil.copy(log, into / log.name)
 
 
-async def engine_start_s(stack: DrillStack, api: ControlApi) -> float:
+async def engine_start_s(stack: DrillStack, api: ControlApi) -> float | None:
     """A plain engine of the stack's group 0, started against its daemon beside the running stack: start to ready. A
     vLLM or SGLang group's: its ready spare's, whose server started as a fresh one does (a fifth server starting
-    beside the group's four would slow the primary as no fault of the run does)."""
+    beside the group's four would slow the primary as no fault of the run does). None, said on stderr, where it did not
+    start (a fifth engine's KV pool need not fit beside the stack's on a smaller device)."""
     if stack.config.groups[0].engine != Engine.REFERENCE:
         view = await api.cluster()
         ready = [spare["prepare_s"] for spare in (view.spares if view is not None else []) if spare["ready"]]
-        return max(ready, default=float("nan"))
+        return max(ready, default=None)
     layout = Layout.create(stack.config, stack.config_path)
     spec = EngineSpec("bench-cold", 0, stack.config.groups[0].device, free_port())
     command = layout.engine_command(spec)
     start = time.perf_counter()
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    try:
-        line = await asyncio.to_thread(process.stdout.readline)  # type: ignore[union-attr]
-        if '"ready"' not in line:
-            raise RuntimeError(f"the cold engine exited before it was ready (exit {process.wait()})")
-        return time.perf_counter() - start
-    finally:
-        process.kill()
-        process.wait()
+    with tempfile.TemporaryFile("w+") as errors:
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=errors, text=True)
+        try:
+            line = await asyncio.to_thread(process.stdout.readline)  # type: ignore[union-attr]
+            if '"ready"' in line:
+                return time.perf_counter() - start
+            errors.seek(0)
+            last = (errors.read().strip().splitlines() or [""])[-1]
+            print(f"the cold engine exited before it was ready (exit {process.wait()}): {last}", file=sys.stderr)
+            return None  # a fifth engine's pool may not fit beside the stack's on a smaller device
+        finally:
+            process.kill()
+            process.wait()
 
 
 def engine_group(engine: Engine, python: Path, workdir: Path) -> tuple[str, str]:
@@ -296,7 +301,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "spare_duty": args.spare_duty,
         "batch_invariant": args.batch_invariant,
         "queue_budget_s": args.queue_budget,
-        "engine_start_s": round(cold_s, 3),
+        "engine_start_s": None if cold_s is None else round(cold_s, 3),
         "quiet_requests": len(quiet),
         "quiet_p50_ms": round(quiet_p50, 1),
         "requests": len(records),

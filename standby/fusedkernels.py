@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hotweights.standby.fused import ROPE_DIMS
+from hotweights.standby.fused import ROPE_DIMS, broadcast
 
 try:
     from triton.runtime.cache import triton_key
@@ -153,7 +153,7 @@ def _strides(t: torch.Tensor, dims: int) -> list[int]:
 def _norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, ...]:
     """y = x (+ delta) and rms_norm(y): (y, out) with delta, (out,) without."""
     hidden = x.shape[-1]
-    shape = x.shape if delta is None else torch.broadcast_shapes(x.shape, delta.shape)
+    shape = x.shape if delta is None else broadcast(x.shape, delta.shape)
     dtype = x.dtype if delta is None else torch.promote_types(x.dtype, delta.dtype)
     out = torch.empty(shape, dtype=dtype, device=x.device)
     y = None if delta is None else torch.empty_like(out)
@@ -194,7 +194,7 @@ def add_rms_norm(
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """``fused.rope`` for x of up to ROPE_DIMS dims, an even last dim: one program per head of a token."""
-    shape = torch.broadcast_shapes(x.shape, cos.shape, sin.shape)
+    shape = broadcast(x.shape, cos.shape, sin.shape)
     out = torch.empty(
         shape, dtype=torch.promote_types(torch.promote_types(x.dtype, cos.dtype), sin.dtype), device=x.device
     )

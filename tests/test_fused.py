@@ -11,7 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from hotweights.standby import fused
 from tests.cachehelpers import ENV, engine_python
 
 HELPERS = Path(__file__).with_name("fusedhelpers.py")
@@ -43,3 +45,22 @@ def test_the_kernels_compute_the_plain_functions_under_the_triton_interpreter() 
     checked = subprocess.run([python, str(HELPERS), "cpu"], env=env, capture_output=True, text=True, timeout=300)
     assert checked.returncode == 0, checked.stderr[-3000:]
     assert json.loads(checked.stdout.splitlines()[-1]) == []
+
+
+@pytest.mark.parametrize(
+    "shapes",
+    [
+        [(2, 1, 3), (1, 4, 3)],
+        [(5,), (3, 1, 5)],
+        [(1,), (1,)],
+        [(2, 3, 4, 8), (1, 3, 1, 8), (3, 1, 8)],
+        [(0, 4), (1, 4)],
+    ],
+)
+def test_the_kernels_broadcast_as_torch_does(shapes: list[tuple[int, ...]]) -> None:
+    assert fused.broadcast(*map(torch.Size, shapes)) == torch.broadcast_shapes(*shapes)
+
+
+def test_shapes_that_do_not_broadcast_are_named() -> None:
+    with pytest.raises(ValueError, match=r"shapes \[\(2, 3\), \(4, 3\)\] do not broadcast"):
+        fused.broadcast(torch.Size((2, 3)), torch.Size((4, 3)))
