@@ -6,7 +6,11 @@ the last one has answered or not, so the checks of a hung engine overlap and the
 reached about timeout + (threshold - 1) x interval after it stopped answering (not threshold x timeout);
 a check refused at once is followed by the next at once. A
 timeout that fired late because the controller itself was starved of CPU is not counted either way, nor
-is a check that failed because the controller ran out of file descriptors.
+is a check that failed because the controller ran out of file descriptors, nor one unanswered while the engine's
+process ran on the CPU (at least BUSY_CPU_SHARE of the wait) within BUSY_GRACE_S of its last healthy answer: an engine
+saturated by its load (on a small host, its HTTP thread waiting for the interpreter behind its inference thread)
+answers late, and failing it over would move the load, not end it; a stopped or deadlocked process runs nothing and is
+counted at once, one spinning without answering is counted once BUSY_GRACE_S has passed (``busy_not_hung``).
 Each engine process gets its own check task, so one hung engine never delays the checks of the
 others. The reply body (role, state, pid) is kept: the engines, not the controller, are the truth
 about who is primary.
@@ -28,10 +32,21 @@ import httpx
 from hotweights.contract import Endpoint
 from hotweights.controller.snapshot import HealthRecord
 from hotweights.limits import is_out_of_descriptors
+from hotweights.proctree import cpu_seconds
 
 # A check that timed out counts only if this controller woke up on time for its deadline: later than this
 # fraction of the timeout, our own event loop was starved (a saturated CPU), which says nothing of the engine.
 STALL_FRACTION = 0.5
+BUSY_CPU_SHARE = 0.25  # an engine unanswered while its process ran this share of a core is late, not hung (module
+BUSY_GRACE_S = 2.0  # docstring) ... until this long after its last healthy answer
+
+
+def busy_not_hung(cpu_s: float | None, waited_s: float, since_ok_s: float | None) -> bool:
+    """Whether a check unanswered for ``waited_s`` is not counted: the engine's process ran ``cpu_s`` meanwhile (None:
+    unknown), at least BUSY_CPU_SHARE of the wait, and it answered healthy ``since_ok_s`` ago (None: never), within
+    BUSY_GRACE_S."""
+    running = cpu_s is not None and cpu_s >= BUSY_CPU_SHARE * waited_s
+    return running and since_ok_s is not None and since_ok_s < BUSY_GRACE_S
 
 
 class HealthChecker:
@@ -108,7 +123,7 @@ class HealthChecker:
         """One check of ``url`` into ``record``; whether it counted (a check overtaken by a later one's answer,
         or failed by this controller's own fault, changes no verdict)."""
         start = time.monotonic()
-        ok, status, error, body = await self._ask(url, pid, start)
+        ok, status, error, body = await self._ask(url, pid, start, record.ok_at)
         latency = time.monotonic() - start
         if start < record.sent_at:  # a later check has answered already: this one says nothing newer
             return False
@@ -121,24 +136,38 @@ class HealthChecker:
         record.checked_at, record.sent_at, record.status_code, record.error = time.time(), start, status, error
         record.latency_ms, record.ok = round(latency * 1000, 3), ok
         if ok:
-            record.consecutive_failures, record.failing_since, record.ever_ok = 0, None, True
+            record.consecutive_failures, record.failing_since, record.ever_ok, record.ok_at = 0, None, True, start
         elif record.ever_ok:  # an engine that is starting refuses checks: not a failure yet
             record.consecutive_failures += 1
             record.failing_since = record.failing_since or start
         return True
 
-    async def _ask(self, url: str, pid: int, start: float) -> tuple[bool | None, int | None, str | None, dict | None]:
-        """(ok, status code, error, the engine's body when it is ours to keep) of one ``GET /health/ready``; ok
-        is None when the failure was this controller's own (starved of CPU, out of descriptors)."""
+    async def _ask(
+        self, url: str, pid: int, start: float, ok_at: float | None
+    ) -> tuple[bool | None, int | None, str | None, dict | None]:
+        """(ok, status code, error, the engine's body when it is ours to keep) of one ``GET /health/ready`` sent at
+        ``start`` (the last healthy answer's sent at ``ok_at``); ok is None when the failure was this controller's own
+        (starved of CPU, out of descriptors) or the engine was busy, not hung (module docstring)."""
+        cpu_before = cpu_seconds(pid)
         try:
             response = await self.client.get(url + Endpoint.READY, timeout=self.timeout_s)
         except httpx.TimeoutException:
             error = f"no answer within {self.timeout_s * 1000:g} ms"
-            if (stalled := time.monotonic() - start - self.timeout_s) > self.timeout_s * STALL_FRACTION:
+            waited = time.monotonic() - start
+            if (stalled := waited - self.timeout_s) > self.timeout_s * STALL_FRACTION:
                 return (
                     None,
                     None,
                     f"{error}, but this controller was itself {stalled * 1000:.0f} ms late: not counted",
+                    None,
+                )
+            cpu_after = cpu_seconds(pid)
+            used = None if cpu_before is None or cpu_after is None else cpu_after - cpu_before
+            if busy_not_hung(used, waited, None if ok_at is None else start - ok_at):
+                return (
+                    None,
+                    None,
+                    f"{error}, but its process ran {used * 1000:.0f} ms on the CPU meanwhile: busy, not counted",
                     None,
                 )
             return False, None, error, None

@@ -22,6 +22,7 @@ class HealthRecord:
     consecutive_failures: int = 0
     failing_since: float | None = None  # time.monotonic() when the first failed check of this run began
     ever_ok: bool = False
+    ok_at: float | None = None  # time.monotonic() when the last check answered 200 was sent
     status_code: int | None = None
     body: dict[str, Any] | None = None
     error: str | None = None

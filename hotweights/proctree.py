@@ -1,5 +1,6 @@
-"""A process's tree and the memory it holds, read from /proc and ``nvidia-smi`` without touching any device: what the
-controller's memory checks measure of an engine, and what a vLLM or SGLang spare reports it holds."""
+"""A process's tree, the memory it holds and the CPU it used, read from /proc and ``nvidia-smi`` without touching any
+device: what the controller's memory checks measure of an engine, what a vLLM or SGLang spare reports it holds, and
+whether an engine that answers its checks late is running (``controller.health``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
+TICK = os.sysconf("SC_CLK_TCK")
 
 
 def descendants(pid: int) -> set[int]:
@@ -31,6 +33,16 @@ def descendants(pid: int) -> set[int]:
                         found.add(child)
                         parents.append(child)
     return found
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """The CPU time ``pid`` has used so far, every thread's, user and system (/proc/PID/stat); None once it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
 
 
 def tree_rss_bytes(pid: int) -> int | None:

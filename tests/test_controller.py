@@ -32,7 +32,7 @@ from hotweights.controller.config import EngineSpec, HealthSection, batch_spec, 
 from hotweights.controller.decide import Intent
 from hotweights.controller.events import EventLog
 from hotweights.controller.ha import Ha
-from hotweights.controller.health import HealthChecker, HealthRecord
+from hotweights.controller.health import BUSY_GRACE_S, HealthChecker, HealthRecord
 from hotweights.controller.intents import Conflict
 from hotweights.controller.metrics import ControllerMetrics
 from hotweights.controller.slots import Member, member_view
@@ -679,6 +679,34 @@ def test_a_timeout_counts_only_when_the_controller_waited_on_time() -> None:
         asyncio.run(run())
     assert (record.ok, record.consecutive_failures) == (False, 1)
     assert "ms late: not counted" in record.error
+
+
+def test_a_timeout_is_not_counted_while_the_engine_runs_on_the_cpu_soon_after_a_healthy_answer() -> None:
+    """A check unanswered while the engine's process ran on the CPU, soon after its last healthy answer, is a busy
+    engine's (not counted); the same long after that answer, or with the process stopped, counts."""
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        with socket.create_server(("127.0.0.1", 0)) as silent:  # nobody accepts: every check times out
+            url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+
+            async def run() -> list[HealthRecord]:
+                records = []
+                async with httpx.AsyncClient() as client:
+                    checker = HealthChecker(client, 0.01, 0.1, 2, lambda: None, lambda _: None)
+                    for answered_s_ago, stop in ((0.0, False), (BUSY_GRACE_S, False), (0.0, True)):
+                        if stop:
+                            spinner.send_signal(signal.SIGSTOP)
+                        records.append(HealthRecord(ever_ok=True, ok_at=time.monotonic() - answered_s_ago))
+                        await checker.check(url, spinner.pid, records[-1])
+                return records
+
+            busy, stale, stopped = asyncio.run(run())
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert (busy.ok, busy.consecutive_failures) == (None, 0) and "busy, not counted" in busy.error
+    assert (stale.ok, stale.consecutive_failures) == (False, 1)
+    assert (stopped.ok, stopped.consecutive_failures) == (False, 1)
 
 
 def test_checks_of_a_hung_engine_overlap() -> None:

@@ -27,7 +27,14 @@ from hotweights.controller.decide import (
     room_refusal,
 )
 from hotweights.controller.executor import backoff_s
-from hotweights.controller.health import HealthRecord, checks_failed, not_ready_within, process_exited
+from hotweights.controller.health import (
+    BUSY_GRACE_S,
+    HealthRecord,
+    busy_not_hung,
+    checks_failed,
+    not_ready_within,
+    process_exited,
+)
 from hotweights.controller.ids import engine_id, engine_slot
 from hotweights.controller.snapshot import MemberView
 
@@ -276,3 +283,21 @@ def test_up_gives_up_on_the_first_slot_that_failed_alike_often_enough(
 
 def test_the_give_up_sentence_names_the_slot_the_count_and_the_reason() -> None:
     assert GiveUp("gateway", PORT, 3).sentence == f"gateway failed to start 3 times in a row, each time: {PORT}"
+
+
+@pytest.mark.parametrize(
+    ("cpu_s", "waited_s", "since_ok_s", "not_counted"),
+    [
+        (0.15, 0.2, 0.5, True),  # saturated by its load, answered half a second ago: late, not hung
+        (0.05, 0.2, 0.5, True),  # a quarter of a core is still running
+        (0.04, 0.2, 0.5, False),  # barely running: a deadlock's or a stop's few ticks
+        (0.0, 0.2, 0.5, False),  # SIGSTOPped
+        (None, 0.2, 0.5, False),  # its CPU unknown (not ours to read, gone)
+        (0.2, 0.2, BUSY_GRACE_S, False),  # spinning without answering since the grace: a hang
+        (0.2, 0.2, None, False),  # never answered healthy
+    ],
+)
+def test_a_late_check_of_a_running_engine_is_not_counted_within_the_grace(
+    cpu_s: float | None, waited_s: float, since_ok_s: float | None, not_counted: bool
+) -> None:
+    assert busy_not_hung(cpu_s, waited_s, since_ok_s) is not_counted
