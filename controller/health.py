@@ -32,21 +32,11 @@ import httpx
 from hotweights.contract import Endpoint
 from hotweights.controller.snapshot import HealthRecord
 from hotweights.limits import is_out_of_descriptors
-from hotweights.proctree import cpu_seconds
+from hotweights.proctree import busy_not_hung, cpu_seconds, cpu_used
 
 # A check that timed out counts only if this controller woke up on time for its deadline: later than this
 # fraction of the timeout, our own event loop was starved (a saturated CPU), which says nothing of the engine.
 STALL_FRACTION = 0.5
-BUSY_CPU_SHARE = 0.25  # an engine unanswered while its process ran this share of a core is late, not hung (module
-BUSY_GRACE_S = 2.0  # docstring) ... until this long after its last healthy answer
-
-
-def busy_not_hung(cpu_s: float | None, waited_s: float, since_ok_s: float | None) -> bool:
-    """Whether a check unanswered for ``waited_s`` is not counted: the engine's process ran ``cpu_s`` meanwhile (None:
-    unknown), at least BUSY_CPU_SHARE of the wait, and it answered healthy ``since_ok_s`` ago (None: never), within
-    BUSY_GRACE_S."""
-    running = cpu_s is not None and cpu_s >= BUSY_CPU_SHARE * waited_s
-    return running and since_ok_s is not None and since_ok_s < BUSY_GRACE_S
 
 
 class HealthChecker:
@@ -161,8 +151,7 @@ class HealthChecker:
                     f"{error}, but this controller was itself {stalled * 1000:.0f} ms late: not counted",
                     None,
                 )
-            cpu_after = cpu_seconds(pid)
-            used = None if cpu_before is None or cpu_after is None else cpu_after - cpu_before
+            used = cpu_used(pid, cpu_before)
             if busy_not_hung(used, waited, None if ok_at is None else start - ok_at):
                 return (
                     None,

@@ -1,6 +1,8 @@
 """Which engine is primary now, as each gateway worker learns it: ``GET /primary`` on every upstream, each on
 its own so one hung engine never slows the others; engines added at runtime come from the controller's state
-file (or, with several hosts, from the leader keys in etcd)."""
+file (or, with several hosts, from the leader keys in etcd). A primary's probe that goes unanswered while its process
+runs on the CPU, soon after its last answer, is a busy engine's and changes nothing (``busy``): the controller's
+health checks judge it alike, and a late probe must not move a saturated primary's requests elsewhere."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from hotweights.admission import RETRY_AFTER_S
 from hotweights.contract import ADMITS_IN_HEADER, Endpoint, Role, State
 from hotweights.controller.dcs import LeaderUrls
 from hotweights.errors import ConfigError
+from hotweights.proctree import busy_not_hung, cpu_seconds, cpu_used
 from hotweights.state import read_state
 
 log = logging.getLogger(__name__)
@@ -196,7 +199,7 @@ class Discovery:
             upstream.wake.clear()
 
     async def _probe(self, upstream: Upstream) -> None:
-        sent = time.monotonic()
+        sent, cpu_before = time.monotonic(), None if upstream.pid is None else cpu_seconds(upstream.pid)
         try:
             response = await self.client.get(upstream.url + Endpoint.PRIMARY, timeout=self.timeout_s)
             if upstream.failed_at > sent:  # it failed while this answer was on its way: the next probe decides
@@ -209,6 +212,9 @@ class Discovery:
             upstream.draining = response.status_code == 503 and draining
             upstream.failure, upstream.pid, upstream.answered_at = "", pid_of(body), time.monotonic()
         except httpx.HTTPError as exc:
+            if isinstance(exc, httpx.TimeoutException) and busy(upstream, sent, cpu_before):
+                upstream.checked = time.time()
+                return  # a primary saturated by its load answers late: its requests stay where they are
             upstream.status, reason = None, f"unreachable: {type(exc).__name__} {exc}".strip()
             upstream.weights, upstream.draining = None, False  # a dead engine goes on with nobody's requests
             if isinstance(exc, httpx.ConnectError):
@@ -229,6 +235,15 @@ class Discovery:
             self.available.set()
         else:
             self.available.clear()
+
+
+def busy(upstream: Upstream, sent: float, cpu_before: float | None) -> bool:
+    """Whether ``upstream``'s probe sent at ``sent`` went unanswered because the primary is busy, not hung: its process
+    (on this host) ran on the CPU meanwhile, soon after its last answer (``hotweights.proctree.busy_not_hung``, as the
+    controller's health checks judge it). A stopped or deadlocked one, or one not on this host, is not."""
+    since = sent - upstream.answered_at if upstream.answered_at else None
+    waited = time.monotonic() - sent
+    return upstream.is_primary and busy_not_hung(cpu_used(upstream.pid, cpu_before), waited, since)
 
 
 def cuts(upstream: Upstream, upstreams: list[Upstream]) -> bool:

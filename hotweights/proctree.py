@@ -45,6 +45,24 @@ def cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / TICK
 
 
+BUSY_CPU_SHARE = 0.25  # an engine unanswered while its process ran this share of a core is late, not hung (a late
+BUSY_GRACE_S = 2.0  # health check, ``controller.health``) ... until this long after its last healthy answer
+
+
+def busy_not_hung(cpu_s: float | None, waited_s: float, since_ok_s: float | None) -> bool:
+    """Whether a check unanswered for ``waited_s`` is not counted: the engine's process ran ``cpu_s`` meanwhile (None:
+    unknown), at least BUSY_CPU_SHARE of the wait, and it answered healthy ``since_ok_s`` ago (None: never), within
+    BUSY_GRACE_S."""
+    running = cpu_s is not None and cpu_s >= BUSY_CPU_SHARE * waited_s
+    return running and since_ok_s is not None and since_ok_s < BUSY_GRACE_S
+
+
+def cpu_used(pid: int | None, since: float | None) -> float | None:
+    """``pid``'s CPU seconds (``cpu_seconds``) less ``since`` (an earlier reading); None where either is unknown."""
+    now = None if pid is None else cpu_seconds(pid)
+    return None if now is None or since is None else now - since
+
+
 def tree_rss_bytes(pid: int) -> int | None:
     """Resident memory of ``pid`` and every process below it (an agent's engine and its workers, say); None once
     ``pid`` is gone."""

@@ -32,7 +32,7 @@ from hotweights.controller.config import EngineSpec, HealthSection, batch_spec, 
 from hotweights.controller.decide import Intent
 from hotweights.controller.events import EventLog
 from hotweights.controller.ha import Ha
-from hotweights.controller.health import BUSY_GRACE_S, HealthChecker, HealthRecord
+from hotweights.controller.health import HealthChecker, HealthRecord
 from hotweights.controller.intents import Conflict
 from hotweights.controller.metrics import ControllerMetrics
 from hotweights.controller.slots import Member, member_view
@@ -41,6 +41,7 @@ from hotweights.controller.spares import is_waiting
 from hotweights.controller.stack import Generation, Layout, cpu_threads
 from hotweights.controller.supervisor import Identity, read_identity
 from hotweights.errors import ConfigError
+from hotweights.proctree import BUSY_GRACE_S
 from hotweights.state import ClusterState, read_state, write_state
 from tests.controllerhelpers import ControllerStack, split_brain_watch, wait_until
 

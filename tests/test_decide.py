@@ -27,16 +27,10 @@ from hotweights.controller.decide import (
     room_refusal,
 )
 from hotweights.controller.executor import backoff_s
-from hotweights.controller.health import (
-    BUSY_GRACE_S,
-    HealthRecord,
-    busy_not_hung,
-    checks_failed,
-    not_ready_within,
-    process_exited,
-)
+from hotweights.controller.health import HealthRecord, checks_failed, not_ready_within, process_exited
 from hotweights.controller.ids import engine_id, engine_slot
 from hotweights.controller.snapshot import MemberView
+from hotweights.proctree import BUSY_GRACE_S, busy_not_hung
 
 pytestmark = pytest.mark.unit
 
