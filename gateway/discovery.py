@@ -53,6 +53,7 @@ class Upstream:
     failed_at: float = 0.0  # monotonic time it last failed: a probe sent before does not say it serves
     answered_at: float = 0.0  # monotonic time a probe was last answered (by ``pid``)
     gone_at: float = 0.0  # monotonic time a probe last found nothing listening (the process is gone)
+    cpu_sample: tuple[float, float] | None = None  # (monotonic time, its process's CPU seconds) as a probe was sent
     probed: asyncio.Event = field(default_factory=asyncio.Event)  # set (and replaced) as each probe ends
 
     def describe(self) -> dict[str, object]:
@@ -143,6 +144,10 @@ class Discovery:
         self.suspect(upstream, reason)
         return upstream.failure
 
+    def busy_now(self, upstream: Upstream) -> bool:
+        """Whether ``upstream`` is a primary busy on the CPU, not hung (``busy``), measured since its last probe."""
+        return upstream.cpu_sample is not None and busy(upstream, *upstream.cpu_sample)
+
     def wake_all(self) -> None:
         """Probe every upstream now instead of at its next interval (a role just changed somewhere)."""
         for upstream in self.upstreams:
@@ -200,6 +205,7 @@ class Discovery:
 
     async def _probe(self, upstream: Upstream) -> None:
         sent, cpu_before = time.monotonic(), None if upstream.pid is None else cpu_seconds(upstream.pid)
+        upstream.cpu_sample = None if cpu_before is None else (sent, cpu_before)
         try:
             response = await self.client.get(upstream.url + Endpoint.PRIMARY, timeout=self.timeout_s)
             if upstream.failed_at > sent:  # it failed while this answer was on its way: the next probe decides
@@ -237,13 +243,14 @@ class Discovery:
             self.available.clear()
 
 
-def busy(upstream: Upstream, sent: float, cpu_before: float | None) -> bool:
-    """Whether ``upstream``'s probe sent at ``sent`` went unanswered because the primary is busy, not hung: its process
-    (on this host) ran on the CPU meanwhile, soon after its last answer (``hotweights.proctree.busy_not_hung``, as the
-    controller's health checks judge it). A stopped or deadlocked one, or one not on this host, is not."""
-    since = sent - upstream.answered_at if upstream.answered_at else None
-    waited = time.monotonic() - sent
-    return upstream.is_primary and busy_not_hung(cpu_used(upstream.pid, cpu_before), waited, since)
+def busy(upstream: Upstream, since: float, cpu_then: float | None) -> bool:
+    """Whether ``upstream`` went unanswered since ``since`` (its process's CPU seconds then: ``cpu_then``) because the
+    primary is busy, not hung: its process (on this host) ran on the CPU meanwhile, soon after its last answer
+    (``hotweights.proctree.busy_not_hung``, as the controller's health checks judge it). A stopped or deadlocked one,
+    or one not on this host, is not."""
+    now = time.monotonic()
+    answered = now - upstream.answered_at if upstream.answered_at else None
+    return upstream.is_primary and busy_not_hung(cpu_used(upstream.pid, cpu_then), now - since, answered)
 
 
 def cuts(upstream: Upstream, upstreams: list[Upstream]) -> bool:
