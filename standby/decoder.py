@@ -20,9 +20,9 @@ So the shapes serving uses form a small fixed set, and ``warm_up`` runs them (an
 engine reports ready (with graphs, the decode steps as their captures' first runs): later requests find every
 kernel, allocator block and library plan already made. Eagerly, though, only the shapes
 of up to WARMED_LENGTH tokens (the longest that fits) at one row and every row, and one prompt filling a whole row
-(its time is what the progress check expects of the longest prefills, ``standby.progress``), less the shapes a graph
-captures (their captures time them): ``warmed_prefills``; the progress check bounds the other shapes' prefills from
-theirs. The first run
+(its time is what the progress check expects of the longest prefills, ``standby.progress``); with graphs, the short
+shapes are the graphed prefills instead, which their captures time: ``warmed_prefills``. The progress check bounds
+the other shapes' prefills from theirs. The first run
 of any other shape costs what its later runs do, there being no per-shape plan to make (cuDNN's attention is
 excluded, ``standby.model``), while running them all cost a new engine seconds of its start (every prompt count up to
 4096 tokens in all, every batch size up to a ``batch`` of 32 on CPU). Measured: on an H100
@@ -272,16 +272,15 @@ class Decoder:
 
     @property
     def warmed_prefills(self) -> list[tuple[int, int]]:
-        """The prefills (rows, length) ``warm_up`` runs eagerly: for each of ``warmed_rows``, the longest length up to
-        WARMED_LENGTH that fits, then one prompt of the longest length; less those a graph serves (its capture runs
-        and times them)."""
+        """The prefills (rows, length) ``warm_up`` runs eagerly: one prompt of the longest length and, without graphs,
+        for each of ``warmed_rows`` the longest length up to WARMED_LENGTH that fits. With graphs the short prefills
+        are the graphed ones, which their captures run and time (``standby.progress`` bounds a larger batch's from
+        theirs and the longest's)."""
         shapes = []
-        for rows in self.warmed_rows:
+        for rows in [] if self.graphs_enabled else self.warmed_rows:
             short = [length for length in self.lengths if length <= WARMED_LENGTH and self.prefill_fits(rows, length)]
             shapes += [(rows, short[-1])] if short else []
-        shapes.append((1, self.lengths[-1]))
-        graphed = set(self.graphed_prefills()) if self.graphs_enabled else set()
-        return [shape for shape in dict.fromkeys(shapes) if self.graphed_shape(*shape) not in graphed]
+        return list(dict.fromkeys([*shapes, (1, self.lengths[-1])]))
 
     @property
     def warmed_kv_lengths(self) -> list[int]:
