@@ -14,6 +14,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -32,6 +33,7 @@ STATE_POLL_S = 1.0  # how often the controller's state file is re-read for engin
 # refusal it answers itself costs the event loop that feeds its inference thread.
 FULL_MIN_S = 0.05
 FULL_MAX_S = float(RETRY_AFTER_S)  # the longest it gets none, whatever its header says
+LOOPBACK = ("127.0.0.1", "localhost", "::1")  # an upstream at one of these runs on this host (``busy``)
 
 
 @dataclass
@@ -245,12 +247,13 @@ class Discovery:
 
 def busy(upstream: Upstream, since: float, cpu_then: float | None) -> bool:
     """Whether ``upstream`` went unanswered since ``since`` (its process's CPU seconds then: ``cpu_then``) because the
-    primary is busy, not hung: its process (on this host) ran on the CPU meanwhile, soon after its last answer
+    primary is busy, not hung: its process ran on the CPU meanwhile, soon after its last answer
     (``hotweights.proctree.busy_not_hung``, as the controller's health checks judge it). A stopped or deadlocked one,
-    or one not on this host, is not."""
+    or one not on this host (a pid of another host's says nothing here), is not."""
     now = time.monotonic()
     answered = now - upstream.answered_at if upstream.answered_at else None
-    return upstream.is_primary and busy_not_hung(cpu_used(upstream.pid, cpu_then), now - since, answered)
+    local = upstream.is_primary and urlsplit(upstream.url).hostname in LOOPBACK  # its pid is this host's
+    return local and busy_not_hung(cpu_used(upstream.pid, cpu_then), now - since, answered)
 
 
 def cuts(upstream: Upstream, upstreams: list[Upstream]) -> bool:
