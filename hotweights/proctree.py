@@ -45,8 +45,10 @@ def cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / TICK
 
 
-BUSY_CPU_SHARE = 0.25  # an engine unanswered while its process ran this share of a core is late, not hung (a late
-BUSY_GRACE_S = 2.0  # health check, ``controller.health``) ... until this long after its last healthy answer
+# A health check or probe unanswered while the engine's process ran at least this share of a core is late, not hung
+# (``controller.health``, ``gateway.discovery``) ...
+BUSY_CPU_SHARE = 0.25
+BUSY_GRACE_S = 2.0  # ... until this long after its last healthy answer
 
 
 def busy_not_hung(cpu_s: float | None, waited_s: float, since_ok_s: float | None) -> bool:
