@@ -55,7 +55,6 @@ class Upstream:
     failed_at: float = 0.0  # monotonic time it last failed: a probe sent before does not say it serves
     answered_at: float = 0.0  # monotonic time a probe was last answered (by ``pid``)
     gone_at: float = 0.0  # monotonic time a probe last found nothing listening (the process is gone)
-    cpu_sample: tuple[float, float] | None = None  # (monotonic time, its process's CPU seconds) as a probe was sent
     probed: asyncio.Event = field(default_factory=asyncio.Event)  # set (and replaced) as each probe ends
 
     def describe(self) -> dict[str, object]:
@@ -146,10 +145,6 @@ class Discovery:
         self.suspect(upstream, reason)
         return upstream.failure
 
-    def busy_now(self, upstream: Upstream) -> bool:
-        """Whether ``upstream`` is a primary busy on the CPU, not hung (``busy``), measured since its last probe."""
-        return upstream.cpu_sample is not None and busy(upstream, *upstream.cpu_sample)
-
     def wake_all(self) -> None:
         """Probe every upstream now instead of at its next interval (a role just changed somewhere)."""
         for upstream in self.upstreams:
@@ -207,7 +202,6 @@ class Discovery:
 
     async def _probe(self, upstream: Upstream) -> None:
         sent, cpu_before = time.monotonic(), None if upstream.pid is None else cpu_seconds(upstream.pid)
-        upstream.cpu_sample = None if cpu_before is None else (sent, cpu_before)
         try:
             response = await self.client.get(upstream.url + Endpoint.PRIMARY, timeout=self.timeout_s)
             if upstream.failed_at > sent:  # it failed while this answer was on its way: the next probe decides

@@ -52,13 +52,7 @@ async def opened(client: httpx.AsyncClient, outgoing: httpx.Request, streamed: b
     try:
         return await client.send(outgoing, stream=True)
     except httpx.TransportError as exc:
-        kind = (
-            "late"
-            if isinstance(exc, httpx.ConnectTimeout)
-            else "connect"
-            if isinstance(exc, httpx.ConnectError)
-            else "disconnected"
-        )
+        kind = "connect" if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout) else "disconnected"
         started = kind == "disconnected" and is_started(answer_began=False, streamed=streamed)
         raise UpstreamFailed(kind, f"{type(exc).__name__} {exc}".strip(), started) from exc
 
@@ -141,8 +135,8 @@ class MigratingProxy:
                 return await attempt(upstream, owed)
             except UpstreamFailed as exc:
                 last_failure = f"{upstream.url}: {exc}"
-                if exc.kind == "busy" or (exc.kind == "late" and self.discovery.busy_now(upstream)):
-                    busy += 1  # a 429, or a connection not accepted in time by a primary busy on the CPU
+                if exc.kind == "busy":
+                    busy += 1
                     await self.wait_busy(busy, deadline)
                     continue
                 if exc.kind == "disconnected":
