@@ -121,12 +121,7 @@ def bucket(lengths: list[int], n: int) -> int:
 def batch_buckets(batch: int) -> list[int]:
     """The decode batch sizes captured as graphs, and the prompt counts of graphed prefills up to ``batch``: the
     powers of two below ``batch``, then ``batch``."""
-    sizes = []
-    n = 1
-    while n < batch:
-        sizes.append(n)
-        n *= 2
-    return [*sizes, batch]
+    return [*(2**i for i in range((batch - 1).bit_length())), batch]
 
 
 def _step(
@@ -249,6 +244,11 @@ class Decoder:
         self.graph_bytes = 0  # device memory the captured graphs hold
         self.graph_batches = [kv.batch] if batch_invariant else batch_buckets(kv.batch)  # decode's batch sizes
         self.prefill_rows = batch_buckets(min(kv.batch, GRAPHED_PREFILL_ROWS))  # graphed prefills' prompt counts
+        self._graphed_lengths = {  # count -> the longest length up to GRAPHED_PREFILL that fits; every prefill reads it
+            rows: fits[-1]
+            for rows in self.prefill_rows
+            if (fits := [n for n in self.lengths if n <= GRAPHED_PREFILL and self.prefill_fits(rows, n)])
+        }
         self._graphs: dict[tuple[int, int], DecodeGraph] = {}  # (batch size, KV length) -> its captured step
         self._prefills: dict[tuple[int, int], PrefillGraph] = {}  # (rows, length) -> its capture
         self.prefill_times: dict[tuple[int, int], float] = {}  # (rows, length) -> its seconds at warm-up
@@ -480,22 +480,16 @@ class Decoder:
     def graphed_prefills(self) -> list[tuple[int, int]]:
         """(rows, length) of every prefill captured with graphs: for each prompt count of ``prefill_rows``, the longest
         length up to GRAPHED_PREFILL that fits (one prompt only in ``batch_invariant`` mode)."""
-        shapes = []
-        for rows in self.prefill_rows:
-            fitting = [
-                length for length in self.lengths if length <= GRAPHED_PREFILL and self.prefill_fits(rows, length)
-            ]
-            shapes += [(rows, fitting[-1])] if fitting else []
-        return shapes
+        return list(self._graphed_lengths.items())
 
     def graphed_shape(self, rows: int, longest: int) -> tuple[int, int] | None:
         """The graphed prefill (``graphed_prefills``) that ``rows`` prompts of up to ``longest`` tokens replay: the
         fewest prompts that hold them, if its length holds the longest; None: an eager prefill."""
-        shapes = dict(self.graphed_prefills())
         if rows > self.prefill_rows[-1]:
             return None
         count = bucket(self.prefill_rows, rows)
-        return (count, shapes[count]) if longest <= shapes.get(count, 0) else None
+        length = self._graphed_lengths.get(count, 0)
+        return (count, length) if longest <= length else None
 
 
 def _reserved_in_use(device: torch.device) -> int:
