@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import json
 import logging
 import os
 import secrets
@@ -50,6 +49,7 @@ from hotweights.cache.seedtransport import (
 )
 from hotweights.contract import read_token
 from hotweights.errors import ConfigError
+from hotweights.paths import write_json
 
 log = logging.getLogger(__name__)
 
@@ -116,13 +116,6 @@ def read_sources(spec: str) -> list[str]:
     except FileNotFoundError:
         return []
     return [line.strip() for line in text.splitlines() if line.strip()]
-
-
-def write_json(path: Path, value: dict[str, Any]) -> None:
-    """Atomically (temp file, then rename)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(value))
-    tmp.replace(path)
 
 
 class Progress:

@@ -1,8 +1,9 @@
 """Where hotweights keeps things on this host: the home directory (the embedded tiny model in it) and the runtime
-directory."""
+directory; and how a small JSON file there is replaced whole (``write_json``)."""
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 from pathlib import Path
@@ -28,6 +29,18 @@ def made_default_model() -> Path | None:
     index with it, so the index says it is there."""
     path = default_model_dir()
     return path if (path / INDEX_FILE).exists() else None
+
+
+def write_json(path: Path, value: object) -> None:
+    """``value`` as JSON in ``path``, whole or not at all: written to a temp file of this process's beside it, then
+    renamed over it; OSError when that fails, with no temp file left behind."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(value))
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def runtime_dir() -> Path:

@@ -29,8 +29,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
@@ -38,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from hotweights.paths import hotweights_home
+from hotweights.paths import hotweights_home, write_json
 from hotweights.standby import fused
 
 log = logging.getLogger(__name__)
@@ -156,14 +154,9 @@ def remembered(key: str) -> KernelVerdict | None:
 def remember(key: str, found: KernelVerdict) -> None:
     """Write ``found`` for the host's later engines, whole or not at all (a file renamed into place); a failure to
     write costs them the check, so it is logged, not raised."""
-    path, written = verdict_path(key), None
+    path = verdict_path(key)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as out:
-            written = Path(out.name)
-            json.dump(dataclasses.asdict(found), out)
-        os.replace(written, path)
+        write_json(path, dataclasses.asdict(found))
     except OSError as exc:
-        if written is not None:
-            written.unlink(missing_ok=True)
         log.warning("kernel check: its verdict could not be kept in %s (%s): later engines check again", path, exc)
