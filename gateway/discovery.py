@@ -201,7 +201,7 @@ class Discovery:
             upstream.wake.clear()
 
     async def _probe(self, upstream: Upstream) -> None:
-        sent, cpu_before = time.monotonic(), None if upstream.pid is None else cpu_seconds(upstream.pid)
+        sent, cpu_before = time.monotonic(), cpu_seconds(upstream.pid)
         try:
             response = await self.client.get(upstream.url + Endpoint.PRIMARY, timeout=self.timeout_s)
             if upstream.failed_at > sent:  # it failed while this answer was on its way: the next probe decides

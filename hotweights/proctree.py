@@ -35,8 +35,11 @@ def descendants(pid: int) -> set[int]:
     return found
 
 
-def cpu_seconds(pid: int) -> float | None:
-    """The CPU time ``pid`` has used so far, every thread's, user and system (/proc/PID/stat); None once it is gone."""
+def cpu_seconds(pid: int | None) -> float | None:
+    """The CPU time ``pid`` has used so far, every thread's, user and system (/proc/PID/stat); None once it is gone
+    (or no pid is known)."""
+    if pid is None:
+        return None
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
@@ -61,7 +64,7 @@ def busy_not_hung(cpu_s: float | None, waited_s: float, since_ok_s: float | None
 
 def cpu_used(pid: int | None, since: float | None) -> float | None:
     """``pid``'s CPU seconds (``cpu_seconds``) less ``since`` (an earlier reading); None where either is unknown."""
-    now = None if pid is None else cpu_seconds(pid)
+    now = cpu_seconds(pid)
     return None if now is None or since is None else now - since
 
 
