@@ -26,6 +26,7 @@ reads its file. A file that cannot be read is checked again and written over.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -82,7 +83,7 @@ def verdict(step: Step, split_kv: bool, positions: int) -> KernelVerdict:
     reference = step(positions, False)
     warnings: list[str] = []
     attention = split_kv and _passes("split-KV attention", lambda: disagreement(step(None, False), reference), warnings)
-    fused_step = lambda: step(None if attention else positions, True)  # noqa: E731
+    fused_step = functools.partial(step, None if attention else positions, True)
     fusing = _passes("the fused kernels", lambda: fused_disagreement(fused_step), warnings)
     return KernelVerdict(attention, fusing, tuple(warnings))
 
