@@ -49,7 +49,7 @@ from hotweights.cache.fingerprint import Fingerprint
 from hotweights.cache.makemodel import PRESETS, write_checkpoint
 from hotweights.cache.paths import DaemonPaths
 from hotweights.cache.seeding import SeedOptions, seed_arena
-from hotweights.cache.seedtransport import tune
+from hotweights.cache.seedtransport import read_piece, tune
 from hotweights.controller.seedplacement import copy_times_bound, simulate_fanout
 from hotweights.ports import free_ports
 from hotweights.spawn import hotweights_command
@@ -119,8 +119,8 @@ def _receive_share(conn: socket.socket, target: memoryview, index: int, streams:
     with conn:
         tune(conn)
         position, end = _share(len(target), index, streams)
-        while position < end:
-            got = conn.recv_into(target[position:end])
+        while position < end:  # as a seeding stream reads: a piece per call (``seedtransport.read_piece``)
+            got = read_piece(conn, target[position : min(position + RAW_CHUNK, end)])
             if not got:
                 raise ConnectionError("the raw sender closed early")
             position += got

@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 64 << 20  # the unit of work a stream asks for
 PIECE_BYTES = 8 << 20  # the staging buffers' size on a device
+READ_BYTES = 1 << 20  # a host arena's bytes are read (and their progress reported) in steps of this many
 RECONNECTS = 5  # attempts of a stream to reconnect in a row without a byte moved, before it gives up
 RETRY_S = 0.25  # between rounds over the peers while all are busy, and between reconnects
 PROGRESS_EVERY_S = 0.2
@@ -169,8 +170,8 @@ class HostSink(RangeSink):
 
     def receive(self, start: int, end: int, read_into: Callable[[memoryview], int]) -> int:
         position = start
-        while position < end:
-            position += read_into(self.view[position:end])
+        while position < end:  # a step at a time, so that progress moves while a range lands
+            position += read_into(self.view[position : min(position + READ_BYTES, end)])
         return end - start
 
     def close(self) -> None:

@@ -36,7 +36,15 @@ from hotweights.cache.protocol import (
 )
 from hotweights.cache.protocol import send_message as send_frame
 from hotweights.cache.seeding import PIECE_BYTES, SeedOptions
-from hotweights.cache.seedtransport import HANDSHAKE_TIMEOUT_S, IO_TIMEOUT_S, proof, proof_matches, split_address, tune
+from hotweights.cache.seedtransport import (
+    HANDSHAKE_TIMEOUT_S,
+    IO_TIMEOUT_S,
+    bulk,
+    proof,
+    proof_matches,
+    split_address,
+    tune,
+)
 from hotweights.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -298,7 +306,7 @@ class SeedServer:
                 send_frame(conn, error_reply("bad_message", f"expected a seed_range within 0-{used}"))
                 return
             send_frame(conn, {"ok": True, "start": start, "end": end}, deadline=time.monotonic() + IO_TIMEOUT_S)
-            conn.settimeout(IO_TIMEOUT_S)
+            bulk(conn, socket.SO_SNDTIMEO)
             self.reader.send(conn, start, end)
             with self.lock:
                 self.served["bytes_sent"] += end - start

@@ -23,6 +23,7 @@ import hashlib
 import hmac
 import secrets
 import socket
+import struct
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -116,6 +117,23 @@ def tune(sock: socket.socket) -> None:
         sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
 
 
+def bulk(sock: socket.socket, option: int) -> None:
+    """Put ``sock`` in blocking mode with the kernel's own timeout ``option`` (SO_RCVTIMEO or SO_SNDTIMEO) of
+    IO_TIMEOUT_S, for the bytes of a range: then a whole piece moves in one system call (a blocking ``sendall``, a
+    ``recv_into`` with MSG_WAITALL), the interpreter's lock released for all of it. A Python socket timeout instead
+    polls and returns to the interpreter every few hundred KiB, and eight streams of that were bound by the lock, not by
+    the link. As before, a call that moves no byte for IO_TIMEOUT_S fails (OSError: EAGAIN); one that moved some returns
+    what it moved. The protocol's framed messages set their own timeouts again (``cache.protocol``)."""
+    sock.settimeout(None)
+    sock.setsockopt(socket.SOL_SOCKET, option, struct.pack("ll", int(IO_TIMEOUT_S), 0))
+
+
+def read_piece(sock: socket.socket, buffer: memoryview) -> int:
+    """Bytes read into ``buffer``, all of it unless the stream broke or stalled (a ``bulk`` receiving socket); 0 at
+    the peer's end."""
+    return sock.recv_into(buffer, 0, socket.MSG_WAITALL)
+
+
 class TcpChannel(SeedChannel):
     def __init__(self, address: str) -> None:
         self.address = address
@@ -156,10 +174,10 @@ class TcpChannel(SeedChannel):
         self._refused(reply)
         if reply.get("start") != start or reply.get("end") != end:
             raise ProtocolError(f"seeding peer {self.address} answered range {reply.get('start')}-{reply.get('end')}")
-        self.sock.settimeout(IO_TIMEOUT_S)
+        bulk(self.sock, socket.SO_RCVTIMEO)
 
         def read_into(buffer: memoryview) -> int:
-            n = self.sock.recv_into(buffer)
+            n = read_piece(self.sock, buffer)
             if n == 0:
                 raise ConnectionError(f"seeding peer {self.address} closed the stream mid-range")
             progress(n)
