@@ -48,7 +48,8 @@ from hotweights.dtypes import ARENA_DTYPES
 
 log = logging.getLogger(__name__)
 
-MAX_RETAINED = 2  # deposits of closed connections kept at once
+MAX_RETAINED = 1  # deposits of closed connections kept at once: the last failed primary's (an older one is of no use
+# to a failover that has already happened, and its memory, a whole KV pool, is what the next spare allocates)
 MAX_SOURCES = MAX_FDS // 2  # deposits one ``kv_sources`` reply carries
 LEDGER_BACKEND = "cpu-shm"
 LEDGER_FIELDS = 3  # int64 per slot ahead of its token ids
