@@ -20,7 +20,8 @@ So the shapes serving uses form a small fixed set, and ``warm_up`` runs them (an
 engine reports ready (with graphs, the decode steps as their captures' first runs): later requests find every
 kernel, allocator block and library plan already made. Eagerly, though, only the shapes
 of up to WARMED_LENGTH tokens (the longest that fits) at one row and every row, and one prompt filling a whole row
-(its time is what the progress check expects of the longest prefills, ``standby.progress``); with graphs, the short
+(its time is what the progress check expects of the longest prefills, ``standby.progress``; with graphs only the
+host's first engine runs it, later ones read its time, ``standby.kernelcheck``); with graphs, the short
 shapes are the graphed prefills instead, which their captures time: ``warmed_prefills``. The progress check bounds
 the other shapes' prefills from theirs. The first run
 of any other shape costs what its later runs do, there being no per-shape plan to make (cuDNN's attention is
@@ -75,6 +76,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -364,10 +366,21 @@ class Decoder:
         KV cache, which serving overwrites before it reads (reads beyond a sequence's length are masked). The parts'
         times go to ``warm_up_times``."""
         device = self.model.device
+        verdict = None
+        if self.graphs_enabled:  # first: the host's verdict may hold the longest prefill's time (kernelcheck)
+            started = time.perf_counter()
+            key, verdict = self._check_kernels()
+            self.warm_up_times.kernel_check = time.perf_counter() - started
         started = time.perf_counter()
+        longest = (1, self.lengths[-1])
         for rows, length in self.warmed_prefills:
+            if (rows, length) == longest and verdict is not None and verdict.longest_prefill_s:
+                self.prefill_times[longest] = verdict.longest_prefill_s  # a sibling measured it on this host
+                continue
             self.prefill_times[rows, length] = self._timed_prefill(rows, length)
             pace()
+        if verdict is not None and not verdict.longest_prefill_s:
+            kernelcheck.remember(key, dataclasses.replace(verdict, longest_prefill_s=self.prefill_times[longest]))
         if not self.graphs_enabled:
             for n in self.warmed_rows:
                 for kv_len in self.warmed_kv_lengths:
@@ -381,9 +394,6 @@ class Decoder:
             sample_rows(logits.expand(rows, -1), [0.0] * rows, [1.0] * rows, [0.5] * rows)
         self.warm_up_times.sampling = time.perf_counter() - started
         if self.graphs_enabled:
-            started = time.perf_counter()
-            self._check_kernels()
-            self.warm_up_times.kernel_check = time.perf_counter() - started
             self._capture(pace)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -396,9 +406,10 @@ class Decoder:
             torch.cuda.synchronize(self.model.device)
         return time.monotonic() - started
 
-    def _check_kernels(self) -> None:
+    def _check_kernels(self) -> tuple[str, kernelcheck.KernelVerdict]:
         """Use only the kernels that compute on this device what plain torch does (``standby.kernelcheck``): a
-        failed split-KV check brings back a graph per KV length, a failed fused one unfused graphed steps."""
+        failed split-KV check brings back a graph per KV length, a failed fused one unfused graphed steps. The
+        host's key and verdict (remembered, or checked now and remembered)."""
         config = self.model.config
         inputs = kernelcheck.probe_inputs(self.batch, self.kv.max_tokens, config.vocab_size, self.model.device)
 
@@ -420,6 +431,7 @@ class Decoder:
             self.split_kv = False
             self.kv_lengths = self.lengths[-1:] if self.batch_invariant else self.lengths
         self.fused = verdict.fused
+        return key, verdict
 
     @contextlib.contextmanager
     def _probed(self) -> Iterator[None]:

@@ -20,7 +20,11 @@ The verdict depends only on the device, the software and the model's shapes, so 
 (``hotweights_home()/kernelchecks``, a file per key: the device's name and architecture, the torch and Triton
 versions, the kernels' sources, the model's configuration and dtype, the cache's length): the first engine of a host
 pays the check (on ``xl`` some seconds: three steps over every slot, the kernels' first compiles), every later one
-reads its file. A file that cannot be read is checked again and written over.
+reads its file. A file that cannot be read is checked again and written over. With it goes the time of the one
+warm-up prefill that depends on the same things alone, one prompt of the cache's whole length (what the progress
+check expects of the longest prefills, ``standby.progress``): the host's first engine measures it, later ones read it
+instead of running it (on ``xl`` 4096 tokens, the warm-up's heaviest work on the device, which a serving primary
+beside it would share).
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ class KernelVerdict:
     split_kv: bool
     fused: bool
     warnings: tuple[str, ...] = ()
+    longest_prefill_s: float = 0.0  # one prompt of the whole cache length, by the host's first engine (0: not yet)
 
 
 def probe_inputs(rows: int, positions: int, vocab: int, device: torch.device) -> torch.Tensor:
@@ -144,7 +149,8 @@ def remembered(key: str) -> KernelVerdict | None:
     path = verdict_path(key)
     try:
         found = json.loads(path.read_text())
-        return KernelVerdict(bool(found["split_kv"]), bool(found["fused"]), tuple(map(str, found["warnings"])))
+        warnings = tuple(map(str, found["warnings"]))
+        return KernelVerdict(bool(found["split_kv"]), bool(found["fused"]), warnings, float(found["longest_prefill_s"]))
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError) as exc:

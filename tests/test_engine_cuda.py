@@ -45,6 +45,22 @@ def decoder(model: Transformer, graphs: bool, batch: int = 3) -> Decoder:
     return made
 
 
+def test_a_later_graphed_decoder_of_the_host_reads_the_longest_prefill_time_instead_of_running_it(
+    model: Transformer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HOTWEIGHTS_HOME", str(tmp_path))
+    first = decoder(model, graphs=True)
+    longest = (1, first.lengths[-1])
+    assert first.prefill_times[longest] > 0
+    later = Decoder(model, KVCache.allocate(model.config, model.tp, 3, 64, model.device, model.dtype), True)
+    ran: list[tuple[int, int]] = []
+    timed = later._timed_prefill
+    monkeypatch.setattr(later, "_timed_prefill", lambda rows, length: ran.append((rows, length)) or timed(rows, length))
+    later.warm_up()
+    assert longest not in ran and ran  # the graphed prefills' first replays still ran
+    assert later.prefill_times[longest] == first.prefill_times[longest]
+
+
 def test_graph_replays_equal_eager_steps_and_never_hand_out_a_reused_buffer(model: Transformer) -> None:
     graphed, eager = decoder(model, graphs=True), decoder(model, graphs=False)
     assert graphed.graph_bytes > 0 and eager.graph_bytes == 0

@@ -100,7 +100,7 @@ def test_a_verdict_is_remembered_for_the_host_and_a_bad_file_is_checked_again(
     key = kernelcheck.host_key(torch.device("cpu"), {"hidden": 64}, torch.bfloat16, 4096)
     assert key != kernelcheck.host_key(torch.device("cpu"), {"hidden": 64}, torch.bfloat16, 2048)
     assert kernelcheck.remembered(key) is None
-    found = KernelVerdict(True, False, ("the fused kernels on this device do not compute what plain torch does",))
+    found = KernelVerdict(True, False, ("the fused kernels on this device do not compute what plain torch does",), 0.25)
     kernelcheck.remember(key, found)
     assert kernelcheck.remembered(key) == found
     assert [p.name for p in kernelcheck.verdict_path(key).parent.iterdir()] == [f"{key}.json"]  # no temporary left
