@@ -90,7 +90,7 @@ from hotweights.standby.fused import fusing
 from hotweights.standby.kvpool import NULL_BLOCK
 from hotweights.standby.kvshare import SharedKv
 from hotweights.standby.model import KVCache, Transformer
-from hotweights.standby.sampling import sample_rows, to_host
+from hotweights.standby.sampling import sample_rows
 from hotweights.standby.steptimes import WATCH, Clock, StepWatch
 
 log = logging.getLogger(__name__)
@@ -202,6 +202,20 @@ class PrefillGraph:
         return self.hidden[:n]
 
 
+@dataclass(frozen=True)
+class Launched:
+    """A decode step queued on the device (``Decoder.launch``, ``Decoder.chain``) whose results the host has not read
+    yet (``Decoder.finish``)."""
+
+    n: int  # the rows asked for
+    shape: tuple[int, int]  # (rows run, KV positions its shapes name), as ``watch`` times it
+    logits: torch.Tensor  # (rows run, V), on the device
+    argmax: torch.Tensor  # (rows run,), on the device: what a step chained behind it is fed
+    greedy: torch.Tensor  # (n,) the argmax in host memory once ``done``
+    done: torch.cuda.Event | None  # None: nothing to wait for (the CPU)
+    started: Clock
+
+
 @dataclass
 class WarmUpTimes:
     """Seconds of ``warm_up``'s parts: what a decoder's readiness costs (``bench/warmup.py`` prints them)."""
@@ -255,6 +269,7 @@ class Decoder:
         self._prefills: dict[tuple[int, int], PrefillGraph] = {}  # (rows, length) -> its capture
         self.prefill_times: dict[tuple[int, int], float] = {}  # (rows, length) -> its seconds at warm-up
         self.warm_up_times = WarmUpTimes()
+        self._finished_at = 0.0  # time.monotonic() when the last step's results reached the host
 
     @property
     def batch(self) -> int:
@@ -334,24 +349,70 @@ class Decoder:
         at ``positions[b]``, for b < n <= batch. With graphs or ``batch_invariant``, the slots from n up to the batch
         size run must be free (their tables on the null block, where position 0 of each is written). Waits for the
         device without holding the GIL, so the engine's HTTP thread runs meanwhile. The step's time, results on the
-        host, goes to ``watch``."""
-        started = Clock.now()
-        n = len(tokens)
-        kv_len = bucket(self.kv_lengths, max(positions) + 1)
+        host, goes to ``watch``. ``launch`` then ``finish``."""
+        return self.finish(self.launch(tokens, positions))
+
+    @property
+    def chains(self) -> bool:
+        """Whether ``chain`` may queue a step behind another (a CUDA device: its steps run in the order queued)."""
+        return self.model.device.type == "cuda"
+
+    def launch(self, tokens: list[int], positions: list[int]) -> Launched:
+        """``decode``'s step queued on the device; its results are ``finish``'s."""
+        free = [0] * (self._rows_run(len(tokens), positions) - len(tokens))
+        return self._queue(torch.tensor([tokens + free, positions + free], dtype=torch.long), len(tokens), positions)
+
+    def chain(self, after: Launched, positions: list[int], fed: list[bool]) -> Launched:
+        """The step after ``after``, queued behind it before its results reach the host: row b < after.n is fed
+        ``after``'s argmax at ``positions[b]`` where ``fed[b]``, token 0 at position 0 (a free slot's dummy row)
+        elsewhere, so the device never waits for the host between the two. Only where ``chains``."""
+        n = after.n
+        rows = self._rows_run(n, positions)
+        free = [0] * (rows - n)
+        host = torch.tensor([[int(f) for f in fed] + free, positions + free], dtype=torch.long)
+        if self.model.device.type == "cuda":  # a pageable copy would wait for ``after`` first
+            host = host.pin_memory()
+        staged = host.to(self.model.device, non_blocking=True)
+        return self._queue(torch.stack([after.argmax[:rows] * staged[0], staged[1]]), n, positions)
+
+    def finish(self, step: Launched) -> tuple[torch.Tensor, list[int]]:
+        """``step``'s (n, V) logits and greedy tokens (``decode``'s), waiting for it alone (a step chained behind it
+        runs on) without holding the GIL. Its time goes to ``watch``: from its launch, or from the previous step's end
+        where it was queued behind that one (the device's time for it)."""
+        if step.done is not None:
+            step.done.synchronize()
+        greedy = step.greedy.tolist()
+        begun = Clock(max(step.started.wall, self._finished_at), step.started.cpu)
+        self.watch.stepped(step.shape, begun, self.model.device.type == "cpu")
+        self._finished_at = time.monotonic()
+        faults = self.watch.faults
+        return faults.logits(step.logits[: step.n]), faults.greedy(greedy, step.logits.shape[-1])
+
+    def _rows_run(self, n: int, positions: list[int]) -> int:
+        """The rows a step of ``n`` rows runs: its graph's batch size, or ``n`` for an eager one."""
         size = bucket(self.graph_batches, n)
-        graph = self._graphs.get((size, kv_len))
-        if graph is None and not self.batch_invariant:
-            size = n  # eager: the rows there are
-        free = [0] * (size - n)  # rows past n: token 0 at position 0 of a free slot
-        inputs = torch.tensor([tokens + free, positions + free], dtype=torch.long)
+        kv_len = bucket(self.kv_lengths, max(positions) + 1)
+        return size if (size, kv_len) in self._graphs or self.batch_invariant else n
+
+    def _queue(self, inputs: torch.Tensor, n: int, positions: list[int]) -> Launched:
+        """Queue the step of ``inputs`` (2, rows run): tokens, positions; on the host or the device. Its argmax's first
+        ``n`` rows are copied to pinned host memory behind it, with an event to wait on."""
+        started = Clock.now()
+        rows, kv_len = inputs.shape[1], bucket(self.kv_lengths, max(positions) + 1)
+        graph = self._graphs.get((rows, kv_len))
         if graph is not None:
             logits, argmax = graph.run(inputs)
         else:
             logits, argmax = _step(self.model, inputs.to(self.model.device), self.kv, self._reads(kv_len))
-        greedy = to_host(argmax[:n])
-        self.watch.stepped((size, kv_len), started, self.model.device.type == "cpu")
-        faults = self.watch.faults
-        return faults.logits(logits[:n]), faults.greedy(greedy, logits.shape[-1])
+        done = None
+        if argmax.device.type == "cuda":
+            greedy = torch.empty((n,), dtype=torch.long, pin_memory=True)
+            greedy.copy_(argmax[:n], non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        else:
+            greedy = argmax[:n]
+        return Launched(n, (rows, kv_len), logits, argmax, greedy, done, started)
 
     def _reads(self, kv_len: int) -> int | None:
         """What a step whose shapes name ``kv_len`` passes ``Transformer.decode``: None where it reads each row's

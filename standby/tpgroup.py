@@ -165,6 +165,8 @@ class GroupDecoder:
     local ``Decoder``'s. A request the local decoder would refuse (too long) is refused before anything
     is sent; a failure after it is a broken group."""
 
+    chains = False  # a step chained behind another would run on this rank alone (``Decoder.chain``)
+
     def __init__(self, local: Decoder, channel: Channel) -> None:
         self.local = local
         self.channel = channel

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hotweights.cache.loadspec import LoadSpec
-from hotweights.standby.decoder import Decoder, bucket
+from hotweights.standby.decoder import Decoder, Launched, bucket
 from hotweights.standby.kvpool import blocks_for
 from hotweights.standby.model import KVCache, Transformer, generate
 from hotweights.standby.scheduler import Finish, SamplingParams, Scheduler, Sequence
@@ -38,16 +38,34 @@ class RecordingDecoder(Decoder):
         self.prefills.append((len(prompts), bucket(self.lengths, max(map(len, prompts)))))
         return super().prefill(first, prompts)
 
-    def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
-        padded = self.graphs_enabled or self.batch_invariant
-        size = bucket(self.graph_batches, len(tokens)) if padded else len(tokens)
-        self.decodes.append((size, bucket(self.kv_lengths, max(positions) + 1)))
-        return super().decode(tokens, positions)
+    def finish(self, step: Launched) -> tuple[torch.Tensor, list[int]]:
+        self.decodes.append(step.shape)
+        return super().finish(step)
 
     def warmed_decodes(self) -> set[tuple[int, int]]:
         """The decode shapes warm-up made ready: run eagerly, or (with graphs) captured."""
         captured = {(n, kv) for n in self.graph_batches for kv in self.kv_lengths} if self.graphs_enabled else set()
         return set(self.decodes) | captured
+
+
+class ChainingDecoder(RecordingDecoder):
+    """A recording decoder that chains its steps on the CPU too (``Decoder.chain``; there each runs at once), and
+    records which of its chained steps the scheduler took as its next step."""
+
+    chains = True
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)
+        self.chained: list[Launched] = []
+        self.taken = 0
+
+    def chain(self, after: Launched, positions: list[int], fed: list[bool]) -> Launched:
+        self.chained.append(super().chain(after, positions, fed))
+        return self.chained[-1]
+
+    def finish(self, step: Launched) -> tuple[torch.Tensor, list[int]]:
+        self.taken += any(step is chained for chained in self.chained)
+        return super().finish(step)
 
 
 @pytest.fixture(scope="module")
@@ -79,15 +97,19 @@ def run(
     batch_invariant: bool = False,
     sequences: list[tuple[list[int], int]] | None = None,
     blocks: int = 0,
+    decoder_class: type[RecordingDecoder] = RecordingDecoder,
+    made: list[RecordingDecoder] | None = None,
 ) -> tuple[list[Collected], list[int], list[tuple[int, int]]]:
     """Submit every prompt (``sequences``: (prompt, replay) each, default PROMPTS, none replayed) before starting a
     scheduler with ``max_batch`` slots (and a pool of ``blocks``, default one for every slot's 128 positions); each
     sequence's events, the batch sizes of the decode steps and the prefills' shapes. With graphs, or batch-invariant,
     every decode shape serving ran must be one warm-up ran first (a prefill's shape eagerly costs what its later runs
-    do: ``standby.decoder``)."""
+    do: ``standby.decoder``). The decoder is a ``decoder_class``, appended to ``made`` where one is given."""
     blocks = blocks or 1 + max_batch * blocks_for(128)
     kv = KVCache.pool(model.config, model.tp, max_batch, 128, blocks, model.device, model.dtype)
-    decoder = RecordingDecoder(model, kv, graphs, batch_invariant)
+    decoder = decoder_class(model, kv, graphs, batch_invariant)
+    if made is not None:
+        made.append(decoder)
     decoder.warm_up()
     warmed = decoder.warmed_decodes()
     decoder.prefills.clear()
@@ -123,6 +145,22 @@ def test_batched_greedy_equals_one_at_a_time(model: Transformer) -> None:
         assert b.tokens == a.tokens == expected
         assert b.finish == a.finish == Finish("stop" if len(expected) < p.max_tokens else "length")
     assert batched[3].tokens == [] and batched[3].finish == Finish("stop")
+
+
+def test_chained_steps_generate_what_steps_one_at_a_time_do(model: Transformer) -> None:
+    """Greedy sequences whose steps are chained (``Decoder.chain``) yield ``generate``'s tokens, through sequences
+    joining, stopping at a stop id and ending at their token budgets, and a sampled one that breaks the chain."""
+    stop = next(iter(generate(model, PROMPTS[3], 20)))
+    params = [SamplingParams(n, stop_ids=frozenset({stop} if i == 3 else ())) for i, n in enumerate(MAX_TOKENS)]
+    params[5] = SamplingParams(MAX_TOKENS[5], temperature=0.9, seed=5)
+    made: list[RecordingDecoder] = []
+    chained, _, _ = run(model, 3, params, decoder_class=ChainingDecoder, made=made)
+    for prompt, p, c in zip(PROMPTS, params, chained, strict=True):
+        expected = generate(model, prompt, p.max_tokens, temperature=p.temperature, seed=p.seed, stop_ids=p.stop_ids)
+        assert c.tokens == list(expected)
+    decoder = made[0]
+    assert isinstance(decoder, ChainingDecoder)
+    assert decoder.taken > len(decoder.chained) / 2 > 0, "the chained steps were not taken"
 
 
 def test_batched_seeded_sampling_equals_generate(model: Transformer) -> None:

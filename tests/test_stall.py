@@ -20,7 +20,7 @@ from hotweights.contract import Endpoint
 from hotweights.controller import supervisor
 from hotweights.ports import free_port
 from hotweights.spawn import hotweights_command
-from hotweights.standby.decoder import Decoder
+from hotweights.standby.decoder import Decoder, Launched
 from hotweights.standby.model import KVCache, Transformer
 from hotweights.standby.progress import (
     FREEZE_SIGNAL,
@@ -43,17 +43,17 @@ def model(tiny_model: Path) -> Transformer:
 
 
 class HangingDecoder(Decoder):
-    """A real decoder whose decode steps, once ``hang`` is set, wait for ``release`` (a kernel that does not
+    """A real decoder whose decode steps' results, once ``hang`` is set, wait for ``release`` (a kernel that does not
     return, until the test lets it)."""
 
     def __init__(self, *args: object) -> None:
         super().__init__(*args)
         self.hang, self.release = threading.Event(), threading.Event()
 
-    def decode(self, tokens: list[int], positions: list[int]) -> tuple[torch.Tensor, list[int]]:
+    def finish(self, step: Launched) -> tuple[torch.Tensor, list[int]]:
         if self.hang.is_set():
             self.release.wait(60)
-        return super().decode(tokens, positions)
+        return super().finish(step)
 
 
 class SlowDevice(Decoder):
