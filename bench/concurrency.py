@@ -7,7 +7,9 @@ Starts ``hotweights up`` with its defaults (the embedded tiny model unless --mod
 primary, two standbys, a spare, the gateway), on free ports, in a directory of its own, and waits until the stack is
 whole. It times the primary with one greedy streamed completion of --max-tokens through the gateway, alone (until
 an engine has timed a sequence it queues every request, ``hotweights.admission``: this bench is about what it does
-once it knows; its tokens a second are ``batch1_tokens_per_s``), then sends --bursts bursts, one after the other,
+once it knows; its tokens a second are ``batch1_tokens_per_s``), then once more alone, whose tokens after its first
+over the time from its first token to its last are ``batch1_decode_tokens_per_s`` (one sequence's decode speed, what
+the HBM bound is about: weights bytes over the card's bandwidth), then sends --bursts bursts, one after the other,
 each of --streams concurrent greedy streamed completions of --max-tokens through the gateway. Per burst: how the
 streams were answered (``answers``: status -> count, a stream that broke off, without ``[DONE]`` or with an error
 event, counted as its error), ``refused`` (429), ``errors`` (anything else but a whole stream), the tokens streamed,
@@ -131,6 +133,9 @@ async def measure(url: str, primary: str, args: argparse.Namespace) -> dict[str,
         if alone.outcome != "200":
             raise SystemExit(f"the first completion, alone, was answered {alone.outcome}")
         batch1 = tokens_per_s([alone], time.perf_counter() - started)
+        again = await stream(client, url, args.max_tokens, time.perf_counter())
+        decoding = (again.last_s or 0.0) - (again.first_s or 0.0)
+        decode_rate = round((again.tokens - 1) / decoding, 1) if again.outcome == "200" and decoding > 0 else None
         health = (await client.get(primary + Endpoint.PRIMARY)).json()
         bursts, most_used = [], 0
         for _ in range(args.bursts):
@@ -146,7 +151,8 @@ async def measure(url: str, primary: str, args: argparse.Namespace) -> dict[str,
             bursts.append(summary | {"speedup": round(summary["tokens_per_s"] / batch1, 1)})
             print(f"burst {len(bursts)}: {bursts[-1]}", file=sys.stderr)
     result = {"max_batch": health.get("max_batch"), "kv_pool": (health.get("kv_pool") or {}) | {"most_used": most_used}}
-    result |= {"batch1_tokens_per_s": batch1, "bursts": bursts, "speedup": max(b["speedup"] for b in bursts)}
+    result |= {"batch1_tokens_per_s": batch1, "batch1_decode_tokens_per_s": decode_rate}
+    result |= {"bursts": bursts, "speedup": max(b["speedup"] for b in bursts)}
     result |= {"refused": sum(b["refused"] for b in bursts), "errors": sum(b["errors"] for b in bursts)}
     targets = {"refused": 0, "errors": 0, "speedup": args.min_speedup}
     met = result["refused"] == 0 and result["errors"] == 0 and result["speedup"] >= args.min_speedup

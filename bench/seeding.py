@@ -16,7 +16,10 @@ so a read of it would count in ``disk_bytes_read`` (``read_bytes`` of the seedin
 its fill, its own report; ``daemon_read_bytes_whole_life``: its /proc/PID/io once it serves, imports included);
 ``digest_verified``: it filled from the peer and serves the source's content hash. On a GPU the seeded arena is
 device memory (written through pinned buffers), the raw copy host memory to host memory. A serving engine's
-latency while its daemon seeds is not measured here.
+latency while its daemon seeds is not measured here. On a GPU, ``device_link``: the card's copies between pinned host
+memory and the device (LINK_BYTES, each way alone, then both at once, GB/s each way): on one host, a seeding moves
+every byte device to host at the source and host to device at the joiner through the same card at once, so
+``both_ways_gbps`` bounds ``seed_gbps`` there (between hosts each card carries one way).
 
 ``--simulate-fanout N``: ``controller.seedplacement.simulate_fanout`` for N hosts (one serving, the rest joining
 at once, one copy per source at a time): copy times until all serve, the bound ceil(log2 N) + 2, link load.
@@ -57,6 +60,7 @@ from hotweights.waiting import wait_until
 
 START_TIMEOUT_S = 900.0
 RAW_CHUNK = 8 << 20
+LINK_BYTES = 2 << 30  # what ``device_link`` copies each way
 
 
 def raw_send(port: int, nbytes: int, streams: int) -> None:
@@ -158,6 +162,27 @@ def alternated(served: dict[str, Any], address: str, token: str, args: argparse.
     return rounds
 
 
+def device_link(device: torch.device) -> dict[str, float]:
+    """GB/s each way of LINK_BYTES between pinned host memory and ``device``: device to host alone, host to device
+    alone, both at once (each on a stream of its own)."""
+    host = [torch.empty(LINK_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+    dev = [torch.empty(LINK_BYTES, dtype=torch.uint8, device=device) for _ in range(2)]
+    streams = [torch.cuda.Stream(device) for _ in range(2)]
+
+    def timed(*ways: int) -> float:
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for way in ways:  # 0: device to host, 1: host to device
+            target, source = (host[0], dev[0]) if way == 0 else (dev[1], host[1])
+            with torch.cuda.stream(streams[way]):
+                target.copy_(source, non_blocking=True)
+        torch.cuda.synchronize(device)
+        return round(LINK_BYTES / 1e9 / (time.perf_counter() - start), 2)
+
+    timed(0, 1)  # first copies: the driver's mappings
+    return {"d2h_gbps": timed(0), "h2d_gbps": timed(1), "both_ways_gbps": timed(0, 1)}
+
+
 def median(values: list[float]) -> float | None:
     return round(statistics.median(values), 3) if values else None
 
@@ -238,6 +263,8 @@ def main() -> int:
         if model is None:
             model = write_checkpoint(work / args.preset, PRESETS[args.preset], progress=False)
         result = measure(model, work, args)
+    if torch.device(args.device).type == "cuda":
+        result["device_link"] = device_link(torch.device(args.device))
     print(json.dumps(result))
     return 0
 

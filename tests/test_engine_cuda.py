@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from hotweights.cache.loadspec import LoadSpec
 from hotweights.contract import Endpoint
 from hotweights.standby.decodeattention import supported
-from hotweights.standby.decoder import Decoder
+from hotweights.standby.decoder import GRAPHED_PREFILL, Decoder
 from hotweights.standby.model import KVCache, Transformer, generate
 from hotweights.standby.scheduler import SamplingParams
 from hotweights.standby.weights import load_model
@@ -49,10 +49,12 @@ def test_a_later_graphed_decoder_of_the_host_reads_the_longest_prefill_time_inst
     model: Transformer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("HOTWEIGHTS_HOME", str(tmp_path))
-    first = decoder(model, graphs=True)
-    longest = (1, first.lengths[-1])
+    positions = 4 * GRAPHED_PREFILL  # the longest prefill is not a graphed one's too
+    first = Decoder(model, KVCache.allocate(model.config, model.tp, 3, positions, model.device, model.dtype), True)
+    first.warm_up()
+    longest = (1, positions)
     assert first.prefill_times[longest] > 0
-    later = Decoder(model, KVCache.allocate(model.config, model.tp, 3, 64, model.device, model.dtype), True)
+    later = Decoder(model, KVCache.allocate(model.config, model.tp, 3, positions, model.device, model.dtype), True)
     ran: list[tuple[int, int]] = []
     timed = later._timed_prefill
     monkeypatch.setattr(later, "_timed_prefill", lambda rows, length: ran.append((rows, length)) or timed(rows, length))
