@@ -52,7 +52,7 @@ import torch.distributed as dist
 from hotweights.engines import SOCKET_RANK
 from hotweights.errors import ConfigError, HotweightsError
 from hotweights.spawn import hotweights_command
-from hotweights.standby.decoder import Decoder, bucket
+from hotweights.standby.decoder import Decoder, Launched, bucket
 from hotweights.standby.engineoptions import EngineOptions
 from hotweights.standby.roles import KvCapacity
 
@@ -180,8 +180,15 @@ class GroupDecoder:
         return self._run(Op.PREFILL, first, payload, lambda: self.local.prefill(first, prompts))
 
     def decode(self, tokens: list[int], positions: list[int]) -> tuple[torch.Tensor, list[int]]:
+        return self.finish(self.launch(tokens, positions))
+
+    def launch(self, tokens: list[int], positions: list[int]) -> Launched:
+        """The step on every rank (each follower runs it whole); here queued, its results ``finish``'s."""
         bucket(self.local.lengths, max(positions) + 1)
-        return self._run(Op.DECODE, 0, [*tokens, *positions], lambda: self.local.decode(tokens, positions))
+        return self._run(Op.DECODE, 0, [*tokens, *positions], lambda: self.local.launch(tokens, positions))
+
+    def finish(self, step: Launched) -> tuple[torch.Tensor, list[int]]:
+        return self.local.finish(step)
 
     def assign(self, row: int, blocks: list[int]) -> None:
         self._run(Op.TABLE, row, blocks, lambda: self.local.assign(row, blocks))
