@@ -35,12 +35,13 @@ class UpstreamFailed(Exception):
     """The upstream failed before any byte reached the client: the request may go elsewhere (or, of kind
     ``busy``, to the same engine once it has a slot)."""
 
-    def __init__(self, kind: str, message: str, started: bool = True) -> None:
+    def __init__(self, kind: str, message: str, started: bool = True, timed_out: bool = False) -> None:
         """``started``: the engine had started the request (``controller.suspects.is_started``), so that its failure
-        counts against it."""
+        counts against it; ``timed_out``: a connection that was not accepted in time (kind ``connect``)."""
         super().__init__(message)
         self.kind = kind
         self.started = started
+        self.timed_out = timed_out
 
 
 def sse_event(payload: dict) -> bytes:

@@ -2,7 +2,9 @@
 its own so one hung engine never slows the others; engines added at runtime come from the controller's state
 file (or, with several hosts, from the leader keys in etcd). A primary's probe that goes unanswered while its process
 runs on the CPU, soon after its last answer, is a busy engine's and changes nothing (``busy``): the controller's
-health checks judge it alike, and a late probe must not move a saturated primary's requests elsewhere."""
+health checks judge it alike, and a late probe must not move a saturated primary's requests elsewhere. A proxied
+request's connection it did not accept in time is the same (``saturated``): the request is refused 429 at once, or,
+owed by a failover, tried again after a pause, instead of held while the gateway would know no primary."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import itertools
 import json
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -34,6 +37,8 @@ STATE_POLL_S = 1.0  # how often the controller's state file is re-read for engin
 FULL_MIN_S = 0.05
 FULL_MAX_S = float(RETRY_AFTER_S)  # the longest it gets none, whatever its header says
 LOOPBACK = ("127.0.0.1", "localhost", "::1")  # an upstream at one of these runs on this host (``busy``)
+CPU_WINDOW_S = 0.5  # the least time ``saturated`` measures an upstream's CPU over ...
+CPU_SAMPLES = 16  # ... from the starts of its last probes, this many kept
 
 
 @dataclass
@@ -54,6 +59,9 @@ class Upstream:
     failure: str = ""  # while it has failed (``Discovery.failed``) and answered no probe since: the failure's id
     failed_at: float = 0.0  # monotonic time it last failed: a probe sent before does not say it serves
     answered_at: float = 0.0  # monotonic time a probe was last answered (by ``pid``)
+    responded_at: float = 0.0  # monotonic time a proxied request was last answered (its headers came)
+    # The recent probes' starts: (monotonic time, ``pid``'s CPU seconds), what ``saturated`` measures its CPU over.
+    probes_began: deque[tuple[float, float | None]] = field(default_factory=lambda: deque(maxlen=CPU_SAMPLES))
     gone_at: float = 0.0  # monotonic time a probe last found nothing listening (the process is gone)
     probed: asyncio.Event = field(default_factory=asyncio.Event)  # set (and replaced) as each probe ends
 
@@ -145,6 +153,20 @@ class Discovery:
         self.suspect(upstream, reason)
         return upstream.failure
 
+    def saturated(self, upstream: Upstream) -> bool:
+        """Whether ``upstream``, a connection to which was not accepted in time, is a primary saturated by its load
+        rather than a lost one: ``busy`` over at least the last CPU_WINDOW_S (from the start of a probe that long ago:
+        /proc counts CPU time in ticks of 10 ms, too coarse for a shorter window). It is full for as long as a
+        connection waits before it times out (fresh requests are refused at once meanwhile, ``full_for``, rather than
+        each after that wait), and nothing else changes: what it serves stays there."""
+        now = time.monotonic()
+        began = list(upstream.probes_began)
+        samples = [sample for sample in began if now - sample[0] >= CPU_WINDOW_S] or began[:1]  # else the oldest
+        if not samples or not busy(upstream, *samples[-1]):
+            return False
+        upstream.full_until = max(upstream.full_until, now + self.timeout_s)
+        return True
+
     def wake_all(self) -> None:
         """Probe every upstream now instead of at its next interval (a role just changed somewhere)."""
         for upstream in self.upstreams:
@@ -202,6 +224,7 @@ class Discovery:
 
     async def _probe(self, upstream: Upstream) -> None:
         sent, cpu_before = time.monotonic(), cpu_seconds(upstream.pid)
+        upstream.probes_began.append((sent, cpu_before))
         try:
             response = await self.client.get(upstream.url + Endpoint.PRIMARY, timeout=self.timeout_s)
             if upstream.failed_at > sent:  # it failed while this answer was on its way: the next probe decides
@@ -241,11 +264,13 @@ class Discovery:
 
 def busy(upstream: Upstream, since: float, cpu_then: float | None) -> bool:
     """Whether ``upstream`` went unanswered since ``since`` (its process's CPU seconds then: ``cpu_then``) because the
-    primary is busy, not hung: its process ran on the CPU meanwhile, soon after its last answer
-    (``hotweights.proctree.busy_not_hung``, as the controller's health checks judge it). A stopped or deadlocked one,
-    or one not on this host (a pid of another host's says nothing here), is not."""
+    primary is busy, not hung: its process ran on the CPU meanwhile, soon after its last answer, a probe's or a proxied
+    request's (``hotweights.proctree.busy_not_hung``, as the controller's health checks judge it: a saturated primary
+    answers its clients while its probes wait). A stopped or deadlocked one, or one not on this host (a pid of another
+    host's says nothing here), is not."""
     now = time.monotonic()
-    answered = now - upstream.answered_at if upstream.answered_at else None
+    last = max(upstream.answered_at, upstream.responded_at)
+    answered = now - last if last else None
     local = upstream.is_primary and urlsplit(upstream.url).hostname in LOOPBACK  # its pid is this host's
     return local and busy_not_hung(cpu_used(upstream.pid, cpu_then), now - since, answered)
 

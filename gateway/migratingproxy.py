@@ -23,7 +23,7 @@ from hotweights.contract import OWED_HEADER, REPLAY_HEADER, WEIGHTS_HEADER, Endp
 from hotweights.controller.events import EventLog
 from hotweights.controller.suspects import is_started
 from hotweights.eventkinds import EventKind
-from hotweights.gateway.answers import SegmentFailed, UpstreamFailed, sse_event, unavailable
+from hotweights.gateway.answers import SegmentFailed, UpstreamFailed, refusal, sse_event, unavailable
 from hotweights.gateway.discovery import Discovery, Upstream, reason_of, refused
 from hotweights.gateway.metrics import GatewayMetrics
 from hotweights.gateway.migration import Ledger
@@ -54,7 +54,8 @@ async def opened(client: httpx.AsyncClient, outgoing: httpx.Request, streamed: b
     except httpx.TransportError as exc:
         kind = "connect" if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout) else "disconnected"
         started = kind == "disconnected" and is_started(answer_began=False, streamed=streamed)
-        raise UpstreamFailed(kind, f"{type(exc).__name__} {exc}".strip(), started) from exc
+        timed_out = isinstance(exc, httpx.ConnectTimeout)
+        raise UpstreamFailed(kind, f"{type(exc).__name__} {exc}".strip(), started, timed_out) from exc
 
 
 class MigratingProxy:
@@ -127,15 +128,21 @@ class MigratingProxy:
         last_failure = ""
         busy = 0  # 429s met so far
         while True:
-            if refusal := await self.wait_for_primary(deadline):
-                return unavailable(refusal + (f"; last upstream failure: {last_failure}" if last_failure else ""))
+            if gave_up := await self.wait_for_primary(deadline):
+                return unavailable(gave_up + (f"; last upstream failure: {last_failure}" if last_failure else ""))
             upstream = self.discovery.pick()
             assert upstream is not None, "available is set and nothing ran since"
             try:
                 return await attempt(upstream, owed)
             except UpstreamFailed as exc:
                 last_failure = f"{upstream.url}: {exc}"
-                if exc.kind == "busy":
+                waits = exc.kind == "busy"
+                if exc.timed_out and self.discovery.saturated(upstream):  # not lost: its load (``saturated``)
+                    if not owed:
+                        return refusal(429, f"overloaded: {upstream.url} did not accept a connection in time while "
+                                       "it serves", "overloaded")  # fmt: skip
+                    waits = True
+                if waits:
                     busy += 1
                     await self.wait_busy(busy, deadline)
                     continue
@@ -153,6 +160,7 @@ class MigratingProxy:
         wait for a slot (a 429)."""
         outgoing = self.client.build_request("POST", upstream.url + path, headers=headers, json=body)
         response = await opened(self.client, outgoing, streamed=True)
+        upstream.responded_at = time.monotonic()
         if response.status_code == 200 and response.headers.get("content-type", "").startswith("text/event-stream"):
             return upstream, response
         try:

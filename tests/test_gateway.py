@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import http.client
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -26,8 +27,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from hotweights.contract import ADMITS_IN_HEADER, REPLAY_HEADER, SUSPECT_REQUEST, Endpoint
-from hotweights.gateway.discovery import FULL_MAX_S, FULL_MIN_S, Discovery, Upstream, cuts, refused
+from hotweights.gateway.discovery import CPU_WINDOW_S, FULL_MAX_S, FULL_MIN_S, Discovery, Upstream, cuts, refused
 from hotweights.ports import free_port
+from hotweights.proctree import cpu_seconds
 from hotweights.spawn import hotweights_command
 from hotweights.standby.serving import bind_port
 from tests.cachehelpers import wait_until
@@ -112,6 +114,32 @@ def test_a_late_probe_of_a_primary_running_on_the_cpu_changes_nothing_and_of_a_s
         spinner.kill()
         spinner.wait()
     assert (kept, stopped_kept) == (True, False)
+
+
+@pytest.mark.parametrize(
+    ("cpu_share", "answered_ago_s", "primary", "saturated"),
+    [
+        (1.0, 0.1, True, True),  # it runs and answered just now: its load, not a loss
+        (0.0, 0.1, True, False),  # it ran nothing (stopped, deadlocked): lost
+        (1.0, 5.0, True, False),  # it ran, but answered nothing for seconds: lost
+        (1.0, 0.1, False, False),  # not a primary
+    ],
+)
+def test_a_connection_not_accepted_in_time_by_a_running_primary_is_its_load(
+    cpu_share: float, answered_ago_s: float, primary: bool, saturated: bool
+) -> None:
+    """``Discovery.saturated``, on this process's own /proc figures: the CPU it used since a probe began
+    CPU_WINDOW_S ago (the sample says it had used less by ``cpu_share`` of the window), and its last answer. A
+    saturated primary is full for as long as a connection waits (fresh requests refused at once) and stays primary."""
+    now, cpu = time.monotonic(), cpu_seconds(os.getpid())
+    assert cpu is not None
+    discovery = Discovery(["http://127.0.0.1:1"], httpx.AsyncClient(), interval_s=1.0, timeout_s=0.2)
+    upstream = discovery.upstreams[0]
+    upstream.is_primary, upstream.pid, upstream.responded_at = primary, os.getpid(), now - answered_ago_s
+    upstream.probes_began.append((now - 2 * CPU_WINDOW_S, cpu - 2 * CPU_WINDOW_S * cpu_share))
+    upstream.probes_began.append((now, cpu))  # too recent to measure over: not the one used
+    assert discovery.saturated(upstream) is saturated
+    assert (discovery.full_for() > 0) is saturated and upstream.is_primary is primary
 
 
 def comparable(body: dict) -> dict:
