@@ -34,7 +34,8 @@ While every active sequence goes on greedily (no forced token, none at its last 
 device that runs its steps in the order queued), the next decode step is chained behind the one in flight before the
 host reads its results (``Decoder.chain``: it feeds each row that step's argmax, device data), so the device goes from
 one step to the next without waiting for this thread's work between them (emitting the tokens, the next round's
-bookkeeping: ~1 ms a step on ``xl``, 8 % of a 12 ms step at batch 1). The next round takes the chained step as its own
+bookkeeping; on an H100 with ``xl`` one stream's tokens a second through the gateway went from 76.2 to 77.2, the
+step itself ~12 ms). The next round takes the chained step as its own
 where it fed every active sequence the token the round chose at its position (always, for greedy sequences, unless one
 joined); otherwise it is dropped and a step is launched as usual, which writes the same keys and values again. A
 chained step's row for a sequence that ends meanwhile writes one position past its last token, in its own blocks, before
