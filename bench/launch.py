@@ -7,13 +7,12 @@ controller's, with the engine's own defaults, on a free port), from the request 
 (fresh) to its ready line on stdout, then stops it. Both ways alternate within a row, so they share the host's
 state. Rows: ``idle``, then ``load`` (``--load`` busy-looping processes beside it, the cores a primary serving
 would take; 0: no such row), then ``serving`` (a primary engine of the same daemon, its own defaults, serving
-``--rps`` greedy completions of SERVING_TOKENS tokens a second, open loop; 0: no such row), which adds the primary's
-latency: ``quiet_p50_ms`` over QUIET_S before the trials, ``during_p50_ms`` over the trials, their ratio
-``primary_slowdown``, and ``errors`` (answers but 200). Each row gives the median seconds of each way, their ratio,
-and the engine's own
-breakdown from its ready line (``start_s``, ``standby.startclock``: ``command``, its process's start to the
-command's entry: interpreter, imports, flags; ``weights``: CUDA context, attach, bind; ``warm_up``; ``total``, to
-the ready line).
+``--rps`` greedy completions of SERVING_TOKENS tokens a second, open loop: ``chaos.load.LoadGenerator``; 0: no such
+row), which adds the primary's latency: ``quiet_p50_ms`` over QUIET_S before the trials, ``during_p50_ms`` over the
+trials, their ratio ``primary_slowdown``, and ``errors`` (answers but a 200 with the first answer's text). Each row
+gives the median seconds of each way, their ratio, and the engine's own breakdown from its ready line (``start_s``,
+``standby.startclock``: ``command``, its process's start to the command's entry: interpreter, imports, flags;
+``weights``: CUDA context, attach, bind; ``warm_up``; ``total``, to the ready line).
 ``imports_s``: ``python -c "import hotweights.standby.engine"`` in the same run, what the launcher pays once.
 The last stdout line is one JSON object. Every process is stopped at the end, on SIGINT/SIGTERM too.
 """
@@ -21,6 +20,7 @@ The last stdout line is one JSON object. Every process is stopped at the end, on
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import os
@@ -30,17 +30,16 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 
 from hotweights.cache.connection import hello
 from hotweights.cache.protocol import recv_message, send_message
-from hotweights.contract import Endpoint, Role
+from hotweights.chaos.load import LoadGenerator, reference_completion
+from hotweights.contract import Role
 from hotweights.controller.launcherclient import LAUNCHER_MODULE
 from hotweights.ports import free_ports
 from hotweights.spawn import hotweights_command, module_command
@@ -198,74 +197,39 @@ def main() -> int:
     return 0
 
 
-class Load:
-    """``rps`` greedy completions a second to ``url``, open loop, on threads of its own until ``close``; each
-    answer's (start, seconds, status), status 0 for a transport error."""
-
-    def __init__(self, url: str, rps: float) -> None:
-        self.url, self.rps = url, rps
-        self.answers: list[tuple[float, float, int]] = []
-        self.stopping = threading.Event()
-        self.pool = ThreadPoolExecutor(64)
-        self.client = httpx.Client(timeout=60, limits=httpx.Limits(max_connections=None))
-        self.thread = threading.Thread(target=self._offer, daemon=True)
-        self.thread.start()
-
-    def _offer(self) -> None:
-        started, sent = time.monotonic(), 0
-        while not self.stopping.wait(max(started + sent / self.rps - time.monotonic(), 0.0)):
-            self.pool.submit(self._one)
-            sent += 1
-
-    def _one(self) -> None:
-        body = {"prompt": "The quick brown fox", "max_tokens": SERVING_TOKENS, "temperature": 0}
-        start = time.monotonic()
-        try:
-            status = self.client.post(self.url + Endpoint.COMPLETIONS, json=body).status_code
-        except httpx.HTTPError:
-            status = 0
-        self.answers.append((start, time.monotonic() - start, status))
-
-    def p50_ms(self, since: float, until: float) -> float | None:
-        seconds = [took for start, took, status in self.answers if since <= start < until and status == 200]
-        return round(statistics.median(seconds) * 1000, 1) if seconds else None
-
-    def close(self) -> None:
-        self.stopping.set()
-        self.thread.join()
-        self.pool.shutdown(wait=True)
-        self.client.close()
-
-
 def serving_row(
     args: argparse.Namespace, command: list[str], launcher_socket: Path, workdir: Path, daemon_socket: Path
 ) -> dict:
     """The ``serving`` row (module docstring): the trials beside a primary under ``--rps`` completions a second."""
     port = free_ports(1)[0]
-    url = f"http://127.0.0.1:{port}"
     with running(engine_command(args, daemon_socket, Role.PRIMARY, port), workdir / "primary.log"):
-        wait_until(lambda: _answers(url), args.timeout, "the primary to serve", interval=0.1)
-        load = Load(url, args.rps)
-        try:
-            quiet_from = time.monotonic()
-            time.sleep(QUIET_S)  # the quiet window itself: the load runs meanwhile
-            trials_from = time.monotonic()
-            result = row(args, command, launcher_socket, workdir, "serving")
-            trials_to = time.monotonic()
-        finally:
-            load.close()
-    quiet, during = load.p50_ms(quiet_from, trials_from), load.p50_ms(trials_from, trials_to)
+        return asyncio.run(beside_load(args, command, launcher_socket, workdir, f"http://127.0.0.1:{port}"))
+
+
+async def beside_load(
+    args: argparse.Namespace, command: list[str], launcher_socket: Path, workdir: Path, url: str
+) -> dict:
+    """The trials (``row``, on a thread of its own) while ``chaos.load.LoadGenerator`` drives the primary at ``url``
+    (its first answer the reference text), and that primary's p50 before and during them."""
+    async with httpx.AsyncClient() as client:
+        reference = await reference_completion(client, url, args.timeout, SERVING_TOKENS)
+    load = LoadGenerator(url, args.rps, reference, max_tokens=SERVING_TOKENS)
+    async with load.running():
+        quiet_from = time.time()
+        await asyncio.sleep(QUIET_S)  # the quiet window itself: the load runs meanwhile
+        trials_from = time.time()
+        result = await asyncio.to_thread(row, args, command, launcher_socket, workdir, "serving")
+        trials_to = time.time()
+
+    def p50_ms(since: float, until: float) -> float | None:
+        seconds = [r.end - r.start for r in load.records if since <= r.start < until and not r.error]
+        return round(statistics.median(seconds) * 1000, 1) if seconds else None
+
+    quiet, during = p50_ms(quiet_from, trials_from), p50_ms(trials_from, trials_to)
     slowdown = round(during / quiet, 2) if quiet and during else None
-    errors = sum(status != 200 for _, _, status in load.answers)
+    errors = sum(bool(r.error) for r in load.records)
     return result | {"rps": args.rps, "quiet_p50_ms": quiet, "during_p50_ms": during, "primary_slowdown": slowdown,
-                     "requests": len(load.answers), "errors": errors}  # fmt: skip
-
-
-def _answers(url: str) -> bool:
-    try:
-        return httpx.get(url + Endpoint.PRIMARY, timeout=1.0).status_code == 200
-    except httpx.HTTPError:
-        return False
+                     "requests": len(load.records), "errors": errors}  # fmt: skip
 
 
 def _serves(path: Path) -> bool:

@@ -70,12 +70,14 @@ def completion_body(max_tokens: int = MAX_TOKENS) -> dict[str, object]:
     return {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0}
 
 
-async def reference_completion(client: httpx.AsyncClient, base_url: str, timeout_s: float = 60.0) -> str:
+async def reference_completion(
+    client: httpx.AsyncClient, base_url: str, timeout_s: float = 60.0, max_tokens: int = MAX_TOKENS
+) -> str:
     """The greedy completion the cluster gives now; retried until it answers, since the stack may be starting."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            response = await client.post(base_url + Endpoint.COMPLETIONS, json=completion_body())
+            response = await client.post(base_url + Endpoint.COMPLETIONS, json=completion_body(max_tokens))
             if response.status_code == 200:
                 return response.json()["choices"][0]["text"]
             failure = f"{response.status_code} {response.text[:200]}"
@@ -96,7 +98,7 @@ def refusal_text(body: str) -> str:
 
 
 class LoadGenerator:
-    """``rps`` greedy completions a second through ``base_url``; each answer is correct when it is
+    """``rps`` greedy completions of ``max_tokens`` a second through ``base_url``; each answer is correct when it is
     ``reference`` or one of ``also`` (a model update's other weights). With ``stream_every`` N > 0 every
     Nth request is streamed; one that does not end with ``[DONE]`` is a broken stream."""
 
@@ -108,8 +110,10 @@ class LoadGenerator:
         timeout_s: float = 30.0,
         also: tuple[str, ...] = (),
         stream_every: int = 0,
+        max_tokens: int = MAX_TOKENS,
     ) -> None:
         self.base_url = base_url.rstrip("/")
+        self.body = completion_body(max_tokens)
         self.stream_every = stream_every
         self.started = 0
         self.rps = rps
@@ -147,16 +151,14 @@ class LoadGenerator:
 
     async def read_whole(self, client: httpx.AsyncClient) -> tuple[int, str, str]:
         """(status, text, error) of a plain completion."""
-        response = await client.post(
-            self.base_url + Endpoint.COMPLETIONS, json=completion_body(), timeout=self.timeout_s
-        )
+        response = await client.post(self.base_url + Endpoint.COMPLETIONS, json=self.body, timeout=self.timeout_s)
         if response.status_code != 200:
             return response.status_code, "", refusal_text(response.text)
         return 200, response.json()["choices"][0]["text"], ""
 
     async def read_stream(self, client: httpx.AsyncClient) -> tuple[int, str, str]:
         """(status, text, error) of a streamed completion; a 200 without ``[DONE]`` is a broken stream."""
-        body = completion_body() | {"stream": True}
+        body = self.body | {"stream": True}
         url = self.base_url + Endpoint.COMPLETIONS
         async with client.stream("POST", url, json=body, timeout=self.timeout_s) as response:
             if response.status_code != 200:
