@@ -45,12 +45,16 @@ def upstream_headers(request: Request, owed: bool) -> list[tuple[str, str]]:
 T = TypeVar("T")
 
 
-async def opened(client: httpx.AsyncClient, outgoing: httpx.Request, streamed: bool) -> httpx.Response:
-    """The upstream's response to ``outgoing``, once its headers came; UpstreamFailed when the connection failed or
-    was cut before, started or not as ``controller.suspects.is_started`` says of a request that asked for a stream
-    (``streamed``) or not."""
+async def opened(
+    client: httpx.AsyncClient, upstream: Upstream, outgoing: httpx.Request, streamed: bool
+) -> httpx.Response:
+    """``upstream``'s response to ``outgoing``, once its headers came (an answer: ``Upstream.responded_at``);
+    UpstreamFailed when the connection failed or was cut before, started or not as ``controller.suspects.is_started``
+    says of a request that asked for a stream (``streamed``) or not."""
     try:
-        return await client.send(outgoing, stream=True)
+        response = await client.send(outgoing, stream=True)
+        upstream.responded_at = time.monotonic()
+        return response
     except httpx.TransportError as exc:
         kind = "connect" if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout) else "disconnected"
         started = kind == "disconnected" and is_started(answer_began=False, streamed=streamed)
@@ -159,8 +163,7 @@ class MigratingProxy:
         400, say); UpstreamFailed while it can go elsewhere (connection failed or cut, a 503) or, when ``owed``,
         wait for a slot (a 429)."""
         outgoing = self.client.build_request("POST", upstream.url + path, headers=headers, json=body)
-        response = await opened(self.client, outgoing, streamed=True)
-        upstream.responded_at = time.monotonic()
+        response = await opened(self.client, upstream, outgoing, streamed=True)
         if response.status_code == 200 and response.headers.get("content-type", "").startswith("text/event-stream"):
             return upstream, response
         try:

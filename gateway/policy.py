@@ -253,8 +253,7 @@ class Gateway(MigratingProxy):
         headers = upstream_headers(request, owed)
         query = f"?{request.url.query}" if request.url.query else ""
         outgoing = self.client.build_request(request.method, upstream.url + path + query, headers=headers, content=body)
-        response = await opened(self.client, outgoing, asks_stream(parsed_json(request.scope)))
-        upstream.responded_at = time.monotonic()
+        response = await opened(self.client, upstream, outgoing, asks_stream(parsed_json(request.scope)))
         chunks = response.aiter_raw()
         is_sse = response.headers.get("content-type", "").startswith("text/event-stream")
         whole = not is_sse and int(response.headers.get("content-length", WHOLE_BODY_MAX + 1)) <= WHOLE_BODY_MAX
