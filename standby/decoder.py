@@ -359,21 +359,21 @@ class Decoder:
 
     def launch(self, tokens: list[int], positions: list[int]) -> Launched:
         """``decode``'s step queued on the device; its results are ``finish``'s."""
-        free = [0] * (self._rows_run(len(tokens), positions) - len(tokens))
-        return self._queue(torch.tensor([tokens + free, positions + free], dtype=torch.long), len(tokens), positions)
+        shape = self._shape(len(tokens), positions)
+        free = [0] * (shape[0] - len(tokens))
+        return self._queue(torch.tensor([tokens + free, positions + free], dtype=torch.long), len(tokens), shape)
 
     def chain(self, after: Launched, positions: list[int], fed: list[bool]) -> Launched:
         """The step after ``after``, queued behind it before its results reach the host: row b < after.n is fed
         ``after``'s argmax at ``positions[b]`` where ``fed[b]``, token 0 at position 0 (a free slot's dummy row)
         elsewhere, so the device never waits for the host between the two. Only where ``chains``."""
-        n = after.n
-        rows = self._rows_run(n, positions)
-        free = [0] * (rows - n)
+        shape = self._shape(after.n, positions)
+        free = [0] * (shape[0] - after.n)
         host = torch.tensor([[int(f) for f in fed] + free, positions + free], dtype=torch.long)
         if self.model.device.type == "cuda":  # a pageable copy would wait for ``after`` first
             host = host.pin_memory()
         staged = host.to(self.model.device, non_blocking=True)
-        return self._queue(torch.stack([after.argmax[:rows] * staged[0], staged[1]]), n, positions)
+        return self._queue(torch.stack([after.argmax[: shape[0]] * staged[0], staged[1]]), after.n, shape)
 
     def finish(self, step: Launched) -> tuple[torch.Tensor, list[int]]:
         """``step``'s (n, V) logits and greedy tokens (``decode``'s), waiting for it alone (a step chained behind it
@@ -388,18 +388,19 @@ class Decoder:
         faults = self.watch.faults
         return faults.logits(step.logits[: step.n]), faults.greedy(greedy, step.logits.shape[-1])
 
-    def _rows_run(self, n: int, positions: list[int]) -> int:
-        """The rows a step of ``n`` rows runs: its graph's batch size, or ``n`` for an eager one."""
+    def _shape(self, n: int, positions: list[int]) -> tuple[int, int]:
+        """(rows run, KV positions its shapes name) of a step of ``n`` rows at ``positions``: its graph's batch size, or
+        ``n`` for an eager one (batch-invariant: the one batch size)."""
         size = bucket(self.graph_batches, n)
         kv_len = bucket(self.kv_lengths, max(positions) + 1)
-        return size if (size, kv_len) in self._graphs or self.batch_invariant else n
+        return (size if (size, kv_len) in self._graphs or self.batch_invariant else n), kv_len
 
-    def _queue(self, inputs: torch.Tensor, n: int, positions: list[int]) -> Launched:
+    def _queue(self, inputs: torch.Tensor, n: int, shape: tuple[int, int]) -> Launched:
         """Queue the step of ``inputs`` (2, rows run): tokens, positions; on the host or the device. Its argmax's first
         ``n`` rows are copied to pinned host memory behind it, with an event to wait on."""
         started = Clock.now()
-        rows, kv_len = inputs.shape[1], bucket(self.kv_lengths, max(positions) + 1)
-        graph = self._graphs.get((rows, kv_len))
+        kv_len = shape[1]
+        graph = self._graphs.get(shape)
         if graph is not None:
             logits, argmax = graph.run(inputs)
         else:
@@ -412,7 +413,7 @@ class Decoder:
             done.record()
         else:
             greedy = argmax[:n]
-        return Launched(n, (rows, kv_len), logits, argmax, greedy, done, started)
+        return Launched(n, shape, logits, argmax, greedy, done, started)
 
     def _reads(self, kv_len: int) -> int | None:
         """What a step whose shapes name ``kv_len`` passes ``Transformer.decode``: None where it reads each row's
@@ -440,7 +441,7 @@ class Decoder:
                 continue
             self.prefill_times[rows, length] = self._timed_prefill(rows, length)
             pace()
-        if verdict is not None and not verdict.longest_prefill_s:
+        if verdict is not None and not verdict.longest_prefill_s:  # checked now: remembered once, with that time
             kernelcheck.remember(key, dataclasses.replace(verdict, longest_prefill_s=self.prefill_times[longest]))
         if not self.graphs_enabled:
             for n in self.warmed_rows:
@@ -470,7 +471,7 @@ class Decoder:
     def _check_kernels(self) -> tuple[str, kernelcheck.KernelVerdict]:
         """Use only the kernels that compute on this device what plain torch does (``standby.kernelcheck``): a
         failed split-KV check brings back a graph per KV length, a failed fused one unfused graphed steps. The
-        host's key and verdict (remembered, or checked now and remembered)."""
+        host's key and verdict: remembered, or checked now (``warm_up`` remembers it, with its longest prefill)."""
         config = self.model.config
         inputs = kernelcheck.probe_inputs(self.batch, self.kv.max_tokens, config.vocab_size, self.model.device)
 
@@ -483,7 +484,6 @@ class Decoder:
         if verdict is None:
             with self._probed():
                 verdict = kernelcheck.verdict(step, self.split_kv, self.kv.max_tokens)
-            kernelcheck.remember(key, verdict)
         else:
             log.info("kernel check: this host's verdict (%s), not checked again", kernelcheck.verdict_path(key))
             for line in verdict.warnings:
