@@ -57,6 +57,8 @@ Steps, each a subprocess with its own time limit, so one failure or hang cannot 
   gray_xl  bench/gray.py on xl at 10 requests/s, the defaults: the primary's inference loop stalled, slowed 20x, and
             made to answer wrong tokens (first success, switchover, fence), and the overload and long prompts that
             must cause no incident
+  decode_step_xl  bench/decode_step.py on xl: a batch-1 decode step's device time by kernel against the HBM bound,
+            and each weight matrix's product through cuBLAS against a Triton GEMV
   overload_medium  bench/overload.py on medium: admitted latency and refusals at 1x, 2x and 5x the measured capacity
   concurrency_xl  bench/concurrency.py on xl: two bursts of 64 concurrent greedy streams of 256 tokens through
             hotweights up with its defaults, the engines' KV pools and max_batch sized by the device (refused, errors,
@@ -169,6 +171,7 @@ def steps(workdir: Path, out: Path) -> dict[str, tuple[list[str], int]]:
             540,
         ),
         "gray_xl": (f"{make('xl', xl)} && {bench}/gray.py --model {xl} --device cuda:0", 540),
+        "decode_step_xl": (f"{make('xl', xl)} && {bench}/decode_step.py --model {xl} --device cuda:0", 300),
         "overload_medium": (f"{make('medium', medium)} && {bench}/overload.py --device cuda:0 --model {medium}", 300),
         "concurrency_xl": (
             f"{make('xl', xl)} && {bench}/concurrency.py --model {xl} --device cuda:0 --streams 64 --max-tokens 256 "
