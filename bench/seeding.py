@@ -15,22 +15,31 @@ daemon fills from the source (``--fill-from peer``) with its pages of the checkp
 so a read of it would count in ``disk_bytes_read`` (``read_bytes`` of the seeding daemon's /proc/self/io around
 its fill, its own report; ``daemon_read_bytes_whole_life``: its /proc/PID/io once it serves, imports included);
 ``digest_verified``: it filled from the peer and serves the source's content hash. On a GPU the seeded arena is
-device memory (written through pinned buffers), the raw copy host memory to host memory. A serving engine's
-latency while its daemon seeds is not measured here. On a GPU, ``device_link``: the card's copies between pinned host
+device memory (written through pinned buffers), the raw copy host memory to host memory.
+
+``serving``: a primary engine of the source daemon (``--kv-pool-share`` SERVING_KV_SHARE on a GPU, so that the seeded
+arena fits beside it) serves ``--rps`` greedy completions of SERVING_TOKENS a second (``chaos.load.LoadGenerator``)
+throughout the rounds: its p50 over QUIET_S before them (``quiet_p50_ms``) and over the requests started while a
+seeding ran (``during_seed_p50_ms``), their ratio (``slowdown``, target <= 1.25), and the requests that got no 200
+(``errors``; ``other_texts``: a 200 with a greedy text other than the first one's). ``--rps 0``: no engine.
+On a GPU, ``device_link``: the card's copies between pinned host
 memory and the device (LINK_BYTES, each way alone, then both at once, GB/s each way): on one host, a seeding moves
 every byte device to host at the source and host to device at the joiner through the same card at once, so
 ``both_ways_gbps`` bounds ``seed_gbps`` there (between hosts each card carries one way).
 
 ``--simulate-fanout N``: ``controller.seedplacement.simulate_fanout`` for N hosts (one serving, the rest joining
 at once, one copy per source at a time): copy times until all serve, the bound ceil(log2 N) + 2, link load.
-The last stdout line is one JSON object.
+The last stdout line is one JSON object. Every process it starts is stopped at its end, on SIGINT and SIGTERM too.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -38,11 +47,13 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import httpx
 import torch
 
 from hotweights.cache.backends import get_backend
@@ -53,6 +64,8 @@ from hotweights.cache.makemodel import PRESETS, write_checkpoint
 from hotweights.cache.paths import DaemonPaths
 from hotweights.cache.seeding import SeedOptions, seed_arena
 from hotweights.cache.seedtransport import read_piece, tune
+from hotweights.chaos.load import LoadGenerator, RequestRecord, reference_completion
+from hotweights.contract import Endpoint, Role
 from hotweights.controller.seedplacement import copy_times_bound, simulate_fanout
 from hotweights.ports import free_ports
 from hotweights.spawn import hotweights_command
@@ -61,6 +74,11 @@ from hotweights.waiting import wait_until
 START_TIMEOUT_S = 900.0
 RAW_CHUNK = 8 << 20
 LINK_BYTES = 2 << 30  # what ``device_link`` copies each way
+SERVING_TOKENS = 16  # each completion the serving engine generates
+SERVING_RPS, SERVING_RPS_CPU = 10.0, 1.0  # the serving engine's completions a second by default
+SERVING_KV_SHARE = 0.1  # of the device's memory beyond the weights, the serving engine's KV pool on a GPU
+QUIET_S = 5.0  # the serving engine's latency alone, before the rounds
+SLOWDOWN_TARGET = 1.25
 
 
 def raw_send(port: int, nbytes: int, streams: int) -> None:
@@ -144,10 +162,13 @@ def start_daemon(model: Path, sock: Path, device: str, backend: str | None, *fla
     return process
 
 
-def alternated(served: dict[str, Any], address: str, token: str, args: argparse.Namespace) -> dict[str, list[float]]:
+def alternated(
+    served: dict[str, Any], address: str, token: str, args: argparse.Namespace, seeding: list[tuple[float, float]]
+) -> dict[str, list[float]]:
     """``--repeats`` rounds of: the raw copy, the raw copy into a new arena (CPU), and a seeding from the source
     daemon by this process (``cache.seeding.seed_arena``, what the daemon's ``peer`` fill runs, content hash
-    checked), GB/s each: alternated, so that a change of the host's load falls on all three alike."""
+    checked), GB/s each: alternated, so that a change of the host's load falls on all three alike. Each seeding's
+    (start, end), wall-clock, is appended to ``seeding``."""
     fingerprint = Fingerprint.from_json(served["fingerprint"])
     options = SeedOptions(sources=address, token=token, streams=args.streams)
     backend, device, nbytes = get_backend(served["backend"]), torch.device(served["device"]), served["bytes"]
@@ -156,10 +177,73 @@ def alternated(served: dict[str, Any], address: str, token: str, args: argparse.
         rounds["raw"].append(raw_copy(nbytes, args.streams))
         if device.type == "cpu":
             rounds["raw_into_new_arena"].append(raw_copy(nbytes, args.streams, into_new_arena=True))
-        start = time.perf_counter()
+        start, began = time.perf_counter(), time.time()
         seed_arena(options, fingerprint, backend, device).arena.close()
         rounds["seed"].append(nbytes / 1e9 / (time.perf_counter() - start))
+        seeding.append((began, time.time()))
     return rounds
+
+
+@contextlib.contextmanager
+def serving_engine(model: Path, sock: Path, args: argparse.Namespace) -> Iterator[str | None]:
+    """A primary engine of the daemon at ``sock``, serving once this yields its URL (None with ``--rps 0``); killed
+    on the way out."""
+    if not args.rps:
+        yield None
+        return
+    port = free_ports(1)[0]
+    command = hotweights_command("engine", "--role", Role.PRIMARY, "--port", str(port), "--device", args.device)
+    command += ["--weight-cache", "client", "--socket", str(sock), "--model", str(model)]
+    command += ["--kv-pool-share", str(SERVING_KV_SHARE)] if args.device.startswith("cuda") else []
+    url = f"http://127.0.0.1:{port}"
+    with open(sock.with_name("engine.out"), "wb") as log:
+        engine = subprocess.Popen(command, stdout=log, stderr=log, start_new_session=True)
+    try:
+        wait_until(lambda: _serves(url) or engine.poll() is not None, START_TIMEOUT_S, "the serving engine")
+        if engine.poll() is not None:
+            raise SystemExit(f"the serving engine exited {engine.returncode}: see {sock.with_name('engine.out')}")
+        yield url
+    finally:
+        engine.kill()
+        engine.wait()
+
+
+def _serves(url: str) -> bool:
+    try:
+        return httpx.get(url + Endpoint.PRIMARY, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+async def under_load(url: str, rps: float, rounds: Callable[[], dict], seeding: list[tuple[float, float]]) -> dict:
+    """``rounds()`` (on a thread) while ``rps`` completions a second go to the engine at ``url``, after QUIET_S of
+    them alone; what ``rounds`` returns, with the ``serving`` figures (module docstring)."""
+    async with httpx.AsyncClient() as client:
+        reference = await reference_completion(client, url, 120.0, SERVING_TOKENS)
+    load = LoadGenerator(url, rps, reference, max_tokens=SERVING_TOKENS)
+    async with load.running():
+        quiet_from = time.time()
+        await asyncio.sleep(QUIET_S)  # the quiet window: the load alone
+        quiet_to = time.time()
+        result = await asyncio.to_thread(rounds)
+    quiet = _p50_ms([r for r in load.records if quiet_from <= r.start < quiet_to])
+    during = _p50_ms([r for r in load.records if any(a <= r.start < b for a, b in seeding)])
+    result["serving"] = {
+        "rps": rps,
+        "quiet_p50_ms": quiet,
+        "during_seed_p50_ms": during,
+        "slowdown": round(during / quiet, 2) if quiet and during else None,
+        "slowdown_target": SLOWDOWN_TARGET,
+        "requests": len(load.records),
+        "errors": sum(r.status != 200 for r in load.records),
+        "other_texts": sum(r.status == 200 and r.correct is False for r in load.records),
+    }
+    return result
+
+
+def _p50_ms(records: list[RequestRecord]) -> float | None:
+    seconds = [r.end - r.start for r in records if r.status == 200]
+    return round(statistics.median(seconds) * 1000, 1) if seconds else None
 
 
 def device_link(device: torch.device) -> dict[str, float]:
@@ -197,7 +281,14 @@ def measure(model: Path, work: Path, args: argparse.Namespace) -> dict[str, Any]
     joiner = None
     try:
         served = request(work / "a" / "a.sock", {"op": "status"}, timeout=30)["status"]
-        rounds = alternated(served, address, token.read_text().strip(), args)
+        seeding: list[tuple[float, float]] = []
+
+        def rounds_() -> dict[str, Any]:
+            return {"rounds": alternated(served, address, token.read_text().strip(), args, seeding)}
+
+        with serving_engine(model, work / "a" / "a.sock", args) as url:
+            measured = asyncio.run(under_load(url, args.rps, rounds_, seeding)) if url else rounds_()
+        rounds = measured["rounds"]
         evict(model.glob("*.safetensors"))
         joiner = start_daemon(model, work / "b" / "b.sock", args.device, args.backend,
                               "--seed-from", address, "--fill-from", "peer", *common)  # fmt: skip
@@ -228,6 +319,7 @@ def measure(model: Path, work: Path, args: argparse.Namespace) -> dict[str, Any]
         "disk_bytes_read": fill["disk_read_bytes"],
         "daemon_read_bytes_whole_life": whole_life,
         "resumes": progress["resumes"],
+        "serving": measured.get("serving"),
     }
 
 
@@ -247,6 +339,12 @@ def main() -> int:
     parser.add_argument("--backend", help="default: the device's (cpu-shm, cuda-vmm)")
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3, help="rounds of raw copies and seedings; medians count")
+    parser.add_argument(
+        "--rps",
+        type=float,
+        help=f"the source's serving engine's completions a second (0: no engine; default {SERVING_RPS} on a GPU, "
+        f"{SERVING_RPS_CPU} on CPU, where a medium model serves fewer than {SERVING_RPS:g})",
+    )
     parser.add_argument("--simulate-fanout", type=int, metavar="HOSTS")
     parser.add_argument("--raw-send", nargs=3, type=int, metavar=("PORT", "BYTES", "STREAMS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -256,6 +354,9 @@ def main() -> int:
     if args.simulate_fanout:
         print(json.dumps(fanout(args.simulate_fanout)))
         return 0
+    if args.rps is None:
+        args.rps = SERVING_RPS if torch.device(args.device).type == "cuda" else SERVING_RPS_CPU
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # measure's and serving_engine's exits stop every process
     with tempfile.TemporaryDirectory(prefix="hw-seed-", dir="/tmp") as tmp:
         work = Path(tmp)
         os.environ["HOTWEIGHTS_RUNTIME_DIR"] = str(work / "run")
