@@ -53,13 +53,8 @@ from hotweights.paths import write_json
 
 log = logging.getLogger(__name__)
 
-# The unit of work a stream asks for: a range's first piece is staged before any byte of it is sent, so fewer, longer
-# ranges expose that wait less often, and 31.8 GB still makes some 120 ranges for the streams to share.
-CHUNK_BYTES = 256 << 20
-# The staging buffers' size on a device. Each piece costs a stream a fixed ~0.9 ms beside its bytes (measured on an H100
-# host over loopback, 8 streams: 1, 2, 4 and 8 MiB pieces seeded xl at 7.2, 11.7, 17.8 and 16-20 GB/s), so pieces are
-# large: 2 buffers x 32 MiB of pinned memory per stream on each side.
-PIECE_BYTES = 32 << 20
+CHUNK_BYTES = 64 << 20  # the unit of work a stream asks for
+PIECE_BYTES = 8 << 20  # the staging buffers' size on a device
 READ_BYTES = 1 << 20  # a host arena's bytes are read (and their progress reported) in steps of this many
 RECONNECTS = 5  # attempts of a stream to reconnect in a row without a byte moved, before it gives up
 RETRY_S = 0.25  # between rounds over the peers while all are busy, and between reconnects
@@ -219,7 +214,7 @@ class DeviceSink(RangeSink):
             return
         with torch.cuda.stream(self.stream):
             self.arena[position : position + nbytes].copy_(self.buffers[slot][:nbytes], non_blocking=True)
-            event = torch.cuda.Event(blocking=True)  # a stream waiting on it sleeps instead of spinning on a core
+            event = torch.cuda.Event()
             event.record(self.stream)
         self.events[slot] = event
 

@@ -117,7 +117,7 @@ class ArenaReader:
     def _stage(self, stream: torch.cuda.Stream, buffer: torch.Tensor, position: int, length: int) -> torch.cuda.Event:
         with torch.cuda.stream(stream):
             buffer[:length].copy_(self.arena[position : position + length], non_blocking=True)
-            event = torch.cuda.Event(blocking=True)  # a stream waiting on it sleeps instead of spinning on a core
+            event = torch.cuda.Event()
             event.record(stream)
         return event
 
