@@ -72,7 +72,8 @@ Steps, each a subprocess with its own time limit, so one failure or hang cannot 
             (engine.batch_invariant: mismatched and wrong texts against what the padding costs)
   seeding_xl  bench/seeding.py on xl, cuda-vmm, loopback: a daemon filled from a peer daemon (through pinned buffers
             into device memory) against a raw TCP copy of as many bytes in the same run (seed_gbps, raw_gbps, ratio,
-            digest_verified, disk_bytes_read); a serving engine's latency while its daemon seeds is not measured
+            digest_verified, disk_bytes_read), a primary engine of the source daemon serving 10 completions a second
+            throughout (its p50 while a seeding runs over its p50 before: serving.slowdown), and device_link
 Results go to DIR/gpu_suite.json and every step's output to DIR/steps.log; the drills' report folders
 are packed into DIR/reports.tar (a few files to copy back from a remote GPU machine); the last stdout line is
 one JSON object. Exits 1 if any step failed.
