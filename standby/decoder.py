@@ -227,6 +227,7 @@ class WarmUpTimes:
     decode_captures: dict[tuple[int, int], float] = field(default_factory=dict)  # the capture and a first replay
     prefill_graphs: float = 0.0  # every short prefill's first run, capture and first replay
     kernel_check: float = 0.0  # the kernels' check against plain torch (``standby.kernelcheck``)
+    prefills_run: list[tuple[int, int]] = field(default_factory=list)  # (rows, length) of the eager prefills run
 
 
 class Decoder:
@@ -440,6 +441,7 @@ class Decoder:
                 self.prefill_times[longest] = verdict.longest_prefill_s  # a sibling measured it on this host
                 continue
             self.prefill_times[rows, length] = self._timed_prefill(rows, length)
+            self.warm_up_times.prefills_run.append((rows, length))
             pace()
         if verdict is not None and not verdict.longest_prefill_s:  # checked now: remembered once, with that time
             kernelcheck.remember(key, dataclasses.replace(verdict, longest_prefill_s=self.prefill_times[longest]))

@@ -171,7 +171,8 @@ def warm_up(
     log.info(
         "warmed up in %.3f s: eager prefills %s, decode at batch 1..%d%s",
         time.perf_counter() - start,
-        ", ".join(f"{rows}x{length}" for rows, length in decoder.warmed_prefills) or "none",
+        ", ".join(f"{rows}x{length}" for rows, length in decoder.warm_up_times.prefills_run)
+        or "none (the longest one's time read from the host's kernel verdict)",
         decoder.batch,
         f", CUDA graphs {decoder.graph_bytes} bytes" if graphs else f" and {len(decoder.warmed_kv_lengths)} KV lengths",
     )

@@ -61,6 +61,7 @@ def test_a_later_graphed_decoder_of_the_host_reads_the_longest_prefill_time_inst
     later.warm_up()
     assert longest not in ran and ran  # the graphed prefills' first replays still ran
     assert later.prefill_times[longest] == first.prefill_times[longest]
+    assert first.warm_up_times.prefills_run == [longest] and later.warm_up_times.prefills_run == []  # what logs say
 
 
 def test_graph_replays_equal_eager_steps_and_never_hand_out_a_reused_buffer(model: Transformer) -> None:
