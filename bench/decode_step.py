@@ -5,7 +5,7 @@
 Loads the checkpoint onto the device (the off mode's pipeline) and captures the engine's batch-1 decode step as the
 engine does (``standby.decoder.DecodeGraph``: split-KV attention, the fused kernels), then:
 
-- ``replay_ms``: the step's replay and its wait, median of REPLAYS, at KV lengths 16 and 256;
+- ``replay_ms``: the step's replay and its wait, median of REPLAYS (``bench/warmup.py``'s), at KV lengths 16 and 256;
 - ``kernels``: ``torch.profiler``'s device time per kernel over PROFILED replays at ``--kv-length``, per step
   (``device_ms``: their sum; ``bound_ms``: the weights' bytes over ``--bandwidth-tbps``, the HBM bound one step
   cannot beat, and ``device_share_of_bound``: the bound over the device's time);
@@ -24,7 +24,6 @@ import itertools
 import json
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -32,6 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 import torch.nn.functional as F
+
+from bench.warmup import median_step_ms
 
 REPLAYS = 30
 PROFILED = 5
@@ -83,20 +84,6 @@ def graph_ms(work: Callable[[], object]) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
-
-
-def replay_ms(step: object, length: int) -> float:
-    """Median wall ms of ``step.run`` (a ``DecodeGraph``) at KV length ``length``, with the device's finish."""
-    inputs = torch.tensor([[1], [length - 1]], dtype=torch.long)
-    step.run(inputs)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(REPLAYS):
-        start = time.perf_counter()
-        step.run(inputs)
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1000)
-    return round(statistics.median(times), 3)
 
 
 def kernels(step: object, length: int) -> dict[str, dict[str, float]]:
@@ -177,7 +164,9 @@ def main() -> int:
     decoder = new_decoder(model, 1, 4096, 4096, batch_invariant=False)
     step = DecodeGraph(model, decoder.kv, 1, None, torch.cuda.graph_pool_handle())
     result: dict[str, object] = {"device": torch.cuda.get_device_name(args.device), "model": args.model}
-    result["replay_ms"] = {str(length): replay_ms(step, length) for length in (16, 256)}
+    result["replay_ms"] = {
+        str(length): median_step_ms(step, torch.tensor([[1], [length - 1]]), REPLAYS) for length in (16, 256)
+    }
     per_kernel = kernels(step, args.kv_length)
     device_ms = sum(row["ms"] for row in per_kernel.values())
     bound_ms = sum(p.nbytes for p in model.parameters()) / (args.bandwidth_tbps * 1e12) * 1000
