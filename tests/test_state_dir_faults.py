@@ -425,11 +425,14 @@ def test_down_after_up_was_killed_stops_every_process_whatever_state_json_says(t
         else:
             stack.config.state_file.unlink()
         running = [pid for _, pid in leftovers(stack)]
-        assert {replacement, *warming} <= set(running)
+        assert replacement in running
+        # The warming spare is found, or already gone by itself: its start pipe closed with the controller, which
+        # ends a spare once its warm-up is done (``controller.spares``), a race with this scan.
+        assert [pid for pid in warming if pid not in running and read_identity(pid)] == []
         stopped = stack.down()
         assert stopped.returncode == 0, stopped.stderr
         assert leftovers(stack) == [], stopped.stderr
-        assert [pid for pid in running if read_identity(pid)] == []
+        assert [pid for pid in {*running, *warming} if read_identity(pid)] == []
         assert all(stranger.poll() is None for stranger in strangers)
         assert [p.name for p in (stack.config.state_dir / "run").iterdir() if p.is_socket()] == []
     finally:
