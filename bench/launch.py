@@ -7,7 +7,7 @@ controller's, with the engine's own defaults, on a free port), from the request 
 (fresh) to its ready line on stdout, then stops it. Both ways alternate within a row, so they share the host's
 state. Rows: ``idle``, then ``load`` (``--load`` busy-looping processes beside it, the cores a primary serving
 would take; 0: no such row), then ``serving`` (a primary engine of the same daemon, its own defaults, serving
-``--rps`` greedy completions of SERVING_TOKENS tokens a second, open loop: ``chaos.load.LoadGenerator``; 0: no such
+``--rps`` greedy completions of SERVING_TOKENS tokens a second, open loop: ``chaos.load.while_loaded``; 0: no such
 row), which adds the primary's latency: ``quiet_p50_ms`` over QUIET_S before the trials, ``during_p50_ms`` over the
 trials, their ratio ``primary_slowdown``, and ``errors`` (answers but a 200 with the first answer's text). Each row
 gives the median seconds of each way, their ratio, and the engine's own breakdown from its ready line (``start_s``,
@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -34,11 +35,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
-
 from hotweights.cache.connection import hello
 from hotweights.cache.protocol import recv_message, send_message
-from hotweights.chaos.load import LoadGenerator, reference_completion
+from hotweights.chaos.load import while_loaded
 from hotweights.contract import Role
 from hotweights.controller.launcherclient import LAUNCHER_MODULE
 from hotweights.ports import free_ports
@@ -209,27 +208,17 @@ def serving_row(
 async def beside_load(
     args: argparse.Namespace, command: list[str], launcher_socket: Path, workdir: Path, url: str
 ) -> dict:
-    """The trials (``row``, on a thread of its own) while ``chaos.load.LoadGenerator`` drives the primary at ``url``
-    (its first answer the reference text), and that primary's p50 before and during them."""
-    async with httpx.AsyncClient() as client:
-        reference = await reference_completion(client, url, args.timeout, SERVING_TOKENS)
-    load = LoadGenerator(url, args.rps, reference, max_tokens=SERVING_TOKENS)
-    async with load.running():
-        quiet_from = time.time()
-        await asyncio.sleep(QUIET_S)  # the quiet window itself: the load runs meanwhile
-        trials_from = time.time()
-        result = await asyncio.to_thread(row, args, command, launcher_socket, workdir, "serving")
-        trials_to = time.time()
-
-    def p50_ms(since: float, until: float) -> float | None:
-        seconds = [r.end - r.start for r in load.records if since <= r.start < until and not r.error]
-        return round(statistics.median(seconds) * 1000, 1) if seconds else None
-
-    quiet, during = p50_ms(quiet_from, trials_from), p50_ms(trials_from, trials_to)
+    """The trials (``row``) while ``chaos.load.while_loaded`` drives the primary at ``url``, and that primary's p50
+    before and during them."""
+    trials = functools.partial(row, args, command, launcher_socket, workdir, "serving")
+    loaded = await while_loaded(url, args.rps, SERVING_TOKENS, trials, QUIET_S, args.timeout)
+    records = loaded.load.records
+    quiet = loaded.load.p50_ms(lambda start: loaded.quiet[0] <= start < loaded.quiet[1])
+    during = loaded.load.p50_ms(lambda start: loaded.during[0] <= start < loaded.during[1])
     slowdown = round(during / quiet, 2) if quiet and during else None
-    errors = sum(bool(r.error) for r in load.records)
-    return result | {"rps": args.rps, "quiet_p50_ms": quiet, "during_p50_ms": during, "primary_slowdown": slowdown,
-                     "requests": len(load.records), "errors": errors}  # fmt: skip
+    errors = sum(bool(r.error) for r in records)
+    return loaded.result | {"rps": args.rps, "quiet_p50_ms": quiet, "during_p50_ms": during,
+                            "primary_slowdown": slowdown, "requests": len(records), "errors": errors}  # fmt: skip
 
 
 def _serves(path: Path) -> bool:

@@ -18,7 +18,7 @@ its fill, its own report; ``daemon_read_bytes_whole_life``: its /proc/PID/io onc
 device memory (written through pinned buffers), the raw copy host memory to host memory.
 
 ``serving``: a primary engine of the source daemon (``--kv-pool-share`` SERVING_KV_SHARE on a GPU, so that the seeded
-arena fits beside it) serves ``--rps`` greedy completions of SERVING_TOKENS a second (``chaos.load.LoadGenerator``)
+arena fits beside it) serves ``--rps`` greedy completions of SERVING_TOKENS a second (``chaos.load.while_loaded``)
 throughout the rounds: its p50 over QUIET_S before them (``quiet_p50_ms``) and over the requests started while a
 seeding ran (``during_seed_p50_ms``), their ratio (``slowdown``, target <= 1.25), and the requests that got no 200
 (``errors``; ``other_texts``: a 200 with a greedy text other than the first one's). ``--rps 0``: no engine.
@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -47,15 +48,15 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import httpx
 import torch
 
+from bench.overload import wait_serving
 from hotweights.cache.backends import get_backend
 from hotweights.cache.connection import request
 from hotweights.cache.diskio import disk_read_bytes, evict
@@ -64,7 +65,7 @@ from hotweights.cache.makemodel import PRESETS, write_checkpoint
 from hotweights.cache.paths import DaemonPaths
 from hotweights.cache.seeding import SeedOptions, seed_arena
 from hotweights.cache.seedtransport import read_piece, tune
-from hotweights.chaos.load import LoadGenerator, RequestRecord, reference_completion
+from hotweights.chaos.load import Loaded, while_loaded
 from hotweights.contract import Endpoint, Role
 from hotweights.controller.seedplacement import copy_times_bound, simulate_fanout
 from hotweights.ports import free_ports
@@ -195,55 +196,33 @@ def serving_engine(model: Path, sock: Path, args: argparse.Namespace) -> Iterato
     command = hotweights_command("engine", "--role", Role.PRIMARY, "--port", str(port), "--device", args.device)
     command += ["--weight-cache", "client", "--socket", str(sock), "--model", str(model)]
     command += ["--kv-pool-share", str(SERVING_KV_SHARE)] if args.device.startswith("cuda") else []
-    url = f"http://127.0.0.1:{port}"
-    with open(sock.with_name("engine.out"), "wb") as log:
-        engine = subprocess.Popen(command, stdout=log, stderr=log, start_new_session=True)
+    url, log = f"http://127.0.0.1:{port}", sock.with_name("engine.out")
+    with open(log, "wb") as out:
+        engine = subprocess.Popen(command, stdout=out, stderr=out, start_new_session=True)
     try:
-        wait_until(lambda: _serves(url) or engine.poll() is not None, START_TIMEOUT_S, "the serving engine")
-        if engine.poll() is not None:
-            raise SystemExit(f"the serving engine exited {engine.returncode}: see {sock.with_name('engine.out')}")
+        wait_serving(url + Endpoint.PRIMARY, engine, log, START_TIMEOUT_S)
         yield url
     finally:
         engine.kill()
         engine.wait()
 
 
-def _serves(url: str) -> bool:
-    try:
-        return httpx.get(url + Endpoint.PRIMARY, timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-async def under_load(url: str, rps: float, rounds: Callable[[], dict], seeding: list[tuple[float, float]]) -> dict:
-    """``rounds()`` (on a thread) while ``rps`` completions a second go to the engine at ``url``, after QUIET_S of
-    them alone; what ``rounds`` returns, with the ``serving`` figures (module docstring)."""
-    async with httpx.AsyncClient() as client:
-        reference = await reference_completion(client, url, 120.0, SERVING_TOKENS)
-    load = LoadGenerator(url, rps, reference, max_tokens=SERVING_TOKENS)
-    async with load.running():
-        quiet_from = time.time()
-        await asyncio.sleep(QUIET_S)  # the quiet window: the load alone
-        quiet_to = time.time()
-        result = await asyncio.to_thread(rounds)
-    quiet = _p50_ms([r for r in load.records if quiet_from <= r.start < quiet_to])
-    during = _p50_ms([r for r in load.records if any(a <= r.start < b for a, b in seeding)])
-    result["serving"] = {
+def serving(loaded: Loaded, seeding: list[tuple[float, float]], rps: float) -> dict[str, Any]:
+    """The ``serving`` figures (module docstring) of a load beside the rounds."""
+    load = loaded.load
+    records = load.records
+    quiet = load.p50_ms(lambda start: loaded.quiet[0] <= start < loaded.quiet[1])
+    during = load.p50_ms(lambda start: any(a <= start < b for a, b in seeding))
+    return {
         "rps": rps,
         "quiet_p50_ms": quiet,
         "during_seed_p50_ms": during,
         "slowdown": round(during / quiet, 2) if quiet and during else None,
         "slowdown_target": SLOWDOWN_TARGET,
-        "requests": len(load.records),
-        "errors": sum(r.status != 200 for r in load.records),
-        "other_texts": sum(r.status == 200 and r.correct is False for r in load.records),
+        "requests": len(records),
+        "errors": sum(r.status != 200 for r in records),
+        "other_texts": sum(r.status == 200 and r.correct is False for r in records),
     }
-    return result
-
-
-def _p50_ms(records: list[RequestRecord]) -> float | None:
-    seconds = [r.end - r.start for r in records if r.status == 200]
-    return round(statistics.median(seconds) * 1000, 1) if seconds else None
 
 
 def device_link(device: torch.device) -> dict[str, float]:
@@ -283,12 +262,14 @@ def measure(model: Path, work: Path, args: argparse.Namespace) -> dict[str, Any]
         served = request(work / "a" / "a.sock", {"op": "status"}, timeout=30)["status"]
         seeding: list[tuple[float, float]] = []
 
-        def rounds_() -> dict[str, Any]:
-            return {"rounds": alternated(served, address, token.read_text().strip(), args, seeding)}
-
+        rounds_ = functools.partial(alternated, served, address, token.read_text().strip(), args, seeding)
+        beside = None
         with serving_engine(model, work / "a" / "a.sock", args) as url:
-            measured = asyncio.run(under_load(url, args.rps, rounds_, seeding)) if url else rounds_()
-        rounds = measured["rounds"]
+            if url is None:
+                rounds = rounds_()
+            else:
+                loaded = asyncio.run(while_loaded(url, args.rps, SERVING_TOKENS, rounds_, QUIET_S))
+                rounds, beside = loaded.result, serving(loaded, seeding, args.rps)
         evict(model.glob("*.safetensors"))
         joiner = start_daemon(model, work / "b" / "b.sock", args.device, args.backend,
                               "--seed-from", address, "--fill-from", "peer", *common)  # fmt: skip
@@ -319,7 +300,7 @@ def measure(model: Path, work: Path, args: argparse.Namespace) -> dict[str, Any]
         "disk_bytes_read": fill["disk_read_bytes"],
         "daemon_read_bytes_whole_life": whole_life,
         "resumes": progress["resumes"],
-        "serving": measured.get("serving"),
+        "serving": beside,
     }
 
 

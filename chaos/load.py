@@ -13,10 +13,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import statistics
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import httpx
 
@@ -186,6 +187,43 @@ class LoadGenerator:
             finally:
                 if self.in_flight:
                     await asyncio.wait(self.in_flight, timeout=self.timeout_s)
+
+    def p50_ms(self, started: Callable[[float], bool]) -> float | None:
+        """The median ms of the requests answered 200 whose start (wall-clock) ``started`` accepts; None if none."""
+        seconds = [r.end - r.start for r in self.records if r.status == 200 and started(r.start)]
+        return round(statistics.median(seconds) * 1000, 1) if seconds else None
+
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Loaded(Generic[T]):
+    """What ``while_loaded`` gives: ``work``'s result, the load's records, and the wall-clock (start, end) of the
+    quiet window and of the work."""
+
+    result: T
+    load: LoadGenerator
+    quiet: tuple[float, float]
+    during: tuple[float, float]
+
+
+async def while_loaded(
+    url: str, rps: float, max_tokens: int, work: Callable[[], T], quiet_s: float, timeout_s: float = 120.0
+) -> Loaded[T]:
+    """``work()`` on a thread while ``rps`` greedy completions of ``max_tokens`` a second go to the engine or gateway at
+    ``url`` (correct: its first answer, awaited up to ``timeout_s``), after ``quiet_s`` of that load alone: what a
+    bench's work costs a serving engine (its p50 during the work over its p50 in the quiet window)."""
+    async with httpx.AsyncClient() as client:
+        reference = await reference_completion(client, url, timeout_s, max_tokens)
+    load = LoadGenerator(url, rps, reference, max_tokens=max_tokens)
+    async with load.running():
+        quiet_from = time.time()
+        await asyncio.sleep(quiet_s)  # the quiet window itself: the load runs meanwhile
+        work_from = time.time()
+        result = await asyncio.to_thread(work)
+        work_to = time.time()
+    return Loaded(result, load, (quiet_from, work_from), (work_from, work_to))
 
 
 BATCH_REFUSED_PAUSE_S = 0.05  # before a batch client asks again after a refusal (which comes back at once)
