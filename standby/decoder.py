@@ -218,7 +218,8 @@ class Launched:
 
 @dataclass
 class WarmUpTimes:
-    """Seconds of ``warm_up``'s parts: what a decoder's readiness costs (``bench/warmup.py`` prints them)."""
+    """Seconds of ``warm_up``'s parts: what a decoder's readiness costs (``bench/warmup.py`` prints them); and which
+    eager prefills it ran (the engine's warm-up line names them)."""
 
     eager: float = 0.0  # the shapes run eagerly: prefills, and decode steps without graphs
     sampling: float = 0.0
