@@ -693,7 +693,9 @@ def test_a_timeout_is_not_counted_while_the_engine_runs_on_the_cpu_soon_after_a_
             async def run() -> list[HealthRecord]:
                 records = []
                 async with httpx.AsyncClient() as client:
-                    checker = HealthChecker(client, 0.01, 0.1, 2, lambda: None, lambda _: None)
+                    # A timeout long enough that the spinner gets its share of a core on a host the rest of the
+                    # suite keeps busy (/proc counts CPU in 10 ms ticks; 100 ms was too short there).
+                    checker = HealthChecker(client, 0.01, 0.5, 2, lambda: None, lambda _: None)
                     for answered_s_ago, stop in ((0.0, False), (BUSY_GRACE_S, False), (0.0, True)):
                         if stop:
                             spinner.send_signal(signal.SIGSTOP)
