@@ -22,6 +22,7 @@ from hotweights.standby.model import rope_tables
 ROWS = (1, 3, 64)
 HIDDEN = (64, 200, 5120)  # a power of two, neither, wider than a norm tile
 SILU_WIDTHS = (64, 1000, 2752)  # gate (and up) columns: within one block, several, a partial last one
+LINEAR_SHAPES = ((16, 1024), (24, 1536), (8, 3072))  # (N, K) of one row's product: K in tiles of 1024, 512, 1024
 HEAD_DIMS = (64, 128)
 HEADS, KV_HEADS = 4, 2
 TOLERANCES = {  # dtype -> (atol, rtol) against the plain function in that dtype (which rounds between its steps)
@@ -77,13 +78,23 @@ def _silu_cases(device: str, dtype: torch.dtype, g: torch.Generator) -> list[Cas
     ]
 
 
+def _linear_cases(device: str, dtype: torch.dtype, g: torch.Generator) -> list[Case]:
+    """One row (a batch-1 step's product, the GEMV kernel) by weights whose K takes tiles of 1024, of 512, several."""
+    cases = []
+    for n, k in LINEAR_SHAPES:
+        x = torch.randn((1, k), generator=g).to(device, dtype)
+        weight = (torch.randn((n, k), generator=g) / k**0.5).to(device, dtype)
+        cases.append((f"linear 1x{k} by {n}x{k}", (x, weight), fused.linear))
+    return cases
+
+
 def cases(device: str) -> list[tuple[torch.dtype, Case]]:
     """Every kernel's cases in every dtype, seeded."""
     g = torch.Generator().manual_seed(0)
     return [
         (dtype, case)
         for dtype in TOLERANCES
-        for make in (_norm_cases, _rope_cases, _silu_cases)
+        for make in (_norm_cases, _rope_cases, _silu_cases, _linear_cases)
         for case in make(device, dtype, g)
     ]
 
@@ -93,8 +104,15 @@ def kernel(plain: Callable[..., object]) -> Callable[..., object]:
     imported here, on first use (this module is imported where it is not installed)."""
     from hotweights.standby import fusedkernels
 
-    kernels = (fusedkernels.rms_norm, fusedkernels.add_rms_norm, fusedkernels.rope, fusedkernels.silu_mul)
-    return dict(zip((fused.rms_norm, fused.add_rms_norm, fused.rope, fused.silu_mul), kernels, strict=True))[plain]
+    plains = (fused.rms_norm, fused.add_rms_norm, fused.rope, fused.silu_mul, fused.linear)
+    kernels = (
+        fusedkernels.rms_norm,
+        fusedkernels.add_rms_norm,
+        fusedkernels.rope,
+        fusedkernels.silu_mul,
+        fusedkernels.gemv,
+    )
+    return dict(zip(plains, kernels, strict=True))[plain]
 
 
 def _outputs(result: object) -> tuple[torch.Tensor, ...]:
