@@ -190,8 +190,7 @@ def steps(workdir: Path, out: Path) -> dict[str, tuple[list[str], int]]:
             540,
         ),
         "seeding_xl": (
-            f"{make('xl', xl)} && {bench}/seeding.py --device cuda:0 --model {xl} --backend cuda-vmm --streams 8 "
-            "--repeats 2",
+            f"{make('xl', xl)} && {bench}/seeding.py --device cuda:0 --model {xl} --backend cuda-vmm",
             600,
         ),
         "storm_xl_invariant": (

@@ -56,6 +56,7 @@ PROMPT = "The quick brown fox"
 LOAD_BEFORE_S = 2.0  # load before a fault
 LOAD_AFTER_S = 3.0  # and after the controller acted
 ACT_TIMEOUT_S = 30.0  # a fault the controller has not acted on by then fails its phase
+STALL_SHOWN = 12  # the first answers after a stall printed with their times
 OVERLOAD = 5.0  # the overload bench's multiple
 OVERLOAD_S = 5.0
 PROMPT_TOKENS = 16_000
@@ -168,8 +169,10 @@ async def fault(stack: UpStack, args: argparse.Namespace, reference: str, sig: s
         with contextlib.suppress(ProcessLookupError):  # the old primary, a standby now, gets its speed back
             os.kill(pid, SLOW_SIGNAL)
     if kind == "stall":
-        after = [a.end - fault_at for a in answers if a.start >= fault_at and a.outcome == "200"]
-        phase["first_ok_ms"] = round(min(after) * 1000) if after else None
+        after = sorted((a for a in answers if a.start >= fault_at and a.outcome == "200"), key=lambda a: a.end)
+        phase["first_ok_ms"] = round((after[0].end - fault_at) * 1000) if after else None
+        ms = [(round((a.start - fault_at) * 1000), round((a.end - fault_at) * 1000)) for a in after[:STALL_SHOWN]]
+        print(f"  the first answers sent after the stall (sent, answered; ms after it): {ms}", file=sys.stderr)
     return phase | answers_summary(answers, reference)
 
 

@@ -64,7 +64,7 @@ from hotweights.cache.fingerprint import Fingerprint
 from hotweights.cache.makemodel import PRESETS, write_checkpoint
 from hotweights.cache.paths import DaemonPaths
 from hotweights.cache.seeding import SeedOptions, seed_arena
-from hotweights.cache.seedtransport import read_piece, tune
+from hotweights.cache.seedtransport import STREAMS, read_piece, tune
 from hotweights.chaos.load import Loaded, while_loaded
 from hotweights.contract import Endpoint, Role
 from hotweights.controller.seedplacement import copy_times_bound, simulate_fanout
@@ -318,7 +318,12 @@ def main() -> int:
     parser.add_argument("--model", type=Path, help="a checkpoint (default: the --preset, written to a temp dir)")
     parser.add_argument("--preset", default="medium", choices=sorted(PRESETS))
     parser.add_argument("--backend", help="default: the device's (cpu-shm, cuda-vmm)")
-    parser.add_argument("--streams", type=int, default=4)
+    parser.add_argument(
+        "--streams",
+        type=int,
+        default=STREAMS,
+        help="of the seeding and the raw copy (default: a daemon's, %(default)s)",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="rounds of raw copies and seedings; medians count")
     parser.add_argument(
         "--rps",
