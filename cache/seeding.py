@@ -54,7 +54,7 @@ from hotweights.paths import write_json
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 64 << 20  # the unit of work a stream asks for
-PIECE_BYTES = 8 << 20  # the staging buffers' size on a device
+PIECE_BYTES = 8 << 20  # the staging buffers' size on a device (both ends), and what a seed client acknowledges
 READ_BYTES = 1 << 20  # a host arena's bytes are read (and their progress reported) in steps of this many
 RECONNECTS = 5  # attempts of a stream to reconnect in a row without a byte moved, before it gives up
 RETRY_S = 0.25  # between rounds over the peers while all are busy, and between reconnects

@@ -7,10 +7,20 @@ would read a range straight into registered memory).
 
 The TCP conversation (length-prefixed JSON frames of ``cache.protocol``, then raw bytes):
 
-  client {"op": "seed_hello", "version": 1, "nonce"}           server {"ok", "version", "nonce", "proof"}
+  client {"op": "seed_hello", "version": 2, "nonce"}           server {"ok", "version", "nonce", "proof"}
   client {"op": "seed_auth", "proof", "fingerprint",            server {"ok", "manifest"} or a refusal:
           "session", "listen"}                                    forbidden, fingerprint_mismatch, busy
-  client {"op": "seed_range", "start", "end"}                  server {"ok", "start", "end"} + end-start bytes
+  client {"op": "seed_range", "start", "end"}                  server {"ok", "start", "end", "ack"} + end-start bytes
+  with "ack" > 0, the client, as it reads the bytes:           ACK frames (8 bytes, little-endian: the range's
+                                                                 bytes read so far) after each "ack" bytes of the
+                                                                 range, and after its last byte
+
+The version is seeding's own (SEED_VERSION), not the daemon protocol's: a peer of another version is refused in
+its hello, in one line, before anything else is said. Acknowledgements exist because the server sends from memory
+it reuses: it hands the socket pages of a staging buffer (os.sendfile: the socket references the pages, no copy),
+and the kernel reads them until the client has received them, after ``sendfile`` returned. Overwriting a buffer
+before the client acknowledged the bytes it sent would change bytes in flight; the server waits for the
+acknowledgement first. A frozen host arena is never written while served, so its ranges need none ("ack": 0).
 
 Both ends prove they know the shared token without sending it: each sends HMAC-SHA256(token, role, both nonces)
 and checks the other's in constant time. A stranger can neither read (the server refuses it) nor feed weights
@@ -29,14 +39,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
-from hotweights.cache.protocol import (
-    PROTOCOL_VERSION,
-    ProtocolError,
-    check_version,
-    recv_message,
-    reply_ok,
-    send_message,
-)
+from hotweights.cache.protocol import ProtocolError, recv_message, reply_ok, send_message
 from hotweights.errors import HotweightsError
 
 # Seeding's defaults, here (no torch) so that the controller's configuration takes them from one place:
@@ -47,6 +50,8 @@ WAIT_S = 60.0  # how long a new daemon waits while every peer is busy and none i
 HANDSHAKE_TIMEOUT_S = 10.0  # the whole handshake, and each range's header
 IO_TIMEOUT_S = 10.0  # a stream that moves no byte for this long is dropped (and resumed)
 SOCKET_BUFFER_BYTES = 4 << 20  # SO_SNDBUF / SO_RCVBUF asked for each stream
+SEED_VERSION = 2  # of the conversation below; 2: acknowledgements
+ACK = struct.Struct("<Q")  # an acknowledgement: bytes of the range read so far
 
 
 class SeedRefused(HotweightsError):
@@ -62,9 +67,10 @@ class RangeSink(ABC):
 
     @abstractmethod
     def receive(self, start: int, end: int, read_into: Callable[[memoryview], int]) -> int:
-        """Fill arena bytes [start, end) by calling ``read_into(buffer)`` (returns bytes read, 0 at EOF) until done;
-        returns how many bytes are in place (less than end - start when a read failed: OSError is re-raised after
-        the bytes already received are in place, so a resume asks only for the rest)."""
+        """Fill arena bytes [start, end) by calling ``read_into(buffer)`` (returns bytes read, 0 at EOF; fewer than
+        the buffer holds where an acknowledged piece ends) until done; returns how many bytes are in place (less than
+        end - start when a read failed: OSError is re-raised after the bytes already received are in place, so a
+        resume asks only for the rest)."""
 
 
 class SeedChannel(ABC):
@@ -117,21 +123,59 @@ def tune(sock: socket.socket) -> None:
         sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
 
 
-def bulk(sock: socket.socket, option: int) -> None:
-    """Put ``sock`` in blocking mode with the kernel's own timeout ``option`` (SO_RCVTIMEO or SO_SNDTIMEO) of
-    IO_TIMEOUT_S, for the bytes of a range: then a whole piece moves in one system call (a blocking ``sendall``, a
-    ``recv_into`` with MSG_WAITALL), the interpreter's lock released for all of it. A Python socket timeout instead
-    polls and returns to the interpreter every few hundred KiB, and eight streams of that were bound by the lock, not by
-    the link. As before, a call that moves no byte for IO_TIMEOUT_S fails (OSError: EAGAIN); one that moved some returns
-    what it moved. The protocol's framed messages set their own timeouts again (``cache.protocol``)."""
+def bulk(sock: socket.socket, *options: int) -> None:
+    """Put ``sock`` in blocking mode with the kernel's own timeouts ``options`` (SO_RCVTIMEO, SO_SNDTIMEO) of
+    IO_TIMEOUT_S, for the bytes of a range: then a whole piece moves in one system call (a blocking ``sendall`` or
+    ``os.sendfile``, a ``recv_into`` with MSG_WAITALL), the interpreter's lock released for all of it. A Python socket
+    timeout instead polls and returns to the interpreter every few hundred KiB, and eight streams of that were bound by
+    the lock, not by the link. As before, a call that moves no byte for IO_TIMEOUT_S fails (OSError: EAGAIN); one that
+    moved some returns what it moved. The protocol's framed messages set their own timeouts again (``cache.protocol``);
+    ``idle`` takes the kernel's off again."""
     sock.settimeout(None)
-    sock.setsockopt(socket.SOL_SOCKET, option, struct.pack("ll", int(IO_TIMEOUT_S), 0))
+    for option in options:
+        sock.setsockopt(socket.SOL_SOCKET, option, struct.pack("ll", int(IO_TIMEOUT_S), 0))
+
+
+def idle(sock: socket.socket) -> None:
+    """Blocking, without the kernel timeouts of ``bulk``: for a stream waiting for its next request, as long as it
+    takes."""
+    sock.settimeout(None)
+    for option in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO):
+        sock.setsockopt(socket.SOL_SOCKET, option, struct.pack("ll", 0, 0))
+
+
+def check_seed_version(value: object) -> str | None:
+    """Why a peer's ``version`` is not ours (exactly the int SEED_VERSION: 2.0 is refused), or None."""
+    if type(value) is int and value == SEED_VERSION:
+        return None
+    return f"speaks seeding protocol version {value!r}, we speak {SEED_VERSION}"
 
 
 def read_piece(sock: socket.socket, buffer: memoryview) -> int:
     """Bytes read into ``buffer``, all of it unless the stream broke or stalled (a ``bulk`` receiving socket); 0 at
     the peer's end."""
     return sock.recv_into(buffer, 0, socket.MSG_WAITALL)
+
+
+class AckedReads:
+    """The client's reads of one range of ``length`` bytes whose server asked for an acknowledgement every ``ack``
+    bytes (0: none). A read never crosses the end of an acknowledged piece: the server sends the bytes beyond it only
+    once staging buffers are acknowledged free, so a read waiting for them could wait for ever. Each piece is
+    acknowledged as soon as its last byte is read (the bytes are in our memory then, out of the server's pages)."""
+
+    def __init__(self, sock: socket.socket, length: int, ack: int) -> None:
+        self.sock, self.length, self.ack = sock, length, ack
+        self.done = 0
+        self.piece_end = min(ack, length) if ack else length
+
+    def read_into(self, buffer: memoryview) -> int:
+        """Bytes read into ``buffer`` (``read_piece``), at most to the current piece's end."""
+        n = read_piece(self.sock, buffer[: self.piece_end - self.done])
+        self.done += n
+        if self.ack and n and self.done == self.piece_end:
+            self.sock.sendall(ACK.pack(self.done))
+            self.piece_end = min(self.done + self.ack, self.length)
+        return n
 
 
 class TcpChannel(SeedChannel):
@@ -148,9 +192,10 @@ class TcpChannel(SeedChannel):
 
     def open(self, token: str, fingerprint: dict[str, Any], session: str, listen: str) -> dict[str, Any]:
         nonce = secrets.token_hex(16)
-        reply = self._ask({"op": "seed_hello", "version": PROTOCOL_VERSION, "nonce": nonce})
+        reply = self._ask({"op": "seed_hello", "version": SEED_VERSION, "nonce": nonce})
         self._refused(reply)
-        check_version(reply)
+        if mismatch := check_seed_version(reply.get("version")):
+            raise SeedRefused(f"seeding peer {self.address} {mismatch}")
         server_nonce = str(reply.get("nonce", ""))
         if not proof_matches(reply.get("proof"), proof(token, "server", nonce, server_nonce)):
             raise SeedRefused(f"seeding peer {self.address} does not know the seeding token: not one of ours")
@@ -172,12 +217,15 @@ class TcpChannel(SeedChannel):
     def read_range(self, start: int, end: int, sink: RangeSink, progress: Callable[[int], None]) -> None:
         reply = self._ask({"op": "seed_range", "start": start, "end": end})
         self._refused(reply)
-        if reply.get("start") != start or reply.get("end") != end:
-            raise ProtocolError(f"seeding peer {self.address} answered range {reply.get('start')}-{reply.get('end')}")
-        bulk(self.sock, socket.SO_RCVTIMEO)
+        ack = reply.get("ack", 0)
+        if reply.get("start") != start or reply.get("end") != end or type(ack) is not int or ack < 0:
+            raise ProtocolError(f"seeding peer {self.address} answered range {reply.get('start')}-{reply.get('end')} "
+                                f"(ack {ack!r})")  # fmt: skip
+        bulk(self.sock, socket.SO_RCVTIMEO, socket.SO_SNDTIMEO)
+        reads = AckedReads(self.sock, end - start, ack)
 
         def read_into(buffer: memoryview) -> int:
-            n = read_piece(self.sock, buffer)
+            n = reads.read_into(buffer)
             if n == 0:
                 raise ConnectionError(f"seeding peer {self.address} closed the stream mid-range")
             progress(n)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
+import os
 import re
 import socket
 import subprocess
@@ -14,14 +16,23 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
 
 from hotweights.cache.connection import request
 from hotweights.cache.diskio import disk_read_bytes, evict
-from hotweights.cache.protocol import PROTOCOL_VERSION, ProtocolError, recv_message, send_message
-from hotweights.cache.seedtransport import proof, proof_matches
+from hotweights.cache.protocol import ProtocolError, recv_message, send_message
+from hotweights.cache.seedtransport import (
+    SEED_VERSION,
+    RangeSink,
+    TcpChannel,
+    TcpTransport,
+    proof,
+    proof_matches,
+    split_address,
+)
 from hotweights.chaos.proxy import DelayProxy
 from hotweights.controller.clusterctl import render_seed
 from hotweights.controller.config import load_config
@@ -40,6 +51,11 @@ from hotweights.ports import free_port
 from hotweights.waiting import wait_until
 from tests.cachehelpers import ENV, ProcessDaemon, ThreadDaemon
 from tests.etcdhelpers import etcd_cluster, needs_etcd
+
+if TYPE_CHECKING:  # they import torch: on first use only (tests/conftest.py)
+    from hotweights.cache.fingerprint import Fingerprint
+    from hotweights.cache.recovery import Filled
+    from hotweights.cache.seedserver import SeedServer
 
 SERVING, SEEDING, FILLING = SeedState.SERVING, SeedState.SEEDING, SeedState.FILLING
 DCS = '[dcs]\netcd = ["http://127.0.0.1:2379"]\n[seeding]\n'
@@ -189,7 +205,7 @@ def test_a_peer_with_a_wrong_token_or_other_weights_is_refused_in_one_line(
 def read_without_the_token(port: int) -> dict:
     """A stranger that goes on after the server's proof, with a made-up one of its own: the server's answer."""
     with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
-        send_message(conn, {"op": "seed_hello", "version": PROTOCOL_VERSION, "nonce": "n"})
+        send_message(conn, {"op": "seed_hello", "version": SEED_VERSION, "nonce": "n"})
         recv_message(conn)
         send_message(conn, {"op": "seed_auth", "proof": "0" * 64, "fingerprint": {}, "session": "s", "listen": ""})
         return recv_message(conn)[0]
@@ -207,7 +223,7 @@ class LyingPeer:
     def serve(self) -> None:
         with contextlib.suppress(OSError, ProtocolError), self.listener.accept()[0] as conn:
             hello = recv_message(conn)[0]
-            send_message(conn, {"ok": True, "version": PROTOCOL_VERSION, "nonce": "s",
+            send_message(conn, {"ok": True, "version": SEED_VERSION, "nonce": "s",
                                 "proof": proof(self.token, "server", hello["nonce"], "s")})  # fmt: skip
             recv_message(conn)
             send_message(conn, {"ok": True, "manifest": self.manifest})
@@ -271,6 +287,187 @@ def test_a_connection_dropped_mid_copy_resumes_with_the_missing_bytes_only(
             joiner.__exit__()
     assert seen and done["resumes"] >= 1 and done["state"] == "done"
     assert done["bytes_done"] == done["bytes_total"]  # nothing received twice: the rest of each range, not all of it
+
+
+# --- the sending paths, on a server in this process ----------------------------------------------------------
+
+ARENA_BYTES = (3 << 20) + 12345  # four ranges of SMALL_CHUNK, the last one short
+SMALL_CHUNK, SMALL_PIECE = 1 << 20, 96 << 10  # ranges of 11 pieces, the last one short: the ring of 4 wraps
+
+
+class Served:
+    """A seeding server in this process, serving a frozen cpu-shm arena of ARENA_BYTES random bytes; ``staged``:
+    through the staging ring with acknowledgements (the device's path, on a host arena)."""
+
+    def __init__(self, staged: bool) -> None:
+        import torch
+
+        from hotweights.cache.backends import get_backend
+        from hotweights.cache.digest import content_hash
+        from hotweights.cache.seeding import SeedOptions
+        from hotweights.cache.seedserver import SeedServer
+
+        self.token, self.fingerprint = uuid.uuid4().hex, made_up_fingerprint()
+        self.arena = get_backend("cpu-shm").allocate(ARENA_BYTES, torch.device("cpu"))
+        random = torch.Generator().manual_seed(7)
+        self.arena.tensor[:ARENA_BYTES] = torch.randint(0, 256, (ARENA_BYTES,), dtype=torch.uint8, generator=random)
+        self.arena.freeze()
+        self.expected = self.arena.tensor[:ARENA_BYTES].clone()
+        manifest = {"used_bytes": ARENA_BYTES, "fingerprint": self.fingerprint.to_json(),
+                    "content_hash": content_hash(self.arena.tensor, ARENA_BYTES)}  # fmt: skip
+        self.address = f"127.0.0.1:{free_port()}"
+        self.server: SeedServer = SeedServer.bind(SeedOptions(listen=self.address, token=self.token))
+        self.server.serve(self.fingerprint, manifest, self.arena.tensor, staged=staged)
+
+    def __enter__(self) -> Served:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.close()
+        self.arena.close()
+
+    def copied_exactly(self, transport: TcpTransport | None = None) -> bool:
+        """Whether a new arena seeded from this server has its bytes (the content hash checked on the way)."""
+        filled = seed(self.address, self.token, transport)
+        try:
+            return bool(filled.arena.tensor[:ARENA_BYTES].equal(self.expected))
+        finally:
+            filled.arena.close()
+
+
+def seed(address: str, token: str, transport: TcpTransport | None = None) -> Filled:
+    """A new arena of ``made_up_fingerprint`` seeded from ``address`` over two streams (a ``peer`` fill)."""
+    import torch
+
+    from hotweights.cache.backends import get_backend
+    from hotweights.cache.seeding import SeedOptions, seed_arena
+
+    options = SeedOptions(sources=address, token=token, streams=2)
+    return seed_arena(options, made_up_fingerprint(), get_backend("cpu-shm"), torch.device("cpu"), transport=transport)
+
+
+def made_up_fingerprint() -> Fingerprint:
+    from dataclasses import fields
+
+    from hotweights.cache.fingerprint import Fingerprint
+
+    return Fingerprint(**{f.name: 0 if f.type == "int" else "seeding-test" for f in fields(Fingerprint)})
+
+
+@pytest.fixture
+def sendfile_bytes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Bytes each os.sendfile call of this process sent, in order (the real call underneath)."""
+    sent: list[int] = []
+    real = os.sendfile
+
+    def counted(*args: int) -> int:
+        sent.append(real(*args))
+        return sent[-1]
+
+    monkeypatch.setattr(os, "sendfile", counted)
+    return sent
+
+
+@pytest.mark.parametrize(("staged", "by_sendfile"), [(False, 0), (True, ARENA_BYTES)], ids=["host", "staged"])
+def test_staged_bytes_leave_by_sendfile_a_host_arena_s_from_its_mapping_both_exactly(
+    staged: bool, by_sendfile: int, sendfile_bytes: list[int]
+) -> None:
+    with Served(staged) as served:
+        assert served.copied_exactly()
+    assert sum(sendfile_bytes) == by_sendfile  # staged: every byte, none copied into the socket
+
+
+def test_where_sendfile_cannot_send_the_staged_bytes_are_copied_into_the_socket(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def unable(*args: int) -> int:
+        raise OSError(errno.EINVAL, "sendfile: not from this file")
+
+    monkeypatch.setattr(os, "sendfile", unable)
+    with Served(staged=True) as served:
+        assert served.copied_exactly()
+        assert served.server.reader is not None and not served.server.reader.zero_copy
+
+
+class DroppingTransport(TcpTransport):
+    """Real TCP channels; the first that reads the range starting at ``at`` drops its connection once ``after``
+    bytes of it arrived. Records every range asked for."""
+
+    def __init__(self, at: int, after: int) -> None:
+        self.at, self.after, self.dropped = at, after, False
+        self.asked: list[tuple[int, int]] = []
+
+    def connect(self, address: str) -> TcpChannel:
+        return DroppingChannel(address, self)
+
+
+class DroppingChannel(TcpChannel):
+    def __init__(self, address: str, transport: DroppingTransport) -> None:
+        super().__init__(address)
+        self.transport = transport
+
+    def read_range(self, start: int, end: int, sink: RangeSink, progress: Callable[[int], None]) -> None:
+        transport, moved = self.transport, [0]
+        transport.asked.append((start, end))
+
+        def counted(n: int) -> None:
+            moved[0] += n
+            progress(n)
+            if start == transport.at and moved[0] >= transport.after and not transport.dropped:
+                transport.dropped = True
+                self.sock.close()  # bytes unread in its buffer: the server's end is reset
+
+        super().read_range(start, end, sink, counted)
+
+
+def test_staged_pieces_are_acknowledged_over_many_ranges_and_a_range_cut_midway_resumes_from_its_cut(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from hotweights.cache import seeding, seedserver
+
+    monkeypatch.setattr(seeding, "CHUNK_BYTES", SMALL_CHUNK)
+    monkeypatch.setattr(seedserver, "PIECE_BYTES", SMALL_PIECE)  # the server's pieces, and what each ack is for
+    transport = DroppingTransport(at=SMALL_CHUNK, after=3 * SMALL_PIECE)
+    with Served(staged=True) as served:
+        assert served.server.reader is not None and served.server.reader.ack == SMALL_PIECE
+        assert served.copied_exactly(transport)
+    resumed = [(start, end) for start, end in transport.asked if SMALL_CHUNK < start < 2 * SMALL_CHUNK]
+    assert transport.dropped and resumed and resumed[0][1] == 2 * SMALL_CHUNK
+    assert resumed[0][0] >= SMALL_CHUNK + 3 * SMALL_PIECE  # the rest of the range, not all of it
+    assert len(transport.asked) == 5  # four ranges, one of them twice
+
+
+def test_a_peer_of_another_seeding_protocol_version_is_refused_in_one_line() -> None:
+    from hotweights.cache.recovery import SourceRefused
+
+    with Served(staged=False) as served, socket.create_connection(split_address(served.address)) as conn:
+        send_message(conn, {"op": "seed_hello", "version": 1, "nonce": "n"})  # a client of version 1
+        refusal = recv_message(conn, deadline=time.monotonic() + 10)[0]
+    assert refusal == {"ok": False, "error": "version_mismatch",
+                       "message": "expected seed_hello of seeding protocol 2, found 'seed_hello' 1"}  # fmt: skip
+    old = OldPeer()  # a server of version 1, to our client
+    with pytest.raises(SourceRefused) as refused:
+        seed(old.address, old.token)
+    assert (
+        str(refused.value) == f"{old.address}: seeding peer {old.address} speaks seeding protocol version 1, we speak 2"
+    )
+
+
+class OldPeer:
+    """A seeding server of protocol version 1 that knows the token: answers one hello, then hangs up."""
+
+    def __init__(self) -> None:
+        self.token = "t0ken"
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self.serve, daemon=True).start()
+
+    def serve(self) -> None:
+        with contextlib.suppress(OSError, ProtocolError), self.listener, self.listener.accept()[0] as conn:
+            nonce = recv_message(conn)[0]["nonce"]
+            send_message(
+                conn, {"ok": True, "version": 1, "nonce": "s", "proof": proof(self.token, "server", nonce, "s")}
+            )
 
 
 # --- placement in etcd mode ----------------------------------------------------------------------------------
