@@ -31,11 +31,8 @@ from hotweights.errors import ConfigError
 log = logging.getLogger(__name__)
 
 START_FLAG, READY_FLAG = "--start-fd", "--ready-fd"
-# The share of time a spare engine's warm-up may keep its device busy before it is needed (``standby.pacing``): a
-# quarter, so that most of the primary's requests meet none of the spare's work (at 0.5 half of them overlapped a
-# unit of it on xl and their median was 1.45x the quiet one), while a spare still warms up well within the
-# interval between two faults (xl: 1.8 s of work in some 7 s); a spare that is needed stops pausing.
-SPARE_DUTY = 0.25
+# The share of time a spare engine's warm-up may keep its device busy before it is needed (``standby.pacing``).
+SPARE_DUTY = 0.5
 
 
 def hotweights_command(*args: str, python: str | None = None) -> list[str]:
