@@ -3,20 +3,21 @@
     python bench/decode_step.py --model DIR [--device cuda:0] [--kv-length 100] [--bandwidth-tbps 3.35]
 
 Loads the checkpoint onto the device (the off mode's pipeline) and captures the engine's batch-1 decode step as the
-engine does (``standby.decoder.DecodeGraph``: split-KV attention, the fused kernels, one row's products through the
-GEMV kernel of ``standby.fused.linear``), then:
+engine does (``standby.decoder.DecodeGraph``: split-KV attention, the fused kernels, its products through the
+skinny kernel of ``standby.fused.linear``), then:
 
 - ``replay_ms``: the step's replay and its wait, median of REPLAYS (``bench/warmup.py``'s), at KV lengths 16 and 256;
-  ``replay_cublas_ms``: the same step captured with every product through cuBLAS (``fused.GEMV_BLOCKS_K`` emptied
+  ``replay_cublas_ms``: the same step captured with every product through cuBLAS (``fused.SKINNY_BLOCKS_K`` emptied
   while it is captured);
 - ``kernels``: ``torch.profiler``'s device time per kernel over PROFILED replays at ``--kv-length``, per step
   (``device_ms``: their sum; ``bound_ms``: the weights' bytes over ``--bandwidth-tbps``, the HBM bound one step
   cannot beat, and ``device_share_of_bound``: the bound over the device's time);
 - ``products``: per weight matrix of a layer (qkv, o, gate_up, down; each timed over its 48 layers' own weights in
   one captured graph, so none is read from L2) and the LM head, a batch-1 product through ``F.linear`` (cuBLAS)
-  against the GEMV kernel with the engine's configuration (``engine_us``) and with the best of CONFIGS (BLOCK_N,
-  BLOCK_K, warps, stages): microseconds each, TB/s, the GEMV's largest difference over the largest value of cuBLAS's
-  result;
+  against the skinny kernel with the engine's configuration (``engine_us``) and with the best of CONFIGS (BLOCK_N,
+  BLOCK_K, warps, stages): microseconds each, TB/s, the kernel's largest difference over the largest value of
+  cuBLAS's result; at ROWS rows, cuBLAS against the engine's configuration (``rows_cublas_us``, ``rows_engine_us``);
+  ``rows_alike``: whether 1 and 3 rows computed apart are bitwise those rows of a batch of ROWS;
 - ``scheduler``: the engine's inference loop without its HTTP server (``standby.scheduler.Scheduler`` on a graphed
   decoder of the engine's shapes, warmed up as an engine's), STREAMS greedy streams of STREAM_TOKENS tokens one after
   the other: ms a token from each stream's first token to its last, and their share of the bound.
@@ -48,8 +49,9 @@ TIMED = 20  # replays of a product's graph
 STREAMS, STREAM_TOKENS = 3, 256  # the scheduler's streams, one after the other
 PROMPT = list(range(1, 17))
 MAX_BATCH = 64  # the scheduler's decoder: the engine's default on an H100 or H200 with xl
-# (BLOCK_N, BLOCK_K, warps, stages) tried for the GEMV
-CONFIGS = [c for c in itertools.product((4, 8, 16), (512, 1024, 2048), (4, 8), (1, 2)) if c[0] * c[1] <= 16384]
+ROWS = 8  # the products' second batch size
+# (BLOCK_N, BLOCK_K, warps, stages) tried for the skinny kernel
+CONFIGS = list(itertools.product((16, 32), (128, 256, 512), (4, 8), (3, 4)))
 
 
 def graph_ms(work: Callable[[], object]) -> float:
@@ -91,7 +93,7 @@ def kernels(step: object, length: int) -> dict[str, dict[str, float]]:
 
 
 def products(model: object) -> dict[str, dict[str, object]]:
-    """cuBLAS against the GEMV kernel per product (module docstring)."""
+    """cuBLAS against the skinny kernel per product (module docstring)."""
     from hotweights.standby import fused, fusedkernels
 
     head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
@@ -108,12 +110,17 @@ def products(model: object) -> dict[str, dict[str, object]]:
         x = torch.randn(1, k, device=ws[0].device, dtype=ws[0].dtype)
         nbytes = sum(w.nbytes for w in ws)
         cublas = graph_ms(lambda x=x, ws=ws: [F.linear(x, w) for w in ws])
-        engine = (*fused.gemv_blocks(n, k), fusedkernels.GEMV_WARPS, fusedkernels.GEMV_STAGES)
+        engine = (*fused.skinny_blocks(n, k), fusedkernels.SKINNY_WARPS, fusedkernels.SKINNY_STAGES)
         fits = {engine, *(c for c in CONFIGS if n % c[0] == 0 and k % c[1] == 0)}
-        timed = {c: graph_ms(lambda c=c, x=x, ws=ws: [fusedkernels.gemv(x, w, c) for w in ws]) for c in fits}
+        timed = {c: graph_ms(lambda c=c, x=x, ws=ws: [fusedkernels.skinny(x, w, c) for w in ws]) for c in fits}
         best = min(timed, key=timed.__getitem__)
         expected = F.linear(x, ws[0]).float()
-        departure = float((fusedkernels.gemv(x, ws[0]).float() - expected).abs().max() / expected.abs().max())
+        departure = float((fusedkernels.skinny(x, ws[0]).float() - expected).abs().max() / expected.abs().max())
+        batch = torch.randn(ROWS, k, device=ws[0].device, dtype=ws[0].dtype)
+        rows_cublas = graph_ms(lambda batch=batch, ws=ws: [F.linear(batch, w) for w in ws])
+        rows_engine = graph_ms(lambda batch=batch, ws=ws: [fusedkernels.skinny(batch, w) for w in ws])
+        whole = fusedkernels.skinny(batch, ws[0])
+        alike = all(torch.equal(fusedkernels.skinny(batch[r], ws[0]), whole[r]) for r in (slice(0, 1), slice(2, 5)))
         results[name] = {
             "shape": [n, k],
             "cublas_us": round(cublas * 1000 / len(ws), 1),
@@ -124,6 +131,9 @@ def products(model: object) -> dict[str, dict[str, object]]:
             "best_us": round(timed[best] * 1000 / len(ws), 1),
             "best_config": list(best),
             "departure": round(departure, 5),
+            "rows_cublas_us": round(rows_cublas * 1000 / len(ws), 1),
+            "rows_engine_us": round(rows_engine * 1000 / len(ws), 1),
+            "rows_alike": alike,
         }
         print(f"{name:>8}: {results[name]}", file=sys.stderr)
     return results
@@ -135,12 +145,12 @@ def replays(model: object, kv: object) -> dict[str, dict[str, float]]:
     from hotweights.standby.decoder import DecodeGraph
 
     result = {}
-    for key, blocks in (("replay_ms", fused.GEMV_BLOCKS_K), ("replay_cublas_ms", ())):
-        engine_blocks, fused.GEMV_BLOCKS_K = fused.GEMV_BLOCKS_K, blocks
+    for key, blocks in (("replay_ms", fused.SKINNY_BLOCKS_K), ("replay_cublas_ms", ())):
+        engine_blocks, fused.SKINNY_BLOCKS_K = fused.SKINNY_BLOCKS_K, blocks
         try:
             step = DecodeGraph(model, kv, 1, None, torch.cuda.graph_pool_handle())
         finally:
-            fused.GEMV_BLOCKS_K = engine_blocks
+            fused.SKINNY_BLOCKS_K = engine_blocks
         result[key] = {
             str(length): median_step_ms(step, torch.tensor([[1], [length - 1]]), REPLAYS) for length in (16, 256)
         }

@@ -11,14 +11,16 @@ on the q and k heads (one program per head of a token, the heads read through th
 SwiGLU (a program per row and block of columns), every one in float32 and rounded once to the output's dtype. The
 results are the plain ones up to float rounding.
 
-A matrix product of one row (``linear``: a batch-1 decode step's projections and its LM head) runs a GEMV kernel
-rather than cuBLAS: a program per GEMV_BLOCK_N rows of the weight, each row read once in tiles of BLOCK_K (the
-largest of GEMV_BLOCKS_K that divides K) and summed in float32 in its lanes, tile after tile, then over the lanes,
-without cuBLAS's split-K and the reduce kernel it adds. Measured on an H100 with ``xl`` over each product's 48
-layers: 100.6 against 108.5 us for gate-up, 53.0 / 56.8 down, 25.7 / 29.9 qkv, 19.2 / 20.3 o, 491 / 516 the LM head,
-some 0.8-1.0 ms of a 11.9 ms step (``bench/decode_step.py``). More rows stay cuBLAS's (a weight tile reused across
-rows is what a GEMM does well). Like cuBLAS's choice, the kernel depends on the rows: one row computes other
-roundings than the same row in a batch of two, the same on every engine.
+A matrix product of at most SKINNY_ROWS rows (``linear``: a decode step's projections and LM head at batch sizes up
+to 16) runs one Triton kernel rather than cuBLAS: a program per SKINNY_BLOCK_N rows of the weight, each read once in
+tiles of BLOCK_K (the largest of SKINNY_BLOCKS_K that divides K), multiplied on the tensor cores with the activations
+padded to SKINNY_ROWS rows of zeros, summed in float32 tile after tile; no split-K and no reduce kernel after it. A
+row's result does not depend on the rows beside it: one compiled kernel serves every batch up to SKINNY_ROWS (the
+rows are not specialized on), and the tensor cores compute each row of a tile from that row alone. That matters: a
+one-row GEMV beside cuBLAS for two rows and more (measured on an H100 with ``xl``: the batch-1 step 11.07 against
+12.17 ms) made a request served alone round otherwise than one batched with another, and under 10 completions a
+second nearly half the greedy answers differed from the same prompt's alone. Batches beyond SKINNY_ROWS stay
+cuBLAS's (a GEMM's tile reuse across rows is what it does well).
 
 Deterministic by construction: RMSNorm's sum over a row runs in an order fixed by the kernel and the hidden size
 (no kernel is chosen by timing it), and one program computes one row, so two engines, and one row in any batch,
@@ -56,9 +58,10 @@ import torch.nn.functional as F
 
 TRITON = importlib.util.find_spec("triton") is not None
 ROPE_DIMS = 4  # rope's kernel takes operands of up to (B, T, heads, hd)
-GEMV_BLOCK_N = 8  # the weight's rows a GEMV program reads
-GEMV_BLOCKS_K = (1024, 512)  # its tiles along K: the first that divides K (none: cuBLAS)
-GEMV_DTYPES = (torch.bfloat16, torch.float16)
+SKINNY_ROWS = 16  # the most rows ``linear`` runs through the skinny kernel: its tensor-core tile's rows
+SKINNY_BLOCK_N = 16  # the weight's rows a skinny program reads
+SKINNY_BLOCKS_K = (256, 128)  # its tiles along K: the first that divides K (none: cuBLAS)
+SKINNY_DTYPES = (torch.bfloat16, torch.float16)
 T = TypeVar("T")
 _FUSING: ContextVar[bool] = ContextVar("fusing", default=False)
 _CHECKING: ContextVar[dict[str, float] | None] = ContextVar("checking", default=None)
@@ -174,22 +177,24 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def gemv_blocks(n: int, k: int) -> tuple[int, int] | None:
-    """(BLOCK_N, BLOCK_K) of the GEMV kernel for an (n, k) weight; None where its blocks do not divide it."""
-    block_k = next((block for block in GEMV_BLOCKS_K if k % block == 0), None)
-    return None if block_k is None or n % GEMV_BLOCK_N else (GEMV_BLOCK_N, block_k)
+def skinny_blocks(n: int, k: int) -> tuple[int, int] | None:
+    """(BLOCK_N, BLOCK_K) of the skinny kernel for an (n, k) weight; None where its blocks do not divide it."""
+    block_k = next((block for block in SKINNY_BLOCKS_K if k % block == 0), None)
+    return None if block_k is None or n % SKINNY_BLOCK_N else (SKINNY_BLOCK_N, block_k)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x W^T over the last dim (weight (N, K), no bias): ``F.linear``, or on one row (the module docstring) the GEMV
-    kernel, where the weight is contiguous, of x's 16-bit dtype and its blocks divide it."""
+    """x W^T over the last dim (weight (N, K), no bias): ``F.linear``, or for at most SKINNY_ROWS rows (the module
+    docstring) the skinny kernel, where the weight is contiguous, of x's 16-bit dtype and its blocks divide it."""
+    k = weight.shape[-1]
     if (
         is_fused(x)
-        and x.numel() == x.shape[-1] == weight.shape[-1]
-        and x.dtype in GEMV_DTYPES
+        and x.shape[-1] == k
+        and 0 < x.numel() <= SKINNY_ROWS * k
+        and x.dtype in SKINNY_DTYPES
         and weight.dtype == x.dtype
         and weight.is_contiguous()
-        and gemv_blocks(*weight.shape) is not None
+        and skinny_blocks(*weight.shape) is not None
     ):
-        return checked("linear", _kernels().gemv(x, weight), lambda: linear(x, weight))
+        return checked("linear", _kernels().skinny(x, weight), lambda: linear(x, weight))
     return F.linear(x, weight)

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hotweights.standby.fused import ROPE_DIMS, broadcast, gemv_blocks
+from hotweights.standby.fused import ROPE_DIMS, SKINNY_ROWS, broadcast, skinny_blocks
 
 try:
     from triton.runtime.cache import triton_key
@@ -24,8 +24,8 @@ MAX_NORM_BLOCK = 4096  # RMSNorm's tile: a wider row is read in tiles of this ma
 MAX_SILU_BLOCK = 1024  # SwiGLU's columns per program
 ELEMENTS_PER_THREAD = 8  # 16 bytes of a 16-bit dtype: one vector load per thread per tile
 MAX_WARPS = 16
-GEMV_WARPS = 8  # a GEMV program's warps: 64 lanes of its tile each
-GEMV_STAGES = 1  # its loads not pipelined through shared memory: the programs an SM holds hide their latency
+SKINNY_WARPS = 4  # a skinny program's warps
+SKINNY_STAGES = 4  # the weight tiles it has in flight (loads pipelined through shared memory)
 
 if triton_key is not None:
     # Triton's key of itself, part of every kernel's cache key: a hash of its compiler and its ~500 MB library (some
@@ -79,18 +79,32 @@ def _rms_norm(
         )
 
 
-@triton.jit
-def _gemv(x_ptr, w_ptr, y_ptr, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """y[n] = sum_k x[k] w[n, k] for this program's BLOCK_N rows n of a row-major w: each product summed in float32 in
-    its lane of a (BLOCK_N, BLOCK_K) tile, tile after tile, then one tree over the lanes (an order fixed by K and
-    BLOCK_K); w's rows are read once (no other program reads them, so they are not kept in the cache)."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+@triton.jit(do_not_specialize=["rows", "x_row", "y_row"])
+def _skinny(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    rows,
+    x_row,
+    y_row,
+    K: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """y[m, n] = sum_k x[m, k] w[n, k] for m < rows (<= ROWS) and this program's BLOCK_N rows n of a row-major w: x
+    padded with zero rows to ROWS, each tile's products on the tensor cores, summed in float32 tile after tile. ``rows``
+    is not specialized on, so every batch up to ROWS runs the same binary and a row's result is its own alone."""
+    m = tl.arange(0, ROWS)
+    n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    inside = m[:, None] < rows
+    acc = tl.zeros((ROWS, BLOCK_N), tl.float32)
     for start in range(0, K, BLOCK_K):
-        w = tl.load(w_ptr + rows[:, None] * K + (start + cols)[None, :], eviction_policy="evict_first")
-        acc += w.to(tl.float32) * tl.load(x_ptr + start + cols)[None, :].to(tl.float32)
-    tl.store(y_ptr + rows, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty))
+        x = tl.load(x_ptr + m[:, None] * x_row + (start + k)[None, :], mask=inside, other=0.0)
+        w = tl.load(w_ptr + n[:, None] * K + (start + k)[None, :], eviction_policy="evict_first")
+        acc = tl.dot(x, tl.trans(w), acc)
+    tl.store(y_ptr + m[:, None] * y_row + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=inside)
 
 
 @triton.jit(do_not_specialize=["x_s0", "cos_s0", "sin_s0", "out_s0"])
@@ -249,14 +263,18 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """``fused.linear`` of one row x (..., K) by weight (N, K), contiguous, its blocks dividing it: (..., N), one
-    program per BLOCK_N rows of the weight. ``config``: (BLOCK_N, BLOCK_K, warps, stages), by default
-    ``gemv_blocks``'s, GEMV_WARPS and GEMV_STAGES (another: what ``bench/decode_step.py`` weighs them against)."""
+def skinny(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """``fused.linear`` of at most SKINNY_ROWS rows x (..., K) by weight (N, K), contiguous, its blocks dividing it:
+    (..., N), one program per BLOCK_N rows of the weight. ``config``: (BLOCK_N, BLOCK_K, warps, stages), by default
+    ``skinny_blocks``'s, SKINNY_WARPS and SKINNY_STAGES (another: what ``bench/decode_step.py`` weighs them against)."""
     n, k = weight.shape
-    block_n, block_k, warps, stages = config or (*gemv_blocks(n, k), GEMV_WARPS, GEMV_STAGES)
+    block_n, block_k, warps, stages = config or (*skinny_blocks(n, k), SKINNY_WARPS, SKINNY_STAGES)
+    rows = x.reshape(-1, k)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
-    _gemv[(n // block_n,)](
-        x.reshape(k), weight, out, K=k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages
-    )
+    _skinny[(n // block_n,)](
+        rows, weight, out, rows.shape[0], rows.stride(0), n,
+        K=k, ROWS=SKINNY_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
     return out

@@ -99,7 +99,7 @@ def verdict(step: Step, split_kv: bool, positions: int) -> KernelVerdict:
 
 def _fused_steps_disagreement(step: Step, kv_len: int | None) -> str | None:
     """``fused_disagreement`` of the fused step over every probe row, then over one (a batch-1 step's kernels: the
-    GEMV of ``fused.linear``)."""
+    skinny kernel of ``fused.linear``)."""
     for rows in (None, 1):
         reason = fused_disagreement(functools.partial(step, kv_len, True, rows))
         if reason is not None:

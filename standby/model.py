@@ -87,7 +87,7 @@ def _all_gather_last(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
 
 class Linear(nn.Linear):
     """nn.Linear without bias and without its random init, which is wasted work: weights are bound later; its product
-    is ``fused.linear``'s (a GEMV kernel for one row within a captured decode step)."""
+    is ``fused.linear``'s (a skinny kernel for up to 16 rows within a captured step)."""
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype) -> None:
         super().__init__(in_features, out_features, bias=False, dtype=dtype)  # weight (N, K)
