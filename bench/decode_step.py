@@ -1,26 +1,24 @@
-"""Where a batch-1 decode step's device time goes, its matrix products against cuBLAS, and the engine's loop around it.
+"""Where a batch-1 decode step's device time goes, and its matrix products against a Triton GEMV.
 
     python bench/decode_step.py --model DIR [--device cuda:0] [--kv-length 100] [--bandwidth-tbps 3.35]
 
 Loads the checkpoint onto the device (the off mode's pipeline) and captures the engine's batch-1 decode step as the
-engine does (``standby.decoder.DecodeGraph``: split-KV attention, the fused kernels, its products through the
-skinny kernel of ``standby.fused.linear``), then:
+engine does (``standby.decoder.DecodeGraph``: split-KV attention, the fused kernels), then:
 
 - ``replay_ms``: the step's replay and its wait, median of REPLAYS (``bench/warmup.py``'s), at KV lengths 16 and 256;
-  ``replay_cublas_ms``: the same step captured with every product through cuBLAS (``fused.SKINNY_BLOCKS_K`` emptied
-  while it is captured);
 - ``kernels``: ``torch.profiler``'s device time per kernel over PROFILED replays at ``--kv-length``, per step
   (``device_ms``: their sum; ``bound_ms``: the weights' bytes over ``--bandwidth-tbps``, the HBM bound one step
   cannot beat, and ``device_share_of_bound``: the bound over the device's time);
 - ``products``: per weight matrix of a layer (qkv, o, gate_up, down; each timed over its 48 layers' own weights in
   one captured graph, so none is read from L2) and the LM head, a batch-1 product through ``F.linear`` (cuBLAS)
-  against the skinny kernel with the engine's configuration (``engine_us``) and with the best of CONFIGS (BLOCK_N,
-  BLOCK_K, warps, stages): microseconds each, TB/s, the kernel's largest difference over the largest value of
-  cuBLAS's result; at ROWS rows, cuBLAS against the engine's configuration (``rows_cublas_us``, ``rows_engine_us``);
-  ``rows_alike``: whether 1 and 3 rows computed apart are bitwise those rows of a batch of ROWS;
+  against a Triton GEMV (one program per BLOCK_N rows, K in tiles of BLOCK_K summed in float32, no split-K; the best
+  of CONFIGS): microseconds each, TB/s, the GEMV's largest difference over the largest value of cuBLAS's result;
 - ``scheduler``: the engine's inference loop without its HTTP server (``standby.scheduler.Scheduler`` on a graphed
   decoder of the engine's shapes, warmed up as an engine's), STREAMS greedy streams of STREAM_TOKENS tokens one after
-  the other: ms a token from each stream's first token to its last, and their share of the bound.
+  the other: ms a token from each stream's first token to its last, and their share of the bound (against one
+  stream through the gateway, ``bench/concurrency.py``'s ``batch1_decode_tokens_per_s``, it tells the host's
+  part of serving a token from the loop's).
+
 A table goes to stderr; the last stdout line is one JSON object.
 """
 
@@ -49,9 +47,31 @@ TIMED = 20  # replays of a product's graph
 STREAMS, STREAM_TOKENS = 3, 256  # the scheduler's streams, one after the other
 PROMPT = list(range(1, 17))
 MAX_BATCH = 64  # the scheduler's decoder: the engine's default on an H100 or H200 with xl
-ROWS = 8  # the products' second batch size
-# (BLOCK_N, BLOCK_K, warps, stages) tried for the skinny kernel
-CONFIGS = list(itertools.product((16, 32), (128, 256, 512), (4, 8), (3, 4)))
+# (BLOCK_N, BLOCK_K, warps, stages) tried for the Triton GEMV
+CONFIGS = [c for c in itertools.product((4, 8, 16), (512, 1024, 2048), (4, 8), (1, 2)) if c[0] * c[1] <= 16384]
+
+
+def gemv_kernel() -> Callable:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def gemv(x_ptr, w_ptr, y_ptr, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """y[n] = sum_k x[k] w[n, k] for BLOCK_N rows of a row-major w (N and K multiples of the blocks)."""
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+        for k in range(0, K, BLOCK_K):
+            cols = k + tl.arange(0, BLOCK_K)
+            w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], eviction_policy="evict_first")
+            acc += w.to(tl.float32) * tl.load(x_ptr + cols)[None, :].to(tl.float32)
+        tl.store(y_ptr + rows, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty))
+
+    def launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, config: tuple[int, int, int, int]) -> None:
+        block_n, block_k, warps, stages = config
+        gemv[(w.shape[0] // block_n,)](x, w, y, w.shape[1], BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+                                       num_stages=stages)  # fmt: skip
+
+    return launch
 
 
 def graph_ms(work: Callable[[], object]) -> float:
@@ -93,9 +113,8 @@ def kernels(step: object, length: int) -> dict[str, dict[str, float]]:
 
 
 def products(model: object) -> dict[str, dict[str, object]]:
-    """cuBLAS against the skinny kernel per product (module docstring)."""
-    from hotweights.standby import fused, fusedkernels
-
+    """cuBLAS against the Triton GEMV per product (module docstring)."""
+    launch = gemv_kernel()
     head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     weights = {
         "qkv": [layer.self_attn.qkv_proj.weight for layer in model.layers],
@@ -108,53 +127,31 @@ def products(model: object) -> dict[str, dict[str, object]]:
     for name, ws in weights.items():
         n, k = ws[0].shape
         x = torch.randn(1, k, device=ws[0].device, dtype=ws[0].dtype)
+        ys = [torch.empty(n, device=ws[0].device, dtype=ws[0].dtype) for _ in ws]
         nbytes = sum(w.nbytes for w in ws)
         cublas = graph_ms(lambda x=x, ws=ws: [F.linear(x, w) for w in ws])
-        engine = (*fused.skinny_blocks(n, k), fusedkernels.SKINNY_WARPS, fusedkernels.SKINNY_STAGES)
-        fits = {engine, *(c for c in CONFIGS if n % c[0] == 0 and k % c[1] == 0)}
-        timed = {c: graph_ms(lambda c=c, x=x, ws=ws: [fusedkernels.skinny(x, w, c) for w in ws]) for c in fits}
+        fits = [c for c in CONFIGS if n % c[0] == 0 and k % c[1] == 0]
+
+        def gemvs(config: tuple[int, int, int, int], x: torch.Tensor = x, ws: list = ws, ys: list = ys) -> None:
+            for w, y in zip(ws, ys, strict=True):
+                launch(x[0], w, y, config)
+
+        timed = {config: graph_ms(lambda config=config: gemvs(config)) for config in fits}
         best = min(timed, key=timed.__getitem__)
-        expected = F.linear(x, ws[0]).float()
-        departure = float((fusedkernels.skinny(x, ws[0]).float() - expected).abs().max() / expected.abs().max())
-        batch = torch.randn(ROWS, k, device=ws[0].device, dtype=ws[0].dtype)
-        rows_cublas = graph_ms(lambda batch=batch, ws=ws: [F.linear(batch, w) for w in ws])
-        rows_engine = graph_ms(lambda batch=batch, ws=ws: [fusedkernels.skinny(batch, w) for w in ws])
-        whole = fusedkernels.skinny(batch, ws[0])
-        alike = all(torch.equal(fusedkernels.skinny(batch[r], ws[0]), whole[r]) for r in (slice(0, 1), slice(2, 5)))
+        expected = F.linear(x, ws[0]).float()[0]
+        launch(x[0], ws[0], ys[0], best)
+        departure = float((ys[0].float() - expected).abs().max() / expected.abs().max())
         results[name] = {
             "shape": [n, k],
             "cublas_us": round(cublas * 1000 / len(ws), 1),
             "cublas_tbps": round(nbytes / (cublas / 1000) / 1e12, 2),
-            "engine_us": round(timed[engine] * 1000 / len(ws), 1),
-            "engine_tbps": round(nbytes / (timed[engine] / 1000) / 1e12, 2),
-            "engine_config": list(engine),
-            "best_us": round(timed[best] * 1000 / len(ws), 1),
-            "best_config": list(best),
-            "departure": round(departure, 5),
-            "rows_cublas_us": round(rows_cublas * 1000 / len(ws), 1),
-            "rows_engine_us": round(rows_engine * 1000 / len(ws), 1),
-            "rows_alike": alike,
+            "triton_us": round(timed[best] * 1000 / len(ws), 1),
+            "triton_tbps": round(nbytes / (timed[best] / 1000) / 1e12, 2),
+            "triton_config": list(best),
+            "triton_departure": round(departure, 5),
         }
         print(f"{name:>8}: {results[name]}", file=sys.stderr)
     return results
-
-
-def replays(model: object, kv: object) -> dict[str, dict[str, float]]:
-    """The batch-1 step's replay at KV lengths 16 and 256, as the engine captures it and with cuBLAS products."""
-    from hotweights.standby import fused
-    from hotweights.standby.decoder import DecodeGraph
-
-    result = {}
-    for key, blocks in (("replay_ms", fused.SKINNY_BLOCKS_K), ("replay_cublas_ms", ())):
-        engine_blocks, fused.SKINNY_BLOCKS_K = fused.SKINNY_BLOCKS_K, blocks
-        try:
-            step = DecodeGraph(model, kv, 1, None, torch.cuda.graph_pool_handle())
-        finally:
-            fused.SKINNY_BLOCKS_K = engine_blocks
-        result[key] = {
-            str(length): median_step_ms(step, torch.tensor([[1], [length - 1]]), REPLAYS) for length in (16, 256)
-        }
-    return result
 
 
 def scheduler_streams(model: object, bound_ms: float) -> dict[str, object]:
@@ -207,9 +204,11 @@ def main() -> int:
 
     model = load_model(args.model, LoadSpec(device=args.device)).model
     decoder = new_decoder(model, 1, 4096, 4096, batch_invariant=False)
-    result: dict[str, object] = {"device": torch.cuda.get_device_name(args.device), "model": args.model}
-    result |= replays(model, decoder.kv)
     step = DecodeGraph(model, decoder.kv, 1, None, torch.cuda.graph_pool_handle())
+    result: dict[str, object] = {"device": torch.cuda.get_device_name(args.device), "model": args.model}
+    result["replay_ms"] = {
+        str(length): median_step_ms(step, torch.tensor([[1], [length - 1]]), REPLAYS) for length in (16, 256)
+    }
     per_kernel = kernels(step, args.kv_length)
     device_ms = sum(row["ms"] for row in per_kernel.values())
     bound_ms = sum(p.nbytes for p in model.parameters()) / (args.bandwidth_tbps * 1e12) * 1000

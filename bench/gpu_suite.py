@@ -58,8 +58,8 @@ Steps, each a subprocess with its own time limit, so one failure or hang cannot 
             made to answer wrong tokens (first success, switchover, fence), and the overload and long prompts that
             must cause no incident
   decode_step_xl  bench/decode_step.py on xl: a batch-1 decode step's device time by kernel against the HBM bound,
-            with the engine's skinny kernel and with cuBLAS, each weight matrix's product both ways, and one stream's
-            ms a token through the engine's scheduler
+            each weight matrix's product through cuBLAS against a Triton GEMV, and one stream's ms a token through the
+            engine's scheduler
   overload_medium  bench/overload.py on medium: admitted latency and refusals at 1x, 2x and 5x the measured capacity
   concurrency_xl  bench/concurrency.py on xl: two bursts of 64 concurrent greedy streams of 256 tokens through
             hotweights up with its defaults, the engines' KV pools and max_batch sized by the device (refused, errors,

@@ -1,5 +1,4 @@
-"""The elementwise steps of a decoder layer, and a batch-1 step's matrix products, as Triton kernels inside captured
-CUDA graphs.
+"""The elementwise steps of a decoder layer, each one Triton kernel inside captured CUDA graphs.
 
 A decode step at batch 1 reads every weight once, so its matrix products run near the memory bound;
 measured on an H200 ("Measured facts" in ``docs/architecture.md``), what kept the ``xl`` step at 11.7 ms
@@ -10,17 +9,6 @@ torch; on a CUDA tensor within ``fusing()`` each runs as one hand-written Triton
 on the q and k heads (one program per head of a token, the heads read through the fused projection's strides) and
 SwiGLU (a program per row and block of columns), every one in float32 and rounded once to the output's dtype. The
 results are the plain ones up to float rounding.
-
-A matrix product of at most SKINNY_ROWS rows (``linear``: a decode step's projections and LM head at batch sizes up
-to 16) runs one Triton kernel rather than cuBLAS: a program per SKINNY_BLOCK_N rows of the weight, each read once in
-tiles of BLOCK_K (the largest of SKINNY_BLOCKS_K that divides K), multiplied on the tensor cores with the activations
-padded to SKINNY_ROWS rows of zeros, summed in float32 tile after tile; no split-K and no reduce kernel after it. A
-row's result does not depend on the rows beside it: one compiled kernel serves every batch up to SKINNY_ROWS (the
-rows are not specialized on), and the tensor cores compute each row of a tile from that row alone. That matters: a
-one-row GEMV beside cuBLAS for two rows and more (measured on an H100 with ``xl``: the batch-1 step 11.07 against
-12.17 ms) made a request served alone round otherwise than one batched with another, and under 10 completions a
-second nearly half the greedy answers differed from the same prompt's alone. Batches beyond SKINNY_ROWS stay
-cuBLAS's (a GEMM's tile reuse across rows is what it does well).
 
 Deterministic by construction: RMSNorm's sum over a row runs in an order fixed by the kernel and the hidden size
 (no kernel is chosen by timing it), and one program computes one row, so two engines, and one row in any batch,
@@ -58,10 +46,6 @@ import torch.nn.functional as F
 
 TRITON = importlib.util.find_spec("triton") is not None
 ROPE_DIMS = 4  # rope's kernel takes operands of up to (B, T, heads, hd)
-SKINNY_ROWS = 16  # the most rows ``linear`` runs through the skinny kernel: its tensor-core tile's rows
-SKINNY_BLOCK_N = 16  # the weight's rows a skinny program reads
-SKINNY_BLOCKS_K = (256, 128)  # its tiles along K: the first that divides K (none: cuBLAS)
-SKINNY_DTYPES = (torch.bfloat16, torch.float16)
 T = TypeVar("T")
 _FUSING: ContextVar[bool] = ContextVar("fusing", default=False)
 _CHECKING: ContextVar[dict[str, float] | None] = ContextVar("checking", default=None)
@@ -175,26 +159,3 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return checked("silu_mul", _kernels().silu_mul(gate_up), lambda: silu_mul(gate_up))
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
-
-
-def skinny_blocks(n: int, k: int) -> tuple[int, int] | None:
-    """(BLOCK_N, BLOCK_K) of the skinny kernel for an (n, k) weight; None where its blocks do not divide it."""
-    block_k = next((block for block in SKINNY_BLOCKS_K if k % block == 0), None)
-    return None if block_k is None or n % SKINNY_BLOCK_N else (SKINNY_BLOCK_N, block_k)
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x W^T over the last dim (weight (N, K), no bias): ``F.linear``, or for at most SKINNY_ROWS rows (the module
-    docstring) the skinny kernel, where the weight is contiguous, of x's 16-bit dtype and its blocks divide it."""
-    k = weight.shape[-1]
-    if (
-        is_fused(x)
-        and x.shape[-1] == k
-        and 0 < x.numel() <= SKINNY_ROWS * k
-        and x.dtype in SKINNY_DTYPES
-        and weight.dtype == x.dtype
-        and weight.is_contiguous()
-        and skinny_blocks(*weight.shape) is not None
-    ):
-        return checked("linear", _kernels().skinny(x, weight), lambda: linear(x, weight))
-    return F.linear(x, weight)

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hotweights.standby.fused import ROPE_DIMS, SKINNY_ROWS, broadcast, skinny_blocks
+from hotweights.standby.fused import ROPE_DIMS, broadcast
 
 try:
     from triton.runtime.cache import triton_key
@@ -24,8 +24,6 @@ MAX_NORM_BLOCK = 4096  # RMSNorm's tile: a wider row is read in tiles of this ma
 MAX_SILU_BLOCK = 1024  # SwiGLU's columns per program
 ELEMENTS_PER_THREAD = 8  # 16 bytes of a 16-bit dtype: one vector load per thread per tile
 MAX_WARPS = 16
-SKINNY_WARPS = 4  # a skinny program's warps
-SKINNY_STAGES = 4  # the weight tiles it has in flight (loads pipelined through shared memory)
 
 if triton_key is not None:
     # Triton's key of itself, part of every kernel's cache key: a hash of its compiler and its ~500 MB library (some
@@ -77,34 +75,6 @@ def _rms_norm(
         tl.store(
             out_ptr + row * out_row + at, (y.to(tl.float32) * scale * weight).to(out_ptr.dtype.element_ty), mask=inside
         )
-
-
-@triton.jit(do_not_specialize=["rows", "x_row", "y_row"])
-def _skinny(
-    x_ptr,
-    w_ptr,
-    y_ptr,
-    rows,
-    x_row,
-    y_row,
-    K: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """y[m, n] = sum_k x[m, k] w[n, k] for m < rows (<= ROWS) and this program's BLOCK_N rows n of a row-major w: x
-    padded with zero rows to ROWS, each tile's products on the tensor cores, summed in float32 tile after tile. ``rows``
-    is not specialized on, so every batch up to ROWS runs the same binary and a row's result is its own alone."""
-    m = tl.arange(0, ROWS)
-    n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k = tl.arange(0, BLOCK_K)
-    inside = m[:, None] < rows
-    acc = tl.zeros((ROWS, BLOCK_N), tl.float32)
-    for start in range(0, K, BLOCK_K):
-        x = tl.load(x_ptr + m[:, None] * x_row + (start + k)[None, :], mask=inside, other=0.0)
-        w = tl.load(w_ptr + n[:, None] * K + (start + k)[None, :], eviction_policy="evict_first")
-        acc = tl.dot(x, tl.trans(w), acc)
-    tl.store(y_ptr + m[:, None] * y_row + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=inside)
 
 
 @triton.jit(do_not_specialize=["x_s0", "cos_s0", "sin_s0", "out_s0"])
@@ -260,21 +230,4 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
             BLOCK=block,
             num_warps=_warps(block),
         )
-    return out
-
-
-def skinny(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """``fused.linear`` of at most SKINNY_ROWS rows x (..., K) by weight (N, K), contiguous, its blocks dividing it:
-    (..., N), one program per BLOCK_N rows of the weight. ``config``: (BLOCK_N, BLOCK_K, warps, stages), by default
-    ``skinny_blocks``'s, SKINNY_WARPS and SKINNY_STAGES (another: what ``bench/decode_step.py`` weighs them against)."""
-    n, k = weight.shape
-    block_n, block_k, warps, stages = config or (*skinny_blocks(n, k), SKINNY_WARPS, SKINNY_STAGES)
-    rows = x.reshape(-1, k)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
-    _skinny[(n // block_n,)](
-        rows, weight, out, rows.shape[0], rows.stride(0), n,
-        K=k, ROWS=SKINNY_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
-    )  # fmt: skip
     return out

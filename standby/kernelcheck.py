@@ -50,9 +50,8 @@ KERNEL_SOURCES = ("fused.py", "fusedkernels.py", "decodeattention.py", "decodeke
 
 TOLERANCE = 0.05  # of the reference's largest logit: rounding passes, a wrong kernel does not
 
-# One decode step of the probe: (KV length read by every row, None for each row's own; fused; its first rows only,
-# None for all) -> (rows, V) logits.
-Step = Callable[[int | None, bool, int | None], torch.Tensor]
+# One decode step of the probe: (KV length read by every row, None for each row's own; fused) -> (B, V) logits.
+Step = Callable[[int | None, bool], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -85,26 +84,13 @@ def disagreement(candidate: torch.Tensor, reference: torch.Tensor) -> str | None
 
 def verdict(step: Step, split_kv: bool, positions: int) -> KernelVerdict:
     """Try the kernels the decoder would use (split-KV attention where ``split_kv``, then the fused elementwise
-    kernels on top of what passed, over every probe row and over one) against the reference step over ``positions`` KV
-    positions."""
-    reference = step(positions, False, None)
+    kernels on top of what passed) against the reference step over ``positions`` KV positions."""
+    reference = step(positions, False)
     warnings: list[str] = []
-    attention = split_kv and _passes(
-        "split-KV attention", lambda: disagreement(step(None, False, None), reference), warnings
-    )
-    kv_len = None if attention else positions
-    fusing = _passes("the fused kernels", lambda: _fused_steps_disagreement(step, kv_len), warnings)
+    attention = split_kv and _passes("split-KV attention", lambda: disagreement(step(None, False), reference), warnings)
+    fused_step = functools.partial(step, None if attention else positions, True)
+    fusing = _passes("the fused kernels", lambda: fused_disagreement(fused_step), warnings)
     return KernelVerdict(attention, fusing, tuple(warnings))
-
-
-def _fused_steps_disagreement(step: Step, kv_len: int | None) -> str | None:
-    """``fused_disagreement`` of the fused step over every probe row, then over one (a batch-1 step's kernels: the
-    skinny kernel of ``fused.linear``)."""
-    for rows in (None, 1):
-        reason = fused_disagreement(functools.partial(step, kv_len, True, rows))
-        if reason is not None:
-            return reason
-    return None
 
 
 def fused_disagreement(run: Callable[[], torch.Tensor]) -> str | None:

@@ -86,8 +86,7 @@ def _all_gather_last(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
 
 
 class Linear(nn.Linear):
-    """nn.Linear without bias and without its random init, which is wasted work: weights are bound later; its product
-    is ``fused.linear``'s (a skinny kernel for up to 16 rows within a captured step)."""
+    """nn.Linear without bias and without its random init, which is wasted work: weights are bound later."""
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype) -> None:
         super().__init__(in_features, out_features, bias=False, dtype=dtype)  # weight (N, K)
@@ -95,9 +94,6 @@ class Linear(nn.Linear):
 
     def reset_parameters(self) -> None:
         pass
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fused.linear(x, self.weight)
 
 
 class Fp8BlockLinear(nn.Module):
@@ -478,7 +474,7 @@ class Transformer(nn.Module):
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Float32 logits (..., V) over the full vocabulary from final hidden states (..., H)."""
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight  # (V/tp, H)
-        return _all_gather_last(fused.linear(x, head).float(), self.tp)
+        return _all_gather_last(F.linear(x, head).float(), self.tp)
 
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, kv_len: int | None) -> torch.Tensor:

@@ -22,7 +22,6 @@ from hotweights.standby.model import rope_tables
 ROWS = (1, 3, 64)
 HIDDEN = (64, 200, 5120)  # a power of two, neither, wider than a norm tile
 SILU_WIDTHS = (64, 1000, 2752)  # gate (and up) columns: within one block, several, a partial last one
-LINEAR_SHAPES = ((16, 256), (48, 384), (32, 768))  # (N, K) of the skinny products: K in tiles of 256, 128, 256
 HEAD_DIMS = (64, 128)
 HEADS, KV_HEADS = 4, 2
 TOLERANCES = {  # dtype -> (atol, rtol) against the plain function in that dtype (which rounds between its steps)
@@ -78,32 +77,13 @@ def _silu_cases(device: str, dtype: torch.dtype, g: torch.Generator) -> list[Cas
     ]
 
 
-def skinny_dtypes(device: str) -> tuple[torch.dtype, ...]:
-    """The skinny kernel's dtypes checked on ``device``: Triton's interpreter (CPU; Triton 3.8) multiplies bfloat16
-    tiles into garbage (a 1x256 by 256x16 product of normal values gave 2.7e11), so there float16 only."""
-    return fused.SKINNY_DTYPES if device == "cuda" else (torch.float16,)
-
-
-def _linear_cases(device: str, dtype: torch.dtype, g: torch.Generator) -> list[Case]:
-    """Products of 1, 5 and 16 rows (the skinny kernel's) by weights whose K takes tiles of 256, of 128, several; in
-    the 16-bit dtypes it serves (``skinny_dtypes``)."""
-    if dtype not in skinny_dtypes(device):
-        return []
-    cases = []
-    for rows, (n, k) in zip((1, 5, 16), LINEAR_SHAPES, strict=True):
-        x = torch.randn((rows, k), generator=g).to(device, dtype)
-        weight = (torch.randn((n, k), generator=g) / k**0.5).to(device, dtype)
-        cases.append((f"linear {rows}x{k} by {n}x{k}", (x, weight), fused.linear))
-    return cases
-
-
 def cases(device: str) -> list[tuple[torch.dtype, Case]]:
     """Every kernel's cases in every dtype, seeded."""
     g = torch.Generator().manual_seed(0)
     return [
         (dtype, case)
         for dtype in TOLERANCES
-        for make in (_norm_cases, _rope_cases, _silu_cases, _linear_cases)
+        for make in (_norm_cases, _rope_cases, _silu_cases)
         for case in make(device, dtype, g)
     ]
 
@@ -113,15 +93,8 @@ def kernel(plain: Callable[..., object]) -> Callable[..., object]:
     imported here, on first use (this module is imported where it is not installed)."""
     from hotweights.standby import fusedkernels
 
-    plains = (fused.rms_norm, fused.add_rms_norm, fused.rope, fused.silu_mul, fused.linear)
-    kernels = (
-        fusedkernels.rms_norm,
-        fusedkernels.add_rms_norm,
-        fusedkernels.rope,
-        fusedkernels.silu_mul,
-        fusedkernels.skinny,
-    )
-    return dict(zip(plains, kernels, strict=True))[plain]
+    kernels = (fusedkernels.rms_norm, fusedkernels.add_rms_norm, fusedkernels.rope, fusedkernels.silu_mul)
+    return dict(zip((fused.rms_norm, fused.add_rms_norm, fused.rope, fused.silu_mul), kernels, strict=True))[plain]
 
 
 def _outputs(result: object) -> tuple[torch.Tensor, ...]:
@@ -158,27 +131,10 @@ def _batch_dependence(device: str) -> list[str]:
     return found
 
 
-def _rows_dependence(device: str) -> list[str]:
-    """The skinny product's rows, alone and 3 at once, bitwise as in a batch of its 16, in a 16-bit dtype."""
-    g = torch.Generator().manual_seed(2)
-    n, k = LINEAR_SHAPES[-1]
-    dtype = skinny_dtypes(device)[0]
-    x = torch.randn((16, k), generator=g).to(device, dtype)
-    weight = (torch.randn((n, k), generator=g) / k**0.5).to(device, dtype)
-    product = kernel(fused.linear)
-    whole = product(x, weight)
-    return [
-        f"linear {n}x{k}: rows {rows.start}..{rows.stop - 1} differ computed apart"
-        for rows in (slice(0, 1), slice(5, 6), slice(2, 5))
-        if not torch.equal(whole[rows], product(x[rows], weight))
-    ]
-
-
 def mismatches(device: str) -> list[str]:
-    """Every case's differences beyond tolerance, and every RMSNorm row and skinny product row whose bits depend on
-    its batch."""
+    """Every case's differences beyond tolerance, and every RMSNorm row whose bits depend on its batch."""
     found = [d for dtype, case in cases(device) for d in _differences(dtype, case)]
-    return found + _batch_dependence(device) + _rows_dependence(device)
+    return found + _batch_dependence(device)
 
 
 def probe(out: str) -> None:

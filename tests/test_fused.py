@@ -24,10 +24,7 @@ from hotweights.standby import fused
 x = torch.randn(3, 8)
 with fused.fusing():
     got = fused.rms_norm(x, torch.ones(8), 1e-6), fused.rope(x, x, x), fused.silu_mul(x)
-    row, weight = torch.randn(1, 256, dtype=torch.bfloat16), torch.randn(16, 256, dtype=torch.bfloat16)
-    product = fused.linear(row, weight)
 assert torch.equal(got[2], torch.nn.functional.silu(x[:, :4]) * x[:, 4:])
-assert torch.equal(product, torch.nn.functional.linear(row, weight))
 print(sorted(m for m in ("triton", "hotweights.standby.fusedkernels") if m in sys.modules))
 """
 
@@ -41,9 +38,8 @@ def test_fusing_on_cpu_runs_plain_torch_without_importing_triton() -> None:
 @pytest.mark.sglang
 def test_the_kernels_compute_the_plain_functions_under_the_triton_interpreter() -> None:
     """RMSNorm with and without the residual add at 1, 3 and 64 rows of 64, 200 and 5120, RoPE in decode's and
-    prefill's layouts, SwiGLU at 64, 1000 and 2752 columns, in float32, float16 and bfloat16, products of 1, 5 and
-    16 rows (the skinny kernel) in the 16-bit ones: within the dtype's tolerance of plain torch, and RMSNorm's rows
-    and the products' bitwise the same alone as in a batch."""
+    prefill's layouts, SwiGLU at 64, 1000 and 2752 columns, in float32, float16 and bfloat16: within the dtype's
+    tolerance of plain torch, and RMSNorm's rows bitwise the same alone as in a batch."""
     python = engine_python("SGLang", "Triton")
     env = ENV | {"TRITON_INTERPRET": "1"}
     checked = subprocess.run([python, str(HELPERS), "cpu"], env=env, capture_output=True, text=True, timeout=300)

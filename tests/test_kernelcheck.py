@@ -44,10 +44,10 @@ def fails(logits: torch.Tensor) -> torch.Tensor:
 def test_a_decoder_keeps_only_the_kernels_that_compute_the_reference(
     split_kv: bool, attention: object, fused: object, expected: tuple[bool, bool], warned: list[str]
 ) -> None:
-    calls: list[tuple[int | None, bool, int | None]] = []
+    calls: list[tuple[int | None, bool]] = []
 
-    def step(kv_len: int | None, fuse: bool, rows: int | None) -> torch.Tensor:
-        calls.append((kv_len, fuse, rows))
+    def step(kv_len: int | None, fuse: bool) -> torch.Tensor:
+        calls.append((kv_len, fuse))
         if not fuse and kv_len is not None:
             return REFERENCE
         if fuse:  # the fused step: one kernel's call, checked against plain torch's on the same inputs
@@ -57,10 +57,8 @@ def test_a_decoder_keeps_only_the_kernels_that_compute_the_reference(
     found = verdict(step, split_kv, 4096)
     assert (found.split_kv, found.fused) == expected
     assert [line.split(" on this device")[0] for line in found.warnings] == warned
-    # The fused kernels are tried on top of the attention that passed, else the reference's masked length: over
-    # every row, then (where those passed) over one, a batch-1 step's kernels.
-    fused_calls = [(None if found.split_kv else 4096, True, rows) for rows in ((None, 1) if found.fused else (None,))]
-    assert calls[-len(fused_calls) :] == fused_calls
+    # The fused kernels are tried on top of the attention that passed, else the reference's masked length.
+    assert calls[-1] == (None if found.split_kv else 4096, True)
     assert all("\n" not in line for line in found.warnings)
 
 
