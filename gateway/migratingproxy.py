@@ -19,7 +19,7 @@ import httpx
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from hotweights.contract import OWED_HEADER, REPLAY_HEADER, WEIGHTS_HEADER, Endpoint
+from hotweights.contract import GATHER_MS, GATHER_MS_HEADER, OWED_HEADER, REPLAY_HEADER, WEIGHTS_HEADER, Endpoint
 from hotweights.controller.events import EventLog
 from hotweights.controller.suspects import is_started
 from hotweights.eventkinds import EventKind
@@ -32,7 +32,7 @@ from hotweights.proxying import HOP_BY_HOP
 
 log = logging.getLogger(__name__)
 
-GATEWAY_HEADERS = (REPLAY_HEADER, OWED_HEADER)  # set by the gateway only: a client's own are dropped
+GATEWAY_HEADERS = (REPLAY_HEADER, OWED_HEADER, GATHER_MS_HEADER)  # set by the gateway only: a client's own are dropped
 
 
 def upstream_headers(request: Request, owed: bool) -> list[tuple[str, str]]:
@@ -91,7 +91,9 @@ class MigratingProxy:
     ) -> Response:
         """A migratable completion: streamed from the engine with token ids, continued on the next primary
         whenever its upstream fails mid-way; the client's stream, or its whole JSON reply, is built here."""
-        opened = await self.open_segment(request, path, ledger.request.upstream_body(), deadline, tracked, owed)
+        gathered = not ledger.request.stream
+        body = ledger.request.upstream_body()
+        opened = await self.open_segment(request, path, body, deadline, tracked, owed, gathered=gathered)
         if isinstance(opened, Response):
             return opened
         ledger.weights = opened[1].headers.get(WEIGHTS_HEADER)
@@ -107,16 +109,26 @@ class MigratingProxy:
         return JSONResponse(ledger.whole(), headers={"x-hotweights-upstream": opened[0].url})
 
     async def open_segment(
-        self, request: Request, path: str, body: dict, deadline: float, tracked: Tracked, owed: bool, replay: int = 0
+        self,
+        request: Request,
+        path: str,
+        body: dict,
+        deadline: float,
+        tracked: Tracked,
+        owed: bool,
+        replay: int = 0,
+        gathered: bool = False,
     ) -> tuple[Upstream, httpx.Response] | Response:
         """An upstream's event stream for ``body``, retried on the next primary until ``deadline`` while it
         fails before its first byte (an ``owed`` one after a 429 too); an engine's own non-200 answer (a 400,
         say) as it is; 503 at the deadline; 422 once it is suspect (``controller.suspects``). ``replay``: a
-        continuation's generated tokens at the end of its prompt (``REPLAY_HEADER``)."""
+        continuation's generated tokens at the end of its prompt (``REPLAY_HEADER``); ``gathered``: for a client
+        that asked for no stream, its tokens in chunks of up to GATHER_MS (``GATHER_MS_HEADER``)."""
+        extra = [(REPLAY_HEADER, str(replay))] if replay else []
+        extra += [(GATHER_MS_HEADER, str(GATHER_MS))] if gathered else []
 
         async def attempt(upstream: Upstream, owed: bool) -> tuple[Upstream, httpx.Response] | Response:
-            headers = upstream_headers(request, owed) + ([(REPLAY_HEADER, str(replay))] if replay else [])
-            return await self.open_stream(upstream, path, headers, body, owed)
+            return await self.open_stream(upstream, path, upstream_headers(request, owed) + extra, body, owed)
 
         return await self.retried(attempt, tracked, deadline, owed)
 
@@ -230,7 +242,8 @@ class MigratingProxy:
                 if ledger.prompt_ids is not None
                 else (ledger.request.path, 0)
             )
-            opened = await self.open_segment(request, path, body, deadline, tracked, True, replay)
+            gathered = not ledger.request.stream
+            opened = await self.open_segment(request, path, body, deadline, tracked, True, replay, gathered)
             if isinstance(opened, Response):
                 reason = bytes(opened.body).decode(errors="replace")[:300]
                 message = f"the upstream {failure}; the request could not be migrated: {reason}"

@@ -79,6 +79,12 @@ WEIGHTS_HEADER = "x-hotweights-weights"
 # On a request the gateway owes to a failover (held through it, re-sent or continued after it): the engine queues it
 # whatever its expected start, never refusing it for want of queue (``hotweights.admission``).
 OWED_HEADER = "x-hotweights-owed"
+# On a streamed completion the gateway asks an engine for on behalf of a client that asked for no stream (it relays no
+# chunk of it, only the whole answer at the end): the engine may gather up to this many milliseconds of tokens into
+# one chunk, so the gateway's event loop reads fewer chunks (``standby.completions``); an engine may ignore it.
+GATHER_MS_HEADER = "x-hotweights-gather-ms"
+GATHER_MS = 100  # what the gateway asks for: tokens a failover would generate again if it lost them, at most
+MAX_GATHER_MS = 1000  # the most an engine takes (400 beyond)
 # On an engine's 429: in how many milliseconds it expects to queue a fresh request again. Until then a gateway sends it
 # no fresh request and answers those 429 itself (``gateway.discovery``), so refusals cost its event loop nothing.
 ADMITS_IN_HEADER = "x-hotweights-admits-in-ms"

@@ -106,12 +106,12 @@ class CompletionRun:
         """Hand every choice's sequence to ``scheduler``: from now on the model computes them."""
         scheduler.submit(*(choice.sequence for choice in self.choices))
 
-    async def submitted_sse(self, scheduler: Scheduler) -> AsyncIterator[str]:
+    async def submitted_sse(self, scheduler: Scheduler, gather_s: float = 0.0) -> AsyncIterator[str]:
         """``sse``, the sequences submitted to ``scheduler`` as its first event is asked for: a response sends its
         headers before that, so a client that saw none knows the model had not seen the request
         (docs/engine-contract.md)."""
         self.submit(scheduler)
-        async for event in self.sse():
+        async for event in self.sse(gather_s):
             yield event
 
     def _sink(self, loop: asyncio.AbstractEventLoop, index: int) -> Callable[[Event], None]:
@@ -185,23 +185,41 @@ class CompletionRun:
         prompt = {"prompt_token_ids": self.prompt_ids[index]} if first and self.api is Api.COMPLETIONS else {}
         return choice | {"token_ids": ids} | prompt
 
-    async def sse(self) -> AsyncIterator[str]:
-        """Server-sent events: one chunk per piece, optional usage chunk, then ``[DONE]``."""
+    async def sse(self, gather_s: float = 0.0) -> AsyncIterator[str]:
+        """Server-sent events: a chunk per piece, optional usage chunk, then ``[DONE]``. ``gather_s`` (a gateway's
+        ``GATHER_MS_HEADER``): a choice's consecutive pieces of up to that long are one chunk (a piece is held until
+        the window since the chunk's first piece has passed and the next piece comes, or its choice ends)."""
         unseen = set(range(len(self.choices)))
+        held: Piece | None = None
+        since = 0.0
         try:
             async for piece in self.pieces():
-                first = piece.index in unseen
-                unseen.discard(piece.index)
-                choice = self._choice(
-                    piece.index, piece.text, piece.finish_reason, piece.token_ids, whole=False, first=first
-                )
-                yield _event(self._body([choice], self.api.chunk_object, first))
+                if held is not None and piece.index == held.index:
+                    held = Piece(
+                        held.index, held.text + piece.text, piece.finish_reason, held.token_ids + piece.token_ids
+                    )
+                else:
+                    if held is not None:
+                        yield self._chunk(held, unseen)
+                    held, since = piece, time.monotonic()
+                if held.finish_reason is not None or time.monotonic() - since >= gather_s:
+                    yield self._chunk(held, unseen)
+                    held = None
         except GenerationAborted as exc:
+            if held is not None:  # what was generated before reaches the gateway, which continues from it
+                yield self._chunk(held, unseen)
             yield _event({"error": {"message": str(exc), "type": "unavailable"}})
             return
         if self.request.stream_options and self.request.stream_options.include_usage:
             yield _event(self._body([], self.api.chunk_object, first=False) | {"usage": self.usage()})
         yield "data: [DONE]\n\n"
+
+    def _chunk(self, piece: Piece, unseen: set[int]) -> str:
+        """``piece`` as one event; its choice's first (``unseen`` before) carries what a first chunk does."""
+        first = piece.index in unseen
+        unseen.discard(piece.index)
+        choice = self._choice(piece.index, piece.text, piece.finish_reason, piece.token_ids, whole=False, first=first)
+        return _event(self._body([choice], self.api.chunk_object, first))
 
     def usage(self) -> dict[str, int]:
         prompt = sum(c.prompt_tokens for c in self.choices)

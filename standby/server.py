@@ -25,7 +25,15 @@ from starlette.types import Receive, Scope, Send
 from tokenizers import Tokenizer
 
 from hotweights.admission import Admission, Held, Refusal, retry_after
-from hotweights.contract import ADMITS_IN_HEADER, OWED_HEADER, REPLAY_HEADER, WEIGHTS_HEADER, Endpoint
+from hotweights.contract import (
+    ADMITS_IN_HEADER,
+    GATHER_MS_HEADER,
+    MAX_GATHER_MS,
+    OWED_HEADER,
+    REPLAY_HEADER,
+    WEIGHTS_HEADER,
+    Endpoint,
+)
 from hotweights.httpguard import parsed_json, short
 from hotweights.requestschema import ChatRequest, CompletionRequest, Invalid, SamplingRequest
 from hotweights.standby.canary import CANARY_WATCH, Canary, add_canary_route
@@ -170,6 +178,7 @@ def build_app(ctx: EngineContext) -> FastAPI:
         http: Request,
         replay: Annotated[int | None, Header(alias=REPLAY_HEADER, ge=0)] = None,
         owed: Annotated[str | None, Header(alias=OWED_HEADER)] = None,
+        gather_ms: Annotated[int, Header(alias=GATHER_MS_HEADER, ge=0, le=MAX_GATHER_MS)] = 0,
     ) -> Response:
         """OpenAI completions; ``stream`` gives server-sent events ending in ``data: [DONE]``.
 
@@ -180,8 +189,9 @@ def build_app(ctx: EngineContext) -> FastAPI:
         its prompt's last token ids were generated before) starts it from the failed engine's KV cache where its
         daemon keeps it (``standby.kvshare``), and otherwise, with ``--batch-invariant``, feeds those tokens through
         decode steps; with ``OWED_HEADER`` the request is one a gateway owes to a failover
-        (``hotweights.admission``). Every answer names the weights that computed it (``WEIGHTS_HEADER``: the
-        fingerprint). A list of prompts holds at most ``--max-batch`` of them."""
+        (``hotweights.admission``); ``GATHER_MS_HEADER`` gathers a stream's tokens of up to that many milliseconds
+        into one chunk (``standby.completions``). Every answer names the weights that computed it
+        (``WEIGHTS_HEADER``: the fingerprint). A list of prompts holds at most ``--max-batch`` of them."""
         size = len(await http.body())
         request = await intake.request(CompletionRequest, parsed_json(http.scope), size)
         if isinstance(request, Invalid):
@@ -191,12 +201,13 @@ def build_app(ctx: EngineContext) -> FastAPI:
         elif len(request.prompts) != 1 or isinstance(request.prompts[0], str) or replay >= len(request.prompts[0]):
             message = f"{REPLAY_HEADER} {replay} needs one prompt of token ids longer than that"
             return error(400, message, "invalid_request_error", REPLAY_HEADER)
-        return await admitted(request, Api.COMPLETIONS, size, replay, owed is not None)
+        return await admitted(request, Api.COMPLETIONS, size, replay, owed is not None, gather_ms)
 
     @app.post(Endpoint.CHAT_COMPLETIONS, response_model=None, responses=answers, openapi_extra=body(ChatRequest))
     async def chat_completions(
         http: Request,
         owed: Annotated[str | None, Header(alias=OWED_HEADER)] = None,
+        gather_ms: Annotated[int, Header(alias=GATHER_MS_HEADER, ge=0, le=MAX_GATHER_MS)] = 0,
     ) -> Response:
         """OpenAI chat completions (one choice), the messages rendered by the checkpoint's chat template
         or the built-in one (``standby.chat``); answers as ``/v1/completions`` does."""
@@ -204,7 +215,7 @@ def build_app(ctx: EngineContext) -> FastAPI:
         request = await intake.request(ChatRequest, parsed_json(http.scope), size)
         if isinstance(request, Invalid):
             return request.response()
-        return await admitted(request, Api.CHAT, size, owed=owed is not None)
+        return await admitted(request, Api.CHAT, size, owed=owed is not None, gather_ms=gather_ms)
 
     async def admitted(
         request: CompletionRequest | ChatRequest,
@@ -212,12 +223,14 @@ def build_app(ctx: EngineContext) -> FastAPI:
         size: int,
         replay: int = 0,
         owed: bool = False,
+        gather_ms: int = 0,
     ) -> Response:
         """The request run once admission lets it in (as many sequences as it has prompts) and its prompts
         (tokenized by the intake, in its thread for a body of ``size`` beyond its inline size) fit, and once the KV
         blocks they need are free (``Admission.reserve``: it waits for them, never refused), ``replay`` of
         its last tokens fed through decode steps (``standby.scheduler``); the refusal otherwise. ``owed``: admitted
-        as a request owed to a failover (``hotweights.admission``: never refused for want of queue)."""
+        as a request owed to a failover (``hotweights.admission``: never refused for want of queue); ``gather_ms``:
+        a stream's chunks gathered (``CompletionRun.sse``)."""
         if reason := roles.serving_refusal():
             return unavailable(reason)
         if request.model is not None and request.model != ctx.model_name:
@@ -236,13 +249,13 @@ def build_app(ctx: EngineContext) -> FastAPI:
             if reason := roles.serving_refusal():  # it may have changed while the request waited
                 return unavailable(reason)
             handed_over = True
-            return await serve(request, prompt_ids, api, held, replay)
+            return await serve(request, prompt_ids, api, held, replay, gather_ms)
         finally:
             if not handed_over:
                 ctx.admission.leave(held)
 
     async def serve(
-        request: SamplingRequest, prompt_ids: list[list[int]], api: Api, held: Held, replay: int = 0
+        request: SamplingRequest, prompt_ids: list[list[int]], api: Api, held: Held, replay: int = 0, gather_ms: int = 0
     ) -> Response:
         roles.admit()
         run = CompletionRun.prepare(request, ctx.model_name, prompt_ids, ctx.tokenizer, ctx.stop_ids, api, replay)
@@ -260,7 +273,7 @@ def build_app(ctx: EngineContext) -> FastAPI:
 
         weights = {WEIGHTS_HEADER: ctx.fingerprint}
         if request.stream:  # its headers go out before the model sees it (CompletionRun.submitted_sse)
-            return ClosingStream(run.submitted_sse(ctx.scheduler), close, weights)
+            return ClosingStream(run.submitted_sse(ctx.scheduler, gather_ms / 1000), close, weights)
         run.submit(ctx.scheduler)
         try:
             return JSONResponse(await run.collect(), headers=weights)

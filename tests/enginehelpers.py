@@ -125,9 +125,11 @@ class EngineProcess(ChildService):
     def complete(self, **body: object) -> httpx.Response:
         return self.client.post(Endpoint.COMPLETIONS, json=body)
 
-    def stream(self, **body: object) -> list[dict]:
+    def stream(self, headers: dict[str, str] | None = None, **body: object) -> list[dict]:
         """The SSE chunks of a streamed completion (``[DONE]`` checked and dropped)."""
-        with self.client.stream("POST", Endpoint.COMPLETIONS, json=body | {"stream": True}) as response:
+        with self.client.stream(
+            "POST", Endpoint.COMPLETIONS, json=body | {"stream": True}, headers=headers
+        ) as response:
             assert response.status_code == 200, response.read()
             lines = [line for line in response.iter_lines() if line]
         assert lines[-1] == "data: [DONE]"

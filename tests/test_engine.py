@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from hotweights.cli import build_parser
-from hotweights.contract import Endpoint, Role
+from hotweights.contract import GATHER_MS_HEADER, MAX_GATHER_MS, Endpoint, Role
 from hotweights.controller.config import GatewaySection
 from hotweights.standby.roles import KvCapacity, Roles
 from hotweights.standby.scheduler import Finish, SamplingParams, Scheduler, Sequence
@@ -102,6 +102,26 @@ def test_stop_string_ends_the_text_before_it(primary: EngineProcess, reference: 
     assert (body["choices"][0]["text"], body["choices"][0]["finish_reason"]) == (expected, "stop")
     chunks = primary.stream(prompt="The quick brown fox", max_tokens=24, temperature=0, stop=stop)
     assert streamed(chunks) == ([expected], ["stop"])
+
+
+def test_a_gathered_stream_brings_the_same_text_and_token_ids_in_fewer_chunks(primary: EngineProcess) -> None:
+    """``GATHER_MS_HEADER`` (what the gateway asks for a client that wants no stream): a choice's tokens of up to that
+    many milliseconds are one chunk, the text and token ids those of the stream without it; beyond MAX_GATHER_MS,
+    400 naming the header."""
+    body = {"prompt": "The quick brown fox", "max_tokens": 40, "temperature": 0, "return_token_ids": True}
+    plain = primary.stream(**body)
+    gathered = primary.stream(headers={GATHER_MS_HEADER: str(MAX_GATHER_MS)}, **body)
+    assert 1 <= len(gathered) < len(plain)
+    assert streamed(gathered) == streamed(plain)
+    ids = [
+        [i for chunk in chunks for choice in chunk["choices"] for i in choice["token_ids"]]
+        for chunks in (plain, gathered)
+    ]
+    assert ids[0] == ids[1] and len(ids[0]) > 1
+    refused = primary.client.post(
+        Endpoint.COMPLETIONS, json=body | {"stream": True}, headers={GATHER_MS_HEADER: str(MAX_GATHER_MS + 1)}
+    )
+    assert refused.status_code == 400 and GATHER_MS_HEADER in refused.json()["error"]["param"], refused.text
 
 
 def test_concurrent_streams_interleave(primary: EngineProcess) -> None:
