@@ -213,8 +213,7 @@ async def beside_load(
     trials = functools.partial(row, args, command, launcher_socket, workdir, "serving")
     loaded = await while_loaded(url, args.rps, SERVING_TOKENS, trials, QUIET_S, args.timeout)
     records = loaded.load.records
-    quiet = loaded.load.p50_ms(lambda start: loaded.quiet[0] <= start < loaded.quiet[1])
-    during = loaded.load.p50_ms(lambda start: loaded.during[0] <= start < loaded.during[1])
+    quiet, during = loaded.p50_ms(loaded.quiet), loaded.p50_ms(loaded.during)
     slowdown = round(during / quiet, 2) if quiet and during else None
     errors = sum(bool(r.error) for r in records)
     return loaded.result | {"rps": args.rps, "quiet_p50_ms": quiet, "during_p50_ms": during,

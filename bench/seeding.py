@@ -211,7 +211,7 @@ def serving(loaded: Loaded, seeding: list[tuple[float, float]], rps: float) -> d
     """The ``serving`` figures (module docstring) of a load beside the rounds."""
     load = loaded.load
     records = load.records
-    quiet = load.p50_ms(lambda start: loaded.quiet[0] <= start < loaded.quiet[1])
+    quiet = loaded.p50_ms(loaded.quiet)
     during = load.p50_ms(lambda start: any(a <= start < b for a, b in seeding))
     return {
         "rps": rps,

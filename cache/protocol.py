@@ -145,9 +145,10 @@ def reply_ok(reply: dict[str, Any]) -> bool:
     return ok
 
 
-def is_our_version(value: object) -> bool:
-    """Exactly the int PROTOCOL_VERSION: 1.0 and true compare equal to 1 in Python, and are refused."""
-    return type(value) is int and value == PROTOCOL_VERSION
+def is_our_version(value: object, ours: int = PROTOCOL_VERSION) -> bool:
+    """Exactly the int ``ours`` (PROTOCOL_VERSION, or a conversation's own, seeding's): 1.0 and true compare equal to
+    1 in Python, and are refused."""
+    return type(value) is int and value == ours
 
 
 def check_version(reply: dict[str, Any]) -> None:

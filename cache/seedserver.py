@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from hotweights.cache.fingerprint import Fingerprint, describe_differences
-from hotweights.cache.protocol import PeerClosed, ProtocolError, error_reply, recv_message
+from hotweights.cache.protocol import PeerClosed, ProtocolError, error_reply, is_our_version, recv_message
 from hotweights.cache.protocol import send_message as send_frame
 from hotweights.cache.seeding import PIECE_BYTES, SeedOptions
 from hotweights.cache.seedtransport import (
@@ -46,7 +46,6 @@ from hotweights.cache.seedtransport import (
     IO_TIMEOUT_S,
     SEED_VERSION,
     bulk,
-    check_seed_version,
     idle,
     proof,
     proof_matches,
@@ -406,7 +405,7 @@ class SeedServer:
         refused (the refusal sent)."""
         deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
         hello, _ = recv_message(conn, deadline=deadline)
-        if hello.get("op") != "seed_hello" or check_seed_version(hello.get("version")):
+        if hello.get("op") != "seed_hello" or not is_our_version(hello.get("version"), SEED_VERSION):
             return self._refuse(conn, peer, error_reply("version_mismatch", f"expected seed_hello of seeding protocol "
                                                         f"{SEED_VERSION}, found {hello.get('op')!r} "
                                                         f"{hello.get('version')!r}"))  # fmt: skip

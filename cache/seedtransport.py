@@ -39,7 +39,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
-from hotweights.cache.protocol import ProtocolError, recv_message, reply_ok, send_message
+from hotweights.cache.protocol import ProtocolError, is_our_version, recv_message, reply_ok, send_message
 from hotweights.errors import HotweightsError
 
 # Seeding's defaults, here (no torch) so that the controller's configuration takes them from one place:
@@ -131,24 +131,20 @@ def bulk(sock: socket.socket, *options: int) -> None:
     the lock, not by the link. As before, a call that moves no byte for IO_TIMEOUT_S fails (OSError: EAGAIN); one that
     moved some returns what it moved. The protocol's framed messages set their own timeouts again (``cache.protocol``);
     ``idle`` takes the kernel's off again."""
-    sock.settimeout(None)
-    for option in options:
-        sock.setsockopt(socket.SOL_SOCKET, option, struct.pack("ll", int(IO_TIMEOUT_S), 0))
+    _kernel_timeouts(sock, int(IO_TIMEOUT_S), options)
 
 
 def idle(sock: socket.socket) -> None:
     """Blocking, without the kernel timeouts of ``bulk``: for a stream waiting for its next request, as long as it
     takes."""
+    _kernel_timeouts(sock, 0, (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO))
+
+
+def _kernel_timeouts(sock: socket.socket, seconds: int, options: tuple[int, ...]) -> None:
+    """Blocking mode, each of ``options`` set to ``seconds`` (0: none)."""
     sock.settimeout(None)
-    for option in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO):
-        sock.setsockopt(socket.SOL_SOCKET, option, struct.pack("ll", 0, 0))
-
-
-def check_seed_version(value: object) -> str | None:
-    """Why a peer's ``version`` is not ours (exactly the int SEED_VERSION: 2.0 is refused), or None."""
-    if type(value) is int and value == SEED_VERSION:
-        return None
-    return f"speaks seeding protocol version {value!r}, we speak {SEED_VERSION}"
+    for option in options:
+        sock.setsockopt(socket.SOL_SOCKET, option, struct.pack("ll", seconds, 0))
 
 
 def read_piece(sock: socket.socket, buffer: memoryview) -> int:
@@ -194,8 +190,9 @@ class TcpChannel(SeedChannel):
         nonce = secrets.token_hex(16)
         reply = self._ask({"op": "seed_hello", "version": SEED_VERSION, "nonce": nonce})
         self._refused(reply)
-        if mismatch := check_seed_version(reply.get("version")):
-            raise SeedRefused(f"seeding peer {self.address} {mismatch}")
+        if not is_our_version(version := reply.get("version"), SEED_VERSION):
+            raise SeedRefused(f"seeding peer {self.address} speaks seeding protocol version {version!r}, we speak "
+                              f"{SEED_VERSION}")  # fmt: skip
         server_nonce = str(reply.get("nonce", ""))
         if not proof_matches(reply.get("proof"), proof(token, "server", nonce, server_nonce)):
             raise SeedRefused(f"seeding peer {self.address} does not know the seeding token: not one of ours")

@@ -207,6 +207,11 @@ class Loaded(Generic[T]):
     quiet: tuple[float, float]
     during: tuple[float, float]
 
+    def p50_ms(self, window: tuple[float, float]) -> float | None:
+        """The load's p50 over the requests started within ``window`` (wall-clock [start, end)): ``quiet``,
+        ``during``."""
+        return self.load.p50_ms(lambda start: window[0] <= start < window[1])
+
 
 async def while_loaded(
     url: str, rps: float, max_tokens: int, work: Callable[[], T], quiet_s: float, timeout_s: float = 120.0
