@@ -172,7 +172,10 @@ def steps(workdir: Path, out: Path) -> dict[str, tuple[list[str], int]]:
             f"{make('xl', xl)} && {redundancy} {out / 'logs-storm-xl'} --faults 10 --interval 3 --signals kill,stop",
             540,
         ),
-        "gray_xl": (f"{make('xl', xl)} && {bench}/gray.py --model {xl} --device cuda:0", 540),
+        "gray_xl": (
+            f"{make('xl', xl)} && {bench}/gray.py --model {xl} --device cuda:0 --keep-logs {out / 'logs-gray-xl'}",
+            540,
+        ),
         "decode_step_xl": (f"{make('xl', xl)} && {bench}/decode_step.py --model {xl} --device cuda:0", 300),
         "overload_medium": (f"{make('medium', medium)} && {bench}/overload.py --device cuda:0 --model {medium}", 300),
         "concurrency_xl": (

@@ -1,7 +1,7 @@
 """Gray failures through ``hotweights up`` with its shipped defaults: a stalled, a slowed and a wrong primary under
 load, and the loads that must not look like any of them.
 
-    python bench/gray.py [--model DIR] [--device cpu|cuda:N] [--rps 10] [--max-tokens 16]
+    python bench/gray.py [--model DIR] [--device cpu|cuda:N] [--rps 10] [--max-tokens 16] [--keep-logs DIR]
 
 Starts ``hotweights up`` with its defaults (no extra keys; the embedded tiny model unless --model) on free ports and
 waits until the stack is whole. First the loads that must not look like a fault (``false_positives``, below: before
@@ -222,11 +222,12 @@ def main() -> int:
     parser.add_argument("--rps", type=float, default=10.0, help="completions a second during the faults (default 10)")
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens a completion (default 16)")
     parser.add_argument("--phases", default=",".join(PHASES), help=f"which phases (default {','.join(PHASES)})")
+    parser.add_argument("--keep-logs", metavar="DIR", help="copy the stack's logs here at the end")
     args = parser.parse_args()
     args.phases = args.phases.split(",")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the finally blocks stop the stack
     result: dict[str, object] = {"device": args.device, "model": args.model or "tiny", "rps": args.rps}
-    with up_stack(args.model, args.device) as stack:
+    with up_stack(args.model, args.device, args.keep_logs and Path(args.keep_logs)) as stack:
         stack.wait_whole()
         result |= asyncio.run(measure(stack, args))
     result["targets"] = TARGETS

@@ -130,23 +130,29 @@ class UpStack:
         events = self.api.get(Endpoint.EVENTS, params={"kind": kind, "limit": 1000}).json()["events"]
         return [e for e in events if datetime.fromisoformat(e["time"]).timestamp() >= since]
 
-    def close(self) -> None:
+    def close(self, keep_logs: Path | None = None) -> None:
+        """Stop it all; its logs (``up``'s, the controller's, every engine's, daemon's and gateway's) are first
+        copied into ``keep_logs`` where given."""
         down = hotweights_command("down", "--config", str(self.config), "--timeout", "10")
         subprocess.run(down, capture_output=True, env=self.env, check=False, timeout=120)
         if self.up.poll() is None:
             os.killpg(self.up.pid, signal.SIGKILL)
             self.up.wait(timeout=10)
         self.api.close()
+        if keep_logs is not None:
+            keep_logs.mkdir(parents=True, exist_ok=True)
+            for log in [*self.root.glob("*.log"), *(self.root / "state" / "logs").glob("*.log")]:
+                shutil.copy(log, keep_logs / log.name)
         shutil.rmtree(self.root, ignore_errors=True)
 
 
 @contextlib.contextmanager
-def up_stack(model: str | None, device: str = "cpu") -> Iterator[UpStack]:
+def up_stack(model: str | None, device: str = "cpu", keep_logs: Path | None = None) -> Iterator[UpStack]:
     stack = UpStack(model, device)
     try:
         yield stack
     finally:
-        stack.close()
+        stack.close(keep_logs)
 
 
 @dataclass

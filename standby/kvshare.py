@@ -301,6 +301,7 @@ class KvShare:
     def _mapped(self, entry: dict, fds: list[int]) -> Source | None:
         """``entry``'s deposit mapped here; None (logged, ``fds`` closed) when it cannot be."""
         imported: list[ImportedArena] = []
+        began = time.monotonic()
         try:
             kv_handle, ledger_handle = entry["kv"], entry["ledger"]
             layout = KvLayout.from_json(entry["layout"], kv_handle["nbytes"])
@@ -318,6 +319,13 @@ class KvShare:
             return None
         ledger = SlotLedger(imported[1].tensor, layout)
         kv = _mapped_kv(imported[0].tensor, layout)
+        log.info(
+            "mapped KV deposit %s (%s, %.2f GB) in %.1f ms",
+            entry["id"],
+            "its engine alive" if entry.get("alive") else "its engine gone",
+            imported[0].nbytes / 1e9,
+            (time.monotonic() - began) * 1000,
+        )
         return Source(entry["id"], bool(entry.get("alive")), kv, ledger, (imported[0], imported[1]))
 
     def _request(self, message: dict, fds: tuple[int, ...] = (), max_fds: int = 0) -> tuple[dict | None, list[int]]:

@@ -63,6 +63,7 @@ import torch
 from hotweights.standby.decoder import Decoder, Launched
 from hotweights.standby.kvpool import BlockPool, sequence_blocks, shortfall
 from hotweights.standby.kvshare import REQUEST_TIMEOUT_S, KvShare, SlotLedger
+from hotweights.standby.opening import Opening
 from hotweights.standby.progress import ProgressClock, averaged, padded
 from hotweights.standby.sampling import sample_rows, uniform
 
@@ -166,6 +167,7 @@ class Scheduler:
         self._thread = threading.Thread(target=self._run, name="inference", daemon=True)
         self._round_s = 0.0  # a round's time (a token for every active sequence, newcomers' prefills), averaged
         self._ahead: Ahead | None = None  # the step chained behind the last one, not read yet (worker thread only)
+        self._opening: Opening | None = None  # the first seconds since a KV cache was attached (``standby.opening``)
 
     # --- called from other threads -------------------------------------------------------------
 
@@ -196,6 +198,8 @@ class Scheduler:
             if not self._closed:
                 if not self._live:
                     self.progress.arrived()
+                if (opening := self._opening) is not None:
+                    opening.arrived(time.monotonic())
                 self._live.update(seqs)
                 self._inbox.put(seqs)  # under the lock, so the ending worker either sees them or refuses them
                 return
@@ -247,6 +251,7 @@ class Scheduler:
         if decoder.shared is not None:
             decoder.shared.ledger.reset_all()
         self.progress.learn(decoder.prefill_times)
+        self._opening = Opening(time.monotonic())
         with self._lock:
             if self._decoder is not None:
                 raise RuntimeError("a KV cache is already attached")
@@ -317,6 +322,9 @@ class Scheduler:
                 if self._active:
                     self._step()
                     self._round_s = averaged(self._round_s, time.monotonic() - started)
+                if (opening := self._opening) is not None and opening.over(time.monotonic()):
+                    log.info("%s", opening.line())
+                    self._opening = None
         except Exception:
             log.exception("inference thread crashed; this is a bug, please report it")
             raise
@@ -355,9 +363,12 @@ class Scheduler:
                 self._waiting.popleft()
                 self._retire(head, Finish("error", reason or "no KV cache is attached: this engine is a standby"))
                 continue
+            began = time.monotonic()
             with self.progress.calling_daemon():
                 adopted = self._adopt(decoder, head)
             if adopted:
+                if (opening := self._opening) is not None:
+                    opening.adoptions.append(time.monotonic() - began)
                 continue
             with self._lock:
                 group = self._claim(decoder)
@@ -427,10 +438,13 @@ class Scheduler:
         for seq in group:
             _seed(seq)
         prompts = [seq.prefilled(decoder.batch_invariant) for seq in group]
+        began = time.monotonic()
         with self.progress.prefilling((len(prompts), padded(decoder.lengths, max(map(len, prompts))))):
             logits = decoder.prefill(group[0].slot, prompts)
             if logits.device.type == "cuda":  # its time is the device's (the next round would wait for it anyway)
                 torch.cuda.synchronize(logits.device)
+        if (opening := self._opening) is not None:
+            opening.prefills.append((len(prompts), time.monotonic() - began))
         for seq, prompt, row in zip(group, prompts, logits, strict=True):
             seq.logits, seq.greedy = row, None
             seq.pos = len(prompt)
@@ -481,6 +495,8 @@ class Scheduler:
             self._retire(seq, Finish("stop"))
             return
         seq.sink(token)
+        if (opening := self._opening) is not None:
+            opening.emitted(time.monotonic())
         seq.generated += 1
         seq.token = token
         if seq.generated == params.max_tokens:
@@ -495,6 +511,7 @@ class Scheduler:
         for seq in self._active:
             tokens[seq.slot], positions[seq.slot] = seq.token, seq.pos
         ahead, self._ahead = self._ahead, None
+        began = time.monotonic()
         with self.progress.decoding(n):
             if ahead is not None and all(ahead.fed.get(seq.slot) == (seq, seq.pos) for seq in self._active):
                 step = ahead.step
@@ -506,6 +523,8 @@ class Scheduler:
                 chained = decoder.chain(step, later, [slot in fed for slot in range(step.n)])
                 self._ahead = Ahead(chained, fed)
             logits, greedy = decoder.finish(step)  # (n, V), n argmaxes, on the host: the step is done
+        if (opening := self._opening) is not None:
+            opening.steps.append((n, time.monotonic() - began))
         if decoder.shared is not None:
             self._record(decoder.shared.ledger, tokens, positions)
         for seq in self._active:

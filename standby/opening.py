@@ -1,0 +1,69 @@
+"""What an engine's first seconds of serving cost, told in one log line: after a promotion the new primary is sent
+every request the failed one held at once (the gateway's re-sends and continuations, ``gateway.migration``) on a
+device that other engines may be warming up on, and that burst is what a failover costs its clients beyond
+detection. ``Opening`` counts, over the OPENING_S after the KV cache is attached, what the inference thread did:
+its prefills (rows, time), the continuations it adopted from a deposited KV cache (``standby.kvshare``: time,
+the mapping of a deposit included), its decode steps (rows, time), the first request's arrival and the first
+token. The scheduler records into it from its worker thread only (``arrived`` from any thread: one float)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+OPENING_S = 2.0  # the first seconds of serving that the line sums up
+
+
+@dataclass
+class Opening:
+    """The first OPENING_S of serving, from ``began`` (monotonic seconds)."""
+
+    began: float
+    first_arrival: float | None = None
+    first_token: float | None = None
+    prefills: list[tuple[int, float]] = field(default_factory=list)  # (rows, seconds)
+    adoptions: list[float] = field(default_factory=list)  # seconds each
+    steps: list[tuple[int, float]] = field(default_factory=list)  # (rows, seconds)
+
+    def arrived(self, now: float) -> None:
+        if self.first_arrival is None:
+            self.first_arrival = now
+
+    def emitted(self, now: float) -> None:
+        if self.first_token is None:
+            self.first_token = now
+
+    def over(self, now: float) -> bool:
+        return now - self.began >= OPENING_S
+
+    def line(self) -> str:
+        """The summary: idle when nothing arrived, else every count and time (ms) named."""
+        if self.first_arrival is None:
+            return f"first {OPENING_S:g} s of serving: no request"
+        parts = [f"first request {self._after(self.first_arrival)} ms after the start"]
+        if self.first_token is not None:
+            parts.append(f"first token {self._after(self.first_token)} ms")
+        if self.prefills:
+            parts.append(
+                f"{len(self.prefills)} prefill(s) of {sum(r for r, _ in self.prefills)} prompt(s) in "
+                f"{_ms(sum(s for _, s in self.prefills))} ms (longest {_ms(max(s for _, s in self.prefills))})"
+            )
+        if self.adoptions:
+            parts.append(
+                f"{len(self.adoptions)} continuation(s) adopted in {_ms(sum(self.adoptions))} ms "
+                f"(longest {_ms(max(self.adoptions))})"
+            )
+        if self.steps:
+            seconds = sorted(s for _, s in self.steps)
+            rows = [r for r, _ in self.steps]
+            parts.append(
+                f"{len(self.steps)} decode step(s) of {min(rows)}-{max(rows)} rows: median "
+                f"{_ms(seconds[len(seconds) // 2])} ms, longest {_ms(seconds[-1])}, {_ms(sum(seconds))} ms in all"
+            )
+        return f"first {OPENING_S:g} s of serving: " + "; ".join(parts)
+
+    def _after(self, at: float) -> int:
+        return round((at - self.began) * 1000)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.1f}"

@@ -1,0 +1,44 @@
+"""The line an engine logs about its first seconds of serving (``standby.opening``), with no engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from hotweights.standby.opening import OPENING_S, Opening
+
+pytestmark = pytest.mark.unit
+
+
+def test_an_opening_without_requests_says_so() -> None:
+    opening = Opening(100.0)
+    assert not opening.over(100.0 + OPENING_S / 2)
+    assert opening.over(100.0 + OPENING_S)
+    assert opening.line() == f"first {OPENING_S:g} s of serving: no request"
+
+
+@pytest.mark.parametrize(
+    ("prefills", "adoptions", "steps", "expected"),
+    [
+        (
+            [(8, 0.030), (4, 0.020)],
+            [],
+            [(12, 0.013), (12, 0.014), (16, 0.040)],
+            "2 prefill(s) of 12 prompt(s) in 50.0 ms (longest 30.0); 3 decode step(s) of 12-16 rows: median 14.0 ms, "
+            "longest 40.0, 67.0 ms in all",
+        ),
+        ([], [0.045, 0.002], [(2, 0.012)], "2 continuation(s) adopted in 47.0 ms (longest 45.0); 1 decode step(s)"),
+    ],
+)
+def test_the_line_names_every_count_and_time(
+    prefills: list[tuple[int, float]], adoptions: list[float], steps: list[tuple[int, float]], expected: str
+) -> None:
+    """Only the first arrival and token count (later ones leave them as they were); every part is named."""
+    opening = Opening(10.0, prefills=prefills, adoptions=adoptions, steps=steps)
+    opening.arrived(10.05)
+    opening.arrived(10.5)
+    opening.emitted(10.2)
+    opening.emitted(10.9)
+    line = opening.line()
+    head = f"first {OPENING_S:g} s of serving: first request 50 ms after the start; first token 200 ms; "
+    assert line.startswith(head)
+    assert expected in line
