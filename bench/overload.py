@@ -1,10 +1,12 @@
 """Overload: what an engine behind the gateway answers when offered more than it can serve.
 
     python bench/overload.py [--device cpu|cuda:N] [--model DIR] [--max-batch 4] [--queue-budget 10]
-                             [--gateway-max-in-flight 0] [--max-tokens 32] [--seconds 5] [--loads 1,2,5]
+                             [--gateway-max-in-flight 0] [--gateway-workers 2] [--max-tokens 32] [--seconds 5]
+                             [--loads 1,2,5]
 
-Starts one ``hotweights engine`` (primary; the embedded tiny model unless --model) and a ``hotweights
-gateway`` in front of it, both with the admission defaults of a cluster whose ``engine.max_batch`` and
+Starts one ``hotweights engine`` (primary; the embedded tiny model unless --model) and ``hotweights gateway``
+workers in front of it (--gateway-workers of them, default ``gateway.workers``'s, on one listening socket as
+``hotweights up`` runs them), all with the admission defaults of a cluster whose ``engine.max_batch`` and
 ``engine.queue_budget_s`` are --max-batch and --queue-budget (and ``gateway.max_in_flight``
 --gateway-max-in-flight), on CPU with the threads ``hotweights up`` gives each engine of such a cluster's default
 group (the host's cores shared among its engines and spare), then measures through the gateway:
@@ -51,11 +53,12 @@ from prometheus_client.parser import text_string_to_metric_families
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hotweights.admission import ServingLimits
-from hotweights.contract import Endpoint
-from hotweights.controller.config import load_config
+from hotweights.contract import GATEWAY_BACKLOG, Endpoint
+from hotweights.controller.config import GatewaySection, load_config
 from hotweights.controller.stack import cpu_threads
 from hotweights.ports import free_port
 from hotweights.spawn import hotweights_command
+from hotweights.standby.serving import bind_port
 from hotweights.stats import percentile
 
 LIMITS = ServingLimits()  # the engine's defaults, those of --max-batch and --queue-budget
@@ -74,15 +77,18 @@ ENGINE_TIMES = {  # engine_mean_ms's keys -> the engine's histograms
 }
 
 
-def start(command: list[str], log: Path) -> subprocess.Popen:
+def start(command: list[str], log: Path, pass_fds: tuple[int, ...] = ()) -> subprocess.Popen:
     with log.open("w") as out:
-        return subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=out)
+        return subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=out, pass_fds=pass_fds)
 
 
-def wait_serving(url: str, process: subprocess.Popen, log: Path, timeout_s: float = 300.0) -> None:
-    """Until ``url`` answers 200 (an engine's /primary, the gateway's health once it knows a primary)."""
+def wait_serving(
+    url: str, process: subprocess.Popen, log: Path, timeout_s: float = 300.0, uds: str | None = None
+) -> None:
+    """Until ``url`` answers 200 (an engine's /primary, the gateway's health once it knows a primary); ``uds``:
+    asked over that Unix socket (a gateway worker's own)."""
     deadline = time.monotonic() + timeout_s
-    with httpx.Client(timeout=5) as client:
+    with httpx.Client(timeout=5, transport=httpx.HTTPTransport(uds=uds) if uds else None) as client:
         while time.monotonic() < deadline:
             if process.poll() is not None:
                 raise SystemExit(f"{process.args[3:5]} exited with {process.returncode}:\n{log.read_text()}")
@@ -98,8 +104,8 @@ def wait_serving(url: str, process: subprocess.Popen, log: Path, timeout_s: floa
 
 @contextmanager
 def stack(args: argparse.Namespace, workdir: Path) -> Iterator[tuple[str, str]]:
-    """An engine and a gateway in front of it; yields the gateway's URL and the engine's, and stops both however
-    it ends."""
+    """An engine and a gateway in front of it (--gateway-workers processes on one listening socket, as ``hotweights
+    up`` starts them); yields the gateway's URL and the engine's, and stops them all however it ends."""
     engine_port, gateway_port = free_port(), free_port()
     config = workdir / "cluster.toml"
     config.write_text(
@@ -113,16 +119,21 @@ def stack(args: argparse.Namespace, workdir: Path) -> Iterator[tuple[str, str]]:
         engine += ["--cpu-threads", str(cpu_threads(load_config(config), len(os.sched_getaffinity(0))))]
     engine += ["--model", args.model] if args.model else []
     engine_url = f"http://127.0.0.1:{engine_port}"
-    gateway = hotweights_command("gateway", "--config", str(config), "--upstream", engine_url)
+    listener = bind_port("127.0.0.1", gateway_port, reuse_port=True)
+    listener.listen(GATEWAY_BACKLOG)
     processes = [start(engine, workdir / "engine.log")]
     try:
         wait_serving(engine_url + Endpoint.PRIMARY, processes[0], workdir / "engine.log")
-        processes.append(start(gateway, workdir / "gateway.log"))
-        url = f"http://127.0.0.1:{gateway_port}"
-        wait_serving(url + Endpoint.GATEWAY_HEALTH, processes[1], workdir / "gateway.log", 60)
-        yield url, engine_url
+        for worker in range(args.gateway_workers):
+            probe, log = str(workdir / f"gateway-{worker}.sock"), workdir / f"gateway-{worker}.log"
+            gateway = hotweights_command("gateway", "--config", str(config), "--upstream", engine_url)
+            gateway += ["--fd", str(listener.fileno()), "--probe-socket", probe]
+            processes.append(start(gateway, log, (listener.fileno(),)))
+            wait_serving(f"http://gateway{Endpoint.GATEWAY_HEALTH}", processes[-1], log, 60, uds=probe)
+        yield f"http://127.0.0.1:{gateway_port}", engine_url
     finally:
         stop(processes)
+        listener.close()
 
 
 def stop(processes: list[subprocess.Popen]) -> None:
@@ -332,6 +343,10 @@ def main() -> int:
         "--gateway-max-in-flight", type=int, default=0,
         help="gateway.max_in_flight: proxied at once per gateway worker (default %(default)s: the configuration's)",
     )  # fmt: skip
+    parser.add_argument(
+        "--gateway-workers", type=int, default=GatewaySection.workers,
+        help="gateway.workers: gateway processes on the one listening socket (default %(default)s)",
+    )  # fmt: skip
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per completion (default 32)")
     parser.add_argument("--seconds", type=float, default=5.0, help="per measurement (default 5)")
     parser.add_argument(
@@ -347,6 +362,7 @@ def main() -> int:
         result = {"device": args.device, "model": args.model or "tiny"}
         result["queue_budget_s"] = args.queue_budget
         result["gateway_max_in_flight"] = args.gateway_max_in_flight
+        result["gateway_workers"] = args.gateway_workers
         result |= {"max_tokens": args.max_tokens, "seconds": args.seconds} | asyncio.run(measure(url, engine_url, args))
     print(json.dumps(result))
     return 0
