@@ -1,5 +1,5 @@
-"""Overload on CPU at CI's scale: ``bench/overload.py`` (the tiny model, one engine behind the gateway, admission by
-expected wait with a queue budget of a second, which a second of load reaches) at 1x and 5x its measured
+"""Overload on CPU at CI's scale: ``bench/overload.py`` (the tiny model, one engine behind the gateway's workers,
+admission by expected wait with a queue budget of a second, which a second of load reaches) at 1x and 5x its measured
 capacity for a second each. Every answer is a completion or a refusal (429 with the reason), nothing else; at 5x
 most are refused and some still served. Its latency targets are the benchmark's
 to report, on the GPU (``docs/benchmarks.md``, Overload), not a timed test's. ``bench/refusal_cost.py`` likewise:
