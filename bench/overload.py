@@ -26,7 +26,9 @@ so that on a small machine the cores serve the stack measured rather than the cl
   be 0);
   ``engine_mean_ms``, from the engine's own metrics over that load, where an admitted request's time went:
   ``queue_wait`` (of the ``queued`` ones), ``first_token`` and ``service`` (from its start, once tokenized, to its
-  last token); the rest of the client's time is HTTP, the gateway and tokenization.
+  last token); the rest of the client's time is HTTP, the gateway and tokenization;
+  ``gateway_cpu``: the busiest gateway worker's CPU over the load's wall time (``busiest_share``: near 1.0 its event
+  loop, refusals included, runs behind) and the workers' CPU ms per request sent (``ms_per_request``).
 
 The last stdout line is one JSON object. Both processes are stopped at the end, on SIGINT/SIGTERM too.
 """
@@ -57,6 +59,7 @@ from hotweights.contract import GATEWAY_BACKLOG, Endpoint
 from hotweights.controller.config import GatewaySection, load_config
 from hotweights.controller.stack import cpu_threads
 from hotweights.ports import free_port
+from hotweights.proctree import cpu_seconds
 from hotweights.spawn import hotweights_command
 from hotweights.standby.serving import bind_port
 from hotweights.stats import percentile
@@ -103,9 +106,10 @@ def wait_serving(
 
 
 @contextmanager
-def stack(args: argparse.Namespace, workdir: Path) -> Iterator[tuple[str, str]]:
+def stack(args: argparse.Namespace, workdir: Path) -> Iterator[tuple[str, str, list[int]]]:
     """An engine and a gateway in front of it (--gateway-workers processes on one listening socket, as ``hotweights
-    up`` starts them); yields the gateway's URL and the engine's, and stops them all however it ends."""
+    up`` starts them); yields the gateway's URL, the engine's and the workers' pids, and stops them all however it
+    ends."""
     engine_port, gateway_port = free_port(), free_port()
     config = workdir / "cluster.toml"
     config.write_text(
@@ -130,7 +134,7 @@ def stack(args: argparse.Namespace, workdir: Path) -> Iterator[tuple[str, str]]:
             gateway += ["--fd", str(listener.fileno()), "--probe-socket", probe]
             processes.append(start(gateway, log, (listener.fileno(),)))
             wait_serving(f"http://gateway{Endpoint.GATEWAY_HEALTH}", processes[-1], log, 60, uds=probe)
-        yield f"http://127.0.0.1:{gateway_port}", engine_url
+        yield f"http://127.0.0.1:{gateway_port}", engine_url, [p.pid for p in processes[1:]]
     finally:
         stop(processes)
         listener.close()
@@ -291,7 +295,14 @@ def engine_means(before: dict[str, tuple[float, float]], after: dict[str, tuple[
     return means
 
 
-async def measure(url: str, engine_url: str, args: argparse.Namespace) -> dict[str, object]:
+def gateway_cpu(before: list[float | None], after: list[float | None], wall_s: float, sent: int) -> dict[str, float]:
+    """The gateway workers' CPU over a load: the busiest one's share of the wall time (1.0: a core's worth, the most
+    one event loop has) and the CPU ms all of them spent per request sent."""
+    used = [b - a for a, b in zip(before, after, strict=True) if a is not None and b is not None]
+    return {"busiest_share": round(max(used) / wall_s, 2), "ms_per_request": round(sum(used) / sent * 1000, 3)}
+
+
+async def measure(url: str, engine_url: str, gateways: list[int], args: argparse.Namespace) -> dict[str, object]:
     await quiet(url, args)  # warm-up
     quiet_s = await quiet(url, args)
     max_batch = engine_max_batch(engine_url)
@@ -305,9 +316,11 @@ async def measure(url: str, engine_url: str, args: argparse.Namespace) -> dict[s
     result["capacity_per_s"] = round(rate, 2)
     loads = {}
     for multiple in args.loads:
-        before = await histograms(engine_url)
+        before, cpu, began = await histograms(engine_url), [cpu_seconds(p) for p in gateways], time.monotonic()
         results = await offered(url, rate * multiple, args)
         loads[f"{multiple:g}x"] = summary = summarize(results, percentile(quiet_s, 99), rate)
+        wall_s = time.monotonic() - began
+        summary["gateway_cpu"] = gateway_cpu(cpu, [cpu_seconds(p) for p in gateways], wall_s, len(results))
         summary["engine_mean_ms"] = means = engine_means(before, await histograms(engine_url))
         if "admitted_p99_ms" in summary and "service" in means:
             bound_ms = args.queue_budget * 1000 + means["service"]
@@ -358,12 +371,13 @@ def main() -> int:
     )
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the finally blocks stop what was started
-    with tempfile.TemporaryDirectory(prefix="hw-overload-") as tmp, stack(args, Path(tmp)) as (url, engine_url):
+    with tempfile.TemporaryDirectory(prefix="hw-overload-") as tmp, stack(args, Path(tmp)) as (url, engine, gateways):
         result = {"device": args.device, "model": args.model or "tiny"}
         result["queue_budget_s"] = args.queue_budget
         result["gateway_max_in_flight"] = args.gateway_max_in_flight
         result["gateway_workers"] = args.gateway_workers
-        result |= {"max_tokens": args.max_tokens, "seconds": args.seconds} | asyncio.run(measure(url, engine_url, args))
+        result |= {"max_tokens": args.max_tokens, "seconds": args.seconds}
+        result |= asyncio.run(measure(url, engine, gateways, args))
     print(json.dumps(result))
     return 0
 
