@@ -15,9 +15,10 @@ OPENING_S = 2.0  # the first seconds of serving that the line sums up
 
 @dataclass
 class Opening:
-    """The first OPENING_S of serving, from ``began`` (monotonic seconds)."""
+    """The first OPENING_S of serving, from ``began`` (monotonic seconds); None: not counting (every record is
+    dropped), as before the first promotion and once the line is out."""
 
-    began: float
+    began: float | None = None
     first_arrival: float | None = None
     first_token: float | None = None
     prefills: list[tuple[int, float]] = field(default_factory=list)  # (rows, seconds)
@@ -25,19 +26,36 @@ class Opening:
     steps: list[tuple[int, float]] = field(default_factory=list)  # (rows, seconds)
 
     def arrived(self, now: float) -> None:
-        if self.first_arrival is None:
+        if self.began is not None and self.first_arrival is None:
             self.first_arrival = now
 
     def emitted(self, now: float) -> None:
-        if self.first_token is None:
+        if self.began is not None and self.first_token is None:
             self.first_token = now
 
-    def over(self, now: float) -> bool:
-        return now - self.began >= OPENING_S
+    def prefilled(self, rows: int, seconds: float) -> None:
+        if self.began is not None:
+            self.prefills.append((rows, seconds))
+
+    def adopted(self, seconds: float) -> None:
+        if self.began is not None:
+            self.adoptions.append(seconds)
+
+    def stepped(self, rows: int, seconds: float) -> None:
+        if self.began is not None:
+            self.steps.append((rows, seconds))
+
+    def ended(self, now: float) -> str | None:
+        """The line (``line``) once OPENING_S has passed, and from then on nothing is counted; else None."""
+        if self.began is None or now - self.began < OPENING_S:
+            return None
+        line = self.line()
+        self.began = None
+        return line
 
     def line(self) -> str:
         """The summary: idle when nothing arrived, else every count and time (ms) named."""
-        if self.first_arrival is None:
+        if self.first_arrival is None or self.began is None:
             return f"first {OPENING_S:g} s of serving: no request"
         parts = [f"first request {self._after(self.first_arrival)} ms after the start"]
         if self.first_token is not None:
@@ -62,6 +80,7 @@ class Opening:
         return f"first {OPENING_S:g} s of serving: " + "; ".join(parts)
 
     def _after(self, at: float) -> int:
+        assert self.began is not None
         return round((at - self.began) * 1000)
 
 

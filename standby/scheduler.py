@@ -167,7 +167,7 @@ class Scheduler:
         self._thread = threading.Thread(target=self._run, name="inference", daemon=True)
         self._round_s = 0.0  # a round's time (a token for every active sequence, newcomers' prefills), averaged
         self._ahead: Ahead | None = None  # the step chained behind the last one, not read yet (worker thread only)
-        self._opening: Opening | None = None  # the first seconds since a KV cache was attached (``standby.opening``)
+        self._opening = Opening()  # the first seconds since a KV cache was attached (``standby.opening``)
 
     # --- called from other threads -------------------------------------------------------------
 
@@ -198,8 +198,7 @@ class Scheduler:
             if not self._closed:
                 if not self._live:
                     self.progress.arrived()
-                if (opening := self._opening) is not None:
-                    opening.arrived(time.monotonic())
+                self._opening.arrived(time.monotonic())
                 self._live.update(seqs)
                 self._inbox.put(seqs)  # under the lock, so the ending worker either sees them or refuses them
                 return
@@ -322,9 +321,8 @@ class Scheduler:
                 if self._active:
                     self._step()
                     self._round_s = averaged(self._round_s, time.monotonic() - started)
-                if (opening := self._opening) is not None and opening.over(time.monotonic()):
-                    log.info("%s", opening.line())
-                    self._opening = None
+                if opening := self._opening.ended(time.monotonic()):
+                    log.info("%s", opening)
         except Exception:
             log.exception("inference thread crashed; this is a bug, please report it")
             raise
@@ -367,8 +365,7 @@ class Scheduler:
             with self.progress.calling_daemon():
                 adopted = self._adopt(decoder, head)
             if adopted:
-                if (opening := self._opening) is not None:
-                    opening.adoptions.append(time.monotonic() - began)
+                self._opening.adopted(time.monotonic() - began)
                 continue
             with self._lock:
                 group = self._claim(decoder)
@@ -443,8 +440,7 @@ class Scheduler:
             logits = decoder.prefill(group[0].slot, prompts)
             if logits.device.type == "cuda":  # its time is the device's (the next round would wait for it anyway)
                 torch.cuda.synchronize(logits.device)
-        if (opening := self._opening) is not None:
-            opening.prefills.append((len(prompts), time.monotonic() - began))
+        self._opening.prefilled(len(prompts), time.monotonic() - began)
         for seq, prompt, row in zip(group, prompts, logits, strict=True):
             seq.logits, seq.greedy = row, None
             seq.pos = len(prompt)
@@ -495,8 +491,7 @@ class Scheduler:
             self._retire(seq, Finish("stop"))
             return
         seq.sink(token)
-        if (opening := self._opening) is not None:
-            opening.emitted(time.monotonic())
+        self._opening.emitted(time.monotonic())
         seq.generated += 1
         seq.token = token
         if seq.generated == params.max_tokens:
@@ -523,8 +518,7 @@ class Scheduler:
                 chained = decoder.chain(step, later, [slot in fed for slot in range(step.n)])
                 self._ahead = Ahead(chained, fed)
             logits, greedy = decoder.finish(step)  # (n, V), n argmaxes, on the host: the step is done
-        if (opening := self._opening) is not None:
-            opening.steps.append((n, time.monotonic() - began))
+        self._opening.stepped(n, time.monotonic() - began)
         if decoder.shared is not None:
             self._record(decoder.shared.ledger, tokens, positions)
         for seq in self._active:

@@ -9,11 +9,17 @@ from hotweights.standby.opening import OPENING_S, Opening
 pytestmark = pytest.mark.unit
 
 
-def test_an_opening_without_requests_says_so() -> None:
+def test_the_line_comes_once_after_the_opening_and_nothing_is_counted_outside_one() -> None:
+    idle = Opening()
+    idle.arrived(1.0)
+    idle.stepped(1, 0.01)
+    assert idle.ended(100.0) is None and not idle.steps and idle.first_arrival is None
     opening = Opening(100.0)
-    assert not opening.over(100.0 + OPENING_S / 2)
-    assert opening.over(100.0 + OPENING_S)
-    assert opening.line() == f"first {OPENING_S:g} s of serving: no request"
+    assert opening.ended(100.0 + OPENING_S / 2) is None
+    assert opening.ended(100.0 + OPENING_S) == f"first {OPENING_S:g} s of serving: no request"
+    assert opening.ended(200.0) is None
+    opening.prefilled(4, 0.01)
+    assert not opening.prefills
 
 
 @pytest.mark.parametrize(
@@ -33,12 +39,18 @@ def test_the_line_names_every_count_and_time(
     prefills: list[tuple[int, float]], adoptions: list[float], steps: list[tuple[int, float]], expected: str
 ) -> None:
     """Only the first arrival and token count (later ones leave them as they were); every part is named."""
-    opening = Opening(10.0, prefills=prefills, adoptions=adoptions, steps=steps)
+    opening = Opening(10.0)
+    for rows, seconds in prefills:
+        opening.prefilled(rows, seconds)
+    for seconds in adoptions:
+        opening.adopted(seconds)
+    for rows, seconds in steps:
+        opening.stepped(rows, seconds)
     opening.arrived(10.05)
     opening.arrived(10.5)
     opening.emitted(10.2)
     opening.emitted(10.9)
-    line = opening.line()
+    line = opening.ended(10.0 + OPENING_S)
     head = f"first {OPENING_S:g} s of serving: first request 50 ms after the start; first token 200 ms; "
-    assert line.startswith(head)
+    assert line is not None and line.startswith(head)
     assert expected in line
