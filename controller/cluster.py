@@ -65,7 +65,9 @@ class Cluster:
         self.checker = checker
         self.wake = wake
         launcher_dir = run_dir(layout.state_dir) if self.config.cluster.launcher else None  # engines forked there
-        self.supervisor = Supervisor(layout.log_dir, self.handle_exit, stack_marker(layout.state_dir), launcher_dir)
+        self.supervisor = Supervisor(
+            layout.log_dir, self.handle_exit, stack_marker(layout.state_dir), launcher_dir, lambda _: self.wake()
+        )
         self.state_file = StateWriter(layout.state_file, events.health)  # never raises: kept and retried
         self.run_dir = run_dir(layout.state_dir)  # its sockets
         self.spares = Spares(self.supervisor, wake)

@@ -206,11 +206,12 @@ def next_failover_step(facts: FailoverFacts) -> FailoverStep:
 
 def failed_at(old: MemberView | None, kind: FailoverKind, now: float) -> float:
     """When the failure a failover answers began (time.monotonic()): an automatic one's, the old primary's exit,
-    else the first sign of it (every thread exiting, then its first failed check); a forced one's, ``now`` (the
-    request)."""
+    else the first sign of it (every thread exiting, its stop, then its first failed check); a forced one's, ``now``
+    (the request)."""
     if old is None or kind != FailoverKind.AUTOMATIC:
         return now
-    return (old.exited_at if not old.alive else old.exiting_at or old.health.failing_since) or now
+    stopped_at = None if old.stopped_s is None else now - old.stopped_s
+    return (old.exited_at if not old.alive else old.exiting_at or stopped_at or old.health.failing_since) or now
 
 
 @dataclass(frozen=True)

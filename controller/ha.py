@@ -65,7 +65,7 @@ from hotweights.controller.engineapi import EngineApi, EngineUnreachable
 from hotweights.controller.events import EventLog
 from hotweights.controller.executor import GroupExecutor, Outcome
 from hotweights.controller.graywatch import GrayWatch
-from hotweights.controller.health import checks_failed, not_ready_within, process_exited
+from hotweights.controller.health import checks_failed, not_ready_within, process_exited, process_stopped
 from hotweights.controller.intents import Actions, Conflict, LoopSteps, Refused, Unavailable, check_group, member_of
 from hotweights.controller.keepers import ServiceKeepers
 from hotweights.controller.metrics import ControllerMetrics
@@ -74,7 +74,7 @@ from hotweights.controller.rollout import RolloutProgress, rollout_wait_s
 from hotweights.controller.snapshot import UNKNOWN_STATE, MemberView, Snapshot, Status
 from hotweights.controller.spares import is_spare
 from hotweights.controller.startfailures import StartFailures
-from hotweights.controller.supervisor import FENCE_TIMEOUT_S
+from hotweights.controller.supervisor import FENCE_TIMEOUT_S, STOPPED_FOR_S
 from hotweights.eventkinds import EventKind, FailoverKind
 from hotweights.stats import ms
 
@@ -118,7 +118,8 @@ class Ha:
         self.interval_s = health.interval_ms / 1000
         self.check_timeout_s = health.timeout_ms / 1000
         self.gray = GrayWatch(cluster, engines, events, metrics, self.wakeup, health)  # canaries, slow primaries
-        failed = process_exited() | checks_failed(health.failure_threshold) | not_ready_within()
+        failed = process_exited() | process_stopped(STOPPED_FOR_S) | checks_failed(health.failure_threshold)
+        failed |= not_ready_within()
         self.is_failed = failed | self.gray.wrong_output()
         self.executor = GroupExecutor(self.wakeup)
         self.intents: deque[Queued] = deque()

@@ -180,6 +180,7 @@ class Observed(Protocol):
     alive: bool
     exit_reason: str | None
     exiting_at: float | None  # every thread seen exiting, not reaped yet (a watched primary)
+    stopped_s: float | None  # seen stopped this long (a watched primary; None: running)
     health: HealthRecord
     age_s: float  # seconds since its process started
     start_timeout_s: float  # how long it may take to become ready
@@ -210,6 +211,21 @@ class process_exited(Policy):
         if not member.alive:
             return member.exit_reason or "exited"
         return "is exiting (every thread has begun to exit)" if member.exiting_at is not None else None
+
+
+class process_stopped(Policy):
+    """A watched primary whose process has been stopped (SIGSTOP, a tracer) for ``for_s``: it answers nothing until
+    it is continued, so it fails now rather than once its health checks have timed out (``timeout_ms`` and a second
+    check later)."""
+
+    def __init__(self, for_s: float) -> None:
+        self.for_s = for_s
+
+    def __call__(self, member: Observed) -> str | None:
+        stopped = member.stopped_s
+        if stopped is None or stopped < self.for_s:
+            return None
+        return f"is stopped (SIGSTOP or a tracer: its process has not run for {stopped * 1000:.0f} ms)"
 
 
 class checks_failed(Policy):

@@ -95,6 +95,7 @@ def member_view(member: Member, now: float) -> MemberView:
         exit_reason=process.exit_reason if process else None,
         exited_at=process.exited_at if process else None,
         exiting_at=process.exiting_at if process else None,
+        stopped_s=now - process.stopped_at if process and process.stopped_at is not None else None,
         age_s=now - member.started_at,
         start_timeout_s=member.start_timeout_s,
         health=replace(health),

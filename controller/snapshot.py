@@ -79,6 +79,7 @@ class MemberView:
     start_timeout_s: float  # its group's: not ready this long after its start means failed
     health: HealthRecord
     generation: int = 0  # the weight generation it maps
+    stopped_s: float | None = None  # a watched primary: how long its process has been seen stopped (None: running)
 
     @property
     def is_ready_standby(self) -> bool:

@@ -37,6 +37,10 @@ STOP_TIMEOUT_S = 10.0  # SIGTERM -> SIGKILL for a planned stop
 FENCE_TIMEOUT_S = 5.0  # SIGKILL -> exit; longer means the process is stuck in the kernel
 EXITING_POLL_S = 0.01  # how often the processes watched for an early exit (primaries) are read from /proc
 PF_EXITING = 0x4  # a task flag (include/linux/sched.h): it has entered do_exit() and never runs user code again
+STOPPED_STATES = ("T", "t")  # a task's state stopped by a signal (SIGSTOP, SIGTSTP) or by a tracer
+# A watched process seen stopped this long is reported (``on_stopped``): it runs nothing until it is continued, and
+# ``controller.health.process_stopped`` fails it then, without waiting for a health check's timeout.
+STOPPED_FOR_S = 0.05
 STACK_ENV = "HOTWEIGHTS_STACK"  # in the environment of every process a controller starts: its resolved state dir
 
 
@@ -69,6 +73,16 @@ def _task_flags(stat_path: Path) -> int | None:
     except (FileNotFoundError, ProcessLookupError):
         return None
     return int(stat[stat.rindex(")") + 2 :].split()[6])
+
+
+def is_stopped(pid: int) -> bool:
+    """Whether ``pid``'s main thread is stopped (STOPPED_STATES): by SIGSTOP every thread of it is, and none runs
+    until a SIGCONT."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat[stat.rindex(")") + 2] in STOPPED_STATES
 
 
 def _is_gone_or_exiting(stat_path: Path) -> bool:
@@ -147,6 +161,7 @@ class Process:
     exit_reason: str | None = None
     exited_at: float | None = None  # time.monotonic()
     exiting_at: float | None = None  # when every thread was seen exiting (watched processes only)
+    stopped_at: float | None = None  # since when it has been seen stopped (watched processes only; None: running)
     gone: asyncio.Event = field(default_factory=asyncio.Event)  # exiting seen, or exited: it never answers again
 
     @property
@@ -165,9 +180,15 @@ class Supervisor:
     """Owns the pidfds; ``on_exit`` runs on the event loop right after a watched process ends."""
 
     def __init__(
-        self, log_dir: Path, on_exit: Callable[[Process], None], stack: str = "", launcher_dir: Path | None = None
+        self,
+        log_dir: Path,
+        on_exit: Callable[[Process], None],
+        stack: str = "",
+        launcher_dir: Path | None = None,
+        on_stopped: Callable[[Process], None] = lambda _: None,
     ) -> None:
-        """``on_exit`` also runs when a process watched for an early exit is seen exiting (``exiting_at``);
+        """``on_exit`` also runs when a process watched for an early exit is seen exiting (``exiting_at``), and
+        ``on_stopped`` once one has been seen stopped for STOPPED_FOR_S (``stopped_at``);
         ``stack``: the ``STACK_ENV`` value of the processes it starts (``stack_marker``; "": none); ``launcher_dir``:
         where the socket of the launcher that forks its engines is (``controller.launcherclient``; None: none)."""
         self.log_dir = log_dir
@@ -175,8 +196,10 @@ class Supervisor:
         self.launcher = Launcher(launcher_dir / LAUNCHER_SOCKET, log_dir / LAUNCHER_LOG, env) if launcher_dir else None
         self.stack = stack
         self.on_exit = on_exit
+        self.on_stopped = on_stopped
         self.processes: dict[str, Process] = {}
         self.early: set[Process] = set()  # watched for the first sign of their exit
+        self.stops_reported: set[Process] = set()  # of them, stopped ones ``on_stopped`` was run for
         self.early_watch: asyncio.Task | None = None
 
     def log_path(self, log_id: str) -> Path:
@@ -256,7 +279,9 @@ class Supervisor:
         ms per GB mapped; a CUDA context's mappings and driver state take longer), then its files. The
         task flags show PF_EXITING within a few ms of a SIGKILL. Once every thread shows it (``is_exiting``)
         the process can never run user code again, so it is as good as fenced for a failover, though its
-        memory may still be being released: ``exiting_at`` is set, ``gone`` fires and ``on_exit`` runs."""
+        memory may still be being released: ``exiting_at`` is set, ``gone`` fires and ``on_exit`` runs. A process
+        seen stopped (``is_stopped``) has ``stopped_at`` set, cleared once it runs again, and ``on_stopped`` runs
+        once it has been stopped for STOPPED_FOR_S."""
         if not watch or not process.alive:
             self.early.discard(process)
             return
@@ -272,9 +297,25 @@ class Supervisor:
                     process.gone.set()
                     log.debug("%s (pid %d): every thread is exiting", process.id, process.pid)
                     self.on_exit(process)
+                elif process.alive:
+                    self._note_stop(process)
                 if not process.alive or process.exiting_at is not None:
                     self.early.discard(process)
+                    self.stops_reported.discard(process)
             await asyncio.sleep(EXITING_POLL_S)
+
+    def _note_stop(self, process: Process) -> None:
+        """``stopped_at`` as ``process`` is now; ``on_stopped`` on the poll that finds it stopped STOPPED_FOR_S."""
+        now = time.monotonic()
+        if not is_stopped(process.pid):
+            process.stopped_at = None
+            self.stops_reported.discard(process)
+            return
+        process.stopped_at = process.stopped_at or now
+        if now - process.stopped_at >= STOPPED_FOR_S and process not in self.stops_reported:
+            self.stops_reported.add(process)
+            log.debug("%s (pid %d): stopped for %.0f ms", process.id, process.pid, (now - process.stopped_at) * 1000)
+            self.on_stopped(process)
 
     async def fence(self, process: Process, timeout: float = FENCE_TIMEOUT_S, *, until_exit: bool = True) -> bool:
         """SIGKILL and wait for the exit (works on a SIGSTOPped process too); False if it outlived ``timeout``.

@@ -823,6 +823,33 @@ def test_a_watched_process_is_gone_once_every_thread_exits_before_it_is_reaped(t
     assert seen == [("holder", True), ("holder", False)]  # exiting (not reaped yet), then exited
 
 
+def test_a_watched_process_stopped_is_reported_once_and_forgotten_when_it_runs_again(tmp_path: Path) -> None:
+    """SIGSTOP of a watched process: ``stopped_at`` is set within a poll or two and ``on_stopped`` runs once, after
+    STOPPED_FOR_S; SIGCONT clears it, and a second stop is reported again."""
+    stops: list[float] = []
+
+    async def run() -> None:
+        watcher = supervisor.Supervisor(tmp_path, lambda _: None, on_stopped=lambda p: stops.append(p.stopped_at))
+        sleeper = watcher.spawn("sleeper", [sys.executable, "-c", "import time; time.sleep(600)"])
+        try:
+            watcher.watch_exiting(sleeper)
+            for round_ in (1, 2):
+                os.kill(sleeper.pid, signal.SIGSTOP)
+                stopped = time.monotonic()
+                while len(stops) < round_:
+                    await asyncio.sleep(supervisor.EXITING_POLL_S)
+                    assert time.monotonic() - stopped < 10, "a stopped process never reported"
+                assert time.monotonic() - stopped >= supervisor.STOPPED_FOR_S
+                os.kill(sleeper.pid, signal.SIGCONT)
+                while sleeper.stopped_at is not None:
+                    await asyncio.sleep(supervisor.EXITING_POLL_S)
+            assert len(stops) == 2 and sleeper.exiting_at is None
+        finally:
+            await watcher.fence(sleeper)
+
+    asyncio.run(run())
+
+
 # Listens on a port, then forks a child that inherits the socket; both say so (one write each: the two
 # share the pipe) and wait.
 FORKING_LISTENER = """

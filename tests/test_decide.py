@@ -27,7 +27,13 @@ from hotweights.controller.decide import (
     room_refusal,
 )
 from hotweights.controller.executor import backoff_s
-from hotweights.controller.health import HealthRecord, checks_failed, not_ready_within, process_exited
+from hotweights.controller.health import (
+    HealthRecord,
+    checks_failed,
+    not_ready_within,
+    process_exited,
+    process_stopped,
+)
 from hotweights.controller.ids import engine_id, engine_slot
 from hotweights.controller.snapshot import MemberView
 from hotweights.proctree import BUSY_GRACE_S, busy_not_hung
@@ -38,7 +44,7 @@ HEALTHY = HealthRecord(ok=True, ever_ok=True)
 NEVER_CHECKED = HealthRecord()
 HUNG = HealthRecord(ok=False, ever_ok=True, consecutive_failures=3, error="no answer within 500 ms")
 ONE_MISS = HealthRecord(ok=False, ever_ok=True, consecutive_failures=1, error="no answer within 500 ms")
-IS_FAILED = process_exited() | checks_failed(3) | not_ready_within()
+IS_FAILED = process_exited() | process_stopped(0.05) | checks_failed(3) | not_ready_within()
 SIGKILL = "killed by signal 9 (SIGKILL)"
 
 
@@ -59,6 +65,24 @@ def dead(index: int, role: str = "standby", ever_ok: bool = True, exited_at: flo
 
 
 PRIMARY = member(0, "primary")
+
+
+@pytest.mark.parametrize(
+    ("stopped_s", "health", "reason"),
+    [
+        (None, HEALTHY, None),  # running
+        (0.02, HEALTHY, None),  # stopped, not for long yet: a check may still fail it later
+        (0.05, HEALTHY, "is stopped (SIGSTOP or a tracer: its process has not run for 50 ms)"),
+        (0.3, ONE_MISS, "is stopped (SIGSTOP or a tracer: its process has not run for 300 ms)"),  # before the checks
+        (None, HUNG, "failed 3 health checks in a row (no answer within 500 ms)"),
+    ],
+)
+def test_a_stopped_primary_fails_once_stopped_for_the_bound(
+    stopped_s: float | None, health: HealthRecord, reason: str | None
+) -> None:
+    """A stopped process runs nothing until it is continued: it fails as soon as it has been stopped for the bound,
+    before its health checks time out; one stopped for less, or running, is judged by its checks."""
+    assert IS_FAILED(member(0, "primary", stopped_s=stopped_s, health=health)) == reason
 
 
 @pytest.mark.parametrize(
