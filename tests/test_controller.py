@@ -389,18 +389,20 @@ def test_a_new_primarys_failure_is_failed_over_at_once_after_failovers_that_foun
         stack.close()
 
 
-def test_hung_primary_detected_by_health_checks(stack: ControllerStack) -> None:
+def test_stopped_primary_detected_by_its_stop(stack: ControllerStack) -> None:
+    """SIGSTOP: the primary fails once seen stopped (``controller.health.process_stopped``), before its health
+    checks would have timed out twice."""
     urls = [m["url"] for m in stack.wait_steady().values()]
     old = stack.primary()
     os.kill(old["pid"], signal.SIGSTOP)
     try:
         _, seconds = wait_new_primary(urls, old["url"], 15)
-        print(f"\nhung primary: SIGSTOP -> new /primary 200 in {seconds * 1000:.0f} ms")
+        print(f"\nstopped primary: SIGSTOP -> new /primary 200 in {seconds * 1000:.0f} ms")
     finally:
         with contextlib.suppress(ProcessLookupError):  # fenced: SIGKILL works on a stopped process
             os.kill(old["pid"], signal.SIGCONT)
     detect = stack.events("detect")[-1]
-    assert detect["member"] == old["id"] and "health checks" in detect["message"]
+    assert detect["member"] == old["id"] and "is stopped" in detect["message"], detect
     wait_until(lambda: not Path(f"/proc/{old['pid']}").exists(), 10, "the hung primary to be fenced")
     stack.wait_steady()
 
