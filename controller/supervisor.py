@@ -27,7 +27,7 @@ from typing import BinaryIO
 from hotweights.controller.launcherclient import LAUNCHER_LOG, LAUNCHER_SOCKET, Launched, Launcher
 from hotweights.errors import ConfigError
 from hotweights.pidlock import LockHeld, PidLock, is_held
-from hotweights.proctree import descendants
+from hotweights.proctree import descendants, is_exiting, is_stopped
 from hotweights.spawn import readable
 from hotweights.state import ProcessRecord
 
@@ -36,8 +36,6 @@ log = logging.getLogger(__name__)
 STOP_TIMEOUT_S = 10.0  # SIGTERM -> SIGKILL for a planned stop
 FENCE_TIMEOUT_S = 5.0  # SIGKILL -> exit; longer means the process is stuck in the kernel
 EXITING_POLL_S = 0.01  # how often the processes watched for an early exit (primaries) are read from /proc
-PF_EXITING = 0x4  # a task flag (include/linux/sched.h): it has entered do_exit() and never runs user code again
-STOPPED_STATES = ("T", "t")  # a task's state stopped by a signal (SIGSTOP, SIGTSTP) or by a tracer
 # A watched process seen stopped this long is reported (``on_stopped``): it runs nothing until it is continued, and
 # ``controller.health.process_stopped`` fails it then, without waiting for a health check's timeout.
 STOPPED_FOR_S = 0.05
@@ -64,47 +62,6 @@ def read_identity(pid: int) -> Identity | None:
 def command_identity(command: list[str]) -> tuple[str, ...]:
     """A command line as an identity holds it: without trailing empty arguments (``read_identity``)."""
     return tuple(command[: max((i + 1 for i, arg in enumerate(command) if arg), default=0)])
-
-
-def _task_flags(stat_path: Path) -> int | None:
-    """The flags field of a /proc ``stat`` file; None when the task is gone."""
-    try:
-        stat = stat_path.read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    return int(stat[stat.rindex(")") + 2 :].split()[6])
-
-
-def is_stopped(pid: int) -> bool:
-    """Whether ``pid``'s main thread is stopped (STOPPED_STATES): by SIGSTOP every thread of it is, and none runs
-    until a SIGCONT."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return stat[stat.rindex(")") + 2] in STOPPED_STATES
-
-
-def _is_gone_or_exiting(stat_path: Path) -> bool:
-    flags = _task_flags(stat_path)
-    return flags is None or bool(flags & PF_EXITING)
-
-
-def is_exiting(pid: int) -> bool:
-    """Whether every thread of ``pid`` has begun to exit (PF_EXITING, or already gone): then none can run
-    user code again, so the process will never answer another request, whatever it held open. Cheap
-    when it is not (one read of the main thread's flags). The threads are listed again after their flags
-    are read: a thread started meanwhile makes it False (every thread read as exiting can start none)."""
-    flags = _task_flags(Path(f"/proc/{pid}/stat"))
-    if flags is None or not flags & PF_EXITING:
-        return False
-    tasks = Path(f"/proc/{pid}/task")
-    try:
-        before = set(os.listdir(tasks))
-        exiting = all(_is_gone_or_exiting(tasks / tid / "stat") for tid in before)
-        return exiting and set(os.listdir(tasks)) <= before
-    except FileNotFoundError:
-        return False  # reaped: the pidfd reports the exit
 
 
 def _session(pid: int) -> int | None:

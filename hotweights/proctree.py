@@ -1,6 +1,7 @@
-"""A process's tree, the memory it holds and the CPU it used, read from /proc and ``nvidia-smi`` without touching any
-device: what the controller's memory checks measure of an engine, what a vLLM or SGLang spare reports it holds, and
-whether an engine that answers its checks late is running (``controller.health``)."""
+"""A process's tree, the memory it holds, the CPU it used and its threads' states, read from /proc and ``nvidia-smi``
+without touching any device: what the controller's memory checks measure of an engine, what a vLLM or SGLang spare
+reports it holds, whether an engine that answers its checks late is running (``controller.health``), and whether a
+watched primary is exiting or stopped (``controller.supervisor``)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from pathlib import Path
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 TICK = os.sysconf("SC_CLK_TCK")
+PF_EXITING = 0x4  # a task flag (include/linux/sched.h): it has entered do_exit() and never runs user code again
+STOPPED_STATES = ("T", "t")  # a task's state stopped by a signal (SIGSTOP, SIGTSTP) or by a tracer
 
 
 def descendants(pid: int) -> set[int]:
@@ -92,3 +95,44 @@ def device_bytes_of(pids: Iterable[int]) -> int | None:
     used = {int(pid): int(mib) << 20 for pid, mib in (line.split(",") for line in result.stdout.splitlines() if line)}
     held = [used[pid] for pid in pids if pid in used]
     return max(held) if held else None
+
+
+def _task_flags(stat_path: Path) -> int | None:
+    """The flags field of a /proc ``stat`` file; None when the task is gone."""
+    try:
+        stat = stat_path.read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return int(stat[stat.rindex(")") + 2 :].split()[6])
+
+
+def is_stopped(pid: int) -> bool:
+    """Whether ``pid``'s main thread is stopped (STOPPED_STATES): by SIGSTOP every thread of it is, and none runs
+    until a SIGCONT."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat[stat.rindex(")") + 2] in STOPPED_STATES
+
+
+def _is_gone_or_exiting(stat_path: Path) -> bool:
+    flags = _task_flags(stat_path)
+    return flags is None or bool(flags & PF_EXITING)
+
+
+def is_exiting(pid: int) -> bool:
+    """Whether every thread of ``pid`` has begun to exit (PF_EXITING, or already gone): then none can run
+    user code again, so the process will never answer another request, whatever it held open. Cheap
+    when it is not (one read of the main thread's flags). The threads are listed again after their flags
+    are read: a thread started meanwhile makes it False (every thread read as exiting can start none)."""
+    flags = _task_flags(Path(f"/proc/{pid}/stat"))
+    if flags is None or not flags & PF_EXITING:
+        return False
+    tasks = Path(f"/proc/{pid}/task")
+    try:
+        before = set(os.listdir(tasks))
+        exiting = all(_is_gone_or_exiting(tasks / tid / "stat") for tid in before)
+        return exiting and set(os.listdir(tasks)) <= before
+    except FileNotFoundError:
+        return False  # reaped: the pidfd reports the exit

@@ -41,7 +41,7 @@ from hotweights.controller.spares import is_waiting
 from hotweights.controller.stack import Generation, Layout, cpu_threads
 from hotweights.controller.supervisor import Identity, read_identity
 from hotweights.errors import ConfigError
-from hotweights.proctree import BUSY_GRACE_S
+from hotweights.proctree import BUSY_GRACE_S, is_exiting
 from hotweights.state import ClusterState, read_state, write_state
 from tests.controllerhelpers import ControllerStack, split_brain_watch, wait_until
 
@@ -807,9 +807,9 @@ def test_a_watched_process_is_gone_once_every_thread_exits_before_it_is_reaped(t
         holder = watcher.spawn("holder", [sys.executable, "-c", HOLDER, "1536"])
         log = tmp_path / "holder.log"
         await asyncio.to_thread(wait_until, lambda: "ready" in log.read_text(), 60, "the holder's memory")
-        assert not any(supervisor.is_exiting(holder.pid) for _ in range(300)), "a live process taken for exiting"
+        assert not any(is_exiting(holder.pid) for _ in range(300)), "a live process taken for exiting"
         os.kill(holder.pid, signal.SIGSTOP)
-        assert not supervisor.is_exiting(holder.pid), "a stopped process taken for exiting"
+        assert not is_exiting(holder.pid), "a stopped process taken for exiting"
         os.kill(holder.pid, signal.SIGCONT)
         watcher.watch_exiting(holder)
         os.kill(holder.pid, signal.SIGKILL)
