@@ -297,8 +297,10 @@ def engine_means(before: dict[str, tuple[float, float]], after: dict[str, tuple[
 
 def gateway_cpu(before: list[float | None], after: list[float | None], wall_s: float, sent: int) -> dict[str, float]:
     """The gateway workers' CPU over a load: the busiest one's share of the wall time (1.0: a core's worth, the most
-    one event loop has) and the CPU ms all of them spent per request sent."""
+    one event loop has) and the CPU ms all of them spent per request sent; empty when no worker could be read."""
     used = [b - a for a, b in zip(before, after, strict=True) if a is not None and b is not None]
+    if not used:  # every worker gone meanwhile: nothing measured, nothing said
+        return {}
     return {"busiest_share": round(max(used) / wall_s, 2), "ms_per_request": round(sum(used) / sent * 1000, 3)}
 
 
