@@ -143,7 +143,7 @@ class Stops(Scenario):
 
 class HangPrimary(Stops):
     name = "hang-primary"
-    measures = "SIGSTOP the primary: health-check detection (threshold x timeout), fence of a stopped process"
+    measures = "SIGSTOP the primary: detection of a stopped process (50 ms stopped), fence of a stopped process"
     not_fenced = "the stopped primary was not fenced"
 
     async def inject(self, r: Round) -> None:
