@@ -227,7 +227,7 @@ def main() -> int:
     args.phases = args.phases.split(",")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the finally blocks stop the stack
     result: dict[str, object] = {"device": args.device, "model": args.model or "tiny", "rps": args.rps}
-    with up_stack(args.model, args.device, args.keep_logs and Path(args.keep_logs)) as stack:
+    with up_stack(args.model, args.device, Path(args.keep_logs) if args.keep_logs else None) as stack:
         stack.wait_whole()
         result |= asyncio.run(measure(stack, args))
     result["targets"] = TARGETS

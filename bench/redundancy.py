@@ -50,7 +50,6 @@ import asyncio
 import bisect
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -72,7 +71,7 @@ from hotweights.chaos.faults import Target, send
 from hotweights.chaos.load import LoadGenerator, RequestRecord, reference_completion
 from hotweights.chaos.scenarios import fault_storm, wait_dead
 from hotweights.chaos.splitbrain import SplitBrainDetector
-from hotweights.chaos.stack import DRILL_LIMITS, DrillStack, run_interruptible
+from hotweights.chaos.stack import DRILL_LIMITS, DrillStack, copy_logs, run_interruptible
 from hotweights.controller.config import EngineSpec
 from hotweights.controller.stack import Layout
 from hotweights.engines import Engine
@@ -135,13 +134,6 @@ async def wait_redundant(api: ControlApi, after: float, timeout_s: float) -> str
         await asyncio.sleep(0.1)
     view = await api.cluster()
     return (view and view.incomplete()) or "the controller does not answer"
-
-
-def keep_logs(stack: DrillStack, into: Path) -> None:
-    """The stack's logs (controller, daemons, engines, spares), copied into ``into``."""
-    into.mkdir(parents=True, exist_ok=True)
-    for log in [*stack.workdir.glob("*.log"), *(stack.config.state_dir / "logs").glob("*.log")]:
-        shutil.copy(log, into / log.name)
 
 
 async def engine_start_s(stack: DrillStack, api: ControlApi) -> float | None:
@@ -286,7 +278,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             send(target, signal.SIGCONT)
         await api.aclose()
         if args.keep_logs:
-            keep_logs(stack, Path(args.keep_logs))
+            copy_logs(Path(args.keep_logs), stack.workdir, stack.config.state_dir)
         await asyncio.to_thread(stack.teardown)
     # the quiet window's requests, each answered by now (a slow engine's may end after the window)
     quiet = [latency(r) for r in records if r.start < quiet_until and r.ok]

@@ -52,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.overload import engine_max_batch
 from hotweights.chaos.clusterview import ClusterView
+from hotweights.chaos.stack import copy_logs
 from hotweights.contract import Endpoint
 from hotweights.eventkinds import EventKind
 from hotweights.ports import free_ports
@@ -140,9 +141,7 @@ class UpStack:
             self.up.wait(timeout=10)
         self.api.close()
         if keep_logs is not None:
-            keep_logs.mkdir(parents=True, exist_ok=True)
-            for log in [*self.root.glob("*.log"), *(self.root / "state" / "logs").glob("*.log")]:
-                shutil.copy(log, keep_logs / log.name)
+            copy_logs(keep_logs, self.root, self.root / "state")
         shutil.rmtree(self.root, ignore_errors=True)
 
 

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 from collections.abc import Coroutine
@@ -74,6 +75,14 @@ T = TypeVar("T")
 def engine_section(limits: ServingLimits) -> str:
     """``limits`` as the body of cluster.toml's ``[engine]`` section, every field."""
     return "".join(f"{name} = {json.dumps(value)}\n" for name, value in asdict(limits).items())
+
+
+def copy_logs(into: Path, workdir: Path, state_dir: Path) -> None:
+    """A stack's logs copied into ``into``: those in ``workdir`` (``up``'s, the controller's) and in its state dir's
+    ``logs`` (every engine's, spare's, daemon's and gateway worker's)."""
+    into.mkdir(parents=True, exist_ok=True)
+    for log in [*workdir.glob("*.log"), *(state_dir / "logs").glob("*.log")]:
+        shutil.copy(log, into / log.name)
 
 
 def run_interruptible(work: Coroutine[Any, Any, T]) -> T | None:

@@ -202,7 +202,7 @@ class CompletionRun:
                     if held is not None:
                         yield self._chunk(held, unseen)
                     held, since = piece, time.monotonic()
-                if held.finish_reason is not None or time.monotonic() - since >= gather_s:
+                if held.finish_reason is not None or not gather_s or time.monotonic() - since >= gather_s:
                     yield self._chunk(held, unseen)
                     held = None
         except GenerationAborted as exc:

@@ -4,7 +4,8 @@ device that other engines may be warming up on, and that burst is what a failove
 detection. ``Opening`` counts, over the OPENING_S after the KV cache is attached, what the inference thread did:
 its prefills (rows, time), the continuations it adopted from a deposited KV cache (``standby.kvshare``: time,
 the mapping of a deposit included), its decode steps (rows, time), the first request's arrival and the first
-token. The scheduler records into it from its worker thread only (``arrived`` from any thread: one float)."""
+token. Its decode steps and prefills come from the times ``standby.progress.ProgressClock`` takes of them anyway,
+the rest from the scheduler, all on the inference thread (``arrived`` from any thread: one float)."""
 
 from __future__ import annotations
 

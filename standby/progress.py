@@ -42,6 +42,8 @@ import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
+from hotweights.standby.opening import Opening
+
 log = logging.getLogger(__name__)
 
 STALL_FLOOR_S = 1.0  # the least time without progress, work pending, that makes the engine unhealthy
@@ -132,6 +134,7 @@ class ProgressClock:
         self.decode_s = 0.0
         self.prefills: dict[Shape, float] = {}  # seconds per prefill shape, averaged
         self.stalled = False  # a stall was reported and has not ended (logged once each)
+        self.opening = Opening()  # the first seconds of serving, fed the steps and prefills timed here
 
     def arrived(self) -> None:
         """Work arrived while none was pending: the time without progress counts from now."""
@@ -146,14 +149,18 @@ class ProgressClock:
     def decoding(self, rows: int) -> Iterator[None]:
         with self._running(f"a decode step of {rows} row(s)", self.decode_s or None) as started:
             yield
-        self.decode_s = averaged(self.decode_s, time.monotonic() - started)
+        seconds = time.monotonic() - started
+        self.decode_s = averaged(self.decode_s, seconds)
+        self.opening.stepped(rows, seconds)
 
     @contextlib.contextmanager
     def prefilling(self, shape: Shape) -> Iterator[None]:
         what = f"a prefill of {shape[0]} x {shape[1]} tokens"
         with self._running(what, expected_prefill_s(self.prefills, shape)) as started:
             yield
-        self.prefills[shape] = averaged(self.prefills.get(shape, 0.0), time.monotonic() - started)
+        seconds = time.monotonic() - started
+        self.prefills[shape] = averaged(self.prefills.get(shape, 0.0), seconds)
+        self.opening.prefilled(shape[0], seconds)
 
     def calling_daemon(self) -> contextlib.AbstractContextManager[float]:
         from hotweights.standby.kvshare import REQUEST_TIMEOUT_S  # here: it imports torch, which the agent has not

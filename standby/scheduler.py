@@ -167,7 +167,6 @@ class Scheduler:
         self._thread = threading.Thread(target=self._run, name="inference", daemon=True)
         self._round_s = 0.0  # a round's time (a token for every active sequence, newcomers' prefills), averaged
         self._ahead: Ahead | None = None  # the step chained behind the last one, not read yet (worker thread only)
-        self._opening = Opening()  # the first seconds since a KV cache was attached (``standby.opening``)
 
     # --- called from other threads -------------------------------------------------------------
 
@@ -198,7 +197,7 @@ class Scheduler:
             if not self._closed:
                 if not self._live:
                     self.progress.arrived()
-                self._opening.arrived(time.monotonic())
+                self.progress.opening.arrived(time.monotonic())
                 self._live.update(seqs)
                 self._inbox.put(seqs)  # under the lock, so the ending worker either sees them or refuses them
                 return
@@ -250,7 +249,7 @@ class Scheduler:
         if decoder.shared is not None:
             decoder.shared.ledger.reset_all()
         self.progress.learn(decoder.prefill_times)
-        self._opening = Opening(time.monotonic())
+        self.progress.opening = Opening(time.monotonic())  # the first seconds of serving (``standby.opening``)
         with self._lock:
             if self._decoder is not None:
                 raise RuntimeError("a KV cache is already attached")
@@ -321,7 +320,7 @@ class Scheduler:
                 if self._active:
                     self._step()
                     self._round_s = averaged(self._round_s, time.monotonic() - started)
-                if opening := self._opening.ended(time.monotonic()):
+                if opening := self.progress.opening.ended(time.monotonic()):
                     log.info("%s", opening)
         except Exception:
             log.exception("inference thread crashed; this is a bug, please report it")
@@ -361,11 +360,10 @@ class Scheduler:
                 self._waiting.popleft()
                 self._retire(head, Finish("error", reason or "no KV cache is attached: this engine is a standby"))
                 continue
-            began = time.monotonic()
-            with self.progress.calling_daemon():
+            with self.progress.calling_daemon() as began:
                 adopted = self._adopt(decoder, head)
             if adopted:
-                self._opening.adopted(time.monotonic() - began)
+                self.progress.opening.adopted(time.monotonic() - began)
                 continue
             with self._lock:
                 group = self._claim(decoder)
@@ -435,12 +433,10 @@ class Scheduler:
         for seq in group:
             _seed(seq)
         prompts = [seq.prefilled(decoder.batch_invariant) for seq in group]
-        began = time.monotonic()
         with self.progress.prefilling((len(prompts), padded(decoder.lengths, max(map(len, prompts))))):
             logits = decoder.prefill(group[0].slot, prompts)
             if logits.device.type == "cuda":  # its time is the device's (the next round would wait for it anyway)
                 torch.cuda.synchronize(logits.device)
-        self._opening.prefilled(len(prompts), time.monotonic() - began)
         for seq, prompt, row in zip(group, prompts, logits, strict=True):
             seq.logits, seq.greedy = row, None
             seq.pos = len(prompt)
@@ -491,7 +487,7 @@ class Scheduler:
             self._retire(seq, Finish("stop"))
             return
         seq.sink(token)
-        self._opening.emitted(time.monotonic())
+        self.progress.opening.emitted(time.monotonic())
         seq.generated += 1
         seq.token = token
         if seq.generated == params.max_tokens:
@@ -506,7 +502,6 @@ class Scheduler:
         for seq in self._active:
             tokens[seq.slot], positions[seq.slot] = seq.token, seq.pos
         ahead, self._ahead = self._ahead, None
-        began = time.monotonic()
         with self.progress.decoding(n):
             if ahead is not None and all(ahead.fed.get(seq.slot) == (seq, seq.pos) for seq in self._active):
                 step = ahead.step
@@ -518,7 +513,6 @@ class Scheduler:
                 chained = decoder.chain(step, later, [slot in fed for slot in range(step.n)])
                 self._ahead = Ahead(chained, fed)
             logits, greedy = decoder.finish(step)  # (n, V), n argmaxes, on the host: the step is done
-        self._opening.stepped(n, time.monotonic() - began)
         if decoder.shared is not None:
             self._record(decoder.shared.ledger, tokens, positions)
         for seq in self._active:

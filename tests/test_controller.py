@@ -805,21 +805,24 @@ def test_a_watched_process_is_gone_once_every_thread_exits_before_it_is_reaped(t
     async def run() -> None:
         watcher = supervisor.Supervisor(tmp_path, lambda p: seen.append((p.id, p.alive)))
         holder = watcher.spawn("holder", [sys.executable, "-c", HOLDER, "1536"])
-        log = tmp_path / "holder.log"
-        await asyncio.to_thread(wait_until, lambda: "ready" in log.read_text(), 60, "the holder's memory")
-        assert not any(is_exiting(holder.pid) for _ in range(300)), "a live process taken for exiting"
-        os.kill(holder.pid, signal.SIGSTOP)
-        assert not is_exiting(holder.pid), "a stopped process taken for exiting"
-        os.kill(holder.pid, signal.SIGCONT)
-        watcher.watch_exiting(holder)
-        os.kill(holder.pid, signal.SIGKILL)
-        await asyncio.wait_for(holder.exited.wait(), 30)
-        assert holder.exiting_at is not None and holder.exited_at is not None
-        print(
-            f"\nSIGKILL of 1.5 GiB: every thread exiting {(holder.exited_at - holder.exiting_at) * 1000:.0f} ms "
-            "before the pidfd"
-        )
-        assert holder.exiting_at < holder.exited_at
+        try:
+            log = tmp_path / "holder.log"
+            await asyncio.to_thread(wait_until, lambda: "ready" in log.read_text(), 60, "the holder's memory")
+            assert not any(is_exiting(holder.pid) for _ in range(300)), "a live process taken for exiting"
+            os.kill(holder.pid, signal.SIGSTOP)
+            assert not is_exiting(holder.pid), "a stopped process taken for exiting"
+            os.kill(holder.pid, signal.SIGCONT)
+            watcher.watch_exiting(holder)
+            os.kill(holder.pid, signal.SIGKILL)
+            await asyncio.wait_for(holder.exited.wait(), 30)
+            assert holder.exiting_at is not None and holder.exited_at is not None
+            print(
+                f"\nSIGKILL of 1.5 GiB: every thread exiting {(holder.exited_at - holder.exiting_at) * 1000:.0f} ms "
+                "before the pidfd"
+            )
+            assert holder.exiting_at < holder.exited_at
+        finally:  # a failed assertion must not leave the holder spinning
+            await watcher.fence(holder)
 
     asyncio.run(run())
     assert seen == [("holder", True), ("holder", False)]  # exiting (not reaped yet), then exited
