@@ -21,9 +21,10 @@ so that on a small machine the cores serve the stack measured rather than the cl
   over the queue budget plus the engine's mean service at that load (``admitted_p99_over_bound``, target <= 1: what
   is admitted starts within the budget), the refused ones' (429 or 503) count, of them the 503s (``refused_503``:
   the gateway knew no primary, its probe or a connection to the engine timed out), their answer time p50/p99/max
-  (target <= 50 ms), ``goodput`` (the admitted completed per second, from the first request sent to the last one
-  admitted answered, over the capacity; target >= 0.9), and every other answer or transport error (``errors``, must
-  be 0);
+  (target <= 50 ms), and of them those the engine answered itself, relayed (``refused_by_engine``: the gateway
+  answers the rest at once while an engine is full, ``gateway.discovery``) and their answer time p50/max,
+  ``goodput`` (the admitted completed per second, from the first request sent to the last one admitted answered,
+  over the capacity; target >= 0.9), and every other answer or transport error (``errors``, must be 0);
   ``engine_mean_ms``, from the engine's own metrics over that load, where an admitted request's time went:
   ``queue_wait`` (of the ``queued`` ones), ``first_token`` and ``service`` (from its start, once tokenized, to its
   last token); the rest of the client's time is HTTP, the gateway and tokenization;
@@ -46,6 +47,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import h11
@@ -55,7 +57,7 @@ from prometheus_client.parser import text_string_to_metric_families
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hotweights.admission import ServingLimits
-from hotweights.contract import GATEWAY_BACKLOG, Endpoint
+from hotweights.contract import GATEWAY_BACKLOG, UPSTREAM_HEADER, Endpoint
 from hotweights.controller.config import GatewaySection, load_config
 from hotweights.controller.stack import cpu_threads
 from hotweights.ports import free_port
@@ -72,6 +74,19 @@ ADMITTED_P99_BOUND_TARGET = 1.0  # admitted p99 over the queue budget plus the e
 REFUSED_MS_TARGET = 50.0
 GOODPUT_TARGET = 0.9
 REFUSED = (429, 503)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One request of a load: its status (or its error's name), its seconds, when it was answered (seconds after the
+    load's first was sent) and whether an engine answered it (``post``)."""
+
+    status: int | str
+    seconds: float
+    answered: float
+    relayed: bool
+
+
 TIMEOUT_S = 120.0  # a request's whole exchange
 ENGINE_TIMES = {  # engine_mean_ms's keys -> the engine's histograms
     "queue_wait": "hotweights_engine_queue_wait_seconds",
@@ -152,20 +167,22 @@ def stop(processes: list[subprocess.Popen]) -> None:
             process.wait()
 
 
-async def one(url: str, max_tokens: int) -> tuple[int | str, float]:
-    """(status, or the error's name; seconds) of one completion through ``url``."""
+async def one(url: str, max_tokens: int) -> tuple[int | str, float, bool]:
+    """(status, or the error's name; seconds; whether an engine answered it, not the gateway itself) of one
+    completion through ``url``."""
     started = time.perf_counter()
     body = json.dumps({"prompt": PROMPT, "max_tokens": max_tokens}).encode()
     try:
         async with asyncio.timeout(TIMEOUT_S):
-            status: int | str = await post(httpx.URL(url + Endpoint.COMPLETIONS), body)
+            status, relayed = await post(httpx.URL(url + Endpoint.COMPLETIONS), body)
     except (OSError, TimeoutError, h11.ProtocolError) as exc:
-        status = type(exc).__name__
-    return status, time.perf_counter() - started
+        status, relayed = type(exc).__name__, False
+    return status, time.perf_counter() - started, relayed
 
 
-async def post(url: httpx.URL, body: bytes) -> int:
-    """POST ``body`` (JSON) to ``url`` on a connection of its own, read the answer to its end: its status. The load
+async def post(url: httpx.URL, body: bytes) -> tuple[int, bool]:
+    """POST ``body`` (JSON) to ``url`` on a connection of its own, read the answer to its end: its status, and
+    whether the gateway relayed it from an engine (``UPSTREAM_HEADER``) rather than answered it itself. The load
     generator's own cost per request, ~0.4 ms of CPU here against httpx's 4-15 ms (its pool's bookkeeping grows with
     the requests in flight), so that the cores serve the stack measured, not the client measuring it."""
     reader, writer = await asyncio.open_connection(url.host, url.port)
@@ -177,25 +194,26 @@ async def post(url: httpx.URL, body: bytes) -> int:
         writer.write(
             connection.send(request) + connection.send(h11.Data(data=body)) + connection.send(h11.EndOfMessage())
         )
-        status = 0
+        status, relayed = 0, False
         while not isinstance(event := connection.next_event(), h11.EndOfMessage):
             if event is h11.NEED_DATA:
                 connection.receive_data(await reader.read(1 << 16))
             elif isinstance(event, h11.Response):
                 status = event.status_code
+                relayed = any(name == UPSTREAM_HEADER.encode() for name, _ in event.headers)
             elif isinstance(event, h11.ConnectionClosed):
                 raise ConnectionResetError("closed before the end of the answer")
-        return status
+        return status, relayed
     finally:
         writer.close()
 
 
 async def quiet(url: str, args: argparse.Namespace) -> list[float]:
     results = [await one(url, args.max_tokens) for _ in range(args.quiet_requests)]
-    bad = [status for status, _ in results if status != 200]
+    bad = [status for status, _, _ in results if status != 200]
     if bad:
         raise SystemExit(f"quiet requests failed: {bad[:5]}")
-    return [seconds for _, seconds in results]
+    return [seconds for _, seconds, _ in results]
 
 
 def engine_max_batch(engine_url: str) -> int:
@@ -211,7 +229,7 @@ async def capacity(url: str, args: argparse.Namespace, clients: int) -> float:
     async def client_loop() -> None:
         nonlocal done
         while time.perf_counter() < deadline:
-            status, _ = await one(url, args.max_tokens)
+            status, _, _ = await one(url, args.max_tokens)
             done += status == 200
 
     started = time.perf_counter()
@@ -219,15 +237,14 @@ async def capacity(url: str, args: argparse.Namespace, clients: int) -> float:
     return done / (time.perf_counter() - started)
 
 
-async def offered(url: str, rate: float, args: argparse.Namespace) -> list[tuple[int | str, float, float]]:
-    """Requests sent open-loop, evenly spaced at ``rate`` per second for --seconds: (status, seconds, when it was
-    answered, in seconds after the first was sent) of each."""
+async def offered(url: str, rate: float, args: argparse.Namespace) -> list[Answer]:
+    """Requests sent open-loop, evenly spaced at ``rate`` per second for --seconds: each one's ``Answer``."""
     tasks = []
     started = time.perf_counter()
 
-    async def timed() -> tuple[int | str, float, float]:
-        status, seconds = await one(url, args.max_tokens)
-        return status, seconds, time.perf_counter() - started
+    async def timed() -> Answer:
+        status, seconds, relayed = await one(url, args.max_tokens)
+        return Answer(status, seconds, time.perf_counter() - started, relayed)
 
     for i in range(max(1, round(rate * args.seconds))):
         delay = started + i / rate - time.perf_counter()
@@ -247,15 +264,14 @@ def latencies(kind: str, seconds: list[float], **quantiles: float) -> dict[str, 
     return {f"{kind}_{name}_ms": ms(seconds, q) for name, q in quantiles.items()} if seconds else {}
 
 
-def summarize(
-    results: list[tuple[int | str, float, float]], quiet_p99_s: float, capacity_per_s: float
-) -> dict[str, object]:
+def summarize(results: list[Answer], quiet_p99_s: float, capacity_per_s: float) -> dict[str, object]:
     """One load's figures (``offered``'s ``results``). The admitted and refused latencies only where some request was
-    admitted or refused."""
-    admitted = [s for status, s, _ in results if status == 200]
-    refused = [s for status, s, _ in results if status in REFUSED]
-    errors = [status for status, _, _ in results if status != 200 and status not in REFUSED]
-    span_s = max((answered for status, _, answered in results if status == 200), default=0.0)
+    admitted or refused; of the refusals, those an engine answered (relayed by the gateway) on their own."""
+    admitted = [a.seconds for a in results if a.status == 200]
+    refused = [a.seconds for a in results if a.status in REFUSED]
+    by_engine = [a.seconds for a in results if a.status in REFUSED and a.relayed]
+    errors = [a.status for a in results if a.status != 200 and a.status not in REFUSED]
+    span_s = max((a.answered for a in results if a.status == 200), default=0.0)
     ratio = {"admitted_p99_over_quiet": round(percentile(admitted, 99) / quiet_p99_s, 2)} if admitted else {}
     return {
         "sent": len(results),
@@ -264,8 +280,10 @@ def summarize(
         **ratio,
         "goodput": round(len(admitted) / span_s / capacity_per_s, 2) if admitted else 0.0,
         "refused": len(refused),
-        "refused_503": sum(status == 503 for status, _, _ in results),  # of them, no primary known to the gateway
+        "refused_503": sum(a.status == 503 for a in results),  # of them, no primary known to the gateway
         **latencies("refused", refused, p50=50, p99=99, max=100),
+        "refused_by_engine": len(by_engine),  # of them, an engine's own 429s, relayed
+        **latencies("refused_by_engine", by_engine, p50=50, max=100),
         "errors": len(errors),
         "error_kinds": sorted({str(e) for e in errors}),
     }

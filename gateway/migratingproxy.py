@@ -19,7 +19,15 @@ import httpx
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from hotweights.contract import GATHER_MS, GATHER_MS_HEADER, OWED_HEADER, REPLAY_HEADER, WEIGHTS_HEADER, Endpoint
+from hotweights.contract import (
+    GATHER_MS,
+    GATHER_MS_HEADER,
+    OWED_HEADER,
+    REPLAY_HEADER,
+    UPSTREAM_HEADER,
+    WEIGHTS_HEADER,
+    Endpoint,
+)
 from hotweights.controller.events import EventLog
 from hotweights.controller.suspects import is_started
 from hotweights.eventkinds import EventKind
@@ -99,14 +107,14 @@ class MigratingProxy:
         ledger.weights = opened[1].headers.get(WEIGHTS_HEADER)
         events = self.migrated_events(request, ledger, tracked, *opened)
         if ledger.request.stream:
-            headers = {"cache-control": "no-cache", "x-hotweights-upstream": opened[0].url}
+            headers = {"cache-control": "no-cache", UPSTREAM_HEADER: opened[0].url}
             return StreamingResponse(self.client_sse(ledger, events), media_type="text/event-stream", headers=headers)
         try:
             async for _ in events:
                 pass
         except SegmentFailed as exc:
             return exc.answer()
-        return JSONResponse(ledger.whole(), headers={"x-hotweights-upstream": opened[0].url})
+        return JSONResponse(ledger.whole(), headers={UPSTREAM_HEADER: opened[0].url})
 
     async def open_segment(
         self,
@@ -191,7 +199,7 @@ class MigratingProxy:
             if owed:
                 raise UpstreamFailed("busy", reason_of(response, path))
         media = response.headers.get("content-type")
-        headers = {"x-hotweights-upstream": upstream.url}
+        headers = {UPSTREAM_HEADER: upstream.url}
         if retry_after := response.headers.get("retry-after"):
             headers["retry-after"] = retry_after
         return Response(content, status_code=response.status_code, media_type=media, headers=headers)

@@ -62,7 +62,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from hotweights.admission import Admission, Held, Verdict
-from hotweights.contract import NOT_NORMALIZED, forwardable_path
+from hotweights.contract import NOT_NORMALIZED, UPSTREAM_HEADER, forwardable_path
 from hotweights.controller.config import ClusterConfig
 from hotweights.controller.dcs import LeaderUrls
 from hotweights.controller.events import EventLog
@@ -274,7 +274,7 @@ class Gateway(MigratingProxy):
             await response.aclose()
             raise
         reply_headers = {k: v for k, v in response.headers.items() if k not in HOP_BY_HOP - {"content-length"}}
-        reply_headers["x-hotweights-upstream"] = upstream.url
+        reply_headers[UPSTREAM_HEADER] = upstream.url
         relayed = self.relay(upstream, first, chunks, is_sse, tracked, refusal)
         return ProxiedStream(relayed, response.status_code, reply_headers, response)
 

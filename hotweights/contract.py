@@ -88,6 +88,7 @@ MAX_GATHER_MS = 1000  # the most an engine takes (400 beyond)
 # On an engine's 429: in how many milliseconds it expects to queue a fresh request again. Until then a gateway sends it
 # no fresh request and answers those 429 itself (``gateway.discovery``), so refusals cost its event loop nothing.
 ADMITS_IN_HEADER = "x-hotweights-admits-in-ms"
+UPSTREAM_HEADER = "x-hotweights-upstream"  # on what a gateway relays from an engine: that engine's URL
 ENGINE_PORT = (
     8200  # an engine's, and a cluster's first engine's (``base_port``); the controller's 8100, the gateway's 8000
 )

@@ -3,8 +3,9 @@ every request the failed one held at once (the gateway's re-sends and continuati
 device that other engines may be warming up on, and that burst is what a failover costs its clients beyond
 detection. ``Opening`` counts, over the OPENING_S after the KV cache is attached, what the inference thread did:
 its prefills (rows, time), the continuations it adopted from a deposited KV cache (``standby.kvshare``: time,
-the mapping of a deposit included), its decode steps (rows, time), the first request's arrival and the first
-token. Its decode steps and prefills come from the times ``standby.progress.ProgressClock`` takes of them anyway,
+the mapping of a deposit included), its decode steps (rows, time), when the first request reached the server's
+handler (``received``, once parsed and validated) and when the inference thread was handed it (``arrived``), and the
+first token. Its decode steps and prefills come from the times ``standby.progress.ProgressClock`` takes of them anyway,
 the rest from the scheduler, all on the inference thread (``arrived`` from any thread: one float)."""
 
 from __future__ import annotations
@@ -20,11 +21,16 @@ class Opening:
     dropped), as before the first promotion and once the line is out."""
 
     began: float | None = None
+    first_received: float | None = None
     first_arrival: float | None = None
     first_token: float | None = None
     prefills: list[tuple[int, float]] = field(default_factory=list)  # (rows, seconds)
     adoptions: list[float] = field(default_factory=list)  # seconds each
     steps: list[tuple[int, float]] = field(default_factory=list)  # (rows, seconds)
+
+    def received(self, now: float) -> None:
+        if self.began is not None and self.first_received is None:
+            self.first_received = now
 
     def arrived(self, now: float) -> None:
         if self.began is not None and self.first_arrival is None:
@@ -59,6 +65,8 @@ class Opening:
         if self.first_arrival is None or self.began is None:
             return f"first {OPENING_S:g} s of serving: no request"
         parts = [f"first request {self._after(self.first_arrival)} ms after the start"]
+        if self.first_received is not None:
+            parts[0] += f" (at the server {self._after(self.first_received)} ms)"
         if self.first_token is not None:
             parts.append(f"first token {self._after(self.first_token)} ms")
         if self.prefills:

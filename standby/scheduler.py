@@ -190,6 +190,10 @@ class Scheduler:
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
+    def received(self) -> None:
+        """A request reached the server (parsed and validated; ``standby.opening``). Any thread."""
+        self.progress.opening.received(time.monotonic())
+
     def submit(self, *seqs: Sequence) -> None:
         """Hand ``seqs`` (one request's) to the worker as one: they join the waiting line together, so they are
         prefilled together where they fit, whatever the worker was doing as they came."""

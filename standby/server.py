@@ -231,6 +231,7 @@ def build_app(ctx: EngineContext) -> FastAPI:
         its last tokens fed through decode steps (``standby.scheduler``); the refusal otherwise. ``owed``: admitted
         as a request owed to a failover (``hotweights.admission``: never refused for want of queue); ``gather_ms``:
         a stream's chunks gathered (``CompletionRun.sse``)."""
+        ctx.scheduler.received()
         if reason := roles.serving_refusal():
             return unavailable(reason)
         if request.model is not None and request.model != ctx.model_name:

@@ -46,11 +46,14 @@ def test_the_line_names_every_count_and_time(
         opening.adopted(seconds)
     for rows, seconds in steps:
         opening.stepped(rows, seconds)
+    opening.received(10.03)
+    opening.received(10.04)
     opening.arrived(10.05)
     opening.arrived(10.5)
     opening.emitted(10.2)
     opening.emitted(10.9)
     line = opening.ended(10.0 + OPENING_S)
-    head = f"first {OPENING_S:g} s of serving: first request 50 ms after the start; first token 200 ms; "
+    head = f"first {OPENING_S:g} s of serving: first request 50 ms after the start (at the server 30 ms); "
+    head += "first token 200 ms; "
     assert line is not None and line.startswith(head)
     assert expected in line
