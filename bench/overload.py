@@ -29,7 +29,9 @@ so that on a small machine the cores serve the stack measured rather than the cl
   ``queue_wait`` (of the ``queued`` ones), ``first_token`` and ``service`` (from its start, once tokenized, to its
   last token); the rest of the client's time is HTTP, the gateway and tokenization;
   ``gateway_cpu``: the busiest gateway worker's CPU over the load's wall time (``busiest_share``: near 1.0 its event
-  loop, refusals included, runs behind) and the workers' CPU ms per request sent (``ms_per_request``).
+  loop, refusals included, runs behind) and the workers' CPU ms per request sent (``ms_per_request``);
+  ``engine_live_ms``: how long the engine took to answer ``GET /health/live`` (on one kept connection, every
+  PING_S, from a thread of this bench's) during the load, p50/max: how late its event loop runs.
 
 The last stdout line is one JSON object. Both processes are stopped at the end, on SIGINT/SIGTERM too.
 """
@@ -44,9 +46,10 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,6 +91,7 @@ class Answer:
 
 
 TIMEOUT_S = 120.0  # a request's whole exchange
+PING_S = 0.05  # how often ``pinged`` asks the engine
 ENGINE_TIMES = {  # engine_mean_ms's keys -> the engine's histograms
     "queue_wait": "hotweights_engine_queue_wait_seconds",
     "first_token": "hotweights_engine_time_to_first_token_seconds",
@@ -313,6 +317,30 @@ def engine_means(before: dict[str, tuple[float, float]], after: dict[str, tuple[
     return means
 
 
+@contextmanager
+def pinged(url: str) -> Iterator[list[float]]:
+    """Seconds each ``GET url`` took, asked every PING_S from a thread of its own on one kept connection while the
+    block runs (a request that fails counts as its time until it failed)."""
+    times: list[float] = []
+    done = threading.Event()
+
+    def ping() -> None:
+        with httpx.Client(timeout=TIMEOUT_S) as client:
+            while not done.wait(PING_S):
+                started = time.perf_counter()
+                with suppress(httpx.HTTPError):
+                    client.get(url)
+                times.append(time.perf_counter() - started)
+
+    thread = threading.Thread(target=ping, daemon=True)
+    thread.start()
+    try:
+        yield times
+    finally:
+        done.set()
+        thread.join()
+
+
 def gateway_cpu(before: list[float | None], after: list[float | None], wall_s: float, sent: int) -> dict[str, float]:
     """The gateway workers' CPU over a load: the busiest one's share of the wall time (1.0: a core's worth, the most
     one event loop has) and the CPU ms all of them spent per request sent; empty when no worker could be read."""
@@ -337,10 +365,12 @@ async def measure(url: str, engine_url: str, gateways: list[int], args: argparse
     loads = {}
     for multiple in args.loads:
         before, cpu, began = await histograms(engine_url), [cpu_seconds(p) for p in gateways], time.monotonic()
-        results = await offered(url, rate * multiple, args)
+        with pinged(engine_url + Endpoint.LIVE) as live:
+            results = await offered(url, rate * multiple, args)
         loads[f"{multiple:g}x"] = summary = summarize(results, percentile(quiet_s, 99), rate)
         wall_s = time.monotonic() - began
         summary["gateway_cpu"] = gateway_cpu(cpu, [cpu_seconds(p) for p in gateways], wall_s, len(results))
+        summary["engine_live_ms"] = {"p50": ms(live, 50), "max": ms(live, 100)} if live else {}
         summary["engine_mean_ms"] = means = engine_means(before, await histograms(engine_url))
         if "admitted_p99_ms" in summary and "service" in means:
             bound_ms = args.queue_budget * 1000 + means["service"]
