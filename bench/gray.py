@@ -192,7 +192,7 @@ async def false_positives(stack: UpStack, args: argparse.Namespace) -> dict[str,
         print(f"  {event['time']} {event['kind']}: {event['message']}", file=sys.stderr)
     return {
         "capacity_rps": round(rate, 1),
-        "overload_outcomes": dict(Counter(str(status) for status, _, _ in results)),
+        "overload_outcomes": dict(Counter(str(answer.status) for answer in results)),
         "long_prompt_status": long.status_code,
         "large_prompt_status": large.status_code,
         "incidents": len(incidents),

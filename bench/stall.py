@@ -106,7 +106,7 @@ def loads(seconds: float) -> argparse.Namespace:
 
 async def overload(url: str, rate: float, seconds: float) -> dict[str, int]:
     """Completions sent open-loop at ``rate`` per second for ``seconds``: how many were answered with each status."""
-    statuses = [status for status, _, _ in await offered(url, rate, loads(seconds))]
+    statuses = [answer.status for answer in await offered(url, rate, loads(seconds))]
     return {str(status): statuses.count(status) for status in set(statuses)}
 
 
