@@ -10,6 +10,7 @@ Every error body is OpenAI-shaped: ``{"error": {"message", "type", "param"}}``.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -134,16 +135,40 @@ class EngineContext:
 
 
 class ClosingStream(StreamingResponse):
-    """A streaming response that runs ``on_close`` however it ends: done, client gone, or cancelled."""
+    """A streaming response that runs ``on_close`` however it ends: done, client gone, or cancelled.
+
+    Its body starts in the request's own task, at once (its headers sent, its first event asked for: a completion's
+    sequences reach the inference thread then), with a task beside it that ends the stream when the client goes
+    away. Starlette would start the body in a task of its own instead, behind every callback the event loop holds
+    by then: in a burst (a new primary sent a failover's requests at once) the first request reached the model only
+    once every other had been read and checked, 50-80 ms after it arrived."""
 
     def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None], headers: dict[str, str]) -> None:
         super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})
         self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        streaming = asyncio.current_task()
+        assert streaming is not None
+        gone, finished = False, False
+
+        async def watch() -> None:
+            nonlocal gone
+            await self.listen_for_disconnect(receive)
+            if not finished:
+                gone = True
+                streaming.cancel()
+
+        watcher = asyncio.ensure_future(watch())
         try:
-            await super().__call__(scope, receive, send)
+            await self.stream_response(send)
+        except asyncio.CancelledError:
+            if not gone:
+                raise
+            streaming.uncancel()  # the client went away: the stream ends, the request does not fail
         finally:
+            finished = True
+            watcher.cancel()
             self.on_close()
 
 

@@ -30,6 +30,7 @@ from tests.enginehelpers import (
     refusal_on_taken_port,
     streamed,
 )
+from tests.gatewayhelpers import metric
 
 TOKEN = "test-token-1234"
 FLAGS = ("--kv-cache-tokens", "512", "--max-batch", "4")
@@ -102,6 +103,23 @@ def test_stop_string_ends_the_text_before_it(primary: EngineProcess, reference: 
     assert (body["choices"][0]["text"], body["choices"][0]["finish_reason"]) == (expected, "stop")
     chunks = primary.stream(prompt="The quick brown fox", max_tokens=24, temperature=0, stop=stop)
     assert streamed(chunks) == ([expected], ["stop"])
+
+
+def test_a_stream_whose_client_goes_away_ends_and_gives_its_sequence_back(primary: EngineProcess) -> None:
+    """A stream whose client closes its connection after the first event (the stream's body runs in the request's
+    own task, a watcher of the client beside it: ``standby.server.ClosingStream``) stops generating: its sequence
+    and KV blocks are given back with far fewer than its 500 tokens generated, and the engine serves the next
+    request."""
+    tokens = "hotweights_engine_completion_tokens_total"
+    before = metric(primary, tokens)
+    body = {"prompt": "The quick brown fox", "max_tokens": 500, "temperature": 0, "stream": True}
+    with primary.client.stream("POST", Endpoint.COMPLETIONS, json=body) as reply:
+        assert reply.status_code == 200
+        next(reply.iter_lines())
+    wait_until(lambda: primary.client.get(Endpoint.PRIMARY).json()["kv_pool"]["running"] == 0, 30, "the stream's end")
+    generated = metric(primary, tokens) - before
+    assert 0 < generated < 250, generated
+    assert primary.complete(prompt="Hello", max_tokens=4, temperature=0).status_code == 200
 
 
 def test_a_gathered_stream_brings_the_same_text_and_token_ids_in_fewer_chunks(primary: EngineProcess) -> None:
