@@ -163,9 +163,9 @@ class ClosingStream(StreamingResponse):
         try:
             await self.stream_response(send)
         except asyncio.CancelledError:
-            if not gone:
+            # the client went away: the stream ends, the request does not fail; any other cancellation goes on
+            if not gone or streaming.uncancel():
                 raise
-            streaming.uncancel()  # the client went away: the stream ends, the request does not fail
         finally:
             finished = True
             watcher.cancel()
