@@ -30,6 +30,9 @@ so that on a small machine the cores serve the stack measured rather than the cl
   last token); the rest of the client's time is HTTP, the gateway and tokenization;
   ``gateway_cpu``: the busiest gateway worker's CPU over the load's wall time (``busiest_share``: near 1.0 its event
   loop, refusals included, runs behind) and the workers' CPU ms per request sent (``ms_per_request``);
+  ``gateway_refusal_mean_ms``: from the workers' own metrics, the mean time from a refused request reaching a
+  worker's handler to its answer, by who refused it (``gateway``, ``engine``): what of a refusal's time the gateway's
+  handling and the engine's answer take, the rest being the connection and the load generator;
   ``engine_live_ms``: how long the engine took to answer ``GET /health/live`` (on one kept connection, every
   PING_S, from a thread of this bench's) during the load, p50/max: how late its event loop runs.
 
@@ -80,6 +83,14 @@ REFUSED = (429, 503)
 
 
 @dataclass(frozen=True)
+class Worker:
+    """A gateway worker: its pid, and the Unix socket it also serves on (its own ``/metrics``)."""
+
+    pid: int
+    probe: str
+
+
+@dataclass(frozen=True)
 class Answer:
     """One request of a load: its status (or its error's name), its seconds, when it was answered (seconds after the
     load's first was sent) and whether an engine answered it (``post``)."""
@@ -92,6 +103,7 @@ class Answer:
 
 TIMEOUT_S = 120.0  # a request's whole exchange
 PING_S = 0.05  # how often ``pinged`` asks the engine
+REFUSAL_HISTOGRAM = "hotweights_gateway_refusal_seconds"  # a gateway worker's own time to refuse (``refusal_times``)
 ENGINE_TIMES = {  # engine_mean_ms's keys -> the engine's histograms
     "queue_wait": "hotweights_engine_queue_wait_seconds",
     "first_token": "hotweights_engine_time_to_first_token_seconds",
@@ -125,10 +137,9 @@ def wait_serving(
 
 
 @contextmanager
-def stack(args: argparse.Namespace, workdir: Path) -> Iterator[tuple[str, str, list[int]]]:
+def stack(args: argparse.Namespace, workdir: Path) -> Iterator[tuple[str, str, list[Worker]]]:
     """An engine and a gateway in front of it (--gateway-workers processes on one listening socket, as ``hotweights
-    up`` starts them); yields the gateway's URL, the engine's and the workers' pids, and stops them all however it
-    ends."""
+    up`` starts them); yields the gateway's URL, the engine's and the workers, and stops them all however it ends."""
     engine_port, gateway_port = free_port(), free_port()
     config = workdir / "cluster.toml"
     config.write_text(
@@ -153,7 +164,9 @@ def stack(args: argparse.Namespace, workdir: Path) -> Iterator[tuple[str, str, l
             gateway += ["--fd", str(listener.fileno()), "--probe-socket", probe]
             processes.append(start(gateway, log, (listener.fileno(),)))
             wait_serving(f"http://gateway{Endpoint.GATEWAY_HEALTH}", processes[-1], log, 60, uds=probe)
-        yield f"http://127.0.0.1:{gateway_port}", engine_url, [p.pid for p in processes[1:]]
+        probes = [str(workdir / f"gateway-{worker}.sock") for worker in range(args.gateway_workers)]
+        workers = [Worker(p.pid, probe) for p, probe in zip(processes[1:], probes, strict=True)]
+        yield f"http://127.0.0.1:{gateway_port}", engine_url, workers
     finally:
         stop(processes)
         listener.close()
@@ -305,6 +318,32 @@ async def histograms(engine_url: str) -> dict[str, tuple[float, float]]:
     return {key: (totals[f"{name}_sum"], totals[f"{name}_count"]) for key, name in ENGINE_TIMES.items()}
 
 
+async def refusal_times(workers: list[Worker]) -> dict[str, tuple[float, float]]:
+    """The gateway workers' ``hotweights_gateway_refusal_seconds`` now, summed over the workers: who refused (gateway,
+    engine) -> (sum, count)."""
+    totals: dict[str, list[float]] = {}
+    for worker in workers:
+        async with httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=worker.probe), timeout=30) as client:
+            text = (await client.get(f"http://gateway{Endpoint.METRICS}")).text
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name.startswith(REFUSAL_HISTOGRAM) and sample.name.endswith(("_sum", "_count")):
+                    part = totals.setdefault(sample.labels["by"], [0.0, 0.0])
+                    part[sample.name.endswith("_count")] += sample.value
+    return {by: (total, count) for by, (total, count) in totals.items()}
+
+
+def refusal_means(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict:
+    """Mean ms from a refused request's arrival at a gateway worker's handler to its answer, by who refused it, over
+    what two ``refusal_times`` counted between them."""
+    means = {}
+    for by, (total, count) in after.items():
+        total0, count0 = before.get(by, (0.0, 0.0))
+        if count > count0:
+            means[by] = round((total - total0) / (count - count0) * 1000, 1)
+    return means
+
+
 def engine_means(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict:
     """Mean ms of each of ENGINE_TIMES between two ``histograms`` (those that counted some request), and how many
     were queued."""
@@ -350,7 +389,7 @@ def gateway_cpu(before: list[float | None], after: list[float | None], wall_s: f
     return {"busiest_share": round(max(used) / wall_s, 2), "ms_per_request": round(sum(used) / sent * 1000, 3)}
 
 
-async def measure(url: str, engine_url: str, gateways: list[int], args: argparse.Namespace) -> dict[str, object]:
+async def measure(url: str, engine_url: str, workers: list[Worker], args: argparse.Namespace) -> dict[str, object]:
     await quiet(url, args)  # warm-up
     quiet_s = await quiet(url, args)
     max_batch = engine_max_batch(engine_url)
@@ -364,12 +403,14 @@ async def measure(url: str, engine_url: str, gateways: list[int], args: argparse
     result["capacity_per_s"] = round(rate, 2)
     loads = {}
     for multiple in args.loads:
-        before, cpu, began = await histograms(engine_url), [cpu_seconds(p) for p in gateways], time.monotonic()
+        before, refusals = await histograms(engine_url), await refusal_times(workers)
+        cpu, began = [cpu_seconds(w.pid) for w in workers], time.monotonic()
         with pinged(engine_url + Endpoint.LIVE) as live:
             results = await offered(url, rate * multiple, args)
         loads[f"{multiple:g}x"] = summary = summarize(results, percentile(quiet_s, 99), rate)
         wall_s = time.monotonic() - began
-        summary["gateway_cpu"] = gateway_cpu(cpu, [cpu_seconds(p) for p in gateways], wall_s, len(results))
+        summary["gateway_cpu"] = gateway_cpu(cpu, [cpu_seconds(w.pid) for w in workers], wall_s, len(results))
+        summary["gateway_refusal_mean_ms"] = refusal_means(refusals, await refusal_times(workers))
         summary["engine_live_ms"] = {"p50": ms(live, 50), "max": ms(live, 100)} if live else {}
         summary["engine_mean_ms"] = means = engine_means(before, await histograms(engine_url))
         if "admitted_p99_ms" in summary and "service" in means:
@@ -421,13 +462,13 @@ def main() -> int:
     )
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the finally blocks stop what was started
-    with tempfile.TemporaryDirectory(prefix="hw-overload-") as tmp, stack(args, Path(tmp)) as (url, engine, gateways):
+    with tempfile.TemporaryDirectory(prefix="hw-overload-") as tmp, stack(args, Path(tmp)) as (url, engine, workers):
         result = {"device": args.device, "model": args.model or "tiny"}
         result["queue_budget_s"] = args.queue_budget
         result["gateway_max_in_flight"] = args.gateway_max_in_flight
         result["gateway_workers"] = args.gateway_workers
         result |= {"max_tokens": args.max_tokens, "seconds": args.seconds}
-        result |= asyncio.run(measure(url, engine, gateways, args))
+        result |= asyncio.run(measure(url, engine, workers, args))
     print(json.dumps(result))
     return 0
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 HOLD_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+REFUSAL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 
 class GatewayMetrics:
@@ -56,6 +57,14 @@ class GatewayMetrics:
             "hotweights_gateway_admission",
             "requests by admission verdict (admitted, queued, refused)",
             ["verdict"],
+            registry=r,
+        )
+        self.refusal_seconds = Histogram(
+            "hotweights_gateway_refusal_seconds",
+            "time from a request reaching the gateway's handler to its answer 429 or 503, by who refused it (gateway, "
+            "engine: relayed)",
+            ["by"],
+            buckets=REFUSAL_BUCKETS,
             registry=r,
         )
         self.suspects = Counter(

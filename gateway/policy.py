@@ -131,22 +131,24 @@ class Gateway(MigratingProxy):
         """Send the request to a primary, holding it while there is none and retrying elsewhere while
         nothing has been relayed yet; 503 (JSON, with the reason) when that fails until the deadline;
         404 for a path that is not a normalized ``/v1/...`` path."""
+        arrived = time.monotonic()
         path = forwardable_path(request.scope.get("raw_path") or b"")
         if path is None:
-            return self.answer(not_found(NOT_NORMALIZED))
+            return self.answer(not_found(NOT_NORMALIZED), arrived)
         tracked = await self.guard.track(request)
         if suspect := self.guard.on_arrival(tracked):
-            return self.answer(suspect)
+            return self.answer(suspect, arrived)
         if not self.discovery.available.is_set():  # held under the failover rules, not admission's
-            return self.answer(await self.ending(self.forward(request, path, tracked, owed=True), tracked, None))
+            forwarding = self.forward(request, path, tracked, owed=True)
+            return self.answer(await self.ending(forwarding, tracked, None), arrived)
         if request.method == "POST" and (full_s := self.discovery.full_for()):  # what the engines would answer
             self.metrics.admission.labels(Verdict.REFUSE.value).inc()
             message = f"overloaded: every primary engine is full; the soonest expects a slot in {full_s * 1000:.0f} ms"
-            return self.answer(refusal(429, message, "overloaded"))
+            return self.answer(refusal(429, message, "overloaded"), arrived)
         held = await self.admission.enter()
         if not isinstance(held, Held):
-            return self.answer(refusal(429, held.reason, "overloaded"))
-        return self.answer(await self.ending(self.forward(request, path, tracked), tracked, held))
+            return self.answer(refusal(429, held.reason, "overloaded"), arrived)
+        return self.answer(await self.ending(self.forward(request, path, tracked), tracked, held), arrived)
 
     async def ending(self, forwarding: Awaitable[Response], tracked: Tracked, held: Held | None) -> Response:
         """The response ``forwarding`` gives; once it ends (a relay or a migrating stream: when its last byte is
@@ -234,8 +236,13 @@ class Gateway(MigratingProxy):
         self.metrics.rejected.labels(reason).inc()
         return message
 
-    def answer(self, response: Response) -> Response:
+    def answer(self, response: Response, arrived: float) -> Response:
+        """``response``, counted; a refusal (429, 503) timed from ``arrived`` (monotonic: the request reached the
+        handler), by who refused it: the gateway, or an engine whose answer it relays (``UPSTREAM_HEADER``)."""
         self.metrics.requests.labels(str(response.status_code)).inc()
+        if response.status_code in (429, 503):
+            by = "engine" if UPSTREAM_HEADER in response.headers else "gateway"
+            self.metrics.refusal_seconds.labels(by).observe(time.monotonic() - arrived)
         return response
 
     async def send(

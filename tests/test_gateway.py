@@ -589,6 +589,9 @@ def test_engines_that_refused_get_no_fresh_request_until_they_expect_to_queue_on
                         assert all(u["full_for_ms"] > 0 for u in gateway.health()["upstreams"])
             assert refused > 0
             assert metric(gateway, "hotweights_gateway_admission_total", verdict="refused") == refused
+            timed = "hotweights_gateway_refusal_seconds_count"  # each refusal timed, by who refused it
+            assert metric(gateway, timed, by="gateway") == refused
+            assert metric(gateway, timed, by="engine") == len(upstreams.received)
 
 
 class Load:
