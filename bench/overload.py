@@ -31,8 +31,9 @@ so that on a small machine the cores serve the stack measured rather than the cl
   ``gateway_cpu``: the busiest gateway worker's CPU over the load's wall time (``busiest_share``: near 1.0 its event
   loop, refusals included, runs behind) and the workers' CPU ms per request sent (``ms_per_request``);
   ``gateway_refusal_mean_ms``: from the workers' own metrics, the mean time from a refused request reaching a
-  worker's handler to its answer, by who refused it (``gateway``, ``engine``): what of a refusal's time the gateway's
-  handling and the engine's answer take, the rest being the connection and the load generator;
+  worker's handler to its answer, by who refused it (``gateway``; ``unaccepted``: the gateway, once the engine did not
+  accept a connection in time; ``engine``): what of a refusal's time the gateway's handling, its wait for a connection
+  and the engine's answer take, the rest being the client's connection and the load generator;
   ``engine_live_ms``: how long the engine took to answer ``GET /health/live`` (on one kept connection, every
   PING_S, from a thread of this bench's) during the load, p50/max: how late its event loop runs.
 

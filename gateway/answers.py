@@ -59,6 +59,17 @@ def refusal(status: int, message: str, kind: str, retry_after_s: int = RETRY_AFT
     return JSONResponse(body, status_code=status, headers={"Retry-After": str(retry_after_s)})
 
 
+class Unaccepted(JSONResponse):
+    """The 429 of a fresh request whose primary did not accept its connection in time while it serves
+    (``Discovery.saturated``): the gateway's own refusal, after that wait (``hotweights_gateway_refusal_seconds``
+    counts it apart)."""
+
+    def __init__(self, url: str) -> None:
+        message = f"overloaded: {url} did not accept a connection in time while it serves"
+        body = {"error": {"message": message, "type": "overloaded", "param": None}}
+        super().__init__(body, status_code=429, headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
 def unavailable(message: str) -> JSONResponse:
     return refusal(503, message, "unavailable")
 

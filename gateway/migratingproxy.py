@@ -31,7 +31,7 @@ from hotweights.contract import (
 from hotweights.controller.events import EventLog
 from hotweights.controller.suspects import is_started
 from hotweights.eventkinds import EventKind
-from hotweights.gateway.answers import SegmentFailed, UpstreamFailed, refusal, sse_event, unavailable
+from hotweights.gateway.answers import SegmentFailed, Unaccepted, UpstreamFailed, sse_event, unavailable
 from hotweights.gateway.discovery import Discovery, Upstream, reason_of, refused
 from hotweights.gateway.metrics import GatewayMetrics
 from hotweights.gateway.migration import Ledger
@@ -163,8 +163,7 @@ class MigratingProxy:
                 waits = exc.kind == "busy"
                 if exc.timed_out and self.discovery.saturated(upstream):  # not lost: its load (``saturated``)
                     if not owed:
-                        return refusal(429, f"overloaded: {upstream.url} did not accept a connection in time while "
-                                       "it serves", "overloaded")  # fmt: skip
+                        return Unaccepted(upstream.url)
                     waits = True
                 if waits:
                     busy += 1

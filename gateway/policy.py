@@ -67,7 +67,7 @@ from hotweights.controller.config import ClusterConfig
 from hotweights.controller.dcs import LeaderUrls
 from hotweights.controller.events import EventLog
 from hotweights.controller.suspects import SuspectLimits
-from hotweights.gateway.answers import UpstreamFailed, not_found, refusal, suspect_answer
+from hotweights.gateway.answers import Unaccepted, UpstreamFailed, not_found, refusal, suspect_answer
 from hotweights.gateway.discovery import Discovery, Upstream, reason_of, refused
 from hotweights.gateway.metrics import GatewayMetrics
 from hotweights.gateway.migratingproxy import MigratingProxy, opened, upstream_headers
@@ -238,10 +238,12 @@ class Gateway(MigratingProxy):
 
     def answer(self, response: Response, arrived: float) -> Response:
         """``response``, counted; a refusal (429, 503) timed from ``arrived`` (monotonic: the request reached the
-        handler), by who refused it: the gateway, or an engine whose answer it relays (``UPSTREAM_HEADER``)."""
+        handler), by who refused it: the gateway, the gateway once a primary did not accept the connection in time
+        (``Unaccepted``), or an engine whose answer it relays (``UPSTREAM_HEADER``)."""
         self.metrics.requests.labels(str(response.status_code)).inc()
         if response.status_code in (429, 503):
             by = "engine" if UPSTREAM_HEADER in response.headers else "gateway"
+            by = "unaccepted" if isinstance(response, Unaccepted) else by
             self.metrics.refusal_seconds.labels(by).observe(time.monotonic() - arrived)
         return response
 
