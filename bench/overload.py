@@ -32,8 +32,9 @@ so that on a small machine the cores serve the stack measured rather than the cl
   loop, refusals included, runs behind) and the workers' CPU ms per request sent (``ms_per_request``);
   ``gateway_refusal_mean_ms``: from the workers' own metrics, the mean time from a refused request reaching a
   worker's handler to its answer, by who refused it (``gateway``; ``unaccepted``: the gateway, once the engine did not
-  accept a connection in time; ``engine``): what of a refusal's time the gateway's handling, its wait for a connection
-  and the engine's answer take, the rest being the client's connection and the load generator;
+  accept a connection in time; ``unavailable``: no primary known within the hold; ``engine``): what of a refusal's
+  time the gateway's handling, its wait for a connection and the engine's answer take, the rest being the client's
+  connection and the load generator;
   ``engine_live_ms``: how long the engine took to answer ``GET /health/live`` (on one kept connection, every
   PING_S, from a thread of this bench's) during the load, p50/max: how late its event loop runs.
 
@@ -320,18 +321,21 @@ async def histograms(engine_url: str) -> dict[str, tuple[float, float]]:
 
 
 async def refusal_times(workers: list[Worker]) -> dict[str, tuple[float, float]]:
-    """The gateway workers' ``hotweights_gateway_refusal_seconds`` now, summed over the workers: who refused (gateway,
-    engine) -> (sum, count)."""
-    totals: dict[str, list[float]] = {}
+    """The gateway workers' ``hotweights_gateway_refusal_seconds`` now, summed over the workers: who refused
+    (``gateway.policy.refused_by``) -> (sum, count)."""
+    sums: dict[str, float] = {}
+    counts: dict[str, float] = {}
     for worker in workers:
         async with httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=worker.probe), timeout=30) as client:
             text = (await client.get(f"http://gateway{Endpoint.METRICS}")).text
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                if sample.name.startswith(REFUSAL_HISTOGRAM) and sample.name.endswith(("_sum", "_count")):
-                    part = totals.setdefault(sample.labels["by"], [0.0, 0.0])
-                    part[sample.name.endswith("_count")] += sample.value
-    return {by: (total, count) for by, (total, count) in totals.items()}
+                by = sample.labels.get("by")
+                if sample.name == f"{REFUSAL_HISTOGRAM}_sum":
+                    sums[by] = sums.get(by, 0.0) + sample.value
+                elif sample.name == f"{REFUSAL_HISTOGRAM}_count":
+                    counts[by] = counts.get(by, 0.0) + sample.value
+    return {by: (sums.get(by, 0.0), count) for by, count in counts.items()}
 
 
 def refusal_means(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict:

@@ -62,7 +62,8 @@ class GatewayMetrics:
         self.refusal_seconds = Histogram(
             "hotweights_gateway_refusal_seconds",
             "time from a request reaching the gateway's handler to its answer 429 or 503, by who refused it (gateway; "
-            "unaccepted: the gateway, once the primary did not accept a connection in time; engine: relayed)",
+            "unaccepted: the gateway, once the primary did not accept a connection in time; unavailable: no primary "
+            "within the hold; engine: relayed)",
             ["by"],
             buckets=REFUSAL_BUCKETS,
             registry=r,

@@ -238,13 +238,10 @@ class Gateway(MigratingProxy):
 
     def answer(self, response: Response, arrived: float) -> Response:
         """``response``, counted; a refusal (429, 503) timed from ``arrived`` (monotonic: the request reached the
-        handler), by who refused it: the gateway, the gateway once a primary did not accept the connection in time
-        (``Unaccepted``), or an engine whose answer it relays (``UPSTREAM_HEADER``)."""
+        handler), by who refused it: ``refused_by``."""
         self.metrics.requests.labels(str(response.status_code)).inc()
         if response.status_code in (429, 503):
-            by = "engine" if UPSTREAM_HEADER in response.headers else "gateway"
-            by = "unaccepted" if isinstance(response, Unaccepted) else by
-            self.metrics.refusal_seconds.labels(by).observe(time.monotonic() - arrived)
+            self.metrics.refusal_seconds.labels(refused_by(response)).observe(time.monotonic() - arrived)
         return response
 
     async def send(
@@ -355,6 +352,17 @@ class Gateway(MigratingProxy):
                 await probing
             await self.client.aclose()
             await self.probe_client.aclose()
+
+
+def refused_by(response: Response) -> str:
+    """Who refused a request answered 429 or 503: ``engine`` (its answer relayed: ``UPSTREAM_HEADER``),
+    ``unaccepted`` (the gateway, once a primary did not accept the connection in time), ``unavailable`` (the gateway:
+    no primary within the hold rules), else ``gateway`` (its own admission: every engine full, or its bound)."""
+    if UPSTREAM_HEADER in response.headers:
+        return "engine"
+    if isinstance(response, Unaccepted):
+        return "unaccepted"
+    return "unavailable" if response.status_code == 503 else "gateway"
 
 
 def asks_stream(body: object) -> bool:
