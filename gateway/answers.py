@@ -28,7 +28,7 @@ class SegmentFailed(Exception):
     def event(self) -> bytes:
         """The error event that ends a streamed client's response."""
         kind = SUSPECT_REQUEST if self.suspect else "unavailable"
-        return sse_event({"error": {"message": str(self), "type": kind, "param": None}})
+        return sse_event(error_body(str(self), kind))
 
 
 class UpstreamFailed(Exception):
@@ -50,13 +50,21 @@ def sse_event(payload: dict) -> bytes:
 
 
 def not_found(message: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "not_found_error", "param": None}}, status_code=404)
+    return JSONResponse(error_body(message, "not_found_error"), status_code=404)
+
+
+def error_body(message: str, kind: str) -> dict:
+    """An OpenAI-shaped error body."""
+    return {"error": {"message": message, "type": kind, "param": None}}
+
+
+def retry_after(seconds: int) -> dict[str, str]:
+    return {"Retry-After": str(seconds)}
 
 
 def refusal(status: int, message: str, kind: str, retry_after_s: int = RETRY_AFTER_S) -> JSONResponse:
     """An OpenAI-shaped error that tells the client to come back (``Retry-After``)."""
-    body = {"error": {"message": message, "type": kind, "param": None}}
-    return JSONResponse(body, status_code=status, headers={"Retry-After": str(retry_after_s)})
+    return JSONResponse(error_body(message, kind), status_code=status, headers=retry_after(retry_after_s))
 
 
 class Unaccepted(JSONResponse):
@@ -66,8 +74,7 @@ class Unaccepted(JSONResponse):
 
     def __init__(self, url: str) -> None:
         message = f"overloaded: {url} did not accept a connection in time while it serves"
-        body = {"error": {"message": message, "type": "overloaded", "param": None}}
-        super().__init__(body, status_code=429, headers={"Retry-After": str(RETRY_AFTER_S)})
+        super().__init__(error_body(message, "overloaded"), status_code=429, headers=retry_after(RETRY_AFTER_S))
 
 
 def unavailable(message: str) -> JSONResponse:
@@ -75,4 +82,4 @@ def unavailable(message: str) -> JSONResponse:
 
 
 def suspect_answer(message: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": SUSPECT_REQUEST, "param": None}}, status_code=422)
+    return JSONResponse(error_body(message, SUSPECT_REQUEST), status_code=422)
