@@ -36,7 +36,11 @@ so that on a small machine the cores serve the stack measured rather than the cl
   time the gateway's handling, its wait for a connection and the engine's answer take, the rest being the client's
   connection and the load generator;
   ``engine_live_ms``: how long the engine took to answer ``GET /health/live`` (on one kept connection, every
-  PING_S, from a thread of this bench's) during the load, p50/max: how late its event loop runs.
+  PING_S, from a thread of this bench's) during the load, p50/max: how late its event loop runs;
+  ``gateway_live_ms``: the same of every gateway worker's ``GET /gateway/health`` on its own Unix socket (its event
+  loop's lateness, apart from its TCP listener's queue);
+  ``load_lag_ms``: how late this bench's own event loop woke from a PING_S sleep, p50/max: what the load generator
+  itself adds to every answer's time.
 
 The last stdout line is one JSON object. Both processes are stopped at the end, on SIGINT/SIGTERM too.
 """
@@ -53,8 +57,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from collections.abc import AsyncIterator, Iterator
+from contextlib import ExitStack, asynccontextmanager, contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -362,14 +366,14 @@ def engine_means(before: dict[str, tuple[float, float]], after: dict[str, tuple[
 
 
 @contextmanager
-def pinged(url: str) -> Iterator[list[float]]:
-    """Seconds each ``GET url`` took, asked every PING_S from a thread of its own on one kept connection while the
-    block runs (a request that fails counts as its time until it failed)."""
+def pinged(url: str, uds: str | None = None) -> Iterator[list[float]]:
+    """Seconds each ``GET url`` took (over the Unix socket ``uds`` if given), asked every PING_S from a thread of its
+    own on one kept connection while the block runs (a request that fails counts as its time until it failed)."""
     times: list[float] = []
     done = threading.Event()
 
     def ping() -> None:
-        with httpx.Client(timeout=TIMEOUT_S) as client:
+        with httpx.Client(timeout=TIMEOUT_S, transport=httpx.HTTPTransport(uds=uds) if uds else None) as client:
             while not done.wait(PING_S):
                 started = time.perf_counter()
                 with suppress(httpx.HTTPError):
@@ -383,6 +387,32 @@ def pinged(url: str) -> Iterator[list[float]]:
     finally:
         done.set()
         thread.join()
+
+
+@asynccontextmanager
+async def lagged() -> AsyncIterator[list[float]]:
+    """Seconds this process's event loop ran late, sampled every PING_S while the block runs: what of a request's
+    time the load generator itself adds."""
+    lags: list[float] = []
+
+    async def sample() -> None:
+        while True:
+            due = time.perf_counter() + PING_S
+            await asyncio.sleep(PING_S)
+            lags.append(time.perf_counter() - due)
+
+    task = asyncio.create_task(sample())
+    try:
+        yield lags
+    finally:
+        task.cancel()
+        with suppress(asyncio.CancelledError):
+            await task
+
+
+def quantiles_ms(seconds: list[float]) -> dict[str, float]:
+    """p50 and max in ms; empty when nothing was measured."""
+    return {"p50": ms(seconds, 50), "max": ms(seconds, 100)} if seconds else {}
 
 
 def gateway_cpu(before: list[float | None], after: list[float | None], wall_s: float, sent: int) -> dict[str, float]:
@@ -410,13 +440,19 @@ async def measure(url: str, engine_url: str, workers: list[Worker], args: argpar
     for multiple in args.loads:
         before, refusals = await histograms(engine_url), await refusal_times(workers)
         cpu, began = [cpu_seconds(w.pid) for w in workers], time.monotonic()
-        with pinged(engine_url + Endpoint.LIVE) as live:
-            results = await offered(url, rate * multiple, args)
+        with ExitStack() as pings:
+            live = pings.enter_context(pinged(engine_url + Endpoint.LIVE))
+            health = f"http://gateway{Endpoint.GATEWAY_HEALTH}"
+            worker_live = [pings.enter_context(pinged(health, w.probe)) for w in workers]
+            async with lagged() as lags:
+                results = await offered(url, rate * multiple, args)
         loads[f"{multiple:g}x"] = summary = summarize(results, percentile(quiet_s, 99), rate)
         wall_s = time.monotonic() - began
         summary["gateway_cpu"] = gateway_cpu(cpu, [cpu_seconds(w.pid) for w in workers], wall_s, len(results))
         summary["gateway_refusal_mean_ms"] = refusal_means(refusals, await refusal_times(workers))
-        summary["engine_live_ms"] = {"p50": ms(live, 50), "max": ms(live, 100)} if live else {}
+        summary["engine_live_ms"] = quantiles_ms(live)
+        summary["gateway_live_ms"] = quantiles_ms([t for times in worker_live for t in times])
+        summary["load_lag_ms"] = quantiles_ms(lags)
         summary["engine_mean_ms"] = means = engine_means(before, await histograms(engine_url))
         if "admitted_p99_ms" in summary and "service" in means:
             bound_ms = args.queue_budget * 1000 + means["service"]
