@@ -63,7 +63,7 @@ KINDS = {
     ),
     Engine.SGLANG: EngineKind(
         Engine.SGLANG,
-        "sglang.launch_server",
+        "hotweights.standby.sglang_server",  # sglang.launch_server, its subprocesses forked on a CPU
         "--model-path",
         "--tokenizer-path",
         "/health",

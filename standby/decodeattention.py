@@ -25,8 +25,9 @@ blocks its positions lie in.
 Everything a step launches is fixed by its shapes: the scratch is allocated per step at a shape fixed by
 (rows, heads, positions), nothing syncs with the host, nothing branches in Python on device values; so
 the step can be captured in a CUDA graph and replayed at any lengths. ``reference`` is the same math in
-plain torch (float32, the same splits and combination) over keys and values in order (``standby.model.gathered``
-puts a row's blocks in order), what the kernels are tested against.
+plain torch (float32, the same splits and combination) over keys and values in order (``standby.kvpool.gathered``
+puts a row's blocks in order), what the kernels are tested against, and what every call is checked against within
+``fused.checking`` (the engine's kernel check at warm-up, ``standby.kernelcheck``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from hotweights.standby import fused
+from hotweights.standby.kvpool import gathered
 
 SPLIT = 256  # KV positions per stage-1 program (module docstring)
 BLOCK_N = 64  # KV positions per tile of a stage-1 program's loop; divides SPLIT
@@ -43,6 +45,7 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Head dims the kernels take: powers of two in this range. A tile of BLOCK_N keys and one of values at 128 dims
 # fit twice (the loop's two stages) in an SM's shared memory with room to spare; larger head dims keep masked SDPA.
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 128
+CHECKED = "split-KV attention"  # its calls' name in ``fused.checking``'s departures
 
 
 def supported(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
@@ -83,7 +86,14 @@ class SplitKv:
         hd) in q's dtype."""
         from hotweights.standby import decodekernels  # Triton only where the kernels run
 
-        return decodekernels.attend(q, cache_k, cache_v, self)
+        return fused.checked(
+            CHECKED, decodekernels.attend(q, cache_k, cache_v, self), lambda: self.plain(q, cache_k, cache_v)
+        )
+
+    def plain(self, q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor) -> torch.Tensor:
+        """``attend``'s result computed by ``reference`` over each row's positions, read in order through its table."""
+        k, v = (gathered(cache, self.table, self.positions).transpose(1, 2) for cache in (cache_k, cache_v))
+        return reference(q, k, v, self.lengths, self.scale)
 
 
 def reference(

@@ -46,7 +46,7 @@ from hotweights.layout import ModelConfig, check_tensor_parallel
 from hotweights.quant import dequantize, scale_shape
 from hotweights.standby import fused
 from hotweights.standby.decodeattention import SplitKv
-from hotweights.standby.kvpool import BLOCK_SIZE, blocks_for
+from hotweights.standby.kvpool import BLOCK_SIZE, blocks_for, gathered
 from hotweights.standby.sampling import sample_token
 
 # Every SDPA backend but cuDNN's (module docstring): these take any length without a per-shape plan.
@@ -226,14 +226,6 @@ def slots(table: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, t
     """Where ``positions`` (B, T) of the rows of ``table`` (B, W) lie in a layer's blocks: (block, offset) index
     tensors, (B, T) each, that index (blocks, BLOCK_SIZE, ...) tensors. Device work only: nothing syncs."""
     return table.gather(1, positions // BLOCK_SIZE).long(), positions % BLOCK_SIZE
-
-
-def gathered(blocks: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first ``length`` positions of each row of ``table`` (B, W) from a layer's ``blocks`` (blocks, BLOCK_SIZE,
-    nkv, hd), in order: (B, length, nkv, hd), a copy."""
-    index = table[:, : blocks_for(length)].long()  # (B, n); no copy where ``table`` is already that (``MaskedReads``)
-    rows = blocks.index_select(0, index.flatten())  # (B x n, BLOCK_SIZE, nkv, hd): on CPU ~6x an indexing's speed
-    return rows.view(index.shape[0], -1, *blocks.shape[2:])[:, :length]
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,11 @@ import sys
 import torch
 
 from hotweights.layout import ModelConfig
-from hotweights.standby.decodeattention import SPLIT, SplitKv, reference
-from hotweights.standby.kvpool import BLOCK_SIZE, blocks_for
-from hotweights.standby.model import KVCache, MaskedReads, Transformer, gathered
+from hotweights.standby.decodeattention import CHECKED, SPLIT, SplitKv, reference
+from hotweights.standby.fused import checking
+from hotweights.standby.kernelcheck import TOLERANCE
+from hotweights.standby.kvpool import BLOCK_SIZE, blocks_for, gathered
+from hotweights.standby.model import KVCache, MaskedReads, Transformer
 
 GROUPS = (1, 2, 4, 8)  # q heads per kv head
 HEAD_DIMS = (64, 128)
@@ -118,7 +120,7 @@ def small_model(device: str) -> Transformer:
 def model_mismatches(device: str) -> list[str]:
     """Decode steps of three rows prefilled to different lengths, their blocks scattered over one pool, at positions on
     both sides of the splits' bounds: each row's logits with split-KV attention (``kv_len`` None) against masked SDPA
-    over the whole cache."""
+    over the whole cache, and every split-KV call within the tolerance of its plain torch (``SplitKv.plain``)."""
     model = small_model(device)
     width = blocks_for(POSITIONS)
     cache = KVCache.pool(model.config, model.tp, 3, POSITIONS, 2 + 3 * width, device, torch.float32)
@@ -132,7 +134,12 @@ def model_mismatches(device: str) -> list[str]:
     for positions in ([0, SPLIT - 1, SPLIT], [SPLIT + 1, 2 * SPLIT, POSITIONS - 1]):
         tokens = torch.tensor([5, 6, 7], device=device)
         at = torch.tensor(positions, device=device)
-        split_kv = model.decode(tokens, at, cache, None)
+        with checking() as worst:  # each attention call also against plain torch (the engine's kernel check)
+            split_kv = model.decode(tokens, at, cache, None)
+        if not worst.get(CHECKED, float("inf")) <= TOLERANCE:
+            found.append(
+                f"the model's decode at positions {positions}: split-KV calls depart {worst.get(CHECKED)}"
+            )
         masked = model.decode(tokens, at, cache, POSITIONS)
         if not torch.allclose(split_kv, masked, atol=1e-4, rtol=1e-4):
             worst = (split_kv - masked).abs().max().item()

@@ -194,7 +194,7 @@ def test_an_sglang_group_runs_its_daemon_and_agents_with_sglangs_python(tmp_path
     separator = agent.index("--")
     assert agent[agent.index("--kind") + 1] == "sglang" and agent[agent.index("--role") + 1] == "standby"
     engine = agent[separator + 1 :]
-    assert engine[:4] == [python, "-m", "sglang.launch_server", "--model-path"]
+    assert engine[:4] == [python, "-m", "hotweights.standby.sglang_server", "--model-path"]
     assert engine[engine.index("--port") + 1] == "{port}" and engine[-2:] == ["--device", "cpu"]
     assert engine[engine.index("--dtype") + 1] == "bfloat16"
     socket = json.loads(engine[engine.index("--model-loader-extra-config") + 1])["socket"]

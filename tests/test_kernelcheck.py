@@ -1,5 +1,5 @@
 """The kernels' check at warm-up (``standby.kernelcheck``): which ways of a decode step a decoder keeps, from what
-each computes against plain torch's reference step."""
+each kernel's calls compute against plain torch on the same inputs."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from hotweights.standby import kernelcheck
+from hotweights.standby.decodeattention import CHECKED
 from hotweights.standby.fused import checked, checking
-from hotweights.standby.kernelcheck import KernelVerdict, disagreement, fused_disagreement, probe_inputs, verdict
+from hotweights.standby.kernelcheck import KernelVerdict, call_disagreement, probe_inputs, verdict
 
 REFERENCE = torch.tensor([[4.0, -2.0, 0.5], [1.0, 3.0, -4.0]])
 
@@ -47,12 +48,11 @@ def test_a_decoder_keeps_only_the_kernels_that_compute_the_reference(
     calls: list[tuple[int | None, bool]] = []
 
     def step(kv_len: int | None, fuse: bool) -> torch.Tensor:
+        """A step's one attention call (split-KV where ``kv_len`` is None), then with ``fuse`` one fused kernel's
+        call, each checked against plain torch's on the same inputs; the logits are the last call's."""
         calls.append((kv_len, fuse))
-        if not fuse and kv_len is not None:
-            return REFERENCE
-        if fuse:  # the fused step: one kernel's call, checked against plain torch's on the same inputs
-            return checked("rms_norm", fused(REFERENCE), lambda: REFERENCE)  # type: ignore[operator]
-        return attention(REFERENCE)  # type: ignore[operator]
+        logits = REFERENCE if kv_len is not None else checked(CHECKED, attention(REFERENCE), lambda: REFERENCE)  # type: ignore[operator]
+        return checked("rms_norm", fused(logits), lambda: logits) if fuse else logits  # type: ignore[operator]
 
     found = verdict(step, split_kv, 4096)
     assert (found.split_kv, found.fused) == expected
@@ -62,19 +62,13 @@ def test_a_decoder_keeps_only_the_kernels_that_compute_the_reference(
     assert all("\n" not in line for line in found.warnings)
 
 
-def test_a_disagreement_names_the_largest_difference_against_the_largest_logit() -> None:
-    assert disagreement(rounded(REFERENCE), REFERENCE) is None
-    assert disagreement(wrong(REFERENCE), REFERENCE) == "a logit differs by 5 where the largest is 4"
-    assert disagreement(nan(REFERENCE), REFERENCE) == "a logit is not finite"
-
-
 def test_the_probe_spreads_its_rows_over_the_whole_cache() -> None:
     tokens, positions = probe_inputs(4, 4096, 100, torch.device("cpu")).tolist()
     assert positions == [0, 1365, 2730, 4095] and all(0 <= t < 100 for t in tokens)
     assert probe_inputs(1, 512, 100, torch.device("cpu"))[1].tolist() == [511]
 
 
-def test_each_fused_call_is_held_against_plain_torch_on_its_own_inputs() -> None:
+def test_each_kernel_call_is_held_against_plain_torch_on_its_own_inputs() -> None:
     """Rounding passes; a kernel far from plain torch on its inputs is named with its departure, one that gives a
     value that is not finite departs infinitely; logits that are not finite fail whatever the calls did."""
     tensor = torch.tensor([[4.0, -2.0, 0.5]])
@@ -84,10 +78,10 @@ def test_each_fused_call_is_held_against_plain_torch_on_its_own_inputs() -> None
             checked(name, got, lambda: tensor)
         return tensor
 
-    assert fused_disagreement(lambda: step(("rope", tensor + 0.01), ("silu_mul", tensor))) is None
-    reason = fused_disagreement(lambda: step(("rope", tensor.flip(-1)), ("silu_mul", tensor + float("nan"))))
+    assert call_disagreement(lambda: step(("rope", tensor + 0.01), ("silu_mul", tensor))) is None
+    reason = call_disagreement(lambda: step(("rope", tensor.flip(-1)), ("silu_mul", tensor + float("nan"))))
     assert reason == "rope departs by 0.875 of the largest value, silu_mul departs by inf of the largest value"
-    assert fused_disagreement(lambda: tensor * float("nan")) == "a logit is not finite"
+    assert call_disagreement(lambda: tensor * float("nan")) == "a logit is not finite"
     with checking() as worst:
         checked("add_rms_norm", (tensor, tensor + 0.02), lambda: (tensor, tensor))
     assert list(worst) == ["add_rms_norm"] and 0 < worst["add_rms_norm"] < kernelcheck.TOLERANCE

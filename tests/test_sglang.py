@@ -86,7 +86,7 @@ class Server:
 
     def __init__(self, python: str, model: Path, env: dict[str, str], log: Path, *extra: str) -> None:
         self.port, self.log = free_port(), log
-        command = [python, "-m", "sglang.launch_server", "--model-path", str(model), "--host", "127.0.0.1"]
+        command = [python, "-m", KINDS[Engine.SGLANG].server_module, "--model-path", str(model), "--host", "127.0.0.1"]
         command += ["--port", str(self.port), *SERVER_ARGS, *extra]
         with log.open("wb") as out:
             self.process = subprocess.Popen(
