@@ -51,6 +51,10 @@ def upstream_headers(request: Request, owed: bool) -> list[tuple[str, str]]:
 
 
 T = TypeVar("T")
+# What httpcore's connect raises through anyio when the engine's end closed between the connect and httpcore's look at
+# the new connection (seen on an H100 as a SIGKILLed primary went down): the request was never sent, so it goes on
+# to the next primary, as a failed connect does.
+GONE = "'NoneType' object has no attribute 'getpeername'"
 
 
 async def opened(
@@ -68,6 +72,10 @@ async def opened(
         started = kind == "disconnected" and is_started(answer_began=False, streamed=streamed)
         timed_out = isinstance(exc, httpx.ConnectTimeout)
         raise UpstreamFailed(kind, f"{type(exc).__name__} {exc}".strip(), started, timed_out) from exc
+    except AttributeError as exc:  # httpcore asks anyio of a connection whose socket is already gone (``GONE``)
+        if GONE not in str(exc):
+            raise
+        raise UpstreamFailed("connect", f"the connection closed as it opened ({exc})", started=False) from exc
 
 
 class MigratingProxy:

@@ -5,8 +5,8 @@ computes something else, would fail every graph capture or serve wrong tokens. S
 its steps (``standby.decoder``), one decode step of every slot, at positions spread over the whole cache (so across
 the split-KV kernels' splits), runs with split-KV attention (``standby.decodeattention``), then with the fused
 elementwise kernels (``standby.fused``) on top of the attention that passed, each kernel's every call checked against
-plain torch on the same inputs (``fused.checking``; split-KV attention against ``SplitKv.plain``, masked-free plain
-torch of the same math). A kernel that raises, returns a value that is not finite, or departs from plain torch by more
+plain torch on the same inputs (``fused.checking``; split-KV attention against ``SplitKv.plain``,
+its math in plain torch). A kernel that raises, returns a value that is not finite, or departs from plain torch by more
 than TOLERANCE of the largest plain value is not used, and a warning line says so: without split-KV attention the
 decoder captures a graph per KV length, without the fused kernels unfused graphed steps. Rounding differs between the
 ways (sums in other orders, one rounding instead of several), which the tolerance leaves room for; a miscompiled

@@ -27,7 +27,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from hotweights.contract import ADMITS_IN_HEADER, REPLAY_HEADER, SUSPECT_REQUEST, Endpoint
+from hotweights.gateway.answers import UpstreamFailed
 from hotweights.gateway.discovery import CPU_WINDOW_S, FULL_MAX_S, FULL_MIN_S, Discovery, Upstream, cuts, refused
+from hotweights.gateway.migratingproxy import GONE, opened
 from hotweights.ports import free_port
 from hotweights.proctree import cpu_seconds
 from hotweights.spawn import hotweights_command
@@ -761,3 +763,37 @@ def test_a_completion_cut_mid_way_on_suspect_after_engines_is_refused_as_suspect
             assert "2 engines failed while serving this request" in error["message"]
             assert len(upstreams.dead) == 2
             assert metric(gateway, "hotweights_gateway_suspect_requests_total") == 1
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("raised", "kind"),
+    [
+        (AttributeError(GONE), "connect"),  # httpcore's look at a connection whose socket went: never sent
+        (httpx.ConnectError("refused"), "connect"),
+        (httpx.ReadError("reset"), "disconnected"),
+        (AttributeError("'X' object has no attribute 'y'"), None),  # any other: a bug, raised as it is
+    ],
+)
+def test_a_connection_that_fails_as_it_opens_goes_to_the_next_primary_unstarted(
+    raised: Exception, kind: str | None
+) -> None:
+    def fail(request: httpx.Request) -> httpx.Response:
+        raise raised
+
+    async def send() -> UpstreamFailed | None:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(fail)) as client:
+            outgoing = client.build_request("POST", "http://127.0.0.1:1/v1/completions", json={})
+            try:
+                await opened(client, Upstream("http://127.0.0.1:1"), outgoing, streamed=True)
+            except UpstreamFailed as exc:
+                return exc
+        return None
+
+    if kind is None:
+        with pytest.raises(AttributeError):
+            asyncio.run(send())
+        return
+    failed = asyncio.run(send())
+    assert failed is not None and failed.kind == kind
+    assert not failed.started  # a stream whose headers never came: not yet started (controller.suspects)
