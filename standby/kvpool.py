@@ -17,19 +17,14 @@ left after its weights (``--kv-pool-share``: the controller gives each engine of
 ``engine.kv_memory_share``). Either way no more than every row at its longest could use. ``max_batch`` then defaults
 to the sequences of SEQUENCE_TOKENS positions the pool holds at once, at most MAX_AUTO_BATCH.
 
-How ``hotweights status`` shows an engine's pool (``cells``) is here too, and how a row's positions are read in order
-through its table (``gathered``, tensor methods only). Pure: nothing here imports torch (the fast test tier runs it
-without, and the controller imports it).
+How ``hotweights status`` shows an engine's pool (``cells``) is here too. Pure: nothing here imports torch (the fast
+test tier runs it without, and the controller imports it).
 """
 
 from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from torch import Tensor
 
 BLOCK_SIZE = 16  # KV positions per block
 NULL_BLOCK = 0  # the block no sequence owns (module docstring)
@@ -49,14 +44,6 @@ ENGINE_KV_SHARE = KV_MEMORY_SHARE / 4
 def blocks_for(tokens: int) -> int:
     """The blocks that hold ``tokens`` positions."""
     return -(-tokens // BLOCK_SIZE)
-
-
-def gathered(blocks: Tensor, table: Tensor, length: int) -> Tensor:
-    """The first ``length`` positions of each row of ``table`` (B, W) from a layer's ``blocks`` (blocks, BLOCK_SIZE,
-    nkv, hd), in order: (B, length, nkv, hd), a copy."""
-    index = table[:, : blocks_for(length)].long()  # (B, n); no copy where ``table`` is already that (``MaskedReads``)
-    rows = blocks.index_select(0, index.flatten())  # (B x n, BLOCK_SIZE, nkv, hd): on CPU ~6x an indexing's speed
-    return rows.view(index.shape[0], -1, *blocks.shape[2:])[:, :length]
 
 
 def sequence_blocks(prompt: int, max_tokens: int) -> int:

@@ -45,8 +45,8 @@ from hotweights import quant
 from hotweights.layout import ModelConfig, check_tensor_parallel
 from hotweights.quant import dequantize, scale_shape
 from hotweights.standby import fused
-from hotweights.standby.decodeattention import SplitKv
-from hotweights.standby.kvpool import BLOCK_SIZE, blocks_for, gathered
+from hotweights.standby.decodeattention import SplitKv, gathered
+from hotweights.standby.kvpool import BLOCK_SIZE, blocks_for
 from hotweights.standby.sampling import sample_token
 
 # Every SDPA backend but cuDNN's (module docstring): these take any length without a per-shape plan.

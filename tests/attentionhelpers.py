@@ -15,10 +15,10 @@ import sys
 import torch
 
 from hotweights.layout import ModelConfig
-from hotweights.standby.decodeattention import CHECKED, SPLIT, SplitKv, reference
+from hotweights.standby.decodeattention import CHECKED, SPLIT, SplitKv, gathered, reference
 from hotweights.standby.fused import checking
 from hotweights.standby.kernelcheck import TOLERANCE
-from hotweights.standby.kvpool import BLOCK_SIZE, blocks_for, gathered
+from hotweights.standby.kvpool import BLOCK_SIZE, blocks_for
 from hotweights.standby.model import KVCache, MaskedReads, Transformer
 
 GROUPS = (1, 2, 4, 8)  # q heads per kv head
@@ -137,9 +137,7 @@ def model_mismatches(device: str) -> list[str]:
         with checking() as worst:  # each attention call also against plain torch (the engine's kernel check)
             split_kv = model.decode(tokens, at, cache, None)
         if not worst.get(CHECKED, float("inf")) <= TOLERANCE:
-            found.append(
-                f"the model's decode at positions {positions}: split-KV calls depart {worst.get(CHECKED)}"
-            )
+            found.append(f"the model's decode at positions {positions}: split-KV calls depart {worst.get(CHECKED)}")
         masked = model.decode(tokens, at, cache, POSITIONS)
         if not torch.allclose(split_kv, masked, atol=1e-4, rtol=1e-4):
             worst = (split_kv - masked).abs().max().item()
