@@ -13,8 +13,9 @@ ways (sums in other orders, one rounding instead of several), which the toleranc
 kernel gives other numbers altogether. Why call by call, not the whole step's logits: through 48 layers of a model the
 rounding of one kernel grows with every layer, so that a right kernel and a wrong one cannot be told apart by the
 logits. Measured: on an H200 with ``xl`` fused kernels that agree with plain torch call by call gave logits 5.2-5.9 %
-of the largest apart; on an H100, split-KV attention's logits departed by 5.1-5.3 % of the largest, either side of
-a 5 % tolerance from one engine to the next, so a host's verdict (below) depended on which engine wrote it last, and
+of the largest apart; on an H100, split-KV attention's logits departed by 5.1-5.3 % of the largest in some engines
+and under the 5 % tolerance in others of the same host, so a host's verdict (below) depended on which engine wrote it
+last, and
 without split-KV each engine held 3.7 GB of CUDA graphs instead of 0.66 GB (63 graphs instead of 7), which left a
 group's spare no room to warm up.
 
