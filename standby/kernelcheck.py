@@ -22,8 +22,9 @@ group's spare no room to warm up.
 The verdict depends only on the device, the software and the model's shapes, so it is remembered on the host
 (``hotweights_home()/kernelchecks``, a file per key: the device's name and architecture, the torch and Triton
 versions, the kernels' sources, the model's configuration and dtype, the cache's length): the first engine of a host
-pays the check (on ``xl`` some seconds: three steps over every slot, the kernels' first compiles), every later one
-reads its file. A file that cannot be read is checked again and written over. With it goes the time of the one
+pays the check (on ``xl`` some seconds: two steps over every slot, each kernel call run in plain torch too, the
+kernels' first compiles), every later one reads its file. A file that cannot be read is checked again and written
+over. With it goes the time of the one
 warm-up prefill that depends on the same things alone, one prompt of the cache's whole length (what the progress
 check expects of the longest prefills, ``standby.progress``): the host's first engine measures it, later ones read it
 instead of running it (on ``xl`` 4096 tokens, the warm-up's heaviest work on the device, which a serving primary
@@ -51,7 +52,7 @@ log = logging.getLogger(__name__)
 # The modules whose code the verdict is about: a change to any of them checks again.
 KERNEL_SOURCES = ("fused.py", "fusedkernels.py", "decodeattention.py", "decodekernels.py", "kernelcheck.py")
 
-TOLERANCE = 0.05  # of the reference's largest logit: rounding passes, a wrong kernel does not
+TOLERANCE = 0.05  # of the largest plain torch value of a call: rounding passes, a wrong kernel does not
 
 # One decode step of the probe: (KV length read by every row, None for each row's own; fused) -> (B, V) logits.
 Step = Callable[[int | None, bool], torch.Tensor]
