@@ -15,6 +15,7 @@ import sys
 import torch
 
 from hotweights.layout import ModelConfig
+from hotweights.standby import decodeattention
 from hotweights.standby.decodeattention import CHECKED, SPLIT, SplitKv, gathered, reference
 from hotweights.standby.fused import checking
 from hotweights.standby.kernelcheck import TOLERANCE
@@ -90,6 +91,9 @@ def mismatches(device: str) -> list[str]:
         name = f"group {group}, head_dim {head_dim}, {dtype}"
         masked = MaskedReads.for_step(lengths - 1, POSITIONS, dtype, table).attend(q, k, v)
         want = reference(q, in_order(k, table), in_order(v, table), lengths, head_dim**-0.5)
+        plain = SplitKv.for_step(lengths, table, q.shape[1], POSITIONS, head_dim).plain(q, k, v)  # in PLAIN_ROWS chunks
+        if not torch.allclose(plain.float(), want.float(), atol=1e-6, rtol=1e-6):
+            found.append(f"{name}: SplitKv.plain, {decodeattention.PLAIN_ROWS} rows at a time, is not the reference")
         expected = {"reference": want, "masked SDPA": masked}
         for (what, want), (atol, rtol) in zip(expected.items(), TOLERANCES[dtype], strict=True):
             for row, length in enumerate(LENGTHS):
@@ -146,4 +150,5 @@ def model_mismatches(device: str) -> list[str]:
 
 
 if __name__ == "__main__":
+    decodeattention.PLAIN_ROWS = 2  # so that SplitKv.plain takes the LENGTHS rows in chunks, the last one short
     print(json.dumps(mismatches(sys.argv[1]) + model_mismatches(sys.argv[1])))
