@@ -20,15 +20,14 @@ without split-KV each engine held 3.7 GB of CUDA graphs instead of 0.66 GB (63 g
 group's spare no room to warm up.
 
 The verdict depends only on the device, the software and the model's shapes, so it is remembered on the host
-(``hotweights_home()/kernelchecks``, a file per key: the device's name and architecture, the torch and Triton
-versions, the kernels' sources, the model's configuration and dtype, the cache's length): the first engine of a host
-pays the check (on ``xl`` some seconds: two steps over every slot, each kernel call run in plain torch too, the
-kernels' first compiles), every later one reads its file. A file that cannot be read is checked again and written
-over. With it goes the time of the one
-warm-up prefill that depends on the same things alone, one prompt of the cache's whole length (what the progress
-check expects of the longest prefills, ``standby.progress``): the host's first engine measures it, later ones read it
-instead of running it (on ``xl`` 4096 tokens, the warm-up's heaviest work on the device, which a serving primary
-beside it would share).
+(``hotweights_home()/kernelchecks``, a file per key: the device's name and architecture, the torch and Triton versions,
+the kernels' sources, the model's configuration and dtype, the cache's length): the first engine of a host pays the
+check (on ``xl`` some seconds: two steps over every slot, each kernel call run in plain torch too, the kernels' first
+compiles), every later one reads its file. A file that cannot be read is checked again and written over. With it goes
+the time of the one warm-up prefill that depends on the same things alone, one prompt of the cache's whole length (what
+the progress check expects of the longest prefills, ``standby.progress``): the host's first engine measures it, later
+ones read it instead of running it (on ``xl`` 4096 tokens, the warm-up's heaviest work on the device, which a serving
+primary beside it would share).
 """
 
 from __future__ import annotations
