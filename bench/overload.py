@@ -35,6 +35,8 @@ so that on a small machine the cores serve the stack measured rather than the cl
   accept a connection in time; ``unavailable``: no primary known within the hold; ``engine``): what of a refusal's
   time the gateway's handling, its wait for a connection and the engine's answer take, the rest being the client's
   connection and the load generator;
+  ``gateway_wait_mean_ms``: from the same, the mean time every request of the load waited in a worker before its
+  handler (from its connection's set-up, ``hotweights.httpguard.RECEIVED``): the worker's event loop;
   ``engine_live_ms``: how long the engine took to answer ``GET /health/live`` (on one kept connection, every
   PING_S, from a thread of this bench's) during the load, p50/max: how late its event loop runs;
   ``gateway_live_ms``: the same of every gateway worker's ``GET /gateway/health`` on its own Unix socket (its event
@@ -110,6 +112,8 @@ class Answer:
 TIMEOUT_S = 120.0  # a request's whole exchange
 PING_S = 0.05  # how often ``pinged`` asks the engine
 REFUSAL_HISTOGRAM = "hotweights_gateway_refusal_seconds"  # a gateway worker's own time to refuse (``refusal_times``)
+WAIT_HISTOGRAM = "hotweights_gateway_wait_seconds"  # a request's wait in a worker before its handler (the same)
+WAIT = "wait"  # ``refusal_times``'s key for WAIT_HISTOGRAM
 ENGINE_TIMES = {  # engine_mean_ms's keys -> the engine's histograms
     "queue_wait": "hotweights_engine_queue_wait_seconds",
     "first_token": "hotweights_engine_time_to_first_token_seconds",
@@ -325,8 +329,8 @@ async def histograms(engine_url: str) -> dict[str, tuple[float, float]]:
 
 
 async def refusal_times(workers: list[Worker]) -> dict[str, tuple[float, float]]:
-    """The gateway workers' ``hotweights_gateway_refusal_seconds`` now, summed over the workers: who refused
-    (``gateway.policy.refused_by``) -> (sum, count)."""
+    """The gateway workers' REFUSAL_HISTOGRAM now, summed over the workers: who refused (``gateway.policy.refused_by``)
+    -> (sum, count); and WAIT_HISTOGRAM's under WAIT."""
     sums: dict[str, float] = {}
     counts: dict[str, float] = {}
     for worker in workers:
@@ -334,12 +338,13 @@ async def refusal_times(workers: list[Worker]) -> dict[str, tuple[float, float]]
             text = (await client.get(f"http://gateway{Endpoint.METRICS}")).text
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                by = sample.labels.get("by")
-                if sample.name == f"{REFUSAL_HISTOGRAM}_sum":
-                    sums[by] = sums.get(by, 0.0) + sample.value
-                elif sample.name == f"{REFUSAL_HISTOGRAM}_count":
-                    counts[by] = counts.get(by, 0.0) + sample.value
-    return {by: (sums.get(by, 0.0), count) for by, count in counts.items()}
+                name, part = sample.name.rpartition("_")[::2]
+                key = sample.labels.get("by") if name == REFUSAL_HISTOGRAM else WAIT if name == WAIT_HISTOGRAM else None
+                if key is not None and part == "sum":
+                    sums[key] = sums.get(key, 0.0) + sample.value
+                elif key is not None and part == "count":
+                    counts[key] = counts.get(key, 0.0) + sample.value
+    return {key: (sums.get(key, 0.0), count) for key, count in counts.items()}
 
 
 def refusal_means(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict:
@@ -449,7 +454,9 @@ async def measure(url: str, engine_url: str, workers: list[Worker], args: argpar
         loads[f"{multiple:g}x"] = summary = summarize(results, percentile(quiet_s, 99), rate)
         wall_s = time.monotonic() - began
         summary["gateway_cpu"] = gateway_cpu(cpu, [cpu_seconds(w.pid) for w in workers], wall_s, len(results))
-        summary["gateway_refusal_mean_ms"] = refusal_means(refusals, await refusal_times(workers))
+        summary["gateway_refusal_mean_ms"] = by_whom = refusal_means(refusals, await refusal_times(workers))
+        if WAIT in by_whom:
+            summary["gateway_wait_mean_ms"] = by_whom.pop(WAIT)
         summary["engine_live_ms"] = quantiles_ms(live)
         summary["gateway_live_ms"] = quantiles_ms([t for times in worker_live for t in times])
         summary["load_lag_ms"] = quantiles_ms(lags)

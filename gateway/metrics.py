@@ -68,6 +68,13 @@ class GatewayMetrics:
             buckets=REFUSAL_BUCKETS,
             registry=r,
         )
+        self.wait_seconds = Histogram(
+            "hotweights_gateway_wait_seconds",
+            "time from a request reaching a worker (its connection set up, or on a kept connection its bytes read) to "
+            "the gateway's handler: the worker's event loop, the body's read and checks",
+            buckets=REFUSAL_BUCKETS,
+            registry=r,
+        )
         self.suspects = Counter(
             "hotweights_gateway_suspect_requests",
             "requests refused because engines failed while serving them, by rule (failures: not re-sent; body: a "

@@ -74,7 +74,7 @@ from hotweights.gateway.migratingproxy import MigratingProxy, opened, upstream_h
 from hotweights.gateway.migration import Ledger, Migratable, Refusal, plan_off_loop
 from hotweights.gateway.suspectguard import SuspectGuard, Tracked
 from hotweights.gateway.suspectjournal import SuspectJournal
-from hotweights.httpguard import parsed_json
+from hotweights.httpguard import RECEIVED, parsed_json
 from hotweights.proxying import HOP_BY_HOP, ProxiedStream
 from hotweights.requestschema import Invalid
 
@@ -132,6 +132,8 @@ class Gateway(MigratingProxy):
         nothing has been relayed yet; 503 (JSON, with the reason) when that fails until the deadline;
         404 for a path that is not a normalized ``/v1/...`` path."""
         arrived = time.monotonic()
+        if (received := request.scope.get(RECEIVED)) is not None:
+            self.metrics.wait_seconds.observe(arrived - received)
         path = forwardable_path(request.scope.get("raw_path") or b"")
         if path is None:
             return self.answer(not_found(NOT_NORMALIZED), arrived)

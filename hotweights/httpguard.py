@@ -17,6 +17,9 @@
   clients cannot lock new ones out; when every open connection is mid-request, the new one is closed. The
   cap is at most half the process's open-files limit (``connection_cap``), so it is reached before
   ``accept`` runs out of descriptors.
+- Every request's scope holds ``RECEIVED``: when this process first saw it (monotonic), the moment its connection was
+  set up for the first request of a connection, the moment its bytes were read for a later one; a handler that times
+  itself from there counts its wait in the event loop before it (``hotweights_gateway_wait_seconds``).
 
 Every refusal is a short JSON body in the server's own error shape (``ErrorShape``); values from the
 request are never echoed longer than ``ECHO_CHARS``. Work that scales with the body (the strict parse of
@@ -53,6 +56,7 @@ MAX_CONTAINERS = 1 << 17  # JSON arrays and objects in one body; a chat's messag
 MAX_VALUES = 1 << 18  # values in one body's arrays and objects: 64 prompts of 4096 token ids
 MAX_INT = 2**63  # integers beyond a signed 64-bit number are refused
 ECHO_CHARS = 200  # values from the request quoted in an answer are cut to this
+RECEIVED = "hotweights.received"  # a request scope's key: when this process first saw it (module docstring)
 INLINE_PARSE_BYTES = 64 * 1024  # larger JSON bodies are checked in a worker thread
 YIELD_EVERY = 256  # numbers a parse takes between two offers of the GIL (some 50 us each)
 WALK_CHUNK = 4096  # values whose types the depth check takes at once (well under a millisecond)
@@ -337,10 +341,12 @@ def guarded_protocol(limits: HttpLimits) -> type[H11Protocol]:
     class GuardedProtocol(H11Protocol):
         def __init__(self, config: uvicorn.Config, server_state: ServerState, *args: Any, **kwargs: Any) -> None:
             super().__init__(config, server_state, *args, **kwargs)
+            self._received: float | None = None  # the next request's RECEIVED, once known
             self._header_timer: asyncio.TimerHandle | None = None
             self._armed_for: object = None  # the request cycle current when the deadline was set
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            self._received = time.monotonic()
             super().connection_made(transport)
             if len(self.connections) > limits.max_connections:
                 if not waiting:
@@ -356,7 +362,12 @@ def guarded_protocol(limits: HttpLimits) -> type[H11Protocol]:
             super().connection_lost(exc)
 
         def handle_events(self) -> None:
+            read = time.monotonic()
+            cycle = self.cycle
             super().handle_events()
+            if self.cycle is not None and self.cycle is not cycle:  # a request's headers arrived
+                self.cycle.scope[RECEIVED] = read if self._received is None else self._received  # type: ignore[index]
+                self._received = None
             if self.cycle is not None and self.cycle is not self._armed_for:
                 self._disarm()  # a request's headers arrived
 

@@ -594,6 +594,8 @@ def test_engines_that_refused_get_no_fresh_request_until_they_expect_to_queue_on
             timed = "hotweights_gateway_refusal_seconds_count"  # each refusal timed, by who refused it
             assert metric(gateway, timed, by="gateway") == refused
             assert metric(gateway, timed, by="engine") == len(upstreams.received)
+            # every request through the handler timed from its arrival at the worker, a refusal's included
+            assert metric(gateway, "hotweights_gateway_wait_seconds_count") >= refused + 3
 
 
 class Load:
