@@ -1,23 +1,21 @@
 """The engine's Triton kernels checked against plain torch at warm-up, on the device that will run them.
 
 Triton compiles each kernel for the GPU and the Triton release it meets; a kernel that fails to compile there, or
-computes something else, would fail every graph capture or serve wrong tokens. So before a graphed decoder captures
-its steps (``standby.decoder``), one decode step of every slot, at positions spread over the whole cache (so across
-the split-KV kernels' splits), runs with split-KV attention (``standby.decodeattention``), then with the fused
-elementwise kernels (``standby.fused``) on top of the attention that passed, each kernel's every call checked against
-plain torch on the same inputs (``fused.checking``; split-KV attention against ``SplitKv.plain``,
-its math in plain torch). A kernel that raises, returns a value that is not finite, or departs from plain torch by more
-than TOLERANCE of the largest plain value is not used, and a warning line says so: without split-KV attention the
-decoder captures a graph per KV length, without the fused kernels unfused graphed steps. Rounding differs between the
-ways (sums in other orders, one rounding instead of several), which the tolerance leaves room for; a miscompiled
-kernel gives other numbers altogether. Why call by call, not the whole step's logits: through 48 layers of a model the
-rounding of one kernel grows with every layer, so that a right kernel and a wrong one cannot be told apart by the
-logits. Measured: on an H200 with ``xl`` fused kernels that agree with plain torch call by call gave logits 5.2-5.9 %
-of the largest apart; on an H100, split-KV attention's logits departed by 5.1-5.3 % of the largest in some engines
-and under the 5 % tolerance in others of the same host, so a host's verdict (below) depended on which engine wrote it
-last, and
-without split-KV each engine held 3.7 GB of CUDA graphs instead of 0.66 GB (63 graphs instead of 7), which left a
-group's spare no room to warm up.
+computes something else, would fail every graph capture or serve wrong tokens. So before a graphed decoder captures its
+steps (``standby.decoder``), one decode step of every slot, at positions spread over the whole cache (so across the
+split-KV kernels' splits), runs with split-KV attention (``standby.decodeattention``), then with the fused elementwise
+kernels (``standby.fused``) on top of the attention that passed, each kernel's every call checked against plain torch on
+the same inputs (``fused.checking``; split-KV attention against ``SplitKv.plain``, its math in plain torch). A kernel
+that raises, returns a value that is not finite, or departs from plain torch by more than TOLERANCE of the largest plain
+value is not used, and a warning line says so: without split-KV attention the decoder captures a graph per KV length,
+without the fused kernels unfused graphed steps. Rounding differs between the ways (sums in other orders, one rounding
+instead of several), which the tolerance leaves room for; a miscompiled kernel gives other numbers altogether. Why call
+by call, not the whole step's logits: through 48 layers of a model the rounding of one kernel grows with every layer, so
+that a right kernel and a wrong one cannot be told apart by the logits. Measured: on an H200 with ``xl`` fused kernels
+that agree with plain torch call by call gave logits 5.2-5.9 % of the largest apart; on an H100, split-KV attention's
+logits departed by 5.1-5.3 % of the largest in some engines and under the 5 % tolerance in others of the same host, so a
+host's verdict (below) depended on which engine wrote it last, and without split-KV each engine held 3.7 GB of CUDA
+graphs instead of 0.66 GB (63 graphs instead of 7), which left a group's spare no room to warm up.
 
 The verdict depends only on the device, the software and the model's shapes, so it is remembered on the host
 (``hotweights_home()/kernelchecks``, a file per key: the device's name and architecture, the torch and Triton versions,
