@@ -59,7 +59,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import ExitStack, asynccontextmanager, contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -168,14 +168,14 @@ def stack(args: argparse.Namespace, workdir: Path) -> Iterator[tuple[str, str, l
     processes = [start(engine, workdir / "engine.log")]
     try:
         wait_serving(engine_url + Endpoint.PRIMARY, processes[0], workdir / "engine.log")
+        workers = []
         for worker in range(args.gateway_workers):
             probe, log = str(workdir / f"gateway-{worker}.sock"), workdir / f"gateway-{worker}.log"
             gateway = hotweights_command("gateway", "--config", str(config), "--upstream", engine_url)
             gateway += ["--fd", str(listener.fileno()), "--probe-socket", probe]
             processes.append(start(gateway, log, (listener.fileno(),)))
             wait_serving(f"http://gateway{Endpoint.GATEWAY_HEALTH}", processes[-1], log, 60, uds=probe)
-        probes = [str(workdir / f"gateway-{worker}.sock") for worker in range(args.gateway_workers)]
-        workers = [Worker(p.pid, probe) for p, probe in zip(processes[1:], probes, strict=True)]
+            workers.append(Worker(processes[-1].pid, probe))
         yield f"http://127.0.0.1:{gateway_port}", engine_url, workers
     finally:
         stop(processes)
@@ -316,58 +316,60 @@ def summarize(results: list[Answer], quiet_p99_s: float, capacity_per_s: float) 
     }
 
 
-async def histograms(engine_url: str) -> dict[str, tuple[float, float]]:
-    """ENGINE_TIMES's histograms now: key -> (sum, count)."""
-    async with httpx.AsyncClient(timeout=30) as client:
-        text = (await client.get(engine_url + Endpoint.METRICS)).text
-    totals = {f"{name}_{part}": 0.0 for name in ENGINE_TIMES.values() for part in ("sum", "count")}
+def histogram_totals(text: str, keyed: Callable[[str, dict[str, str]], str | None]) -> dict[str, tuple[float, float]]:
+    """The (sum, count) of the histograms of a Prometheus text exposition, under the key ``keyed(name, labels)`` gives
+    each (None: not wanted), summed over the label sets of one key."""
+    sums: dict[str, float] = {}
+    counts: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name in totals:
-                totals[sample.name] = sample.value
-    return {key: (totals[f"{name}_sum"], totals[f"{name}_count"]) for key, name in ENGINE_TIMES.items()}
+            name, _, part = sample.name.rpartition("_")
+            if part in ("sum", "count") and (key := keyed(name, sample.labels)) is not None:
+                totals = sums if part == "sum" else counts
+                totals[key] = totals.get(key, 0.0) + sample.value
+    return {key: (sums.get(key, 0.0), count) for key, count in counts.items()}
+
+
+async def histograms(engine_url: str) -> dict[str, tuple[float, float]]:
+    """ENGINE_TIMES's histograms now: key -> (sum, count)."""
+    keys = {name: key for key, name in ENGINE_TIMES.items()}
+    async with httpx.AsyncClient(timeout=30) as client:
+        text = (await client.get(engine_url + Endpoint.METRICS)).text
+    return histogram_totals(text, lambda name, _: keys.get(name))
 
 
 async def refusal_times(workers: list[Worker]) -> dict[str, tuple[float, float]]:
     """The gateway workers' REFUSAL_HISTOGRAM now, summed over the workers: who refused (``gateway.policy.refused_by``)
     -> (sum, count); and WAIT_HISTOGRAM's under WAIT."""
-    sums: dict[str, float] = {}
-    counts: dict[str, float] = {}
+
+    def keyed(name: str, labels: dict[str, str]) -> str | None:
+        return labels.get("by") if name == REFUSAL_HISTOGRAM else WAIT if name == WAIT_HISTOGRAM else None
+
+    totals: dict[str, tuple[float, float]] = {}
     for worker in workers:
         async with httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=worker.probe), timeout=30) as client:
             text = (await client.get(f"http://gateway{Endpoint.METRICS}")).text
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                name, part = sample.name.rpartition("_")[::2]
-                key = sample.labels.get("by") if name == REFUSAL_HISTOGRAM else WAIT if name == WAIT_HISTOGRAM else None
-                if key is not None and part == "sum":
-                    sums[key] = sums.get(key, 0.0) + sample.value
-                elif key is not None and part == "count":
-                    counts[key] = counts.get(key, 0.0) + sample.value
-    return {key: (sums.get(key, 0.0), count) for key, count in counts.items()}
+        for key, (total, count) in histogram_totals(text, keyed).items():
+            total0, count0 = totals.get(key, (0.0, 0.0))
+            totals[key] = (total0 + total, count0 + count)
+    return totals
 
 
-def refusal_means(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict:
-    """Mean ms from a refused request's arrival at a gateway worker's handler to its answer, by who refused it, over
-    what two ``refusal_times`` counted between them."""
+def means_ms(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, float]:
+    """Mean ms of each key's observations between two (sum, count) readings, for the keys that counted some."""
     means = {}
-    for by, (total, count) in after.items():
-        total0, count0 = before.get(by, (0.0, 0.0))
+    for key, (total, count) in after.items():
+        total0, count0 = before.get(key, (0.0, 0.0))
         if count > count0:
-            means[by] = round((total - total0) / (count - count0) * 1000, 1)
+            means[key] = round((total - total0) / (count - count0) * 1000, 1)
     return means
 
 
 def engine_means(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict:
     """Mean ms of each of ENGINE_TIMES between two ``histograms`` (those that counted some request), and how many
     were queued."""
-    means: dict[str, float | int] = {}
-    for key in ENGINE_TIMES:
-        (sum0, n0), (sum1, n1) = before[key], after[key]
-        if n1 > n0:
-            means[key] = round((sum1 - sum0) / (n1 - n0) * 1000, 1)
-    means["queued"] = int(after["queue_wait"][1] - before["queue_wait"][1])
-    return means
+    queued = after.get("queue_wait", (0.0, 0.0))[1] - before.get("queue_wait", (0.0, 0.0))[1]
+    return {**means_ms(before, after), "queued": int(queued)}
 
 
 @contextmanager
@@ -454,7 +456,7 @@ async def measure(url: str, engine_url: str, workers: list[Worker], args: argpar
         loads[f"{multiple:g}x"] = summary = summarize(results, percentile(quiet_s, 99), rate)
         wall_s = time.monotonic() - began
         summary["gateway_cpu"] = gateway_cpu(cpu, [cpu_seconds(w.pid) for w in workers], wall_s, len(results))
-        summary["gateway_refusal_mean_ms"] = by_whom = refusal_means(refusals, await refusal_times(workers))
+        summary["gateway_refusal_mean_ms"] = by_whom = means_ms(refusals, await refusal_times(workers))
         if WAIT in by_whom:
             summary["gateway_wait_mean_ms"] = by_whom.pop(WAIT)
         summary["engine_live_ms"] = quantiles_ms(live)
