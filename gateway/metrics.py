@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 HOLD_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
-REFUSAL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+SHORT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)  # a worker's own: a refusal, a wait
 
 
 class GatewayMetrics:
@@ -65,14 +65,14 @@ class GatewayMetrics:
             "unaccepted: the gateway, once the primary did not accept a connection in time; unavailable: no primary "
             "within the hold; engine: relayed)",
             ["by"],
-            buckets=REFUSAL_BUCKETS,
+            buckets=SHORT_BUCKETS,
             registry=r,
         )
         self.wait_seconds = Histogram(
             "hotweights_gateway_wait_seconds",
             "time from a request reaching a worker (its connection set up, or on a kept connection its bytes read) to "
             "the gateway's handler: the worker's event loop, the body's read and checks",
-            buckets=REFUSAL_BUCKETS,
+            buckets=SHORT_BUCKETS,
             registry=r,
         )
         self.suspects = Counter(

@@ -362,11 +362,10 @@ def guarded_protocol(limits: HttpLimits) -> type[H11Protocol]:
             super().connection_lost(exc)
 
         def handle_events(self) -> None:
-            read = time.monotonic()
             cycle = self.cycle
             super().handle_events()
-            if self.cycle is not None and self.cycle is not cycle:  # a request's headers arrived
-                self.cycle.scope[RECEIVED] = read if self._received is None else self._received  # type: ignore[index]
+            if self.cycle is not None and self.cycle is not cycle:  # a request's headers arrived: read just now
+                self.cycle.scope[RECEIVED] = self._received or time.monotonic()  # type: ignore[index]
                 self._received = None
             if self.cycle is not None and self.cycle is not self._armed_for:
                 self._disarm()  # a request's headers arrived

@@ -96,9 +96,9 @@ class SplitKv:
         PLAIN_ROWS rows at a time (on ``xl`` at 4096 positions ~0.4 GB at once, where 64 rows would take 3.5 GB beside
         the engines of a device that is filling up)."""
         out = []
-        for rows in torch.arange(q.shape[0], device=q.device).split(PLAIN_ROWS):
-            table = self.table[rows]
-            k, v = (gathered(cache, table, self.positions).transpose(1, 2) for cache in (cache_k, cache_v))
+        for start in range(0, q.shape[0], PLAIN_ROWS):
+            rows = slice(start, start + PLAIN_ROWS)
+            k, v = (gathered(cache, self.table[rows], self.positions).transpose(1, 2) for cache in (cache_k, cache_v))
             out.append(reference(q[rows], k, v, self.lengths[rows], self.scale))
         return torch.cat(out)
 

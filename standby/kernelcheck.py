@@ -77,9 +77,8 @@ def verdict(step: Step, split_kv: bool, positions: int) -> KernelVerdict:
     kernels on top of what passed, over ``positions`` KV positions where split-KV attention is not used), each call
     against plain torch on its inputs."""
     warnings: list[str] = []
-    attention = split_kv and _passes(
-        "split-KV attention", lambda: call_disagreement(lambda: step(None, False)), warnings
-    )
+    split_step = functools.partial(step, None, False)
+    attention = split_kv and _passes("split-KV attention", lambda: call_disagreement(split_step), warnings)
     fused_step = functools.partial(step, None if attention else positions, True)
     fusing = _passes("the fused kernels", lambda: call_disagreement(fused_step), warnings)
     return KernelVerdict(attention, fusing, tuple(warnings))
