@@ -2,10 +2,9 @@
 scheduler and detokenizer processes are forked from the server's process, not spawned, when it runs on the CPU.
 
 SGLang starts those two processes with multiprocessing's ``spawn`` start method, so that each imports torch,
-transformers and SGLang again before it does any work: on 2 CPU cores, a server of the ``tiny`` model took 30
-CPU-seconds to be ready, 19 of them in those two processes. Forked, they inherit the server process's imports and
-the server is ready on some 16 CPU-seconds (``docs/engines.md`` has the figures), which is what a spare's start
-beside a serving primary waits for. On any other device SGLang's ``spawn`` stays: a forked child cannot use a CUDA
+transformers and SGLang again before it does any work. Forked, they inherit the server process's imports: on 2 CPU
+cores a spare's server started beside a serving group was ready in 16.1 s, against 42.0 s spawned
+(``docs/benchmarks.md``, SGLang). On any other device SGLang's ``spawn`` stays: a forked child cannot use a CUDA
 context its parent made.
 
 This runs in SGLang's Python (a group's ``engine_python``, where hotweights is installed for the loader,
