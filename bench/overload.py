@@ -23,8 +23,10 @@ so that on a small machine the cores serve the stack measured rather than the cl
   the gateway knew no primary, its probe or a connection to the engine timed out), their answer time p50/p99/max
   (target <= 50 ms), and of them those the engine answered itself, relayed (``refused_by_engine``: the gateway
   answers the rest at once while an engine is full, ``gateway.discovery``) and their answer time p50/max,
-  ``goodput`` (the admitted completed per second, from the first request sent to the last one admitted answered,
-  over the capacity; target >= 0.9), and every other answer or transport error (``errors``, must be 0);
+  ``connect_*_ms``, how long every request's connection took to open (the gateway's listening queue, before any
+  worker's event loop sees it), ``goodput`` (the admitted completed per second, from the first request sent to the
+  last one admitted answered, over the capacity; target >= 0.9), and every other answer or transport error
+  (``errors``, must be 0);
   ``engine_mean_ms``, from the engine's own metrics over that load, where an admitted request's time went:
   ``queue_wait`` (of the ``queued`` ones), ``first_token`` and ``service`` (from its start, once tokenized, to its
   last token); the rest of the client's time is HTTP, the gateway and tokenization;
@@ -101,12 +103,13 @@ class Worker:
 @dataclass(frozen=True)
 class Answer:
     """One request of a load: its status (or its error's name), its seconds, when it was answered (seconds after the
-    load's first was sent) and whether an engine answered it (``post``)."""
+    load's first was sent), whether an engine answered it (``post``) and how long its connection took to open."""
 
     status: int | str
     seconds: float
     answered: float
     relayed: bool
+    connect: float  # seconds until its connection was open (the listener's queue and the handshake)
 
 
 TIMEOUT_S = 120.0  # a request's whole exchange
@@ -194,25 +197,28 @@ def stop(processes: list[subprocess.Popen]) -> None:
             process.wait()
 
 
-async def one(url: str, max_tokens: int) -> tuple[int | str, float, bool]:
-    """(status, or the error's name; seconds; whether an engine answered it, not the gateway itself) of one
-    completion through ``url``."""
+async def one(url: str, max_tokens: int) -> tuple[int | str, float, bool, float]:
+    """(status, or the error's name; seconds; whether an engine answered it, not the gateway itself; seconds until its
+    connection was open) of one completion through ``url``."""
     started = time.perf_counter()
     body = json.dumps({"prompt": PROMPT, "max_tokens": max_tokens}).encode()
+    connected = [started]
     try:
         async with asyncio.timeout(TIMEOUT_S):
-            status, relayed = await post(httpx.URL(url + Endpoint.COMPLETIONS), body)
+            status, relayed = await post(httpx.URL(url + Endpoint.COMPLETIONS), body, connected)
     except (OSError, TimeoutError, h11.ProtocolError) as exc:
         status, relayed = type(exc).__name__, False
-    return status, time.perf_counter() - started, relayed
+    return status, time.perf_counter() - started, relayed, connected[-1] - started
 
 
-async def post(url: httpx.URL, body: bytes) -> tuple[int, bool]:
+async def post(url: httpx.URL, body: bytes, connected: list[float]) -> tuple[int, bool]:
     """POST ``body`` (JSON) to ``url`` on a connection of its own, read the answer to its end: its status, and
-    whether the gateway relayed it from an engine (``UPSTREAM_HEADER``) rather than answered it itself. The load
+    whether the gateway relayed it from an engine (``UPSTREAM_HEADER``) rather than answered it itself; the time the
+    connection was open is appended to ``connected``. The load
     generator's own cost per request, ~0.4 ms of CPU here against httpx's 4-15 ms (its pool's bookkeeping grows with
     the requests in flight), so that the cores serve the stack measured, not the client measuring it."""
     reader, writer = await asyncio.open_connection(url.host, url.port)
+    connected.append(time.perf_counter())
     try:
         connection = h11.Connection(h11.CLIENT)
         headers = [("host", f"{url.host}:{url.port}"), ("content-type", "application/json")]
@@ -237,10 +243,10 @@ async def post(url: httpx.URL, body: bytes) -> tuple[int, bool]:
 
 async def quiet(url: str, args: argparse.Namespace) -> list[float]:
     results = [await one(url, args.max_tokens) for _ in range(args.quiet_requests)]
-    bad = [status for status, _, _ in results if status != 200]
+    bad = [status for status, *_ in results if status != 200]
     if bad:
         raise SystemExit(f"quiet requests failed: {bad[:5]}")
-    return [seconds for _, seconds, _ in results]
+    return [seconds for _, seconds, *_ in results]
 
 
 def engine_max_batch(engine_url: str) -> int:
@@ -256,7 +262,7 @@ async def capacity(url: str, args: argparse.Namespace, clients: int) -> float:
     async def client_loop() -> None:
         nonlocal done
         while time.perf_counter() < deadline:
-            status, _, _ = await one(url, args.max_tokens)
+            status, *_ = await one(url, args.max_tokens)
             done += status == 200
 
     started = time.perf_counter()
@@ -270,8 +276,8 @@ async def offered(url: str, rate: float, args: argparse.Namespace) -> list[Answe
     started = time.perf_counter()
 
     async def timed() -> Answer:
-        status, seconds, relayed = await one(url, args.max_tokens)
-        return Answer(status, seconds, time.perf_counter() - started, relayed)
+        status, seconds, relayed, connect = await one(url, args.max_tokens)
+        return Answer(status, seconds, time.perf_counter() - started, relayed, connect)
 
     for i in range(max(1, round(rate * args.seconds))):
         delay = started + i / rate - time.perf_counter()
@@ -311,6 +317,7 @@ def summarize(results: list[Answer], quiet_p99_s: float, capacity_per_s: float) 
         **latencies("refused", refused, p50=50, p99=99, max=100),
         "refused_by_engine": len(by_engine),  # of them, an engine's own 429s, relayed
         **latencies("refused_by_engine", by_engine, p50=50, max=100),
+        **latencies("connect", [a.connect for a in results], p50=50, p99=99, max=100),
         "errors": len(errors),
         "error_kinds": sorted({str(e) for e in errors}),
     }

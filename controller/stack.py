@@ -214,12 +214,17 @@ class Layout:
 
     def environment(self, group: int) -> dict[str, str] | None:
         """The environment of the group's daemon and engines: ours plus ``engine_env``, and for a vLLM or SGLang
-        group its compile caches under ``compile_cache``, where neither names them (None: ours)."""
+        group, where neither names them, its compile caches under ``compile_cache`` and on a CPU each server's
+        threads (``cpu_threads``, as a reference engine's ``--cpu-threads``) and its kind's ``cpu_env`` (None: ours)."""
         config = self.config.groups[group]
-        caches = {}
+        defaults = {}
         if config.engine != Engine.REFERENCE:
-            caches = {name: str(self.compile_cache / folder) for name, folder in KINDS[config.engine].compile_caches}
-        return {**caches, **os.environ, **config.engine_env} if caches or config.engine_env else None
+            kind = KINDS[config.engine]
+            defaults = {name: str(self.compile_cache / folder) for name, folder in kind.compile_caches}
+            if config.device == "cpu":
+                defaults["OMP_NUM_THREADS"] = str(cpu_threads(self.config, len(os.sched_getaffinity(0))))
+                defaults |= dict(kind.cpu_env)
+        return {**defaults, **os.environ, **config.engine_env} if defaults or config.engine_env else None
 
     def engine_command(self, spec: EngineSpec, generation: Generation | None = None) -> list[str]:
         """Every engine starts as a standby; the controller promotes one, so no start races a live primary.

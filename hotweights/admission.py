@@ -217,10 +217,7 @@ class Admission:
         """The slots for each of the request's ``prompts`` once it holds them (``leave`` gives them back), after a
         wait when none was free; the refusal otherwise, at once. ``owed``: a request owed to a failover (module
         docstring). ``prompts`` must not exceed ``running`` (it would wait for ever)."""
-        slot_free = self._slots.available(prompts)
-        times = None if slot_free else self._times()
-        start = self._start(times, self.waiting + prompts - 1)
-        decided = verdict(slot_free, owed, self.waiting + prompts <= self.queue, start, self.budget_s)
+        decided, times, start = self._decided(owed, prompts)
         self.on_verdict(decided)
         if decided is Verdict.REFUSE:
             return self._refusal(times, start, prompts)
@@ -230,6 +227,24 @@ class Admission:
             granted = await self._wait(prompts)
         self.serving += prompts
         return Held(prompts, granted)
+
+    def refusal(self, prompts: int = 1) -> Refusal | None:
+        """The refusal ``enter`` would answer a fresh request of ``prompts`` now, counted as its verdict; None (and
+        nothing counted or changed) when it would admit or queue it. A request of more prompts waits behind as many
+        more sequences, so one refused for a single prompt is refused for any: a server answers it from its headers
+        alone, before its body is read."""
+        decided, times, start = self._decided(False, prompts)
+        if decided is not Verdict.REFUSE:
+            return None
+        self.on_verdict(decided)
+        return self._refusal(times, start, prompts)
+
+    def _decided(self, owed: bool, prompts: int) -> tuple[Verdict, LiveTimes | None, float | None]:
+        """The verdict on a request of ``prompts`` arriving now, with the times and expected start it rests on."""
+        slot_free = self._slots.available(prompts)
+        times = None if slot_free else self._times()
+        start = self._start(times, self.waiting + prompts - 1)
+        return verdict(slot_free, owed, self.waiting + prompts <= self.queue, start, self.budget_s), times, start
 
     async def _wait(self, prompts: int) -> float:
         """Hold ``prompts`` slots once they are this request's turn (``Slots.take``: when they were granted);

@@ -44,6 +44,9 @@ class EngineKind:
     # The environment variables naming its on-disk compile caches, each with its directory's name under the
     # stack's compile cache (``Layout.compile_cache``), so that every later server reuses what one compiled.
     compile_caches: tuple[tuple[str, str], ...]
+    # The environment its servers need on a CPU device beside their thread count (``OMP_NUM_THREADS``), so that the
+    # servers of one host share its cores rather than pile onto the same ones.
+    cpu_env: tuple[tuple[str, str], ...] = ()
 
 
 KINDS = {
@@ -60,6 +63,10 @@ KINDS = {
         # its torch.compile artifacts (Inductor's and Triton's under them), then Inductor's for what it compiles
         # outside them
         compile_caches=(("VLLM_CACHE_ROOT", "vllm"), ("TORCHINDUCTOR_CACHE_DIR", "inductor")),
+        # On a CPU, vLLM binds its worker's OpenMP threads to the allowed cores less one it reserves, the same ones
+        # in every server of the host (on 2 cores: all of them compute on core 0, a serving primary with every
+        # server starting beside it); unbound, the kernel spreads them.
+        cpu_env=(("VLLM_CPU_OMP_THREADS_BIND", "nobind"),),
     ),
     Engine.SGLANG: EngineKind(
         Engine.SGLANG,

@@ -9,7 +9,8 @@
   it builds them), duplicate
   keys, invalid UTF-8 and lone surrogates are 400 with one short reason. What passes is plain JSON every
   later step can encode again (a validation error echoing it, a tokenizer, a log line); the handler finds it
-  parsed (``parsed_json``).
+  parsed (``parsed_json``). A server may answer a request from its headers alone before its body is read
+  (``Early``: an engine's 429 while it is full costs it no body and no parse).
 - Connections: one whose request headers have not all arrived ``header_timeout_s`` after it opened (or
   after its previous response) is closed. At ``max_connections`` open at once, a new connection takes the
   place of the one that has waited longest for a request's headers (a slow client, or a keep-alive
@@ -37,6 +38,7 @@ import math
 import re
 import resource
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -56,6 +58,9 @@ MAX_CONTAINERS = 1 << 17  # JSON arrays and objects in one body; a chat's messag
 MAX_VALUES = 1 << 18  # values in one body's arrays and objects: 64 prompts of 4096 token ids
 MAX_INT = 2**63  # integers beyond a signed 64-bit number are refused
 ECHO_CHARS = 200  # values from the request quoted in an answer are cut to this
+# A request's answer decided from its scope (method, path, headers) alone, before its body is read: an ASGI app that
+# answers it, or None to read the body and go on (``BodyGuard``).
+Early = Callable[[Scope], ASGIApp | None]
 RECEIVED = "hotweights.received"  # a request scope's key: when this process first saw it (module docstring)
 INLINE_PARSE_BYTES = 64 * 1024  # larger JSON bodies are checked in a worker thread
 YIELD_EVERY = 256  # numbers a parse takes between two offers of the GIL (some 50 us each)
@@ -255,12 +260,14 @@ class BodyGuard:
     """ASGI middleware: reads a request's body (bounded in size and time), checks JSON strictly, and
     hands the app the body it read; refusals are answered here and the app never runs."""
 
-    def __init__(self, app: ASGIApp, limits: HttpLimits, shape: ErrorShape) -> None:
-        self.app, self.limits, self.shape = app, limits, shape
+    def __init__(self, app: ASGIApp, limits: HttpLimits, shape: ErrorShape, early: Early | None = None) -> None:
+        self.app, self.limits, self.shape, self.early = app, limits, shape, early
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
             return await self.app(scope, receive, send)
+        if self.early is not None and (answer := self.early(scope)) is not None:
+            return await answer(scope, receive, send)
         length = _content_length(scope)
         if length is not None and length > self.limits.body_bytes:
             return await self._refuse(send, 413, self._too_large())
@@ -396,13 +403,15 @@ def guarded_protocol(limits: HttpLimits) -> type[H11Protocol]:
     return GuardedProtocol
 
 
-def server_config(app: ASGIApp, limits: HttpLimits, shape: ErrorShape, **kwargs: Any) -> uvicorn.Config:
-    """A uvicorn config serving ``app`` behind ``BodyGuard`` and ``guarded_protocol``; ``kwargs`` as
+def server_config(
+    app: ASGIApp, limits: HttpLimits, shape: ErrorShape, early: Early | None = None, **kwargs: Any
+) -> uvicorn.Config:
+    """A uvicorn config serving ``app`` behind ``BodyGuard`` (with ``early``) and ``guarded_protocol``; ``kwargs`` as
     for ``uvicorn.Config`` (our servers log through our handlers and write no access log). The connection cap
     is ``connection_cap`` of the one in ``limits``."""
     limits = replace(limits, max_connections=connection_cap(limits.max_connections))
     return uvicorn.Config(
-        BodyGuard(app, limits, shape),
+        BodyGuard(app, limits, shape, early),
         http=guarded_protocol(limits),
         log_config=None,
         access_log=False,

@@ -91,7 +91,7 @@ from hotweights.standby.pacing import CpuShare, Pacer
 from hotweights.standby.progress import FREEZE_SIGNAL
 from hotweights.standby.roles import CANCEL_GRACE_S, KvCapacity, Roles
 from hotweights.standby.scheduler import Scheduler
-from hotweights.standby.server import EngineContext, build_app
+from hotweights.standby.server import EngineContext, build_app, early_refusal
 from hotweights.standby.serving import AnnouncingServer, bind_port, run_until_signal
 from hotweights.standby.steptimes import WATCH
 from hotweights.standby.weights import LoadedModel, Prepared, load_model, prepare
@@ -499,6 +499,7 @@ def serve(
         build_app(ctx),
         HttpLimits(body_bytes=options.max_body_bytes),
         ErrorShape.OPENAI,
+        early_refusal(ctx),
         host=options.host,
         port=options.port,
         lifespan="off",

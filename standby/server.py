@@ -4,7 +4,8 @@ Handlers never touch the model: compute runs on the scheduler's thread, a large 
 template and tokenization in the intake's (``standby.intake``), and the health endpoints read plain attributes,
 so they answer in milliseconds during long generations and whatever requests arrive. Completions pass
 ``admission`` once validated, counted as the prompts they generate: beyond the sequences generating and waiting
-it allows, 429 at once.
+it allows, 429 at once; while it refuses even one prompt, a fresh completion's 429 is answered from its headers,
+before its body is read (``early_refusal``).
 Every error body is OpenAI-shaped: ``{"error": {"message", "type", "param"}}``.
 """
 
@@ -35,7 +36,7 @@ from hotweights.contract import (
     WEIGHTS_HEADER,
     Endpoint,
 )
-from hotweights.httpguard import parsed_json, short
+from hotweights.httpguard import Early, parsed_json, short
 from hotweights.requestschema import ChatRequest, CompletionRequest, Invalid, SamplingRequest
 from hotweights.standby.canary import CANARY_WATCH, Canary, add_canary_route
 from hotweights.standby.chat import ChatTemplate
@@ -335,6 +336,25 @@ def documented(app: FastAPI, *schemas: type[BaseModel]) -> FastAPI:
 
     app.openapi = openapi  # type: ignore[method-assign]
     return app
+
+
+COMPLETION_PATHS = frozenset({Endpoint.COMPLETIONS.value, Endpoint.CHAT_COMPLETIONS.value})
+OWED = OWED_HEADER.encode()
+
+
+def early_refusal(ctx: EngineContext) -> Early:
+    """A fresh completion's 429 from its headers alone while the serving engine is full (``Admission.refusal``), so
+    that a refusal costs the event loop that feeds the inference thread no body, parse or validation; anything else
+    (an owed request, one to an engine that does not serve, any other path) goes on to its handler."""
+
+    def early(scope: Scope) -> JSONResponse | None:
+        if scope["path"] not in COMPLETION_PATHS or any(name == OWED for name, _ in scope["headers"]):
+            return None
+        if ctx.roles.serving_refusal() is not None or (refused := ctx.admission.refusal()) is None:
+            return None
+        return overloaded(refused)
+
+    return early
 
 
 def overloaded(refused: Refusal) -> JSONResponse:

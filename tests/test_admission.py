@@ -152,6 +152,28 @@ def test_a_request_waits_while_its_start_is_within_the_budget_and_is_refused_at_
     assert refused.admits_in_s == pytest.approx(0.2, abs=1e-3)
 
 
+def test_the_refusal_of_a_fresh_request_is_known_before_it_enters_and_changes_nothing_else() -> None:
+    """What a server answers from a request's headers: None (nothing counted, nothing held) while a fresh request of one
+    prompt would be admitted or queued; the refusal ``enter`` would give, counted, once it would be refused."""
+
+    async def scenario() -> tuple[list[Refusal | None], list[Verdict], tuple[int, int]]:
+        seen: list[Verdict] = []
+        admission = Admission(1, budget_s=1.0, timing=Times([0.4]), hold_s=0.4, on_verdict=seen.append)
+        answers = [admission.refusal()]  # a free slot
+        first = await admission.enter()
+        answers.append(admission.refusal())  # expected at 0.4 s: would wait
+        waiting = await queued(admission, 2)
+        answers.append(admission.refusal())  # expected at 1.2 s: refused
+        state = (admission.serving, admission.waiting)
+        await release(admission, [first, *waiting])
+        return answers, seen, state
+
+    answers, seen, state = asyncio.run(scenario())
+    assert answers[:2] == [None, None] and isinstance(answers[2], Refusal)
+    assert "a slot is expected in 1.2 s" in answers[2].reason and answers[2].admits_in_s == pytest.approx(0.2, abs=1e-3)
+    assert seen == [Verdict.ADMIT, Verdict.QUEUE, Verdict.QUEUE, Verdict.REFUSE] and state == (1, 2)
+
+
 def test_a_request_of_several_prompts_waits_as_that_many_sequences() -> None:
     """Two slots, one free and one held 0.3 s more: a request of two prompts waits as two sequences, for the first
     two slots to free (now and at 0.3 s); one of one prompt behind it, for the third (the free one again, a sequence

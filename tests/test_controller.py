@@ -172,6 +172,8 @@ def test_a_vllm_group_runs_its_daemon_and_agents_with_vllms_python(tmp_path: Pat
     # vLLM's compile caches in the stack's state dir, where engine_env names none (it names Inductor's)
     assert env["VLLM_CACHE_ROOT"] == str(layout.compile_cache / "vllm")
     assert env["TORCHINDUCTOR_CACHE_DIR"] == "/elsewhere"
+    # On a CPU its servers' OpenMP threads unbound (vLLM would bind every server's to the same cores).
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" and int(env["OMP_NUM_THREADS"]) >= 1
     assert layout.config.groups[0].start_timeout() == 600.0
     # Its spare: an agent of no slot yet (its start message names the slot), which starts its server at once.
     spare = layout.spare_command(0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import socket
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -111,6 +112,42 @@ def oversized(url: str, path: str) -> int:
         head = f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {5 << 20}\r\n\r\n"
         conn.sendall(head.encode())
         return int(conn.recv(4096).split()[1])
+
+
+def answer_to_headers(url: str, path: str, length: int) -> int:
+    """The status a server answers to headers announcing ``length`` bytes of JSON, none of them sent."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+        head = f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {length}\r\n\r\n"
+        conn.sendall(head.encode())
+        return int(conn.recv(4096).split()[1])
+
+
+def test_a_full_engine_refuses_a_fresh_completion_from_its_headers_before_its_body(stack: ControllerStack) -> None:
+    """While both slots of the primary are taken (its queue budget of 0 lets none wait), a completion whose body never
+    comes is answered 429 at once: a refusal costs the engine no body, parse or validation (a body it waited for
+    would be 408 after 30 s, past this socket's 10 s)."""
+    url = stack.primary()["url"]
+    body = {"prompt": "hello", "max_tokens": 240}
+    assert httpx.post(url + Endpoint.COMPLETIONS, json=body, timeout=60).is_success  # a request's hold timed
+    refused = threading.Event()
+    done = threading.Event()
+
+    def busy() -> None:  # keeps a slot taken: the next request goes in as one ends
+        with httpx.Client(timeout=60) as client:
+            while not done.is_set():
+                if client.post(url + Endpoint.COMPLETIONS, json=body).status_code == 429:
+                    refused.set()
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        clients = [pool.submit(busy) for _ in range(3)]
+        try:
+            assert refused.wait(60), "the engine refused nothing with both slots taken"
+            assert answer_to_headers(url, Endpoint.COMPLETIONS, 50) == 429
+        finally:
+            done.set()
+        for client in clients:
+            client.result()
 
 
 def test_bodies_beyond_each_servers_limit_are_413_before_they_are_read(stack: ControllerStack) -> None:
