@@ -248,6 +248,11 @@ class KvShare:
                 found = Match(source, *best)
         return found
 
+    @property
+    def sources(self) -> int:
+        """The deposits mapped here now."""
+        return len(self._sources)
+
     def copy(self, match: Match, own: KVCache, blocks: list[int]) -> bool:
         """Copy ``match``'s keys and values, block by block, into ``blocks`` of ``own`` (at least as many as they
         fill); False when its owner gave the slot up meanwhile (``blocks`` then hold nothing usable)."""

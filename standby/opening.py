@@ -1,15 +1,17 @@
 """What an engine's first seconds of serving cost, told in one log line: after a promotion the new primary is sent
 every request the failed one held at once (the gateway's re-sends and continuations, ``gateway.migration``) on a
 device that other engines may be warming up on, and that burst is what a failover costs its clients beyond
-detection. ``Opening`` counts, over the OPENING_S after the KV cache is attached, what the inference thread did:
-its prefills (rows, time), the continuations it adopted from a deposited KV cache (``standby.kvshare``: time,
-the mapping of a deposit included), its decode steps (rows, time), when the first request reached the server's
-handler (``received``, once parsed and validated) and when the inference thread was handed it (``arrived``), and the
-first token. Its decode steps and prefills come from the times ``standby.progress.ProgressClock`` takes of them anyway,
-the rest from the scheduler, all on the inference thread (``arrived`` from any thread: one float)."""
+detection. ``Opening`` counts, over the OPENING_S after the KV cache is attached, what the inference thread did: its
+prefills (rows, time), the continuations it adopted from a deposited KV cache (``standby.kvshare``: time, the
+mapping of a deposit included) and those it could not (why: they are computed again), its decode steps (rows, time),
+when the first request reached the server's handler (``received``, once parsed and validated) and when the inference
+thread was handed it (``arrived``), and the first token. Its decode steps and prefills come from the times
+``standby.progress.ProgressClock`` takes of them anyway, the rest from the scheduler, all on the inference thread
+(``arrived`` from any thread: one float)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 OPENING_S = 2.0  # the first seconds of serving that the line sums up
@@ -26,6 +28,7 @@ class Opening:
     first_token: float | None = None
     prefills: list[tuple[int, float]] = field(default_factory=list)  # (rows, seconds)
     adoptions: list[float] = field(default_factory=list)  # seconds each
+    unadopted: Counter[str] = field(default_factory=Counter)  # continuations computed again, by why
     steps: list[tuple[int, float]] = field(default_factory=list)  # (rows, seconds)
 
     def received(self, now: float) -> None:
@@ -47,6 +50,10 @@ class Opening:
     def adopted(self, seconds: float) -> None:
         if self.began is not None:
             self.adoptions.append(seconds)
+
+    def not_adopted(self, why: str) -> None:
+        if self.began is not None:
+            self.unadopted[why] += 1
 
     def stepped(self, rows: int, seconds: float) -> None:
         if self.began is not None:
@@ -79,6 +86,9 @@ class Opening:
                 f"{len(self.adoptions)} continuation(s) adopted in {_ms(sum(self.adoptions))} ms "
                 f"(longest {_ms(max(self.adoptions))})"
             )
+        if self.unadopted:
+            whys = ", ".join(f"{why}: {n}" for why, n in self.unadopted.items())
+            parts.append(f"{self.unadopted.total()} continuation(s) not adopted ({whys})")
         if self.steps:
             seconds = sorted(s for _, s in self.steps)
             rows = [r for r, _ in self.steps]

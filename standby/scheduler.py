@@ -409,11 +409,15 @@ class Scheduler:
     def _adopt(self, decoder: Decoder, seq: Sequence) -> bool:
         """Start ``seq``, a continuation, from a deposited slot that holds its tokens (module docstring): True when
         it took the lowest free slot and its blocks and is active, its last token to be fed."""
-        if not seq.replay or self.kv_share is None or decoder.shared is None:
+        if not seq.replay:
+            return False
+        if self.kv_share is None or decoder.shared is None:
+            self.progress.opening.not_adopted("no shared KV cache here")
             return False
         ids, prompt = seq.prompt_ids, len(seq.prompt_ids) - seq.replay
         match = self.kv_share.find(ids, prompt, prompt if decoder.batch_invariant else None, decoder.kv)
         if match is None:
+            self.progress.opening.not_adopted(f"none of {self.kv_share.sources} deposits holds its prompt")
             return False
         with self._lock:
             slot, blocks = min(self._free_slots), self._blocks.take(seq.needs)
@@ -422,6 +426,7 @@ class Scheduler:
             with self._lock:
                 self._free_slots.add(slot)
                 self._blocks.give(blocks)
+            self.progress.opening.not_adopted("its slot was given up as it was copied")
             return False
         decoder.assign(slot, blocks)
         decoder.shared.ledger.record(slot, ids[: match.length], match.prefilled, blocks)

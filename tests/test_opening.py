@@ -57,3 +57,14 @@ def test_the_line_names_every_count_and_time(
     head += "first token 200 ms; "
     assert line is not None and line.startswith(head)
     assert expected in line
+
+
+def test_the_line_says_why_continuations_were_not_adopted() -> None:
+    opening = Opening(10.0)
+    opening.arrived(10.01)
+    none = "none of 1 deposits holds its prompt"
+    for why in [none, "no shared KV cache here", none]:
+        opening.not_adopted(why)
+    line = opening.ended(10.0 + OPENING_S)
+    assert line is not None
+    assert "3 continuation(s) not adopted (none of 1 deposits holds its prompt: 2, no shared KV cache here: 1)" in line
