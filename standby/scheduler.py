@@ -390,12 +390,14 @@ class Scheduler:
     def _claim(self, decoder: Decoder) -> list[Sequence]:
         """The waiting sequences of the next prefill, each given its slot and blocks: the lowest free slot and the
         free slots right after it, as far as their blocks are free and the prompts fit one prefill (a prompt that fits
-        none goes alone)."""
+        none goes alone). Where deposited slots can be adopted, a continuation behind the first joins no prefill: it
+        heads the next turn, which tries it for one (``_adopt``) before computing its tokens again."""
         group = [self._waiting.popleft()]
         first = min(self._free_slots)
         invariant = decoder.batch_invariant
         needed = group[0].needs
-        while self._waiting and first + len(group) in self._free_slots:
+        adopts = self.kv_share is not None and decoder.shared is not None
+        while self._waiting and first + len(group) in self._free_slots and not (adopts and self._waiting[0].replay):
             longest = max(len(s.prefilled(invariant)) for s in [*group, self._waiting[0]])
             needed += self._waiting[0].needs
             if not decoder.prefill_fits(len(group) + 1, longest) or needed > self._blocks.free:

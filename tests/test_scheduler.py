@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from hotweights.cache.loadspec import LoadSpec
 from hotweights.standby.decoder import Decoder, Launched, bucket
-from hotweights.standby.kvpool import blocks_for
+from hotweights.standby.kvpool import BlockPool, blocks_for
 from hotweights.standby.model import KVCache, Transformer, generate
 from hotweights.standby.scheduler import Finish, SamplingParams, Scheduler, Sequence
 from hotweights.standby.weights import load_model
@@ -207,3 +208,22 @@ def test_a_sequence_that_needs_more_blocks_than_the_pool_ends_saying_so(model: T
     (refused,), _, _ = run(model, 3, [SamplingParams(MAX_TOKENS[1])], sequences=[(PROMPTS[1], 0)], blocks=4)
     assert refused.tokens == [] and refused.finish.reason == "error"
     assert "need 4 KV blocks of 16 positions" in refused.finish.error and "pool of 3 blocks" in refused.finish.error
+
+
+@pytest.mark.parametrize(("adopts", "grouped"), [(True, 1), (False, 3)], ids=["adopting", "not-adopting"])
+def test_a_continuation_joins_no_prefill_behind_another_where_it_could_adopt_a_slot(adopts: bool, grouped: int) -> None:
+    """A failover's burst: a fresh prompt, a continuation (3 tokens generated before the cut), another fresh one,
+    every slot free and the three fitting one prefill. Where the engine adopts deposited slots the continuation waits
+    to head the next turn, which tries it for one; its tokens are not prefilled behind the fresh prompt's. Where it
+    cannot, the three are prefilled together."""
+    scheduler = Scheduler(kv_share=SimpleNamespace() if adopts else None)  # only whether it has one is read here
+    decoder = SimpleNamespace(batch_invariant=False, shared=SimpleNamespace(), prefill_fits=lambda rows, longest: True)
+    scheduler._free_slots, scheduler._blocks = set(range(4)), BlockPool(64)
+    sequences = [
+        Sequence([1, 2, 3], SamplingParams(8), Collected()),
+        Sequence([4, 5, 6, 7], SamplingParams(5), Collected(), 3),
+        Sequence([8, 9], SamplingParams(8), Collected()),
+    ]
+    scheduler._waiting.extend(sequences)
+    group = scheduler._claim(decoder)  # type: ignore[arg-type]
+    assert group == sequences[:grouped] and list(scheduler._waiting) == sequences[grouped:]
