@@ -14,36 +14,32 @@ each sequence draws from its own seed per token, whatever rows share the step), 
 yields the tokens ``generate`` yields for the same prompt, seed and temperature, up to the rounding differences of
 batched kernels (tests compare them exactly).
 
-A sequence may continue: the last ``replay`` tokens of its prompt are ones an engine generated before (a
-migrated request's continuation). Where another engine's deposited KV cache holds its tokens
-(``standby.kvshare``: the failed primary's), their keys and values are copied into the sequence's blocks and
-only the last token is fed, through a decode step. Otherwise, with a batch-invariant ``Decoder``, only the rest
-is prefilled and the replayed tokens are fed one per round through the same decode steps that first computed
-them; nothing is emitted for them, so the sequence's keys, values and logits are the ones of the uninterrupted
-run. Without one, the whole prompt is prefilled.
+A sequence may continue: the last ``replay`` tokens of its prompt are ones an engine generated before (a migrated
+request's continuation). Where another engine's deposited KV cache holds its tokens (``standby.kvshare``: the failed
+primary's), their keys and values are copied into the sequence's blocks and only the last token is fed, through a decode
+step. Otherwise, with a batch-invariant ``Decoder``, only the rest is prefilled and the replayed tokens are fed one per
+round through the same decode steps that first computed them; nothing is emitted for them, so the sequence's keys,
+values and logits are the ones of the uninterrupted run. Without one, the whole prompt is prefilled.
 
-With a shared KV cache the worker keeps its ``SlotLedger``: a slot's tokens are recorded once the device has
-computed their keys and values (after the next decode step's results reached the host), and a slot is given up
-before anything can overwrite it. While the engine stops serving (``keep_cut``: a drain), a cancelled sequence's
-slot is kept as it is, with its blocks, for the next primary to continue the request from (``standby.kvshare``;
-its table is cleared at once, so no dummy row writes into its blocks): it is given up when the engine serves again,
-or when a waiting sequence finds no free slot or blocks; a KV cache released with kept slots is handed over to the
-daemon rather than withdrawn.
+With a shared KV cache the worker keeps its ``SlotLedger``: a slot's tokens are recorded once the device has computed
+their keys and values (after the next decode step's results reached the host), and a slot is given up before anything
+can overwrite it. While the engine stops serving (``keep_cut``: a drain), a cancelled sequence's slot is kept as it is,
+with its blocks, for the next primary to continue the request from (``standby.kvshare``; its table is cleared at once,
+so no dummy row writes into its blocks): it is given up when the engine serves again, or when a waiting sequence finds
+no free slot or blocks; a KV cache released with kept slots is handed over to the daemon rather than withdrawn.
 
 While every active sequence goes on greedily (no forced token, none at its last token, nothing waiting to start, on a
 device that runs its steps in the order queued), the next decode step is chained behind the one in flight before the
 host reads its results (``Decoder.chain``: it feeds each row that step's argmax, device data), so the device goes from
 one step to the next without waiting for this thread's work between them (emitting the tokens, the next round's
-bookkeeping; on an H100 with ``xl`` one stream's tokens a second through the gateway went from 76.2 to 77.2, the
-step itself ~12 ms). The next round takes the chained step as its own
-where it fed every active sequence the token the round chose at its position (always, for greedy sequences, unless one
-joined); otherwise it is dropped and a step is launched as usual, which writes the same keys and values again. A
-chained step's row for a sequence that ends meanwhile writes one position past its last token, in its own blocks, before
-anything queued after it can reuse them.
+bookkeeping; on an H100 with ``xl`` one stream's tokens a second through the gateway went from 76.2 to 77.2, the step
+itself ~12 ms). The next round takes the chained step as its own where it fed every active sequence the token the round
+chose at its position (always, for greedy sequences, unless one joined); otherwise it is dropped and a step is launched
+as usual, which writes the same keys and values again. A chained step's row for a sequence that ends meanwhile writes
+one position past its last token, in its own blocks, before anything queued after it can reuse them.
 
-Events reach the caller through its sink, called on the worker thread: token ids as they are
-sampled, then one ``Finish``. A standby has no KV cache attached, and a sequence that reaches the
-worker then finishes with an error.
+Events reach the caller through its sink, called on the worker thread: token ids as they are sampled, then one
+``Finish``. A standby has no KV cache attached, and a sequence that reaches the worker then finishes with an error.
 """
 
 from __future__ import annotations
@@ -390,8 +386,7 @@ class Scheduler:
     def _claim(self, decoder: Decoder) -> list[Sequence]:
         """The waiting sequences of the next prefill, each given its slot and blocks: the lowest free slot and the
         free slots right after it, as far as their blocks are free and the prompts fit one prefill (a prompt that fits
-        none goes alone). Where deposited slots can be adopted, a continuation behind the first joins no prefill: it
-        heads the next turn, which tries it for one (``_adopt``) before computing its tokens again."""
+        none goes alone). A continuation behind the first joins none where it could adopt a slot (``_adopt``)."""
         group = [self._waiting.popleft()]
         first = min(self._free_slots)
         invariant = decoder.batch_invariant
