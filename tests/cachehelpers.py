@@ -23,6 +23,24 @@ REPO = Path(__file__).resolve().parent.parent
 # dir there, and the children a test starts with ``env=ENV`` must see this test's, not the first one's.
 ENV = os.environ
 
+# A process busy on the CPU as an engine computing is: two threads hashing, which releases the GIL, so that on cores the
+# rest of the suite keeps busy it still gets its share of a check's wait in /proc's 10 ms ticks (``busy_process``).
+BUSY = """
+import hashlib, threading
+block = bytes(1 << 20)
+def spin():
+    while True:
+        hashlib.sha256(block).digest()
+for _ in range(2):
+    threading.Thread(target=spin).start()
+"""
+
+
+def busy_process() -> subprocess.Popen:
+    """A process that runs on the CPU until killed (``BUSY``)."""
+    return subprocess.Popen([sys.executable, "-c", BUSY])
+
+
 if TYPE_CHECKING:  # the daemon and the checkpoint reader import torch: on first use only (tests/conftest.py)
     from hotweights.cache.daemon import CacheDaemon
     from hotweights.cache.fingerprint import Fingerprint

@@ -6,7 +6,7 @@ Every test runs with ``HOTWEIGHTS_HOME`` and ``HOTWEIGHTS_RUNTIME_DIR`` set to f
 ``hotweights up`` under ``~/.cache/hotweights``, daemons in the runtime dir) changes an outcome. The
 directories are short ones in /tmp, because the sockets under them must fit in 108 bytes.
 
-Spread over workers (``pytest -n 3``, pytest-xdist), a module's tests run on one worker, one after another, so
+Spread over workers (``pytest -n 2``, pytest-xdist), a module's tests run on one worker, one after another, so
 module-scoped stacks are started once. The modules that start a real vLLM or SGLang, or drill a fault storm
 (``SERIAL``), share one worker and so never run at the same time as each other: each keeps the two cores'
 spare time that its timing needs. They start first, then the longest of the others (``LONG``), so that no long

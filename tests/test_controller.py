@@ -43,6 +43,7 @@ from hotweights.controller.supervisor import Identity, read_identity
 from hotweights.errors import ConfigError
 from hotweights.proctree import BUSY_GRACE_S, is_exiting
 from hotweights.state import ClusterState, read_state, write_state
+from tests.cachehelpers import busy_process
 from tests.controllerhelpers import ControllerStack, split_brain_watch, wait_until
 
 
@@ -689,7 +690,7 @@ def test_a_timeout_counts_only_when_the_controller_waited_on_time() -> None:
 def test_a_timeout_is_not_counted_while_the_engine_runs_on_the_cpu_soon_after_a_healthy_answer() -> None:
     """A check unanswered while the engine's process ran on the CPU, soon after its last healthy answer, is a busy
     engine's (not counted); the same long after that answer, or with the process stopped, counts."""
-    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    spinner = busy_process()
     try:
         with socket.create_server(("127.0.0.1", 0)) as silent:  # nobody accepts: every check times out
             url = f"http://127.0.0.1:{silent.getsockname()[1]}"

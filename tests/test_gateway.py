@@ -13,7 +13,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -34,7 +33,7 @@ from hotweights.ports import free_port
 from hotweights.proctree import cpu_seconds
 from hotweights.spawn import hotweights_command
 from hotweights.standby.serving import bind_port
-from tests.cachehelpers import wait_until
+from tests.cachehelpers import busy_process, wait_until
 from tests.enginehelpers import EngineProcess, in_use, refusal_on_taken_port
 from tests.gatewayhelpers import GatewayProcess, metric, primary_and_standby, roles, write_cluster
 
@@ -91,23 +90,10 @@ def test_an_upstream_that_stops_answering_names_no_weights() -> None:
     assert upstream.reason.startswith("unreachable")
 
 
-SPIN = """
-import hashlib, threading
-block = bytes(1 << 20)
-def spin():
-    while True:
-        hashlib.sha256(block).digest()
-for _ in range(2):
-    threading.Thread(target=spin).start()
-"""
-
-
 def test_a_late_probe_of_a_primary_running_on_the_cpu_changes_nothing_and_of_a_stopped_one_ends_it() -> None:
     """A primary that stops answering its probes (a socket nobody accepts on) while its process runs on the CPU, soon
-    after its last answer, is busy, not lost: it stays primary; stopped (SIGSTOP), the next late probe ends it. The
-    process spins on two threads that release the GIL (hashing), as an engine's compute does: on cores that other
-    tests load, one thread alone can get less than BUSY_CPU_SHARE of a 0.1 s wait in /proc's 10 ms ticks."""
-    spinner = subprocess.Popen([sys.executable, "-c", SPIN])
+    after its last answer, is busy, not lost: it stays primary; stopped (SIGSTOP), the next late probe ends it."""
+    spinner = busy_process()
     try:
         with socket.create_server(("127.0.0.1", 0)) as silent:
 
