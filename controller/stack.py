@@ -212,6 +212,11 @@ class Layout:
         state dir, so that every later server of the stack, spares included, reuses what an earlier one compiled."""
         return self.state_dir / "compile-cache"
 
+    @property
+    def cpu_threads(self) -> int:
+        """The threads each CPU engine of the stack may use on this host (``cpu_threads``)."""
+        return cpu_threads(self.config, len(os.sched_getaffinity(0)))
+
     def environment(self, group: int) -> dict[str, str] | None:
         """The environment of the group's daemon and engines: ours plus ``engine_env``, and for a vLLM or SGLang
         group, where neither names them, its compile caches under ``compile_cache`` and on a CPU each server's
@@ -222,7 +227,7 @@ class Layout:
             kind = KINDS[config.engine]
             defaults = {name: str(self.compile_cache / folder) for name, folder in kind.compile_caches}
             if config.device == "cpu":
-                defaults["OMP_NUM_THREADS"] = str(cpu_threads(self.config, len(os.sched_getaffinity(0))))
+                defaults["OMP_NUM_THREADS"] = str(self.cpu_threads)
                 defaults |= dict(kind.cpu_env)
         return {**defaults, **os.environ, **config.engine_env} if defaults or config.engine_env else None
 
@@ -245,7 +250,7 @@ class Layout:
         command += ["--kv-pool-share", f"{self.config.kv_pool_share(spec.device):g}"]
         command += ["--drain-timeout", str(engine.drain_timeout_s)]
         if spec.device == "cpu":
-            command += ["--cpu-threads", str(cpu_threads(self.config, len(os.sched_getaffinity(0))))]
+            command += ["--cpu-threads", str(self.cpu_threads)]
         command += ["--queue-budget", str(engine.queue_budget_s)]
         command += ["--batch-invariant"] if engine.batch_invariant else []
         command += ["--max-body-bytes", str(self.config.gateway.max_body_bytes)]
