@@ -153,6 +153,49 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+def rope_store(
+    qkv: torch.Tensor,
+    q_heads: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cache_k: torch.Tensor,
+    cache_v: torch.Tensor,
+    at: tuple[torch.Tensor, torch.Tensor],
+) -> torch.Tensor:
+    """A decode step's RoPE and KV write, one token per row: qkv (B, (q_heads + 2 kv heads) x hd) the fused
+    projection's q, k and v heads, cos and sin (B, 1, hd); its q and k heads rotated (``rope``), k and v written into
+    a layer's blocks cache_k and cache_v (blocks, BLOCK_SIZE, kv heads, hd) at each row's ``at`` ((block, offset),
+    (B, 1) each: ``standby.model.slots``); returns q (B, q_heads, hd). Fused, one kernel instead of three (the two
+    writes were 0.34 ms of an ``xl`` step's 11.9 on an H100)."""
+    if is_fused(qkv) and _storable(qkv, cos, sin, cache_k, cache_v):
+        q = _kernels().rope_store(qkv, q_heads, cos, sin, cache_k, cache_v, at)
+        if _CHECKING.get() is not None:  # the written rows read back only to be checked
+            written = (q, cache_k[at][:, 0], cache_v[at][:, 0])
+            checked("rope_store", written, lambda: _rotated(qkv, q_heads, cos, sin, cache_k.shape[-2]))
+        return q
+    q, k, v = _rotated(qkv, q_heads, cos, sin, cache_k.shape[-2])
+    cache_k.index_put_(at, k[:, None])
+    cache_v.index_put_(at, v[:, None])
+    return q
+
+
+def _storable(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *caches: torch.Tensor) -> bool:
+    """Whether ``rope_store``'s kernel takes these: one dtype, contiguous last dims, an even head dim."""
+    tensors = (qkv, cos, sin, *caches)
+    alike = len({t.dtype for t in tensors}) == 1 and all(t.stride(-1) == 1 for t in tensors)
+    return alike and caches[0].shape[-1] % 2 == 0
+
+
+def _rotated(
+    qkv: torch.Tensor, q_heads: int, cos: torch.Tensor, sin: torch.Tensor, kv_heads: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``rope_store``'s values, nothing written: q and k (B, heads, hd) rotated, v (B, kv_heads, hd)."""
+    rows, hd = qkv.shape[0], qkv.shape[-1] // (q_heads + 2 * kv_heads)
+    qk, v = qkv.split([(q_heads + kv_heads) * hd, kv_heads * hd], -1)
+    qk = rope(qk.view(rows, q_heads + kv_heads, hd), cos, sin)
+    return qk[:, :q_heads], qk[:, q_heads:], v.view(rows, kv_heads, hd)
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU's activation: silu(gate) * up, the two halves of the last dim."""
     if is_fused(gate_up) and gate_up.shape[-1] % 2 == 0:

@@ -119,6 +119,62 @@ def _rope(
     tl.store(out + HALF + d, (x2 * cos2 + x1 * sin2).to(out_ptr.dtype.element_ty), mask=inside)
 
 
+@triton.jit(do_not_specialize=["qkv_row", "cos_row", "sin_row"])
+def _rope_store(
+    qkv_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    block_ptr,
+    offset_ptr,
+    qkv_row,
+    cos_row,
+    sin_row,
+    block_row,
+    offset_row,
+    k_s0,
+    k_s1,
+    k_s2,
+    v_s0,
+    v_s1,
+    v_s2,
+    Q_HEADS: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One head of one row's token, (head, row) = program ids (0, 1): a q or k head rotated as ``_rope`` does, in
+    float32, a q head stored into q, a k head into k's blocks at the row's (block, offset), a v head copied into v's."""
+    head = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    d = tl.arange(0, BLOCK)
+    inside = d < HALF
+    x = qkv_ptr + row * qkv_row + head * (2 * HALF)
+    x1 = tl.load(x + d, mask=inside, other=0.0).to(tl.float32)
+    x2 = tl.load(x + HALF + d, mask=inside, other=0.0).to(tl.float32)
+    cos1 = tl.load(cos_ptr + row * cos_row + d, mask=inside, other=0.0).to(tl.float32)
+    cos2 = tl.load(cos_ptr + row * cos_row + HALF + d, mask=inside, other=0.0).to(tl.float32)
+    sin1 = tl.load(sin_ptr + row * sin_row + d, mask=inside, other=0.0).to(tl.float32)
+    sin2 = tl.load(sin_ptr + row * sin_row + HALF + d, mask=inside, other=0.0).to(tl.float32)
+    y1 = (x1 * cos1 - x2 * sin1).to(q_ptr.dtype.element_ty)
+    y2 = (x2 * cos2 + x1 * sin2).to(q_ptr.dtype.element_ty)
+    block = tl.load(block_ptr + row * block_row).to(tl.int64)
+    offset = tl.load(offset_ptr + row * offset_row).to(tl.int64)
+    is_q, is_v = head < Q_HEADS, head >= Q_HEADS + KV_HEADS
+    is_k = (head >= Q_HEADS) & (head < Q_HEADS + KV_HEADS)
+    q = q_ptr + (row * Q_HEADS + head) * (2 * HALF)
+    tl.store(q + d, y1, mask=inside & is_q)
+    tl.store(q + HALF + d, y2, mask=inside & is_q)
+    k = k_ptr + block * k_s0 + offset * k_s1 + (head - Q_HEADS) * k_s2
+    tl.store(k + d, y1, mask=inside & is_k)
+    tl.store(k + HALF + d, y2, mask=inside & is_k)
+    v = v_ptr + block * v_s0 + offset * v_s1 + (head - Q_HEADS - KV_HEADS) * v_s2
+    tl.store(v + d, x1.to(v_ptr.dtype.element_ty), mask=inside & is_v)
+    tl.store(v + HALF + d, x2.to(v_ptr.dtype.element_ty), mask=inside & is_v)
+
+
 @triton.jit
 def _silu_mul(gate_up_ptr, out_ptr, in_row, out_row, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
     """BLOCK columns of one row: silu(gate) * up in float32, gate and up the row's halves of WIDTH each."""
@@ -212,6 +268,41 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
             num_warps=1,
         )
     return out
+
+
+def rope_store(
+    qkv: torch.Tensor,
+    q_heads: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cache_k: torch.Tensor,
+    cache_v: torch.Tensor,
+    at: tuple[torch.Tensor, torch.Tensor],
+) -> torch.Tensor:
+    """``fused.rope_store``: one program per head of a row."""
+    rows, kv_heads, hd = qkv.shape[0], cache_k.shape[-2], cache_k.shape[-1]
+    q = torch.empty((rows, q_heads, hd), dtype=qkv.dtype, device=qkv.device)
+    block, offset = at
+    if rows:
+        _rope_store[(q_heads + 2 * kv_heads, rows)](
+            qkv,
+            cos,
+            sin,
+            q,
+            cache_k,
+            cache_v,
+            block,
+            offset,
+            *(t.stride(0) for t in (qkv, cos, sin, block, offset)),
+            *cache_k.stride()[:3],
+            *cache_v.stride()[:3],
+            Q_HEADS=q_heads,
+            KV_HEADS=kv_heads,
+            HALF=hd // 2,
+            BLOCK=triton.next_power_of_2(hd // 2),
+            num_warps=1,
+        )
+    return q
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

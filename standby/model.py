@@ -212,14 +212,10 @@ class Attention(nn.Module):
         each (``slots``); ``reads`` how attention reads each row's positions (``Transformer.decode``); cache_k/v this
         layer's blocks (blocks, BLOCK_SIZE, nkv, hd). Writes each row's k and v at its position, attends over the row's
         positions up to it, returns (B, H)."""
-        B, hd, nh, nkv = x.shape[0], self.head_dim, self.n_head, self.n_kv_head
-        qk, v = self.qkv_proj(x).split([(nh + nkv) * hd, nkv * hd], -1)
-        qk = fused.rope(qk.view(B, nh + nkv, hd), cos, sin)  # q and k heads
-        q, k = qk[:, :nh], qk[:, nh:]  # (B, nh, hd), (B, nkv, hd)
-        cache_k.index_put_(at, k[:, None])
-        cache_v.index_put_(at, v.view(B, 1, nkv, hd))
+        B = x.shape[0]
+        q = fused.rope_store(self.qkv_proj(x), self.n_head, cos, sin, cache_k, cache_v, at)  # (B, nh, hd)
         y = reads.attend(q, cache_k, cache_v)  # (B, nh, hd)
-        return _all_reduce(self.o_proj(y.reshape(B, self.n_head * hd)), self.tp)
+        return _all_reduce(self.o_proj(y.reshape(B, self.n_head * self.head_dim)), self.tp)
 
 
 def slots(table: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

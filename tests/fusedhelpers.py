@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 
 from hotweights.standby import fused
+from hotweights.standby.kvpool import BLOCK_SIZE
 from hotweights.standby.model import rope_tables
 
 ROWS = (1, 3, 64)
@@ -131,10 +132,42 @@ def _batch_dependence(device: str) -> list[str]:
     return found
 
 
+def _rope_store_differences(device: str) -> list[str]:
+    """``rope_store`` (decode's q, and k and v written into paged blocks at each row's position) at 1 and 5 rows in
+    every dtype: q and the whole blocks after the write, kernel against plain torch, each on its own copy of them."""
+    from hotweights.standby import fusedkernels
+    from hotweights.standby.model import slots
+
+    g = torch.Generator().manual_seed(2)
+    found = []
+    for dtype, (atol, rtol) in TOLERANCES.items():
+        for hd, rows in zip(HEAD_DIMS, (1, 5), strict=True):
+            qkv = torch.randn((rows, (HEADS + 2 * KV_HEADS) * hd), generator=g).to(device, dtype)
+            positions = torch.randperm(6 * BLOCK_SIZE, generator=g)[:rows].to(device)  # distinct positions of 6 blocks
+            table = torch.randperm(6, generator=g).to(device, torch.int32).expand(rows, 6)
+            cos, sin = rope_tables(positions, hd, 10000.0, dtype)
+            at = slots(table, positions[:, None])
+            blocks = torch.randn((2, 6, BLOCK_SIZE, KV_HEADS, hd), generator=g).to(device, dtype)
+            got, want = blocks.clone(), blocks.clone()
+            args = (cos[:, None], sin[:, None])
+            outputs = (
+                (fusedkernels.rope_store(qkv, HEADS, *args, got[0], got[1], at), got),
+                (fused.rope_store(qkv, HEADS, *args, want[0], want[1], at), want),
+            )
+            for what, kernel_out, plain_out in zip(("q", "blocks"), *outputs, strict=True):
+                if not torch.allclose(kernel_out.float(), plain_out.float(), atol=atol, rtol=rtol):
+                    worst = (kernel_out.float() - plain_out.float()).abs().max().item()
+                    found.append(
+                        f"rope_store {rows}x{hd}, {dtype}: {what} differs from plain torch by up to {worst:.3g}"
+                    )
+    return found
+
+
 def mismatches(device: str) -> list[str]:
-    """Every case's differences beyond tolerance, and every RMSNorm row whose bits depend on its batch."""
+    """Every case's differences beyond tolerance (``rope_store``'s too), and every RMSNorm row whose bits depend on
+    its batch."""
     found = [d for dtype, case in cases(device) for d in _differences(dtype, case)]
-    return found + _batch_dependence(device)
+    return found + _rope_store_differences(device) + _batch_dependence(device)
 
 
 def probe(out: str) -> None:
