@@ -6,9 +6,10 @@ of GPU time rather than 8 was some 40 small kernels per layer (RMSNorm's casts a
 the residual adds), each a few microseconds even inside a CUDA graph. The functions here are those steps in plain
 torch; on a CUDA tensor within ``fusing()`` each runs as one hand-written Triton kernel instead
 (``standby.fusedkernels``): residual add and RMSNorm (one program per row), RMSNorm alone (the same kernel), RoPE
-on the q and k heads (one program per head of a token, the heads read through the fused projection's strides) and
-SwiGLU (a program per row and block of columns), every one in float32 and rounded once to the output's dtype. The
-results are the plain ones up to float rounding.
+on the q and k heads (one program per head of a token, the heads read through the fused projection's strides), in
+a decode step RoPE with the write of k and v into each row's block at its position (``rope_store``: a program per
+head of a row) and SwiGLU (a program per row and block of columns), every one in float32 and rounded once to the
+output's dtype. The results are the plain ones up to float rounding.
 
 Deterministic by construction: RMSNorm's sum over a row runs in an order fixed by the kernel and the hidden size
 (no kernel is chosen by timing it), and one program computes one row, so two engines, and one row in any batch,
