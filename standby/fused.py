@@ -169,7 +169,7 @@ def rope_store(
     (B, 1) each: ``standby.model.slots``); returns q (B, q_heads, hd). Fused, one kernel instead of three (the two
     writes were 0.34 ms of an ``xl`` step's 11.9 on an H100)."""
     if is_fused(qkv) and _storable(qkv, cos, sin, cache_k, cache_v):
-        q = _kernels().rope_store(qkv, q_heads, cos, sin, cache_k, cache_v, at)
+        q = _kernels().rope_store(qkv, q_heads, cos, sin, cache_k, cache_v, at=at)
         if _CHECKING.get() is not None:  # the written rows read back only to be checked
             written = (q, cache_k[at][:, 0], cache_v[at][:, 0])
             checked("rope_store", written, lambda: _rotated(qkv, q_heads, cos, sin, cache_k.shape[-2]))

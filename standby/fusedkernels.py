@@ -271,15 +271,10 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 
 def rope_store(
-    qkv: torch.Tensor,
-    q_heads: int,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    cache_k: torch.Tensor,
-    cache_v: torch.Tensor,
-    at: tuple[torch.Tensor, torch.Tensor],
+    qkv: torch.Tensor, q_heads: int, *tensors: torch.Tensor, at: tuple[torch.Tensor, torch.Tensor]
 ) -> torch.Tensor:
-    """``fused.rope_store``: one program per head of a row."""
+    """``fused.rope_store``: one program per head of a row; ``tensors`` are cos, sin, cache_k and cache_v."""
+    cos, sin, cache_k, cache_v = tensors
     rows, kv_heads, hd = qkv.shape[0], cache_k.shape[-2], cache_k.shape[-1]
     q = torch.empty((rows, q_heads, hd), dtype=qkv.dtype, device=qkv.device)
     block, offset = at

@@ -151,7 +151,7 @@ def _rope_store_differences(device: str) -> list[str]:
             got, want = blocks.clone(), blocks.clone()
             args = (cos[:, None], sin[:, None])
             outputs = (
-                (fusedkernels.rope_store(qkv, HEADS, *args, got[0], got[1], at), got),
+                (fusedkernels.rope_store(qkv, HEADS, *args, got[0], got[1], at=at), got),
                 (fused.rope_store(qkv, HEADS, *args, want[0], want[1], at), want),
             )
             for what, kernel_out, plain_out in zip(("q", "blocks"), *outputs, strict=True):
