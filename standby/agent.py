@@ -70,6 +70,7 @@ from hotweights.standby.agentspare import Started, wait_as_spare
 from hotweights.standby.chatbridge import TOKENIZE, ChatChunks, bridgeable, completion_body, tokenize_body
 from hotweights.standby.contract_routes import SERVING, add_contract_routes, error, finish_app, unavailable
 from hotweights.standby.metrics import EngineMetrics
+from hotweights.standby.pacing import CpuShare
 from hotweights.standby.roles import Roles
 from hotweights.standby.serving import AnnouncingServer, bind_port, run_until_signal
 from hotweights.standby.tokenalign import StreamIds, wants_aligned
@@ -396,9 +397,10 @@ def cmd_agent(args: argparse.Namespace) -> int:
     sock = None if spare else bind_port(args.host, args.port)  # a spare binds its slot's port at its start
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per probe would drown the log
     serving = Serving(kind, args.engine_id or f"{socket.gethostname()}-{os.getpid()}", token, tokenizer)
+    cpus = CpuShare() if spare else None  # a spare's server starts on its share of the CPUs (``standby.pacing``)
     child = start_engine(command, engine_log(Path(args.log_dir), serving.engine_id, os.getpid() if spare else None))
     try:
-        failure = run_spare(args, serving, child) if sock is None else serve(args, serving, child, sock)
+        failure = serve(args, serving, child, sock) if cpus is None else run_spare(args, serving, child, cpus)
     finally:
         stop_engine(child, args.shutdown_timeout)
     if failure:
@@ -407,9 +409,10 @@ def cmd_agent(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_spare(args: argparse.Namespace, serving: Serving, child: EngineChild) -> str | None:
-    """A spare (``standby.agentspare``): wait for the start, then serve as the slot's engine; released, remove its
-    engine's log (the caller stops the engine). The failure, if any (its engine exited, or was not ready in time)."""
+def run_spare(args: argparse.Namespace, serving: Serving, child: EngineChild, cpus: CpuShare) -> str | None:
+    """A spare (``standby.agentspare``): wait for the start, then give its engine's processes the whole CPU set back
+    (``cpus``) and serve as the slot's engine; released, remove its engine's log (the caller stops the engine). The
+    failure, if any (its engine exited, or was not ready in time)."""
     try:
         started = asyncio.run(wait_as_spare(serving.kind, child, serving.engine_id, args.ready_timeout,
                                             args.start_fd, args.ready_fd))  # fmt: skip
@@ -418,6 +421,7 @@ def run_spare(args: argparse.Namespace, serving: Serving, child: EngineChild) ->
     if started is None:
         child.log_path.unlink(missing_ok=True)
         return None
+    cpus.restore(child.process.pid)
     serving, sock = take_slot(args, serving, child, started)
     return serve(args, serving, child, sock)
 

@@ -10,7 +10,9 @@ the spare is needed:
   ends the pauses.
 - ``CpuShare``: while it prepares and waits, the spare's threads run on a quarter of the CPUs the process may
   use (at least one), the last ones, leaving the rest to the serving engines; at its start every thread gets the
-  whole set back (changing one's own affinity needs no privilege, unlike raising one's priority again).
+  whole set back (changing one's own affinity needs no privilege, unlike raising one's priority again). A vLLM or
+  SGLang spare's agent (``standby.agentspare``) narrows itself before it starts its server, which inherits the set,
+  and at its start gives the server's every process and thread the whole set back.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from hotweights.proctree import descendants
 
 log = logging.getLogger(__name__)
 
@@ -65,21 +69,34 @@ def narrowed(allowed: set[int], share: int = CPU_SHARE) -> set[int]:
 
 
 class CpuShare:
-    """The process's CPU set, narrowed (``narrowed``) for every thread until ``restore``."""
+    """The process's CPU set, narrowed (``narrowed``) for every thread until ``restore``; processes it starts
+    meanwhile inherit the narrowed set."""
 
     def __init__(self) -> None:
         self.allowed = os.sched_getaffinity(0)
         self.narrow = narrowed(self.allowed)
-        self._apply(self.narrow)
+        _apply(Path("/proc/self/task"), self.narrow)
 
-    def restore(self) -> None:
-        self._apply(self.allowed)
+    def restore(self, tree: int | None = None) -> None:
+        """Every thread of this process back on the whole set; with ``tree`` (a process it started meanwhile, a
+        vLLM or SGLang server's), also every thread of that process and its descendants still on the narrowed set
+        (one that set its own keeps it)."""
+        _apply(Path("/proc/self/task"), self.allowed)
+        if tree is not None:
+            for pid in (tree, *descendants(tree)):
+                _apply(Path(f"/proc/{pid}/task"), self.allowed, only=self.narrow)
 
-    @staticmethod
-    def _apply(cpus: set[int]) -> None:
-        """``cpus`` for every thread of this process (threads made later inherit their maker's set)."""
-        for task in Path("/proc/self/task").iterdir():
-            try:
-                os.sched_setaffinity(int(task.name), cpus)
-            except (ProcessLookupError, PermissionError) as exc:  # a thread that just ended; a cgroup's refusal
-                log.debug("thread %s keeps its CPU set: %s", task.name, exc)
+
+def _apply(tasks: Path, cpus: set[int], only: set[int] | None = None) -> None:
+    """``cpus`` for every thread under ``tasks`` (a process's /proc task folder; with ``only``, each whose set is
+    that), threads made later inherit their maker's set. A thread or process that ends meanwhile is skipped."""
+    try:
+        names = [task.name for task in tasks.iterdir()]
+    except OSError:  # the process ended
+        return
+    for name in names:
+        try:
+            if only is None or os.sched_getaffinity(int(name)) == only:
+                os.sched_setaffinity(int(name), cpus)
+        except (ProcessLookupError, PermissionError) as exc:  # a thread that just ended; a cgroup's refusal
+            log.debug("thread %s keeps its CPU set: %s", name, exc)

@@ -4,6 +4,7 @@ tests/test_vllm.py and tests/test_sglang.py; these run everywhere, in seconds.""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -20,6 +21,7 @@ from hotweights.ports import free_port
 from hotweights.proctree import descendants
 from hotweights.spawn import SparePipes, hotweights_command, parse_message, readable, send_message
 from hotweights.standby.agentengine import ENGINE_NICE
+from hotweights.standby.pacing import narrowed
 from tests.cachehelpers import ENV, wait_until
 
 ENGINE = Path(__file__).with_name("dropping_engine.py")  # healthy, lists one model, answers completions
@@ -83,9 +85,22 @@ def spare(tmp_path: Path, *engine: str) -> SpareAgent:
     return SpareAgent(process, pipes, log)
 
 
+def thread_cpu_sets(pid: int) -> set[frozenset[int]]:
+    """The CPU sets of every thread of ``pid`` and its descendants (one that ends meanwhile is skipped)."""
+    found = set()
+    for process in (pid, *descendants(pid)):
+        with contextlib.suppress(OSError):
+            for task in os.listdir(f"/proc/{process}/task"):
+                with contextlib.suppress(OSError):
+                    found.add(frozenset(os.sched_getaffinity(int(task))))
+    return found
+
+
 def test_a_ready_spare_reports_what_it_holds_then_serves_its_slot_ready_at_once(tmp_path: Path) -> None:
-    """Its engine ready before any port of its own; the start message names the slot: it listens on the slot's
-    port, ready without waiting for its engine again, its output in the slot's log, its engine's named after it."""
+    """Its engine ready before any port of its own, the agent's and its engine's every thread on the spare's share
+    of the CPUs (``standby.pacing``); the start message names the slot: it listens on the slot's port, ready without
+    waiting for its engine again, every thread on every CPU, its output in the slot's log, its engine's named after
+    it."""
     from hotweights.chaos.memory import stack_pids  # imports torch, which the fast tier's modules do only where used
 
     agent = spare(tmp_path, sys.executable, str(ENGINE), "{port}", str(tmp_path))  # its server names the stack too
@@ -95,6 +110,8 @@ def test_a_ready_spare_reports_what_it_holds_then_serves_its_slot_ready_at_once(
         assert "device_bytes" not in held  # no process of it on a GPU
         assert agent.engine_log("g0-spare").exists()
         assert stack_pids((str(tmp_path),)) == []  # a drill counts a waiting spare, its server too, in no leak
+        allowed = os.sched_getaffinity(0)
+        assert thread_cpu_sets(agent.process.pid) == {frozenset(narrowed(allowed))}  # its share while it waits
         port, slot_log = free_port(), tmp_path / "g0-e1.log"
         agent.start({"port": port, "engine_id": "g0-e1", "log": str(slot_log)})
         url = f"http://127.0.0.1:{port}"
@@ -112,6 +129,7 @@ def test_a_ready_spare_reports_what_it_holds_then_serves_its_slot_ready_at_once(
         assert nice == min(ENGINE_NICE, 19 - os.getpriority(os.PRIO_PROCESS, health["pid"]))  # the agent before it
         assert agent.engine_log("g0-e1").exists() and not agent.engine_log("g0-spare").exists()
         assert len(stack_pids((str(tmp_path),))) == 3  # started: the agent, its guard, its server
+        assert thread_cpu_sets(agent.process.pid) == {frozenset(allowed)}  # started: every thread on every CPU
         logged = slot_log.read_text()
         assert "spare started as g0-e1 (engine ready)" in logged and "engine ready in" not in logged
     finally:
