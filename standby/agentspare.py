@@ -3,12 +3,12 @@ need, held until a slot needs it.
 
 The agent starts its engine server at once (on CPU most of a start, 28-41 s), with no port of its own yet, on the
 spare's share of the CPUs (``standby.pacing.CpuShare``: the agent narrows its own set first, the server inherits
-it), so that a server starting beside a serving group leaves the rest to it; and it waits until the engine is ready by the agent's own check (``agentengine.wait_ready``); then it sends its ready message,
-what the engine holds (``held``), and waits for the start message. The start message names the slot (port, engine
-id, log file): the agent gives every process and thread of its engine the whole CPU set back, moves its output to
-the slot's log, names its engine's log after the slot, binds the slot's port and serves as the slot's engine, ready
-at once. Taken before its engine is ready, it binds the port at
-once and goes on waiting there, as a fresh agent does.
+it), so that a server starting beside a serving group leaves the rest to it; and it waits until the engine is ready
+by the agent's own check (``agentengine.wait_ready``); then it sends its ready message, what the engine holds
+(``held``), and waits for the start message. The start message names the slot (port, engine id, log file): the
+agent gives every process and thread of its engine the whole CPU set back, moves its output to the slot's log, names
+its engine's log after the slot, binds the slot's port and serves as the slot's engine, ready at once. Taken before
+its engine is ready, it binds the port at once and goes on waiting there, as a fresh agent does.
 
 A spare released (its start pipe closed without a message), or sent SIGTERM or SIGINT while it waits, stops its
 engine server and the whole process group (``agentengine.stop_engine``), removes the engine's log and exits 0. An
