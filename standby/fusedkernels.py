@@ -77,6 +77,21 @@ def _rms_norm(
         )
 
 
+@triton.jit
+def _rotation(x, cos, sin, HALF: tl.constexpr, BLOCK: tl.constexpr):
+    """The halves (x1, x2) of the head at pointer ``x`` rotated by the angles at ``cos`` and ``sin``, in float32:
+    (x1 cos1 - x2 sin1, x2 cos2 + x1 sin2, x1, x2), the halves as loaded last."""
+    d = tl.arange(0, BLOCK)
+    inside = d < HALF
+    x1 = tl.load(x + d, mask=inside, other=0.0).to(tl.float32)
+    x2 = tl.load(x + HALF + d, mask=inside, other=0.0).to(tl.float32)
+    cos1 = tl.load(cos + d, mask=inside, other=0.0).to(tl.float32)
+    cos2 = tl.load(cos + HALF + d, mask=inside, other=0.0).to(tl.float32)
+    sin1 = tl.load(sin + d, mask=inside, other=0.0).to(tl.float32)
+    sin2 = tl.load(sin + HALF + d, mask=inside, other=0.0).to(tl.float32)
+    return x1 * cos1 - x2 * sin1, x2 * cos2 + x1 * sin2, x1, x2
+
+
 @triton.jit(do_not_specialize=["x_s0", "cos_s0", "sin_s0", "out_s0"])
 def _rope(
     x_ptr,
@@ -108,15 +123,10 @@ def _rope(
     x = x_ptr + i0 * x_s0 + i1 * x_s1 + i2 * x_s2
     cos = cos_ptr + i0 * cos_s0 + i1 * cos_s1 + i2 * cos_s2
     sin = sin_ptr + i0 * sin_s0 + i1 * sin_s1 + i2 * sin_s2
-    x1 = tl.load(x + d, mask=inside, other=0.0).to(tl.float32)
-    x2 = tl.load(x + HALF + d, mask=inside, other=0.0).to(tl.float32)
-    cos1 = tl.load(cos + d, mask=inside, other=0.0).to(tl.float32)
-    cos2 = tl.load(cos + HALF + d, mask=inside, other=0.0).to(tl.float32)
-    sin1 = tl.load(sin + d, mask=inside, other=0.0).to(tl.float32)
-    sin2 = tl.load(sin + HALF + d, mask=inside, other=0.0).to(tl.float32)
+    y1, y2, _, _ = _rotation(x, cos, sin, HALF, BLOCK)
     out = out_ptr + i0 * out_s0 + i1 * out_s1 + i2 * out_s2
-    tl.store(out + d, (x1 * cos1 - x2 * sin1).to(out_ptr.dtype.element_ty), mask=inside)
-    tl.store(out + HALF + d, (x2 * cos2 + x1 * sin2).to(out_ptr.dtype.element_ty), mask=inside)
+    tl.store(out + d, y1.to(out_ptr.dtype.element_ty), mask=inside)
+    tl.store(out + HALF + d, y2.to(out_ptr.dtype.element_ty), mask=inside)
 
 
 @triton.jit(do_not_specialize=["qkv_row", "cos_row", "sin_row"])
@@ -145,21 +155,16 @@ def _rope_store(
     HALF: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """One head of one row's token, (head, row) = program ids (0, 1): a q or k head rotated as ``_rope`` does, in
-    float32, a q head stored into q, a k head into k's blocks at the row's (block, offset), a v head copied into v's."""
+    """One head of one row's token, (head, row) = program ids (0, 1): a q or k head rotated as ``_rope`` does
+    (``_rotation``), a q head stored into q, a k head into k's blocks at the row's (block, offset), a v head copied
+    into v's."""
     head = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     d = tl.arange(0, BLOCK)
     inside = d < HALF
     x = qkv_ptr + row * qkv_row + head * (2 * HALF)
-    x1 = tl.load(x + d, mask=inside, other=0.0).to(tl.float32)
-    x2 = tl.load(x + HALF + d, mask=inside, other=0.0).to(tl.float32)
-    cos1 = tl.load(cos_ptr + row * cos_row + d, mask=inside, other=0.0).to(tl.float32)
-    cos2 = tl.load(cos_ptr + row * cos_row + HALF + d, mask=inside, other=0.0).to(tl.float32)
-    sin1 = tl.load(sin_ptr + row * sin_row + d, mask=inside, other=0.0).to(tl.float32)
-    sin2 = tl.load(sin_ptr + row * sin_row + HALF + d, mask=inside, other=0.0).to(tl.float32)
-    y1 = (x1 * cos1 - x2 * sin1).to(q_ptr.dtype.element_ty)
-    y2 = (x2 * cos2 + x1 * sin2).to(q_ptr.dtype.element_ty)
+    y1, y2, x1, x2 = _rotation(x, cos_ptr + row * cos_row, sin_ptr + row * sin_row, HALF, BLOCK)
+    y1, y2 = y1.to(q_ptr.dtype.element_ty), y2.to(q_ptr.dtype.element_ty)
     block = tl.load(block_ptr + row * block_row).to(tl.int64)
     offset = tl.load(offset_ptr + row * offset_row).to(tl.int64)
     is_q, is_v = head < Q_HEADS, head >= Q_HEADS + KV_HEADS
